@@ -1,0 +1,15 @@
+"""The CoE domain: experts, the model spec, requests, chains and verdicts.
+
+This package imports none of the others (and never torch), so every other
+package can depend on it cheaply.
+"""
+from .errors import CoEError, ExpertLoadError, SpecError
+from .expert import Component, Expert
+from .request import Frame, Request, StepOutput, Verdict
+from .spec import CoEModel, load_spec, parse_spec
+from .chain import Decision, decide
+
+__all__ = [
+    "CoEError", "CoEModel", "Decision", "decide", "Component", "Expert", "ExpertLoadError", "Frame", "Request",
+    "SpecError", "StepOutput", "Verdict", "load_spec", "parse_spec",
+]

@@ -1,0 +1,231 @@
+"""The CoE model spec: which experts exist, which component uses which, and the chain edges.
+
+A spec is plain YAML (see configs/specs/).  Loading validates everything up
+front so that a typo in a 300-expert spec fails at start with the file, the key
+and the reason, not at 3 a.m. when the first frame of that component arrives.
+"""
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from .errors import SpecError
+from .expert import KINDS, Component, Expert
+from .request import StepOutput
+
+
+@dataclass
+class CoEModel:
+    """Experts, components, and the chain graph between them."""
+
+    name: str
+    experts: dict[str, Expert]
+    components: dict[str, Component]
+    source: str = "<spec>"
+
+    # -- chain -----------------------------------------------------------------
+    def first_expert(self, component: str) -> str:
+        return self.components[component].classifier
+
+    def next_expert(self, expert_id: str, output: StepOutput) -> str | None:
+        """The expert that runs after `expert_id` produced `output`, or None if the chain ends."""
+        expert = self.experts[expert_id]
+        if output.label is None:
+            return None
+        return expert.next.get(output.label)
+
+    def preliminaries(self, expert_id: str) -> list[str]:
+        """Experts whose output can lead to `expert_id` (its classifiers, for a detector)."""
+        return sorted(e.id for e in self.experts.values() if expert_id in e.next.values())
+
+    # -- probabilities -----------------------------------------------------------
+    def expected_uses(self) -> dict[str, float]:
+        """Expected number of times each expert runs per frame, from frequencies and priors."""
+        total = sum(c.frequency for c in self.components.values())
+        uses = {e: 0.0 for e in self.experts}
+
+        def walk(expert_id: str, mass: float, depth: int) -> None:
+            if depth > len(self.experts):  # a cycle would be caught at load; guard anyway
+                raise SpecError(self.source, f"experts.{expert_id}.next", "chain has a cycle")
+            uses[expert_id] += mass
+            expert = self.experts[expert_id]
+            for label, nxt in expert.next.items():
+                walk(nxt, mass * expert.prior(label), depth + 1)
+
+        for comp in self.components.values():
+            walk(comp.classifier, comp.frequency / total, 0)
+        return uses
+
+    def usage_probabilities(self) -> dict[str, float]:
+        """Probability that a random request (one chain step) uses each expert; sums to 1."""
+        uses = self.expected_uses()
+        steps = sum(uses.values())
+        return {e: u / steps for e, u in uses.items()}
+
+    def usage_probability(self, expert_id: str) -> float:
+        return self.usage_probabilities()[expert_id]
+
+    def with_sizes(self, sizes: Mapping[str, int]) -> "CoEModel":
+        """A copy whose experts carry their on-disk byte sizes (from the store manifest)."""
+        experts = {k: replace(e, nbytes=int(sizes.get(k, e.nbytes))) for k, e in self.experts.items()}
+        return replace(self, experts=experts)
+
+
+# -- loading -------------------------------------------------------------------
+
+def load_spec(path: str | Path) -> CoEModel:
+    """Read and validate a spec file."""
+    path = Path(path)
+    src = str(path)
+    if not path.is_file():
+        raise SpecError(src, "<file>", "spec file does not exist")
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+    except yaml.YAMLError as exc:
+        raise SpecError(src, "<file>", f"not valid YAML: {exc}") from None
+    return parse_spec(raw, src)
+
+
+def parse_spec(raw: Any, src: str = "<spec>") -> CoEModel:
+    if not isinstance(raw, Mapping):
+        raise SpecError(src, "<root>", "expected a mapping with 'experts' and 'components'")
+    _only_keys(raw, {"name", "experts", "components"}, src, "")
+    name = raw.get("name", "coe")
+    experts_raw = _need(raw, "experts", list, src, "")
+    comps_raw = _need(raw, "components", list, src, "")
+    if not experts_raw:
+        raise SpecError(src, "experts", "at least one expert is required")
+    if not comps_raw:
+        raise SpecError(src, "components", "at least one component is required")
+
+    experts: dict[str, Expert] = {}
+    for i, e in enumerate(experts_raw):
+        exp = _parse_expert(e, src, f"experts[{i}]")
+        if exp.id in experts:
+            raise SpecError(src, f"experts[{i}].id", f"duplicate expert id '{exp.id}'")
+        experts[exp.id] = exp
+    for i, exp in enumerate(experts.values()):
+        for label, nxt in exp.next.items():
+            if nxt not in experts:
+                raise SpecError(src, f"experts[{i}].next.{label}", f"unknown expert '{nxt}'")
+    _check_acyclic(experts, src)
+
+    components: dict[str, Component] = {}
+    for i, c in enumerate(comps_raw):
+        key = f"components[{i}]"
+        if not isinstance(c, Mapping):
+            raise SpecError(src, key, "expected a mapping")
+        _only_keys(c, {"name", "classifier", "frequency"}, src, key)
+        cname = _need(c, "name", str, src, key)
+        cls = _need(c, "classifier", str, src, key)
+        freq = c.get("frequency", 1.0)
+        if cls not in experts:
+            raise SpecError(src, f"{key}.classifier", f"unknown expert '{cls}'")
+        if experts[cls].kind != "classifier":
+            raise SpecError(src, f"{key}.classifier", f"expert '{cls}' is a {experts[cls].kind}, not a classifier")
+        if not isinstance(freq, (int, float)) or isinstance(freq, bool) or freq <= 0:
+            raise SpecError(src, f"{key}.frequency", f"must be a positive number, got {freq!r}")
+        if cname in components:
+            raise SpecError(src, f"{key}.name", f"duplicate component '{cname}'")
+        components[cname] = Component(cname, cls, float(freq))
+    return CoEModel(name=str(name), experts=experts, components=components, source=src)
+
+
+def _parse_expert(e: Any, src: str, key: str) -> Expert:
+    if not isinstance(e, Mapping):
+        raise SpecError(src, key, "expected a mapping")
+    _only_keys(e, {"id", "arch", "kind", "classes", "input_size", "next", "pass_labels",
+                   "priors", "conf_threshold", "weights"}, src, key)
+    eid = _need(e, "id", str, src, key)
+    arch = _need(e, "arch", str, src, key)
+    if "/" not in arch:
+        raise SpecError(src, f"{key}.arch", f"expected 'family/model' like 'torchvision/resnet18', got '{arch}'")
+    kind = _need(e, "kind", str, src, key)
+    if kind not in KINDS:
+        raise SpecError(src, f"{key}.kind", f"must be one of {', '.join(KINDS)}, got '{kind}'")
+    classes = _need(e, "classes", list, src, key)
+    if not classes or not all(isinstance(c, str) for c in classes):
+        raise SpecError(src, f"{key}.classes", "must be a non-empty list of strings")
+    if len(set(classes)) != len(classes):
+        raise SpecError(src, f"{key}.classes", "has duplicate labels")
+    size = e.get("input_size", 64)
+    if not isinstance(size, int) or isinstance(size, bool) or not 16 <= size <= 2048:
+        raise SpecError(src, f"{key}.input_size", f"must be an integer in 16..2048, got {size!r}")
+    if kind == "detector" and size % 32:
+        raise SpecError(src, f"{key}.input_size", f"a detector's input size must be a multiple of 32, got {size}")
+    nxt = e.get("next", {}) or {}
+    if not isinstance(nxt, Mapping) or not all(isinstance(v, str) for v in nxt.values()):
+        raise SpecError(src, f"{key}.next", "must map an output label to an expert id")
+    for label in nxt:
+        if label not in classes:
+            raise SpecError(src, f"{key}.next.{label}", f"'{label}' is not one of this expert's classes")
+    pass_labels = e.get("pass_labels", ["ok"] if "ok" in classes else [])
+    if not isinstance(pass_labels, list) or any(p not in classes for p in pass_labels):
+        raise SpecError(src, f"{key}.pass_labels", "must be a list of this expert's classes")
+    priors = e.get("priors")
+    if priors is None:
+        priors = _default_priors(classes, pass_labels)
+    if not isinstance(priors, Mapping):
+        raise SpecError(src, f"{key}.priors", "must map label to a probability")
+    for label, p in priors.items():
+        if label not in classes:
+            raise SpecError(src, f"{key}.priors.{label}", f"'{label}' is not one of this expert's classes")
+        if not isinstance(p, (int, float)) or not 0 <= p <= 1:
+            raise SpecError(src, f"{key}.priors.{label}", f"must be a probability in [0, 1], got {p!r}")
+    if abs(sum(priors.values()) - 1.0) > 1e-6:
+        raise SpecError(src, f"{key}.priors", f"must sum to 1, sums to {sum(priors.values()):.4f}")
+    conf = e.get("conf_threshold", 0.25)
+    if not isinstance(conf, (int, float)) or not 0 < conf < 1:
+        raise SpecError(src, f"{key}.conf_threshold", f"must be in (0, 1), got {conf!r}")
+    return Expert(id=eid, arch=arch, kind=kind, classes=tuple(classes), input_size=size,
+                  next=dict(nxt), pass_labels=tuple(pass_labels),
+                  priors={k: float(v) for k, v in priors.items()}, conf_threshold=float(conf),
+                  uri=str(e.get("weights", "")))
+
+
+def _default_priors(classes: list[str], pass_labels: list[str]) -> dict[str, float]:
+    """90% pass, the rest spread over the other labels: a plausible line yield."""
+    others = [c for c in classes if c not in pass_labels]
+    if not pass_labels or not others:
+        return {c: 1.0 / len(classes) for c in classes}
+    pri = {c: 0.9 / len(pass_labels) for c in pass_labels}
+    pri.update({c: 0.1 / len(others) for c in others})
+    return pri
+
+
+def _check_acyclic(experts: dict[str, Expert], src: str) -> None:
+    state: dict[str, int] = {}
+
+    def visit(eid: str) -> None:
+        state[eid] = 1
+        for nxt in experts[eid].next.values():
+            if state.get(nxt) == 1:
+                raise SpecError(src, f"experts.{eid}.next", f"chain cycle through '{nxt}'")
+            if nxt not in state:
+                visit(nxt)
+        state[eid] = 2
+
+    for eid in experts:
+        if eid not in state:
+            visit(eid)
+
+
+def _need(m: Mapping, key: str, typ: type, src: str, prefix: str) -> Any:
+    full = f"{prefix}.{key}" if prefix else key
+    if key not in m:
+        raise SpecError(src, full, "is required")
+    val = m[key]
+    if not isinstance(val, typ) or (typ is not bool and isinstance(val, bool)):
+        raise SpecError(src, full, f"must be a {typ.__name__}, got {type(val).__name__}")
+    return val
+
+
+def _only_keys(m: Mapping, allowed: set[str], src: str, prefix: str) -> None:
+    for k in m:
+        if k not in allowed:
+            full = f"{prefix}.{k}" if prefix else str(k)
+            raise SpecError(src, full, f"unknown key (allowed: {', '.join(sorted(allowed))})")

@@ -1,0 +1,262 @@
+"""The line agent: wires ingest, routing, scheduling, executors and the result writer.
+
+Threads: one ingest (owns the ROUTER socket and the journal connection), one per
+executor, and one result writer (owns the PUB socket and its own connection).
+Frames move between them as `Request`s; a frame is "in flight" from its
+journal commit until its verdict commits, and `stop()` waits for that count to
+reach zero before it closes anything, which is what "drain" means here.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import signal
+import threading
+import time
+from dataclasses import dataclass, field
+
+import zmq
+
+from coe import CoEModel, Frame, Request, decide, load_spec
+from executors.executor import BatchResult, Executor, ModuleSource
+from executors.scheduler import GroupingScheduler
+from routing import RuleRouter
+from storage.expert_store import ExpertStore
+from storage.policies import make_policy
+from storage.pool import Pool, PoolEvent
+from storage.results import ResultStore
+
+from . import protocol as P
+from .config import LineConfig, endpoint_parts
+from .ingest import Accepted, Ingest, check_frame
+from .metrics import Metrics
+from .writer import ResultWriter
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _InFlight:
+    frame: Frame
+    chain: list[str] = field(default_factory=list)
+
+
+class Agent:
+    """One line's service.  `start()` binds and returns; `stop()` drains and closes."""
+
+    def __init__(self, cfg: LineConfig, model: CoEModel | None = None) -> None:
+        self.cfg = cfg
+        self.model = model or load_spec(cfg.spec_path)
+        self.store = ExpertStore(cfg.store_path, verify=cfg.expert_verify)
+        missing = [e for e in self.model.experts if not self.store.has(e)]
+        if missing:
+            raise FileNotFoundError(
+                f"expert store {cfg.store_path} lacks {len(missing)} expert(s) of the spec, e.g. "
+                f"{', '.join(missing[:3])}; run `coe-agent zoo build --line {cfg.line}`")
+        self.model = self.model.with_sizes({e.id: e.nbytes for e in self.store.entries()})
+        self.metrics = Metrics(cfg.line)
+        self.router = RuleRouter(self.model)
+        self.ctx = zmq.Context()
+        self._lock = threading.Condition()
+        self._inflight: dict[str, _InFlight] = {}
+        self.accepted_total = 0
+        self.verdicts_total = 0
+        self.endpoints: dict[str, str] = {}
+        self.metrics_port: int | None = None
+        self._started = False
+
+        names = []
+        for i, ex in enumerate(cfg.executors):
+            for j in range(ex.count):
+                names.append((f"{ex.device}-{i}.{j}", ex))
+        self.scheduler = GroupingScheduler([n for n, _ in names], max_batch=cfg.scheduler.max_batch,
+                                           policy=cfg.scheduler.policy,
+                                           resident=lambda n: set(self.pools[n].resident()))
+        probs = self.model.usage_probabilities()
+        self.pools: dict[str, Pool] = {}
+        self.executors: list[Executor] = []
+        for name, ex in names:
+            pool = Pool(ex.device, ex.memory, make_policy(cfg.eviction),
+                        ModuleSource(self.store, self.model, ex.device), on_event=self._on_pool_event,
+                        probabilities=probs)
+            self.pools[name] = pool
+            self.executors.append(Executor(name, ex.device, pool, self.scheduler, self.model, self._on_batch))
+        self.threads = min((ex.threads or max(1, (os.cpu_count() or 1) // len(names))) for _, ex in names)
+
+    # -- lifecycle -----------------------------------------------------------------
+    def start(self) -> "Agent":
+        import cv2
+        import torch
+
+        torch.set_num_threads(self.threads)
+        cv2.setNumThreads(1)
+        cfg = self.cfg
+        router_sock = self._socket(zmq.ROUTER, cfg.ingest, "ingest")
+        pub_sock = self._socket(zmq.PUB, cfg.publish, "publish")
+        self.journal = ResultStore(cfg.db_path, synchronous="FULL")
+        self.writer = ResultWriter(str(cfg.db_path), pub_sock, cfg.line, batch_rows=cfg.writer.batch_rows,
+                                   flush_ms=cfg.writer.flush_ms, on_committed=self._on_committed)
+        self.ingest = Ingest(router_sock, self.journal, line=cfg.line, router=self.router,
+                             max_payload=cfg.max_payload_bytes, metrics=self.metrics,
+                             on_accepted=self._submit_accepted, can_accept=self._can_accept)
+        if cfg.metrics.enabled:
+            self.metrics_port = self.metrics.serve(cfg.metrics.bind, cfg.metrics.port)
+        self.writer.start()
+        for ex in self.executors:
+            ex.start()
+        self._recover()
+        self.ingest.start()
+        self._started = True
+        log.info("line %s agent up: ingest %s, publish %s, %d executor(s), metrics %s", cfg.line,
+                 self.endpoints["ingest"], self.endpoints["publish"], len(self.executors),
+                 self.metrics_port or "off")
+        return self
+
+    def _socket(self, kind: int, endpoint: str, name: str) -> zmq.Socket:
+        _, bind, addr = endpoint_parts(endpoint)
+        sock = self.ctx.socket(kind)
+        sock.setsockopt(zmq.LINGER, 1000)
+        try:
+            if bind:
+                sock.bind(addr)
+            else:
+                sock.connect(addr)
+        except zmq.ZMQError as exc:
+            sock.close(linger=0)
+            raise OSError(f"{name} endpoint {endpoint}: {exc} (is another agent running on it?)") from None
+        self.endpoints[name] = sock.getsockopt_string(zmq.LAST_ENDPOINT) if bind else addr
+        return sock
+
+    def stop(self, timeout: float = 60.0) -> bool:
+        """Stop taking frames, finish every accepted one, flush, close.  True if fully drained."""
+        if not self._started:
+            self.ctx.term()
+            return True
+        self._started = False
+        self.ingest.stop()
+        drained = self.wait_idle(timeout)
+        self.scheduler.close()
+        for ex in self.executors:
+            ex.join(timeout=10)
+        self.writer.stop()
+        self.journal.close()
+        for pool in self.pools.values():
+            pool.close()
+        self.metrics.close()
+        self.ctx.term()
+        if not drained:
+            log.error("stopped with %d frame(s) still in flight; they are journaled and re-run at next start",
+                      len(self._inflight))
+        return drained
+
+    def wait_idle(self, timeout: float | None = None) -> bool:
+        """Block until no accepted frame is waiting for its verdict."""
+        with self._lock:
+            return self._lock.wait_for(lambda: not self._inflight, timeout)
+
+    def wait_verdicts(self, n: int, timeout: float | None = None) -> bool:
+        with self._lock:
+            return self._lock.wait_for(lambda: self.verdicts_total >= n, timeout)
+
+    def run_forever(self) -> int:
+        """Serve until SIGINT/SIGTERM, then drain; the exit code for the CLI."""
+        stop = threading.Event()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            signal.signal(sig, lambda *_: stop.set())
+        self.start()
+        while not stop.wait(0.5):
+            if self.ingest.error is not None:
+                log.error("ingest failed: %s", self.ingest.error)
+                self.stop()
+                return 1
+        log.info("signal received: draining %d in-flight frame(s)", len(self._inflight))
+        return 0 if self.stop() else 1
+
+    # -- flow ---------------------------------------------------------------------------
+    def _can_accept(self) -> bool:
+        with self._lock:
+            n = len(self._inflight)
+        self.metrics.inflight.set(n)
+        self.metrics.queue_depth.set(self.scheduler.depth())
+        return n < self.cfg.max_inflight
+
+    def _submit_accepted(self, accepted: list[Accepted]) -> None:
+        with self._lock:
+            for a in accepted:
+                self._inflight[a.frame.frame_id] = _InFlight(a.frame)
+            self.accepted_total += len(accepted)
+        for a in accepted:
+            self.scheduler.submit(Request(a.frame, a.expert_id))
+
+    def _recover(self) -> None:
+        """Re-run frames a previous run accepted but never gave a verdict."""
+        pending = self.journal.pending()
+        if not pending:
+            return
+        log.warning("recovering %d accepted frame(s) without a verdict from the journal", len(pending))
+        again = []
+        for entry in pending:
+            try:
+                again.append(check_frame([entry.header.encode(), entry.payload], line=self.cfg.line,
+                                         router=self.router, max_payload=1 << 62))
+            except P.Reject as rej:  # spec changed since: still one verdict per frame
+                self._finish(_InFlight(Frame(entry.frame_id, entry.line, entry.board_id, entry.component or "",
+                                             entry.ts, None, entry.received_at)),
+                             "error", f"recovery: {rej.ack_detail}", register=True)
+        self._submit_accepted(again)
+
+    def _on_batch(self, result: BatchResult) -> None:
+        b = result.batch
+        self.metrics.batch_size.observe(len(b))
+        if result.error is not None:
+            for req in b.requests:
+                self.writer.put_error({"frame_id": req.frame.frame_id, "kind": result.error_kind,
+                                       "message": result.error, "at": time.time()})
+                self._finish(self._flight(req.frame), "error", result.error, expert=b.expert_id)
+            return
+        latency_ms = result.seconds * 1000.0
+        for req, out in zip(b.requests, result.outputs or []):
+            self.writer.put_inference({"frame_id": req.frame.frame_id, "stage": req.stage, "expert_id": b.expert_id,
+                                       "device": result.device, "executor": result.executor, "batch_id": b.id,
+                                       "output": json.dumps(out.to_json()), "latency_ms": latency_ms,
+                                       "started_at": result.started_at})
+            flight = self._flight(req.frame)
+            decision = decide(self.model, b.expert_id, out)
+            if decision.next_expert is not None:
+                flight.chain.append(b.expert_id)
+                self.scheduler.submit(Request(req.frame, decision.next_expert, stage=req.stage + 1))
+            else:
+                self._finish(flight, decision.verdict or "error", decision.reason, expert=b.expert_id)
+
+    def _flight(self, frame: Frame) -> _InFlight:
+        with self._lock:
+            return self._inflight.setdefault(frame.frame_id, _InFlight(frame))
+
+    def _finish(self, flight: _InFlight, verdict: str, reason: str, *, expert: str | None = None,
+                register: bool = False) -> None:
+        if expert:
+            flight.chain.append(expert)
+        if register:
+            with self._lock:
+                self._inflight[flight.frame.frame_id] = flight
+        now = time.time()
+        self.writer.put_verdict({"frame_id": flight.frame.frame_id, "verdict": verdict, "reason": reason,
+                                 "decided_at": now, "latency_ms": (now - flight.frame.received_at) * 1000.0,
+                                 "chain": json.dumps(flight.chain)})
+
+    def _on_committed(self, verdicts: list[dict], stored: set[str]) -> None:
+        """Called by the writer after commit; a verdict not in `stored` already existed (idempotent)."""
+        with self._lock:
+            for v in verdicts:
+                self._inflight.pop(v["frame_id"], None)
+                if v["frame_id"] in stored:
+                    self.metrics.verdict(v["verdict"])
+                    self.metrics.frame_latency.observe(v["latency_ms"] / 1000.0)
+            self.verdicts_total += len(stored)
+            self._lock.notify_all()
+
+    def _on_pool_event(self, e: PoolEvent) -> None:
+        self.metrics.expert_event(e.tier, e.event, e.seconds)
+        self.writer.put_event({"expert_id": e.expert_id, "tier": e.tier, "event": e.event, "nbytes": e.nbytes,
+                               "seconds": e.seconds, "at": e.at})

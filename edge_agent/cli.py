@@ -1,0 +1,289 @@
+"""`coe-agent`: a thin command line over the library.
+
+Every domain error becomes a one-line message naming what is wrong (a file, a
+key, a frame), never a traceback.  Every command's help ends with an example.
+"""
+from __future__ import annotations
+
+import functools
+import json
+import logging
+import sys
+from pathlib import Path
+
+import click
+
+from coe import CoEError, load_spec
+
+from .config import LineConfig, find_config, load_config
+
+
+def _fail_clearly(fn):
+    @functools.wraps(fn)
+    def wrapper(*args, **kwargs):
+        try:
+            return fn(*args, **kwargs)
+        except (CoEError, FileNotFoundError, OSError, ValueError) as exc:
+            raise click.ClickException(str(exc)) from None
+    return wrapper
+
+
+def line_options(fn):
+    """--line and --config, shared by every command that works on a line."""
+    fn = click.option("--config", "config_path", type=click.Path(dir_okay=False),
+                      help="Line config file (default: configs/line-<LINE>.yaml).")(fn)
+    fn = click.option("--line", "-l", default="A", show_default=True, help="Production line name.")(fn)
+    return fn
+
+
+def _config(line: str, config_path: str | None) -> LineConfig:
+    return load_config(find_config(line, config_path))
+
+
+def _setup_logging(verbose: int) -> None:
+    level = logging.WARNING - 10 * verbose
+    logging.basicConfig(level=max(level, logging.DEBUG), format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+
+
+@click.group(invoke_without_command=True, context_settings={"help_option_names": ["-h", "--help"]})
+@line_options
+@click.option("-v", "--verbose", count=True, help="More logging (-v info, -vv debug).")
+@click.pass_context
+def cli(ctx: click.Context, line: str, config_path: str | None, verbose: int) -> None:
+    """coe-edge line agent: serves Collaboration-of-Experts vision pipelines.
+
+    Without a command it runs the agent for --line until SIGINT/SIGTERM.
+
+    \b
+    Example:
+      coe-agent demo --line A          # build a demo zoo, serve, replay, summarise
+      coe-agent --line A               # run the line agent
+    """
+    _setup_logging(verbose)
+    ctx.ensure_object(dict)
+    ctx.obj["verbose"] = verbose
+    if ctx.invoked_subcommand is None:
+        ctx.invoke(run, line=line, config_path=config_path)
+
+
+@cli.command()
+@line_options
+@_fail_clearly
+def run(line: str, config_path: str | None) -> None:
+    """Run the line agent until SIGINT/SIGTERM, then drain and exit 0.
+
+    \b
+    Example:
+      coe-agent run --line A
+      COE_METRICS__PORT=9200 coe-agent run --line A
+    """
+    from .agent import Agent
+
+    cfg = _config(line, config_path)
+    if logging.getLogger().level > logging.INFO:
+        logging.getLogger("edge_agent").setLevel(logging.INFO)
+    agent = Agent(cfg)
+    code = agent.run_forever()
+    sys.exit(code)
+
+
+@cli.command()
+@line_options
+@click.option("--frames", default=600, show_default=True, help="Frames in the synthetic recording.")
+@click.option("--seed", default=0, show_default=True, help="Seed for the zoo's weights and the recording.")
+@click.option("--rate", type=float, default=None, help="Replay rate in frames/s (default: as fast as acked).")
+@click.option("--recording", type=click.Path(file_okay=False, exists=True), help="Replay this recording instead.")
+@click.option("--json", "as_json", is_flag=True, help="Also print the summary as one JSON line.")
+@_fail_clearly
+def demo(line: str, config_path: str | None, frames: int, seed: int, rate: float | None,
+         recording: str | None, as_json: bool) -> None:
+    """Build the demo zoo and a recording if absent, serve, replay, and summarise.
+
+    \b
+    Example:
+      coe-agent demo --line A
+      coe-agent demo --line A --frames 2000 --rate 250 --json
+    """
+    from .demo import format_summary, run_demo, summary_json
+
+    cfg = _config(line, config_path)
+    model = load_spec(cfg.spec_path)
+    result = run_demo(cfg, model, frames=frames, seed=seed, rate=rate,
+                      recording=Path(recording) if recording else None)
+    click.echo(f"\ncoe-edge demo, line {cfg.line} (real run on {'/'.join(e.device for e in cfg.executors)}):")
+    click.echo(format_summary(result.summary))
+    if as_json:
+        click.echo(summary_json(result.summary))
+    if not result.ok:
+        raise click.ClickException("not every frame got exactly one verdict; see the errors table in "
+                                   + result.summary["database"])
+
+
+@cli.group()
+def zoo() -> None:
+    """The demo expert zoo."""
+
+
+@zoo.command("build")
+@line_options
+@click.option("--seed", default=0, show_default=True, help="Seed for the generated weights.")
+@click.option("--force", is_flag=True, help="Rebuild experts already in the store.")
+@_fail_clearly
+def zoo_build(line: str, config_path: str | None, seed: int, force: bool) -> None:
+    """Write every expert of the line's spec into its expert store.
+
+    Real architectures (torchvision, ultralytics YOLO from yaml) with locally
+    generated weights, stored as safetensors with a sha256 manifest.
+
+    \b
+    Example:
+      coe-agent zoo build --line A
+    """
+    from tqdm import tqdm
+
+    from storage.expert_store import ExpertStore
+
+    from .demo import sample_images_for
+    from .zoo import build_zoo
+
+    cfg = _config(line, config_path)
+    model = load_spec(cfg.spec_path)
+    store = ExpertStore(cfg.store_path, verify=cfg.expert_verify)
+    bar = tqdm(total=len(model.experts), desc="building expert zoo", unit="expert")
+    entries = build_zoo(model, store, seed=seed, force=force, sample_images=sample_images_for(model, seed=seed),
+                        progress=lambda eid: bar.update(1))
+    bar.close()
+    total = sum(e.nbytes for e in store.entries() if e.id in model.experts)
+    click.echo(f"{len(entries)} expert(s) written, {len(model.experts)} in spec, {total / 1e6:.1f} MB "
+               f"in {cfg.store_path}")
+
+
+@cli.command()
+@line_options
+@click.option("--synthetic", is_flag=True, required=True, help="Draw frames procedurally (the only source so far).")
+@click.option("--frames", "-n", default=500, show_default=True, help="Number of frames.")
+@click.option("--out", "-o", required=True, type=click.Path(file_okay=False), help="Recording directory to write.")
+@click.option("--seed", default=0, show_default=True)
+@click.option("--encoding", type=click.Choice(["png", "jpeg", "raw"]), default="png", show_default=True)
+@click.option("--size", default=64, show_default=True, help="Image side in pixels.")
+@click.option("--omit-component", is_flag=True, help="Leave 'component' out of headers (learned routing).")
+@click.option("--overwrite", is_flag=True, help="Replace an existing recording.")
+@_fail_clearly
+def record(line: str, config_path: str | None, synthetic: bool, frames: int, out: str, seed: int,
+           encoding: str, size: int, omit_component: bool, overwrite: bool) -> None:
+    """Make a seeded synthetic recording of the line's component types, in board order.
+
+    \b
+    Example:
+      coe-agent record --synthetic --line A --frames 500 --out rec/A-500
+    """
+    from tqdm import tqdm
+
+    from storage.synthetic import record_synthetic
+
+    cfg = _config(line, config_path)
+    model = load_spec(cfg.spec_path)
+    bar = tqdm(total=frames, desc="recording", unit="frame")
+    done = [0]
+
+    def tick(n: int) -> None:
+        bar.update(n - done[0])
+        done[0] = n
+    path = record_synthetic(model, out, frames, line=cfg.line, seed=seed, size=size, encoding=encoding,
+                            omit_component=omit_component, overwrite=overwrite, progress=tick)
+    bar.close()
+    click.echo(f"wrote {frames} frame(s) to {path}")
+
+
+@cli.command()
+@click.argument("recording", type=click.Path(file_okay=False, exists=True))
+@line_options
+@click.option("--endpoint", help="Agent ingest address (default: the config's ingest endpoint).")
+@click.option("--rate", type=float, default=None, help="Frames per second (default: as fast as acked).")
+@click.option("--window", default=256, show_default=True, help="Frames in flight without an ack.")
+@click.option("--ack-timeout", default=10.0, show_default=True, help="Seconds before an unacked frame is resent.")
+@click.option("--json", "as_json", is_flag=True, help="Print the counts as one JSON line.")
+@_fail_clearly
+def replay(recording: str, line: str, config_path: str | None, endpoint: str | None, rate: float | None,
+           window: int, ack_timeout: float, as_json: bool) -> None:
+    """Send a recording to a running agent; wait for every ack, resend what was not acked.
+
+    \b
+    Example:
+      coe-agent replay rec/A-500 --line A --rate 250
+    """
+    from tqdm import tqdm
+
+    from storage.recording import Recording
+
+    from .config import endpoint_parts
+    from .replay import replay as do_replay
+
+    rec = Recording(recording)
+    if endpoint is None:
+        cfg = _config(line, config_path)
+        endpoint = endpoint_parts(cfg.ingest)[2]
+    bar = tqdm(total=len(rec), desc="replaying (acked)", unit="frame")
+    report = do_replay(rec, endpoint, rate=rate, window=window, ack_timeout=ack_timeout,
+                       progress=lambda r: bar.update(r.acked - bar.n))
+    bar.close()
+    if as_json:
+        click.echo(json.dumps(report.to_json()))
+    else:
+        reasons = ", ".join(f"{k} {v}" for k, v in report.reasons.most_common()) or "-"
+        click.echo(f"sent {report.sent}  accepted {report.accepted}  duplicate {report.duplicate}  "
+                   f"rejected {report.rejected} ({reasons})  resent {report.resent}  "
+                   f"unacked {len(report.unacked)}  in {report.seconds:.1f} s")
+    if report.unacked:
+        raise click.ClickException(f"{len(report.unacked)} frame(s) never acked, e.g. {report.unacked[:3]} "
+                                   f"(is the agent running on {endpoint}?)")
+
+
+@cli.command()
+@line_options
+@click.option("--verdict", type=click.Choice(["pass", "defect", "error"]), help="Only this verdict.")
+@click.option("--board", help="Only this board_id.")
+@click.option("--component", help="Only this component type.")
+@click.option("--limit", default=20, show_default=True)
+@click.option("--db", type=click.Path(dir_okay=False), help="Database file (default: the config's results_db).")
+@click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
+@_fail_clearly
+def results(line: str, config_path: str | None, verdict: str | None, board: str | None, component: str | None,
+            limit: int, db: str | None, as_json: bool) -> None:
+    """Query verdicts from the line's results database, newest first.
+
+    \b
+    Example:
+      coe-agent results --line A --verdict defect --limit 10
+      coe-agent results --line A --board B000003 --json
+    """
+    from storage.results import ResultStore
+
+    path = Path(db) if db else _config(line, config_path).db_path
+    rs = ResultStore(path, readonly=True)
+    try:
+        rows = rs.query_verdicts(verdict=verdict, board=board, component=component, limit=limit)
+    finally:
+        rs.close()
+    if as_json:
+        for r in rows:
+            click.echo(json.dumps(r))
+        return
+    if not rows:
+        click.echo("no verdicts match")
+        return
+    cols = ("frame_id", "board_id", "component", "verdict", "latency_ms", "reason")
+    table = [[r["frame_id"], r["board_id"], r["component"] or "", r["verdict"], f"{r['latency_ms']:.1f}",
+              r["reason"]] for r in rows]
+    widths = [max(len(c), *(len(str(t[i])) for t in table)) for i, c in enumerate(cols)]
+    click.echo("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
+    for t in table:
+        click.echo("  ".join(str(v).ljust(w) for v, w in zip(t, widths)))
+
+
+def main() -> None:
+    cli(prog_name="coe-agent")
+
+
+if __name__ == "__main__":
+    main()

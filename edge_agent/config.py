@@ -1,0 +1,235 @@
+"""Line config: one YAML file per production line, overridable by COE_* variables.
+
+Invalid configs fail at start with the file (or variable), the key and the reason,
+because an agent that starts with a half-understood config loses frames later.
+"""
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from coe import SpecError
+
+ENV_PREFIX = "COE_"
+_UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
+          "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "k": 10**3, "m": 10**6, "g": 10**9}
+_ENDPOINT = re.compile(r"^(router|pub)\+(bind|connect):((tcp://[^\s]+:(\d+|\*))|(ipc://\S+)|(inproc://\S+))$")
+
+
+def parse_bytes(value: Any) -> int:
+    """'160MB', '1.5GiB' or a plain integer -> bytes."""
+    if isinstance(value, bool):
+        raise ValueError("expected a size like '256MB', got a boolean")
+    if isinstance(value, (int, float)):
+        if value < 0:
+            raise ValueError("a size cannot be negative")
+        return int(value)
+    m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", str(value))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"expected a size like '256MB' or '1GiB', got {value!r}")
+    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+class _Strict(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+
+class ExecutorConfig(_Strict):
+    device: str = "cpu"
+    count: int = Field(1, ge=1, le=64)
+    memory: int = Field(256 * 2**20, description="byte budget of this executor's model pool")
+    threads: int | None = Field(None, ge=1, description="torch intra-op threads; default: cores / executors")
+
+    _mem = field_validator("memory", mode="before")(classmethod(lambda cls, v: parse_bytes(v)))
+
+    @field_validator("device")
+    @classmethod
+    def _device(cls, v: str) -> str:
+        if v != "cpu" and not re.fullmatch(r"cuda(:\d+)?", v):
+            raise ValueError(f"must be 'cpu' or 'cuda:N', got '{v}'")
+        return v
+
+
+class SchedulerConfig(_Strict):
+    policy: Literal["grouped", "fcfs"] = "grouped"
+    max_batch: int = Field(16, ge=1, le=1024)
+
+
+class WriterConfig(_Strict):
+    batch_rows: int = Field(512, ge=1)
+    flush_ms: float = Field(50.0, gt=0)
+
+
+class MetricsConfig(_Strict):
+    enabled: bool = True
+    bind: str = "127.0.0.1"
+    port: int = Field(9105, ge=0, le=65535, description="0 picks a free port")
+
+
+class LineConfig(_Strict):
+    """Everything one line agent needs.  Paths are resolved by `load_config`."""
+
+    line: str = Field(pattern=r"^[A-Za-z0-9_-]{1,32}$")
+    spec: str
+    data_dir: str = "var/line-{line}"
+    results_db: str = "{data_dir}/results.db"
+    expert_store: str = "{data_dir}/experts"
+    ingest: str = "router+bind:tcp://127.0.0.1:5555"
+    publish: str = "pub+bind:tcp://127.0.0.1:5556"
+    max_payload_bytes: int = 4 * 2**20
+    max_inflight: int = Field(4096, ge=1, description="accepted frames without a verdict before ingest pauses")
+    expert_verify: Literal["first", "always", "never"] = "first"
+    eviction: Literal["lru", "fifo"] = "lru"
+    executors: list[ExecutorConfig] = Field(default_factory=lambda: [ExecutorConfig()])
+    scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
+    writer: WriterConfig = Field(default_factory=WriterConfig)
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    source: str = Field("<config>", exclude=True)
+
+    _payload = field_validator("max_payload_bytes", mode="before")(classmethod(lambda cls, v: parse_bytes(v)))
+
+    @field_validator("ingest", "publish")
+    @classmethod
+    def _endpoint(cls, v: str) -> str:
+        if not _ENDPOINT.match(v):
+            raise ValueError(f"expected an endpoint like 'router+bind:tcp://127.0.0.1:5555', got '{v}'")
+        return v
+
+    @model_validator(mode="after")
+    def _kinds(self) -> "LineConfig":
+        if not self.ingest.startswith("router+"):
+            raise ValueError("ingest: must be a 'router+' endpoint (acked ingest)")
+        if not self.publish.startswith("pub+"):
+            raise ValueError("publish: must be a 'pub+' endpoint")
+        if not self.executors:
+            raise ValueError("executors: at least one executor is required")
+        return self
+
+    @property
+    def spec_path(self) -> Path:
+        return Path(self.spec)
+
+    @property
+    def db_path(self) -> Path:
+        return Path(self.results_db)
+
+    @property
+    def store_path(self) -> Path:
+        return Path(self.expert_store)
+
+
+def endpoint_parts(endpoint: str) -> tuple[str, bool, str]:
+    """'router+bind:tcp://h:p' -> ('router', True, 'tcp://h:p')."""
+    kind, rest = endpoint.split("+", 1)
+    how, addr = rest.split(":", 1)
+    return kind, how == "bind", addr
+
+
+def find_config(line: str, config: str | Path | None = None) -> Path:
+    """Where `--line A` finds its config: --config, then $COE_CONFIG_DIR, ./configs, the installed copy."""
+    if config:
+        return Path(config)
+    name = f"line-{line}.yaml"
+    candidates = []
+    if os.environ.get("COE_CONFIG_DIR"):
+        candidates.append(Path(os.environ["COE_CONFIG_DIR"]) / name)
+    candidates.append(Path.cwd() / "configs" / name)
+    candidates.append(Path(__file__).resolve().parent.parent / "configs" / name)
+    for c in candidates:
+        if c.is_file():
+            return c
+    raise SpecError(name, "<file>", "no config for line '%s' (looked in: %s)" % (line, ", ".join(str(c.parent) for c in candidates)))
+
+
+def load_config(path: str | Path, env: Mapping[str, str] | None = None, **overrides: Any) -> LineConfig:
+    """Read, override (COE_* variables, then keyword overrides) and validate a line config."""
+    path = Path(path)
+    src = str(path)
+    if not path.is_file():
+        raise SpecError(src, "<file>", "config file does not exist")
+    try:
+        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+    except yaml.YAMLError as exc:
+        raise SpecError(src, "<file>", f"not valid YAML: {exc}") from None
+    if not isinstance(raw, dict):
+        raise SpecError(src, "<root>", "expected a mapping of config keys")
+    env_keys = apply_env(raw, os.environ if env is None else env)
+    for key, val in overrides.items():
+        _set_path(raw, key.split("."), val)
+    try:
+        cfg = LineConfig(**raw)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        key = ".".join(str(p) for p in err["loc"]) or "<root>"
+        reason = err["msg"].removeprefix("Value error, ")
+        where = src
+        for var, dotted in env_keys.items():
+            if key == dotted or key.startswith(dotted + "."):
+                where = f"{var} (overriding {src})"
+        if "." not in key and ":" in reason and key == "<root>":
+            key, reason = reason.split(":", 1)
+            reason = reason.strip()
+        raise SpecError(where, key, reason) from None
+    return _resolve(cfg, path)
+
+
+def apply_env(raw: dict, env: Mapping[str, str]) -> dict[str, str]:
+    """Apply COE_KEY / COE_SECTION__KEY variables to the raw config; returns var -> dotted key."""
+    applied = {}
+    for var, value in sorted(env.items()):
+        if not var.startswith(ENV_PREFIX) or var in ("COE_CONFIG_DIR",):
+            continue
+        parts = [p.lower() for p in var[len(ENV_PREFIX):].split("__")]
+        if parts[0] not in LineConfig.model_fields:
+            continue
+        try:
+            parsed = yaml.safe_load(value) if value != "" else ""
+        except yaml.YAMLError:
+            parsed = value
+        if isinstance(parsed, (dict, list)) and len(parts) == 1 and parts[0] not in ("executors",):
+            parsed = value
+        _set_path(raw, parts, parsed)
+        applied[var] = ".".join(parts)
+    return applied
+
+
+def _set_path(raw: Any, parts: list[str], value: Any) -> None:
+    node = raw
+    for i, part in enumerate(parts[:-1]):
+        nxt_is_index = parts[i + 1].isdigit()
+        if isinstance(node, list):
+            node = node[int(part)]
+            continue
+        if part not in node or node[part] is None:
+            node[part] = [] if nxt_is_index else {}
+        node = node[part]
+    last = parts[-1]
+    if isinstance(node, list):
+        idx = int(last)
+        while len(node) <= idx:
+            node.append({})
+        node[idx] = value
+    else:
+        node[last] = value
+
+
+def _resolve(cfg: LineConfig, path: Path) -> LineConfig:
+    """Expand {line}/{data_dir}; the spec is relative to the config file, data to the CWD."""
+    data_dir = Path(cfg.data_dir.format(line=cfg.line)).expanduser()
+    subs = {"line": cfg.line, "data_dir": str(data_dir)}
+    spec = Path(cfg.spec.format(**subs)).expanduser()
+    if not spec.is_absolute():
+        spec = (path.parent / spec).resolve()
+    return cfg.model_copy(update={
+        "data_dir": str(data_dir),
+        "results_db": str(Path(cfg.results_db.format(**subs)).expanduser()),
+        "expert_store": str(Path(cfg.expert_store.format(**subs)).expanduser()),
+        "spec": str(spec),
+        "source": str(path),
+    })

@@ -1,0 +1,201 @@
+"""`coe-agent demo`: the whole job in one command, on an embedded default line.
+
+Builds the expert zoo and a synthetic recording if they are absent, starts the
+agent in this process on loopback, replays the recording through the real
+ZeroMQ protocol, waits for every verdict, and prints a summary from the
+database.  Its exit code says whether every frame got exactly one verdict.
+"""
+from __future__ import annotations
+
+import json
+import shutil
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import zmq
+from tqdm import tqdm
+
+from coe import CoEModel
+from storage.expert_store import ExpertStore
+from storage.recording import Recording
+from storage.synthetic import draw_component, record_synthetic
+
+from .agent import Agent
+from .config import LineConfig
+from .replay import replay
+from .zoo import build_zoo
+
+
+def sample_images_for(model: CoEModel, n: int = 48, seed: int = 0, size: int = 64):
+    """Calibration images for a classifier: its components, labels drawn by its priors."""
+    def sample(expert_id: str) -> list[np.ndarray]:
+        expert = model.experts[expert_id]
+        comps = [c.name for c in model.components.values() if c.classifier == expert_id]
+        if not comps:
+            return []
+        rng = np.random.default_rng([seed, 7, sum(map(ord, expert_id))])
+        labels = [lb for lb in expert.classes]
+        p = np.array([expert.prior(lb) for lb in labels])
+        p = p / p.sum() if p.sum() > 0 else None
+        out = []
+        for i in range(n):
+            label = labels[int(rng.choice(len(labels), p=p))]
+            look = label if label in ("ok", "missing", "misaligned", "wrong_part") else "ok"
+            out.append(draw_component(comps[i % len(comps)], look, rng, size))
+        return out
+    return sample
+
+
+def ensure_zoo(cfg: LineConfig, model: CoEModel, *, seed: int = 0, quiet: bool = False) -> ExpertStore:
+    store = ExpertStore(cfg.store_path, verify=cfg.expert_verify)
+    todo = [e for e in model.experts if not store.has(e)]
+    if todo:
+        bar = tqdm(total=len(model.experts), desc="building expert zoo", unit="expert", disable=quiet or None)
+        bar.update(len(model.experts) - len(todo))
+        build_zoo(model, store, seed=seed, sample_images=sample_images_for(model, seed=seed),
+                  progress=lambda eid: bar.update(1))
+        bar.close()
+    return store
+
+
+def ensure_recording(cfg: LineConfig, model: CoEModel, frames: int, seed: int, *, quiet: bool = False) -> Path:
+    out = Path(cfg.data_dir) / "recordings" / f"synthetic-{frames}-s{seed}"
+    if (out / "manifest.jsonl").is_file():
+        return out
+    bar = tqdm(total=frames, desc="recording synthetic frames", unit="frame", disable=quiet or None)
+    done = [0]
+
+    def tick(n: int) -> None:
+        bar.update(n - done[0])
+        done[0] = n
+    record_synthetic(model, out, frames, line=cfg.line, seed=seed, overwrite=True, progress=tick)
+    bar.close()
+    return out
+
+
+@dataclass
+class DemoResult:
+    summary: dict
+    ok: bool
+
+
+def run_demo(cfg: LineConfig, model: CoEModel, *, frames: int = 600, seed: int = 0, rate: float | None = None,
+             recording: Path | None = None, quiet: bool = False) -> DemoResult:
+    ensure_zoo(cfg, model, seed=seed, quiet=quiet)
+    rec_dir = recording or ensure_recording(cfg, model, frames, seed, quiet=quiet)
+    rec = Recording(rec_dir)
+    demo_dir = Path(cfg.data_dir) / "demo"
+    if demo_dir.exists():
+        shutil.rmtree(demo_dir)  # each demo run starts from an empty database
+    cfg = cfg.model_copy(update={
+        "results_db": str(demo_dir / "results.db"),
+        "ingest": "router+bind:tcp://127.0.0.1:*",
+        "publish": "pub+bind:tcp://127.0.0.1:*",
+        "metrics": cfg.metrics.model_copy(update={"port": 0}),
+    })
+    agent = Agent(cfg, model).start()
+    published = [0]
+    stop_sub = threading.Event()
+    sub_ready = threading.Event()
+    sub_thread = threading.Thread(target=_count_published,
+                                  args=(agent.endpoints["publish"], cfg.line, published, stop_sub, sub_ready),
+                                  daemon=True)
+    sub_thread.start()
+    sub_ready.wait(5)
+    t0 = time.time()
+    try:
+        bar = tqdm(total=len(rec), desc="replaying (acked)", unit="frame", disable=quiet or None)
+        report = replay(rec, agent.endpoints["ingest"], rate=rate,
+                        progress=lambda r: bar.update(r.acked - bar.n))
+        bar.close()
+        vbar = tqdm(total=report.accepted, desc="verdicts", unit="frame", disable=quiet or None)
+        while not agent.wait_verdicts(report.accepted, timeout=0.2):
+            vbar.update(agent.verdicts_total - vbar.n)
+        vbar.update(agent.verdicts_total - vbar.n)
+        vbar.close()
+    finally:
+        drained = agent.stop()
+        time.sleep(0.2)
+        stop_sub.set()
+        sub_thread.join(2)
+    summary = summarize(Path(cfg.results_db), t0)
+    summary.update({"sent": report.sent, "accepted": report.accepted, "duplicate": report.duplicate,
+                    "rejected": report.rejected, "resent": report.resent, "published": published[0],
+                    "recording": str(rec_dir), "line": cfg.line, "metrics_port": agent.metrics_port,
+                    "executors": [f"{e.device} x{e.count} {e.memory / 1e6:.0f} MB" for e in cfg.executors],
+                    "zoo_bytes": sum(e.nbytes for e in agent.model.experts.values()), "drained": drained})
+    ok = (drained and report.accepted == len(rec) and summary["verdicts"] == len(rec)
+          and summary["frames"] == len(rec))
+    return DemoResult(summary, ok)
+
+
+def _count_published(endpoint: str, line: str, counter: list, stop: threading.Event, ready: threading.Event) -> None:
+    ctx = zmq.Context.instance()
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.LINGER, 0)
+    sub.setsockopt(zmq.SUBSCRIBE, line.encode())
+    sub.connect(endpoint)
+    time.sleep(0.2)  # let the subscription reach the publisher before frames flow
+    ready.set()
+    try:
+        while not stop.is_set():
+            if sub.poll(100):
+                sub.recv_multipart()
+                counter[0] += 1
+    finally:
+        sub.close()
+
+
+def summarize(db_path: Path, t0: float) -> dict:
+    """The demo's figures, computed from the database the agent wrote."""
+    from storage.results import ResultStore
+
+    rs = ResultStore(db_path, readonly=True)
+    try:
+        c = rs.counts()
+        lat = np.array([r[0] for r in rs.db.execute("SELECT latency_ms FROM verdicts")], dtype=float)
+        span = rs.db.execute("SELECT min(received_at) FROM frames").fetchone()[0]
+        end = rs.db.execute("SELECT max(decided_at) FROM verdicts").fetchone()[0]
+        batches = rs.db.execute("SELECT count(DISTINCT batch_id), count(*) FROM inferences").fetchone()
+    finally:
+        rs.close()
+    seconds = (end - span) if span and end else 0.0
+    return {
+        "frames": c["frames"], "verdicts": c["verdicts"], "by_verdict": c["by_verdict"],
+        "errors": c["errors"], "inferences": c["inferences"],
+        "batches": batches[0], "mean_batch": round(batches[1] / batches[0], 2) if batches[0] else 0.0,
+        "seconds": round(seconds, 3), "throughput_fps": round(c["verdicts"] / seconds, 1) if seconds else 0.0,
+        "p50_ms": round(float(np.percentile(lat, 50)), 1) if lat.size else None,
+        "p99_ms": round(float(np.percentile(lat, 99)), 1) if lat.size else None,
+        "expert_loads": c["expert_events"].get("load", 0), "evictions": c["expert_events"].get("evict", 0),
+        "database": str(db_path),
+    }
+
+
+def format_summary(s: dict) -> str:
+    kinds = ", ".join(f"{k} {v}" for k, v in sorted(s["by_verdict"].items())) or "none"
+    rows = [
+        ("line", s["line"]),
+        ("recording", s["recording"]),
+        ("frames sent / accepted", f"{s['sent']} / {s['accepted']} (duplicate {s['duplicate']}, "
+                                   f"rejected {s['rejected']}, resent {s['resent']})"),
+        ("frames in database", s["frames"]),
+        ("verdicts", f"{s['verdicts']} ({kinds})"),
+        ("verdicts published", s["published"]),
+        ("throughput", f"{s['throughput_fps']} frames/s over {s['seconds']} s"),
+        ("frame latency p50 / p99", f"{s['p50_ms']} ms / {s['p99_ms']} ms"),
+        ("expert steps / batches", f"{s['inferences']} in {s['batches']} batches (mean {s['mean_batch']})"),
+        ("expert loads / evictions", f"{s['expert_loads']} / {s['evictions']}"),
+        ("executors", "; ".join(s["executors"]) + f" for a {s['zoo_bytes'] / 1e6:.0f} MB zoo"),
+        ("errors table rows", s["errors"]),
+        ("database", s["database"]),
+    ]
+    width = max(len(k) for k, _ in rows)
+    return "\n".join(f"  {k:<{width}}  {v}" for k, v in rows)
+
+
+def summary_json(s: dict) -> str:
+    return json.dumps(s, sort_keys=True)

@@ -1,0 +1,152 @@
+"""Ingest: the ROUTER socket loop.  Validate, journal, ack, then hand frames on.
+
+The order is the guarantee: a frame is acked `accepted` only after the
+transaction that journals it commits.  A frame that fails any check is acked
+`rejected` with a reason code and leaves a row in `errors`; nothing about it
+touches any other frame of the same read.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import zmq
+
+from coe import Frame
+from routing import RouteError
+from storage.results import JournalEntry
+
+from . import protocol as P
+from .metrics import Metrics
+
+log = logging.getLogger(__name__)
+
+MAX_READ = 256
+
+
+@dataclass
+class Accepted:
+    """A frame that passed every check, with where its chain starts."""
+
+    frame: Frame
+    expert_id: str
+    header_json: str
+    payload: bytes
+
+
+def check_frame(parts: list[bytes], *, line: str, router, max_payload: int) -> Accepted:
+    """All checks on one `[header, payload]` message; raises protocol.Reject."""
+    if len(parts) != 2:
+        fid = _sniff_frame_id(parts[0]) if parts else ""
+        raise P.Reject(P.BAD_FRAMING, f"expected 2 message parts [header, payload], got {len(parts)}", fid)
+    raw_header, payload = parts
+    header = P.parse_header(raw_header)
+    if len(payload) > max_payload:
+        raise P.Reject(P.OVERSIZE, f"payload is {len(payload)} bytes, limit {max_payload}", header.frame_id)
+    if header.line != line:
+        raise P.Reject(P.WRONG_LINE, f"frame is for line '{header.line}', this agent serves line '{line}'",
+                       header.frame_id)
+    try:
+        route = router.route(header.component)
+    except RouteError as exc:
+        raise P.Reject(exc.reason, exc.detail, header.frame_id) from None
+    image = P.decode_image(header, payload)
+    frame = Frame(frame_id=header.frame_id, line=header.line, board_id=header.board_id,
+                  component=header.component or "", ts=header.ts, image=image, received_at=time.time())
+    return Accepted(frame, route.expert_id, json.dumps(header.to_json()), payload)
+
+
+def _sniff_frame_id(raw: bytes) -> str:
+    try:
+        obj = json.loads(raw.decode("utf-8"))
+        fid = obj.get("frame_id") if isinstance(obj, dict) else None
+        return fid[:P.MAX_ID_LEN] if isinstance(fid, str) else ""
+    except (UnicodeDecodeError, ValueError):
+        return ""
+
+
+class Ingest:
+    """Owns the ROUTER socket from `start()` on; everything else talks to it through callbacks."""
+
+    def __init__(self, sock: zmq.Socket, store, *, line: str, router, max_payload: int, metrics: Metrics,
+                 on_accepted: Callable[[list[Accepted]], None], can_accept: Callable[[], bool]) -> None:
+        self.sock, self.store, self.line, self.router = sock, store, line, router
+        self.max_payload, self.metrics = max_payload, metrics
+        self._on_accepted, self._can_accept = on_accepted, can_accept
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="ingest", daemon=True)
+        self.error: BaseException | None = None
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        self._stop.set()
+        self._thread.join(timeout)
+
+    def _loop(self) -> None:
+        poller = zmq.Poller()
+        poller.register(self.sock, zmq.POLLIN)
+        try:
+            while not self._stop.is_set():
+                if not self._can_accept():  # backpressure: leave frames in the socket's queue
+                    time.sleep(0.01)
+                    continue
+                if not poller.poll(100):
+                    continue
+                msgs = []
+                while len(msgs) < MAX_READ:
+                    try:
+                        msgs.append(self.sock.recv_multipart(flags=zmq.NOBLOCK))
+                    except zmq.Again:
+                        break
+                self.handle(msgs)
+        except Exception as exc:  # noqa: BLE001 - record why ingest died; the agent reports it
+            self.error = exc
+            log.exception("ingest stopped on an unexpected error")
+        finally:
+            self.sock.close(linger=1000)
+
+    def handle(self, msgs: list[list[bytes]]) -> None:
+        """Check, journal and ack one read of messages."""
+        now = time.time()
+        self.metrics.frames_received.inc(len(msgs))
+        checked: list[tuple[bytes, Accepted | P.Reject]] = []
+        for msg in msgs:
+            identity, parts = msg[0], msg[1:]
+            try:
+                checked.append((identity, check_frame(parts, line=self.line, router=self.router,
+                                                      max_payload=self.max_payload)))
+            except P.Reject as rej:
+                checked.append((identity, rej))
+        good = [c for _, c in checked if isinstance(c, Accepted)]
+        errors = [{"frame_id": c.frame_id or None, "kind": f"reject:{c.reason}", "message": c.detail, "at": now}
+                  for _, c in checked if isinstance(c, P.Reject)]
+        entries = [JournalEntry(a.frame.frame_id, a.frame.line, a.frame.board_id, a.frame.component or None,
+                                a.frame.ts, a.frame.received_at, a.header_json, a.payload) for a in good]
+        fresh = self.store.journal(entries, errors)
+        fresh_iter = iter(fresh)
+        accepted: list[Accepted] = []
+        for identity, c in checked:
+            if isinstance(c, P.Reject):
+                self.metrics.reject(c.reason)
+                self._send(identity, P.ack(c.frame_id, P.REJECTED, c.ack_detail))
+            elif next(fresh_iter):
+                accepted.append(c)
+                self.metrics.frames_accepted.inc()
+                self._send(identity, P.ack(c.frame.frame_id, P.ACCEPTED, ""))
+            else:
+                self.metrics.duplicates.inc()
+                self._send(identity, P.ack(c.frame.frame_id, P.DUPLICATE, "frame_id already accepted"))
+        if accepted:
+            self._on_accepted(accepted)
+
+    def _send(self, identity: bytes, ack: list[bytes]) -> None:
+        try:
+            self.sock.send_multipart([identity, *ack], flags=zmq.NOBLOCK)
+        except zmq.Again:
+            log.warning("ack for %s dropped: client not reading; it will resend and get 'duplicate'", ack[0])

@@ -1,0 +1,50 @@
+"""Prometheus metrics of one agent, on a registry of its own (no global state)."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+
+class Metrics:
+    def __init__(self, line: str) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        r, lab = self.registry, {"line": line}
+        self.frames_received = Counter("coe_frames_received", "Frames received on ingest", ["line"], registry=r).labels(**lab)
+        self.frames_accepted = Counter("coe_frames_accepted", "Frames journaled and acked accepted", ["line"], registry=r).labels(**lab)
+        self.duplicates = Counter("coe_frames_duplicate", "Frames acked duplicate (already accepted)", ["line"], registry=r).labels(**lab)
+        self._rejects = Counter("coe_frames_rejected", "Frames rejected, by reason", ["line", "reason"], registry=r)
+        self._verdicts = Counter("coe_verdicts", "Verdicts stored, by kind", ["line", "verdict"], registry=r)
+        self.queue_depth = Gauge("coe_queue_depth", "Requests queued for executors", ["line"], registry=r).labels(**lab)
+        self.inflight = Gauge("coe_frames_inflight", "Accepted frames without a verdict", ["line"], registry=r).labels(**lab)
+        self._loads = Counter("coe_expert_loads", "Expert loads into a tier", ["line", "tier"], registry=r)
+        self._evictions = Counter("coe_expert_evictions", "Expert evictions from a tier", ["line", "tier"], registry=r)
+        self._load_seconds = Counter("coe_expert_load_seconds", "Seconds spent loading experts", ["line", "tier"], registry=r)
+        self.batch_size = Histogram("coe_batch_size", "Requests per executed batch", ["line"],
+                                    buckets=(1, 2, 4, 8, 16, 32, 64, 128), registry=r).labels(**lab)
+        self.frame_latency = Histogram("coe_frame_latency_seconds", "Receive-to-verdict latency", ["line"],
+                                       buckets=(.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30), registry=r).labels(**lab)
+        self.line = line
+        self._server = None
+
+    def reject(self, reason: str) -> None:
+        self._rejects.labels(self.line, reason).inc()
+
+    def verdict(self, kind: str) -> None:
+        self._verdicts.labels(self.line, kind).inc()
+
+    def expert_event(self, tier: str, event: str, seconds: float) -> None:
+        if event == "load":
+            self._loads.labels(self.line, tier).inc()
+            self._load_seconds.labels(self.line, tier).inc(seconds)
+        elif event == "evict":
+            self._evictions.labels(self.line, tier).inc()
+
+    def serve(self, bind: str, port: int) -> int:
+        """Start the /metrics endpoint; returns the bound port (useful when port is 0)."""
+        self._server, _thread = start_http_server(port, addr=bind, registry=self.registry)
+        return self._server.server_port
+
+    def close(self) -> None:
+        if self._server is not None:
+            self._server.shutdown()
+            self._server.server_close()
+            self._server = None

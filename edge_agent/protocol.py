@@ -1,0 +1,170 @@
+"""The ingest wire protocol (DESIGN.md §6), parsed strictly.
+
+A DEALER client sends ``[header, payload]``; the ROUTER sees ``[identity, header,
+payload]`` and answers ``[identity, frame_id, status, detail]``.  Every way a
+message can be wrong maps to one `Reject` reason code, so the client, the
+metrics and the `errors` table all speak the same words.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+
+import cv2
+import numpy as np
+
+VERSION = 1
+ENCODINGS = ("jpeg", "png", "raw")
+MAX_ID_LEN = 128
+MAX_HEADER_BYTES = 64 * 1024
+MAX_SIDE = 8192
+
+# reason codes, stable: clients and dashboards match on them
+MALFORMED_JSON = "malformed_json"
+MISSING_FIELD = "missing_field"
+BAD_FIELD = "bad_field"
+UNKNOWN_VERSION = "unknown_version"
+WRONG_LINE = "wrong_line"
+UNKNOWN_COMPONENT = "unknown_component"
+BAD_IMAGE = "bad_image"
+OVERSIZE = "oversize"
+BAD_FRAMING = "bad_framing"
+REASONS = (MALFORMED_JSON, MISSING_FIELD, BAD_FIELD, UNKNOWN_VERSION, WRONG_LINE,
+           UNKNOWN_COMPONENT, BAD_IMAGE, OVERSIZE, BAD_FRAMING)
+
+ACCEPTED, DUPLICATE, REJECTED = "accepted", "duplicate", "rejected"
+
+
+class Reject(Exception):
+    """A frame the agent refuses; `reason` is a code from REASONS, `detail` is for people."""
+
+    def __init__(self, reason: str, detail: str, frame_id: str = "") -> None:
+        super().__init__(f"{reason}: {detail}")
+        self.reason, self.detail, self.frame_id = reason, detail, frame_id
+
+    @property
+    def ack_detail(self) -> str:
+        return f"{self.reason}: {self.detail}"
+
+
+@dataclass(frozen=True)
+class Header:
+    v: int
+    frame_id: str
+    line: str
+    board_id: str
+    component: str | None
+    ts: float
+    encoding: str
+    shape: tuple[int, int, int] | None = None
+    dtype: str | None = None
+
+    def to_json(self) -> dict:
+        d = {"v": self.v, "frame_id": self.frame_id, "line": self.line, "board_id": self.board_id,
+             "ts": self.ts, "encoding": self.encoding}
+        if self.component is not None:
+            d["component"] = self.component
+        if self.shape is not None:
+            d["shape"] = list(self.shape)
+            d["dtype"] = self.dtype or "uint8"
+        return d
+
+
+_FIELDS = {"v": int, "frame_id": str, "line": str, "board_id": str, "component": str,
+           "ts": (int, float), "encoding": str, "shape": list, "dtype": str}
+_REQUIRED = ("v", "frame_id", "line", "board_id", "ts", "encoding")
+
+
+def parse_header(raw: bytes, *, require_component: bool = True) -> Header:
+    """Parse and check a header.  Raises Reject; never anything else for bad bytes."""
+    if len(raw) > MAX_HEADER_BYTES:
+        raise Reject(OVERSIZE, f"header is {len(raw)} bytes, limit {MAX_HEADER_BYTES}")
+    try:
+        obj = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise Reject(MALFORMED_JSON, f"header is not UTF-8 JSON ({exc.__class__.__name__}: {exc})") from None
+    if not isinstance(obj, dict):
+        raise Reject(MALFORMED_JSON, f"header must be a JSON object, got {type(obj).__name__}")
+    frame_id = obj.get("frame_id") if isinstance(obj.get("frame_id"), str) else ""
+    frame_id = frame_id[:MAX_ID_LEN]
+    if "v" in obj and obj["v"] != VERSION and isinstance(obj["v"], int) and not isinstance(obj["v"], bool):
+        raise Reject(UNKNOWN_VERSION, f"protocol version {obj['v']} not supported (this agent speaks v{VERSION})", frame_id)
+    required = _REQUIRED + (("component",) if require_component else ())
+    for name in required:
+        if name not in obj or obj[name] is None:
+            raise Reject(MISSING_FIELD, f"field '{name}' is required", frame_id)
+    for name, typ in _FIELDS.items():
+        if name in obj and obj[name] is not None:
+            val = obj[name]
+            if isinstance(val, bool) or not isinstance(val, typ):
+                want = "number" if name == "ts" else (typ.__name__ if isinstance(typ, type) else str(typ))
+                raise Reject(BAD_FIELD, f"field '{name}' must be a {want}, got {type(val).__name__}", frame_id)
+    for name in ("frame_id", "line", "board_id"):
+        if not obj[name] or len(obj[name]) > MAX_ID_LEN:
+            raise Reject(BAD_FIELD, f"field '{name}' must be 1..{MAX_ID_LEN} characters", frame_id)
+    if not math.isfinite(float(obj["ts"])):
+        raise Reject(BAD_FIELD, "field 'ts' must be a finite number", frame_id)
+    if obj["encoding"] not in ENCODINGS:
+        raise Reject(BAD_FIELD, f"field 'encoding' must be one of {', '.join(ENCODINGS)}, got '{obj['encoding']}'", frame_id)
+    shape = None
+    if obj["encoding"] == "raw":
+        shape = _raw_shape(obj, frame_id)
+    extra = sorted(set(obj) - set(_FIELDS))
+    if extra:
+        raise Reject(BAD_FIELD, f"unknown field(s): {', '.join(extra)}", frame_id)
+    return Header(v=VERSION, frame_id=obj["frame_id"], line=obj["line"], board_id=obj["board_id"],
+                  component=obj.get("component"), ts=float(obj["ts"]), encoding=obj["encoding"],
+                  shape=shape, dtype=obj.get("dtype", "uint8") if shape else None)
+
+
+def _raw_shape(obj: dict, frame_id: str) -> tuple[int, int, int]:
+    shape = obj.get("shape")
+    if shape is None:
+        raise Reject(MISSING_FIELD, "field 'shape' is required for raw encoding", frame_id)
+    if (len(shape) != 3 or not all(isinstance(s, int) and not isinstance(s, bool) for s in shape)
+            or not (0 < shape[0] <= MAX_SIDE and 0 < shape[1] <= MAX_SIDE) or shape[2] not in (1, 3)):
+        raise Reject(BAD_FIELD, f"field 'shape' must be [h, w, 1|3] with sides 1..{MAX_SIDE}, got {shape}", frame_id)
+    if obj.get("dtype", "uint8") != "uint8":
+        raise Reject(BAD_FIELD, f"field 'dtype' must be 'uint8', got '{obj.get('dtype')}'", frame_id)
+    return (shape[0], shape[1], shape[2])
+
+
+def decode_image(header: Header, payload: bytes) -> np.ndarray:
+    """Payload -> HxWx3 uint8 RGB.  Raises Reject(BAD_IMAGE) for anything undecodable."""
+    if not payload:
+        raise Reject(BAD_IMAGE, "payload is empty", header.frame_id)
+    if header.encoding == "raw":
+        h, w, c = header.shape  # type: ignore[misc]
+        if len(payload) != h * w * c:
+            raise Reject(BAD_IMAGE, f"raw payload is {len(payload)} bytes, shape {[h, w, c]} needs {h * w * c}",
+                         header.frame_id)
+        img = np.frombuffer(payload, dtype=np.uint8).reshape(h, w, c)
+        return np.repeat(img, 3, axis=2) if c == 1 else img.copy()
+    magic = {"png": b"\x89PNG\r\n\x1a\n", "jpeg": b"\xff\xd8"}[header.encoding]
+    if not payload.startswith(magic):
+        raise Reject(BAD_IMAGE, f"payload is not a {header.encoding} image (bad magic bytes)", header.frame_id)
+    if header.encoding == "jpeg" and not payload.rstrip(b"\x00").endswith(b"\xff\xd9"):
+        raise Reject(BAD_IMAGE, "jpeg payload is truncated (no end-of-image marker)", header.frame_id)
+    if header.encoding == "png" and b"IEND" not in payload[-16:]:
+        raise Reject(BAD_IMAGE, "png payload is truncated (no IEND chunk)", header.frame_id)
+    arr = cv2.imdecode(np.frombuffer(payload, dtype=np.uint8), cv2.IMREAD_COLOR)
+    if arr is None or arr.size == 0:
+        raise Reject(BAD_IMAGE, f"{header.encoding} payload could not be decoded", header.frame_id)
+    if arr.shape[0] > MAX_SIDE or arr.shape[1] > MAX_SIDE:
+        raise Reject(BAD_IMAGE, f"image {arr.shape[1]}x{arr.shape[0]} is larger than {MAX_SIDE} px a side",
+                     header.frame_id)
+    return cv2.cvtColor(arr, cv2.COLOR_BGR2RGB)
+
+
+def encode_header(fields: dict) -> bytes:
+    return json.dumps(fields, separators=(",", ":")).encode("utf-8")
+
+
+def ack(frame_id: str, status: str, detail: str = "") -> list[bytes]:
+    return [frame_id.encode("utf-8"), status.encode("ascii"), detail.encode("utf-8")]
+
+
+def reason_of(detail: str) -> str:
+    """The reason code at the front of a rejected ack's detail."""
+    return detail.split(":", 1)[0]

@@ -1,0 +1,133 @@
+"""The replay client: send a recording to an agent over DEALER, exactly as an AOI machine would.
+
+It keeps a window of unacked frames, resends any frame whose ack does not come
+within `ack_timeout`, and counts the first ack of each frame.  A resent frame
+that the agent had already accepted comes back `duplicate`, which is still a
+delivered frame: at-least-once delivery, effectively-once verdicts.
+"""
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+import zmq
+
+from storage.recording import Recording
+
+from . import protocol as P
+
+
+@dataclass
+class ReplayReport:
+    sent: int = 0
+    resent: int = 0
+    accepted: int = 0
+    duplicate: int = 0
+    rejected: int = 0
+    reasons: Counter = field(default_factory=Counter)
+    rejected_ids: list[str] = field(default_factory=list)
+    unacked: list[str] = field(default_factory=list)
+    seconds: float = 0.0
+
+    @property
+    def acked(self) -> int:
+        return self.accepted + self.duplicate + self.rejected
+
+    def to_json(self) -> dict:
+        return {"sent": self.sent, "resent": self.resent, "accepted": self.accepted, "duplicate": self.duplicate,
+                "rejected": self.rejected, "reasons": dict(self.reasons), "unacked": len(self.unacked),
+                "seconds": round(self.seconds, 3)}
+
+
+def recording_messages(rec: Recording) -> Iterable[tuple[str, list[bytes]]]:
+    for fr in rec:
+        yield fr.header["frame_id"], [P.encode_header(fr.header), rec.payload(fr)]
+
+
+def send_messages(messages: Iterable[tuple[str, list[bytes]]], endpoint: str, *, rate: float | None = None,
+                  window: int = 256, ack_timeout: float = 10.0, deadline: float = 600.0,
+                  ctx: zmq.Context | None = None, progress: Callable[[ReplayReport], None] | None = None,
+                  socket_setup: Callable[[zmq.Socket], None] | None = None) -> ReplayReport:
+    """Send `(frame_id, parts)` messages, wait for every ack, resend what was not acked."""
+    own_ctx = ctx is None
+    ctx = ctx or zmq.Context()
+    sock = ctx.socket(zmq.DEALER)
+    sock.setsockopt(zmq.LINGER, 0)
+    if socket_setup:
+        socket_setup(sock)
+    sock.connect(endpoint)
+    report = ReplayReport()
+    source = iter(messages)
+    inflight: dict[str, tuple[float, list[bytes]]] = {}
+    done: set[str] = set()
+    t0 = time.monotonic()
+    interval = 1.0 / rate if rate else 0.0
+    next_send = t0
+    exhausted = False
+    try:
+        while (not exhausted or inflight) and time.monotonic() - t0 < deadline:
+            now = time.monotonic()
+            while not exhausted and len(inflight) < window and now >= next_send:
+                try:
+                    fid, parts = next(source)
+                except StopIteration:
+                    exhausted = True
+                    break
+                sock.send_multipart(parts)
+                report.sent += 1
+                if fid in inflight or fid in done:
+                    continue  # a recording with a repeated id: its first ack counts
+                inflight[fid] = (now, parts)
+                if interval:
+                    next_send = max(next_send + interval, now - 1.0)
+                    now = time.monotonic()
+            wait_ms = 50 if not interval or exhausted else max(0, int((next_send - time.monotonic()) * 1000))
+            if sock.poll(min(wait_ms, 50) if inflight else wait_ms, zmq.POLLIN):
+                while True:
+                    try:
+                        msg = sock.recv_multipart(flags=zmq.NOBLOCK)
+                    except zmq.Again:
+                        break
+                    _count_ack(msg, inflight, done, report)
+            for fid, (sent_at, parts) in list(inflight.items()):
+                if time.monotonic() - sent_at > ack_timeout:
+                    sock.send_multipart(parts)
+                    report.resent += 1
+                    inflight[fid] = (time.monotonic(), parts)
+            if progress:
+                progress(report)
+        report.unacked = sorted(inflight)
+    finally:
+        report.seconds = time.monotonic() - t0
+        sock.close(linger=0)
+        if own_ctx:
+            ctx.term()
+    return report
+
+
+def _count_ack(msg: list[bytes], inflight: dict, done: set, report: ReplayReport) -> None:
+    if len(msg) != 3:
+        return
+    fid, status, detail = (m.decode("utf-8", "replace") for m in msg)
+    if fid not in inflight:
+        if fid == "" and status == P.REJECTED:
+            report.rejected += 1
+            report.reasons[P.reason_of(detail)] += 1
+        return  # late ack of a resent frame: its first ack already counted
+    del inflight[fid]
+    done.add(fid)
+    if status == P.ACCEPTED:
+        report.accepted += 1
+    elif status == P.DUPLICATE:
+        report.duplicate += 1
+    else:
+        report.rejected += 1
+        report.reasons[P.reason_of(detail)] += 1
+        report.rejected_ids.append(fid)
+
+
+def replay(recording: Recording, endpoint: str, **kwargs) -> ReplayReport:
+    """Send a whole recording (see `send_messages` for the options)."""
+    return send_messages(recording_messages(recording), endpoint, **kwargs)

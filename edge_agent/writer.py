@@ -1,0 +1,110 @@
+"""The result writer: batches rows into SQLite transactions, then publishes verdicts.
+
+A verdict is published only after the transaction that stores it commits, so a
+subscriber never sees a verdict the database could lose.  It owns the PUB
+socket from the moment its thread starts (ZeroMQ sockets are single-threaded).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import zmq
+
+from storage.results import ResultStore
+
+log = logging.getLogger(__name__)
+
+
+@dataclass
+class _Pending:
+    inferences: list[dict] = field(default_factory=list)
+    verdicts: list[dict] = field(default_factory=list)
+    errors: list[dict] = field(default_factory=list)
+    events: list[dict] = field(default_factory=list)
+
+    def __len__(self) -> int:
+        return len(self.inferences) + len(self.verdicts) + len(self.errors) + len(self.events)
+
+
+class ResultWriter:
+    """Single consumer of result rows; call `put_*` from any thread."""
+
+    def __init__(self, db_path: str, pub: zmq.Socket, line: str, *, batch_rows: int = 512,
+                 flush_ms: float = 50.0, on_committed: Callable[[list[dict], set[str]], None] | None = None) -> None:
+        self._db_path, self._pub, self._line = db_path, pub, line.encode()
+        self._batch_rows, self._flush_s = batch_rows, flush_ms / 1000.0
+        self._q: queue.Queue = queue.Queue()
+        self._on_committed = on_committed or (lambda rows, stored: None)
+        self._thread = threading.Thread(target=self._loop, name="result-writer", daemon=True)
+        self._stop = threading.Event()
+        self.failures = 0
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def put_inference(self, row: dict) -> None:
+        self._q.put(("inferences", row))
+
+    def put_verdict(self, row: dict) -> None:
+        self._q.put(("verdicts", row))
+
+    def put_error(self, row: dict) -> None:
+        self._q.put(("errors", row))
+
+    def put_event(self, row: dict) -> None:
+        self._q.put(("events", row))
+
+    def stop(self, timeout: float = 30.0) -> None:
+        """Flush everything queued so far, then end the thread."""
+        self._stop.set()
+        self._thread.join(timeout)
+
+    def _loop(self) -> None:
+        store = ResultStore(self._db_path)
+        try:
+            while True:
+                pending = _Pending()
+                deadline = time.monotonic() + self._flush_s
+                while len(pending) < self._batch_rows:
+                    left = deadline - time.monotonic()
+                    try:
+                        kind, row = self._q.get(timeout=max(left, 0.0)) if left > 0 else self._q.get_nowait()
+                    except queue.Empty:
+                        break
+                    getattr(pending, kind).append(row)
+                if pending:
+                    self._flush(store, pending)
+                elif self._stop.is_set() and self._q.empty():
+                    return
+        finally:
+            store.close()
+            self._pub.close(linger=1000)
+
+    def _flush(self, store: ResultStore, p: _Pending) -> None:
+        attempt = 0
+        while True:  # frames are journaled, so retrying (not dropping) is always safe
+            try:
+                stored = set(store.write(inferences=p.inferences, verdicts=p.verdicts, errors=p.errors,
+                                         events=p.events))
+                break
+            except Exception as exc:  # noqa: BLE001 - a locked or full disk must not kill the writer
+                attempt += 1
+                self.failures += 1
+                log.error("result write failed (attempt %d), retrying: %s", attempt, exc)
+                time.sleep(min(0.1 * 2 ** attempt, 2.0))
+        committed = [v for v in p.verdicts if v["frame_id"] in stored]
+        for v in committed:
+            msg = dict(v)
+            msg["chain"] = json.loads(msg["chain"]) if msg.get("chain") else []
+            msg["line"] = self._line.decode()
+            try:
+                self._pub.send_multipart([self._line, json.dumps(msg).encode()], flags=zmq.NOBLOCK)
+            except zmq.Again:
+                pass  # PUB never blocks; a slow subscriber misses messages, the database has them all
+        self._on_committed(p.verdicts, stored)

@@ -1,0 +1,329 @@
+"""The expert store: one safetensors file per expert on SSD, plus a JSON manifest.
+
+The manifest is the source of truth for what the store holds: id, arch, kind,
+file, sha256 of the file, tensor bytes, dominant dtype and a version.  Loading
+never unpickles (safetensors is a JSON header plus raw bytes), and every failure
+to load is an `ExpertLoadError` that names the expert, the file and the reason,
+because a corrupt expert on a line box must be diagnosable from one log line.
+
+Writes are atomic: the tensor file and the manifest are each written to a temp
+file, fsynced and `os.replace`d, so a crash leaves the old version or the new
+one, never half of either.  Within a process the manifest is guarded by a lock;
+across processes (two zoo builds on one store) by an advisory file lock where
+the platform has one.
+
+`read` memory-maps the file: the tensors are backed by the page cache, not by
+private memory, and stay valid while the file is replaced because `os.replace`
+leaves the old inode to its readers.  Nothing here rewrites a file in place (a
+truncation under a live mapping would SIGBUS the reader).  A pool that must own
+its bytes (pinned memory, a GPU copy) copies them itself.
+
+Hash checking costs a full read of the file, which is exactly what a cold load
+is trying to avoid, so `verify` chooses: 'first' (once per expert and content per
+process), 'always', or 'never' (a truncated or corrupt file still fails to parse).
+"""
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import os
+import tempfile
+import threading
+import uuid
+from collections.abc import Iterator, Mapping
+from dataclasses import asdict, dataclass, fields
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from coe import CoEError, Expert, ExpertLoadError
+
+try:  # advisory locking between processes; absent on Windows, where the in-process lock still holds
+    import fcntl
+except ImportError:  # pragma: no cover - non-POSIX
+    fcntl = None  # type: ignore[assignment]
+
+if TYPE_CHECKING:
+    import torch
+
+MANIFEST = "manifest.json"
+MANIFEST_FORMAT = "coe-edge/expert-store"
+MANIFEST_VERSION = 1
+SUFFIX = ".safetensors"
+VERIFY_POLICIES = ("first", "always", "never")
+_CHUNK = 1 << 20
+
+
+@dataclass(frozen=True)
+class ManifestEntry:
+    """One expert as the manifest records it.  `nbytes` counts tensor bytes, not file bytes."""
+
+    id: str
+    arch: str
+    kind: str
+    file: str
+    sha256: str
+    nbytes: int
+    dtype: str
+    version: int
+
+
+class ExpertStore:
+    """Expert tensors on disk, addressed by expert id.
+
+    `read` returns a dict of CPU tensors memory-mapped from the file; `write`
+    replaces an expert atomically.  Ids are file names, so an id with a path
+    separator or '..' is refused, and no manifest entry may point outside `root`.
+    """
+
+    def __init__(self, root: str | os.PathLike[str], verify: str = "first") -> None:
+        if verify not in VERIFY_POLICIES:
+            raise CoEError(f"expert store: verify must be one of {', '.join(VERIFY_POLICIES)}, got {verify!r}")
+        self.root = Path(root)
+        self.verify = verify
+        self._lock = threading.RLock()
+        self._verified: set[tuple[str, str]] = set()  # (id, sha256) whose file hashed correctly
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise CoEError(f"expert store: cannot create {self.root}: {exc.strerror or exc}") from None
+        self._entries: dict[str, ManifestEntry] = self._load_manifest()
+
+    # -- queries ----------------------------------------------------------------
+    @property
+    def manifest_path(self) -> Path:
+        return self.root / MANIFEST
+
+    def has(self, expert_id: str) -> bool:
+        with self._lock:
+            return expert_id in self._entries
+
+    def entry(self, expert_id: str) -> ManifestEntry:
+        with self._lock:
+            found = self._entries.get(expert_id)
+        if found is None:
+            raise ExpertLoadError(expert_id, str(self.manifest_path), "not in the expert store manifest")
+        return found
+
+    def entries(self) -> list[ManifestEntry]:
+        with self._lock:
+            return sorted(self._entries.values(), key=lambda e: e.id)
+
+    def path(self, expert_id: str) -> Path:
+        """Where the expert's file is (or will be written)."""
+        with self._lock:
+            found = self._entries.get(expert_id)
+        if found is not None:
+            return self.root / found.file
+        return self.root / (_check_id(expert_id) + SUFFIX)
+
+    def nbytes(self, expert_id: str) -> int:
+        return self.entry(expert_id).nbytes
+
+    def reload(self) -> None:
+        """Re-read the manifest from disk (another process may have written experts)."""
+        entries = self._load_manifest()
+        with self._lock:
+            self._entries = entries
+
+    # -- write --------------------------------------------------------------------
+    def write(self, expert: Expert, tensors: Mapping[str, "torch.Tensor"], version: int = 1) -> ManifestEntry:
+        """Store `tensors` as `expert`, replacing any previous version atomically."""
+        import torch
+        from safetensors.torch import save_file
+
+        _check_id(expert.id)
+        if not tensors:
+            raise CoEError(f"expert '{expert.id}': refusing to store an expert with no tensors")
+        bad = [k for k, v in tensors.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)]
+        if bad:
+            raise CoEError(f"expert '{expert.id}': tensors must map str to torch.Tensor, bad keys: {bad[:3]}")
+        cpu = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
+        by_dtype: dict[str, int] = {}
+        for v in cpu.values():
+            name = str(v.dtype).removeprefix("torch.")
+            by_dtype[name] = by_dtype.get(name, 0) + v.numel() * v.element_size()
+        nbytes = sum(by_dtype.values())
+        dtype = max(by_dtype.items(), key=lambda kv: kv[1])[0]
+
+        file = expert.id + SUFFIX
+        final = self.root / file
+        tmp = self.root / f".{file}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+        # one metadata key: safetensors stores metadata in a hash map, so several keys would be
+        # written in a random order and the same tensors would hash differently on every write
+        meta = {"coe": json.dumps({"expert_id": expert.id, "arch": expert.arch, "kind": expert.kind,
+                                   "version": int(version)}, sort_keys=True)}
+        try:
+            try:
+                save_file(cpu, str(tmp), metadata=meta)
+            except (RuntimeError, ValueError) as exc:  # shared storage, unsupported dtype
+                raise CoEError(f"expert '{expert.id}': cannot serialise tensors: {exc}") from None
+            digest = _sha256(tmp)
+            _fsync_file(tmp)
+            entry = ManifestEntry(id=expert.id, arch=expert.arch, kind=expert.kind, file=file, sha256=digest,
+                                  nbytes=nbytes, dtype=dtype, version=int(version))
+            with self._lock, self._process_lock():
+                os.replace(tmp, final)
+                _fsync_dir(self.root)
+                entries = self._load_manifest()  # pick up what other processes wrote meanwhile
+                entries[expert.id] = entry
+                self._write_manifest(entries)
+                self._entries = entries
+                self._verified = {v for v in self._verified if v[0] != expert.id}
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+        return entry
+
+    # -- read -----------------------------------------------------------------------
+    def read(self, expert_id: str) -> dict[str, "torch.Tensor"]:
+        """The expert's tensors (CPU, memory-mapped), verified per the store's policy."""
+        from safetensors.torch import load_file
+
+        entry = self.entry(expert_id)
+        path = self.root / entry.file
+        where = str(path)
+        if not path.is_file():
+            raise ExpertLoadError(expert_id, where, "file missing from the expert store")
+        key = (expert_id, entry.sha256)
+        if self.verify == "always" or (self.verify == "first" and key not in self._verified):
+            try:
+                digest = _sha256(path)
+            except OSError as exc:
+                raise ExpertLoadError(expert_id, where, f"cannot read: {exc.strerror or exc}") from None
+            if digest != entry.sha256:
+                raise ExpertLoadError(expert_id, where,
+                                      f"sha256 mismatch: manifest {entry.sha256[:12]}…, file {digest[:12]}…")
+        try:
+            tensors = load_file(str(path))
+        except Exception as exc:  # safetensors raises its own SafetensorError, plus OSError
+            raise ExpertLoadError(expert_id, where, f"truncated or corrupt safetensors: {exc}") from None
+        got = sum(t.numel() * t.element_size() for t in tensors.values())
+        if got != entry.nbytes:
+            raise ExpertLoadError(expert_id, where, f"file holds {got} tensor bytes, manifest says {entry.nbytes}")
+        if self.verify == "first":
+            with self._lock:
+                self._verified.add(key)
+        return tensors
+
+    # -- manifest ---------------------------------------------------------------------
+    def _load_manifest(self) -> dict[str, ManifestEntry]:
+        path = self.manifest_path
+        src = str(path)
+        try:
+            text = path.read_text(encoding="utf-8")
+        except FileNotFoundError:
+            return {}
+        except (OSError, UnicodeDecodeError) as exc:
+            raise CoEError(f"{src}: cannot read the expert store manifest: {exc}") from None
+        try:
+            raw = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise CoEError(f"{src}: malformed expert store manifest: not valid JSON ({exc})") from None
+        if not isinstance(raw, dict) or raw.get("format") != MANIFEST_FORMAT:
+            raise CoEError(f"{src}: malformed expert store manifest: expected an object with "
+                           f"format '{MANIFEST_FORMAT}'")
+        if raw.get("version") != MANIFEST_VERSION:
+            raise CoEError(f"{src}: unsupported expert store manifest version {raw.get('version')!r} "
+                           f"(this build reads {MANIFEST_VERSION})")
+        items = raw.get("experts")
+        if not isinstance(items, list):
+            raise CoEError(f"{src}: malformed expert store manifest: 'experts' must be a list")
+        entries: dict[str, ManifestEntry] = {}
+        for i, item in enumerate(items):
+            entry = self._parse_entry(item, f"{src}: experts[{i}]")
+            if entry.id in entries:
+                raise CoEError(f"{src}: experts[{i}]: duplicate expert id '{entry.id}'")
+            entries[entry.id] = entry
+        return entries
+
+    def _parse_entry(self, item: object, where: str) -> ManifestEntry:
+        types = {"id": str, "arch": str, "kind": str, "file": str, "sha256": str, "nbytes": int,
+                 "dtype": str, "version": int}
+        if not isinstance(item, dict):
+            raise CoEError(f"{where}: malformed expert store manifest: expected an object")
+        for f in fields(ManifestEntry):
+            val = item.get(f.name)
+            if f.name not in item:
+                raise CoEError(f"{where}: malformed expert store manifest: missing '{f.name}'")
+            if not isinstance(val, types[f.name]) or isinstance(val, bool):
+                raise CoEError(f"{where}.{f.name}: malformed expert store manifest: "
+                               f"must be {types[f.name].__name__}, got {type(val).__name__}")
+        entry = ManifestEntry(**{f.name: item[f.name] for f in fields(ManifestEntry)})
+        try:
+            _check_id(entry.id)
+        except CoEError as exc:
+            raise CoEError(f"{where}.id: {exc}") from None
+        if len(entry.sha256) != 64 or any(c not in "0123456789abcdef" for c in entry.sha256):
+            raise CoEError(f"{where}.sha256: malformed expert store manifest: not a hex sha256")
+        if entry.nbytes < 0:
+            raise CoEError(f"{where}.nbytes: malformed expert store manifest: negative")
+        self._check_inside(entry.file, where)
+        return entry
+
+    def _check_inside(self, file: str, where: str) -> None:
+        p = Path(file)
+        root = self.root.resolve()
+        if p.is_absolute() or ".." in p.parts or not file or (root / p).resolve().parent != root:
+            raise CoEError(f"{where}.file: '{file}' is not a file directly inside the store root {self.root}")
+
+    def _write_manifest(self, entries: Mapping[str, ManifestEntry]) -> None:
+        doc = {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION,
+               "experts": [asdict(entries[k]) for k in sorted(entries)]}
+        fd, tmp = tempfile.mkstemp(prefix=f".{MANIFEST}.", suffix=".tmp", dir=self.root)
+        try:
+            with os.fdopen(fd, "w", encoding="utf-8") as fh:
+                json.dump(doc, fh, indent=1)
+                fh.write("\n")
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, self.manifest_path)
+            _fsync_dir(self.root)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(tmp)
+
+    @contextlib.contextmanager
+    def _process_lock(self) -> Iterator[None]:
+        if fcntl is None:
+            yield
+            return
+        with open(self.root / ".manifest.lock", "a+b") as fh:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+
+
+def _check_id(expert_id: str) -> str:
+    """Refuse ids that are not a plain file name: they would let a spec write outside the store."""
+    seps = {"/", "\\", os.sep} | ({os.altsep} if os.altsep else set())
+    if (not isinstance(expert_id, str) or not expert_id or expert_id.startswith(".") or ".." in expert_id
+            or any(s in expert_id for s in seps) or any(ord(c) < 32 for c in expert_id)):
+        raise CoEError(f"expert id {expert_id!r} cannot name a store file: no path separators, "
+                       "'..', leading '.', or control characters")
+    return expert_id
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(_CHUNK):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _fsync_file(path: Path) -> None:
+    with open(path, "rb") as fh:
+        os.fsync(fh.fileno())
+
+
+def _fsync_dir(path: Path) -> None:
+    if os.name != "posix":
+        return
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)

@@ -1,0 +1,234 @@
+"""The result store: one SQLite file per line (DESIGN.md §7), WAL mode, via sqlite-utils.
+
+Two writers share the file, each on its own connection and thread: ingest
+journals frames (and must commit before it acks), and the result writer stores
+inferences, verdicts and events in batches.  WAL lets readers (the `results`
+command, dashboards) run alongside both.  `synchronous=FULL` on the journal
+makes an ack mean the frame survives a power cut, not only a crash.
+"""
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import sqlite3
+import time
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import sqlite_utils
+
+SCHEMA_VERSION = 1
+
+
+@dataclass(frozen=True)
+class JournalEntry:
+    """A frame as ingest accepted it: what is needed to re-run it after a crash."""
+
+    frame_id: str
+    line: str
+    board_id: str
+    component: str | None
+    ts: float
+    received_at: float
+    header: str
+    payload: bytes
+
+
+class ResultStore:
+    """Typed access to the line database.  One instance per thread."""
+
+    def __init__(self, path: str | Path, *, synchronous: str = "NORMAL", readonly: bool = False) -> None:
+        self.path = Path(path)
+        if readonly:
+            if not self.path.is_file():
+                raise FileNotFoundError(f"results database {self.path} does not exist (has the agent run?)")
+            conn = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, timeout=30, check_same_thread=False)
+        else:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            new = not self.path.exists()
+            conn = sqlite3.connect(str(self.path), timeout=30, check_same_thread=False)
+            if new:
+                os.chmod(self.path, 0o600)
+        self.db = sqlite_utils.Database(conn)
+        if not readonly:
+            self.db.enable_wal()
+            self.db.execute(f"PRAGMA synchronous={synchronous}")
+            self.db.execute("PRAGMA busy_timeout=30000")
+            self.ensure_schema()
+
+    def close(self) -> None:
+        self.db.close()
+
+    @contextlib.contextmanager
+    def _write_txn(self):
+        """BEGIN IMMEDIATE: take the write lock up front.
+
+        A deferred transaction that reads and then writes fails at once with
+        SQLITE_BUSY (no busy wait) when the other writer committed in between;
+        taking the lock first makes it wait its turn instead.
+        """
+        conn = self.db.conn
+        conn.execute("BEGIN IMMEDIATE")
+        try:
+            yield
+        except BaseException:
+            conn.rollback()
+            raise
+        else:
+            conn.commit()
+
+    # -- schema -------------------------------------------------------------
+    def ensure_schema(self) -> None:
+        db = self.db
+        with db.atomic():
+            if "frames" not in db.table_names():
+                db["frames"].create({"frame_id": str, "line": str, "board_id": str, "component": str,
+                                     "ts": float, "received_at": float, "status": str}, pk="frame_id")
+                db["frames"].create_index(["board_id"])
+            if "journal" not in db.table_names():
+                db["journal"].create({"frame_id": str, "header": str, "payload": bytes}, pk="frame_id")
+            if "inferences" not in db.table_names():
+                db["inferences"].create({"id": int, "frame_id": str, "stage": int, "expert_id": str,
+                                         "device": str, "executor": str, "batch_id": int, "output": str,
+                                         "latency_ms": float, "started_at": float}, pk="id")
+                db["inferences"].create_index(["frame_id"])
+            if "verdicts" not in db.table_names():
+                db["verdicts"].create({"frame_id": str, "verdict": str, "reason": str, "decided_at": float,
+                                       "latency_ms": float, "chain": str}, pk="frame_id")
+                db["verdicts"].create_index(["verdict"])
+            if "errors" not in db.table_names():
+                db["errors"].create({"id": int, "frame_id": str, "kind": str, "message": str, "at": float},
+                                    pk="id")
+            if "expert_events" not in db.table_names():
+                db["expert_events"].create({"id": int, "expert_id": str, "tier": str, "event": str,
+                                            "nbytes": int, "seconds": float, "at": float}, pk="id")
+
+    # -- ingest side ----------------------------------------------------------
+    def journal(self, entries: Sequence[JournalEntry], errors: Iterable[dict] = ()) -> list[bool]:
+        """Journal accepted frames and record rejects in one committed transaction.
+
+        Returns, per entry, True if it was new and False if its frame_id was
+        already journaled (a duplicate).  Duplicates inside `entries` count once.
+        """
+        errors = list(errors)
+        if not entries and not errors:
+            return []
+        with self._write_txn():
+            ids = [e.frame_id for e in entries]
+            known = self._existing(ids)
+            fresh: list[bool] = []
+            rows, blobs = [], []
+            for e in entries:
+                if e.frame_id in known:
+                    fresh.append(False)
+                    continue
+                known.add(e.frame_id)
+                fresh.append(True)
+                rows.append({"frame_id": e.frame_id, "line": e.line, "board_id": e.board_id,
+                             "component": e.component, "ts": e.ts, "received_at": e.received_at,
+                             "status": "accepted"})
+                blobs.append({"frame_id": e.frame_id, "header": e.header, "payload": e.payload})
+            if rows:
+                self.db["frames"].insert_all(rows, batch_size=500)
+                self.db["journal"].insert_all(blobs, batch_size=500)
+            if errors:
+                self.db["errors"].insert_all(errors, batch_size=500)
+        return fresh
+
+    def _existing(self, ids: Sequence[str]) -> set[str]:
+        found: set[str] = set()
+        for i in range(0, len(ids), 500):
+            chunk = ids[i:i + 500]
+            marks = ",".join("?" * len(chunk))
+            found.update(r[0] for r in self.db.execute(
+                f"SELECT frame_id FROM frames WHERE frame_id IN ({marks})", chunk).fetchall())
+        return found
+
+    def pending(self) -> list[JournalEntry]:
+        """Accepted frames that have no verdict yet (to re-run after a restart)."""
+        cur = self.db.execute(
+            "SELECT f.frame_id, f.line, f.board_id, f.component, f.ts, f.received_at, j.header, j.payload "
+            "FROM frames f JOIN journal j ON j.frame_id = f.frame_id "
+            "LEFT JOIN verdicts v ON v.frame_id = f.frame_id WHERE v.frame_id IS NULL ORDER BY f.rowid")
+        return [JournalEntry(*row) for row in cur.fetchall()]
+
+    # -- result writer side -----------------------------------------------------
+    def write(self, *, inferences: Sequence[dict] = (), verdicts: Sequence[dict] = (),
+              errors: Sequence[dict] = (), events: Sequence[dict] = ()) -> list[str]:
+        """Store one batch of results in one transaction.
+
+        Verdicts are idempotent by frame_id: a frame that already has one keeps
+        it.  Returns the frame_ids whose verdict this call stored.
+        """
+        stored: list[str] = []
+        with self._write_txn():
+            if inferences:
+                self.db["inferences"].insert_all(inferences, batch_size=500)
+            if verdicts:
+                have = self._verdicts_for([v["frame_id"] for v in verdicts])
+                new = []
+                for v in verdicts:
+                    if v["frame_id"] not in have:
+                        have.add(v["frame_id"])
+                        new.append(v)
+                if new:
+                    self.db["verdicts"].insert_all(new, batch_size=500)
+                    stored = [v["frame_id"] for v in new]
+                    for i in range(0, len(stored), 500):
+                        chunk = stored[i:i + 500]
+                        marks = ",".join("?" * len(chunk))
+                        self.db.execute(f"UPDATE frames SET status='done' WHERE frame_id IN ({marks})", chunk)
+                        self.db.execute(f"DELETE FROM journal WHERE frame_id IN ({marks})", chunk)
+            if errors:
+                self.db["errors"].insert_all(errors, batch_size=500)
+            if events:
+                self.db["expert_events"].insert_all(events, batch_size=500)
+        return stored
+
+    def _verdicts_for(self, ids: Sequence[str]) -> set[str]:
+        found: set[str] = set()
+        for i in range(0, len(ids), 500):
+            chunk = ids[i:i + 500]
+            marks = ",".join("?" * len(chunk))
+            found.update(r[0] for r in self.db.execute(
+                f"SELECT frame_id FROM verdicts WHERE frame_id IN ({marks})", chunk).fetchall())
+        return found
+
+    # -- queries ------------------------------------------------------------------
+    def query_verdicts(self, *, verdict: str | None = None, board: str | None = None,
+                       component: str | None = None, limit: int = 50) -> list[dict[str, Any]]:
+        where, args = [], []
+        if verdict:
+            where.append("v.verdict = ?")
+            args.append(verdict)
+        if board:
+            where.append("f.board_id = ?")
+            args.append(board)
+        if component:
+            where.append("f.component = ?")
+            args.append(component)
+        sql = ("SELECT v.frame_id, f.board_id, f.component, v.verdict, v.reason, v.latency_ms, v.decided_at, v.chain "
+               "FROM verdicts v JOIN frames f ON f.frame_id = v.frame_id")
+        if where:
+            sql += " WHERE " + " AND ".join(where)
+        sql += " ORDER BY v.decided_at DESC, v.rowid DESC LIMIT ?"
+        args.append(limit)
+        rows = [dict(r) for r in self.db.query(sql, args)]
+        for r in rows:
+            r["chain"] = json.loads(r["chain"]) if r.get("chain") else []
+        return rows
+
+    def counts(self) -> dict[str, Any]:
+        q = lambda sql: self.db.execute(sql).fetchone()[0]  # noqa: E731
+        by_kind = {r[0]: r[1] for r in self.db.execute("SELECT verdict, count(*) FROM verdicts GROUP BY verdict")}
+        events = {r[0]: r[1] for r in self.db.execute("SELECT event, count(*) FROM expert_events GROUP BY event")}
+        return {"frames": q("SELECT count(*) FROM frames"), "verdicts": q("SELECT count(*) FROM verdicts"),
+                "by_verdict": by_kind, "errors": q("SELECT count(*) FROM errors"),
+                "inferences": q("SELECT count(*) FROM inferences"), "expert_events": events}
+
+
+def now() -> float:
+    return time.time()

@@ -1,0 +1,176 @@
+"""The agent end to end: real loopback ZeroMQ, real SQLite, real (tiny) models."""
+from __future__ import annotations
+
+import json
+import sqlite3
+import threading
+import time
+import urllib.request
+from collections import Counter
+
+import cv2
+import numpy as np
+import pytest
+import zmq
+
+from edge_agent import protocol as P
+from edge_agent.agent import Agent
+from edge_agent.config import load_config
+from edge_agent.replay import replay, send_messages
+from storage.recording import Recording
+
+from conftest import verdict_rows
+
+
+@pytest.fixture
+def agent(tiny_line):
+    a = Agent(load_config(tiny_line, env={})).start()
+    yield a
+    a.stop()
+
+
+def db_rows(agent, sql):
+    con = sqlite3.connect(agent.cfg.db_path)
+    try:
+        return con.execute(sql).fetchall()
+    finally:
+        con.close()
+
+
+def subscribe(endpoint: str, got: list, stop: threading.Event) -> threading.Thread:
+    ready = threading.Event()
+
+    def loop():
+        sub = zmq.Context.instance().socket(zmq.SUB)
+        sub.setsockopt(zmq.SUBSCRIBE, b"")
+        sub.connect(endpoint)
+        ready.set()
+        while not stop.is_set():
+            if sub.poll(50):
+                got.append(sub.recv_multipart())
+        sub.close(linger=0)
+    t = threading.Thread(target=loop, daemon=True)
+    t.start()
+    ready.wait(2)
+    time.sleep(0.3)
+    return t
+
+
+def test_every_frame_gets_exactly_one_verdict(agent, tiny_recording):
+    rec = Recording(tiny_recording)
+    got, stop = [], threading.Event()
+    t = subscribe(agent.endpoints["publish"], got, stop)
+    report = replay(rec, agent.endpoints["ingest"], window=16)
+    assert (report.accepted, report.rejected, report.unacked) == (len(rec), 0, [])
+    assert agent.wait_verdicts(len(rec), timeout=120)
+    time.sleep(0.3)
+    stop.set()
+    t.join(2)
+    rows = verdict_rows(agent.cfg.db_path)
+    ids = [r["frame_id"] for r in rows]
+    assert sorted(ids) == sorted(f.header["frame_id"] for f in rec)
+    assert all(r["verdict"] in ("pass", "defect") for r in rows), Counter(r["reason"] for r in rows)
+    published = [json.loads(m[1]) for m in got]
+    assert sorted(p["frame_id"] for p in published) == sorted(ids)
+    assert all(m[0] == b"T" for m in got)
+    # batching by expert happened, and the 20 MB budget forced loads and evictions
+    batches = db_rows(agent, "SELECT count(DISTINCT batch_id), count(*) FROM inferences")[0]
+    assert batches[0] < batches[1]
+    events = dict(db_rows(agent, "SELECT event, count(*) FROM expert_events GROUP BY event"))
+    used = db_rows(agent, "SELECT count(DISTINCT expert_id) FROM inferences")[0][0]
+    loaded = db_rows(agent, "SELECT sum(nbytes) FROM expert_events WHERE event='load'")[0][0]
+    assert events.get("load", 0) >= used >= 3 and events.get("evict", 0) > 0
+    assert loaded > 20_000_000  # more bytes went through the pool than its budget holds
+    # the metrics endpoint tells the same story
+    text = urllib.request.urlopen(f"http://127.0.0.1:{agent.metrics_port}/metrics", timeout=5).read().decode()
+    assert f'coe_frames_received_total{{line="T"}} {float(len(rec))}' in text
+    assert "coe_expert_evictions_total" in text and "coe_queue_depth" in text
+
+
+def test_duplicates_are_acked_and_not_rerun(agent, tiny_recording):
+    rec = Recording(tiny_recording)
+    first = replay(rec, agent.endpoints["ingest"])
+    assert first.accepted == len(rec)
+    assert agent.wait_verdicts(len(rec), timeout=120)
+    steps = db_rows(agent, "SELECT count(*) FROM inferences")[0][0]
+    again = replay(rec, agent.endpoints["ingest"])
+    assert (again.accepted, again.duplicate) == (0, len(rec))
+    time.sleep(0.5)
+    assert agent.wait_idle(10)
+    assert db_rows(agent, "SELECT count(*) FROM inferences")[0][0] == steps
+    assert db_rows(agent, "SELECT count(*) FROM verdicts")[0][0] == len(rec)
+
+
+def _png(seed: int) -> bytes:
+    img = np.random.default_rng(seed).integers(0, 255, (40, 40, 3), dtype=np.uint8)
+    return cv2.imencode(".png", img)[1].tobytes()
+
+
+def _header(fid: str, **over) -> bytes:
+    h = {"v": 1, "frame_id": fid, "line": "T", "board_id": "B1", "component": "R0402", "ts": 1.0,
+         "encoding": "png"}
+    h.update(over)
+    return json.dumps({k: v for k, v in h.items() if v is not None}).encode()
+
+
+BAD_CASES = {
+    "bad-json": ([b'{"frame_id": "bad-json", ', _png(1)], P.MALFORMED_JSON),
+    "bad-missing": ([_header("bad-missing", board_id=None), _png(2)], P.MISSING_FIELD),
+    "bad-type": ([_header("bad-type", ts="noon"), _png(3)], P.BAD_FIELD),
+    "bad-version": ([_header("bad-version", v=9), _png(4)], P.UNKNOWN_VERSION),
+    "bad-line": ([_header("bad-line", line="Z"), _png(5)], P.WRONG_LINE),
+    "bad-comp": ([_header("bad-comp", component="FLUX-CAPACITOR"), _png(6)], P.UNKNOWN_COMPONENT),
+    "bad-image": ([_header("bad-image"), b"\x89PNG\r\n\x1a\nnot really a png IEND\xaeB`\x82"], P.BAD_IMAGE),
+    "bad-trunc": ([_header("bad-trunc"), _png(7)[:60]], P.BAD_IMAGE),
+    "bad-big": ([_header("bad-big", encoding="raw", shape=[200, 200, 3]), bytes(200 * 200 * 3)], P.OVERSIZE),
+    "bad-parts": ([_header("bad-parts"), _png(8), b"extra"], P.BAD_FRAMING),
+    "bad-one-part": ([_header("bad-one-part")], P.BAD_FRAMING),
+}
+
+
+def test_bad_input_is_rejected_with_reason_and_good_frames_still_served(agent):
+    ctx = zmq.Context.instance()
+    sock = ctx.socket(zmq.DEALER)
+    sock.connect(agent.endpoints["ingest"])
+    good = [f"good-{i}" for i in range(12)]
+    plan = []
+    for i, fid in enumerate(good):
+        plan.append((fid, [_header(fid, component=["R0402", "C0402", "U-SOIC8"][i % 3]), _png(100 + i)]))
+        bad = list(BAD_CASES)[i % len(BAD_CASES)] if i < len(BAD_CASES) else None
+        if bad:
+            plan.append((bad, BAD_CASES[bad][0]))
+    for name in list(BAD_CASES)[len(good):]:
+        plan.append((name, BAD_CASES[name][0]))
+    for _, parts in plan:
+        sock.send_multipart(parts)
+    acks = {}
+    deadline = time.time() + 30
+    while len(acks) < len(plan) and time.time() < deadline:
+        if sock.poll(200):
+            fid, status, detail = (x.decode() for x in sock.recv_multipart())
+            acks[fid] = (status, detail)
+    sock.close(linger=0)
+    for name, (_, reason) in BAD_CASES.items():
+        status, detail = acks["" if name == "bad-json" else name]  # no frame_id can be read from bad JSON
+        assert status == "rejected" and detail.startswith(reason + ":"), (name, detail)
+    assert all(acks[g][0] == "accepted" for g in good)
+    assert agent.wait_verdicts(len(good), timeout=60)
+    assert {r["frame_id"] for r in verdict_rows(agent.cfg.db_path)} == set(good)
+    kinds = Counter(k for (k,) in db_rows(agent, "SELECT kind FROM errors"))
+    for name, (_, reason) in BAD_CASES.items():
+        assert kinds[f"reject:{reason}"] >= 1, reason
+    named = {fid for (fid,) in db_rows(agent, "SELECT frame_id FROM errors WHERE frame_id IS NOT NULL")}
+    assert {"bad-missing", "bad-line", "bad-comp", "bad-image", "bad-parts"} <= named
+
+
+def test_resend_after_lost_ack_is_a_duplicate_not_a_second_verdict(agent, tiny_recording):
+    rec = Recording(tiny_recording)
+    frames = list(rec)[:5]
+    msgs = [(f.header["frame_id"], [P.encode_header(f.header), rec.payload(f)]) for f in frames]
+    # the same frames twice in one stream: the second copy stands for a resend after a lost ack
+    report = send_messages(msgs + msgs, agent.endpoints["ingest"])
+    assert report.accepted == 5
+    assert agent.wait_verdicts(5, timeout=60)
+    time.sleep(0.3)
+    assert db_rows(agent, "SELECT count(*) FROM verdicts")[0][0] == 5
+    assert db_rows(agent, "SELECT count(*) FROM frames")[0][0] == 5

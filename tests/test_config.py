@@ -1,0 +1,86 @@
+"""Line config: defaults, COE_* overrides, and errors that name the file, the key and the reason."""
+from pathlib import Path
+
+import pytest
+
+from coe import SpecError
+from edge_agent.config import endpoint_parts, find_config, load_config, parse_bytes
+
+REPO = Path(__file__).resolve().parent.parent
+LINE_A = REPO / "configs" / "line-A.yaml"
+
+
+def write(tmp_path, text: str) -> Path:
+    spec = tmp_path / "spec.yaml"
+    spec.write_text((REPO / "configs" / "specs" / "line-A.coe.yaml").read_text())
+    p = tmp_path / "line-T.yaml"
+    p.write_text(text)
+    return p
+
+
+def test_line_a_loads_with_resolved_paths():
+    cfg = load_config(LINE_A, env={})
+    assert cfg.line == "A"
+    assert Path(cfg.spec).is_file() and Path(cfg.spec).is_absolute()
+    assert cfg.results_db == "var/line-A/results.db"
+    assert cfg.executors[0].memory == 160_000_000
+
+
+def test_env_overrides_nested_keys():
+    cfg = load_config(LINE_A, env={"COE_DATA_DIR": "/tmp/x", "COE_EXECUTORS__0__MEMORY": "1GiB",
+                                   "COE_SCHEDULER__MAX_BATCH": "4", "COE_METRICS__PORT": "0",
+                                   "UNRELATED": "1"})
+    assert cfg.results_db == "/tmp/x/results.db"
+    assert cfg.executors[0].memory == 2**30
+    assert cfg.scheduler.max_batch == 4
+    assert cfg.metrics.port == 0
+
+
+@pytest.mark.parametrize("text,key,reason", [
+    ("line: T\nspec: spec.yaml\nbogus: 1\n", "bogus", "Extra inputs"),
+    ("spec: spec.yaml\n", "line", "required"),
+    ("line: T\nspec: spec.yaml\nexecutors: [{device: tpu}]\n", "executors.0.device", "cuda"),
+    ("line: T\nspec: spec.yaml\nexecutors: [{memory: lots}]\n", "executors.0.memory", "256MB"),
+    ("line: T\nspec: spec.yaml\ningest: tcp://127.0.0.1:5\n", "ingest", "router+bind"),
+    ("line: T\nspec: spec.yaml\neviction: random\n", "eviction", "lru"),
+    ("line: T\nspec: spec.yaml\nscheduler: {max_batch: 0}\n", "scheduler.max_batch", "greater than"),
+])
+def test_invalid_config_names_file_key_reason(tmp_path, text, key, reason):
+    p = write(tmp_path, text)
+    with pytest.raises(SpecError) as ei:
+        load_config(p, env={})
+    assert ei.value.key == key
+    assert str(p) in str(ei.value)
+    assert reason in ei.value.reason
+
+
+def test_env_error_names_the_variable(tmp_path):
+    p = write(tmp_path, "line: T\nspec: spec.yaml\n")
+    with pytest.raises(SpecError) as ei:
+        load_config(p, env={"COE_MAX_INFLIGHT": "-3"})
+    assert "COE_MAX_INFLIGHT" in str(ei.value) and ei.value.key == "max_inflight"
+
+
+def test_broken_yaml_and_missing_file(tmp_path):
+    p = write(tmp_path, "line: [unclosed\n")
+    with pytest.raises(SpecError, match="not valid YAML"):
+        load_config(p, env={})
+    with pytest.raises(SpecError, match="does not exist"):
+        load_config(tmp_path / "nope.yaml", env={})
+
+
+def test_find_config_prefers_explicit_then_env(tmp_path, monkeypatch):
+    p = write(tmp_path, "line: T\nspec: spec.yaml\n")
+    assert find_config("T", p) == p
+    monkeypatch.setenv("COE_CONFIG_DIR", str(tmp_path))
+    assert find_config("T") == tmp_path / "line-T.yaml"
+    with pytest.raises(SpecError, match="no config for line 'Q'"):
+        find_config("Q")
+
+
+def test_sizes_and_endpoints():
+    assert parse_bytes("1.5GiB") == int(1.5 * 2**30)
+    assert parse_bytes(1024) == 1024
+    with pytest.raises(ValueError):
+        parse_bytes("12 parsecs")
+    assert endpoint_parts("router+bind:tcp://127.0.0.1:5555") == ("router", True, "tcp://127.0.0.1:5555")

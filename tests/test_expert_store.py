@@ -1,0 +1,214 @@
+"""The expert store against real files: round trips, corruption, manifests, ids."""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+from coe import CoEError, Expert, ExpertLoadError
+from storage.expert_store import ExpertStore, ManifestEntry
+
+
+def expert(eid: str = "cls-a") -> Expert:
+    return Expert(id=eid, arch="torchvision/resnet18", kind="classifier", classes=("ok", "bad"), input_size=32)
+
+
+def tensors(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "fc.weight": torch.randn(2, 64, generator=g),
+        "fc.bias": torch.randn(2, generator=g),
+        "bn.running_mean": torch.randn(64, generator=g),
+        "bn.num_batches_tracked": torch.tensor(7, dtype=torch.int64),
+    }
+
+
+def replace_bytes(path: Path, data: bytes) -> None:
+    """Corrupt by replacing the file, as a disk error would look to a new reader.
+
+    Rewriting in place would also change (or, truncated, SIGBUS) tensors an
+    earlier read still maps; the store itself only ever replaces files.
+    """
+    tmp = path.with_suffix(".corrupt")
+    tmp.write_bytes(data)
+    os.replace(tmp, path)
+
+
+def flip_last_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    replace_bytes(path, bytes(data))
+
+
+def test_round_trip_returns_equal_tensors(tmp_path: Path) -> None:
+    store = ExpertStore(tmp_path)
+    src = tensors()
+    store.write(expert(), src)
+    got = store.read("cls-a")
+    assert set(got) == set(src)
+    for k in src:
+        assert got[k].dtype == src[k].dtype and torch.equal(got[k], src[k])
+
+
+def test_manifest_records_hash_size_and_dtype(tmp_path: Path) -> None:
+    store = ExpertStore(tmp_path)
+    src = tensors()
+    entry = store.write(expert(), src, version=3)
+    path = tmp_path / "cls-a.safetensors"
+    assert entry == ManifestEntry(id="cls-a", arch="torchvision/resnet18", kind="classifier",
+                                  file="cls-a.safetensors", sha256=hashlib.sha256(path.read_bytes()).hexdigest(),
+                                  nbytes=(2 * 64 + 2 + 64) * 4 + 8, dtype="float32", version=3)
+    on_disk = json.loads((tmp_path / "manifest.json").read_text())
+    assert on_disk["experts"] == [{"id": "cls-a", "arch": "torchvision/resnet18", "kind": "classifier",
+                                   "file": "cls-a.safetensors", "sha256": entry.sha256, "nbytes": entry.nbytes,
+                                   "dtype": "float32", "version": 3}]
+    assert store.nbytes("cls-a") == entry.nbytes and store.path("cls-a") == path
+    assert sorted(os.listdir(tmp_path)) == [".manifest.lock", "cls-a.safetensors", "manifest.json"]  # no temp files
+
+
+def test_flipped_byte_is_a_sha256_mismatch_naming_expert_and_file(tmp_path: Path) -> None:
+    store = ExpertStore(tmp_path)
+    store.write(expert(), tensors())
+    flip_last_byte(tmp_path / "cls-a.safetensors")
+    with pytest.raises(ExpertLoadError) as err:
+        store.read("cls-a")
+    msg = str(err.value)
+    assert "sha256 mismatch" in msg and "cls-a" in msg and "cls-a.safetensors" in msg
+    assert err.value.expert_id == "cls-a" and err.value.path.endswith("cls-a.safetensors")
+
+
+def test_truncated_file_is_refused(tmp_path: Path) -> None:
+    store = ExpertStore(tmp_path)
+    store.write(expert(), tensors())
+    path = tmp_path / "cls-a.safetensors"
+    replace_bytes(path, path.read_bytes()[:-100])
+    with pytest.raises(ExpertLoadError, match="sha256"):
+        store.read("cls-a")
+
+
+def test_verify_never_skips_the_hash_but_still_refuses_a_truncated_file(tmp_path: Path) -> None:
+    store = ExpertStore(tmp_path, verify="never")
+    src = tensors()
+    store.write(expert(), src)
+    path = tmp_path / "cls-a.safetensors"
+    flip_last_byte(path)  # the last byte is tensor data: unverified, it loads with a changed value
+    got = store.read("cls-a")
+    assert not all(torch.equal(got[k], src[k]) for k in src)
+    replace_bytes(path, path.read_bytes()[:-100])
+    with pytest.raises(ExpertLoadError, match="truncated or corrupt safetensors"):
+        store.read("cls-a")
+
+
+def test_garbage_file_is_reported_as_corrupt_safetensors(tmp_path: Path) -> None:
+    store = ExpertStore(tmp_path, verify="never")
+    store.write(expert(), tensors())
+    replace_bytes(tmp_path / "cls-a.safetensors", b"\x80\x04not a safetensors file at all")
+    with pytest.raises(ExpertLoadError, match="truncated or corrupt safetensors"):
+        store.read("cls-a")
+
+
+def test_verify_first_hashes_once_and_always_hashes_every_read(tmp_path: Path) -> None:
+    first = ExpertStore(tmp_path, verify="first")
+    first.write(expert(), tensors())
+    always = ExpertStore(tmp_path, verify="always")
+    first.read("cls-a")
+    always.read("cls-a")
+    flip_last_byte(tmp_path / "cls-a.safetensors")
+    first.read("cls-a")  # verified once already in this process: not hashed again
+    with pytest.raises(ExpertLoadError, match="sha256"):
+        always.read("cls-a")
+
+
+def test_rewrite_replaces_content_and_needs_fresh_verification(tmp_path: Path) -> None:
+    store = ExpertStore(tmp_path)
+    store.write(expert(), tensors(0))
+    store.read("cls-a")
+    entry = store.write(expert(), tensors(1), version=2)
+    assert entry.version == 2 and store.entry("cls-a") == entry
+    assert torch.equal(store.read("cls-a")["fc.bias"], tensors(1)["fc.bias"])
+    flip_last_byte(tmp_path / "cls-a.safetensors")
+    store2 = ExpertStore(tmp_path)
+    with pytest.raises(ExpertLoadError, match="sha256"):
+        store2.read("cls-a")
+
+
+def test_unknown_and_missing_experts_are_load_errors(tmp_path: Path) -> None:
+    store = ExpertStore(tmp_path)
+    with pytest.raises(ExpertLoadError, match="not in the expert store"):
+        store.read("nope")
+    assert not store.has("nope")
+    store.write(expert(), tensors())
+    (tmp_path / "cls-a.safetensors").unlink()
+    with pytest.raises(ExpertLoadError, match="missing"):
+        store.read("cls-a")
+
+
+@pytest.mark.parametrize("content, words", [
+    ("{not json", ["manifest.json", "not valid JSON"]),
+    ('{"format": "coe-edge/expert-store", "version": 1, "experts": {}}', ["'experts' must be a list"]),
+    ('{"format": "coe-edge/expert-store", "version": 1, "experts": [{"id": "x"}]}', ["experts[0]", "missing 'arch'"]),
+    ('{"format": "coe-edge/expert-store", "version": 99, "experts": []}', ["version 99"]),
+    ('[]', ["manifest.json", "format"]),
+])
+def test_malformed_manifest_is_a_coe_error_naming_file_and_reason(tmp_path: Path, content: str,
+                                                                  words: list[str]) -> None:
+    (tmp_path / "manifest.json").write_text(content)
+    with pytest.raises(CoEError) as err:
+        ExpertStore(tmp_path)
+    for w in words:
+        assert w in str(err.value)
+
+
+@pytest.mark.parametrize("bad_id", ["../evil", "a/b", "a\\b", "..", ".hidden", ""])
+def test_path_escaping_ids_are_refused(tmp_path: Path, bad_id: str) -> None:
+    store = ExpertStore(tmp_path / "store")
+    with pytest.raises(CoEError, match="cannot name a store file"):
+        store.write(expert(bad_id), tensors())
+    assert sorted(p.name for p in tmp_path.rglob("*")) == ["store"]
+
+
+def test_manifest_file_escaping_root_is_refused(tmp_path: Path) -> None:
+    root = tmp_path / "store"
+    store = ExpertStore(root)
+    store.write(expert(), tensors())
+    doc = json.loads((root / "manifest.json").read_text())
+    doc["experts"][0]["file"] = "../outside.safetensors"
+    (root / "manifest.json").write_text(json.dumps(doc))
+    with pytest.raises(CoEError, match="not a file directly inside the store root"):
+        ExpertStore(root)
+
+
+def test_reopened_store_sees_the_entries(tmp_path: Path) -> None:
+    store = ExpertStore(tmp_path)
+    a = store.write(expert("cls-a"), tensors(0))
+    b = store.write(expert("cls-b"), tensors(1))
+    again = ExpertStore(tmp_path)
+    assert again.entries() == [a, b]
+    assert torch.equal(again.read("cls-b")["fc.weight"], tensors(1)["fc.weight"])
+
+
+def test_two_stores_on_one_root_do_not_lose_each_others_entries(tmp_path: Path) -> None:
+    one, two = ExpertStore(tmp_path), ExpertStore(tmp_path)
+    one.write(expert("cls-a"), tensors(0))
+    two.write(expert("cls-b"), tensors(1))  # re-reads the manifest before rewriting it
+    assert [e.id for e in ExpertStore(tmp_path).entries()] == ["cls-a", "cls-b"]
+    assert not one.has("cls-b")
+    one.reload()
+    assert one.has("cls-b")
+
+
+def test_unknown_verify_policy_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(CoEError, match="verify"):
+        ExpertStore(tmp_path, verify="sometimes")
+
+
+def test_same_tensors_give_the_same_file(tmp_path: Path) -> None:
+    """Content hashes are stable: rewriting identical tensors must not change the sha256."""
+    store = ExpertStore(tmp_path)
+    shas = {store.write(expert(), tensors(0)).sha256 for _ in range(5)}
+    assert len(shas) == 1
+    assert store.write(expert(), tensors(1)).sha256 not in shas

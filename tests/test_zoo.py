@@ -1,0 +1,142 @@
+"""Building the expert zoo of a spec into a real store."""
+from __future__ import annotations
+
+import json
+import struct
+from collections import Counter
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from coe import CoEError, CoEModel, parse_spec
+from edge_agent.zoo import build_zoo
+from executors.backends import get_backend
+from storage.expert_store import ExpertStore
+
+SPEC = {
+    "name": "tiny",
+    "experts": [
+        {"id": "cls-r", "arch": "torchvision/shufflenet_v2_x0_5", "kind": "classifier",
+         "classes": ["ok", "missing", "misaligned"], "input_size": 32,
+         "priors": {"ok": 0.7, "missing": 0.2, "misaligned": 0.1}, "next": {"ok": "det-a"}},
+        {"id": "cls-c", "arch": "torchvision/mobilenet_v3_small", "kind": "classifier",
+         "classes": ["ok", "missing"], "input_size": 32, "next": {"ok": "det-a"}},
+        {"id": "det-a", "arch": "ultralytics/yolov8n", "kind": "detector",
+         "classes": ["solder_bridge", "tombstone"], "input_size": 64},
+    ],
+    "components": [
+        {"name": "R0402", "classifier": "cls-r", "frequency": 3},
+        {"name": "C0402", "classifier": "cls-c", "frequency": 1},
+    ],
+}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _ultralytics_offline(tmp_path_factory: pytest.TempPathFactory) -> None:
+    mp = pytest.MonkeyPatch()
+    mp.setenv("YOLO_CONFIG_DIR", str(tmp_path_factory.mktemp("yolo-config")))
+    mp.setenv("YOLO_OFFLINE", "1")
+    yield
+    mp.undo()
+
+
+@pytest.fixture(scope="module")
+def model() -> CoEModel:
+    return parse_spec(SPEC, "tiny.coe.yaml")
+
+
+def samples(expert_id: str) -> list[np.ndarray]:
+    rng = np.random.default_rng(len(expert_id))
+    return [rng.integers(0, 256, (40, 40, 3), dtype=np.uint8) for _ in range(40)]
+
+
+def safetensors_header(path: Path) -> dict:
+    """Parse the file as safetensors by hand: u64 header length, JSON header, raw bytes."""
+    data = path.read_bytes()
+    (n,) = struct.unpack("<Q", data[:8])
+    header = json.loads(data[8:8 + n])
+    ends = [v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"]
+    if 8 + n + max(ends) != len(data):
+        raise AssertionError(f"{path}: header does not account for every byte")
+    return header
+
+
+def test_builds_every_expert_and_skips_existing_ones(tmp_path: Path, model: CoEModel) -> None:
+    store = ExpertStore(tmp_path)
+    said: list[str] = []
+    entries = build_zoo(model, store, seed=1, progress=said.append)
+    assert [e.id for e in entries] == ["cls-r", "cls-c", "det-a"]
+    assert [(e.arch, e.kind) for e in entries] == [(x.arch, x.kind) for x in model.experts.values()]
+    assert all(e.nbytes > 100_000 and e.dtype == "float32" for e in entries)
+    assert sum("wrote" in m for m in said) == 3
+
+    mtimes = {e.id: store.path(e.id).stat().st_mtime_ns for e in entries}
+    said.clear()
+    again = build_zoo(model, store, seed=1, progress=said.append)
+    assert again == entries
+    assert sum("kept" in m for m in said) == 3
+    assert {e.id: store.path(e.id).stat().st_mtime_ns for e in again} == mtimes
+
+
+def test_force_rebuilds_and_the_same_seed_gives_the_same_files(tmp_path: Path, model: CoEModel) -> None:
+    store = ExpertStore(tmp_path)
+    first = build_zoo(model, store, seed=1)
+    said: list[str] = []
+    rebuilt = build_zoo(model, store, seed=1, force=True, progress=said.append)
+    assert sum("wrote" in m for m in said) == 3
+    assert [e.sha256 for e in rebuilt] == [e.sha256 for e in first]
+    other = build_zoo(model, store, seed=2, force=True)
+    assert all(a.sha256 != b.sha256 for a, b in zip(first, other))
+    assert len({e.sha256 for e in first}) == 3  # experts do not share a seed
+
+
+def test_an_expert_whose_arch_changed_is_rebuilt(tmp_path: Path, model: CoEModel) -> None:
+    store = ExpertStore(tmp_path)
+    build_zoo(model, store)
+    raw = json.loads(json.dumps(SPEC))
+    raw["experts"][1]["arch"] = "torchvision/shufflenet_v2_x0_5"
+    changed = build_zoo(parse_spec(raw), store)
+    assert store.entry("cls-c").arch == "torchvision/shufflenet_v2_x0_5" == changed[1].arch
+    assert changed[0] == store.entry("cls-r")
+
+
+def test_files_are_safetensors_never_pickle_and_load_into_their_backend(tmp_path: Path, model: CoEModel) -> None:
+    store = ExpertStore(tmp_path)
+    for entry in build_zoo(model, store):
+        path = store.path(entry.id)
+        raw = path.read_bytes()
+        assert not raw.startswith((b"\x80", b"PK"))  # neither a pickle nor a torch.save zip
+        header = safetensors_header(path)
+        assert json.loads(header["__metadata__"]["coe"])["expert_id"] == entry.id
+        expert = model.experts[entry.id]
+        backend = get_backend(expert.arch)
+        module = backend.build(expert, store.read(entry.id))
+        out = backend.run(module, expert, samples(entry.id)[:2])
+        assert len(out) == 2
+
+
+def test_sample_images_calibrate_classifiers_only(tmp_path: Path, model: CoEModel) -> None:
+    asked: list[str] = []
+
+    def sample_images(expert_id: str) -> list[np.ndarray]:
+        asked.append(expert_id)
+        return samples(expert_id)
+
+    store = ExpertStore(tmp_path)
+    build_zoo(model, store, sample_images=sample_images)
+    assert asked == ["cls-r", "cls-c"]
+    expert = model.experts["cls-r"]
+    backend = get_backend(expert.arch)
+    counts = Counter(o.label for o in backend.run(backend.build(expert, store.read("cls-r")), expert,
+                                                  samples("cls-r")))
+    assert counts["ok"] / 40 == pytest.approx(0.7, abs=0.1)
+
+
+def test_unknown_arch_fails_before_anything_is_written(tmp_path: Path) -> None:
+    raw = json.loads(json.dumps(SPEC))
+    raw["experts"][2]["arch"] = "ultralytics/yolov8q"
+    store = ExpertStore(tmp_path)
+    with pytest.raises(CoEError, match="yolov8q"):
+        build_zoo(parse_spec(raw), store)
+    assert store.entries() == []
