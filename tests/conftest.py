@@ -28,7 +28,7 @@ TINY_SPEC = {
         {"name": "R0402", "classifier": "cls-r0402", "frequency": 4},
         {"name": "C0402", "classifier": "cls-c0402", "frequency": 4},
         {"name": "R0603", "classifier": "cls-r0603", "frequency": 2},
-        {"name": "U-SOIC8", "classifier": "cls-u-soic8", "frequency": 1},
+        {"name": "U-SOIC8", "classifier": "cls-u-soic8", "frequency": 2},
     ],
 }
 
@@ -87,7 +87,7 @@ def tiny_recording(tmp_path_factory) -> Path:
     from storage.synthetic import record_synthetic
 
     out = tmp_path_factory.mktemp("rec") / "tiny-60"
-    record_synthetic(parse_spec(TINY_SPEC), out, 60, line="T", seed=3, size=48, boards_components=12)
+    record_synthetic(parse_spec(TINY_SPEC), out, 60, line="T", seed=3, size=48, boards_components=20)
     return out
 
 
