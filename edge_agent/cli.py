@@ -202,10 +202,11 @@ def record(line: str, config_path: str | None, synthetic: bool, frames: int, out
 @click.option("--rate", type=float, default=None, help="Frames per second (default: as fast as acked).")
 @click.option("--window", default=256, show_default=True, help="Frames in flight without an ack.")
 @click.option("--ack-timeout", default=10.0, show_default=True, help="Seconds before an unacked frame is resent.")
+@click.option("--deadline", default=600.0, show_default=True, help="Give up on unacked frames after this many seconds.")
 @click.option("--json", "as_json", is_flag=True, help="Print the counts as one JSON line.")
 @_fail_clearly
 def replay(recording: str, line: str, config_path: str | None, endpoint: str | None, rate: float | None,
-           window: int, ack_timeout: float, as_json: bool) -> None:
+           window: int, ack_timeout: float, deadline: float, as_json: bool) -> None:
     """Send a recording to a running agent; wait for every ack, resend what was not acked.
 
     \b
@@ -224,7 +225,7 @@ def replay(recording: str, line: str, config_path: str | None, endpoint: str | N
         cfg = _config(line, config_path)
         endpoint = endpoint_parts(cfg.ingest)[2]
     bar = tqdm(total=len(rec), desc="replaying (acked)", unit="frame")
-    report = do_replay(rec, endpoint, rate=rate, window=window, ack_timeout=ack_timeout,
+    report = do_replay(rec, endpoint, rate=rate, window=window, ack_timeout=ack_timeout, deadline=deadline,
                        progress=lambda r: bar.update(r.acked - bar.n))
     bar.close()
     if as_json:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import sys
 import threading
 import time
 from dataclasses import dataclass
@@ -49,9 +50,17 @@ def sample_images_for(model: CoEModel, n: int = 48, seed: int = 0, size: int = 6
     return sample
 
 
+def stage(msg: str, quiet: bool = False) -> None:
+    """One plain progress line on stderr: visible in logs where a progress bar is not."""
+    if not quiet:
+        tqdm.write(f"[demo] {msg}", file=sys.stderr)
+
+
 def ensure_zoo(cfg: LineConfig, model: CoEModel, *, seed: int = 0, quiet: bool = False) -> ExpertStore:
     store = ExpertStore(cfg.store_path, verify=cfg.expert_verify)
     todo = [e for e in model.experts if not store.has(e)]
+    stage(f"expert zoo: {len(model.experts) - len(todo)} of {len(model.experts)} experts present in "
+          f"{cfg.store_path}" + (f", building {len(todo)}" if todo else ""), quiet)
     if todo:
         bar = tqdm(total=len(model.experts), desc="building expert zoo", unit="expert", disable=quiet or None)
         bar.update(len(model.experts) - len(todo))
@@ -64,7 +73,9 @@ def ensure_zoo(cfg: LineConfig, model: CoEModel, *, seed: int = 0, quiet: bool =
 def ensure_recording(cfg: LineConfig, model: CoEModel, frames: int, seed: int, *, quiet: bool = False) -> Path:
     out = Path(cfg.data_dir) / "recordings" / f"synthetic-{frames}-s{seed}"
     if (out / "manifest.jsonl").is_file():
+        stage(f"recording: reusing {out}", quiet)
         return out
+    stage(f"recording: drawing {frames} synthetic frames into {out}", quiet)
     bar = tqdm(total=frames, desc="recording synthetic frames", unit="frame", disable=quiet or None)
     done = [0]
 
@@ -97,6 +108,8 @@ def run_demo(cfg: LineConfig, model: CoEModel, *, frames: int = 600, seed: int =
         "metrics": cfg.metrics.model_copy(update={"port": 0}),
     })
     agent = Agent(cfg, model).start()
+    stage(f"agent up: ingest {agent.endpoints['ingest']}, publish {agent.endpoints['publish']}, "
+          f"metrics http://127.0.0.1:{agent.metrics_port}/metrics", quiet)
     published = [0]
     stop_sub = threading.Event()
     sub_ready = threading.Event()
@@ -107,10 +120,13 @@ def run_demo(cfg: LineConfig, model: CoEModel, *, frames: int = 600, seed: int =
     sub_ready.wait(5)
     t0 = time.time()
     try:
+        stage(f"replaying {len(rec)} frames " + (f"at {rate:g} frames/s" if rate else "as fast as they are acked"),
+              quiet)
         bar = tqdm(total=len(rec), desc="replaying (acked)", unit="frame", disable=quiet or None)
         report = replay(rec, agent.endpoints["ingest"], rate=rate,
                         progress=lambda r: bar.update(r.acked - bar.n))
         bar.close()
+        stage(f"{report.accepted} accepted; waiting for their verdicts", quiet)
         vbar = tqdm(total=report.accepted, desc="verdicts", unit="frame", disable=quiet or None)
         while not agent.wait_verdicts(report.accepted, timeout=0.2):
             vbar.update(agent.verdicts_total - vbar.n)
@@ -126,7 +142,8 @@ def run_demo(cfg: LineConfig, model: CoEModel, *, frames: int = 600, seed: int =
                     "rejected": report.rejected, "resent": report.resent, "published": published[0],
                     "recording": str(rec_dir), "line": cfg.line, "metrics_port": agent.metrics_port,
                     "executors": [f"{e.device} x{e.count} {e.memory / 1e6:.0f} MB" for e in cfg.executors],
-                    "zoo_bytes": sum(e.nbytes for e in agent.model.experts.values()), "drained": drained})
+                    "zoo_bytes": sum(e.nbytes for e in agent.model.experts.values()), "drained": drained,
+                    "replay_rate": rate})
     ok = (drained and report.accepted == len(rec) and summary["verdicts"] == len(rec)
           and summary["frames"] == len(rec))
     return DemoResult(summary, ok)
@@ -185,6 +202,8 @@ def format_summary(s: dict) -> str:
         ("frames in database", s["frames"]),
         ("verdicts", f"{s['verdicts']} ({kinds})"),
         ("verdicts published", s["published"]),
+        ("replay", f"{s['replay_rate']:g} frames/s" if s.get("replay_rate") else
+                   "as fast as acked (latency includes queueing)"),
         ("throughput", f"{s['throughput_fps']} frames/s over {s['seconds']} s"),
         ("frame latency p50 / p99", f"{s['p50_ms']} ms / {s['p99_ms']} ms"),
         ("expert steps / batches", f"{s['inferences']} in {s['batches']} batches (mean {s['mean_batch']})"),
