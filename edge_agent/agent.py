@@ -19,12 +19,13 @@ from dataclasses import dataclass, field
 import zmq
 
 from coe import CoEModel, Frame, Request, decide, load_spec
-from executors.executor import BatchResult, Executor, ModuleSource
+from executors.executor import BatchResult, Executor, FailedExperts
 from executors.scheduler import GroupingScheduler
 from routing import RuleRouter
 from storage.expert_store import ExpertStore
 from storage.policies import make_policy
 from storage.pool import Pool, PoolEvent
+from storage.tiers import StoreSource, TierSource, measured_nbytes
 from storage.results import ResultStore
 
 from . import protocol as P
@@ -73,16 +74,44 @@ class Agent:
         self.scheduler = GroupingScheduler([n for n, _ in names], max_batch=cfg.scheduler.max_batch,
                                            policy=cfg.scheduler.policy,
                                            resident=lambda n: set(self.pools[n].resident()))
-        probs = self.model.usage_probabilities()
+        self.failed = FailedExperts()
         self.pools: dict[str, Pool] = {}
         self.executors: list[Executor] = []
+        self.host_tier: Pool | None = None
+        gpu = any(ex.device.startswith("cuda") for _, ex in names)
+        if gpu and not cfg.unified_memory:
+            self.host_tier = self._pool("host", cfg.cpu_tier, StoreSource(self.store, pin=True), None)
         for name, ex in names:
-            pool = Pool(ex.device, ex.memory, make_policy(cfg.eviction),
-                        ModuleSource(self.store, self.model, ex.device), on_event=self._on_pool_event,
-                        probabilities=probs)
+            if ex.device == "cpu":
+                source = StoreSource(self.store)
+            else:  # a GPU pool loads through the shared host tier, or straight from SSD on unified memory
+                source = TierSource(self.host_tier or StoreSource(self.store, pin=True), ex.device)
+            pool = self._pool(name, ex.memory, source, name)
             self.pools[name] = pool
-            self.executors.append(Executor(name, ex.device, pool, self.scheduler, self.model, self._on_batch))
+            self.executors.append(Executor(name, ex.device, pool, self.scheduler, self.model, self._on_batch,
+                                           failed=self.failed, prefetch=ex.prefetch))
+        self._by_name = {e.name: e for e in self.executors}
+        self.metrics.watch_pools(self._all_pools)
         self.threads = min((ex.threads or max(1, (os.cpu_count() or 1) // len(names))) for _, ex in names)
+
+    def _pool(self, name: str, capacity: int, source, executor: str | None) -> Pool:
+        """A tier pool with the line's eviction policy and the scheduler's live knowledge."""
+        model = self.model
+
+        def context() -> dict:
+            return {"queued": set(self.scheduler.queued_experts(executor)) if executor else set()}
+
+        return Pool(name, capacity, make_policy(self.cfg.eviction), source,
+                    on_event=lambda e: self._on_pool_event(e, executor),
+                    probabilities=model.usage_probabilities(),
+                    preliminaries={e: tuple(model.preliminaries(e)) for e in model.experts},
+                    context=context, measure=measured_nbytes)
+
+    def _all_pools(self) -> dict[str, Pool]:
+        pools = dict(self.pools)
+        if self.host_tier is not None:
+            pools["host"] = self.host_tier
+        return pools
 
     # -- lifecycle -----------------------------------------------------------------
     def start(self) -> "Agent":
@@ -256,7 +285,9 @@ class Agent:
             self.verdicts_total += len(stored)
             self._lock.notify_all()
 
-    def _on_pool_event(self, e: PoolEvent) -> None:
+    def _on_pool_event(self, e: PoolEvent, executor: str | None) -> None:
+        if e.event == "evict" and executor is not None:
+            self._by_name[executor].on_evicted(e.expert_id)
         self.metrics.expert_event(e.tier, e.event, e.seconds)
         self.writer.put_event({"expert_id": e.expert_id, "tier": e.tier, "event": e.event, "nbytes": e.nbytes,
                                "seconds": e.seconds, "at": e.at})

@@ -282,6 +282,10 @@ def results(line: str, config_path: str | None, verdict: str | None, board: str 
         click.echo("  ".join(str(v).ljust(w) for v, w in zip(t, widths)))
 
 
+from .experts_cli import experts  # noqa: E402
+cli.add_command(experts)
+
+
 def main() -> None:
     cli(prog_name="coe-agent")
 

@@ -45,6 +45,7 @@ class ExecutorConfig(_Strict):
     count: int = Field(1, ge=1, le=64)
     memory: int = Field(256 * 2**20, description="byte budget of this executor's model pool")
     threads: int | None = Field(None, ge=1, description="torch intra-op threads; default: cores / executors")
+    prefetch: bool = Field(True, description="load the next group's expert while a batch computes")
 
     _mem = field_validator("memory", mode="before")(classmethod(lambda cls, v: parse_bytes(v)))
 
@@ -85,13 +86,16 @@ class LineConfig(_Strict):
     max_payload_bytes: int = 4 * 2**20
     max_inflight: int = Field(4096, ge=1, description="accepted frames without a verdict before ingest pauses")
     expert_verify: Literal["first", "always", "never"] = "first"
-    eviction: Literal["lru", "fifo"] = "lru"
+    eviction: Literal["coserve", "probability", "lru", "fifo"] = "coserve"
+    cpu_tier: int = Field(2 * 2**30, description="shared host-memory tier behind GPU executors' pools")
+    unified_memory: bool = Field(False, description="Jetson-style: GPU and CPU share DRAM, no separate host tier")
     executors: list[ExecutorConfig] = Field(default_factory=lambda: [ExecutorConfig()])
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     writer: WriterConfig = Field(default_factory=WriterConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     source: str = Field("<config>", exclude=True)
 
+    _tier = field_validator("cpu_tier", mode="before")(classmethod(lambda cls, v: parse_bytes(v)))
     _payload = field_validator("max_payload_bytes", mode="before")(classmethod(lambda cls, v: parse_bytes(v)))
 
     @field_validator("ingest", "publish")

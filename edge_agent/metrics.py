@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 
 class Metrics:
@@ -38,6 +39,10 @@ class Metrics:
         elif event == "evict":
             self._evictions.labels(self.line, tier).inc()
 
+    def watch_pools(self, pools) -> None:
+        """Export every tier pool's counters at scrape time (`pools()` -> {name: Pool})."""
+        self.registry.register(_PoolCollector(self.line, pools))
+
     def serve(self, bind: str, port: int) -> int:
         """Start the /metrics endpoint; returns the bound port (useful when port is 0)."""
         self._server, _thread = start_http_server(port, addr=bind, registry=self.registry)
@@ -48,3 +53,32 @@ class Metrics:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
+
+
+class _PoolCollector:
+    """Reads pool stats when Prometheus scrapes, so the hot path pays nothing."""
+
+    def __init__(self, line: str, pools) -> None:
+        self.line, self.pools = line, pools
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        labels = ["line", "pool"]
+        fams = {
+            "hits": CounterMetricFamily("coe_pool_hits", "Acquires served from the tier", labels=labels),
+            "misses": CounterMetricFamily("coe_pool_misses", "Acquires that loaded into the tier", labels=labels),
+            "switches": CounterMetricFamily("coe_pool_switches", "Expert switches (loads) into the tier",
+                                            labels=labels),
+            "evictions": CounterMetricFamily("coe_pool_evictions", "Evictions from the tier", labels=labels),
+            "load_seconds": CounterMetricFamily("coe_pool_load_seconds", "Seconds loading into the tier",
+                                                labels=labels),
+            "resident_bytes": GaugeMetricFamily("coe_pool_resident_bytes", "Bytes resident", labels=labels),
+            "capacity": GaugeMetricFamily("coe_pool_capacity_bytes", "Byte budget", labels=labels),
+        }
+        for name, pool in self.pools().items():
+            s = pool.stats()
+            for key, fam in fams.items():
+                fam.add_metric([self.line, name], float(getattr(s, key)))
+        yield from fams.values()

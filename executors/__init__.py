@@ -1,5 +1,5 @@
-"""Executors: the scheduler, executor threads and model backends."""
-from .executor import BatchResult, Executor, ModuleSource
+"""Executors: the scheduler, executor threads, module skeletons, prefetch and model backends."""
+from .executor import BatchResult, Executor, FailedExperts
 from .scheduler import Batch, GroupingScheduler
 
-__all__ = ["Batch", "BatchResult", "Executor", "GroupingScheduler", "ModuleSource"]
+__all__ = ["Batch", "BatchResult", "Executor", "FailedExperts", "GroupingScheduler"]

@@ -1,9 +1,11 @@
 """An executor: one thread that takes batches for its device and runs them.
 
-Each executor owns a model pool.  A batch pins its expert in the pool for the
-length of the run, so eviction can never pull weights out from under it.  A
-failure (corrupt weights, an exception in the model) becomes an error result
-for exactly the frames of that batch; the executor keeps serving.
+Each executor owns a model pool and a set of module skeletons.  A batch pins
+its expert in the pool for the length of the run, so eviction can never pull
+weights out from under it; while it computes, the prefetcher loads the next
+group's expert.  A failure becomes an error result for exactly the frames of
+that batch; an expert whose weights cannot load is marked failed, so its later
+frames get the same clear reason at once instead of retrying the disk.
 """
 from __future__ import annotations
 
@@ -14,10 +16,12 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from coe import CoEModel, StepOutput
+from coe import CoEModel, ExpertLoadError, StepOutput
 
 from .backends import get_backend
+from .prefetch import Prefetcher
 from .scheduler import Batch, GroupingScheduler
+from .skeletons import Skeletons
 
 log = logging.getLogger(__name__)
 
@@ -36,28 +40,40 @@ class BatchResult:
     error_kind: str = ""
 
 
-class ModuleSource:
-    """Pool source that reads an expert from the store and builds a ready-to-run module."""
+class FailedExperts:
+    """Experts whose weights failed to load, with the reason; shared by all executors."""
 
-    def __init__(self, store, model: CoEModel, device: str) -> None:
-        self.store, self.model, self.device = store, model, device
+    def __init__(self) -> None:
+        self._failed: dict[str, str] = {}
+        self._lock = threading.Lock()
 
-    def size(self, expert_id: str) -> int:
-        return self.store.nbytes(expert_id)
+    def mark(self, expert_id: str, reason: str) -> bool:
+        """Record a failure; True the first time (so it is reported once)."""
+        with self._lock:
+            first = expert_id not in self._failed
+            self._failed.setdefault(expert_id, reason)
+            return first
 
-    def load(self, expert_id: str):
-        expert = self.model.experts[expert_id]
-        tensors = self.store.read(expert_id)
-        return get_backend(expert.arch).build(expert, tensors, self.device)
+    def reason(self, expert_id: str) -> str | None:
+        with self._lock:
+            return self._failed.get(expert_id)
+
+    def all(self) -> dict[str, str]:
+        with self._lock:
+            return dict(self._failed)
 
 
 class Executor:
     """Runs batches from `scheduler` for executor `name` until the scheduler closes and drains."""
 
     def __init__(self, name: str, device: str, pool, scheduler: GroupingScheduler, model: CoEModel,
-                 on_result: Callable[[BatchResult], None]) -> None:
+                 on_result: Callable[[BatchResult], None], *, failed: FailedExperts | None = None,
+                 prefetch: bool = True) -> None:
         self.name, self.device, self.pool, self.scheduler, self.model = name, device, pool, scheduler, model
         self._on_result = on_result
+        self.failed = failed or FailedExperts()
+        self.skeletons = Skeletons(device)
+        self.prefetcher = Prefetcher(pool, name) if prefetch else None
         self._thread = threading.Thread(target=self._loop, name=f"executor-{name}", daemon=True)
         self.batches = 0
 
@@ -66,7 +82,12 @@ class Executor:
 
     def join(self, timeout: float | None = None) -> bool:
         self._thread.join(timeout)
+        if self.prefetcher is not None:
+            self.prefetcher.close()
         return not self._thread.is_alive()
+
+    def on_evicted(self, expert_id: str) -> None:
+        self.skeletons.unbind(expert_id)
 
     def _loop(self) -> None:
         while True:
@@ -82,21 +103,30 @@ class Executor:
         expert = self.model.experts[batch.expert_id]
         handle = None
         try:
+            known = self.failed.reason(batch.expert_id)
+            if known is not None:
+                raise ExpertLoadError(batch.expert_id, expert.uri or "<store>", f"marked failed earlier: {known}")
             while handle is None:
                 handle = self.pool.acquire(batch.expert_id)
                 if handle is None:  # pinned experts hold the room; wait for a release
-                    time.sleep(0.005)
+                    time.sleep(0.002)
+            if self.prefetcher is not None:
+                self.prefetcher.hint(self.scheduler.next_expert(self.name, batch.expert_id))
+            module = self.skeletons.bind(expert, handle.value)
             images = [r.frame.image for r in batch.requests]
-            outputs = get_backend(expert.arch).run(handle.value, expert, images)
+            outputs = get_backend(expert.arch).run(module, expert, images)
             if len(outputs) != len(images):
                 raise RuntimeError(f"backend returned {len(outputs)} outputs for {len(images)} images")
             result = BatchResult(batch, self.name, self.device, started, time.perf_counter() - t0, outputs=outputs)
         except Exception as exc:  # noqa: BLE001 - every failure becomes an error verdict, never a lost frame
-            kind = "expert_load" if type(exc).__name__ in ("ExpertLoadError", "PoolFullError") else "expert_run"
-            log.error("batch %d on %s (%s) failed: %s", batch.id, self.name, batch.expert_id, exc)
-            log.debug("%s", traceback.format_exc())
+            load_failure = isinstance(exc, ExpertLoadError) or type(exc).__name__ == "PoolFullError"
+            if load_failure and self.failed.mark(batch.expert_id, str(exc)):
+                log.error("expert %s marked failed: %s", batch.expert_id, exc)
+            elif not load_failure:
+                log.error("batch %d on %s (%s) failed: %s", batch.id, self.name, batch.expert_id, exc)
+                log.debug("%s", traceback.format_exc())
             result = BatchResult(batch, self.name, self.device, started, time.perf_counter() - t0,
-                                 error=f"{batch.expert_id}: {exc}", error_kind=kind)
+                                 error=str(exc), error_kind="expert_load" if load_failure else "expert_run")
         finally:
             if handle is not None:
                 self.pool.release(handle)

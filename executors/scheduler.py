@@ -97,6 +97,14 @@ class GroupingScheduler:
         with self._cond:
             return sum(len(q) for q in self._queues.values())
 
+    def next_expert(self, executor: str, current: str) -> str | None:
+        """The expert of the first queued request that is not `current`: what to prefetch."""
+        with self._cond:
+            for r in self._queues[executor]:
+                if r.expert_id != current:
+                    return r.expert_id
+            return None
+
     def queued_experts(self, executor: str) -> list[str]:
         with self._cond:
             return [r.expert_id for r in self._queues[executor]]

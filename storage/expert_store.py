@@ -46,6 +46,8 @@ except ImportError:  # pragma: no cover - non-POSIX
 if TYPE_CHECKING:
     import torch
 
+    from .flat import FlatWeights
+
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = "coe-edge/expert-store"
 MANIFEST_VERSION = 1
@@ -205,6 +207,29 @@ class ExpertStore:
             with self._lock:
                 self._verified.add(key)
         return tensors
+
+    def read_flat(self, expert_id: str, *, pin: bool = False) -> "FlatWeights":
+        """The expert as one private buffer read sequentially (the tiers' format).
+
+        Verification per the store's policy happens while the bytes stream in,
+        so a checked cold load still reads the disk once.
+        """
+        from .flat import read_flat
+
+        entry = self.entry(expert_id)
+        path = self.root / entry.file
+        if not path.is_file():
+            raise ExpertLoadError(expert_id, str(path), "file missing from the expert store")
+        key = (expert_id, entry.sha256)
+        check = self.verify == "always" or (self.verify == "first" and key not in self._verified)
+        flat = read_flat(path, expert_id, pin=pin, expect_sha256=entry.sha256 if check else None)
+        if flat.nbytes != entry.nbytes:
+            raise ExpertLoadError(expert_id, str(path),
+                                  f"file holds {flat.nbytes} tensor bytes, manifest says {entry.nbytes}")
+        if check:
+            with self._lock:
+                self._verified.add(key)
+        return flat
 
     # -- manifest ---------------------------------------------------------------------
     def _load_manifest(self) -> dict[str, ManifestEntry]:

@@ -2,10 +2,14 @@
 
 A policy never moves bytes and never mutates the state it is given; the pool
 (`storage.pool`) does both.  That keeps every policy testable on hand-built
-states and lets the simulated device reuse them unchanged.
+states and lets the simulated device reuse them unchanged.  Every policy
+returns None when no choice of unpinned experts frees enough room; a pinned
+expert (held by a running batch) is never a victim.
 """
 from __future__ import annotations
 
+import math
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -23,9 +27,19 @@ class Resident:
 
 @dataclass(frozen=True)
 class PoolState:
+    """A snapshot of one pool plus what the scheduler knows.
+
+    `preliminaries` maps an expert to the experts whose output can lead to it
+    (a detector's classifiers); `queued` holds experts with queued requests;
+    `future` is the upcoming access order, known only to the offline oracle.
+    """
+
     capacity: int
     residents: tuple[Resident, ...]
-    probabilities: dict[str, float] = field(default_factory=dict)
+    probabilities: Mapping[str, float] = field(default_factory=dict)
+    preliminaries: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    queued: frozenset[str] = frozenset()
+    future: tuple[str, ...] = ()
 
     @property
     def used(self) -> int:
@@ -76,7 +90,71 @@ class FIFO:
         return _evict_in_order(state, need_bytes, sorted(state.residents, key=lambda r: (r.loaded_seq, r.expert_id)))
 
 
-POLICIES = {"lru": LRU, "fifo": FIFO}
+class Probability:
+    """Lowest usage probability first; least recently used among equals."""
+
+    name = "probability"
+
+    def choose_victims(self, state: PoolState, need_bytes: int) -> list[str] | None:
+        return _evict_in_order(state, need_bytes, _by_probability(state))
+
+
+def _by_probability(state: PoolState) -> list[Resident]:
+    return sorted(state.residents, key=lambda r: (state.probabilities.get(r.expert_id, 0.0), r.used_seq, r.expert_id))
+
+
+def stage_one(state: PoolState) -> list[Resident]:
+    """CoServe's stage-1 victims: subsequent experts no resident preliminary can reach, nothing queued.
+
+    A detector qualifies when none of the classifiers that lead to it are
+    resident and no request for it is queued: nothing can need it soon.
+    Largest first, so the fewest evictions free the room.
+    """
+    resident = {r.expert_id for r in state.residents}
+    out = []
+    for r in state.residents:
+        prelims = state.preliminaries.get(r.expert_id, ())
+        if r.pinned or not prelims or r.expert_id in state.queued:
+            continue
+        if resident.isdisjoint(prelims):
+            out.append(r)
+    return sorted(out, key=lambda r: (-r.nbytes, r.expert_id))
+
+
+class CoServe:
+    """CoServe's dependency-aware two-stage eviction (paper §4.4, DESIGN.md §4).
+
+    Stage 1 evicts orphaned subsequent experts (see `stage_one`), largest first.
+    Stage 2, only if that is not enough, evicts by ascending usage probability.
+    """
+
+    name = "coserve"
+
+    def choose_victims(self, state: PoolState, need_bytes: int) -> list[str] | None:
+        first = stage_one(state)
+        chosen = {r.expert_id for r in first}
+        rest = [r for r in _by_probability(state) if r.expert_id not in chosen]
+        return _evict_in_order(state, need_bytes, first + rest)
+
+
+class Belady:
+    """The offline oracle: evict what is used again farthest in the future (or never).
+
+    Optimal in misses for equal-sized experts; here for analysis and as the
+    bound the property tests hold the other policies to.  Needs `state.future`.
+    """
+
+    name = "belady"
+
+    def choose_victims(self, state: PoolState, need_bytes: int) -> list[str] | None:
+        next_use: dict[str, float] = {}
+        for i, eid in enumerate(state.future):
+            next_use.setdefault(eid, i)
+        order = sorted(state.residents, key=lambda r: (-next_use.get(r.expert_id, math.inf), -r.nbytes, r.expert_id))
+        return _evict_in_order(state, need_bytes, order)
+
+
+POLICIES = {p.name: p for p in (LRU, FIFO, Probability, CoServe, Belady)}
 
 
 def make_policy(name: str) -> EvictionPolicy:

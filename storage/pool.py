@@ -1,16 +1,19 @@
 """A byte-budgeted pool of resident experts: the bookkeeping, not the policy.
 
-The pool asks its source for an expert's size first, asks the policy which
-residents to evict so it fits, evicts them, then loads.  It never holds more
-than its capacity.  An expert acquired by a running batch is pinned until
-released and is never a victim.
+The pool asks its source for an expert's size, asks the policy which residents
+to evict so it fits, evicts them, reserves the room, and loads *outside* its
+lock, so a background prefetch never blocks an executor's hit on another
+expert.  It never holds more than its capacity.  An expert acquired by a
+running batch (or still loading) is pinned and is never a victim.  Two threads
+asking for the same expert share one load (an in-flight set, as Ray Serve's
+multiplexer does), and a failed load clears its reservation.
 """
 from __future__ import annotations
 
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any, Protocol
 
 from coe import CoEError
@@ -19,7 +22,7 @@ from .policies import EvictionPolicy, PoolState, Resident
 
 
 class ExpertSource(Protocol):
-    """Where a pool loads from: the expert store (SSD) or a parent pool."""
+    """Where a pool loads from: the expert store (SSD) or a parent tier."""
 
     def size(self, expert_id: str) -> int: ...
 
@@ -43,6 +46,8 @@ class PoolStats:
     evictions: int = 0
     bytes_in: int = 0
     load_seconds: float = 0.0
+    resident_bytes: int = 0
+    capacity: int = 0
 
     @property
     def switches(self) -> int:
@@ -64,6 +69,7 @@ class _Entry:
     loaded_seq: int
     used_seq: int
     pins: int = 0
+    loading: bool = False
 
 
 class PoolFullError(CoEError):
@@ -76,14 +82,20 @@ class Pool:
     def __init__(self, tier: str, capacity_bytes: int, policy: EvictionPolicy, source: ExpertSource, *,
                  on_event: Callable[[PoolEvent], None] | None = None,
                  probabilities: dict[str, float] | None = None,
+                 preliminaries: dict[str, tuple[str, ...]] | None = None,
+                 context: Callable[[], dict] | None = None,
+                 measure: Callable[[Any], int] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.tier, self.capacity, self.policy, self.source = tier, int(capacity_bytes), policy, source
         self._on_event = on_event or (lambda e: None)
         self._probabilities = dict(probabilities or {})
+        self._preliminaries = dict(preliminaries or {})
+        self._context = context or dict  # live scheduler knowledge: {'queued': set, 'future': tuple}
+        self._measure = measure
         self._clock = clock
         self._entries: dict[str, _Entry] = {}
         self._seq = 0
-        self._lock = threading.RLock()
+        self._cond = threading.Condition()
         self._stats = PoolStats()
 
     # -- public ---------------------------------------------------------------
@@ -94,10 +106,16 @@ class Pool:
         raises PoolFullError when it can never fit, and the source's error
         (e.g. ExpertLoadError) when loading fails.
         """
-        with self._lock:
-            self._seq += 1
-            entry = self._entries.get(expert_id)
-            if entry is not None:
+        ctx = self._context()
+        with self._cond:
+            while True:
+                self._seq += 1
+                entry = self._entries.get(expert_id)
+                if entry is None:
+                    break
+                if entry.loading:           # someone else is loading it: share that load
+                    self._cond.wait()
+                    continue
                 entry.pins += 1
                 entry.used_seq = self._seq
                 self._stats.hits += 1
@@ -106,69 +124,95 @@ class Pool:
             if need > self.capacity:
                 raise PoolFullError(f"expert '{expert_id}' needs {need} bytes but the {self.tier} pool holds "
                                     f"{self.capacity}; raise the executor's memory budget")
-            victims = self.policy.choose_victims(self.state(), need)
+            victims = self.policy.choose_victims(self._state_locked(ctx), need)
             if victims is None:
                 return None
-            for victim in victims:
-                self._evict_locked(victim)
-            t0 = self._clock()
+            evicted = [self._evict_locked(v) for v in victims]
+            self._entries[expert_id] = _Entry(None, need, self._seq, self._seq, pins=1, loading=True)
+        for ev in evicted:
+            self._on_event(ev)
+        t0 = self._clock()
+        try:
             value = self.source.load(expert_id)
-            seconds = self._clock() - t0
-            self._seq += 1
-            self._entries[expert_id] = _Entry(value, need, self._seq, self._seq, pins=1)
+        except BaseException:
+            with self._cond:
+                del self._entries[expert_id]
+                self._cond.notify_all()
+            raise
+        seconds = self._clock() - t0
+        measured = self._measure(value) if self._measure else need
+        with self._cond:
+            entry = self._entries[expert_id]
+            entry.value, entry.loading, entry.nbytes = value, False, max(measured, need)
             self._stats.misses += 1
-            self._stats.bytes_in += need
+            self._stats.bytes_in += entry.nbytes
             self._stats.load_seconds += seconds
-        self._on_event(PoolEvent(expert_id, self.tier, "load", need, seconds, time.time()))
-        return Handle(expert_id, value, need)
+            self._cond.notify_all()
+        self._on_event(PoolEvent(expert_id, self.tier, "load", entry.nbytes, seconds, time.time()))
+        return Handle(expert_id, value, entry.nbytes)
 
     def release(self, handle: Handle) -> None:
-        with self._lock:
+        with self._cond:
             entry = self._entries.get(handle.expert_id)
-            if entry is None or entry.pins <= 0:
+            if entry is None or entry.pins <= 0 or entry.loading:
                 raise CoEError(f"release of '{handle.expert_id}' which is not acquired in the {self.tier} pool")
             entry.pins -= 1
+            self._cond.notify_all()
 
     def evict(self, expert_id: str) -> bool:
         """Evict an unpinned resident expert; False if it was not resident."""
-        with self._lock:
+        with self._cond:
             entry = self._entries.get(expert_id)
             if entry is None:
                 return False
             if entry.pins:
                 raise CoEError(f"cannot evict '{expert_id}': a running batch holds it")
-            self._evict_locked(expert_id)
-            return True
+            ev = self._evict_locked(expert_id)
+        self._on_event(ev)
+        return True
+
+    def contains(self, expert_id: str) -> bool:
+        with self._cond:
+            e = self._entries.get(expert_id)
+            return e is not None and not e.loading
 
     def resident(self) -> list[str]:
-        with self._lock:
-            return list(self._entries)
+        with self._cond:
+            return [k for k, e in self._entries.items() if not e.loading]
 
     def used_bytes(self) -> int:
-        with self._lock:
+        with self._cond:
             return sum(e.nbytes for e in self._entries.values())
 
     def stats(self) -> PoolStats:
-        with self._lock:
-            return PoolStats(**vars(self._stats))
+        with self._cond:
+            s = PoolStats(**vars(self._stats))
+            s.resident_bytes = sum(e.nbytes for e in self._entries.values() if not e.loading)
+            s.capacity = self.capacity
+            return s
 
     def state(self) -> PoolState:
-        with self._lock:
-            return PoolState(self.capacity, tuple(
-                Resident(k, e.nbytes, e.loaded_seq, e.used_seq, e.pins > 0) for k, e in self._entries.items()),
-                self._probabilities)
+        ctx = self._context()
+        with self._cond:
+            return self._state_locked(ctx)
 
     def close(self) -> None:
-        """Drop every unpinned resident (memory comes back through the GC of the values)."""
-        with self._lock:
-            for k in [k for k, e in self._entries.items() if not e.pins]:
-                self._evict_locked(k)
+        """Drop every unpinned resident; their memory goes back with the last reference."""
+        with self._cond:
+            evs = [self._evict_locked(k) for k in [k for k, e in self._entries.items() if not e.pins]]
+        for ev in evs:
+            self._on_event(ev)
 
     # -- internals ----------------------------------------------------------------
-    def _evict_locked(self, expert_id: str) -> None:
-        entry = self._entries.pop(expert_id)
-        if entry.pins:
-            self._entries[expert_id] = entry
-            raise CoEError(f"policy {self.policy.name} chose pinned expert '{expert_id}' as a victim")
+    def _state_locked(self, ctx: dict) -> PoolState:
+        return PoolState(self.capacity, tuple(
+            Resident(k, e.nbytes, e.loaded_seq, e.used_seq, e.pins > 0 or e.loading) for k, e in self._entries.items()),
+            self._probabilities, self._preliminaries, frozenset(ctx.get("queued", ())), tuple(ctx.get("future", ())))
+
+    def _evict_locked(self, expert_id: str) -> PoolEvent:
+        entry = self._entries.get(expert_id)
+        if entry is None or entry.pins or entry.loading:
+            raise CoEError(f"policy {self.policy.name} chose '{expert_id}', which is pinned or absent, as a victim")
+        del self._entries[expert_id]
         self._stats.evictions += 1
-        self._on_event(PoolEvent(expert_id, self.tier, "evict", entry.nbytes, 0.0, time.time()))
+        return PoolEvent(expert_id, self.tier, "evict", entry.nbytes, 0.0, time.time())

@@ -1,0 +1,64 @@
+"""The background loader: the next group's expert loads while the current batch computes.
+
+Loading is file reads and copies, computing is torch kernels; both release the
+GIL, so a thread overlaps them.  Only the latest hint matters: if the executor
+moves on, a stale hint is dropped.  A failed prefetch is not an error here: the
+executor will meet the same failure when it needs the expert, and report it
+against the frames that needed it.
+"""
+from __future__ import annotations
+
+import logging
+import threading
+
+log = logging.getLogger(__name__)
+
+
+class Prefetcher:
+    def __init__(self, pool, name: str) -> None:
+        self.pool, self.name = pool, name
+        self._hint: str | None = None
+        self._cond = threading.Condition()
+        self._stop = False
+        self._busy = False
+        self.loaded = 0
+        self._thread = threading.Thread(target=self._loop, name=f"prefetch-{name}", daemon=True)
+        self._thread.start()
+
+    def hint(self, expert_id: str | None) -> None:
+        if expert_id is None:
+            return
+        with self._cond:
+            self._hint = expert_id
+            self._cond.notify()
+
+    def idle(self, timeout: float = 5.0) -> bool:
+        """Wait until no hint is pending or loading (tests and benchmarks use this)."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._hint is None and not self._busy, timeout)
+
+    def close(self) -> None:
+        with self._cond:
+            self._stop = True
+            self._cond.notify_all()
+        self._thread.join(5)
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                self._cond.wait_for(lambda: self._hint is not None or self._stop)
+                if self._stop:
+                    return
+                eid, self._hint, self._busy = self._hint, None, True
+            try:
+                if not self.pool.contains(eid):
+                    handle = self.pool.acquire(eid)
+                    if handle is not None:
+                        self.pool.release(handle)
+                        self.loaded += 1
+            except Exception as exc:  # noqa: BLE001 - the executor reports it when it needs the expert
+                log.debug("prefetch of %s on %s failed: %s", eid, self.name, exc)
+            finally:
+                with self._cond:
+                    self._busy = False
+                    self._cond.notify_all()

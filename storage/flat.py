@@ -1,0 +1,173 @@
+"""Experts as one flat byte buffer: the unit every tier stores and moves.
+
+A safetensors file is an 8-byte header length, a JSON header, then the tensor
+bytes back to back.  Reading the data section straight into one buffer with
+`readinto` is a plain sequential read (the fastest a cold load can be), and
+moving an expert between tiers is then one copy of one buffer (one DMA on a
+GPU).  The tensors are views into the buffer, so nothing is copied twice.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from coe import ExpertLoadError
+
+if TYPE_CHECKING:
+    import torch
+
+_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
+           "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+_MAX_HEADER = 100 * 2**20
+_CHUNK = 16 * 2**20
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    name: str
+    dtype: str          # torch dtype name, e.g. 'float32'
+    shape: tuple[int, ...]
+    start: int          # byte offsets inside the data section
+    end: int
+
+
+@dataclass(frozen=True)
+class Layout:
+    """Where each tensor lives in an expert's flat buffer."""
+
+    specs: tuple[TensorSpec, ...]
+    data_offset: int    # where the data section starts in the file
+    nbytes: int         # size of the data section (= the flat buffer)
+
+    @property
+    def signature(self) -> tuple:
+        """Experts with equal signatures can share a module skeleton byte for byte."""
+        return tuple((s.name, s.dtype, s.shape, s.start) for s in self.specs)
+
+
+def read_layout(path: str | os.PathLike, expert_id: str) -> tuple[Layout, bytes]:
+    """Parse and check a safetensors header; returns the layout and the raw header bytes (for hashing)."""
+    where = str(path)
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as fh:
+            head = fh.read(8)
+            if len(head) < 8:
+                raise ExpertLoadError(expert_id, where, f"truncated: {size} bytes, no safetensors header")
+            (n,) = struct.unpack("<Q", head)
+            if n > _MAX_HEADER or 8 + n > size:
+                raise ExpertLoadError(expert_id, where, f"corrupt or truncated: header claims {n} bytes, "
+                                                        f"file has {size}")
+            raw = fh.read(n)
+    except OSError as exc:
+        raise ExpertLoadError(expert_id, where, f"cannot read: {exc.strerror or exc}") from None
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError) as exc:
+        raise ExpertLoadError(expert_id, where, f"corrupt safetensors header: {exc}") from None
+    if not isinstance(header, dict):
+        raise ExpertLoadError(expert_id, where, "corrupt safetensors header: not a JSON object")
+    specs = []
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = _DTYPES[info["dtype"]]
+            shape = tuple(int(d) for d in info["shape"])
+            start, end = (int(x) for x in info["data_offsets"])
+        except (KeyError, TypeError, ValueError):
+            raise ExpertLoadError(expert_id, where, f"corrupt safetensors header entry for '{name}'") from None
+        specs.append(TensorSpec(name, dtype, shape, start, end))
+    specs.sort(key=lambda s: s.start)
+    data = size - 8 - n
+    pos = 0
+    for s in specs:
+        if s.start != pos or s.end < s.start:
+            raise ExpertLoadError(expert_id, where, f"corrupt safetensors: tensor '{s.name}' at {s.start}, "
+                                                    f"expected {pos}")
+        pos = s.end
+    if pos != data:
+        raise ExpertLoadError(expert_id, where, f"truncated or corrupt: tensors need {pos} data bytes, "
+                                                f"file has {data}")
+    return Layout(tuple(specs), 8 + n, pos), head + raw
+
+
+class FlatWeights:
+    """An expert resident in one tier: a layout plus one byte buffer on some device."""
+
+    def __init__(self, layout: Layout, buffer: "torch.Tensor") -> None:
+        self.layout, self.buffer = layout, buffer
+        self._views: dict[str, torch.Tensor] | None = None
+
+    @property
+    def nbytes(self) -> int:
+        return self.layout.nbytes
+
+    @property
+    def device(self) -> "torch.device":
+        return self.buffer.device
+
+    def tensors(self) -> dict[str, "torch.Tensor"]:
+        """Typed views into the buffer (no copy)."""
+        import torch
+
+        if self._views is None:
+            views = {}
+            for s in self.layout.specs:
+                raw = self.buffer[s.start:s.end]
+                dtype = getattr(torch, s.dtype)
+                views[s.name] = (raw.view(dtype) if s.end > s.start else
+                                 torch.empty(0, dtype=dtype, device=self.buffer.device)).view(s.shape)
+            self._views = views
+        return self._views
+
+    def to(self, device: str, *, non_blocking: bool = False) -> "FlatWeights":
+        """A copy in another tier's memory: one buffer copy."""
+        import torch
+
+        dst = torch.empty(self.nbytes, dtype=torch.uint8, device=device)
+        dst.copy_(self.buffer, non_blocking=non_blocking)
+        return FlatWeights(self.layout, dst)
+
+
+def read_flat(path: str | os.PathLike, expert_id: str, *, pin: bool = False,
+              expect_sha256: str | None = None) -> FlatWeights:
+    """Read an expert file into one (optionally pinned) buffer with sequential reads.
+
+    If `expect_sha256` is given the file is hashed as it streams in, so checking
+    costs CPU time but no second pass over the disk.
+    """
+    import torch
+
+    layout, head = read_layout(path, expert_id)
+    buf = torch.empty(layout.nbytes, dtype=torch.uint8, pin_memory=pin)
+    mv = memoryview(buf.numpy()) if layout.nbytes else memoryview(b"")
+    hasher = hashlib.sha256(head) if expect_sha256 else None
+    got = 0
+    try:
+        with open(path, "rb", buffering=0) as fh:
+            fh.seek(layout.data_offset)
+            while got < layout.nbytes:
+                n = fh.readinto(mv[got:got + _CHUNK])
+                if not n:
+                    break
+                if hasher is not None:
+                    hasher.update(mv[got:got + n])
+                got += n
+    except OSError as exc:
+        raise ExpertLoadError(expert_id, str(path), f"cannot read: {exc.strerror or exc}") from None
+    if got != layout.nbytes:
+        raise ExpertLoadError(expert_id, str(path), f"truncated while reading: {got} of {layout.nbytes} bytes")
+    if hasher is not None and hasher.hexdigest() != expect_sha256:
+        raise ExpertLoadError(expert_id, str(path), f"sha256 mismatch: manifest {expect_sha256[:12]}…, "
+                                                    f"file {hasher.hexdigest()[:12]}…")
+    return FlatWeights(layout, buf)
+
+
+def file_size(path: str | os.PathLike) -> int:
+    return Path(path).stat().st_size

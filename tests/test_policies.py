@@ -1,0 +1,146 @@
+"""Every eviction policy under one contract, then exact orders, then a CoE trace."""
+from __future__ import annotations
+
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from coe import load_spec
+from storage.policies import POLICIES, CoServe, PoolState, Resident, make_policy, stage_one
+from storage.pool import Pool
+from storage.tracesim import simulate
+
+REPO = Path(__file__).resolve().parent.parent
+EXPERTS = "abcdefgh"
+
+
+class Sizes:
+    def __init__(self, sizes):
+        self.sizes = sizes
+
+    def size(self, e):
+        return self.sizes[e]
+
+    def load(self, e):
+        return e
+
+
+residents = st.lists(st.tuples(st.sampled_from(EXPERTS), st.integers(1, 50), st.booleans()),
+                     unique_by=lambda t: t[0], max_size=8)
+
+
+def make_state(rs, need_room, queued, probs):
+    res = tuple(Resident(e, n, i, (i * 7) % 11, pin) for i, (e, n, pin) in enumerate(rs))
+    cap = sum(r.nbytes for r in res) + need_room
+    prelims = {"g": ("a", "b"), "h": ("c",), "f": ("a",)}
+    return PoolState(cap, res, probs, prelims, frozenset(queued), tuple(reversed(EXPERTS)))
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+@settings(max_examples=200, deadline=None)
+@given(rs=residents, room=st.integers(0, 30), need=st.integers(1, 120),
+       queued=st.sets(st.sampled_from(EXPERTS)), probs=st.dictionaries(st.sampled_from(EXPERTS), st.floats(0, 1)))
+def test_contract_on_random_states(name, rs, room, need, queued, probs):
+    state = make_state(rs, room, queued, probs)
+    victims = make_policy(name).choose_victims(state, need)
+    unpinned = sum(r.nbytes for r in state.residents if not r.pinned)
+    if victims is None:
+        assert state.free + unpinned < need          # None only when it truly cannot fit
+        return
+    by_id = {r.expert_id: r for r in state.residents}
+    assert len(set(victims)) == len(victims) and all(v in by_id for v in victims)
+    assert not any(by_id[v].pinned for v in victims)                     # never a pinned expert
+    assert state.free + sum(by_id[v].nbytes for v in victims) >= need    # enough room
+    if victims:                                                           # and no more than needed
+        assert state.free + sum(by_id[v].nbytes for v in victims[:-1]) < need
+    if name == "coserve":                                                 # stage 1 strictly before stage 2
+        first = [r.expert_id for r in stage_one(state)]
+        stage2 = [v for v in victims if v not in first]
+        if stage2:
+            assert victims[:len(first)] == first
+        else:
+            assert victims == first[:len(victims)]
+
+
+@pytest.mark.parametrize("name", sorted(set(POLICIES) - {"belady"}))
+@settings(max_examples=120, deadline=None)
+@given(trace=st.lists(st.sampled_from(EXPERTS), min_size=1, max_size=80), slots=st.integers(1, 6))
+def test_belady_never_loses_on_equal_sizes(name, trace, slots):
+    sizes = {e: 10 for e in EXPERTS}
+    probs = {e: (i + 1) / 36 for i, e in enumerate(EXPERTS)}
+    prelims = {"g": ("a", "b"), "h": ("c",)}
+    cap = 10 * slots
+    other = simulate(trace, sizes, cap, name, probabilities=probs, preliminaries=prelims)
+    oracle = simulate(trace, sizes, cap, "belady", probabilities=probs, preliminaries=prelims)
+    assert oracle.loads <= other.loads
+
+
+@pytest.mark.parametrize("name", sorted(POLICIES))
+@settings(max_examples=80, deadline=None)
+@given(trace=st.lists(st.tuples(st.sampled_from(EXPERTS), st.booleans()), min_size=1, max_size=50))
+def test_pool_never_exceeds_capacity_nor_evicts_pins(name, trace):
+    sizes = {e: 10 + 3 * i for i, e in enumerate(EXPERTS)}
+    pool = Pool("t", 70, make_policy(name), Sizes(sizes), probabilities={e: 0.1 for e in EXPERTS},
+                preliminaries={"g": ("a",)}, context=lambda: {"future": tuple(EXPERTS)})
+    held = []
+    for e, keep in trace:
+        h = pool.acquire(e)
+        assert pool.used_bytes() <= 70
+        assert all(x.expert_id in pool.resident() for x in held)
+        if h is None:
+            assert held
+            continue
+        if keep and len(held) < 2:
+            held.append(h)
+        else:
+            pool.release(h)
+
+
+def test_coserve_exact_order():
+    rs = (Resident("cls-a", 10, 1, 9), Resident("cls-b", 10, 2, 1), Resident("det-x", 30, 3, 2),
+          Resident("det-y", 40, 4, 3), Resident("det-z", 20, 5, 4))
+    prelims = {"det-x": ("cls-a",), "det-y": ("cls-q",), "det-z": ("cls-r",)}
+    probs = {"cls-a": 0.3, "cls-b": 0.05, "det-x": 0.5, "det-y": 0.1, "det-z": 0.2}
+    state = PoolState(110, rs, probs, prelims, frozenset({"det-z"}))
+    # det-y is orphaned (cls-q not resident) and not queued: stage 1; det-z is queued; det-x's cls-a is resident
+    assert CoServe().choose_victims(state, 40) == ["det-y"]
+    # more room: then ascending probability (cls-b 0.05 before det-z 0.2)
+    assert CoServe().choose_victims(state, 55) == ["det-y", "cls-b", "det-z"]
+    assert make_policy("probability").choose_victims(state, 40) == ["cls-b", "det-y"]
+    assert make_policy("lru").choose_victims(state, 40) == ["cls-b", "det-x"]
+    oracle = PoolState(110, rs, probs, prelims, future=("det-x", "cls-b", "cls-a"))
+    assert make_policy("belady").choose_victims(oracle, 40) == ["det-y"]
+    assert make_policy("belady").choose_victims(oracle, 55) == ["det-y", "det-z"]   # never used again, largest first
+
+
+def coe_trace(n_frames: int, seed: int = 0):
+    """Steps of the demo line A in arrival order: classifier, then its detector on 'ok'."""
+    model = load_spec(REPO / "configs" / "specs" / "line-A.coe.yaml")
+    rng = np.random.default_rng(seed)
+    names = sorted(model.components)
+    freq = np.array([model.components[c].frequency for c in names], float)
+    layout = [names[i] for i in rng.choice(len(names), 40, p=freq / freq.sum())]
+    trace = []
+    for i in range(n_frames):
+        cls = model.components[layout[i % len(layout)]].classifier
+        trace.append(cls)
+        exp = model.experts[cls]
+        if rng.random() < exp.prior("ok"):
+            trace.append(exp.next["ok"])
+    sizes = {"torchvision/mobilenet_v3_small": 4, "torchvision/shufflenet_v2_x1_0": 5, "torchvision/resnet18": 45,
+             "ultralytics/yolov8n": 12, "ultralytics/yolov8s": 45}
+    return model, trace, {e.id: sizes[e.arch] * 10**6 for e in model.experts.values()}
+
+
+def test_coserve_loads_fewer_experts_than_lru_and_fifo_on_a_coe_trace():
+    model, trace, sizes = coe_trace(2000)
+    prelims = {e: tuple(model.preliminaries(e)) for e in model.experts}
+    probs = model.usage_probabilities()
+    res = {p: simulate(trace, sizes, 160 * 10**6, p, probabilities=probs, preliminaries=prelims, lookahead=16)
+           for p in ("coserve", "lru", "fifo", "belady")}
+    assert res["coserve"].loads < res["lru"].loads
+    assert res["coserve"].loads < res["fifo"].loads
+    assert all(r.accesses == len(trace) for r in res.values())

@@ -1,0 +1,176 @@
+"""Tiers, flat buffers, skeleton switching and prefetch, on real files and real models."""
+from __future__ import annotations
+
+import gc
+import os
+import sqlite3
+import weakref
+
+import numpy as np
+import psutil
+import pytest
+import torch
+
+from coe import Expert, ExpertLoadError, parse_spec
+from edge_agent.agent import Agent
+from edge_agent.config import load_config
+from edge_agent.replay import replay
+from executors.backends import get_backend
+from executors.prefetch import Prefetcher
+from executors.skeletons import Skeletons
+from storage.expert_store import ExpertStore
+from storage.flat import read_flat
+from storage.policies import make_policy
+from storage.pool import Pool
+from storage.recording import Recording
+from storage.tiers import StoreSource, TierSource
+
+from conftest import TINY_SPEC
+
+MODEL = parse_spec(TINY_SPEC)
+
+
+def test_flat_read_matches_safetensors_and_checks_sha(tiny_zoo, tmp_path):
+    store = ExpertStore(tiny_zoo, verify="always")
+    flat = store.read_flat("det-2term")
+    ref = store.read("det-2term")
+    assert flat.nbytes == store.nbytes("det-2term")
+    assert set(flat.tensors()) == set(ref) and all(torch.equal(flat.tensors()[k], ref[k]) for k in ref)
+
+
+def corrupt_copy(tiny_zoo, tmp_path, how):
+    import shutil
+    root = tmp_path / "store"
+    shutil.copytree(tiny_zoo, root)
+    store = ExpertStore(root)
+    path = store.path("cls-c0402")
+    data = bytearray(path.read_bytes())
+    if how == "flip":
+        data[-100] ^= 0xFF
+    elif how == "truncate":
+        data = data[: len(data) // 2]
+    elif how == "header":
+        data[8:20] = b"not json at "
+    path.write_bytes(bytes(data))
+    return store, path
+
+
+@pytest.mark.parametrize("how,needle", [("flip", "sha256 mismatch"), ("truncate", "truncated"),
+                                        ("header", "corrupt")])
+def test_corrupt_files_name_the_expert_and_file(tiny_zoo, tmp_path, how, needle):
+    store, path = corrupt_copy(tiny_zoo, tmp_path, how)
+    with pytest.raises(ExpertLoadError) as ei:
+        store.read_flat("cls-c0402")
+    assert ei.value.expert_id == "cls-c0402" and str(path) in str(ei.value) and needle in str(ei.value)
+
+
+def rss() -> int:
+    gc.collect()
+    return psutil.Process(os.getpid()).memory_info().rss
+
+
+def test_memory_really_comes_back_after_eviction(tmp_path):
+    store = ExpertStore(tmp_path / "big")
+    big = Expert("big", "torchvision/none", "classifier", ("a",), 32)
+    # 48 MiB: above glibc's largest mmap threshold (32 MiB), so the allocation is its own mapping and a
+    # free hands it straight back to the OS; smaller buffers are reused by the allocator instead
+    store.write(big, {"w": torch.ones(48 * 2**20 // 4)})
+    store.write(Expert("other", "torchvision/none", "classifier", ("a",), 32), {"w": torch.ones(1024)})
+    pool = Pool("cpu", 60 * 2**20, make_policy("lru"), StoreSource(store))
+    base = rss()
+    h = pool.acquire("big")
+    ref = weakref.ref(h.value)
+    assert rss() - base > 44 * 2**20                                # resident: private memory, not page cache
+    pool.release(h)
+    del h
+    assert pool.evict("big")
+    assert ref() is None                                            # nothing else holds the buffer
+    assert rss() - base < 8 * 2**20                                 # and the bytes went back to the OS
+
+
+def test_skeleton_switch_rebinds_without_building(tiny_zoo):
+    store = ExpertStore(tiny_zoo)
+    sk = Skeletons("cpu")
+    imgs = [np.random.default_rng(i).integers(0, 255, (40, 40, 3), dtype=np.uint8) for i in range(6)]
+    outs = {}
+    for eid in ("cls-r0402", "cls-c0402", "cls-r0402"):
+        e = MODEL.experts[eid]
+        be = get_backend(e.arch)
+        module = sk.bind(e, store.read_flat(eid))
+        got = be.logits(module, e, imgs)
+        want = be.logits(be.build(e, store.read(eid)), e, imgs)
+        assert torch.allclose(got, want, rtol=1e-4, atol=0)   # logits of random weights are ~1e-10: no atol
+        outs[eid] = got
+    assert not torch.allclose(outs["cls-r0402"], outs["cls-c0402"], rtol=1e-2, atol=0)
+    assert sk.builds == 1 and sk.rebinds == 2                      # one skeleton, switched twice
+
+
+def test_unbind_releases_evicted_weights(tiny_zoo):
+    store = ExpertStore(tiny_zoo)
+    sk = Skeletons("cpu")
+    flat = store.read_flat("cls-r0402")
+    sk.bind(MODEL.experts["cls-r0402"], flat)
+    ref = weakref.ref(flat)
+    del flat
+    gc.collect()
+    assert ref() is not None                                        # the module still points into it
+    sk.unbind("cls-r0402")
+    gc.collect()
+    assert ref() is None
+
+
+def test_device_tier_loads_through_the_shared_host_tier(tiny_zoo):
+    store = ExpertStore(tiny_zoo)
+    host = Pool("host", 64 * 2**20, make_policy("lru"), StoreSource(store))
+    dev1 = Pool("dev1", 20 * 2**20, make_policy("lru"), TierSource(host, "cpu"))
+    dev2 = Pool("dev2", 20 * 2**20, make_policy("lru"), TierSource(host, "cpu"))
+    for pool in (dev1, dev2):
+        pool.release(pool.acquire("det-2term"))
+    assert host.stats().misses == 1 and host.stats().hits == 1    # one SSD read served both device pools
+    a, b = dev1.acquire("det-2term"), dev2.acquire("det-2term")
+    assert a.value.buffer.data_ptr() != b.value.buffer.data_ptr()  # each device tier owns its copy
+    assert torch.equal(a.value.buffer, b.value.buffer)
+    # unified memory: the device tier reads straight from SSD and nothing stays in a host tier
+    uni = Pool("uni", 20 * 2**20, make_policy("lru"), TierSource(StoreSource(store), "cpu"))
+    uni.release(uni.acquire("cls-r0402"))
+    assert "cls-r0402" in uni.resident() and "cls-r0402" not in host.resident()
+
+
+def test_prefetcher_loads_the_hinted_expert(tiny_zoo):
+    pool = Pool("cpu", 40 * 2**20, make_policy("lru"), StoreSource(ExpertStore(tiny_zoo)))
+    pf = Prefetcher(pool, "t")
+    try:
+        pf.hint("det-ic")
+        assert pf.idle(10)
+        assert "det-ic" in pool.resident() and pf.loaded == 1
+        h = pool.acquire("det-ic")                                  # the executor then hits
+        assert pool.stats().hits == 1
+        pool.release(h)
+    finally:
+        pf.close()
+
+
+def test_corrupt_expert_gives_error_verdicts_and_the_rest_is_served(tmp_path, tiny_zoo, tiny_recording):
+    from conftest import write_line
+    store, path = corrupt_copy(tiny_zoo, tmp_path, "flip")
+    cfg = load_config(write_line(tmp_path / "line", store=store.root), env={})
+    rec = Recording(tiny_recording)
+    agent = Agent(cfg).start()
+    try:
+        assert replay(rec, agent.endpoints["ingest"]).accepted == len(rec)
+        assert agent.wait_verdicts(len(rec), timeout=120)
+    finally:
+        agent.stop()
+    con = sqlite3.connect(cfg.db_path)
+    rows = con.execute("SELECT f.component, v.verdict, v.reason FROM verdicts v JOIN frames f USING (frame_id)"
+                       ).fetchall()
+    errors = con.execute("SELECT count(*) FROM errors WHERE kind='expert_load'").fetchone()[0]
+    con.close()
+    bad = [r for r in rows if r[0] == "C0402"]
+    good = [r for r in rows if r[0] != "C0402"]
+    assert bad and good and len(rows) == len(rec)
+    assert all(v == "error" and "cls-c0402" in reason and str(path) in reason and "sha256" in reason
+               for _, v, reason in bad)
+    assert all(v in ("pass", "defect") for _, v, _ in good)
+    assert errors == len(bad)
+    assert "cls-c0402" in agent.failed.all()
