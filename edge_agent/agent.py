@@ -80,13 +80,15 @@ class Agent:
         self.host_tier: Pool | None = None
         gpu = any(ex.device.startswith("cuda") for _, ex in names)
         if gpu and not cfg.unified_memory:
-            self.host_tier = self._pool("host", cfg.cpu_tier, StoreSource(self.store, pin=True), None)
+            self.host_tier = self._pool("host", "host", cfg.cpu_tier,
+                                        StoreSource(self.store, pin=True, method=cfg.expert_read), None)
         for name, ex in names:
             if ex.device == "cpu":
-                source = StoreSource(self.store)
+                source = StoreSource(self.store, method=cfg.expert_read)
             else:  # a GPU pool loads through the shared host tier, or straight from SSD on unified memory
-                source = TierSource(self.host_tier or StoreSource(self.store, pin=True), ex.device)
-            pool = self._pool(name, ex.memory, source, name)
+                source = TierSource(self.host_tier or StoreSource(self.store, pin=True, method=cfg.expert_read),
+                                    ex.device)
+            pool = self._pool(name, ex.device, ex.memory, source, name)
             self.pools[name] = pool
             self.executors.append(Executor(name, ex.device, pool, self.scheduler, self.model, self._on_batch,
                                            failed=self.failed, prefetch=ex.prefetch))
@@ -94,14 +96,14 @@ class Agent:
         self.metrics.watch_pools(self._all_pools)
         self.threads = min((ex.threads or max(1, (os.cpu_count() or 1) // len(names))) for _, ex in names)
 
-    def _pool(self, name: str, capacity: int, source, executor: str | None) -> Pool:
+    def _pool(self, name: str, tier: str, capacity: int, source, executor: str | None) -> Pool:
         """A tier pool with the line's eviction policy and the scheduler's live knowledge."""
         model = self.model
 
         def context() -> dict:
             return {"queued": set(self.scheduler.queued_experts(executor)) if executor else set()}
 
-        return Pool(name, capacity, make_policy(self.cfg.eviction), source,
+        return Pool(tier, capacity, make_policy(self.cfg.eviction), source, name=name,
                     on_event=lambda e: self._on_pool_event(e, executor),
                     probabilities=model.usage_probabilities(),
                     preliminaries={e: tuple(model.preliminaries(e)) for e in model.experts},

@@ -88,6 +88,7 @@ class LineConfig(_Strict):
     expert_verify: Literal["first", "always", "never"] = "first"
     eviction: Literal["coserve", "probability", "lru", "fifo"] = "coserve"
     cpu_tier: int = Field(2 * 2**30, description="shared host-memory tier behind GPU executors' pools")
+    expert_read: Literal["read", "mmap"] = Field("read", description="how tiers read expert files (bench/expert_load.py)")
     unified_memory: bool = Field(False, description="Jetson-style: GPU and CPU share DRAM, no separate host tier")
     executors: list[ExecutorConfig] = Field(default_factory=lambda: [ExecutorConfig()])
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)

@@ -1,14 +1,15 @@
 """Pre-built module skeletons: switching experts re-points a module, it never constructs one.
 
 An executor keeps one module per architecture layout.  Binding it to a
-resident expert assigns the expert's tensors (views into the tier's flat
-buffer) as its parameters: no weight copy, no model construction.  The first
+resident expert points each parameter and buffer at the expert's tensors
+(views into the tier's flat buffer): no weight copy, no model construction,
+no `load_state_dict` walk, just one attribute swap per tensor.  The first
 expert of a layout pays for building the skeleton once.
 """
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from coe import Expert, ExpertLoadError
@@ -22,8 +23,24 @@ if TYPE_CHECKING:
 @dataclass
 class _Slot:
     module: Any
-    bound: Any   # the FlatWeights the module currently points into (None: unbound)
+    bound: Any                 # the FlatWeights the module points into (None: unbound)
     expert_id: str | None
+    targets: dict[str, tuple[Any, str, bool]] = field(default_factory=dict)  # key -> (submodule, name, is_param)
+
+
+def _targets(module) -> dict[str, tuple[Any, str, bool]]:
+    """Where each state-dict tensor lives, so a rebind is a dictionary walk, not a module traversal."""
+    keys = set(module.state_dict().keys())
+    out = {}
+    for prefix, sub in module.named_modules(remove_duplicate=False):
+        pre = f"{prefix}." if prefix else ""
+        for name, p in sub._parameters.items():
+            if p is not None and pre + name in keys:
+                out[pre + name] = (sub, name, True)
+        for name, b in sub._buffers.items():
+            if b is not None and pre + name in keys:
+                out[pre + name] = (sub, name, False)
+    return out
 
 
 class Skeletons:
@@ -43,29 +60,34 @@ class Skeletons:
             slot = self._slots.get(key)
             if slot is None:
                 module = get_backend(expert.arch).build(expert, weights.tensors(), self.device)
-                self._slots[key] = _Slot(module, weights, expert.id)
+                slot = _Slot(module, weights, expert.id, _targets(module))
+                if set(slot.targets) != set(weights.tensors()):
+                    raise ExpertLoadError(expert.id, expert.uri or "<tier>", "skeleton and weights disagree on keys")
+                self._slots[key] = slot
                 self.builds += 1
                 return module
             if slot.bound is not weights:
-                self._assign(slot, weights.tensors(), expert)
+                self._point(slot, weights.tensors())
                 slot.bound, slot.expert_id = weights, expert.id
                 self.rebinds += 1
             return slot.module
 
     def unbind(self, expert_id: str) -> None:
-        """Point slots bound to an evicted expert at nothing (meta tensors), so its memory really goes back."""
+        """Point slots bound to an evicted expert at nothing, so its memory really goes back."""
         import torch
 
         with self._lock:
             for slot in self._slots.values():
                 if slot.expert_id == expert_id and slot.bound is not None:
-                    empty = {k: torch.empty_like(v, device="meta") for k, v in slot.bound.tensors().items()}
-                    slot.module.load_state_dict(empty, strict=True, assign=True)
+                    self._point(slot, {k: torch.empty(0, dtype=t.dtype, device=t.device)
+                                       for k, t in slot.bound.tensors().items()})
                     slot.bound, slot.expert_id = None, None
 
     @staticmethod
-    def _assign(slot: "_Slot", tensors, expert: Expert) -> None:
-        try:
-            slot.module.load_state_dict(tensors, strict=True, assign=True)
-        except RuntimeError as exc:
-            raise ExpertLoadError(expert.id, expert.uri or "<tier>", f"cannot bind weights: {exc}") from None
+    def _point(slot: _Slot, tensors) -> None:
+        for key, (sub, name, is_param) in slot.targets.items():
+            t = tensors[key]
+            if is_param:
+                sub._parameters[name].data = t
+            else:
+                sub._buffers[name] = t

@@ -208,7 +208,8 @@ class ExpertStore:
                 self._verified.add(key)
         return tensors
 
-    def read_flat(self, expert_id: str, *, pin: bool = False) -> "FlatWeights":
+    def read_flat(self, expert_id: str, *, pin: bool = False, method: str = "read",
+                  out: "FlatWeights | None" = None) -> "FlatWeights":
         """The expert as one private buffer read sequentially (the tiers' format).
 
         Verification per the store's policy happens while the bytes stream in,
@@ -222,7 +223,8 @@ class ExpertStore:
             raise ExpertLoadError(expert_id, str(path), "file missing from the expert store")
         key = (expert_id, entry.sha256)
         check = self.verify == "always" or (self.verify == "first" and key not in self._verified)
-        flat = read_flat(path, expert_id, pin=pin, expect_sha256=entry.sha256 if check else None)
+        flat = read_flat(path, expert_id, pin=pin, expect_sha256=entry.sha256 if check else None,
+                         method=method, out=out)
         if flat.nbytes != entry.nbytes:
             raise ExpertLoadError(expert_id, str(path),
                                   f"file holds {flat.nbytes} tensor bytes, manifest says {entry.nbytes}")

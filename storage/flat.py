@@ -8,8 +8,10 @@ GPU).  The tensors are views into the buffer, so nothing is copied twice.
 """
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
+import mmap
 import os
 import struct
 from dataclasses import dataclass
@@ -44,7 +46,7 @@ class Layout:
     data_offset: int    # where the data section starts in the file
     nbytes: int         # size of the data section (= the flat buffer)
 
-    @property
+    @functools.cached_property
     def signature(self) -> tuple:
         """Experts with equal signatures can share a module skeleton byte for byte."""
         return tuple((s.name, s.dtype, s.shape, s.start) for s in self.specs)
@@ -100,9 +102,12 @@ def read_layout(path: str | os.PathLike, expert_id: str) -> tuple[Layout, bytes]
 class FlatWeights:
     """An expert resident in one tier: a layout plus one byte buffer on some device."""
 
-    def __init__(self, layout: Layout, buffer: "torch.Tensor") -> None:
+    def __init__(self, layout: Layout, buffer: "torch.Tensor", *, like: "FlatWeights | None" = None) -> None:
         self.layout, self.buffer = layout, buffer
         self._views: dict[str, torch.Tensor] | None = None
+        if (like is not None and like.buffer is buffer and like._views is not None
+                and like.layout.signature == layout.signature):
+            self._views = like._views  # same bytes, same places: the views are the same too
 
     @property
     def nbytes(self) -> int:
@@ -135,30 +140,32 @@ class FlatWeights:
         return FlatWeights(self.layout, dst)
 
 
-def read_flat(path: str | os.PathLike, expert_id: str, *, pin: bool = False,
-              expect_sha256: str | None = None) -> FlatWeights:
-    """Read an expert file into one (optionally pinned) buffer with sequential reads.
+READ_METHODS = ("mmap", "read")
 
-    If `expect_sha256` is given the file is hashed as it streams in, so checking
-    costs CPU time but no second pass over the disk.
+
+def read_flat(path: str | os.PathLike, expert_id: str, *, pin: bool = False,
+              expect_sha256: str | None = None, method: str = "read",
+              out: "FlatWeights | None" = None) -> FlatWeights:
+    """Read an expert file into one (optionally pinned) buffer, front to back.
+
+    `mmap` maps the file with sequential-access advice and copies the data
+    section into the buffer chunk by chunk (the kernel reads ahead while we
+    copy); `read` uses `readinto`.  If `expect_sha256` is given the bytes are
+    hashed as they stream in, so checking costs CPU time but no second pass
+    over the disk.  `out` (an evicted expert of the same size) lends its buffer.
     """
     import torch
 
+    if method not in READ_METHODS:
+        raise ValueError(f"read method must be one of {READ_METHODS}, got {method!r}")
     layout, head = read_layout(path, expert_id)
-    buf = torch.empty(layout.nbytes, dtype=torch.uint8, pin_memory=pin)
+    if out is not None and (out.nbytes != layout.nbytes or out.device.type != "cpu"):
+        raise ValueError(f"out must hold {layout.nbytes} bytes on the CPU")
+    buf = out.buffer if out is not None else torch.empty(layout.nbytes, dtype=torch.uint8, pin_memory=pin)
     mv = memoryview(buf.numpy()) if layout.nbytes else memoryview(b"")
     hasher = hashlib.sha256(head) if expect_sha256 else None
-    got = 0
     try:
-        with open(path, "rb", buffering=0) as fh:
-            fh.seek(layout.data_offset)
-            while got < layout.nbytes:
-                n = fh.readinto(mv[got:got + _CHUNK])
-                if not n:
-                    break
-                if hasher is not None:
-                    hasher.update(mv[got:got + n])
-                got += n
+        got = (_copy_mmap if method == "mmap" else _copy_read)(path, layout, mv, hasher)
     except OSError as exc:
         raise ExpertLoadError(expert_id, str(path), f"cannot read: {exc.strerror or exc}") from None
     if got != layout.nbytes:
@@ -166,7 +173,46 @@ def read_flat(path: str | os.PathLike, expert_id: str, *, pin: bool = False,
     if hasher is not None and hasher.hexdigest() != expect_sha256:
         raise ExpertLoadError(expert_id, str(path), f"sha256 mismatch: manifest {expect_sha256[:12]}…, "
                                                     f"file {hasher.hexdigest()[:12]}…")
-    return FlatWeights(layout, buf)
+    return FlatWeights(layout, buf, like=out)
+
+
+def _copy_read(path, layout: Layout, mv: memoryview, hasher) -> int:
+    got = 0
+    with open(path, "rb", buffering=0) as fh:
+        fh.seek(layout.data_offset)
+        while got < layout.nbytes:
+            n = fh.readinto(mv[got:got + _CHUNK])
+            if not n:
+                break
+            if hasher is not None:
+                hasher.update(mv[got:got + n])
+            got += n
+    return got
+
+
+def _copy_mmap(path, layout: Layout, mv: memoryview, hasher) -> int:
+    if layout.nbytes == 0:
+        return 0
+    with open(path, "rb") as fh:
+        size = os.fstat(fh.fileno()).st_size
+        if size < layout.data_offset + layout.nbytes:
+            return max(0, size - layout.data_offset)
+        with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
+            if hasattr(mm, "madvise"):
+                mm.madvise(mmap.MADV_SEQUENTIAL)
+                mm.madvise(mmap.MADV_WILLNEED)
+            src = memoryview(mm)
+            try:
+                base, got = layout.data_offset, 0
+                while got < layout.nbytes:
+                    n = min(_CHUNK, layout.nbytes - got)
+                    mv[got:got + n] = src[base + got:base + got + n]
+                    if hasher is not None:
+                        hasher.update(mv[got:got + n])
+                    got += n
+            finally:
+                src.release()
+    return got
 
 
 def file_size(path: str | os.PathLike) -> int:

@@ -22,7 +22,12 @@ from .policies import EvictionPolicy, PoolState, Resident
 
 
 class ExpertSource(Protocol):
-    """Where a pool loads from: the expert store (SSD) or a parent tier."""
+    """Where a pool loads from: the expert store (SSD) or a parent tier.
+
+    A source with `reuses_memory = True` accepts `load(expert_id, reuse=[...])`:
+    the values just evicted to make room, whose memory it may fill instead of
+    allocating.
+    """
 
     def size(self, expert_id: str) -> int: ...
 
@@ -84,14 +89,16 @@ class Pool:
                  probabilities: dict[str, float] | None = None,
                  preliminaries: dict[str, tuple[str, ...]] | None = None,
                  context: Callable[[], dict] | None = None,
-                 measure: Callable[[Any], int] | None = None,
+                 measure: Callable[[Any], int] | None = None, name: str | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.tier, self.capacity, self.policy, self.source = tier, int(capacity_bytes), policy, source
+        self.name = name or tier
         self._on_event = on_event or (lambda e: None)
         self._probabilities = dict(probabilities or {})
         self._preliminaries = dict(preliminaries or {})
         self._context = context or dict  # live scheduler knowledge: {'queued': set, 'future': tuple}
         self._measure = measure
+        self._reuses = bool(getattr(source, "reuses_memory", False))
         self._clock = clock
         self._entries: dict[str, _Entry] = {}
         self._seq = 0
@@ -129,11 +136,16 @@ class Pool:
                 return None
             evicted = [self._evict_locked(v) for v in victims]
             self._entries[expert_id] = _Entry(None, need, self._seq, self._seq, pins=1, loading=True)
-        for ev in evicted:
+        for ev, _value in evicted:
             self._on_event(ev)
         t0 = self._clock()
         try:
-            value = self.source.load(expert_id)
+            # the victims' memory may become the new expert's (a switch between same-sized experts
+            # then costs one read or copy into warm memory); what the source does not take is freed
+            reuse = [v for _, v in evicted if v is not None]
+            value = self.source.load(expert_id, reuse=reuse) if reuse and self._reuses else \
+                self.source.load(expert_id)
+            del reuse
         except BaseException:
             with self._cond:
                 del self._entries[expert_id]
@@ -167,7 +179,7 @@ class Pool:
                 return False
             if entry.pins:
                 raise CoEError(f"cannot evict '{expert_id}': a running batch holds it")
-            ev = self._evict_locked(expert_id)
+            ev, _value = self._evict_locked(expert_id)
         self._on_event(ev)
         return True
 
@@ -200,7 +212,7 @@ class Pool:
         """Drop every unpinned resident; their memory goes back with the last reference."""
         with self._cond:
             evs = [self._evict_locked(k) for k in [k for k, e in self._entries.items() if not e.pins]]
-        for ev in evs:
+        for ev, _value in evs:
             self._on_event(ev)
 
     # -- internals ----------------------------------------------------------------
@@ -209,10 +221,10 @@ class Pool:
             Resident(k, e.nbytes, e.loaded_seq, e.used_seq, e.pins > 0 or e.loading) for k, e in self._entries.items()),
             self._probabilities, self._preliminaries, frozenset(ctx.get("queued", ())), tuple(ctx.get("future", ())))
 
-    def _evict_locked(self, expert_id: str) -> PoolEvent:
+    def _evict_locked(self, expert_id: str) -> tuple[PoolEvent, Any]:
         entry = self._entries.get(expert_id)
         if entry is None or entry.pins or entry.loading:
             raise CoEError(f"policy {self.policy.name} chose '{expert_id}', which is pinned or absent, as a victim")
         del self._entries[expert_id]
         self._stats.evictions += 1
-        return PoolEvent(expert_id, self.tier, "evict", entry.nbytes, 0.0, time.time())
+        return PoolEvent(expert_id, self.tier, "evict", entry.nbytes, 0.0, time.time()), entry.value

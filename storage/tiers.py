@@ -12,27 +12,51 @@ from __future__ import annotations
 
 import threading
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from .flat import FlatWeights
 from .pool import Pool
 
+if TYPE_CHECKING:
+    import torch
+
+
+def take_buffer(reuse, nbytes: int, device, pinned: bool | None = None) -> FlatWeights | None:
+    """An evicted value whose buffer holds exactly `nbytes` on `device`, or None."""
+    for v in reuse:
+        buf = getattr(v, "buffer", None)
+        if (buf is not None and buf.numel() == nbytes and buf.device == device
+                and (pinned is None or buf.is_pinned() == pinned)):
+            reuse.remove(v)
+            return v
+    return None
+
 
 class StoreSource:
-    """SSD tier: the expert store, read into host memory."""
+    """SSD tier: the expert store, read into host memory (into an evicted expert's buffer when sizes match)."""
 
-    def __init__(self, store, *, pin: bool = False) -> None:
-        self.store, self.pin = store, pin
+    reuses_memory = True
+
+    def __init__(self, store, *, pin: bool = False, method: str = "read") -> None:
+        import torch
+
+        self.store, self.pin, self.method = store, pin, method
+        self._cpu = torch.device("cpu")
+        self.reused = 0
 
     def size(self, expert_id: str) -> int:
         return self.store.nbytes(expert_id)
 
-    def load(self, expert_id: str) -> FlatWeights:
-        return self.store.read_flat(expert_id, pin=self.pin)
+    def load(self, expert_id: str, reuse=()) -> FlatWeights:
+        out = take_buffer(list(reuse), self.size(expert_id), self._cpu, self.pin) if reuse else None
+        self.reused += out is not None
+        return self.store.read_flat(expert_id, pin=self.pin, method=self.method, out=out)
 
 
 class TierSource:
     """Loads into `device` memory from a parent pool (held only for the copy) or a plain source."""
+
+    reuses_memory = True
 
     def __init__(self, parent: Pool | StoreSource, device: str, *, wait: float = 60.0) -> None:
         import torch
@@ -40,36 +64,48 @@ class TierSource:
         self.parent, self.device, self._wait = parent, torch.device(device), wait
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._lock = threading.Lock()  # one copy at a time per device tier keeps the measurement honest
+        self.reused = 0
+
+    def _buffer(self, nbytes: int, reuse) -> tuple["torch.Tensor", FlatWeights | None]:
+        import torch
+
+        old = take_buffer(list(reuse), nbytes, self.device) if reuse else None
+        if old is not None:
+            self.reused += 1
+            return old.buffer, old
+        return torch.empty(nbytes, dtype=torch.uint8, device=self.device), None
 
     def size(self, expert_id: str) -> int:
         return self.parent.source.size(expert_id) if isinstance(self.parent, Pool) else self.parent.size(expert_id)
 
-    def load(self, expert_id: str) -> FlatWeights:
+    def load(self, expert_id: str, reuse=()) -> FlatWeights:
         if not isinstance(self.parent, Pool):
-            return self._copy(self.parent.load(expert_id))
+            return self._copy(self.parent.load(expert_id), reuse)
         deadline = time.monotonic() + self._wait
         while (handle := self.parent.acquire(expert_id)) is None:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"'{expert_id}': the {self.parent.tier} tier stayed full of pinned experts")
             time.sleep(0.002)
         try:
-            return self._copy(handle.value)
+            return self._copy(handle.value, reuse)
         finally:
             self.parent.release(handle)
 
-    def _copy(self, src: FlatWeights) -> FlatWeights:
+    def _copy(self, src: FlatWeights, reuse=()) -> FlatWeights:
         import torch
 
         with self._lock:
             if self._stream is None:
-                return src.to(str(self.device))
+                dst, old = self._buffer(src.nbytes, reuse)
+                dst.copy_(src.buffer)
+                return FlatWeights(src.layout, dst, like=old)
             before = torch.cuda.memory_allocated(self.device)
             with torch.cuda.stream(self._stream):
-                dst = torch.empty(src.nbytes, dtype=torch.uint8, device=self.device)
+                dst, old = self._buffer(src.nbytes, reuse)
                 dst.copy_(src.buffer, non_blocking=src.buffer.is_pinned())
                 done = self._stream.record_event()
             done.synchronize()  # the parent may evict its buffer as soon as we return
-            out = FlatWeights(src.layout, dst)
+            out = FlatWeights(src.layout, dst, like=old)
             out.measured_nbytes = torch.cuda.memory_allocated(self.device) - before  # type: ignore[attr-defined]
             return out
 
