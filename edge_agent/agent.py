@@ -170,16 +170,29 @@ class Agent:
         self.scheduler.close()
         for ex in self.executors:
             ex.join(timeout=10)
+        for pool in self._all_pools().values():
+            pool.close()                      # their evict events still reach expert_events
         self.writer.stop()
         self.journal.close()
-        for pool in self.pools.values():
-            pool.close()
         self.metrics.close()
-        self.ctx.term()
+        stuck = [t for t in (*self.executors, self.writer) if t.alive()]
+        if stuck:
+            log.error("%d thread(s) did not stop; closing sockets without waiting", len(stuck))
+            self.ctx.destroy(linger=0)
+        else:
+            self.ctx.term()
         if not drained:
             log.error("stopped with %d frame(s) still in flight; they are journaled and re-run at next start",
                       len(self._inflight))
         return drained
+
+    def dead_threads(self) -> list[str]:
+        """Threads that should be running and are not (the agent cannot serve without any of them)."""
+        dead = [] if self.ingest.alive() else [f"ingest ({self.ingest.error})"]
+        dead += [f"executor {e.name}" for e in self.executors if not e.alive()]
+        if not self.writer.alive():
+            dead.append(f"result writer ({self.writer.error})")
+        return dead
 
     def wait_idle(self, timeout: float | None = None) -> bool:
         """Block until no accepted frame is waiting for its verdict."""
@@ -197,9 +210,11 @@ class Agent:
             signal.signal(sig, lambda *_: stop.set())
         self.start()
         while not stop.wait(0.5):
-            if self.ingest.error is not None:
-                log.error("ingest failed: %s", self.ingest.error)
-                self.stop()
+            dead = self.dead_threads()
+            if dead:
+                log.error("stopping: %s died (accepted frames stay journaled and are re-run at next start)",
+                          ", ".join(dead))
+                self.stop(timeout=10)
                 return 1
         log.info("signal received: draining %d in-flight frame(s)", len(self._inflight))
         return 0 if self.stop() else 1
@@ -289,7 +304,7 @@ class Agent:
 
     def _on_pool_event(self, e: PoolEvent, executor: str | None) -> None:
         if e.event == "evict" and executor is not None:
-            self._by_name[executor].on_evicted(e.expert_id)
+            self._by_name[executor].on_evicted(e.value)
         self.metrics.expert_event(e.tier, e.event, e.seconds)
         self.writer.put_event({"expert_id": e.expert_id, "tier": e.tier, "event": e.event, "nbytes": e.nbytes,
                                "seconds": e.seconds, "at": e.at})

@@ -65,7 +65,7 @@ def _sniff_frame_id(raw: bytes) -> str:
         obj = json.loads(raw.decode("utf-8"))
         fid = obj.get("frame_id") if isinstance(obj, dict) else None
         return fid[:P.MAX_ID_LEN] if isinstance(fid, str) else ""
-    except (UnicodeDecodeError, ValueError):
+    except (UnicodeDecodeError, ValueError, RecursionError):
         return ""
 
 
@@ -83,6 +83,9 @@ class Ingest:
 
     def start(self) -> None:
         self._thread.start()
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
 
     def stop(self, timeout: float = 10.0) -> None:
         self._stop.set()
@@ -123,12 +126,16 @@ class Ingest:
                                                       max_payload=self.max_payload)))
             except P.Reject as rej:
                 checked.append((identity, rej))
+            except Exception as exc:  # noqa: BLE001 - a message we failed to foresee is still only a reject
+                log.exception("unexpected error checking a message; rejecting it")
+                fid = _sniff_frame_id(parts[0]) if parts else ""
+                checked.append((identity, P.Reject(P.BAD_FIELD, f"unreadable message ({type(exc).__name__})", fid)))
         good = [c for _, c in checked if isinstance(c, Accepted)]
         errors = [{"frame_id": c.frame_id or None, "kind": f"reject:{c.reason}", "message": c.detail, "at": now}
                   for _, c in checked if isinstance(c, P.Reject)]
         entries = [JournalEntry(a.frame.frame_id, a.frame.line, a.frame.board_id, a.frame.component or None,
                                 a.frame.ts, a.frame.received_at, a.header_json, a.payload) for a in good]
-        fresh = self.store.journal(entries, errors)
+        fresh = self._journal(entries, errors)
         fresh_iter = iter(fresh)
         accepted: list[Accepted] = []
         for identity, c in checked:
@@ -144,6 +151,20 @@ class Ingest:
                 self._send(identity, P.ack(c.frame.frame_id, P.DUPLICATE, "frame_id already accepted"))
         if accepted:
             self._on_accepted(accepted)
+
+    def _journal(self, entries, errors) -> list[bool]:
+        """Journal with retries: nothing is acked until this commits, so waiting is always safe."""
+        attempt = 0
+        while True:
+            try:
+                return self.store.journal(entries, errors)
+            except Exception as exc:  # noqa: BLE001 - a locked or full disk must not kill ingest
+                attempt += 1
+                log.error("journal write failed (attempt %d), retrying; no frame of this read is acked: %s",
+                          attempt, exc)
+                if self._stop.is_set() and attempt >= 3:
+                    raise
+                time.sleep(min(0.1 * 2 ** attempt, 2.0))
 
     def _send(self, identity: bytes, ack: list[bytes]) -> None:
         try:

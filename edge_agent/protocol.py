@@ -19,6 +19,7 @@ ENCODINGS = ("jpeg", "png", "raw")
 MAX_ID_LEN = 128
 MAX_HEADER_BYTES = 64 * 1024
 MAX_SIDE = 8192
+MAX_PIXELS = 4096 * 4096   # a decoded frame is at most 48 MiB of RGB; a component crop is far smaller
 
 # reason codes, stable: clients and dashboards match on them
 MALFORMED_JSON = "malformed_json"
@@ -82,6 +83,8 @@ def parse_header(raw: bytes, *, require_component: bool = True) -> Header:
         raise Reject(OVERSIZE, f"header is {len(raw)} bytes, limit {MAX_HEADER_BYTES}")
     try:
         obj = json.loads(raw.decode("utf-8"))
+    except RecursionError:
+        raise Reject(MALFORMED_JSON, "header JSON is nested too deeply") from None
     except (UnicodeDecodeError, ValueError) as exc:
         raise Reject(MALFORMED_JSON, f"header is not UTF-8 JSON ({exc.__class__.__name__}: {exc})") from None
     if not isinstance(obj, dict):
@@ -103,7 +106,11 @@ def parse_header(raw: bytes, *, require_component: bool = True) -> Header:
     for name in ("frame_id", "line", "board_id"):
         if not obj[name] or len(obj[name]) > MAX_ID_LEN:
             raise Reject(BAD_FIELD, f"field '{name}' must be 1..{MAX_ID_LEN} characters", frame_id)
-    if not math.isfinite(float(obj["ts"])):
+    try:
+        finite = math.isfinite(float(obj["ts"]))
+    except OverflowError:
+        finite = False
+    if not finite:
         raise Reject(BAD_FIELD, "field 'ts' must be a finite number", frame_id)
     if obj["encoding"] not in ENCODINGS:
         raise Reject(BAD_FIELD, f"field 'encoding' must be one of {', '.join(ENCODINGS)}, got '{obj['encoding']}'", frame_id)
@@ -148,13 +155,51 @@ def decode_image(header: Header, payload: bytes) -> np.ndarray:
         raise Reject(BAD_IMAGE, "jpeg payload is truncated (no end-of-image marker)", header.frame_id)
     if header.encoding == "png" and b"IEND" not in payload[-16:]:
         raise Reject(BAD_IMAGE, "png payload is truncated (no IEND chunk)", header.frame_id)
-    arr = cv2.imdecode(np.frombuffer(payload, dtype=np.uint8), cv2.IMREAD_COLOR)
+    dims = image_dims(header.encoding, payload)
+    if dims is None:
+        raise Reject(BAD_IMAGE, f"{header.encoding} payload has no readable image header", header.frame_id)
+    w, h = dims
+    if w <= 0 or h <= 0 or w > MAX_SIDE or h > MAX_SIDE or w * h > MAX_PIXELS:
+        raise Reject(BAD_IMAGE, f"image is {w}x{h}: sides must be 1..{MAX_SIDE} px and at most {MAX_PIXELS} pixels",
+                     header.frame_id)
+    try:
+        arr = cv2.imdecode(np.frombuffer(payload, dtype=np.uint8), cv2.IMREAD_COLOR)
+    except cv2.error as exc:
+        raise Reject(BAD_IMAGE, f"{header.encoding} payload could not be decoded: {str(exc).strip()[:120]}",
+                     header.frame_id) from None
     if arr is None or arr.size == 0:
         raise Reject(BAD_IMAGE, f"{header.encoding} payload could not be decoded", header.frame_id)
     if arr.shape[0] > MAX_SIDE or arr.shape[1] > MAX_SIDE:
         raise Reject(BAD_IMAGE, f"image {arr.shape[1]}x{arr.shape[0]} is larger than {MAX_SIDE} px a side",
                      header.frame_id)
     return cv2.cvtColor(arr, cv2.COLOR_BGR2RGB)
+
+
+def image_dims(encoding: str, payload: bytes) -> tuple[int, int] | None:
+    """(width, height) from a PNG IHDR or a JPEG SOF marker, read before decoding.
+
+    Checking the size first keeps a small, highly compressed image from
+    expanding into gigabytes inside the decoder.
+    """
+    if encoding == "png":
+        if len(payload) < 24 or payload[12:16] != b"IHDR":
+            return None
+        return int.from_bytes(payload[16:20], "big"), int.from_bytes(payload[20:24], "big")
+    i = 2
+    while i + 9 < len(payload):
+        if payload[i] != 0xFF:
+            return None
+        marker = payload[i + 1]
+        if marker in (0xD8, 0x01) or 0xD0 <= marker <= 0xD7:
+            i += 2
+            continue
+        length = int.from_bytes(payload[i + 2:i + 4], "big")
+        if 0xC0 <= marker <= 0xCF and marker not in (0xC4, 0xC8, 0xCC):
+            return int.from_bytes(payload[i + 7:i + 9], "big"), int.from_bytes(payload[i + 5:i + 7], "big")
+        if length < 2:
+            return None
+        i += 2 + length
+    return None
 
 
 def encode_header(fields: dict) -> bytes:

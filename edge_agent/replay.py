@@ -26,6 +26,7 @@ class ReplayReport:
     accepted: int = 0
     duplicate: int = 0
     rejected: int = 0
+    unmatched_rejects: int = 0
     reasons: Counter = field(default_factory=Counter)
     rejected_ids: list[str] = field(default_factory=list)
     unacked: list[str] = field(default_factory=list)
@@ -111,9 +112,11 @@ def _count_ack(msg: list[bytes], inflight: dict, done: set, report: ReplayReport
     if len(msg) != 3:
         return
     fid, status, detail = (m.decode("utf-8", "replace") for m in msg)
+    if fid not in inflight and len(fid) == P.MAX_ID_LEN:  # the agent cuts long ids in its acks
+        fid = next((k for k in inflight if k.startswith(fid)), fid)
     if fid not in inflight:
-        if fid == "" and status == P.REJECTED:
-            report.rejected += 1
+        if fid == "" and status == P.REJECTED:  # no id could be read; counted, but cannot be matched
+            report.unmatched_rejects += 1
             report.reasons[P.reason_of(detail)] += 1
         return  # late ack of a resent frame: its first ack already counted
     del inflight[fid]

@@ -44,6 +44,8 @@ class ResultWriter:
         self._thread = threading.Thread(target=self._loop, name="result-writer", daemon=True)
         self._stop = threading.Event()
         self.failures = 0
+        self.gave_up = 0
+        self.error: BaseException | None = None
 
     def start(self) -> None:
         self._thread.start()
@@ -65,8 +67,11 @@ class ResultWriter:
         self._stop.set()
         self._thread.join(timeout)
 
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
     def _loop(self) -> None:
-        store = ResultStore(self._db_path)
+        store = ResultStore(self._db_path, synchronous="FULL")  # a published verdict survives a power cut
         try:
             while True:
                 pending = _Pending()
@@ -82,6 +87,10 @@ class ResultWriter:
                     self._flush(store, pending)
                 elif self._stop.is_set() and self._q.empty():
                     return
+        except BaseException as exc:
+            self.error = exc
+            log.exception("result writer stopped on an unexpected error")
+            raise
         finally:
             store.close()
             self._pub.close(linger=1000)
@@ -96,6 +105,12 @@ class ResultWriter:
             except Exception as exc:  # noqa: BLE001 - a locked or full disk must not kill the writer
                 attempt += 1
                 self.failures += 1
+                if self._stop.is_set() and attempt >= 3:
+                    # stopping: the frames stay journaled without a verdict and are re-run at next start
+                    log.error("result write failed %d times while stopping; giving up on %d verdict(s), "
+                              "they are re-run from the journal at next start: %s", attempt, len(p.verdicts), exc)
+                    self.gave_up += len(p.verdicts)
+                    return
                 log.error("result write failed (attempt %d), retrying: %s", attempt, exc)
                 time.sleep(min(0.1 * 2 ** attempt, 2.0))
         committed = [v for v in p.verdicts if v["frame_id"] in stored]
@@ -107,4 +122,7 @@ class ResultWriter:
                 self._pub.send_multipart([self._line, json.dumps(msg).encode()], flags=zmq.NOBLOCK)
             except zmq.Again:
                 pass  # PUB never blocks; a slow subscriber misses messages, the database has them all
-        self._on_committed(p.verdicts, stored)
+        try:
+            self._on_committed(p.verdicts, stored)
+        except Exception:  # noqa: BLE001 - bookkeeping after a commit must not stop the writer
+            log.exception("after-commit callback failed")

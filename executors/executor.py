@@ -86,8 +86,11 @@ class Executor:
             self.prefetcher.close()
         return not self._thread.is_alive()
 
-    def on_evicted(self, expert_id: str) -> None:
-        self.skeletons.unbind(expert_id)
+    def on_evicted(self, value) -> None:
+        self.skeletons.unbind(value)
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
 
     def _loop(self) -> None:
         while True:
@@ -96,13 +99,23 @@ class Executor:
                 if self.scheduler.drained(self.name):
                     return
                 continue
-            self._on_result(self.run_batch(batch))
+            result = self.run_batch(batch)
+            try:
+                self._on_result(result)
+            except Exception as exc:  # noqa: BLE001 - the batch's frames must still get verdicts
+                log.exception("handling the result of batch %d failed; its frames get error verdicts", batch.id)
+                try:
+                    self._on_result(BatchResult(batch, self.name, self.device, result.started_at, result.seconds,
+                                                error=f"internal error after the batch ran: {exc}",
+                                                error_kind="internal"))
+                except Exception:  # noqa: BLE001
+                    log.exception("could not even record error verdicts for batch %d", batch.id)
 
     def run_batch(self, batch: Batch) -> BatchResult:
         started, t0 = time.time(), time.perf_counter()
-        expert = self.model.experts[batch.expert_id]
         handle = None
         try:
+            expert = self.model.experts[batch.expert_id]
             known = self.failed.reason(batch.expert_id)
             if known is not None:
                 raise ExpertLoadError(batch.expert_id, expert.uri or "<store>", f"marked failed earlier: {known}")
@@ -129,6 +142,9 @@ class Executor:
                                  error=str(exc), error_kind="expert_load" if load_failure else "expert_run")
         finally:
             if handle is not None:
-                self.pool.release(handle)
+                try:
+                    self.pool.release(handle)
+                except Exception:  # noqa: BLE001 - a bookkeeping bug must not lose the batch's result
+                    log.exception("release of %s failed", batch.expert_id)
         self.batches += 1
         return result

@@ -72,13 +72,17 @@ class Skeletons:
                 self.rebinds += 1
             return slot.module
 
-    def unbind(self, expert_id: str) -> None:
-        """Point slots bound to an evicted expert at nothing, so its memory really goes back."""
+    def unbind(self, weights) -> None:
+        """Point slots bound to these evicted weights at nothing, so their memory really goes back.
+
+        Matching the weights object (not the expert id) means a late eviction
+        event can never empty a slot that meanwhile was bound to a fresh load.
+        """
         import torch
 
         with self._lock:
             for slot in self._slots.values():
-                if slot.expert_id == expert_id and slot.bound is not None:
+                if slot.bound is weights and weights is not None:
                     self._point(slot, {k: torch.empty(0, dtype=t.dtype, device=t.device)
                                        for k, t in slot.bound.tensors().items()})
                     slot.bound, slot.expert_id = None, None

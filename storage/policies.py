@@ -122,19 +122,37 @@ def stage_one(state: PoolState) -> list[Resident]:
 
 
 class CoServe:
-    """CoServe's dependency-aware two-stage eviction (paper §4.4, DESIGN.md §4).
+    """CoServe's dependency-aware two-stage eviction (paper §4.3, DESIGN.md §4).
 
     Stage 1 evicts orphaned subsequent experts (see `stage_one`), largest first.
     Stage 2, only if that is not enough, evicts by ascending usage probability.
+    With `protect_queued` (the default), stage 2 evicts experts with queued
+    requests last: a queued request is a future use with probability 1, which
+    is how we read the paper's "lowest probability of future use".  The bench
+    reports both readings (`coserve` and `coserve-paper`).
     """
 
     name = "coserve"
+
+    def __init__(self, protect_queued: bool = True) -> None:
+        self.protect_queued = protect_queued
 
     def choose_victims(self, state: PoolState, need_bytes: int) -> list[str] | None:
         first = stage_one(state)
         chosen = {r.expert_id for r in first}
         rest = [r for r in _by_probability(state) if r.expert_id not in chosen]
+        if self.protect_queued:
+            rest.sort(key=lambda r: r.expert_id in state.queued)  # stable: probability order within each
         return _evict_in_order(state, need_bytes, first + rest)
+
+
+class CoServePaper(CoServe):
+    """Stage 2 strictly by usage probability, as the paper's text states it."""
+
+    name = "coserve-paper"
+
+    def __init__(self) -> None:
+        super().__init__(protect_queued=False)
 
 
 class Belady:
@@ -154,7 +172,7 @@ class Belady:
         return _evict_in_order(state, need_bytes, order)
 
 
-POLICIES = {p.name: p for p in (LRU, FIFO, Probability, CoServe, Belady)}
+POLICIES = {p.name: p for p in (LRU, FIFO, Probability, CoServe, CoServePaper, Belady)}
 
 
 def make_policy(name: str) -> EvictionPolicy:

@@ -13,7 +13,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol
 
 from coe import CoEError
@@ -42,6 +42,7 @@ class PoolEvent:
     nbytes: int
     seconds: float
     at: float
+    value: Any = field(default=None, repr=False, compare=False)  # the evicted value, for whoever points into it
 
 
 @dataclass
@@ -53,6 +54,7 @@ class PoolStats:
     load_seconds: float = 0.0
     resident_bytes: int = 0
     capacity: int = 0
+    manage_seconds: float = 0.0   # bookkeeping and eviction decisions, loads excluded
 
     @property
     def switches(self) -> int:
@@ -113,6 +115,7 @@ class Pool:
         raises PoolFullError when it can never fit, and the source's error
         (e.g. ExpertLoadError) when loading fails.
         """
+        entered = time.perf_counter()
         ctx = self._context()
         with self._cond:
             while True:
@@ -126,6 +129,7 @@ class Pool:
                 entry.pins += 1
                 entry.used_seq = self._seq
                 self._stats.hits += 1
+                self._stats.manage_seconds += time.perf_counter() - entered
                 return Handle(expert_id, entry.value, entry.nbytes)
             need = self.source.size(expert_id)
             if need > self.capacity:
@@ -136,29 +140,34 @@ class Pool:
                 return None
             evicted = [self._evict_locked(v) for v in victims]
             self._entries[expert_id] = _Entry(None, need, self._seq, self._seq, pins=1, loading=True)
-        for ev, _value in evicted:
-            self._on_event(ev)
         t0 = self._clock()
+        load_started = time.perf_counter()
         try:
+            for e in evicted:
+                self._on_event(e)
+            e = None
             # the victims' memory may become the new expert's (a switch between same-sized experts
-            # then costs one read or copy into warm memory); what the source does not take is freed
-            reuse = [v for _, v in evicted if v is not None]
-            value = self.source.load(expert_id, reuse=reuse) if reuse and self._reuses else \
-                self.source.load(expert_id)
-            del reuse
+            # then costs one read or copy into warm memory); the source takes what it reuses and
+            # clears the list, so everything else is freed before the load allocates
+            reuse = [e.value for e in evicted if e.value is not None] if self._reuses else []
+            evicted = []
+            value = self.source.load(expert_id, reuse=reuse) if reuse else self.source.load(expert_id)
+            reuse.clear()
+            seconds = self._clock() - t0
+            load_wall = time.perf_counter() - load_started
+            measured = self._measure(value) if self._measure else need
         except BaseException:
             with self._cond:
                 del self._entries[expert_id]
                 self._cond.notify_all()
             raise
-        seconds = self._clock() - t0
-        measured = self._measure(value) if self._measure else need
         with self._cond:
             entry = self._entries[expert_id]
             entry.value, entry.loading, entry.nbytes = value, False, max(measured, need)
             self._stats.misses += 1
             self._stats.bytes_in += entry.nbytes
             self._stats.load_seconds += seconds
+            self._stats.manage_seconds += time.perf_counter() - entered - load_wall
             self._cond.notify_all()
         self._on_event(PoolEvent(expert_id, self.tier, "load", entry.nbytes, seconds, time.time()))
         return Handle(expert_id, value, entry.nbytes)
@@ -179,7 +188,7 @@ class Pool:
                 return False
             if entry.pins:
                 raise CoEError(f"cannot evict '{expert_id}': a running batch holds it")
-            ev, _value = self._evict_locked(expert_id)
+            ev = self._evict_locked(expert_id)
         self._on_event(ev)
         return True
 
@@ -212,7 +221,7 @@ class Pool:
         """Drop every unpinned resident; their memory goes back with the last reference."""
         with self._cond:
             evs = [self._evict_locked(k) for k in [k for k, e in self._entries.items() if not e.pins]]
-        for ev, _value in evs:
+        for ev in evs:
             self._on_event(ev)
 
     # -- internals ----------------------------------------------------------------
@@ -221,10 +230,33 @@ class Pool:
             Resident(k, e.nbytes, e.loaded_seq, e.used_seq, e.pins > 0 or e.loading) for k, e in self._entries.items()),
             self._probabilities, self._preliminaries, frozenset(ctx.get("queued", ())), tuple(ctx.get("future", ())))
 
-    def _evict_locked(self, expert_id: str) -> tuple[PoolEvent, Any]:
+    def _evict_locked(self, expert_id: str) -> PoolEvent:
         entry = self._entries.get(expert_id)
         if entry is None or entry.pins or entry.loading:
             raise CoEError(f"policy {self.policy.name} chose '{expert_id}', which is pinned or absent, as a victim")
         del self._entries[expert_id]
         self._stats.evictions += 1
-        return PoolEvent(expert_id, self.tier, "evict", entry.nbytes, 0.0, time.time()), entry.value
+        return PoolEvent(expert_id, self.tier, "evict", entry.nbytes, 0.0, time.time(), entry.value)
+
+
+def initialize(pools: list[Pool], order: list[str]) -> dict[str, list[str]]:
+    """CoServe's initialisation: experts in `order` (descending usage probability) go round-robin
+    across `pools`, each into the next pool with free room, until no pool has room left.
+    Nothing is evicted.  Returns what each pool received."""
+    got: dict[str, list[str]] = {p.name: [] for p in pools}
+    if not pools:
+        return got
+    turn = 0
+    for expert_id in order:
+        size = pools[0].source.size(expert_id)
+        for k in range(len(pools)):
+            pool = pools[(turn + k) % len(pools)]
+            if pool.contains(expert_id) or pool.capacity - pool.used_bytes() < size:
+                continue
+            pool.release(pool.acquire(expert_id))
+            got[pool.name].append(expert_id)
+            turn = (turn + k + 1) % len(pools)
+            break
+        if all(p.capacity - p.used_bytes() <= 0 for p in pools):
+            break
+    return got

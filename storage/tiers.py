@@ -47,8 +47,10 @@ class StoreSource:
     def size(self, expert_id: str) -> int:
         return self.store.nbytes(expert_id)
 
-    def load(self, expert_id: str, reuse=()) -> FlatWeights:
-        out = take_buffer(list(reuse), self.size(expert_id), self._cpu, self.pin) if reuse else None
+    def load(self, expert_id: str, reuse=None) -> FlatWeights:
+        out = take_buffer(reuse, self.size(expert_id), self._cpu, self.pin) if reuse else None
+        if reuse:
+            reuse.clear()  # the victims we did not take are freed before we allocate
         self.reused += out is not None
         return self.store.read_flat(expert_id, pin=self.pin, method=self.method, out=out)
 
@@ -69,7 +71,9 @@ class TierSource:
     def _buffer(self, nbytes: int, reuse) -> tuple["torch.Tensor", FlatWeights | None]:
         import torch
 
-        old = take_buffer(list(reuse), nbytes, self.device) if reuse else None
+        old = take_buffer(reuse, nbytes, self.device) if reuse else None
+        if reuse:
+            reuse.clear()
         if old is not None:
             self.reused += 1
             return old.buffer, old
@@ -78,7 +82,8 @@ class TierSource:
     def size(self, expert_id: str) -> int:
         return self.parent.source.size(expert_id) if isinstance(self.parent, Pool) else self.parent.size(expert_id)
 
-    def load(self, expert_id: str, reuse=()) -> FlatWeights:
+    def load(self, expert_id: str, reuse=None) -> FlatWeights:
+        reuse = reuse if reuse is not None else []
         if not isinstance(self.parent, Pool):
             return self._copy(self.parent.load(expert_id), reuse)
         deadline = time.monotonic() + self._wait
@@ -91,7 +96,7 @@ class TierSource:
         finally:
             self.parent.release(handle)
 
-    def _copy(self, src: FlatWeights, reuse=()) -> FlatWeights:
+    def _copy(self, src: FlatWeights, reuse) -> FlatWeights:
         import torch
 
         with self._lock:
@@ -106,8 +111,23 @@ class TierSource:
                 done = self._stream.record_event()
             done.synchronize()  # the parent may evict its buffer as soon as we return
             out = FlatWeights(src.layout, dst, like=old)
-            out.measured_nbytes = torch.cuda.memory_allocated(self.device) - before  # type: ignore[attr-defined]
+            out.measured_nbytes = allocator_bytes(src.nbytes, torch.cuda.memory_allocated(self.device) - before,
+                                                  reused=old is not None)  # type: ignore[attr-defined]
             return out
+
+
+def allocator_bytes(nbytes: int, delta: int, *, reused: bool) -> int:
+    """What the CUDA caching allocator really holds for a buffer of `nbytes`.
+
+    The measured `memory_allocated` delta is used when it agrees with the
+    allocator's rounding (512 B blocks, 2 MiB for large buffers); when other
+    threads allocated at the same moment (activations, another executor) the
+    delta is polluted and the rounded size is the honest figure.
+    """
+    rounded = -(-nbytes // 512) * 512 if nbytes < 2**20 else -(-nbytes // 2**21) * 2**21
+    if reused or abs(delta - rounded) > 2**21:
+        return rounded
+    return delta
 
 
 def measured_nbytes(value: Any) -> int:

@@ -174,3 +174,40 @@ def test_resend_after_lost_ack_is_a_duplicate_not_a_second_verdict(agent, tiny_r
     time.sleep(0.3)
     assert db_rows(agent, "SELECT count(*) FROM verdicts")[0][0] == 5
     assert db_rows(agent, "SELECT count(*) FROM frames")[0][0] == 5
+
+
+def _png_bomb() -> bytes:
+    """A valid-looking PNG header claiming 60000 x 60000 pixels: must be refused before decoding."""
+    import struct
+    import zlib
+    ihdr = struct.pack(">IIBBBBB", 60000, 60000, 8, 2, 0, 0, 0)
+    chunk = lambda t, d: struct.pack(">I", len(d)) + t + d + struct.pack(">I", zlib.crc32(t + d))  # noqa: E731
+    return b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", zlib.compress(b"\x00" * 1000)) + \
+        chunk(b"IEND", b"")
+
+
+def test_hostile_messages_are_rejected_and_ingest_survives(agent):
+    sock = zmq.Context.instance().socket(zmq.DEALER)
+    sock.connect(agent.endpoints["ingest"])
+    deep = b'{"frame_id": "deep", "x": ' + b"[" * 30000 + b"]" * 30000 + b"}"
+    cases = [
+        ([deep, _png(1)], P.MALFORMED_JSON),
+        ([_header("huge-ts", ts=10 ** 400), _png(2)], P.BAD_FIELD),
+        ([_header("bomb"), _png_bomb()], P.BAD_IMAGE),
+    ]
+    for parts, _ in cases:
+        sock.send_multipart(parts)
+    sock.send_multipart([_header("after"), _png(3)])
+    acks = []
+    deadline = time.time() + 30
+    while len(acks) < 4 and time.time() < deadline:
+        if sock.poll(200):
+            acks.append([x.decode() for x in sock.recv_multipart()])
+    sock.close(linger=0)
+    got = {a[0]: a for a in acks}
+    assert got["huge-ts"][1] == "rejected" and got["huge-ts"][2].startswith(P.BAD_FIELD)
+    assert got["bomb"][1] == "rejected" and got["bomb"][2].startswith(P.BAD_IMAGE) and "60000" in got["bomb"][2]
+    assert any(a[1] == "rejected" and a[2].startswith(P.MALFORMED_JSON) for a in acks)
+    assert got["after"][1] == "accepted"
+    assert agent.wait_verdicts(1, timeout=60)
+    assert agent.dead_threads() == []

@@ -117,3 +117,79 @@ def test_capacity_never_exceeded_and_pins_respected(policy, cap, trace):
             p.release(h)
     for h in held:
         p.release(h)
+
+
+class SlowFailing(Source):
+    """Loads block until released; the first load of 'bad' fails."""
+
+    def __init__(self, sizes):
+        super().__init__(sizes)
+        import threading
+        self.gate = threading.Event()
+        self.calls = 0
+
+    def load(self, eid):
+        self.calls += 1
+        self.gate.wait(5)
+        if eid == "bad":
+            raise OSError("disk on fire")
+        return super().load(eid)
+
+
+def test_two_threads_share_one_load_and_a_failed_load_leaves_no_placeholder():
+    import threading
+    src = SlowFailing({"a": 10, "bad": 10})
+    p = Pool("cpu", 100, make_policy("lru"), src)
+    got = []
+    threads = [threading.Thread(target=lambda: got.append(p.acquire("a"))) for _ in range(2)]
+    for t in threads:
+        t.start()
+    src.gate.set()
+    for t in threads:
+        t.join(5)
+    assert len(got) == 2 and all(h is not None for h in got) and src.calls == 1   # one load, shared
+    errors = []
+    waiter = threading.Thread(target=lambda: errors.append(_try(p, "bad")))
+    waiter.start()
+    waiter.join(5)
+    assert isinstance(errors[0], OSError) and not waiter.is_alive()
+    assert "bad" not in p.resident() and p.used_bytes() == 10                      # no leaked reservation
+    src.sizes["bad"] = 10
+    with pytest.raises(OSError):
+        p.acquire("bad")                                                           # retried, not hung
+
+
+def _try(pool, eid):
+    try:
+        return pool.acquire(eid)
+    except Exception as exc:  # noqa: BLE001
+        return exc
+
+
+class Box:
+    def __init__(self, data):
+        self.data = data
+
+
+def test_victims_are_freed_before_the_new_expert_loads():
+    import gc
+    import weakref
+
+    refs = {}
+
+    class Tracking(Source):
+        def load(self, eid):
+            gc.collect()
+            alive = [k for k, r in refs.items() if r() is not None and k not in self_resident()]
+            seen.append((eid, alive))
+            v = Box(super().load(eid))
+            refs[eid] = weakref.ref(v)
+            return v
+
+    seen = []
+    src = Tracking({k: 40 for k in "abc"})
+    p = Pool("cpu", 80, make_policy("lru"), src)
+    self_resident = p.resident
+    for e in "abc":
+        use(p, e)
+    assert seen[-1] == ("c", [])   # 'a' was evicted for 'c' and nothing kept it alive during the load

@@ -78,7 +78,7 @@ def test_decode_png_jpeg_raw():
     ("png", b"GIF89a....", "magic"),
     ("png", png()[:40], "truncated"),
     ("jpeg", jpeg()[: len(jpeg()) // 2], "truncated"),
-    ("jpeg", b"\xff\xd8garbage\xff\xd9", "decoded"),
+    ("jpeg", b"\xff\xd8garbage\xff\xd9", "image header"),
 ])
 def test_bad_images(encoding, payload, needle):
     h = P.parse_header(enc({**GOOD, "encoding": encoding}))

@@ -114,7 +114,7 @@ def test_unbind_releases_evicted_weights(tiny_zoo):
     del flat
     gc.collect()
     assert ref() is not None                                        # the module still points into it
-    sk.unbind("cls-r0402")
+    sk.unbind(ref())
     gc.collect()
     assert ref() is None
 

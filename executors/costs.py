@@ -1,0 +1,92 @@
+"""The profiled cost model the CoServe scheduler predicts with.
+
+It answers the scheduler's three questions from a `Profile` plus the live
+pools: how long a batch takes (K, B for the expert's architecture on the
+executor's device), how long a switch takes (0 if resident, else the profiled
+load from the tier where the expert lives now), and how big a batch may be
+(min of the profiled max batch and what fits in the executor's free memory).
+Architectures the profile does not cover fall back to stated estimates, so an
+agent without a profile still runs; `estimated` lists them.
+"""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from coe import CoEModel
+
+from .profile import ArchProfile, Profile
+
+log = logging.getLogger(__name__)
+
+# Stated estimates for an unprofiled architecture: a 1.5 GB/s SSD, a 10 GB/s host copy, and
+# per-request compute proportional to weight bytes.  Only used until `coe-agent profile` runs.
+EST_SSD_BPS = 1.5e9
+EST_HOST_BPS = 10e9
+EST_K_PER_BYTE = 1.0 / 4e9
+EST_B = 0.002
+
+
+@dataclass
+class ExecutorInfo:
+    device_kind: str      # 'cpu' | 'cuda'
+    memory: int           # the executor's whole budget: experts + activations
+    pool: object          # storage.pool.Pool (experts resident on this executor)
+
+
+def estimated_arch(arch: str, kind: str, weight_bytes: int, max_batch: int) -> ArchProfile:
+    return ArchProfile(arch=arch, device=kind, K=max(weight_bytes * EST_K_PER_BYTE, 1e-4), B=EST_B,
+                       max_batch=max_batch, weight_bytes=weight_bytes, activation_bytes=max(weight_bytes // 8, 1),
+                       load_seconds={"ssd": weight_bytes / EST_SSD_BPS, "host": weight_bytes / EST_HOST_BPS})
+
+
+class ProfileCosts:
+    def __init__(self, model: CoEModel, executors: dict[str, ExecutorInfo], profile: Profile | None = None, *,
+                 host=None, default_max_batch: int = 16) -> None:
+        self.model, self.executors, self.profile, self.host = model, executors, profile, host
+        self._arch: dict[tuple[str, str], ArchProfile] = {}
+        self.estimated: set[str] = set()
+        for e in model.experts.values():
+            for info in executors.values():
+                key = (e.arch, info.device_kind)
+                if key in self._arch:
+                    continue
+                if profile is not None and Profile.key(*key) in profile.archs:
+                    self._arch[key] = profile.archs[Profile.key(*key)]
+                else:
+                    self._arch[key] = estimated_arch(e.arch, info.device_kind, e.nbytes, default_max_batch)
+                    self.estimated.add(Profile.key(*key))
+        if self.estimated:
+            log.warning("no profiled costs for %s: scheduling on estimates (run `coe-agent profile`)",
+                        ", ".join(sorted(self.estimated)))
+
+    def arch(self, executor: str, expert_id: str) -> ArchProfile:
+        return self._arch[(self.model.experts[expert_id].arch, self.executors[executor].device_kind)]
+
+    def exec_cost(self, executor: str, expert_id: str) -> tuple[float, float]:
+        a = self.arch(executor, expert_id)
+        return a.K, a.B
+
+    def tier_of(self, executor: str, expert_id: str) -> str:
+        if self.executors[executor].pool.contains(expert_id):
+            return "resident"
+        if self.host is not None and self.host.contains(expert_id):
+            return "host"
+        return "ssd"
+
+    def switch_cost(self, executor: str, expert_id: str) -> float:
+        return self.arch(executor, expert_id).load(self.tier_of(executor, expert_id))
+
+    def max_batch(self, executor: str, expert_id: str, *, memory: bool = True) -> int:
+        a = self.arch(executor, expert_id)
+        if not memory:
+            return a.max_batch
+        info = self.executors[executor]
+        used = info.pool.used_bytes()
+        if not info.pool.contains(expert_id):
+            used += a.weight_bytes
+        fits = (info.memory - used) // max(a.activation_bytes, 1)
+        return max(1, min(a.max_batch, int(fits)))
+
+    def resident(self, executor: str) -> set[str]:
+        return set(self.executors[executor].pool.resident())

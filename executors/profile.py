@@ -1,0 +1,191 @@
+"""Profiled costs: what the CoServe scheduler, the batch splitter and the simulated device read.
+
+A profile holds, per (architecture, device kind), the batch latency model
+`K*n + B`, the max useful batch, weight and per-sample activation bytes, and
+the load latency from each tier; per device, its memory and the executor
+count and expert-memory split found by the offline search.  It is written by
+`coe-agent profile` (measured) or shipped as a documented assumption set
+(configs/profiles/), and always says which in `source`.
+"""
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from coe import CoEError
+
+TIERS = ("ssd", "host")
+
+
+@dataclass(frozen=True)
+class ArchProfile:
+    arch: str                      # e.g. 'torchvision/resnet101'
+    device: str                    # device kind: 'cpu' | 'cuda'
+    K: float                       # seconds per request in a batch
+    B: float                       # seconds per batch
+    max_batch: int
+    weight_bytes: int
+    activation_bytes: int          # per sample
+    load_seconds: dict[str, float] = field(default_factory=dict)  # tier -> seconds to make it resident
+    points: tuple[tuple[int, float], ...] = ()                    # measured (batch size, seconds)
+
+    def batch_seconds(self, n: int) -> float:
+        return self.K * n + self.B if n > 0 else 0.0
+
+    def load(self, tier: str) -> float:
+        """Seconds to load from `tier` ('ssd' or 'host'); 0 for 'resident'."""
+        if tier == "resident":
+            return 0.0
+        if tier not in self.load_seconds:
+            raise CoEError(f"profile for {self.arch} on {self.device} has no load latency from tier '{tier}'")
+        return self.load_seconds[tier]
+
+
+@dataclass(frozen=True)
+class DeviceProfile:
+    name: str                      # e.g. 'cpu', 'cuda:0'
+    kind: str                      # 'cpu' | 'cuda'
+    memory: int                    # bytes usable by executors of this device
+    executors: int = 1             # from the executor-count search
+    expert_memory: int | None = None   # bytes for experts, from the memory-split search (rest: activations)
+    host_tier: int = 0             # bytes of the shared host tier behind this device (GPU only)
+    split_points: tuple[tuple[int, float], ...] = ()   # (experts loaded, throughput) seen by the split search
+    count_points: tuple[tuple[int, float], ...] = ()   # (executors, throughput) seen by the count search
+
+
+@dataclass
+class Profile:
+    source: str                    # 'measured on …' or 'assumed: …' — never ambiguous
+    devices: dict[str, DeviceProfile]
+    archs: dict[str, ArchProfile]  # key: f"{arch}@{device kind}"
+    notes: list[str] = field(default_factory=list)
+
+    @staticmethod
+    def key(arch: str, kind: str) -> str:
+        return f"{arch}@{kind}"
+
+    def arch(self, arch: str, kind: str) -> ArchProfile:
+        try:
+            return self.archs[self.key(arch, kind)]
+        except KeyError:
+            known = ", ".join(sorted(self.archs))
+            raise CoEError(f"profile ({self.source}) has no entry for {arch} on {kind}; "
+                           f"run `coe-agent profile` (known: {known})") from None
+
+    def to_json(self) -> dict:
+        return {"source": self.source, "notes": self.notes,
+                "devices": {k: {**asdict(v), "split_points": [list(p) for p in v.split_points],
+                                "count_points": [list(p) for p in v.count_points]}
+                            for k, v in self.devices.items()},
+                "archs": {k: {**asdict(v), "points": [list(p) for p in v.points]} for k, v in self.archs.items()}}
+
+    def save(self, path: str | Path) -> Path:
+        path = Path(path)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(path.suffix + ".tmp")
+        tmp.write_text(json.dumps(self.to_json(), indent=1))
+        tmp.replace(path)
+        return path
+
+    @classmethod
+    def from_json(cls, raw: dict, src: str = "<profile>") -> "Profile":
+        try:
+            devices = {}
+            for k, v in raw["devices"].items():
+                v = dict(v)
+                for f in ("split_points", "count_points"):
+                    v[f] = tuple(tuple(p) for p in v.get(f, ()))
+                devices[k] = DeviceProfile(**v)
+            archs = {}
+            for k, v in raw["archs"].items():
+                v = dict(v)
+                v["points"] = tuple(tuple(p) for p in v.get("points", ()))
+                a = ArchProfile(**v)
+                if not (a.K >= 0 and a.B >= 0 and a.max_batch >= 1 and math.isfinite(a.K + a.B)):
+                    raise ValueError(f"archs.{k}: K, B must be finite and >= 0, max_batch >= 1")
+                archs[k] = a
+            return cls(source=str(raw["source"]), devices=devices, archs=archs, notes=list(raw.get("notes", [])))
+        except (KeyError, TypeError, ValueError) as exc:
+            raise CoEError(f"{src}: malformed profile: {exc}") from None
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Profile":
+        path = Path(path)
+        try:
+            raw = json.loads(path.read_text())
+        except FileNotFoundError:
+            raise CoEError(f"{path}: profile does not exist (run `coe-agent profile`)") from None
+        except json.JSONDecodeError as exc:
+            raise CoEError(f"{path}: malformed profile: not JSON ({exc})") from None
+        return cls.from_json(raw, str(path))
+
+
+def fit_latency(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """Least-squares K, B for latency = K*n + B (B clamped at 0)."""
+    n = len(points)
+    if n < 2:
+        raise ValueError("need at least two (batch, seconds) points to fit K and B")
+    sx = sum(p[0] for p in points)
+    sy = sum(p[1] for p in points)
+    sxx = sum(p[0] ** 2 for p in points)
+    sxy = sum(p[0] * p[1] for p in points)
+    den = n * sxx - sx * sx
+    k = (n * sxy - sx * sy) / den if den else 0.0
+    b = (sy - k * sx) / n
+    return max(k, 0.0), max(b, 0.0)
+
+
+def max_useful_batch(points: list[tuple[int, float]], tolerance: float = 0.05) -> int:
+    """The batch size where the average latency per request stops improving by more than `tolerance`."""
+    pts = sorted(points)
+    best = pts[0][0]
+    per = pts[0][1] / pts[0][0]
+    for n, s in pts[1:]:
+        cur = s / n
+        if cur < per * (1 - tolerance):
+            best, per = n, cur
+        else:
+            break
+    return best
+
+
+def decay_window_search(throughput, n_max: int, *, window: int = 15, margin: float = 0.05,
+                        fit_points: int = 3) -> tuple[int, int, list[tuple[int, float]]]:
+    """CoServe's memory-split search (paper §4.4, Eq. 1-3) over 'number of experts loaded'.
+
+    `throughput(n)` runs sample inference with n experts resident.  The window
+    starts at [0, window]; each slide moves it up and shrinks it by the decay
+    factor 1 - window/100.  The first `fit_points` upper-bound throughputs are
+    fitted linearly (Eq. 2); sliding stops when the next measurement falls
+    below the fit by more than `margin` (Eq. 3) or n_max is reached.  Returns
+    the final window (low, high) and the measured points.
+    """
+    decay = 1 - window / 100.0
+    low, size = 0, float(window)
+    points: list[tuple[int, float]] = []
+    while True:
+        high = min(n_max, max(low + 1, int(round(low + size))))
+        tp = throughput(high)
+        if len(points) >= fit_points:
+            k, b = _fit(points)
+            expected = k * high + b
+            if expected > 0 and (expected - tp) / expected > margin:
+                points.append((high, tp))
+                return low, high, points
+        points.append((high, tp))
+        if high >= n_max:
+            return low, high, points
+        low = high
+        size = max(1.0, size * decay)
+
+
+def _fit(points: list[tuple[int, float]]) -> tuple[float, float]:
+    xs = [p[0] for p in points]
+    ys = [p[1] for p in points]
+    n = len(points)
+    mx, my = sum(xs) / n, sum(ys) / n
+    var = sum((x - mx) ** 2 for x in xs)
+    k = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
+    return k, my - k * mx

@@ -1,0 +1,130 @@
+"""A real run of one system on this machine: real experts, real pools, real executor threads.
+
+The same `Scheduler`, `Pool`, `Executor` and chain semantics as the agent, fed
+in-process (no sockets, so the comparison measures scheduling and expert
+management, not ZeroMQ).  Frames arrive on a real clock every `interval`
+seconds.  With `cold=True` every expert file is dropped from the page cache
+before the run and again after each load, so every load is a real SSD read
+(a line box whose RAM cannot cache its zoo).
+"""
+from __future__ import annotations
+
+import statistics
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+
+from coe import CoEModel, Frame, Request, decide
+from coe.workload import Workload
+from storage.pagecache import drop_from_page_cache
+from storage.policies import make_policy
+from storage.pool import Pool, initialize
+from storage.tiers import StoreSource
+
+from .costs import ExecutorInfo, ProfileCosts
+from .executor import BatchResult, Executor
+from .profile import Profile
+from .scheduler import Scheduler
+from .simdevice import SimReport, SimSystem
+
+
+class ColdStoreSource(StoreSource):
+    """StoreSource that drops each file from the page cache after reading it: every load hits the disk."""
+
+    def load(self, expert_id: str, reuse=()):
+        value = super().load(expert_id, reuse)
+        drop_from_page_cache(self.store.path(expert_id))
+        return value
+
+
+@dataclass
+class RealOptions:
+    interval: float = 0.004
+    cold: bool = True
+    image_size: int = 64
+    timeout: float = 900.0
+
+
+def run_real(workload: Workload, model: CoEModel, store, profile: Profile | None, system: SimSystem,
+             opts: RealOptions | None = None, *, images: dict[str, list[np.ndarray]] | None = None) -> SimReport:
+    """Run `system` (cpu executors only) on real experts; the report has the simulator's shape."""
+    opts = opts or RealOptions()
+    probs = model.usage_probabilities()
+    prelims = {e: tuple(model.preliminaries(e)) for e in model.experts}
+    box: list[Scheduler] = []
+    pools, infos = {}, {}
+    for ex in system.executors:
+        if ex.kind != "cpu":
+            raise ValueError(f"real runs here use CPU executors; {ex.name} is on {ex.device}")
+        src = (ColdStoreSource if opts.cold else StoreSource)(store)
+        pools[ex.name] = Pool("cpu", ex.expert_memory, make_policy(system.eviction), src, name=ex.name,
+                              probabilities=probs, preliminaries=prelims,
+                              context=(lambda n=ex.name: {"queued": box[0].queued_set(n)}))
+        infos[ex.name] = ExecutorInfo("cpu", ex.memory, pools[ex.name])
+    costs = ProfileCosts(model, infos, profile)
+    sched = Scheduler([e.name for e in system.executors], system.scheduler, costs=costs,
+                      tie_seconds=system.tie_seconds)
+    box.append(sched)
+    if system.init == "warm":
+        initialize(list(pools.values()), sorted(model.experts, key=lambda e: -probs[e]))
+    init_misses = sum(p.stats().misses for p in pools.values())
+    if opts.cold:
+        for e in model.experts:
+            drop_from_page_cache(store.path(e))
+
+    lock = threading.Condition()
+    start: dict[str, float] = {}
+    latencies: list[float] = []
+    done = [0]
+    batches = [0, 0]
+
+    def on_result(res: BatchResult) -> None:
+        b = res.batch
+        batches[0] += 1
+        batches[1] += len(b)
+        outs = res.outputs or [None] * len(b)
+        for r, out in zip(b.requests, outs):
+            nxt = decide(model, b.expert_id, out).next_expert if out is not None else None
+            if nxt is not None:
+                sched.submit(Request(r.frame, nxt, stage=r.stage + 1))
+                continue
+            with lock:
+                latencies.append(time.perf_counter() - start[r.frame.frame_id])
+                done[0] += 1
+                lock.notify_all()
+
+    execs = [Executor(ex.name, "cpu", pools[ex.name], sched, model, on_result, prefetch=True)
+             for ex in system.executors]
+    for e in execs:
+        e.start()
+    arrivals = workload.arrivals
+    t0 = time.perf_counter()
+    for i, a in enumerate(arrivals):
+        wait = t0 + a.t - time.perf_counter()
+        if wait > 0:
+            time.sleep(wait)
+        pics = images[a.component] if images else [np.zeros((opts.image_size, opts.image_size, 3), np.uint8)]
+        frame = Frame(a.frame_id, "bench", "bench", a.component, a.t, pics[i % len(pics)])
+        start[a.frame_id] = time.perf_counter()
+        sched.submit(Request(frame, model.components[a.component].classifier))
+    with lock:
+        finished = lock.wait_for(lambda: done[0] >= len(arrivals), opts.timeout)
+    makespan = time.perf_counter() - t0
+    sched.close()
+    for e in execs:
+        e.join(10)
+    if not finished:
+        raise TimeoutError(f"{system.name}: only {done[0]} of {len(arrivals)} frames finished in {opts.timeout} s")
+    lat = sorted(latencies)
+    stats = [p.stats() for p in pools.values()]
+    return SimReport(
+        system=system.name, frames=len(arrivals), makespan=makespan, throughput=len(arrivals) / makespan,
+        switches=sum(s.misses for s in stats) - init_misses, ssd_loads=sum(s.misses for s in stats) - init_misses,
+        host_loads=0, p50_ms=1000 * statistics.median(lat), p99_ms=1000 * lat[min(len(lat) - 1, int(0.99 * len(lat)))],
+        batches=batches[0], mean_batch=batches[1] / max(batches[0], 1), lower_bound=0.0, efficiency=0.0,
+        decision_us=1e6 * sched.decision_seconds / max(sched.decisions, 1),
+        busy_fraction=sum(s.load_seconds for s in stats) / (makespan * len(execs)),
+        sched_share=sched.decision_seconds / (makespan * len(execs)),
+        manage_share=sum(s.manage_seconds for s in stats) / (makespan * len(execs)), real_run=True)
