@@ -97,3 +97,19 @@ def make_workload(spec: WorkloadSpec) -> Workload:
     arrivals = tuple(Arrival(i * spec.interval, f"{spec.name}-{i:05d}", layout[i % len(layout)],
                              rng.random() < spec.ok_rate) for i in range(spec.requests))
     return Workload(spec, model, arrivals)
+
+
+def from_model(model: CoEModel, requests: int, *, interval: float = 0.004, board_size: int = 200,
+               seed: int = 0) -> Workload:
+    """A seeded board stream for a line's own spec: layout by component frequency, outcomes by priors."""
+    rng = random.Random(f"line-{model.name}-{seed}")
+    names = list(model.components)
+    layout = rng.choices(names, weights=[model.components[n].frequency for n in names], k=board_size)
+    arrivals = []
+    for i in range(requests):
+        comp = layout[i % len(layout)]
+        cls = model.experts[model.components[comp].classifier]
+        p_ok = sum(cls.prior(label) for label in cls.next) if cls.next else 0.0
+        arrivals.append(Arrival(i * interval, f"{model.name}-{i:05d}", comp, rng.random() < p_ok))
+    return Workload(WorkloadSpec(name=model.name, requests=requests, interval=interval, seed=seed), model,
+                    tuple(arrivals))

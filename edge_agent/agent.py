@@ -15,18 +15,21 @@ import signal
 import threading
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import zmq
 
 from coe import CoEModel, Frame, Request, decide, load_spec
+from executors.costs import ExecutorInfo, ProfileCosts
 from executors.executor import BatchResult, Executor, FailedExperts
-from executors.scheduler import GroupingScheduler
+from executors.profile import Profile
+from executors.scheduler import Scheduler
 from routing import RuleRouter
 from storage.expert_store import ExpertStore
 from storage.policies import make_policy
-from storage.pool import Pool, PoolEvent
-from storage.tiers import StoreSource, TierSource, measured_nbytes
+from storage.pool import Pool, PoolEvent, initialize
 from storage.results import ResultStore
+from storage.tiers import StoreSource, TierSource, measured_nbytes
 
 from . import protocol as P
 from .config import LineConfig, endpoint_parts
@@ -71,9 +74,7 @@ class Agent:
         for i, ex in enumerate(cfg.executors):
             for j in range(ex.count):
                 names.append((f"{ex.device}-{i}.{j}", ex))
-        self.scheduler = GroupingScheduler([n for n, _ in names], max_batch=cfg.scheduler.max_batch,
-                                           policy=cfg.scheduler.policy,
-                                           resident=lambda n: set(self.pools[n].resident()))
+        self.profile = Profile.load(cfg.scheduler.profile) if Path(cfg.scheduler.profile).is_file() else None
         self.failed = FailedExperts()
         self.pools: dict[str, Pool] = {}
         self.executors: list[Executor] = []
@@ -82,26 +83,42 @@ class Agent:
         if gpu and not cfg.unified_memory:
             self.host_tier = self._pool("host", "host", cfg.cpu_tier,
                                         StoreSource(self.store, pin=True, method=cfg.expert_read), None)
+        infos = {}
         for name, ex in names:
             if ex.device == "cpu":
                 source = StoreSource(self.store, method=cfg.expert_read)
             else:  # a GPU pool loads through the shared host tier, or straight from SSD on unified memory
                 source = TierSource(self.host_tier or StoreSource(self.store, pin=True, method=cfg.expert_read),
                                     ex.device)
-            pool = self._pool(name, ex.device, ex.memory, source, name)
+            pool = self._pool(name, ex.device, self._expert_memory(ex), source, name)
             self.pools[name] = pool
-            self.executors.append(Executor(name, ex.device, pool, self.scheduler, self.model, self._on_batch,
-                                           failed=self.failed, prefetch=ex.prefetch))
+            infos[name] = ExecutorInfo("cpu" if ex.device == "cpu" else "cuda", ex.memory, pool)
+        self.costs = ProfileCosts(self.model, infos, self.profile, host=self.host_tier,
+                                  default_max_batch=cfg.scheduler.max_batch)
+        tie = cfg.scheduler.tie_seconds if cfg.scheduler.tie_seconds is not None else self.costs.median_ssd_load()
+        self.scheduler = Scheduler([n for n, _ in names], cfg.scheduler.policy, costs=self.costs, tie_seconds=tie)
+        for name, ex in names:
+            self.executors.append(Executor(name, ex.device, self.pools[name], self.scheduler, self.model,
+                                           self._on_batch, failed=self.failed, prefetch=ex.prefetch))
         self._by_name = {e.name: e for e in self.executors}
         self.metrics.watch_pools(self._all_pools)
         self.threads = min((ex.threads or max(1, (os.cpu_count() or 1) // len(names))) for _, ex in names)
+
+    def _expert_memory(self, ex) -> int:
+        """The executor's bytes for experts: configured, else the profiled split, else 75% (CoServe §4.4)."""
+        if ex.expert_memory is not None:
+            return min(ex.expert_memory, ex.memory)
+        dev = self.profile.devices.get(ex.device) if self.profile else None
+        if dev is not None and dev.expert_memory:
+            return min(ex.memory, int(dev.expert_memory * ex.memory / max(dev.memory, 1)))
+        return int(ex.memory * 0.75)
 
     def _pool(self, name: str, tier: str, capacity: int, source, executor: str | None) -> Pool:
         """A tier pool with the line's eviction policy and the scheduler's live knowledge."""
         model = self.model
 
         def context() -> dict:
-            return {"queued": set(self.scheduler.queued_experts(executor)) if executor else set()}
+            return {"queued": self.scheduler.queued_set(executor) if executor else set()}
 
         return Pool(tier, capacity, make_policy(self.cfg.eviction), source, name=name,
                     on_event=lambda e: self._on_pool_event(e, executor),
@@ -134,6 +151,12 @@ class Agent:
         if cfg.metrics.enabled:
             self.metrics_port = self.metrics.serve(cfg.metrics.bind, cfg.metrics.port)
         self.writer.start()
+        if cfg.scheduler.initialize:
+            probs = self.model.usage_probabilities()
+            order = sorted(self.model.experts, key=lambda e: -probs[e])
+            loaded = initialize(list(self.pools.values()), [e for e in order if e not in self.failed.all()])
+            log.info("initialised pools by usage probability: %s",
+                     ", ".join(f"{k} {len(v)}" for k, v in loaded.items()))
         for ex in self.executors:
             ex.start()
         self._recover()

@@ -284,6 +284,13 @@ def results(line: str, config_path: str | None, verdict: str | None, board: str 
 
 from .experts_cli import experts  # noqa: E402
 cli.add_command(experts)
+from .profile_cli import profile  # noqa: E402
+cli.add_command(profile)
+
+
+from .bench_cli import bench  # noqa: E402
+
+cli.add_command(bench)
 
 
 def main() -> None:

@@ -46,6 +46,11 @@ class ExecutorConfig(_Strict):
     memory: int = Field(256 * 2**20, description="byte budget of this executor's model pool")
     threads: int | None = Field(None, ge=1, description="torch intra-op threads; default: cores / executors")
     prefetch: bool = Field(True, description="load the next group's expert while a batch computes")
+    expert_memory: int | None = Field(None, description="bytes of `memory` for experts; default: profiled split, "
+                                                        "else 75% (the rest is for activations)")
+
+    _emem = field_validator("expert_memory", mode="before")(
+        classmethod(lambda cls, v: None if v is None else parse_bytes(v)))
 
     _mem = field_validator("memory", mode="before")(classmethod(lambda cls, v: parse_bytes(v)))
 
@@ -58,8 +63,11 @@ class ExecutorConfig(_Strict):
 
 
 class SchedulerConfig(_Strict):
-    policy: Literal["grouped", "fcfs"] = "grouped"
-    max_batch: int = Field(16, ge=1, le=1024)
+    policy: Literal["coserve", "em+ra", "em", "none", "fcfs", "round-robin", "grouped"] = "coserve"
+    max_batch: int = Field(16, ge=1, le=1024, description="batch cap where no profile gives one")
+    profile: str = Field("{data_dir}/profile.json", description="costs from `coe-agent profile`; estimates if absent")
+    tie_seconds: float | None = Field(None, ge=0, description="assignment tie window; default one median SSD load")
+    initialize: bool = Field(True, description="fill pools by usage probability at start (CoServe §4.1)")
 
 
 class WriterConfig(_Strict):
@@ -231,7 +239,9 @@ def _resolve(cfg: LineConfig, path: Path) -> LineConfig:
     spec = Path(cfg.spec.format(**subs)).expanduser()
     if not spec.is_absolute():
         spec = (path.parent / spec).resolve()
+    scheduler = cfg.scheduler.model_copy(update={"profile": str(Path(cfg.scheduler.profile.format(**subs)))})
     return cfg.model_copy(update={
+        "scheduler": scheduler,
         "data_dir": str(data_dir),
         "results_db": str(Path(cfg.results_db.format(**subs)).expanduser()),
         "expert_store": str(Path(cfg.expert_store.format(**subs)).expanduser()),

@@ -60,6 +60,11 @@ class ProfileCosts:
             log.warning("no profiled costs for %s: scheduling on estimates (run `coe-agent profile`)",
                         ", ".join(sorted(self.estimated)))
 
+    def median_ssd_load(self) -> float:
+        """One typical expert load from SSD: CoServe's assignment tie window."""
+        loads = sorted(a.load_seconds.get("ssd", 0.0) for a in self._arch.values())
+        return loads[len(loads) // 2] if loads else 0.0
+
     def arch(self, executor: str, expert_id: str) -> ArchProfile:
         return self._arch[(self.model.experts[expert_id].arch, self.executors[executor].device_kind)]
 

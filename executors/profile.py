@@ -138,17 +138,14 @@ def fit_latency(points: list[tuple[int, float]]) -> tuple[float, float]:
 
 
 def max_useful_batch(points: list[tuple[int, float]], tolerance: float = 0.05) -> int:
-    """The batch size where the average latency per request stops improving by more than `tolerance`."""
+    """The smallest batch whose per-request latency is within `tolerance` of the best measured.
+
+    That is where the average latency plateaus (paper §4.5): a bigger batch
+    no longer buys throughput, only memory and latency.
+    """
     pts = sorted(points)
-    best = pts[0][0]
-    per = pts[0][1] / pts[0][0]
-    for n, s in pts[1:]:
-        cur = s / n
-        if cur < per * (1 - tolerance):
-            best, per = n, cur
-        else:
-            break
-    return best
+    best = min(s / n for n, s in pts)
+    return next(n for n, s in pts if s / n <= best * (1 + tolerance))
 
 
 def decay_window_search(throughput, n_max: int, *, window: int = 15, margin: float = 0.05,

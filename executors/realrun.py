@@ -45,6 +45,7 @@ class RealOptions:
     cold: bool = True
     image_size: int = 64
     timeout: float = 900.0
+    prequeue: bool = False   # submit every arrival before the executors start (order tests)
 
 
 def run_real(workload: Workload, model: CoEModel, store, profile: Profile | None, system: SimSystem,
@@ -79,9 +80,11 @@ def run_real(workload: Workload, model: CoEModel, store, profile: Profile | None
     latencies: list[float] = []
     done = [0]
     batches = [0, 0]
+    order: list[tuple] = []
 
     def on_result(res: BatchResult) -> None:
         b = res.batch
+        order.append((b.executor, b.expert_id, tuple(r.frame.frame_id for r in b.requests)))
         batches[0] += 1
         batches[1] += len(b)
         outs = res.outputs or [None] * len(b)
@@ -95,20 +98,24 @@ def run_real(workload: Workload, model: CoEModel, store, profile: Profile | None
                 done[0] += 1
                 lock.notify_all()
 
-    execs = [Executor(ex.name, "cpu", pools[ex.name], sched, model, on_result, prefetch=True)
+    execs = [Executor(ex.name, "cpu", pools[ex.name], sched, model, on_result, prefetch=not opts.prequeue)
              for ex in system.executors]
-    for e in execs:
-        e.start()
+    if not opts.prequeue:
+        for e in execs:
+            e.start()
     arrivals = workload.arrivals
     t0 = time.perf_counter()
     for i, a in enumerate(arrivals):
         wait = t0 + a.t - time.perf_counter()
-        if wait > 0:
+        if wait > 0 and not opts.prequeue:
             time.sleep(wait)
         pics = images[a.component] if images else [np.zeros((opts.image_size, opts.image_size, 3), np.uint8)]
         frame = Frame(a.frame_id, "bench", "bench", a.component, a.t, pics[i % len(pics)])
         start[a.frame_id] = time.perf_counter()
         sched.submit(Request(frame, model.components[a.component].classifier))
+    if opts.prequeue:
+        for e in execs:
+            e.start()
     with lock:
         finished = lock.wait_for(lambda: done[0] >= len(arrivals), opts.timeout)
     makespan = time.perf_counter() - t0
@@ -127,4 +134,4 @@ def run_real(workload: Workload, model: CoEModel, store, profile: Profile | None
         decision_us=1e6 * sched.decision_seconds / max(sched.decisions, 1),
         busy_fraction=sum(s.load_seconds for s in stats) / (makespan * len(execs)),
         sched_share=sched.decision_seconds / (makespan * len(execs)),
-        manage_share=sum(s.manage_seconds for s in stats) / (makespan * len(execs)), real_run=True)
+        manage_share=sum(s.manage_seconds for s in stats) / (makespan * len(execs)), real_run=True, order=order)

@@ -71,7 +71,7 @@ class SimReport:
     sched_share: float = 0.0      # scheduler decision time / (makespan x executors)
     manage_share: float = 0.0     # expert-management bookkeeping time / (makespan x executors)
     real_run: bool = False
-    order: list[tuple[str, str, tuple[str, ...]]] = field(default_factory=list)
+    order: list[tuple] = field(default_factory=list)   # (executor, expert, frame ids, start, end) per batch
 
     def to_json(self) -> dict:
         d = {k: v for k, v in vars(self).items() if k != "order"}
@@ -161,7 +161,7 @@ def simulate(workload: Workload, profile: Profile, system: SimSystem, *, record_
     busy_time = {n: 0.0 for n in execs}
     ssd_free = 0.0
     ssd_loads = host_loads = batches = batched = 0
-    record: list[tuple[str, str, tuple[str, ...]]] = []
+    record: list[tuple] = []
     now = 0.0
 
     def dispatch() -> None:
@@ -194,7 +194,7 @@ def simulate(workload: Workload, profile: Profile, system: SimSystem, *, record_
             batches += 1
             batched += len(b)
             if record_order:
-                record.append((name, b.expert_id, tuple(r.frame.frame_id for r in b.requests)))
+                record.append((name, b.expert_id, tuple(r.frame.frame_id for r in b.requests), now, done))
             heapq.heappush(events, (done, next(seq), "done", (name, b, handle)))
 
     while events:
@@ -216,6 +216,8 @@ def simulate(workload: Workload, profile: Profile, system: SimSystem, *, record_
                     sched.submit(Request(r.frame, nxt, stage=r.stage + 1))
                 else:
                     latencies.append(now - start[r.frame.frame_id])
+        if events and events[0][0] <= now:
+            continue  # simultaneous events first: a dispatch sees everything that happened at `now`
         dispatch()
 
     makespan = now

@@ -124,7 +124,9 @@ class Pool:
                 if entry is None:
                     break
                 if entry.loading:           # someone else is loading it: share that load
+                    w0 = time.perf_counter()
                     self._cond.wait()
+                    entered += time.perf_counter() - w0   # waiting is not management work
                     continue
                 entry.pins += 1
                 entry.used_seq = self._seq

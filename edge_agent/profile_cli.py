@@ -1,0 +1,144 @@
+"""`coe-agent profile`: measure the line's experts on this machine and write profile.json.
+
+A thin layer over `executors.profiler` (the measuring) and, where it exists,
+`executors.tuning.tune` (the memory-split and executor-count searches).
+
+The command object is created before `.cli` is imported, and the options and
+error handling it shares with the other commands are attached right after:
+`cli.py` imports this module at its end to register `profile`, and defining
+it first keeps that working whichever of the two modules is imported first
+(as `experts_cli.py` does for its group).
+"""
+from __future__ import annotations
+
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import click
+
+from coe import CoEError, load_spec
+
+if TYPE_CHECKING:
+    from executors.profile import Profile
+
+_MB = 1e6
+
+
+def _batch_sizes(ctx: click.Context, param: click.Parameter, value: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(v) for v in value.split(",") if v.strip())
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated integers like 1,2,4,8, got {value!r}") from None
+    if len(set(sizes)) < 2 or min(sizes) < 1:
+        raise click.BadParameter(f"need at least two distinct positive batch sizes, got {value!r}")
+    return tuple(sorted(set(sizes)))
+
+
+@click.command()
+@click.option("--out", "-o", type=click.Path(dir_okay=False),
+              help="Where to write the profile (default: {data_dir}/profile.json); plots go next to it.")
+@click.option("--batch-sizes", default="1,2,4,8,16,32", show_default=True, callback=_batch_sizes,
+              help="Batch sizes to time, comma-separated.")
+@click.option("--repeats", default=3, show_default=True, type=click.IntRange(min=1),
+              help="Timed rounds per batch size, and loads per tier (the median is kept).")
+@click.option("--plots/--no-plots", default=True, show_default=True, help="Write PNG plots next to the profile.")
+def profile(line: str, config_path: str | None, out: str | None, batch_sizes: tuple[int, ...], repeats: int,
+            plots: bool) -> None:
+    """Microbenchmark the line's experts on this machine and write profile.json.
+
+    Each (architecture, device) of the line is profiled once, with one of its
+    experts loaded through the real tiers: batch latency K*n+B, the max useful
+    batch, weight and per-sample activation bytes, and load latency from SSD
+    (cold) and from host memory.  Then the memory-split and executor-count
+    searches run where they are available.  The scheduler and the simulated
+    device read the result.
+
+    \b
+    Example:
+      coe-agent profile --line A
+      coe-agent profile --line A --batch-sizes 1,4,16 --repeats 5 --out /tmp/profile.json
+    """
+    from tqdm import tqdm
+
+    from executors.profiler import check_devices, plan_targets, plot_profile, profile_line, step_count
+    from storage.expert_store import ExpertStore
+
+    cfg = _config(line, config_path)
+    check_devices(cfg)
+    model = load_spec(cfg.spec_path)
+    if not cfg.store_path.is_dir():
+        raise CoEError(f"no expert store at {cfg.store_path} (run: coe-agent zoo build --line {cfg.line})")
+    store = ExpertStore(cfg.store_path, verify=cfg.expert_verify)
+    path = Path(out) if out else Path(cfg.data_dir) / "profile.json"
+
+    targets = plan_targets(cfg, model, store)
+    click.echo(f"profiling line {cfg.line}: {len(targets)} (arch, device) pair(s), batch sizes "
+               f"{','.join(map(str, batch_sizes))}, {repeats} repeat(s)")
+    bar = tqdm(total=step_count(targets, batch_sizes, repeats), desc="profiling", unit="step")
+
+    def step(msg: str) -> None:
+        bar.update(1)
+        bar.write(msg)
+    try:
+        prof = profile_line(cfg, model, store, batch_sizes=batch_sizes, repeats=repeats, progress=step)
+    finally:
+        bar.close()
+
+    tune = _tuner()
+    if tune is None:
+        click.echo("memory-split and executor-count searches skipped: executors.tuning is not available yet; "
+                   "the profile keeps the config's executor counts and budgets")
+    else:
+        click.echo("running the memory-split and executor-count searches ...")
+        prof = tune(prof, model, cfg)
+
+    prof.save(path)
+    written = plot_profile(prof, path.parent) if plots else []
+    click.echo("")
+    for row in format_table(prof):
+        click.echo(row)
+    click.echo(f"\n{prof.source}")
+    for note in prof.notes:
+        click.echo(f"note: {note}")
+    click.echo(f"profile: {path}")
+    for p in written:
+        click.echo(f"plot:    {p}")
+
+
+def _tuner():
+    """`executors.tuning.tune` if that module exists; None if it does not (yet).
+
+    Only the module's own absence counts: an import error inside it is a bug
+    and propagates.
+    """
+    try:
+        from executors.tuning import tune
+    except ImportError as exc:
+        if exc.name != "executors.tuning":
+            raise
+        return None
+    return tune
+
+
+def format_table(prof: "Profile") -> list[str]:
+    """The profile's per-(arch, device) figures as aligned text rows."""
+    cols = ("arch", "device", "K ms", "B ms", "max batch", "weights MB", "act MB/sample", "SSD load ms",
+            "host load ms")
+
+    def ms(secs: float | None) -> str:
+        return "-" if secs is None else f"{secs * 1e3:.2f}"
+    rows = [[a.arch, a.device, ms(a.K), ms(a.B), str(a.max_batch), f"{a.weight_bytes / _MB:.1f}",
+             f"{a.activation_bytes / _MB:.2f}", ms(a.load_seconds.get("ssd")), ms(a.load_seconds.get("host"))]
+            for _, a in sorted(prof.archs.items())]
+    widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c) for i, c in enumerate(cols)]
+
+    def fmt(vals) -> str:
+        return "  ".join(v.ljust(w) if i < 2 else v.rjust(w) for i, (v, w) in enumerate(zip(vals, widths))).rstrip()
+    return [fmt(cols), *(fmt(r) for r in rows)]
+
+
+from .cli import _config, _fail_clearly, line_options  # noqa: E402  (after `profile`: see the module doc)
+
+line_options(profile)
+profile.params[:0] = [profile.params.pop(), profile.params.pop()]  # --line, --config first, as elsewhere
+profile.callback = _fail_clearly(profile.callback)

@@ -1,0 +1,553 @@
+"""The offline profiler: measure what the CoServe scheduler predicts with (paper §4.5).
+
+For each (architecture, device kind) that the line can run, one expert of the
+architecture stands for all of them (experts of one architecture have the same
+parameters and FLOPs, so the paper profiles them once).  It is loaded through
+the real tier code, run on real batches of synthetic component crops, and
+timed.  Out come the `K*n + B` latency fit, the max useful batch, weight and
+per-sample activation bytes, and the load latency from each tier, as a
+`Profile` that says where and when it was measured.
+
+What "load" means here is an expert switch in steady state: the skeleton for
+the architecture is already built and a full pool recycles the buffer of an
+evicted same-sized expert, so a load is the read (or copy) into that buffer
+plus a rebind.  Skeleton construction happens once per executor and is not a
+switch cost.
+
+The memory-split and executor-count searches live elsewhere (`executors.tuning`);
+this module only measures.
+"""
+from __future__ import annotations
+
+import dataclasses
+import datetime as dt
+import math
+import os
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from coe import CoEError, CoEModel, Expert
+
+from .profile import ArchProfile, DeviceProfile, Profile, fit_latency, max_useful_batch
+
+if TYPE_CHECKING:
+    import numpy as np
+
+    from edge_agent.config import LineConfig
+    from storage.expert_store import ExpertStore
+    from storage.flat import FlatWeights
+
+DEFAULT_BATCH_SIZES = (1, 2, 4, 8, 16, 32)
+CAP_SECONDS = 2.0          # a batch slower than this ends the sweep for its arch (keeps a run to minutes)
+MIN_SAMPLE_SECONDS = 0.05  # a timed sample repeats a fast batch until it lasts about this long
+MAX_LOOPS = 10
+CONTENDED_CORES = 0.3      # other processes using more CPU than this (cores, on average) disturb a timing
+ROUND_RETRIES = 2
+RETRY_PAUSE_SECONDS = 0.5
+POOR_FIT = 0.5             # a fit that misses a measured point by more than this gets a note
+COLD_RESIDENT_MAX = 0.05   # a 'cold' file with more of its pages cached than this is reported as not cold
+FIXED_STEPS = 4            # progress steps per target besides one per batch size and one per timed round:
+                           # build, activation, ssd load, host load
+
+Progress = Callable[[str], None]
+
+
+@dataclass(frozen=True)
+class Target:
+    """One (arch, device kind) to microbenchmark, and the expert of the store that stands for the arch."""
+
+    arch: str
+    kind: str                       # 'cpu' | 'cuda'
+    device: str                     # the torch device it runs on: 'cpu' or the config's first 'cuda:N'
+    expert: Expert
+    components: tuple[str, ...]     # component types whose crops reach this expert (for realistic samples)
+
+    @property
+    def label(self) -> str:
+        return Profile.key(self.arch, self.kind)
+
+
+def device_kind(device: str) -> str:
+    return "cpu" if device == "cpu" else "cuda"
+
+
+def check_devices(cfg: "LineConfig") -> None:
+    """Raise CoEError naming the device if the config asks for a GPU this machine does not have."""
+    import torch
+
+    for ex in cfg.executors:
+        if device_kind(ex.device) != "cuda":
+            continue
+        if not torch.cuda.is_available():
+            raise CoEError(f"{cfg.source}: executor device '{ex.device}' is not available: this machine has no "
+                           f"CUDA GPU (torch {torch.__version__}); profile on the machine that has it, or "
+                           f"list only cpu executors in the config")
+        index = torch.device(ex.device).index or 0
+        if index >= torch.cuda.device_count():
+            raise CoEError(f"{cfg.source}: executor device '{ex.device}' is not available: this machine has "
+                           f"{torch.cuda.device_count()} CUDA device(s)")
+
+
+def plan_targets(cfg: "LineConfig", model: CoEModel, store: "ExpertStore") -> list[Target]:
+    """The distinct (arch, device kind) pairs of the line, each with its stand-in expert.
+
+    The stand-in is the most used expert of the arch that the store holds, so
+    its input size is the one most requests see.
+    """
+    devices: dict[str, str] = {}
+    for ex in cfg.executors:
+        # 'cuda' means cuda:0; spelled out so buffers it allocates compare equal when recycled
+        devices.setdefault(device_kind(ex.device), "cuda:0" if ex.device == "cuda" else ex.device)
+    uses = model.expected_uses()
+    by_arch: dict[str, list[Expert]] = {}
+    for e in model.experts.values():
+        by_arch.setdefault(e.arch, []).append(e)
+    targets = []
+    for arch, experts in by_arch.items():
+        stored = [e for e in experts if store.has(e.id)]
+        if not stored:
+            raise CoEError(f"no expert of arch {arch} in the expert store {store.root} (needed to profile it; "
+                           f"run: coe-agent zoo build --line {cfg.line})")
+        expert = max(stored, key=lambda e: (uses.get(e.id, 0.0), e.id))
+        for kind, device in devices.items():
+            targets.append(Target(arch, kind, device, expert, _components_of(model, expert.id)))
+    return targets
+
+
+def step_count(targets: Sequence[Target], batch_sizes: Sequence[int], repeats: int) -> int:
+    """How many times `profile_line` calls `progress` (for a progress bar's total)."""
+    return len(targets) * (len(set(batch_sizes)) + repeats + FIXED_STEPS)
+
+
+def profile_line(cfg: "LineConfig", model: CoEModel, store: "ExpertStore", *,
+                 batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES, repeats: int = 3,
+                 progress: Progress | None = None, cap_seconds: float = CAP_SECONDS) -> Profile:
+    """Microbenchmark every (arch, device kind) of the line once; return the measured Profile.
+
+    Runs with the intra-op thread count one executor of this config gets, so
+    K and B are what one executor will see.  Torch's thread setting is
+    restored afterwards.
+    """
+    import torch
+
+    sizes = sorted(set(int(b) for b in batch_sizes))
+    if len(sizes) < 2 or sizes[0] < 1:
+        raise CoEError(f"batch sizes must be at least two distinct positive integers, got {list(batch_sizes)}")
+    if repeats < 1:
+        raise CoEError(f"repeats must be at least 1, got {repeats}")
+    check_devices(cfg)
+    targets = plan_targets(cfg, model, store)
+    say = progress or (lambda msg: None)
+    threads = executor_threads(cfg)
+    saved = torch.get_num_threads()
+    notes: list[str] = []
+    archs: dict[str, ArchProfile] = {}
+    watch = _Contention()
+    torch.set_num_threads(threads)
+    try:
+        for t in targets:
+            archs[t.label] = _profile_target(t, cfg, store, sizes, repeats, cap_seconds, say, notes)
+    finally:
+        torch.set_num_threads(saved)
+    notes.extend(_input_size_notes(model, targets))
+    others = watch.cores()
+    if others is not None and others > CONTENDED_CORES:
+        notes.append(f"other processes kept {others:.1f} of {os.cpu_count()} cores busy on average while "
+                     f"profiling ({threads} thread(s) used here): latencies may be inflated; rerun on an idle machine")
+    notes.append("load = steady-state switch: read (or copy) into a recycled same-size buffer + skeleton rebind; "
+                 "'ssd' after dropping the file from the page cache, 'host' from a resident host copy")
+    for name in sorted({ex.device for ex in cfg.executors if device_kind(ex.device) == "cuda"}):
+        notes.append(f"{name}: {torch.cuda.get_device_name(torch.device(name))}")
+    stamp = dt.datetime.now(dt.timezone.utc).astimezone().isoformat(timespec="seconds")
+    source = (f"measured on {platform.node()} ({cpu_model()}, torch {torch.__version__}, {threads} threads) "
+              f"at {stamp}")
+    return Profile(source=source, devices=device_profiles(cfg), archs=archs, notes=notes)
+
+
+def executor_threads(cfg: "LineConfig") -> int:
+    """Intra-op threads per executor, divided as the agent divides them."""
+    total = sum(ex.count for ex in cfg.executors)
+    return min(ex.threads or max(1, (os.cpu_count() or 1) // total) for ex in cfg.executors)
+
+
+def device_profiles(cfg: "LineConfig") -> dict[str, DeviceProfile]:
+    """One DeviceProfile per device of the config: its executors' summed budgets and their count."""
+    memory: dict[str, int] = {}
+    count: dict[str, int] = {}
+    for ex in cfg.executors:
+        memory[ex.device] = memory.get(ex.device, 0) + ex.memory * ex.count
+        count[ex.device] = count.get(ex.device, 0) + ex.count
+    out = {}
+    for name in memory:
+        kind = device_kind(name)
+        host = cfg.cpu_tier if kind == "cuda" and not cfg.unified_memory else 0
+        out[name] = DeviceProfile(name=name, kind=kind, memory=memory[name], executors=count[name], host_tier=host)
+    return out
+
+
+class _Contention:
+    """How many cores other processes kept busy since this watch started, from /proc/stat (Linux).
+
+    Machine-wide busy time minus this process's own CPU time, over wall time.
+    Steal time counts as busy: a hypervisor taking the CPU disturbs a timing
+    just as another process does.  `cores()` is None where /proc/stat is missing.
+    """
+
+    def __init__(self) -> None:
+        self._t0 = time.perf_counter()
+        self._c0 = _cpu_seconds()
+
+    def cores(self) -> float | None:
+        c1 = _cpu_seconds()
+        wall = time.perf_counter() - self._t0
+        if self._c0 is None or c1 is None or wall <= 0:
+            return None
+        return max(0.0, ((c1[0] - self._c0[0]) - (c1[1] - self._c0[1])) / wall)
+
+
+def _cpu_seconds() -> tuple[float, float] | None:
+    """(busy CPU seconds of the whole machine, CPU seconds of this process) now."""
+    try:
+        fields = Path("/proc/stat").read_text().split("\n", 1)[0].split()
+        ticks = [int(v) for v in fields[1:9]]
+        hz = os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, AttributeError):
+        return None
+    if fields[0] != "cpu" or len(ticks) < 8:
+        return None
+    user, nice, system, _idle, _iowait, irq, softirq, steal = ticks
+    own = os.times()
+    return (user + nice + system + irq + softirq + steal) / hz, own.user + own.system
+
+
+def cpu_model() -> str:
+    """The CPU's marketing name from /proc/cpuinfo, else whatever platform knows."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.lower().startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine() or "unknown CPU"
+
+
+# -- one target ----------------------------------------------------------------------
+
+class _Held:
+    """A TierSource parent that hands over one given host copy: the host tier's resident value."""
+
+    def __init__(self, store: "ExpertStore") -> None:
+        self.store = store
+        self.value: "FlatWeights | None" = None
+
+    def size(self, expert_id: str) -> int:
+        return self.store.nbytes(expert_id)
+
+    def load(self, expert_id: str) -> "FlatWeights":
+        if self.value is None:
+            raise CoEError(f"profiler: no host copy of '{expert_id}' staged")
+        return self.value
+
+
+def _profile_target(t: Target, cfg: "LineConfig", store: "ExpertStore", sizes: list[int], repeats: int,
+                    cap_seconds: float, say: Progress, notes: list[str]) -> ArchProfile:
+    import torch
+
+    from storage.pagecache import drop_from_page_cache, resident_fraction
+    from storage.tiers import StoreSource, TierSource
+
+    from .backends import get_backend
+    from .skeletons import Skeletons
+
+    backend = get_backend(t.arch)
+    eid = t.expert.id
+    path = store.path(eid)
+    expert = t.expert if t.expert.uri else dataclasses.replace(t.expert, uri=str(path))
+    cuda = t.kind == "cuda"
+    sync = (lambda: torch.cuda.synchronize(t.device)) if cuda else (lambda: None)
+    skeletons = Skeletons(t.device)
+
+    # the first load builds the skeleton and verifies the file per the store's policy: untimed
+    host_src = StoreSource(store, pin=cuda, method=cfg.expert_read)
+    held = _Held(store)
+    tier = TierSource(held, t.device) if cuda else None
+    host = host_src.load(eid)
+    held.value = host
+    weights = tier.load(eid) if tier else host
+    module = skeletons.bind(expert, weights)
+    say(f"{t.label}: built from {eid} ({store.nbytes(eid) / 1e6:.1f} MB) on {t.device}")
+
+    try:
+        images = _sample_images(expert, t.components, sizes[-1])
+        points = _time_batches(t, lambda n: (backend.run(module, expert, images[:n]), sync()), sizes, repeats,
+                               cap_seconds, say, notes)
+        k, b = fit_latency(points)
+        best = max_useful_batch(points)
+        better = [n for n, secs in points if n > best and secs / n < 0.8 * dict(points)[best] / best]
+        if better:
+            notes.append(f"{t.label}: max batch {best} is where the per-request latency first stopped improving, "
+                         f"but batch {better[0]} is over 20% faster per request")
+        miss, n_miss, s_miss = max((abs(k * n + b - secs) / secs, n, secs) for n, secs in points)
+        if miss > POOR_FIT:
+            notes.append(f"{t.label}: K*n+B is {miss:.0%} off at batch {n_miss} ({(k * n_miss + b) * 1e3:.1f} ms vs "
+                         f"{s_miss * 1e3:.1f} ms measured): latency is not linear in the batch there, or the "
+                         f"machine was busy")
+
+        if cuda:
+            sync()
+            base = torch.cuda.memory_allocated(t.device)
+            torch.cuda.reset_peak_memory_stats(t.device)
+            backend.run(module, expert, images[:best])
+            sync()
+            act = math.ceil((torch.cuda.max_memory_allocated(t.device) - base) / best)
+            say(f"{t.label}: activations {act / 1e6:.2f} MB/sample (allocator peak at batch {best})")
+        else:
+            act = int(backend.activation_bytes(expert, 1))
+            say(f"{t.label}: activations {act / 1e6:.2f} MB/sample (traced)")
+
+        # ssd: cold read into a recycled host buffer (+ copy into a recycled device buffer) + rebind
+        timings: list[float] = []
+        resident: list[float] = []
+        dropped = True
+        for _ in range(repeats):
+            dropped = drop_from_page_cache(path) and dropped
+            frac = resident_fraction(path)
+            if frac is not None:
+                resident.append(frac)
+            t0 = time.perf_counter()
+            host = host_src.load(eid, reuse=[host])
+            if tier:
+                held.value = host
+                weights = tier.load(eid, reuse=[weights])
+            else:
+                weights = host
+            skeletons.bind(expert, weights)
+            sync()
+            timings.append(time.perf_counter() - t0)
+        ssd = statistics.median(timings)
+        say(f"{t.label}: ssd load {ssd * 1e3:.1f} ms")
+        if not dropped:
+            notes.append(f"{t.label}: ssd load measured without dropping the page cache (no posix_fadvise here)")
+        elif resident and max(resident) > COLD_RESIDENT_MAX:
+            notes.append(f"{t.label}: ssd load not cold: {max(resident):.0%} of {path.name} stayed in the page "
+                         f"cache after dropping it (tmpfs or mapped elsewhere)")
+
+        # host: on cpu a page-cache-warm read; on cuda a copy from the resident pinned host copy
+        timings = []
+        if cuda:
+            held.value = host
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                weights = tier.load(eid, reuse=[weights])
+                skeletons.bind(expert, weights)
+                sync()
+                timings.append(time.perf_counter() - t0)
+        else:
+            host_src.load(eid, reuse=[host])  # make sure the page cache holds the file
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                host = host_src.load(eid, reuse=[host])
+                skeletons.bind(expert, host)
+                timings.append(time.perf_counter() - t0)
+        warm = statistics.median(timings)
+        say(f"{t.label}: host load {warm * 1e3:.1f} ms")
+    finally:
+        skeletons.unbind(eid)
+        held.value = None
+        if cuda:
+            torch.cuda.empty_cache()
+
+    return ArchProfile(arch=t.arch, device=t.kind, K=k, B=b, max_batch=best, weight_bytes=store.nbytes(eid),
+                       activation_bytes=act, load_seconds={"ssd": ssd, "host": warm}, points=tuple(points))
+
+
+def _time_batches(t: Target, run: Callable[[int], Any], sizes: list[int], repeats: int, cap_seconds: float,
+                  say: Progress, notes: list[str]) -> list[tuple[int, float]]:
+    """Median seconds per batch size: one warm-up each, then `repeats` rounds over all sizes.
+
+    Rounds interleave the sizes, so a burst of load from another process
+    lands on one repeat of several sizes (which the median drops) instead of
+    on every repeat of one size (which would bend the fit).  A fast batch is
+    run several times per sample, and the sample is the best of those runs (as
+    timeit advises: noise only ever adds time), until a sample spans about
+    MIN_SAMPLE_SECONDS.  A warm-up slower than `cap_seconds` ends the sweep
+    once two sizes are kept.
+    """
+    def timed(n: int, loops: int = 1) -> float:
+        best = math.inf
+        for _ in range(loops):
+            t0 = time.perf_counter()
+            run(n)
+            best = min(best, time.perf_counter() - t0)
+        return best
+
+    loops: dict[int, int] = {}
+    last = 0.0
+    for n in sizes:
+        if len(loops) >= 2 and last > cap_seconds:
+            say(f"{t.label}: batch {n}: skipped (batch {max(loops)} took over {cap_seconds:g} s)")
+            continue
+        last = timed(n)  # warm-up: allocator, kernel selection, caches
+        loops[n] = min(MAX_LOOPS, max(1, math.ceil(MIN_SAMPLE_SECONDS / max(last, 1e-6))))
+        say(f"{t.label}: batch {n}: warm-up {last * 1e3:.1f} ms")
+    if len(loops) < len(sizes):
+        notes.append(f"{t.label}: batch sizes above {max(loops)} skipped (a batch took over {cap_seconds:g} s)")
+    times: dict[int, list[float]] = {n: [] for n in loops}
+    redone, contended = 0, 0.0
+    for r in range(repeats):
+        kept: tuple[float, dict[int, float]] | None = None
+        for attempt in range(1 + ROUND_RETRIES):
+            if attempt:
+                time.sleep(RETRY_PAUSE_SECONDS)  # bursts of other work are often short: let this one pass
+                redone += 1
+            watch = _Contention()
+            sample = {n: timed(n, loops[n]) for n in loops}
+            others = watch.cores() or 0.0
+            if kept is None or others < kept[0]:
+                kept = (others, sample)
+            if others <= CONTENDED_CORES:
+                break
+        contended = max(contended, kept[0])
+        for n, secs in kept[1].items():
+            times[n].append(secs)
+        if r < repeats - 1:
+            say(f"{t.label}: timed round {r + 1}/{repeats}")
+    if redone:
+        notes.append(f"{t.label}: {redone} timed round(s) re-run because other processes were using the CPU"
+                     + (f"; still {contended:.1f} core(s) busy elsewhere in the worst round kept"
+                        if contended > CONTENDED_CORES else ""))
+    points = [(n, statistics.median(times[n])) for n in loops]
+    say(f"{t.label}: timed round {repeats}/{repeats}; median ms per batch: "
+        + ", ".join(f"{n}: {s * 1e3:.1f}" for n, s in points))
+    return points
+
+
+def _components_of(model: CoEModel, expert_id: str) -> tuple[str, ...]:
+    """Component types whose requests reach `expert_id`: directly, or through a classifier that leads to it."""
+    firsts = {expert_id, *model.preliminaries(expert_id)}
+    return tuple(c.name for c in model.components.values() if c.classifier in firsts)
+
+
+def _sample_images(expert: Expert, components: Sequence[str], n: int) -> list["np.ndarray"]:
+    """`n` uint8 crops at the expert's input size: drawn components where the spec names some, else noise."""
+    import numpy as np
+
+    from storage.synthetic import LABELS, draw_component
+
+    rng = np.random.default_rng(0)
+    size = expert.input_size
+    if not components or not 16 <= size <= 1024:
+        return [rng.integers(0, 256, (size, size, 3), dtype=np.uint8) for _ in range(n)]
+    return [draw_component(components[i % len(components)], LABELS[i % len(LABELS)] if i % 5 == 4 else "ok",
+                           rng, size=size) for i in range(n)]
+
+
+def _input_size_notes(model: CoEModel, targets: Sequence[Target]) -> list[str]:
+    """Say where one arch serves several input sizes, since its profile was measured at one."""
+    out = []
+    for t in {t.arch: t for t in targets}.values():
+        others = sorted({e.input_size for e in model.experts.values() if e.arch == t.arch} - {t.expert.input_size})
+        if others:
+            out.append(f"{t.arch}: measured at input {t.expert.input_size} px ({t.expert.id}); "
+                       f"other experts of the arch use {', '.join(map(str, others))} px")
+    return out
+
+
+# -- plots ---------------------------------------------------------------------------
+
+def plot_profile(profile: Profile, out_dir: str | Path) -> list[Path]:
+    """Write the profile's PNGs into `out_dir`; return the paths written.
+
+    latency_vs_batch.png always; throughput_vs_experts.png when a device has
+    memory-split points; throughput_vs_executors.png when one has count points.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")  # here, not at import: importing this module must not change matplotlib for others
+    import matplotlib.pyplot as plt
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    written = [_plot_latency(plt, profile, out_dir / "latency_vs_batch.png")]
+    split = {k: d for k, d in profile.devices.items() if d.split_points}
+    if split:
+        written.append(_plot_split(plt, profile, split, out_dir / "throughput_vs_experts.png"))
+    count = {k: d for k, d in profile.devices.items() if d.count_points}
+    if count:
+        written.append(_plot_count(plt, profile, count, out_dir / "throughput_vs_executors.png"))
+    return written
+
+
+def _plot_latency(plt, profile: Profile, path: Path) -> Path:
+    fig, (ax_b, ax_r) = plt.subplots(1, 2, figsize=(12, 4.8))
+    for i, (key, a) in enumerate(sorted(profile.archs.items())):
+        color = f"C{i % 10}"
+        pts = sorted(a.points)
+        if pts:
+            ns = [p[0] for p in pts]
+            xs = [ns[0] + (ns[-1] - ns[0]) * j / 50 for j in range(51)]
+            ax_b.plot(ns, [s * 1e3 for _, s in pts], "o", color=color, label=f"{key} measured")
+            ax_b.plot(xs, [a.batch_seconds(x) * 1e3 for x in xs], "--", color=color,
+                      label=f"fit K={a.K * 1e3:.2f} ms, B={a.B * 1e3:.2f} ms")
+            ax_r.plot(ns, [s / n * 1e3 for n, s in pts], "o-", color=color, label=key)
+        star = dict(pts).get(a.max_batch, a.batch_seconds(a.max_batch))  # measured where it was, else the fit
+        ax_b.plot([a.max_batch], [star * 1e3], "*", color=color, markersize=14)
+        ax_r.plot([a.max_batch], [star / a.max_batch * 1e3], "*", color=color, markersize=14)
+    ax_b.set(xlabel="batch size", ylabel="batch latency (ms)", title="latency vs batch size (★ max batch)")
+    ax_r.set(xlabel="batch size", ylabel="latency per request (ms)", title="average latency per request")
+    sizes = sorted({n for a in profile.archs.values() for n, _ in a.points}
+                   | {a.max_batch for a in profile.archs.values()})
+    for ax in (ax_b, ax_r):
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(sizes, [str(n) for n in sizes])
+        ax.set_yscale("log")
+        ax.grid(True, which="both", alpha=0.3)
+    ax_b.legend(fontsize=7)
+    ax_r.legend(fontsize=7)
+    fig.suptitle(profile.source, fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _plot_split(plt, profile: Profile, devices: dict[str, DeviceProfile], path: Path) -> Path:
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for i, (name, d) in enumerate(sorted(devices.items())):
+        color = f"C{i % 10}"
+        pts = sorted(d.split_points)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=color, label=name)
+        # the decay-window search ends on its final window: from the previous point to the last one measured
+        order = list(d.split_points)
+        low = order[-2][0] if len(order) > 1 else 0
+        ax.axvspan(low, order[-1][0], color=color, alpha=0.15, label=f"{name} final window [{low}, {order[-1][0]}]")
+    ax.set(xlabel="experts loaded", ylabel="throughput (requests/s)", title="memory split: throughput vs experts")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.suptitle(profile.source, fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def _plot_count(plt, profile: Profile, devices: dict[str, DeviceProfile], path: Path) -> Path:
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for i, (name, d) in enumerate(sorted(devices.items())):
+        color = f"C{i % 10}"
+        pts = sorted(d.count_points)
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=color, label=name)
+        ax.axvline(d.executors, color=color, linestyle=":", label=f"{name} chosen: {d.executors}")
+    ax.set(xlabel="executors", ylabel="throughput (requests/s)", title="executor count: throughput vs executors")
+    ax.grid(True, alpha=0.3)
+    ax.legend(fontsize=8)
+    fig.suptitle(profile.source, fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

@@ -1,0 +1,186 @@
+"""The offline profiler on the tiny zoo: real models, real files, real timings (kept small and fast)."""
+from __future__ import annotations
+
+import dataclasses
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from coe import CoEError, load_spec
+from edge_agent.cli import cli
+from edge_agent.config import load_config
+from executors.profile import DeviceProfile, Profile
+from executors.profiler import plan_targets, plot_profile, profile_line, step_count
+from storage.expert_store import ExpertStore
+
+from conftest import TINY_SPEC, write_line
+
+PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+ARCHS = {"torchvision/mobilenet_v3_small", "ultralytics/yolov8n"}
+
+
+def open_line(config: Path):
+    cfg = load_config(config)
+    return cfg, load_spec(cfg.spec_path), ExpertStore(cfg.store_path)
+
+
+@pytest.fixture(scope="module")
+def tiny_config(tmp_path_factory, tiny_zoo) -> Path:
+    """Line T on the shared tiny zoo (profiling only reads the store)."""
+    return write_line(tmp_path_factory.mktemp("profile-line"), store=tiny_zoo)
+
+
+@pytest.fixture(scope="module")
+def measured(tiny_config) -> tuple[Profile, list[str], tuple[int, int]]:
+    cfg, model, store = open_line(tiny_config)
+    before = torch.get_num_threads()
+    steps: list[str] = []
+    prof = profile_line(cfg, model, store, batch_sizes=(1, 2, 4), repeats=1, progress=steps.append)
+    return prof, steps, (before, torch.get_num_threads())
+
+
+def test_profile_line_measures_each_arch_once_per_device(measured, tiny_config):
+    prof, steps, (threads_before, threads_after) = measured
+    cfg, model, store = open_line(tiny_config)
+    assert threads_after == threads_before  # the config's 1 thread was only for the measurement
+    assert set(prof.archs) == {Profile.key(a, "cpu") for a in ARCHS}
+    for key, a in prof.archs.items():
+        assert a.device == "cpu" and key == Profile.key(a.arch, "cpu")
+        assert a.K > 0 or a.B > 0
+        assert [n for n, _ in a.points] == [1, 2, 4] and all(s > 0 for _, s in a.points)
+        assert a.max_batch in (1, 2, 4)
+        same_arch = [e for e in model.experts.values() if e.arch == a.arch]
+        assert same_arch and all(a.weight_bytes == store.nbytes(e.id) for e in same_arch)
+        assert a.activation_bytes > 0
+        assert a.load_seconds["ssd"] > 0 and a.load_seconds["host"] > 0
+    # the yolov8n detector costs more per request than the 32-px classifier
+    assert (prof.arch("ultralytics/yolov8n", "cpu").batch_seconds(4)
+            > prof.arch("torchvision/mobilenet_v3_small", "cpu").batch_seconds(4))
+    assert prof.devices == {"cpu": DeviceProfile(name="cpu", kind="cpu", memory=20_000_000, executors=1)}
+    assert prof.source.startswith("measured on ") and "1 threads" in prof.source  # the config's threads: 1
+    assert len(steps) == step_count(plan_targets(cfg, model, store), (1, 2, 4), 1)
+
+
+def test_profile_round_trips_through_save_and_load(measured, tmp_path):
+    prof = measured[0]
+    path = prof.save(tmp_path / "profile.json")
+    assert Profile.load(path) == prof
+
+
+def test_slow_batches_cap_the_sweep_but_keep_two_sizes(tiny_config):
+    cfg, model, store = open_line(tiny_config)
+    steps: list[str] = []
+    prof = profile_line(cfg, model, store, batch_sizes=(1, 2, 4, 8), repeats=1, progress=steps.append,
+                        cap_seconds=0.0)
+    for a in prof.archs.values():
+        assert [n for n, _ in a.points] == [1, 2]
+    assert sum("skipped" in s for s in steps) == 2 * len(prof.archs)
+    assert len(steps) == step_count(plan_targets(cfg, model, store), (1, 2, 4, 8), 1)
+    assert any("batch sizes above 2 skipped" in n for n in prof.notes)
+
+
+def test_bad_batch_sizes_and_missing_experts_are_clear_errors(tiny_config, tmp_path):
+    cfg, model, store = open_line(tiny_config)
+    with pytest.raises(CoEError, match="two distinct positive"):
+        profile_line(cfg, model, store, batch_sizes=(4, 4))
+    with pytest.raises(CoEError, match="no expert of arch torchvision/mobilenet_v3_small.*zoo build"):
+        plan_targets(cfg, model, ExpertStore(tmp_path / "empty"))
+
+
+def test_plot_profile_writes_pngs(measured, tmp_path):
+    prof = measured[0]
+    written = plot_profile(prof, tmp_path / "plain")
+    assert [p.name for p in written] == ["latency_vs_batch.png"]
+    assert written[0].read_bytes()[:8] == PNG_MAGIC and written[0].stat().st_size > 1000
+
+    cpu = dataclasses.replace(prof.devices["cpu"], split_points=((15, 80.0), (28, 120.0), (39, 121.0)),
+                              count_points=((1, 100.0), (2, 150.0), (3, 140.0)), executors=2)
+    tuned = dataclasses.replace(prof, devices={"cpu": cpu})
+    written = plot_profile(tuned, tmp_path / "tuned")
+    assert sorted(p.name for p in written) == ["latency_vs_batch.png", "throughput_vs_executors.png",
+                                               "throughput_vs_experts.png"]
+    assert all(p.read_bytes()[:8] == PNG_MAGIC for p in written)
+
+
+def _table_row(output: str, arch: str) -> list[str]:
+    rows = [line.split() for line in output.splitlines() if line.split()[:1] == [arch]]
+    assert len(rows) == 1, output
+    return rows[0]
+
+
+def test_cli_writes_profile_json_plots_and_table(tiny_line, tmp_path, monkeypatch):
+    import edge_agent.profile_cli as profile_cli
+
+    monkeypatch.setattr(profile_cli, "_tuner", lambda: None)
+    out = tmp_path / "out" / "profile.json"
+    res = CliRunner().invoke(cli, ["profile", "--config", str(tiny_line), "--batch-sizes", "1,2",
+                                   "--repeats", "1", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    prof = Profile.load(out)
+    assert set(prof.archs) == {Profile.key(a, "cpu") for a in ARCHS}
+    assert "arch" in res.output and "K ms" in res.output and "SSD load ms" in res.output
+    for a in prof.archs.values():
+        row = _table_row(res.output, a.arch)
+        assert row[1] == "cpu" and row[4] == str(a.max_batch) and row[5] == f"{a.weight_bytes / 1e6:.1f}"
+        assert row[7] == f"{a.load_seconds['ssd'] * 1e3:.2f}"
+    assert "searches skipped" in res.output
+    png = out.parent / "latency_vs_batch.png"
+    assert png.read_bytes()[:8] == PNG_MAGIC and str(png) in res.output
+
+
+def test_cli_runs_the_searches_when_tuning_exists(tiny_line, tmp_path, monkeypatch):
+    import edge_agent.profile_cli as profile_cli
+
+    calls = []
+
+    def fake_tune(prof: Profile, model, cfg) -> Profile:
+        calls.append((model.name, cfg.line))
+        cpu = dataclasses.replace(prof.devices["cpu"], split_points=((2, 10.0), (4, 12.0)), expert_memory=12_000_000)
+        return dataclasses.replace(prof, devices={"cpu": cpu})
+
+    monkeypatch.setattr(profile_cli, "_tuner", lambda: fake_tune)
+    out = tmp_path / "profile.json"
+    res = CliRunner().invoke(cli, ["profile", "--config", str(tiny_line), "--batch-sizes", "1,2",
+                                   "--repeats", "1", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    assert calls == [(TINY_SPEC["name"], "T")] and "skipped" not in res.output
+    assert Profile.load(out).devices["cpu"].expert_memory == 12_000_000
+    assert (tmp_path / "throughput_vs_experts.png").read_bytes()[:8] == PNG_MAGIC
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error on a machine without CUDA")
+def test_cuda_device_without_cuda_is_a_clear_error(tiny_zoo, tmp_path):
+    config = write_line(tmp_path / "line", store=tiny_zoo,
+                        executors=[{"device": "cpu", "memory": "20MB"}, {"device": "cuda:1", "memory": "1GB"}])
+    res = CliRunner().invoke(cli, ["profile", "--config", str(config), "--out", str(tmp_path / "p.json")])
+    assert res.exit_code == 1, res.output
+    assert "'cuda:1' is not available" in res.output and "Traceback" not in res.output
+    assert not (tmp_path / "p.json").exists()
+
+
+def test_batch_sizes_option_is_validated(tiny_line):
+    res = CliRunner().invoke(cli, ["profile", "--config", str(tiny_line), "--batch-sizes", "4,x"])
+    assert res.exit_code == 2 and "comma-separated integers" in res.output
+    res = CliRunner().invoke(cli, ["profile", "--config", str(tiny_line), "--batch-sizes", "8"])
+    assert res.exit_code == 2 and "two distinct" in res.output
+
+
+def test_profile_help_has_an_example():
+    res = CliRunner().invoke(cli, ["profile", "--help"])
+    assert res.exit_code == 0 and "Example:" in res.output and "coe-agent profile --line A" in res.output
+    assert res.output.index("--line") < res.output.index("--out")
+
+
+def test_importing_profile_cli_first_has_no_cycle():
+    code = ("import edge_agent.profile_cli as m, edge_agent.cli as c; "
+            "assert c.cli.commands['profile'] is m.profile; "
+            "assert {'line', 'config_path', 'out'} <= {p.name for p in m.profile.params}")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]),
+                                                         os.environ.get("PYTHONPATH", "")])}
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
+    assert proc.returncode == 0, proc.stderr
