@@ -49,7 +49,7 @@ class _InFlight:
 class Agent:
     """One line's service.  `start()` binds and returns; `stop()` drains and closes."""
 
-    def __init__(self, cfg: LineConfig, model: CoEModel | None = None) -> None:
+    def __init__(self, cfg: LineConfig, model: CoEModel | None = None, *, backend_for=None) -> None:
         self.cfg = cfg
         self.model = model or load_spec(cfg.spec_path)
         self.store = ExpertStore(cfg.store_path, verify=cfg.expert_verify)
@@ -99,7 +99,8 @@ class Agent:
         self.scheduler = Scheduler([n for n, _ in names], cfg.scheduler.policy, costs=self.costs, tie_seconds=tie)
         for name, ex in names:
             self.executors.append(Executor(name, ex.device, self.pools[name], self.scheduler, self.model,
-                                           self._on_batch, failed=self.failed, prefetch=ex.prefetch))
+                                           self._on_batch, failed=self.failed, prefetch=ex.prefetch,
+                                           **({"backend_for": backend_for} if backend_for else {})))
         self._by_name = {e.name: e for e in self.executors}
         self.metrics.watch_pools(self._all_pools)
         self.threads = min((ex.threads or max(1, (os.cpu_count() or 1) // len(names))) for _, ex in names)
@@ -144,10 +145,12 @@ class Agent:
         pub_sock = self._socket(zmq.PUB, cfg.publish, "publish")
         self.journal = ResultStore(cfg.db_path, synchronous="FULL")
         self.writer = ResultWriter(str(cfg.db_path), pub_sock, cfg.line, batch_rows=cfg.writer.batch_rows,
-                                   flush_ms=cfg.writer.flush_ms, on_committed=self._on_committed)
+                                   flush_ms=cfg.writer.flush_ms, on_committed=self._on_committed,
+                                   retention_days=cfg.retention.days, keep_verdicts=cfg.retention.keep_verdicts,
+                                   retention_interval=cfg.retention.interval_s)
         self.ingest = Ingest(router_sock, self.journal, line=cfg.line, router=self.router,
                              max_payload=cfg.max_payload_bytes, metrics=self.metrics,
-                             on_accepted=self._submit_accepted, can_accept=self._can_accept)
+                             on_accepted=self._submit_accepted, free_slots=self._free_slots)
         if cfg.metrics.enabled:
             self.metrics_port = self.metrics.serve(cfg.metrics.bind, cfg.metrics.port)
         self.writer.start()
@@ -171,6 +174,8 @@ class Agent:
         _, bind, addr = endpoint_parts(endpoint)
         sock = self.ctx.socket(kind)
         sock.setsockopt(zmq.LINGER, 1000)
+        if self.cfg.curve is not None:
+            self._curve_server(sock)
         try:
             if bind:
                 sock.bind(addr)
@@ -181,6 +186,15 @@ class Agent:
             raise OSError(f"{name} endpoint {endpoint}: {exc} (is another agent running on it?)") from None
         self.endpoints[name] = sock.getsockopt_string(zmq.LAST_ENDPOINT) if bind else addr
         return sock
+
+    def _curve_server(self, sock: zmq.Socket) -> None:
+        """CURVE on this socket; the first call starts the authenticator with the client allow-list."""
+        from .security import start_authenticator
+
+        if getattr(self, "_auth", None) is None:
+            self._auth, self._server_keys = start_authenticator(self.ctx, self.cfg.curve)
+        sock.curve_publickey, sock.curve_secretkey = self._server_keys
+        sock.curve_server = True
 
     def stop(self, timeout: float = 60.0) -> bool:
         """Stop taking frames, finish every accepted one, flush, close.  True if fully drained."""
@@ -198,6 +212,8 @@ class Agent:
         self.writer.stop()
         self.journal.close()
         self.metrics.close()
+        if getattr(self, "_auth", None) is not None:
+            self._auth.stop()
         stuck = [t for t in (*self.executors, self.writer) if t.alive()]
         if stuck:
             log.error("%d thread(s) did not stop; closing sockets without waiting", len(stuck))
@@ -243,12 +259,12 @@ class Agent:
         return 0 if self.stop() else 1
 
     # -- flow ---------------------------------------------------------------------------
-    def _can_accept(self) -> bool:
+    def _free_slots(self) -> int:
         with self._lock:
             n = len(self._inflight)
         self.metrics.inflight.set(n)
         self.metrics.queue_depth.set(self.scheduler.depth())
-        return n < self.cfg.max_inflight
+        return max(0, self.cfg.max_inflight - n)
 
     def _submit_accepted(self, accepted: list[Accepted]) -> None:
         with self._lock:

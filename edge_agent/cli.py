@@ -203,10 +203,15 @@ def record(line: str, config_path: str | None, synthetic: bool, frames: int, out
 @click.option("--window", default=256, show_default=True, help="Frames in flight without an ack.")
 @click.option("--ack-timeout", default=10.0, show_default=True, help="Seconds before an unacked frame is resent.")
 @click.option("--deadline", default=600.0, show_default=True, help="Give up on unacked frames after this many seconds.")
+@click.option("--client-key", type=click.Path(dir_okay=False, exists=True),
+              help="CURVE: this client's secret certificate (with --server-key).")
+@click.option("--server-key", type=click.Path(dir_okay=False, exists=True),
+              help="CURVE: the agent's public certificate.")
 @click.option("--json", "as_json", is_flag=True, help="Print the counts as one JSON line.")
 @_fail_clearly
 def replay(recording: str, line: str, config_path: str | None, endpoint: str | None, rate: float | None,
-           window: int, ack_timeout: float, deadline: float, as_json: bool) -> None:
+           window: int, ack_timeout: float, deadline: float, client_key: str | None, server_key: str | None,
+           as_json: bool) -> None:
     """Send a recording to a running agent; wait for every ack, resend what was not acked.
 
     \b
@@ -225,7 +230,14 @@ def replay(recording: str, line: str, config_path: str | None, endpoint: str | N
         cfg = _config(line, config_path)
         endpoint = endpoint_parts(cfg.ingest)[2]
     bar = tqdm(total=len(rec), desc="replaying (acked)", unit="frame")
+    setup = None
+    if client_key or server_key:
+        if not (client_key and server_key):
+            raise click.UsageError("CURVE needs both --client-key and --server-key")
+        from .security import client_setup
+        setup = client_setup(client_key, server_key)
     report = do_replay(rec, endpoint, rate=rate, window=window, ack_timeout=ack_timeout, deadline=deadline,
+                       socket_setup=setup,
                        progress=lambda r: bar.update(r.acked - bar.n))
     bar.close()
     if as_json:
@@ -233,7 +245,7 @@ def replay(recording: str, line: str, config_path: str | None, endpoint: str | N
     else:
         reasons = ", ".join(f"{k} {v}" for k, v in report.reasons.most_common()) or "-"
         click.echo(f"sent {report.sent}  accepted {report.accepted}  duplicate {report.duplicate}  "
-                   f"rejected {report.rejected} ({reasons})  resent {report.resent}  "
+                   f"rejected {report.rejected} ({reasons})  busy {report.busy}  resent {report.resent}  "
                    f"unacked {len(report.unacked)}  in {report.seconds:.1f} s")
     if report.unacked:
         raise click.ClickException(f"{len(report.unacked)} frame(s) never acked, e.g. {report.unacked[:3]} "
@@ -291,6 +303,31 @@ cli.add_command(profile)
 from .bench_cli import bench  # noqa: E402
 
 cli.add_command(bench)
+from .router_cli import router, probabilities  # noqa: E402
+cli.add_command(router)
+cli.add_command(probabilities)
+
+
+@cli.group()
+def keys() -> None:
+    """CURVE keys for factory networks."""
+
+
+@keys.command("generate")
+@click.argument("name")
+@click.option("--out", "-o", default="keys", show_default=True, type=click.Path(file_okay=False))
+def keys_generate(name: str, out: str) -> None:
+    """Make NAME.key (public: give to the other side) and NAME.key_secret (keep; owner-only).
+
+    \b
+    Example:
+      coe-agent keys generate server --out /etc/coe/keys
+      coe-agent keys generate aoi-1 --out /etc/coe/keys
+    """
+    from .security import generate
+
+    public, secret = generate(out, name)
+    click.echo(f"public: {public}\nsecret: {secret}")
 
 
 def main() -> None:

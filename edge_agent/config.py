@@ -75,6 +75,20 @@ class WriterConfig(_Strict):
     flush_ms: float = Field(50.0, gt=0)
 
 
+class CurveConfig(_Strict):
+    """ZeroMQ CURVE for factory networks: the agent's secret certificate and the clients it admits."""
+
+    server_key: str = Field(description="secret certificate file (from `coe-agent keys generate`)")
+    allowed_clients: list[str] = Field(default_factory=list,
+                                       description="client public keys: certificate files or 40-char z85 keys")
+
+
+class RetentionConfig(_Strict):
+    days: float | None = Field(30.0, gt=0, description="prune inferences, errors and events older than this")
+    keep_verdicts: bool = Field(True, description="verdicts (and their frames) are never pruned")
+    interval_s: float = Field(3600.0, gt=0, description="how often the writer prunes")
+
+
 class MetricsConfig(_Strict):
     enabled: bool = True
     bind: str = "127.0.0.1"
@@ -102,6 +116,8 @@ class LineConfig(_Strict):
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     writer: WriterConfig = Field(default_factory=WriterConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
+    curve: CurveConfig | None = None
+    retention: RetentionConfig = Field(default_factory=RetentionConfig)
     source: str = Field("<config>", exclude=True)
 
     _tier = field_validator("cpu_tier", mode="before")(classmethod(lambda cls, v: parse_bytes(v)))

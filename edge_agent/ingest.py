@@ -73,10 +73,10 @@ class Ingest:
     """Owns the ROUTER socket from `start()` on; everything else talks to it through callbacks."""
 
     def __init__(self, sock: zmq.Socket, store, *, line: str, router, max_payload: int, metrics: Metrics,
-                 on_accepted: Callable[[list[Accepted]], None], can_accept: Callable[[], bool]) -> None:
+                 on_accepted: Callable[[list[Accepted]], None], free_slots: Callable[[], int]) -> None:
         self.sock, self.store, self.line, self.router = sock, store, line, router
         self.max_payload, self.metrics = max_payload, metrics
-        self._on_accepted, self._can_accept = on_accepted, can_accept
+        self._on_accepted, self._free_slots = on_accepted, free_slots
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="ingest", daemon=True)
         self.error: BaseException | None = None
@@ -96,9 +96,6 @@ class Ingest:
         poller.register(self.sock, zmq.POLLIN)
         try:
             while not self._stop.is_set():
-                if not self._can_accept():  # backpressure: leave frames in the socket's queue
-                    time.sleep(0.01)
-                    continue
                 if not poller.poll(100):
                     continue
                 msgs = []
@@ -130,6 +127,16 @@ class Ingest:
                 log.exception("unexpected error checking a message; rejecting it")
                 fid = _sniff_frame_id(parts[0]) if parts else ""
                 checked.append((identity, P.Reject(P.BAD_FIELD, f"unreadable message ({type(exc).__name__})", fid)))
+        # backpressure: frames beyond the free in-flight slots are not journaled but acked 'busy',
+        # so memory stays bounded and the client knows to retry with backoff (docs/protocol.md)
+        slots = self._free_slots()
+        for i, (identity, c) in enumerate(checked):
+            if isinstance(c, Accepted):
+                if slots > 0:
+                    slots -= 1
+                else:
+                    checked[i] = (identity, P.Reject(P.BUSY, f"agent saturated ({self._free_slots()} free "
+                                                             "in-flight slots); retry with backoff", c.frame.frame_id))
         good = [c for _, c in checked if isinstance(c, Accepted)]
         errors = [{"frame_id": c.frame_id or None, "kind": f"reject:{c.reason}", "message": c.detail, "at": now}
                   for _, c in checked if isinstance(c, P.Reject)]

@@ -31,8 +31,10 @@ UNKNOWN_COMPONENT = "unknown_component"
 BAD_IMAGE = "bad_image"
 OVERSIZE = "oversize"
 BAD_FRAMING = "bad_framing"
+BUSY = "busy"              # not journaled: the agent is saturated; the client retries with backoff
+LOW_CONFIDENCE = "low_confidence"
 REASONS = (MALFORMED_JSON, MISSING_FIELD, BAD_FIELD, UNKNOWN_VERSION, WRONG_LINE,
-           UNKNOWN_COMPONENT, BAD_IMAGE, OVERSIZE, BAD_FRAMING)
+           UNKNOWN_COMPONENT, BAD_IMAGE, OVERSIZE, BAD_FRAMING, BUSY, LOW_CONFIDENCE)
 
 ACCEPTED, DUPLICATE, REJECTED = "accepted", "duplicate", "rejected"
 

@@ -26,6 +26,7 @@ class ReplayReport:
     accepted: int = 0
     duplicate: int = 0
     rejected: int = 0
+    busy: int = 0                 # 'busy' answers; those frames were resent after a backoff
     unmatched_rejects: int = 0
     reasons: Counter = field(default_factory=Counter)
     rejected_ids: list[str] = field(default_factory=list)
@@ -38,7 +39,7 @@ class ReplayReport:
 
     def to_json(self) -> dict:
         return {"sent": self.sent, "resent": self.resent, "accepted": self.accepted, "duplicate": self.duplicate,
-                "rejected": self.rejected, "reasons": dict(self.reasons), "unacked": len(self.unacked),
+                "rejected": self.rejected, "busy": self.busy, "reasons": dict(self.reasons), "unacked": len(self.unacked),
                 "seconds": round(self.seconds, 3)}
 
 
@@ -62,21 +63,28 @@ def send_messages(messages: Iterable[tuple[str, list[bytes]]], endpoint: str, *,
     report = ReplayReport()
     source = iter(messages)
     inflight: dict[str, tuple[float, list[bytes]]] = {}
+    backoff: dict[str, tuple[float, list[bytes]]] = {}   # 'busy' frames waiting for their retry
+    tries: dict[str, int] = {}
     done: set[str] = set()
     t0 = time.monotonic()
     interval = 1.0 / rate if rate else 0.0
     next_send = t0
     exhausted = False
+    stalled: tuple[str, list[bytes]] | None = None
     try:
-        while (not exhausted or inflight) and time.monotonic() - t0 < deadline:
+        while (not exhausted or inflight or stalled) and time.monotonic() - t0 < deadline:
             now = time.monotonic()
             while not exhausted and len(inflight) < window and now >= next_send:
-                try:
-                    fid, parts = next(source)
-                except StopIteration:
-                    exhausted = True
-                    break
-                sock.send_multipart(parts)
+                if stalled is None:
+                    try:
+                        stalled = next(source)
+                    except StopIteration:
+                        exhausted = True
+                        break
+                fid, parts = stalled
+                if not _send(sock, parts):
+                    break          # no agent connected (yet): keep it and poll; the deadline still applies
+                stalled = None
                 report.sent += 1
                 if fid in inflight or fid in done:
                     continue  # a recording with a repeated id: its first ack counts
@@ -84,28 +92,54 @@ def send_messages(messages: Iterable[tuple[str, list[bytes]]], endpoint: str, *,
                 if interval:
                     next_send = max(next_send + interval, now - 1.0)
                     now = time.monotonic()
-            wait_ms = 50 if not interval or exhausted else max(0, int((next_send - time.monotonic()) * 1000))
+            wait_ms = 50 if not interval or exhausted or stalled else \
+                max(0, int((next_send - time.monotonic()) * 1000))
             if sock.poll(min(wait_ms, 50) if inflight else wait_ms, zmq.POLLIN):
                 while True:
                     try:
                         msg = sock.recv_multipart(flags=zmq.NOBLOCK)
                     except zmq.Again:
                         break
+                    if _is_busy(msg, inflight):
+                        fid = msg[0].decode("utf-8", "replace")
+                        tries[fid] = tries.get(fid, 0) + 1
+                        backoff[fid] = (time.monotonic() + min(0.05 * 2 ** tries[fid], 2.0), inflight[fid][1])
+                        report.busy += 1
+                        continue
                     _count_ack(msg, inflight, done, report)
-            for fid, (sent_at, parts) in list(inflight.items()):
-                if time.monotonic() - sent_at > ack_timeout:
-                    sock.send_multipart(parts)
+            now = time.monotonic()
+            for fid, (due, parts) in list(backoff.items()):
+                if now >= due and _send(sock, parts):
+                    del backoff[fid]
                     report.resent += 1
-                    inflight[fid] = (time.monotonic(), parts)
+                    inflight[fid] = (now, parts)
+            for fid, (sent_at, parts) in list(inflight.items()):
+                if fid not in backoff and now - sent_at > ack_timeout and _send(sock, parts):
+                    report.resent += 1
+                    inflight[fid] = (now, parts)
             if progress:
                 progress(report)
-        report.unacked = sorted(inflight)
+        report.unacked = sorted(inflight) + ([stalled[0]] if stalled else [])
     finally:
         report.seconds = time.monotonic() - t0
         sock.close(linger=0)
         if own_ctx:
             ctx.term()
     return report
+
+
+def _send(sock: zmq.Socket, parts: list[bytes]) -> bool:
+    """Send without blocking: a DEALER with no connected agent would otherwise block forever."""
+    try:
+        sock.send_multipart(parts, flags=zmq.NOBLOCK)
+        return True
+    except zmq.Again:
+        return False
+
+
+def _is_busy(msg: list[bytes], inflight: dict) -> bool:
+    return (len(msg) == 3 and msg[1] == P.REJECTED.encode() and P.reason_of(msg[2].decode("utf-8", "replace")) == P.BUSY
+            and msg[0].decode("utf-8", "replace") in inflight)
 
 
 def _count_ack(msg: list[bytes], inflight: dict, done: set, report: ReplayReport) -> None:

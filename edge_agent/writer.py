@@ -36,13 +36,18 @@ class ResultWriter:
     """Single consumer of result rows; call `put_*` from any thread."""
 
     def __init__(self, db_path: str, pub: zmq.Socket, line: str, *, batch_rows: int = 512,
-                 flush_ms: float = 50.0, on_committed: Callable[[list[dict], set[str]], None] | None = None) -> None:
+                 flush_ms: float = 50.0, on_committed: Callable[[list[dict], set[str]], None] | None = None,
+                 retention_days: float | None = None, keep_verdicts: bool = True,
+                 retention_interval: float = 3600.0) -> None:
         self._db_path, self._pub, self._line = db_path, pub, line.encode()
         self._batch_rows, self._flush_s = batch_rows, flush_ms / 1000.0
         self._q: queue.Queue = queue.Queue()
         self._on_committed = on_committed or (lambda rows, stored: None)
         self._thread = threading.Thread(target=self._loop, name="result-writer", daemon=True)
         self._stop = threading.Event()
+        self._retention = (retention_days, keep_verdicts, retention_interval)
+        self._next_prune = time.monotonic() + 5.0   # first prune soon after start, then every interval
+        self.pruned: dict[str, int] = {}
         self.failures = 0
         self.gave_up = 0
         self.error: BaseException | None = None
@@ -87,6 +92,7 @@ class ResultWriter:
                     self._flush(store, pending)
                 elif self._stop.is_set() and self._q.empty():
                     return
+                self._maybe_prune(store)
         except BaseException as exc:
             self.error = exc
             log.exception("result writer stopped on an unexpected error")
@@ -94,6 +100,21 @@ class ResultWriter:
         finally:
             store.close()
             self._pub.close(linger=1000)
+
+    def _maybe_prune(self, store: ResultStore) -> None:
+        days, keep, interval = self._retention
+        if days is None or time.monotonic() < self._next_prune:
+            return
+        self._next_prune = time.monotonic() + interval
+        try:
+            got = store.prune(time.time() - days * 86400, keep_verdicts=keep)
+        except Exception as exc:  # noqa: BLE001 - retention is housekeeping; serving goes on
+            log.error("retention prune failed: %s", exc)
+            return
+        for k, v in got.items():
+            self.pruned[k] = self.pruned.get(k, 0) + v
+        if any(got.values()):
+            log.info("retention: pruned %s", ", ".join(f"{v} {k}" for k, v in got.items() if v))
 
     def _flush(self, store: ResultStore, p: _Pending) -> None:
         attempt = 0

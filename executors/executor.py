@@ -40,6 +40,21 @@ class BatchResult:
     error_kind: str = ""
 
 
+def is_out_of_memory(exc: BaseException) -> bool:
+    """CUDA OOM, host MemoryError, or a backend's 'out of memory' RuntimeError."""
+    if isinstance(exc, MemoryError):
+        return True
+    name = type(exc).__name__
+    return name == "OutOfMemoryError" or (isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower())
+
+
+def release_device_cache(device: str) -> None:
+    if device.startswith("cuda"):
+        import torch
+
+        torch.cuda.empty_cache()
+
+
 class FailedExperts:
     """Experts whose weights failed to load, with the reason; shared by all executors."""
 
@@ -68,10 +83,12 @@ class Executor:
 
     def __init__(self, name: str, device: str, pool, scheduler: GroupingScheduler, model: CoEModel,
                  on_result: Callable[[BatchResult], None], *, failed: FailedExperts | None = None,
-                 prefetch: bool = True) -> None:
+                 prefetch: bool = True, backend_for: Callable[[str], object] = get_backend) -> None:
         self.name, self.device, self.pool, self.scheduler, self.model = name, device, pool, scheduler, model
         self._on_result = on_result
         self.failed = failed or FailedExperts()
+        self.backend_for = backend_for    # injectable: tests put a fault-injecting backend here
+        self.oom_splits = 0
         self.skeletons = Skeletons(device)
         self.prefetcher = Prefetcher(pool, name) if prefetch else None
         self._thread = threading.Thread(target=self._loop, name=f"executor-{name}", daemon=True)
@@ -111,6 +128,27 @@ class Executor:
                 except Exception:  # noqa: BLE001
                     log.exception("could not even record error verdicts for batch %d", batch.id)
 
+    def _run_splitting(self, module, expert, images: list) -> list[StepOutput]:
+        """Run a batch; if it runs out of memory, split it in halves and retry, down to single frames.
+
+        Only a single frame that still does not fit is declared failed (by the caller's handler).
+        """
+        try:
+            outputs = self.backend_for(expert.arch).run(module, expert, images)
+        except Exception as exc:  # noqa: BLE001 - only out-of-memory is retried; everything else propagates
+            if not is_out_of_memory(exc) or len(images) == 1:
+                raise
+            self.oom_splits += 1
+            log.warning("%s: batch of %d on %s ran out of memory; splitting and retrying", expert.id,
+                        len(images), self.name)
+            release_device_cache(self.device)
+            half = len(images) // 2
+            return self._run_splitting(module, expert, images[:half]) + \
+                self._run_splitting(module, expert, images[half:])
+        if len(outputs) != len(images):
+            raise RuntimeError(f"backend returned {len(outputs)} outputs for {len(images)} images")
+        return outputs
+
     def run_batch(self, batch: Batch) -> BatchResult:
         started, t0 = time.time(), time.perf_counter()
         handle = None
@@ -127,9 +165,7 @@ class Executor:
                 self.prefetcher.hint(self.scheduler.next_expert(self.name, batch.expert_id))
             module = self.skeletons.bind(expert, handle.value)
             images = [r.frame.image for r in batch.requests]
-            outputs = get_backend(expert.arch).run(module, expert, images)
-            if len(outputs) != len(images):
-                raise RuntimeError(f"backend returned {len(outputs)} outputs for {len(images)} images")
+            outputs = self._run_splitting(module, expert, images)
             result = BatchResult(batch, self.name, self.device, started, time.perf_counter() - t0, outputs=outputs)
         except Exception as exc:  # noqa: BLE001 - every failure becomes an error verdict, never a lost frame
             load_failure = isinstance(exc, ExpertLoadError) or type(exc).__name__ == "PoolFullError"

@@ -46,15 +46,18 @@ class ResultStore:
             if not self.path.is_file():
                 raise FileNotFoundError(f"results database {self.path} does not exist (has the agent run?)")
             conn = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, timeout=30, check_same_thread=False)
+            self.db = sqlite_utils.Database(conn)
         else:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             new = not self.path.exists()
             conn = sqlite3.connect(str(self.path), timeout=30, check_same_thread=False)
             if new:
+                # owner-only before WAL mode: SQLite gives the -wal and -shm files the database's mode
                 os.chmod(self.path, 0o600)
-        self.db = sqlite_utils.Database(conn)
-        if not readonly:
+                conn.execute("PRAGMA auto_vacuum=INCREMENTAL")   # lets retention give pages back
+            self.db = sqlite_utils.Database(conn)
             self.db.enable_wal()
+        if not readonly:
             self.db.execute(f"PRAGMA synchronous={synchronous}")
             self.db.execute("PRAGMA busy_timeout=30000")
             self.ensure_schema()
@@ -220,6 +223,31 @@ class ResultStore:
         for r in rows:
             r["chain"] = json.loads(r["chain"]) if r.get("chain") else []
         return rows
+
+    def prune(self, before: float, *, keep_verdicts: bool = True) -> dict[str, int]:
+        """Delete rows older than `before` (epoch seconds), then give free pages back.
+
+        Frames still waiting for a verdict are never pruned: retention must not
+        lose an accepted frame.  With `keep_verdicts`, verdicts and their frame
+        rows stay; inferences, errors and expert events go.
+        """
+        deleted = {}
+        with self._write_txn():
+            c = self.db.conn
+            deleted["inferences"] = c.execute("DELETE FROM inferences WHERE started_at < ?", (before,)).rowcount
+            deleted["errors"] = c.execute("DELETE FROM errors WHERE at < ?", (before,)).rowcount
+            deleted["expert_events"] = c.execute("DELETE FROM expert_events WHERE at < ?", (before,)).rowcount
+            if not keep_verdicts:
+                deleted["verdicts"] = c.execute("DELETE FROM verdicts WHERE decided_at < ?", (before,)).rowcount
+                deleted["frames"] = c.execute(
+                    "DELETE FROM frames WHERE received_at < ? AND status = 'done' AND frame_id NOT IN "
+                    "(SELECT frame_id FROM verdicts)", (before,)).rowcount
+        # executescript steps the pragma to completion (execute() would free a single page)
+        self.db.conn.executescript("PRAGMA incremental_vacuum;")
+        return deleted
+
+    def freelist(self) -> int:
+        return self.db.execute("PRAGMA freelist_count").fetchone()[0]
 
     def counts(self) -> dict[str, Any]:
         q = lambda sql: self.db.execute(sql).fetchone()[0]  # noqa: E731

@@ -1,0 +1,45 @@
+"""Fault injection for the backends: the real backend, with chosen failures in front of it.
+
+Tests and the soak benchmark wrap the registry with `FaultyBackends` and hand
+it to the agent (`Agent(..., backend_for=...)`): an expert that always
+raises, or a batch larger than N that runs "out of memory".  Nothing here is
+reachable from a config file; production code never injects faults.
+"""
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from .backends import get_backend
+
+
+@dataclass
+class Faults:
+    raise_for: set[str] = field(default_factory=set)       # expert ids whose run always raises
+    oom_above: dict[str, int] = field(default_factory=dict)  # expert id -> largest batch that fits
+    delay: float = 0.0                                        # seconds added to every run (overload)
+    calls: list[tuple[str, int]] = field(default_factory=list)
+
+
+class _Faulty:
+    def __init__(self, inner, faults: Faults) -> None:
+        self.inner, self.faults = inner, faults
+
+    def __getattr__(self, name):
+        return getattr(self.inner, name)
+
+    def run(self, module, expert, images):
+        self.faults.calls.append((expert.id, len(images)))
+        if self.faults.delay:
+            import time
+            time.sleep(self.faults.delay)
+        if expert.id in self.faults.raise_for:
+            raise ValueError(f"injected fault in {expert.id}")
+        limit = self.faults.oom_above.get(expert.id)
+        if limit is not None and len(images) > limit:
+            raise RuntimeError(f"CUDA out of memory (injected: batch {len(images)} > {limit})")
+        return self.inner.run(module, expert, images)
+
+
+def faulty_backends(faults: Faults) -> Callable[[str], object]:
+    return lambda arch: _Faulty(get_backend(arch), faults)
