@@ -33,7 +33,7 @@ from storage.tiers import StoreSource, TierSource, measured_nbytes
 
 from . import protocol as P
 from .config import LineConfig, endpoint_parts
-from .ingest import Accepted, Ingest, check_frame
+from .ingest import Accepted, Ingest, check_frame, route_learned
 from .metrics import Metrics
 from .writer import ResultWriter
 
@@ -53,7 +53,7 @@ class Agent:
         self.cfg = cfg
         self.model = model or load_spec(cfg.spec_path)
         self.store = ExpertStore(cfg.store_path, verify=cfg.expert_verify)
-        missing = [e for e in self.model.experts if not self.store.has(e)]
+        missing = [e for e in self.model.experts if not self.store.has(e)]  # the router is not a spec expert
         if missing:
             raise FileNotFoundError(
                 f"expert store {cfg.store_path} lacks {len(missing)} expert(s) of the spec, e.g. "
@@ -61,6 +61,10 @@ class Agent:
         self.model = self.model.with_sizes({e.id: e.nbytes for e in self.store.entries()})
         self.metrics = Metrics(cfg.line)
         self.router = RuleRouter(self.model)
+        if cfg.routing.mode == "learned":
+            from routing import LearnedRouter
+
+            self.router = LearnedRouter.load(self.model, self.store, threshold=cfg.routing.threshold)
         self.ctx = zmq.Context()
         self._lock = threading.Condition()
         self._inflight: dict[str, _InFlight] = {}
@@ -280,15 +284,23 @@ class Agent:
         if not pending:
             return
         log.warning("recovering %d accepted frame(s) without a verdict from the journal", len(pending))
-        again = []
+        checked: list = []
         for entry in pending:
             try:
-                again.append(check_frame([entry.header.encode(), entry.payload], line=self.cfg.line,
-                                         router=self.router, max_payload=1 << 62))
-            except P.Reject as rej:  # spec changed since: still one verdict per frame
+                checked.append((entry, check_frame([entry.header.encode(), entry.payload], line=self.cfg.line,
+                                                   router=self.router, max_payload=1 << 62)))
+            except P.Reject as rej:
+                checked.append((entry, rej))
+        if getattr(self.router, "needs_image", False):
+            route_learned(self.router, checked)
+        again = []
+        for entry, c in checked:
+            if isinstance(c, P.Reject):  # spec or router changed since: still exactly one verdict per frame
                 self._finish(_InFlight(Frame(entry.frame_id, entry.line, entry.board_id, entry.component or "",
                                              entry.ts, None, entry.received_at)),
-                             "error", f"recovery: {rej.ack_detail}", register=True)
+                             "error", f"recovery: {c.ack_detail}", register=True)
+            else:
+                again.append(c)
         self._submit_accepted(again)
 
     def _on_batch(self, result: BatchResult) -> None:

@@ -167,15 +167,19 @@ def zoo_build(line: str, config_path: str | None, seed: int, force: bool) -> Non
 @click.option("--encoding", type=click.Choice(["png", "jpeg", "raw"]), default="png", show_default=True)
 @click.option("--size", default=64, show_default=True, help="Image side in pixels.")
 @click.option("--omit-component", is_flag=True, help="Leave 'component' out of headers (learned routing).")
+@click.option("--board-components", default=40, show_default=True,
+              help="Components per board layout (use about --frames for a stream that follows the spec's "
+                   "frequencies, e.g. to train a router).")
 @click.option("--overwrite", is_flag=True, help="Replace an existing recording.")
 @_fail_clearly
 def record(line: str, config_path: str | None, synthetic: bool, frames: int, out: str, seed: int,
-           encoding: str, size: int, omit_component: bool, overwrite: bool) -> None:
+           encoding: str, size: int, omit_component: bool, board_components: int, overwrite: bool) -> None:
     """Make a seeded synthetic recording of the line's component types, in board order.
 
     \b
     Example:
       coe-agent record --synthetic --line A --frames 500 --out rec/A-500
+      coe-agent record --synthetic --line A --frames 3000 --board-components 3000 --omit-component --out rec/train
     """
     from tqdm import tqdm
 
@@ -190,7 +194,8 @@ def record(line: str, config_path: str | None, synthetic: bool, frames: int, out
         bar.update(n - done[0])
         done[0] = n
     path = record_synthetic(model, out, frames, line=cfg.line, seed=seed, size=size, encoding=encoding,
-                            omit_component=omit_component, overwrite=overwrite, progress=tick)
+                            omit_component=omit_component, boards_components=board_components,
+                            overwrite=overwrite, progress=tick)
     bar.close()
     click.echo(f"wrote {frames} frame(s) to {path}")
 

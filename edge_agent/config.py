@@ -89,6 +89,13 @@ class RetentionConfig(_Strict):
     interval_s: float = Field(3600.0, gt=0, description="how often the writer prunes")
 
 
+class RoutingConfig(_Strict):
+    mode: Literal["rules", "learned"] = Field("rules", description="rules: the header's component; "
+                                                                   "learned: a model on the image")
+    threshold: float = Field(0.9, gt=0, lt=1, description="below this confidence: the header's component, "
+                                                          "else a low_confidence reject")
+
+
 class MetricsConfig(_Strict):
     enabled: bool = True
     bind: str = "127.0.0.1"
@@ -117,6 +124,7 @@ class LineConfig(_Strict):
     writer: WriterConfig = Field(default_factory=WriterConfig)
     metrics: MetricsConfig = Field(default_factory=MetricsConfig)
     curve: CurveConfig | None = None
+    routing: RoutingConfig = Field(default_factory=RoutingConfig)
     retention: RetentionConfig = Field(default_factory=RetentionConfig)
     source: str = Field("<config>", exclude=True)
 

@@ -33,31 +33,63 @@ class Accepted:
     """A frame that passed every check, with where its chain starts."""
 
     frame: Frame
-    expert_id: str
+    expert_id: str | None      # None until a learned router has looked at the image
     header_json: str
     payload: bytes
 
 
 def check_frame(parts: list[bytes], *, line: str, router, max_payload: int) -> Accepted:
-    """All checks on one `[header, payload]` message; raises protocol.Reject."""
+    """All checks on one `[header, payload]` message; raises protocol.Reject.
+
+    A rule router routes here, from the header, before the image is decoded.
+    A learned router (`needs_image`) routes later, one batch per ingest read.
+    """
     if len(parts) != 2:
         fid = _sniff_frame_id(parts[0]) if parts else ""
         raise P.Reject(P.BAD_FRAMING, f"expected 2 message parts [header, payload], got {len(parts)}", fid)
     raw_header, payload = parts
-    header = P.parse_header(raw_header)
+    learned = getattr(router, "needs_image", False)
+    header = P.parse_header(raw_header, require_component=not learned)
     if len(payload) > max_payload:
         raise P.Reject(P.OVERSIZE, f"payload is {len(payload)} bytes, limit {max_payload}", header.frame_id)
     if header.line != line:
         raise P.Reject(P.WRONG_LINE, f"frame is for line '{header.line}', this agent serves line '{line}'",
                        header.frame_id)
-    try:
-        route = router.route(header.component)
-    except RouteError as exc:
-        raise P.Reject(exc.reason, exc.detail, header.frame_id) from None
+    expert_id = None
+    if not learned:
+        try:
+            expert_id = router.route(header.component).expert_id
+        except RouteError as exc:
+            raise P.Reject(exc.reason, exc.detail, header.frame_id) from None
     image = P.decode_image(header, payload)
     frame = Frame(frame_id=header.frame_id, line=header.line, board_id=header.board_id,
                   component=header.component or "", ts=header.ts, image=image, received_at=time.time())
-    return Accepted(frame, route.expert_id, json.dumps(header.to_json()), payload)
+    return Accepted(frame, expert_id, json.dumps(header.to_json()), payload)
+
+
+def route_learned(router, checked: list) -> None:
+    """Route every not-yet-routed frame of a read in one forward pass; misroutes become rejects."""
+    todo = [i for i, (_, c) in enumerate(checked) if isinstance(c, Accepted) and c.expert_id is None]
+    if not todo:
+        return
+    frames = [checked[i][1].frame for i in todo]
+    try:
+        routes = router.route_batch([f.component or None for f in frames], [f.image for f in frames])
+    except Exception as exc:  # noqa: BLE001 - a router failure rejects this read's frames, never loses them
+        log.exception("learned router failed on a read of %d frames", len(todo))
+        routes = [RouteError(P.BAD_FIELD, f"router failed: {exc}") for _ in todo]
+    for i, frame, route in zip(todo, frames, routes):
+        identity, acc = checked[i]
+        if isinstance(route, RouteError):
+            checked[i] = (identity, P.Reject(route.reason, route.detail, frame.frame_id))
+        else:
+            acc.expert_id = route.expert_id
+            if not acc.frame.component:   # record what the router decided, for queries and probabilities
+                acc.frame.component = _component_of(router.model, route.expert_id)
+
+
+def _component_of(model, expert_id: str) -> str:
+    return next((c.name for c in model.components.values() if c.classifier == expert_id), "")
 
 
 def _sniff_frame_id(raw: bytes) -> str:
@@ -127,6 +159,8 @@ class Ingest:
                 log.exception("unexpected error checking a message; rejecting it")
                 fid = _sniff_frame_id(parts[0]) if parts else ""
                 checked.append((identity, P.Reject(P.BAD_FIELD, f"unreadable message ({type(exc).__name__})", fid)))
+        if getattr(self.router, "needs_image", False):
+            route_learned(self.router, checked)
         # backpressure: frames beyond the free in-flight slots are not journaled but acked 'busy',
         # so memory stays bounded and the client knows to retry with backoff (docs/protocol.md)
         slots = self._free_slots()

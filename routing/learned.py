@@ -111,6 +111,7 @@ class LearnedRouter:
     """Routes a frame by the component type a CNN sees in it; see the module doc for the contract."""
 
     name = "learned"
+    needs_image = True   # ingest routes it after decoding, one batch per read
 
     def __init__(self, model: CoEModel, net: nn.Module, classes: list[str], input_size: int, *,
                  threshold: float = DEFAULT_THRESHOLD, fallback: RuleRouter | None = None) -> None:

@@ -3,11 +3,16 @@
 There are no real AOI images in the repository, yet the agent, the replay
 client and the learned router need frames whose component type can be seen in
 the pixels.  `draw_component` draws a top view of a component crop with cv2:
-PCB green with noise, copper/solder pads, and a body whose colour, shape, size
-and leads depend on the family (name prefix) and package code.  Defects change
-the picture the way an AOI would see them (no body, body shifted off its pads,
-a body of another family).  Everything random comes from the injected
-generator, so the same seed draws the same pixels.
+PCB green with noise, the board's silkscreen, copper/solder pads, and a body
+whose colour, shape, size and leads depend on the family (name prefix) and
+package code.  Defects change the picture the way an AOI would see them (no
+body, body shifted off its pads, a body of another family).  The silkscreen is
+printed on the board, not on the part, so it stays whatever the label: an
+outline whose shape follows the package, and in the top-left corner a
+reference-designator glyph for the family plus a small barcode derived from the
+full name.  That keeps the type visible when the part is missing or replaced
+(an R0603 and a C0603 have identical pads).  Everything random comes from the
+injected generator, so the same seed draws the same pixels.
 """
 from __future__ import annotations
 
@@ -41,6 +46,7 @@ SOLDER: RGB = (188, 188, 182)
 TIN: RGB = (206, 206, 200)
 LEAD: RGB = (200, 200, 196)
 BLACK: RGB = (26, 26, 28)
+SILK: RGB = (226, 228, 218)  # silkscreen ink: white epoxy, a little grey
 
 
 @dataclass(frozen=True)
@@ -294,6 +300,127 @@ _WRONG_PARTS = {"R": "R0603", "C": "C0805", "L": "L0603", "F": "F0603", "D": "D-
                 "LED": "LED0603", "Q": "Q-SOT23", "U": "U-SOIC8", "X": "X-HC49", "J": "J-USBC"}
 
 
+# -- silkscreen --------------------------------------------------------------------
+
+SILK_LINE = 0.026  # outline stroke width, crop units (about 1.7 px at 64 px)
+GLYPH_CELL = 0.04  # side of one cell of the 3x5 designator glyph, crop units
+GLYPH_ORIGIN = (-0.46, -0.46)  # top-left corner of the designator, clear of every body
+CODE_BITS = 5
+
+# The reference-designator letter of each family as a 3x5 bitmap ('#' is ink).
+# LED gets an E (for Emitter) so that it differs from a plain diode's D.
+_GLYPHS = {
+    "R": ("##.", "#.#", "##.", "#.#", "#.#"),
+    "C": ("###", "#..", "#..", "#..", "###"),
+    "L": ("#..", "#..", "#..", "#..", "###"),
+    "F": ("###", "#..", "##.", "#..", "#.."),
+    "D": ("##.", "#.#", "#.#", "#.#", "##."),
+    "LED": ("###", "#..", "###", "#..", "###"),
+    "Q": ("###", "#.#", "#.#", "###", "..#"),
+    "U": ("#.#", "#.#", "#.#", "#.#", "###"),
+    "X": ("#.#", "#.#", ".#.", "#.#", "#.#"),
+    "J": ("..#", "..#", "..#", "#.#", "###"),
+}
+
+
+@dataclass(frozen=True)
+class Silkscreen:
+    """What the board prints around a footprint, in unit coordinates like `Shape`."""
+
+    lines: tuple[tuple[tuple[float, float], ...], ...]  # open polylines (outline, polarity)
+    marks: tuple[Shape, ...]  # filled: designator glyph, name code, pin-1 dot
+
+
+def _glyph(component: str, fam: str) -> tuple[str, ...]:
+    if fam in _GLYPHS:
+        return _GLYPHS[fam]
+    bits = int(_hash01(component, 11) * (1 << 15))  # a stable 3x5 pattern per unknown name
+    rows = tuple("".join("#" if bits >> (3 * r + c) & 1 else "." for c in range(3)) for r in range(5))
+    return rows[:2] + ("###",) + rows[3:]  # never blank: the middle row is always inked
+
+
+def name_code(component: str) -> tuple[int, ...]:
+    """`CODE_BITS` bits from the full name, printed as long (1) or short (0) strokes."""
+    h = int(_hash01(component, 12) * (1 << CODE_BITS))
+    return tuple(h >> i & 1 for i in range(CODE_BITS))
+
+
+def _box(shapes: tuple[Shape, ...]) -> tuple[float, float, float, float]:
+    return (min(s.cx - s.w / 2 for s in shapes), min(s.cy - s.h / 2 for s in shapes),
+            max(s.cx + s.w / 2 for s in shapes), max(s.cy + s.h / 2 for s in shapes))
+
+
+def _rect(x0: float, y0: float, x1: float, y1: float) -> tuple[tuple[float, float], ...]:
+    return ((x0, y0), (x1, y0), (x1, y1), (x0, y1), (x0, y0))
+
+
+def _ellipse(x0: float, y0: float, x1: float, y1: float, n: int = 32) -> tuple[tuple[float, float], ...]:
+    cx, cy, rx, ry = (x0 + x1) / 2, (y0 + y1) / 2, (x1 - x0) / 2, (y1 - y0) / 2
+    t = np.linspace(0.0, 2 * np.pi, n + 1)
+    return tuple((float(cx + rx * np.cos(a)), float(cy + ry * np.sin(a))) for a in t)
+
+
+@functools.lru_cache(maxsize=4096)
+def silkscreen(component: str) -> Silkscreen:
+    """The silkscreen printed for a component type (pure: depends on the name only).
+
+    The outline follows the package, with the family's usual extras (bracket
+    caps, a round coil, the line through a fuse, a cathode bar, a pin-1 dot);
+    the designator in the top-left corner is the family glyph and, to its
+    right, a row of strokes coding the full name.
+    """
+    fp = footprint(component)
+    fam = fp.family
+    main = max(fp.body, key=lambda sh: sh.w * sh.h)  # the package itself, without leads
+    lim = 0.45
+    if fam in ("U", "Q", "J"):  # leaded parts: outline the package, the pads cross it
+        m = 0.035
+        x0, y0, x1, y1 = _box((main,))
+    else:  # chips, diodes, crystals: the outline goes round pads and body
+        m = 0.04
+        x0, y0, x1, y1 = _box(fp.pads + (main,))
+    x0, y0, x1, y1 = max(x0 - m, -lim), max(y0 - m, -lim), min(x1 + m, lim), min(y1 + m, lim)
+    lines: list[tuple[tuple[float, float], ...]] = []
+    marks: list[Shape] = []
+    bar = 0.05  # a thick polarity bar (cathode, connector edge)
+    if fam == "C":  # two brackets, open in the middle of the long sides
+        e = 0.3 * (x1 - x0)
+        lines += [((x0 + e, y0), (x0, y0), (x0, y1), (x0 + e, y1)),
+                  ((x1 - e, y0), (x1, y0), (x1, y1), (x1 - e, y1))]
+    elif fam == "L" or (fam == "X" and main.kind == "stadium"):  # coil and HC49 can: round
+        lines.append(_ellipse(x0 - 0.02, y0 - 0.02, x1 + 0.02, y1 + 0.02))
+    elif fam == "F":  # the fuse symbol: a box with a line through it
+        lines += [_rect(x0, y0, x1, y1), ((x0 - 0.07, (y0 + y1) / 2), (x1 + 0.07, (y0 + y1) / 2))]
+    elif fam in ("D", "LED"):  # a cathode bar on the left side
+        lines.append(_rect(x0, y0, x1, y1))
+        marks.append(Shape("rect", x0 - bar / 2, (y0 + y1) / 2, bar, y1 - y0, SILK))
+        if fam == "LED":  # and a little arrow pointing at it under the part
+            lines.append(((x0 + 0.06, y1 + 0.06), (x0, y1 + 0.06), (x0 + 0.03, y1 + 0.09)))
+    elif fam == "Q":  # side brackets: the leads leave through top and bottom
+        lines += [((x0 + 0.05, y0), (x0, y0), (x0, y1), (x0 + 0.05, y1)),
+                  ((x1 - 0.05, y0), (x1, y0), (x1, y1), (x1 - 0.05, y1))]
+    elif fam == "U":  # box with a pin-1 dot outside its first corner
+        lines.append(_rect(x0, y0, x1, y1))
+        marks.append(Shape("circle", x0 - 0.03, y0 - 0.03, 0.045, 0.045, SILK))
+    elif fam == "J":  # box with the board edge drawn as a bar behind the plug opening
+        lines.append(_rect(x0, y0, x1, y1))
+        marks.append(Shape("rect", (x0 + x1) / 2, min(y1 + 0.03, lim), x1 - x0, 0.03, SILK))
+    else:  # R, SMD crystals, unknown names: a plain box
+        lines.append(_rect(x0, y0, x1, y1))
+
+    gx, gy = GLYPH_ORIGIN
+    c = GLYPH_CELL
+    for r, row in enumerate(_glyph(component, fam)):
+        for col, ink in enumerate(row):
+            if ink == "#":
+                marks.append(Shape("rect", gx + (col + 0.5) * c, gy + (r + 0.5) * c, c, c, SILK))
+    sx = gx + 3 * c + 0.05  # the name code starts right of the glyph
+    for i, bit in enumerate(name_code(component)):
+        h = 5 * c if bit else 2 * c
+        marks.append(Shape("rect", sx + i * 0.042, gy + h / 2, 0.022, h, SILK))
+    return Silkscreen(tuple(lines), tuple(marks))
+
+
 # -- rendering ---------------------------------------------------------------------
 
 def _draw(img: np.ndarray, shapes: tuple[Shape, ...], centre: tuple[float, float], scale: float,
@@ -320,13 +447,24 @@ def _draw(img: np.ndarray, shapes: tuple[Shape, ...], centre: tuple[float, float
             cv2.rectangle(img, (round(x - hw), round(y - hh)), (round(x + hw), round(y + hh)), c, -1)
 
 
+def _draw_silk(img: np.ndarray, silk: Silkscreen, centre: tuple[float, float], scale: float) -> None:
+    """Print `silk` into `img` (in place): outline strokes, then the filled marks."""
+    cx0, cy0 = centre
+    thick = max(round(SILK_LINE * scale), 1)
+    polys = [np.array([[round(cx0 + x * scale), round(cy0 + y * scale)] for x, y in line], np.int32)
+             for line in silk.lines]
+    cv2.polylines(img, polys, False, SILK, thick, cv2.LINE_AA)
+    _draw(img, silk.marks, centre, scale)
+
+
 def draw_component(component: str, label: str, rng: np.random.Generator, size: int = 64) -> np.ndarray:
     """A `size` x `size` x 3 uint8 RGB crop of `component` showing `label`.
 
-    The type is visible (family colour and shape, package size, lead count); the
-    label changes the body (absent, shifted and rotated off the pads, or another
-    family's); jitter in position, scale, brightness and noise makes every draw
-    differ.
+    The type is visible (family colour and shape, package size, lead count, and
+    the silkscreen printed round the footprint); the label changes the body
+    (absent, shifted and rotated off the pads, or another family's) but never
+    the board's silkscreen or pads; jitter in position, scale, brightness and
+    noise makes every draw differ.
     """
     if label not in LABELS:
         raise ValueError(f"label must be one of {', '.join(LABELS)}, got {label!r}")
@@ -342,6 +480,7 @@ def draw_component(component: str, label: str, rng: np.random.Generator, size: i
     bg = tuple(int(v) for v in np.clip(np.array(PCB_GREEN) + tint, 0, 255))
     canvas = np.empty((big, big, 3), np.uint8)
     cv2.rectangle(canvas, (0, 0), (big - 1, big - 1), bg, -1)  # ~15x faster than np.full here
+    _draw_silk(canvas, silkscreen(component), centre, scale)  # printed on the board, under everything
     _draw(canvas, fp.pads, centre, scale)
 
     if label == "missing":

@@ -323,3 +323,47 @@ def test_cli_errors_are_one_clear_line(recs, tmp_path):
     res = runner.invoke(cli, ["probabilities", "--config", str(cfg), "--data", str(recs["train"].root),
                               "--router", "rules"])
     assert res.exit_code == 1 and "cannot be rule-routed" in res.output
+
+
+def test_agent_runs_end_to_end_with_learned_routing(tmp_path, tiny_zoo):
+    """`routing: learned`: frames without a component are routed by the model, and every frame gets a verdict."""
+    import shutil
+    import sqlite3
+
+    from conftest import write_line
+    from edge_agent.agent import Agent
+    from edge_agent.config import load_config
+    from edge_agent.replay import replay as send
+    from routing import LearnedRouter
+    from routing.train import train_router
+    from storage.expert_store import ExpertStore
+    from storage.recording import Recording
+    from storage.synthetic import record_synthetic
+
+    store_dir = tmp_path / "experts"
+    shutil.copytree(tiny_zoo, store_dir)
+    model = parse_spec(TINY_SPEC)
+    train = Recording(record_synthetic(model, tmp_path / "train", 400, line="T", seed=5, size=32,
+                                       omit_component=True, boards_components=40))
+    net, classes, _ = train_router(model, train, epochs=6, seed=0, input_size=32)
+    store = ExpertStore(store_dir)
+    LearnedRouter(model, net, classes, 32).save(store)
+    cfg = load_config(write_line(tmp_path / "line", store=store_dir, routing={"mode": "learned", "threshold": 0.5}),
+                      env={})
+    test = Recording(record_synthetic(model, tmp_path / "test", 60, line="T", seed=6, size=32, omit_component=True,
+                                      boards_components=20))
+    agent = Agent(cfg).start()
+    try:
+        report = send(test, agent.endpoints["ingest"])
+        assert report.accepted + report.rejected == len(test)
+        assert report.accepted > 0.8 * len(test)
+        assert set(report.reasons) <= {"low_confidence"}            # never anything silent
+        assert agent.wait_verdicts(report.accepted, timeout=120)
+    finally:
+        agent.stop()
+    con = sqlite3.connect(cfg.db_path)
+    rows = dict(con.execute("SELECT frame_id, component FROM frames"))
+    con.close()
+    truth = {f.header["frame_id"]: f.truth_component for f in test}
+    right = sum(rows[fid] == truth[fid] for fid in rows)
+    assert right >= 0.8 * len(rows)                                 # routed to the right chain
