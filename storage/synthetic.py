@@ -307,15 +307,16 @@ GLYPH_CELL = 0.04  # side of one cell of the 3x5 designator glyph, crop units
 GLYPH_ORIGIN = (-0.46, -0.46)  # top-left corner of the designator, clear of every body
 CODE_BITS = 5
 
-# The reference-designator letter of each family as a 3x5 bitmap ('#' is ink).
-# LED gets an E (for Emitter) so that it differs from a plain diode's D.
+# The reference-designator letter of each family as a 3x5 bitmap ('#' is ink); an LED is a
+# D, as on most boards.  The letters of R, C, L, F and LED (whose chip pads are identical)
+# differ in at least 4 cells even when one is shifted by a cell against the other.
 _GLYPHS = {
     "R": ("##.", "#.#", "##.", "#.#", "#.#"),
-    "C": ("###", "#..", "#..", "#..", "###"),
+    "C": (".##", "#..", "#..", "#..", ".##"),
     "L": ("#..", "#..", "#..", "#..", "###"),
-    "F": ("###", "#..", "##.", "#..", "#.."),
+    "F": ("###", "#..", "###", "#..", "#.."),
     "D": ("##.", "#.#", "#.#", "#.#", "##."),
-    "LED": ("###", "#..", "###", "#..", "###"),
+    "LED": ("##.", "#.#", "#.#", "#.#", "##."),
     "Q": ("###", "#.#", "#.#", "###", "..#"),
     "U": ("#.#", "#.#", "#.#", "#.#", "###"),
     "X": ("#.#", "#.#", ".#.", "#.#", "#.#"),
@@ -331,7 +332,8 @@ class Silkscreen:
     marks: tuple[Shape, ...]  # filled: designator glyph, name code, pin-1 dot
 
 
-def _glyph(component: str, fam: str) -> tuple[str, ...]:
+def _glyph(component: str) -> tuple[str, ...]:
+    fam = family_of(component)
     if fam in _GLYPHS:
         return _GLYPHS[fam]
     bits = int(_hash01(component, 11) * (1 << 15))  # a stable 3x5 pattern per unknown name
@@ -339,10 +341,15 @@ def _glyph(component: str, fam: str) -> tuple[str, ...]:
     return rows[:2] + ("###",) + rows[3:]  # never blank: the middle row is always inked
 
 
-def name_code(component: str) -> tuple[int, ...]:
-    """`CODE_BITS` bits from the full name, printed as long (1) or short (0) strokes."""
+def _name_code(component: str) -> tuple[int, ...]:
     h = int(_hash01(component, 12) * (1 << CODE_BITS))
     return tuple(h >> i & 1 for i in range(CODE_BITS))
+
+
+def designator(component: str) -> tuple[tuple[str, ...], tuple[int, ...]]:
+    """The mark printed in the corner: the family's 3x5 glyph rows ('#' is ink) and
+    `CODE_BITS` bits hashed from the full name (printed as long 1 / short 0 strokes)."""
+    return _glyph(component), _name_code(component)
 
 
 def _box(shapes: tuple[Shape, ...]) -> tuple[float, float, float, float]:
@@ -410,12 +417,13 @@ def silkscreen(component: str) -> Silkscreen:
 
     gx, gy = GLYPH_ORIGIN
     c = GLYPH_CELL
-    for r, row in enumerate(_glyph(component, fam)):
+    glyph, code = designator(component)
+    for r, row in enumerate(glyph):
         for col, ink in enumerate(row):
             if ink == "#":
                 marks.append(Shape("rect", gx + (col + 0.5) * c, gy + (r + 0.5) * c, c, c, SILK))
     sx = gx + 3 * c + 0.05  # the name code starts right of the glyph
-    for i, bit in enumerate(name_code(component)):
+    for i, bit in enumerate(code):
         h = 5 * c if bit else 2 * c
         marks.append(Shape("rect", sx + i * 0.042, gy + h / 2, 0.022, h, SILK))
     return Silkscreen(tuple(lines), tuple(marks))
@@ -457,14 +465,17 @@ def _draw_silk(img: np.ndarray, silk: Silkscreen, centre: tuple[float, float], s
     _draw(img, silk.marks, centre, scale)
 
 
-def draw_component(component: str, label: str, rng: np.random.Generator, size: int = 64) -> np.ndarray:
+def draw_component(component: str, label: str, rng: np.random.Generator, size: int = 64, *,
+                   silk: bool = True) -> np.ndarray:
     """A `size` x `size` x 3 uint8 RGB crop of `component` showing `label`.
 
     The type is visible (family colour and shape, package size, lead count, and
     the silkscreen printed round the footprint); the label changes the body
     (absent, shifted and rotated off the pads, or another family's) but never
     the board's silkscreen or pads; jitter in position, scale, brightness and
-    noise makes every draw differ.
+    noise makes every draw differ.  `silk=False` leaves the silkscreen out (a
+    bare footprint); it draws no random numbers, so the rest of the picture is
+    the same for the same generator state.
     """
     if label not in LABELS:
         raise ValueError(f"label must be one of {', '.join(LABELS)}, got {label!r}")
@@ -480,7 +491,8 @@ def draw_component(component: str, label: str, rng: np.random.Generator, size: i
     bg = tuple(int(v) for v in np.clip(np.array(PCB_GREEN) + tint, 0, 255))
     canvas = np.empty((big, big, 3), np.uint8)
     cv2.rectangle(canvas, (0, 0), (big - 1, big - 1), bg, -1)  # ~15x faster than np.full here
-    _draw_silk(canvas, silkscreen(component), centre, scale)  # printed on the board, under everything
+    if silk:
+        _draw_silk(canvas, silkscreen(component), centre, scale)  # printed on the board, under everything
     _draw(canvas, fp.pads, centre, scale)
 
     if label == "missing":
