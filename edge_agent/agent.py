@@ -79,6 +79,7 @@ class Agent:
             for j in range(ex.count):
                 names.append((f"{ex.device}-{i}.{j}", ex))
         self.profile = Profile.load(cfg.scheduler.profile) if Path(cfg.scheduler.profile).is_file() else None
+        self.probabilities = self._usage_probabilities()
         self.failed = FailedExperts()
         self.pools: dict[str, Pool] = {}
         self.executors: list[Executor] = []
@@ -109,6 +110,23 @@ class Agent:
         self.metrics.watch_pools(self._all_pools)
         self.threads = min((ex.threads or max(1, (os.cpu_count() or 1) // len(names))) for _, ex in names)
 
+    def _usage_probabilities(self) -> dict[str, float]:
+        """From `coe-agent probabilities` ({data_dir}/probabilities.json) when present, else from the spec."""
+        from coe import probabilities as probs
+
+        path = Path(self.cfg.data_dir) / "probabilities.json"
+        spec = self.model.usage_probabilities()
+        if not path.is_file():
+            return spec
+        source, measured = probs.load_document(path)
+        unknown = set(measured) - set(spec)
+        if unknown or not measured:
+            log.warning("ignoring %s (%s): it names experts the spec does not (%s)", path, source,
+                        ", ".join(sorted(unknown)[:3]))
+            return spec
+        log.info("usage probabilities from %s (%s)", path, source)
+        return {e: measured.get(e, 0.0) for e in spec}
+
     def _expert_memory(self, ex) -> int:
         """The executor's bytes for experts: configured, else the profiled split, else 75% (CoServe §4.4)."""
         if ex.expert_memory is not None:
@@ -127,7 +145,7 @@ class Agent:
 
         return Pool(tier, capacity, make_policy(self.cfg.eviction), source, name=name,
                     on_event=lambda e: self._on_pool_event(e, executor),
-                    probabilities=model.usage_probabilities(),
+                    probabilities=self.probabilities,
                     preliminaries={e: tuple(model.preliminaries(e)) for e in model.experts},
                     context=context, measure=measured_nbytes)
 
@@ -159,7 +177,7 @@ class Agent:
             self.metrics_port = self.metrics.serve(cfg.metrics.bind, cfg.metrics.port)
         self.writer.start()
         if cfg.scheduler.initialize:
-            probs = self.model.usage_probabilities()
+            probs = self.probabilities
             order = sorted(self.model.experts, key=lambda e: -probs[e])
             loaded = initialize(list(self.pools.values()), [e for e in order if e not in self.failed.all()])
             log.info("initialised pools by usage probability: %s",

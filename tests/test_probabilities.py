@@ -121,3 +121,21 @@ def test_sampling_is_seeded(model):
     router = RuleRouter(model)
     assert sample_probabilities(router, model, rec, 7) == sample_probabilities(router, model, rec, 7)
     assert sample_probabilities(router, model, rec, 7) != sample_probabilities(router, model, rec, 8)
+
+
+def test_agent_pools_read_saved_probabilities(tmp_path, tiny_line):
+    """`coe-agent probabilities` saves where the pools read them: the agent uses them over the spec's."""
+    from coe import probabilities as probs
+    from edge_agent.agent import Agent
+    from edge_agent.config import load_config
+
+    cfg = load_config(tiny_line, env={})
+    model = parse_spec(TINY_SPEC)
+    custom = {e: (0.5 if e == "cls-u-soic8" else 0.5 / (len(model.experts) - 1)) for e in model.experts}
+    probs.save(custom, Path(cfg.data_dir) / "probabilities.json", source="test sample")
+    agent = Agent(cfg)
+    try:
+        assert agent.probabilities == custom
+        assert next(iter(agent.pools.values())).state().probabilities["cls-u-soic8"] == 0.5
+    finally:
+        agent.stop()
