@@ -516,17 +516,22 @@ def _plot_latency(plt, profile: Profile, path: Path) -> Path:
     return path
 
 
-def _plot_split(plt, profile: Profile, devices: dict[str, DeviceProfile], path: Path) -> Path:
+def _plot_search(plt, profile: Profile, devices: dict[str, DeviceProfile], path: Path, *, field: str,
+                 xlabel: str, title: str) -> Path:
+    """Throughput against the searched quantity, one line per device, with the search's outcome marked."""
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for i, (name, d) in enumerate(sorted(devices.items())):
         color = f"C{i % 10}"
-        pts = sorted(d.split_points)
+        order = list(getattr(d, field))
+        pts = sorted(order)
         ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=color, label=name)
-        # the decay-window search ends on its final window: from the previous point to the last one measured
-        order = list(d.split_points)
-        low = order[-2][0] if len(order) > 1 else 0
-        ax.axvspan(low, order[-1][0], color=color, alpha=0.15, label=f"{name} final window [{low}, {order[-1][0]}]")
-    ax.set(xlabel="experts loaded", ylabel="throughput (requests/s)", title="memory split: throughput vs experts")
+        if field == "split_points":
+            # the decay-window search ends on its final window: from the previous point to the last one measured
+            low = order[-2][0] if len(order) > 1 else 0
+            ax.axvspan(low, order[-1][0], color=color, alpha=0.15, label=f"{name} final window [{low}, {order[-1][0]}]")
+        else:
+            ax.axvline(d.executors, color=color, linestyle=":", label=f"{name} chosen: {d.executors}")
+    ax.set(xlabel=xlabel, ylabel="throughput (requests/s)", title=title)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     fig.suptitle(profile.source, fontsize=7)
@@ -534,20 +539,13 @@ def _plot_split(plt, profile: Profile, devices: dict[str, DeviceProfile], path: 
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def _plot_split(plt, profile: Profile, devices: dict[str, DeviceProfile], path: Path) -> Path:
+    return _plot_search(plt, profile, devices, path, field="split_points", xlabel="experts loaded",
+                        title="memory split: throughput vs experts")
 
 
 def _plot_count(plt, profile: Profile, devices: dict[str, DeviceProfile], path: Path) -> Path:
-    fig, ax = plt.subplots(figsize=(7, 4.5))
-    for i, (name, d) in enumerate(sorted(devices.items())):
-        color = f"C{i % 10}"
-        pts = sorted(d.count_points)
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=color, label=name)
-        ax.axvline(d.executors, color=color, linestyle=":", label=f"{name} chosen: {d.executors}")
-    ax.set(xlabel="executors", ylabel="throughput (requests/s)", title="executor count: throughput vs executors")
-    ax.grid(True, alpha=0.3)
-    ax.legend(fontsize=8)
-    fig.suptitle(profile.source, fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return _plot_search(plt, profile, devices, path, field="count_points", xlabel="executors",
+                        title="executor count: throughput vs executors")

@@ -137,7 +137,6 @@ def test_an_expert_that_raises_gives_error_verdicts_and_the_rest_is_served(tmp_p
     bad = [r for r in rows if r[0] == "R0402"]
     assert bad and all(v == "error" and "injected fault in cls-r0402" in why for _, v, why in bad)
     assert all(v in ("pass", "defect") for c, v, _ in rows if c != "R0402")
-    assert agent.dead_threads() == [] or True   # stopped now; liveness is checked while serving elsewhere
     kinds = Counter(k for (k,) in db_one(cfg.db_path, "SELECT kind FROM errors"))
     assert kinds["expert_run"] == len(bad)
 
