@@ -80,6 +80,7 @@ class Agent:
                 names.append((f"{ex.device}-{i}.{j}", ex))
         self.profile = Profile.load(cfg.scheduler.profile) if Path(cfg.scheduler.profile).is_file() else None
         self.probabilities = self._usage_probabilities()
+        self.preliminaries = {e: tuple(self.model.preliminaries(e)) for e in self.model.experts}  # once, not per pool
         self.failed = FailedExperts()
         self.pools: dict[str, Pool] = {}
         self.executors: list[Executor] = []
@@ -146,7 +147,7 @@ class Agent:
         return Pool(tier, capacity, make_policy(self.cfg.eviction), source, name=name,
                     on_event=lambda e: self._on_pool_event(e, executor),
                     probabilities=self.probabilities,
-                    preliminaries={e: tuple(model.preliminaries(e)) for e in model.experts},
+                    preliminaries=self.preliminaries,
                     context=context, measure=measured_nbytes)
 
     def _all_pools(self) -> dict[str, Pool]:

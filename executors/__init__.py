@@ -1,5 +1,5 @@
 """Executors: the scheduler, executor threads, module skeletons, prefetch and model backends."""
 from .executor import BatchResult, Executor, FailedExperts
-from .scheduler import Batch, GroupingScheduler
+from .scheduler import Batch, FixedCosts, Scheduler
 
-__all__ = ["Batch", "BatchResult", "Executor", "FailedExperts", "GroupingScheduler"]
+__all__ = ["Batch", "BatchResult", "Executor", "FailedExperts", "FixedCosts", "Scheduler"]

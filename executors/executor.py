@@ -20,7 +20,7 @@ from coe import CoEModel, ExpertLoadError, StepOutput
 
 from .backends import get_backend
 from .prefetch import Prefetcher
-from .scheduler import Batch, GroupingScheduler
+from .scheduler import Batch, Scheduler
 from .skeletons import Skeletons
 
 log = logging.getLogger(__name__)
@@ -81,7 +81,7 @@ class FailedExperts:
 class Executor:
     """Runs batches from `scheduler` for executor `name` until the scheduler closes and drains."""
 
-    def __init__(self, name: str, device: str, pool, scheduler: GroupingScheduler, model: CoEModel,
+    def __init__(self, name: str, device: str, pool, scheduler: Scheduler, model: CoEModel,
                  on_result: Callable[[BatchResult], None], *, failed: FailedExperts | None = None,
                  prefetch: bool = True, backend_for: Callable[[str], object] = get_backend) -> None:
         self.name, self.device, self.pool, self.scheduler, self.model = name, device, pool, scheduler, model

@@ -257,10 +257,6 @@ class Scheduler:
                     return g.expert_id
             return None
 
-    def estimate(self, executor: str) -> float:
-        with self._cond:
-            return self._q[executor].est
-
     def drained(self, executor: str) -> bool:
         """True once the scheduler is closed and `executor` has nothing left to run."""
         with self._cond:
@@ -271,9 +267,3 @@ class Scheduler:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-
-
-def GroupingScheduler(executors: list[str], *, max_batch: int = 16, policy: str = "grouped",
-                      resident: Callable[[str], set[str]] | None = None) -> Scheduler:
-    """The scheduler with fixed costs (no profile): grouping and batching without the cost model."""
-    return Scheduler(executors, policy, costs=FixedCosts(max_batch=max_batch, resident=resident))

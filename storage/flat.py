@@ -15,7 +15,6 @@ import mmap
 import os
 import struct
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING
 
 from coe import ExpertLoadError
@@ -213,7 +212,3 @@ def _copy_mmap(path, layout: Layout, mv: memoryview, hasher) -> int:
             finally:
                 src.release()
     return got
-
-
-def file_size(path: str | os.PathLike) -> int:
-    return Path(path).stat().st_size

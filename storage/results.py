@@ -12,7 +12,6 @@ import contextlib
 import json
 import os
 import sqlite3
-import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -256,7 +255,3 @@ class ResultStore:
         return {"frames": q("SELECT count(*) FROM frames"), "verdicts": q("SELECT count(*) FROM verdicts"),
                 "by_verdict": by_kind, "errors": q("SELECT count(*) FROM errors"),
                 "inferences": q("SELECT count(*) FROM inferences"), "expert_events": events}
-
-
-def now() -> float:
-    return time.time()

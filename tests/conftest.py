@@ -33,6 +33,19 @@ TINY_SPEC = {
 }
 
 
+class SizedSource:
+    """A pool source of declared sizes whose values are plain objects (policy and scheduler tests)."""
+
+    def __init__(self, sizes):
+        self.sizes = sizes
+
+    def size(self, expert_id):
+        return self.sizes[expert_id]
+
+    def load(self, expert_id):
+        return object()
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))

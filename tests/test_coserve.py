@@ -18,7 +18,7 @@ from executors.systems import build_system
 from storage.policies import make_policy
 from storage.pool import Pool
 
-from conftest import TINY_SPEC
+from conftest import TINY_SPEC, SizedSource
 
 
 class TableCosts:
@@ -91,23 +91,12 @@ def test_arranging_groups_requests_behind_the_same_expert():
     assert fcfs.queued_experts("q") == list("abacab")
 
 
-class Sized:
-    def __init__(self, sizes):
-        self.sizes = sizes
-
-    def size(self, e):
-        return self.sizes[e]
-
-    def load(self, e):
-        return object()
-
-
 @settings(max_examples=150, deadline=None)
 @given(act=st.integers(1, 50), weight=st.integers(1, 60), resident=st.integers(0, 3), memory=st.integers(100, 400),
        max_batch=st.integers(1, 64))
 def test_splitter_never_exceeds_memory(act, weight, resident, memory, max_batch):
     model = parse_spec(TINY_SPEC).with_sizes({e: weight for e in parse_spec(TINY_SPEC).experts})
-    pool = Pool("cpu", memory, make_policy("lru"), Sized({e: weight for e in model.experts}))
+    pool = Pool("cpu", memory, make_policy("lru"), SizedSource({e: weight for e in model.experts}))
     for e in list(model.experts)[:resident]:
         pool.release(pool.acquire(e))
     arch = ArchProfile("torchvision/mobilenet_v3_small", "cpu", 0.001, 0.001, max_batch, weight, act)

@@ -13,19 +13,10 @@ from storage.policies import POLICIES, CoServe, PoolState, Resident, make_policy
 from storage.pool import Pool
 from storage.tracesim import simulate
 
+from conftest import SizedSource
+
 REPO = Path(__file__).resolve().parent.parent
 EXPERTS = "abcdefgh"
-
-
-class Sizes:
-    def __init__(self, sizes):
-        self.sizes = sizes
-
-    def size(self, e):
-        return self.sizes[e]
-
-    def load(self, e):
-        return e
 
 
 residents = st.lists(st.tuples(st.sampled_from(EXPERTS), st.integers(1, 50), st.booleans()),
@@ -83,7 +74,7 @@ def test_belady_never_loses_on_equal_sizes(name, trace, slots):
 @given(trace=st.lists(st.tuples(st.sampled_from(EXPERTS), st.booleans()), min_size=1, max_size=50))
 def test_pool_never_exceeds_capacity_nor_evicts_pins(name, trace):
     sizes = {e: 10 + 3 * i for i, e in enumerate(EXPERTS)}
-    pool = Pool("t", 70, make_policy(name), Sizes(sizes), probabilities={e: 0.1 for e in EXPERTS},
+    pool = Pool("t", 70, make_policy(name), SizedSource(sizes), probabilities={e: 0.1 for e in EXPERTS},
                 preliminaries={"g": ("a",)}, context=lambda: {"future": tuple(EXPERTS)})
     held = []
     for e, keep in trace:
