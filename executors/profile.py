@@ -53,6 +53,45 @@ class DeviceProfile:
     host_tier: int = 0             # bytes of the shared host tier behind this device (GPU only)
     split_points: tuple[tuple[int, float], ...] = ()   # (experts loaded, throughput) seen by the split search
     count_points: tuple[tuple[int, float], ...] = ()   # (executors, throughput) seen by the count search
+    # Contention: aggregate throughput of 1..k executors busy at once on this device, relative to one
+    # executor alone (concurrency[0] == 1.0).  Measured by `coe-agent profile`; () means unknown and is
+    # read as (1.0,): extra executors add no compute, only overlap (the conservative reading).
+    concurrency: tuple[float, ...] = ()
+    concurrency_source: str = ""
+    # CPU executors split the cores statically (threads = cores / executors); K and B of this device's
+    # archs were measured at the thread share of this many executors.
+    profiled_executors: int = 1
+
+    @property
+    def sharing(self) -> str:
+        """'static': a CPU splits its cores once, at start; 'dynamic': busy executors share a GPU."""
+        return "static" if self.kind == "cpu" else "dynamic"
+
+    def aggregate(self, m: int) -> float:
+        """Aggregate throughput of `m` executors busy together, relative to one (flat past the curve)."""
+        curve = self.concurrency or (1.0,)
+        if m <= 0:
+            return 0.0
+        return float(curve[min(m, len(curve)) - 1])
+
+    def speed(self, busy: int, configured: int) -> float:
+        """One busy executor's compute speed relative to the profiled K and B.
+
+        dynamic (GPU): `busy` executors share the device, each at c(busy)/busy.
+        static (CPU): each of `configured` executors owns cores/configured threads
+        whatever the others do: c(n)/n, relative to the share K, B were measured at.
+        """
+        if self.sharing == "dynamic":
+            m = max(1, busy)
+            return self.aggregate(m) / m
+        n, n0 = max(1, configured), max(1, self.profiled_executors)
+        return (self.aggregate(n) / n) / (self.aggregate(n0) / n0)
+
+    def capacity(self, configured: int) -> float:
+        """Most compute the device's `configured` executors deliver at once, in units of one at profiled speed."""
+        if self.sharing == "dynamic":
+            return max(self.aggregate(m) for m in range(1, max(1, configured) + 1))
+        return max(1, configured) * self.speed(configured, configured)
 
 
 @dataclass
@@ -77,7 +116,8 @@ class Profile:
     def to_json(self) -> dict:
         return {"source": self.source, "notes": self.notes,
                 "devices": {k: {**asdict(v), "split_points": [list(p) for p in v.split_points],
-                                "count_points": [list(p) for p in v.count_points]}
+                                "count_points": [list(p) for p in v.count_points],
+                                "concurrency": list(v.concurrency)}
                             for k, v in self.devices.items()},
                 "archs": {k: {**asdict(v), "points": [list(p) for p in v.points]} for k, v in self.archs.items()}}
 
@@ -97,6 +137,11 @@ class Profile:
                 v = dict(v)
                 for f in ("split_points", "count_points"):
                     v[f] = tuple(tuple(p) for p in v.get(f, ()))
+                v["concurrency"] = tuple(float(c) for c in v.get("concurrency", ()))
+                if v["concurrency"] and (abs(v["concurrency"][0] - 1.0) > 1e-6
+                                         or any(not (c > 0 and math.isfinite(c)) for c in v["concurrency"])):
+                    raise ValueError(f"devices.{k}.concurrency: must start at 1.0 and hold positive numbers, "
+                                     f"got {list(v['concurrency'])}")
                 devices[k] = DeviceProfile(**v)
             archs = {}
             for k, v in raw["archs"].items():
