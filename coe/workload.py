@@ -1,6 +1,8 @@
 """Seeded paper-scale workloads (DESIGN.md §9, CoServe §5.1): boards of component images in order.
 
 Board A has 352 component types and Board B 342; one image arrives every 4 ms;
+the model's component frequencies are the counts on the drawn board (what a
+line knows about its board, and what the paper computes its probabilities from);
 tasks A1/B1 are 2,500 requests and A2/B2 3,500.  Each type has its own
 ResNet-101-class classifier; a share of types continue on "ok" to one of a few
 shared YOLO detectors.  Type frequency follows a Zipf law with a tunable skew,
@@ -93,6 +95,12 @@ def make_workload(spec: WorkloadSpec) -> Workload:
     names = list(comps)
     weights = [comps[n].frequency for n in names]
     layout = board_rng.choices(names, weights=weights, k=spec.board_size)
+    # The line knows its board: usage probabilities come from the component counts on it (CoServe §4.5),
+    # not from the law the board was drawn from.  Types the board does not carry get frequency 0.
+    counts = {n: 0 for n in names}
+    for n in layout:
+        counts[n] += 1
+    model = replace(model, components={n: replace(c, frequency=float(counts[n])) for n, c in comps.items()})
     rng = random.Random(f"task-{spec.name}-{spec.seed}")
     arrivals = tuple(Arrival(i * spec.interval, f"{spec.name}-{i:05d}", layout[i % len(layout)],
                              rng.random() < spec.ok_rate) for i in range(spec.requests))

@@ -27,12 +27,12 @@ from executors.scheduler import Scheduler
 from routing import RuleRouter
 from storage.expert_store import ExpertStore
 from storage.policies import make_policy
-from storage.pool import Pool, PoolEvent, initialize
+from storage.pool import Pool, PoolEvent, initialize, initialize_tier
 from storage.results import ResultStore
-from storage.tiers import StoreSource, TierSource, measured_nbytes
+from storage.tiers import StoreSource, TierSource, demote, measured_nbytes
 
 from . import protocol as P
-from .config import LineConfig, endpoint_parts
+from .config import ExecutorConfig, LineConfig, endpoint_parts
 from .ingest import Accepted, Ingest, check_frame, route_learned
 from .metrics import Metrics
 from .writer import ResultWriter
@@ -44,6 +44,34 @@ log = logging.getLogger(__name__)
 class _InFlight:
     frame: Frame
     chain: list[str] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class _Slot:
+    """One executor as planned at start: its config entry and its share of the entry's memory."""
+
+    name: str
+    ex: ExecutorConfig
+    memory: int           # this executor's whole budget (experts + activations)
+    expert_memory: int    # of which for experts
+
+
+class _SchedulerCollector:
+    """The scheduler's counters at scrape time (the hot path pays nothing)."""
+
+    def __init__(self, line: str, scheduler: Scheduler) -> None:
+        self.line, self.scheduler = line, scheduler
+
+    def describe(self):
+        return []
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily
+
+        fam = CounterMetricFamily("coe_scheduler_aged", "Batches the age bound (scheduler.max_wait) served ahead "
+                                                        "of the head group", labels=["line"])
+        fam.add_metric([self.line], float(getattr(self.scheduler, "aged", 0)))
+        yield fam
 
 
 class Agent:
@@ -73,43 +101,48 @@ class Agent:
         self.endpoints: dict[str, str] = {}
         self.metrics_port: int | None = None
         self._started = False
+        self._closing = False
 
-        names = []
-        for i, ex in enumerate(cfg.executors):
-            for j in range(ex.count):
-                names.append((f"{ex.device}-{i}.{j}", ex))
         self.profile = Profile.load(cfg.scheduler.profile) if Path(cfg.scheduler.profile).is_file() else None
+        self.slots = self._plan_executors()
         self.probabilities = self._usage_probabilities()
         self.preliminaries = {e: tuple(self.model.preliminaries(e)) for e in self.model.experts}  # once, not per pool
         self.failed = FailedExperts()
         self.pools: dict[str, Pool] = {}
         self.executors: list[Executor] = []
         self.host_tier: Pool | None = None
-        gpu = any(ex.device.startswith("cuda") for _, ex in names)
-        if gpu and not cfg.unified_memory:
+        self.gpu_pools = [s.name for s in self.slots if s.ex.device.startswith("cuda")]
+        if self.gpu_pools and not cfg.unified_memory:
             self.host_tier = self._pool("host", "host", cfg.cpu_tier,
                                         StoreSource(self.store, pin=True, method=cfg.expert_read), None)
+        # exclusive: the host tier is a victim cache (GPU victims move down, promotions leave it)
+        self.exclusive = self.host_tier is not None and cfg.cpu_tier_mode == "exclusive"
         infos = {}
-        for name, ex in names:
+        for slot in self.slots:
+            ex = slot.ex
             if ex.device == "cpu":
                 source = StoreSource(self.store, method=cfg.expert_read)
             else:  # a GPU pool loads through the shared host tier, or straight from SSD on unified memory
                 source = TierSource(self.host_tier or StoreSource(self.store, pin=True, method=cfg.expert_read),
-                                    ex.device)
-            pool = self._pool(name, ex.device, self._expert_memory(ex), source, name)
-            self.pools[name] = pool
-            infos[name] = ExecutorInfo("cpu" if ex.device == "cpu" else "cuda", ex.memory, pool)
+                                    ex.device, exclusive=self.exclusive)
+            pool = self._pool(slot.name, ex.device, slot.expert_memory, source, slot.name)
+            self.pools[slot.name] = pool
+            infos[slot.name] = ExecutorInfo("cpu" if ex.device == "cpu" else "cuda", slot.memory, pool,
+                                            device=ex.device)
         self.costs = ProfileCosts(self.model, infos, self.profile, host=self.host_tier,
                                   default_max_batch=cfg.scheduler.max_batch)
         tie = cfg.scheduler.tie_seconds if cfg.scheduler.tie_seconds is not None else self.costs.median_ssd_load()
-        self.scheduler = Scheduler([n for n, _ in names], cfg.scheduler.policy, costs=self.costs, tie_seconds=tie)
-        for name, ex in names:
-            self.executors.append(Executor(name, ex.device, self.pools[name], self.scheduler, self.model,
-                                           self._on_batch, failed=self.failed, prefetch=ex.prefetch,
+        self.scheduler = Scheduler([s.name for s in self.slots], cfg.scheduler.policy, costs=self.costs,
+                                   tie_seconds=tie, max_wait=cfg.scheduler.max_wait)
+        for slot in self.slots:
+            self.executors.append(Executor(slot.name, slot.ex.device, self.pools[slot.name], self.scheduler,
+                                           self.model, self._on_batch, failed=self.failed, prefetch=slot.ex.prefetch,
                                            **({"backend_for": backend_for} if backend_for else {})))
         self._by_name = {e.name: e for e in self.executors}
         self.metrics.watch_pools(self._all_pools)
-        self.threads = min((ex.threads or max(1, (os.cpu_count() or 1) // len(names))) for _, ex in names)
+        self.metrics.registry.register(_SchedulerCollector(cfg.line, self.scheduler))
+        n = len(self.slots)
+        self.threads = min((s.ex.threads or max(1, (os.cpu_count() or 1) // n)) for s in self.slots)
 
     def _usage_probabilities(self) -> dict[str, float]:
         """From `coe-agent probabilities` ({data_dir}/probabilities.json) when present, else from the spec."""
@@ -128,14 +161,51 @@ class Agent:
         log.info("usage probabilities from %s (%s)", path, source)
         return {e: measured.get(e, 0.0) for e in spec}
 
-    def _expert_memory(self, ex) -> int:
-        """The executor's bytes for experts: configured, else the profiled split, else 75% (CoServe §4.4)."""
+    def _plan_executors(self) -> list[_Slot]:
+        """Every executor with its budget: the count from the config, else the profile's search, else 1.
+
+        With the count from the profile, the entry's `memory` (and `expert_memory`)
+        is shared equally, as the executor-count search simulated it.  One INFO
+        line per entry says what was used and where it came from.
+        """
+        slots = []
+        for i, ex in enumerate(self.cfg.executors):
+            n, why = self._executor_count(ex)
+            share = 1 if ex.count_is_set else n
+            memory = ex.memory // share
+            expert, expert_why = self._expert_memory(ex, memory, share)
+            log.info("%s: %d executor%s, %.0f MB experts each (of %.0f MB), %s; expert memory %s", ex.device, n,
+                     "" if n == 1 else "s", expert / 1e6, memory / 1e6, why, expert_why)
+            slots += [_Slot(f"{ex.device}-{i}.{j}", ex, memory, expert) for j in range(n)]
+        return slots
+
+    def _device_profile(self, ex: ExecutorConfig):
+        return self.profile.devices.get(ex.device) if self.profile is not None else None
+
+    def _executor_count(self, ex: ExecutorConfig) -> tuple[int, str]:
+        """How many executors this entry runs, and why."""
+        if ex.count_is_set:
+            return ex.count, "from config"
+        dev = self._device_profile(ex)
+        if dev is not None and dev.executors >= 1:
+            return dev.executors, f"from profile {self.cfg.scheduler.profile} (executor-count search)"
+        where = "no profile" if self.profile is None else f"no entry for {ex.device} in the profile"
+        return 1, f"default (count unset, {where})"
+
+    def _expert_memory(self, ex: ExecutorConfig, memory: int, share: int = 1) -> tuple[int, str]:
+        """An executor's bytes for experts, and why: configured, else the profiled split, else 75% (CoServe §4.4).
+
+        The profiled split is proportional: the executor gets the device's
+        searched expert bytes times its share of the device's memory, which is
+        the search's own figure divided by the count when the count came from it.
+        """
         if ex.expert_memory is not None:
-            return min(ex.expert_memory, ex.memory)
-        dev = self.profile.devices.get(ex.device) if self.profile else None
+            return min(ex.expert_memory // share, memory), "from config"
+        dev = self._device_profile(ex)
         if dev is not None and dev.expert_memory:
-            return min(ex.memory, int(dev.expert_memory * ex.memory / max(dev.memory, 1)))
-        return int(ex.memory * 0.75)
+            return (min(memory, int(dev.expert_memory * memory / max(dev.memory, 1))),
+                    "from profile (memory-split search)")
+        return int(memory * 0.75), "default (75%)"
 
     def _pool(self, name: str, tier: str, capacity: int, source, executor: str | None) -> Pool:
         """A tier pool with the line's eviction policy and the scheduler's live knowledge."""
@@ -178,9 +248,7 @@ class Agent:
             self.metrics_port = self.metrics.serve(cfg.metrics.bind, cfg.metrics.port)
         self.writer.start()
         if cfg.scheduler.initialize:
-            probs = self.probabilities
-            order = sorted(self.model.experts, key=lambda e: -probs[e])
-            loaded = initialize(list(self.pools.values()), [e for e in order if e not in self.failed.all()])
+            loaded = self._initialize()
             log.info("initialised pools by usage probability: %s",
                      ", ".join(f"{k} {len(v)}" for k, v in loaded.items()))
         for ex in self.executors:
@@ -192,6 +260,22 @@ class Agent:
                  self.endpoints["ingest"], self.endpoints["publish"], len(self.executors),
                  self.metrics_port or "off")
         return self
+
+    def _initialize(self) -> dict[str, list[str]]:
+        """CoServe's initialisation: the executors' pools round-robin by usage probability, then the host tier.
+
+        The host tier is filled last, with the most probable experts that no
+        GPU pool holds: exclusive, so it starts as the next tier of the same
+        ranking rather than a copy of the GPU pools (inclusive, it also keeps
+        the copies the GPU loads left in it).
+        """
+        failed = self.failed.all()
+        order = [e for e in sorted(self.model.experts, key=lambda e: -self.probabilities[e]) if e not in failed]
+        loaded = initialize(list(self.pools.values()), order)
+        if self.host_tier is not None:
+            loaded[self.host_tier.name] = initialize_tier(self.host_tier, [self.pools[n] for n in self.gpu_pools],
+                                                          order)
+        return loaded
 
     def _socket(self, kind: int, endpoint: str, name: str) -> zmq.Socket:
         _, bind, addr = endpoint_parts(endpoint)
@@ -230,6 +314,7 @@ class Agent:
         self.scheduler.close()
         for ex in self.executors:
             ex.join(timeout=10)
+        self._closing = True                  # closing GPU pools does not demote into the host tier
         for pool in self._all_pools().values():
             pool.close()                      # their evict events still reach expert_events
         self.writer.stop()
@@ -373,8 +458,18 @@ class Agent:
             self._lock.notify_all()
 
     def _on_pool_event(self, e: PoolEvent, executor: str | None) -> None:
+        """A pool loaded, evicted or admitted an expert: demote GPU victims, unbind, refresh costs, record.
+
+        Runs before the evicting pool reuses the victim's buffer (see
+        `Pool.acquire`), so the demotion copy reads the victim's own bytes.
+        """
         if e.event == "evict" and executor is not None:
+            if self.exclusive and executor in self.gpu_pools and not self._closing:
+                demote(e, self.host_tier)
             self._by_name[executor].on_evicted(e.value)
+        scheduler = getattr(self, "scheduler", None)
+        if scheduler is not None:   # where the expert lives changed: queued groups' switch costs follow
+            scheduler.refresh(e.expert_id, executor)
         self.metrics.expert_event(e.tier, e.event, e.seconds)
         self.writer.put_event({"expert_id": e.expert_id, "tier": e.tier, "event": e.event, "nbytes": e.nbytes,
                                "seconds": e.seconds, "at": e.at})

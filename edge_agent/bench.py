@@ -17,19 +17,67 @@ from pathlib import Path
 from coe.workload import make_workload, task
 from executors.profile import Profile
 from executors.simdevice import SimExecutor, SimReport, SimSystem, decision_overhead, simulate
-from executors.systems import DEFAULT, build_system
+from executors.systems import DEFAULT, MAX_WAIT, build_system
 
 REPO = Path(__file__).resolve().parent.parent
 GPU_CLASS = REPO / "configs" / "profiles" / "gpu-class.json"
 
 
+SUSTAIN_TAIL = 0.05   # a rate is sustained when the backlog left at the last arrival drains in 5% of the run
+
+
 def run_sim(workloads: list[str], profile: Profile, systems: list[str], *, init: str = "warm",
-            overrides: dict | None = None) -> dict[str, list[SimReport]]:
+            overrides: dict | None = None, loads: tuple[float, ...] = (),
+            load_systems: tuple[str, ...] = ("coserve", "coserve-paper", "samba")) -> dict[str, list[SimReport]]:
+    """Each system on each task, side by side; with `loads`, also at F x its own saturation rate.
+
+    The task itself (one frame every 4 ms) floods every system: its throughput
+    is the paper's offline metric, and a flood lets a system batch a board's
+    requests across many boards.  A line cannot wait that long, so for `loads`
+    the saturation rate is the highest steady arrival rate the system
+    sustains (`sustained_rate`), and for each F the same frames arrive evenly
+    spaced at F x that rate; the report's `latency[F]` holds p50/p99 there.
+    """
     out = {}
     for wl in workloads:
-        w = make_workload(task(wl, **(overrides or {})))
-        out[wl] = [simulate(w, profile, build_system(s, profile, init=init)) for s in systems]
+        spec = task(wl, **(overrides or {}))
+        w = make_workload(spec)
+        reps = []
+        for s in systems:
+            system = build_system(s, profile, init=init)
+            rep = simulate(w, profile, system)
+            if loads and s in load_systems:
+                rate = sustained_rate(spec, profile, system, rep.throughput)
+                rep.sustained_rate = round(rate, 3)
+                for f in loads:
+                    r = simulate(make_workload(replace(spec, interval=1.0 / (f * rate))), profile, system)
+                    rep.latency[f] = {"p50_s": round(r.p50_ms / 1000, 3), "p99_s": round(r.p99_ms / 1000, 3),
+                                      "rate": round(f * rate, 3), "aged": r.aged}
+            reps.append(rep)
+        out[wl] = reps
     return out
+
+
+def sustains(spec, profile: Profile, system: SimSystem, rate: float) -> bool:
+    """True if frames arriving evenly at `rate` leave a backlog that drains within SUSTAIN_TAIL of the run."""
+    w = make_workload(replace(spec, interval=1.0 / rate))
+    r = simulate(w, profile, system)
+    span = w.arrivals[-1].t
+    return r.makespan - span <= SUSTAIN_TAIL * span
+
+
+def sustained_rate(spec, profile: Profile, system: SimSystem, flood: float, *, precision: float = 0.03) -> float:
+    """The highest steady arrival rate (frames/s) `system` sustains, by bisection below its flood throughput."""
+    lo, hi = 0.0, flood * 1.05
+    if sustains(spec, profile, system, hi):
+        return hi
+    while hi - lo > precision * hi:
+        mid = (lo + hi) / 2 if lo else hi / 4
+        if sustains(spec, profile, system, mid):
+            lo = mid
+        else:
+            hi = mid
+    return lo
 
 
 def overhead(profile: Profile, workload: str = "B2") -> float:
@@ -37,15 +85,31 @@ def overhead(profile: Profile, workload: str = "B2") -> float:
     return decision_overhead(w, profile, build_system("coserve", profile), queued=3500)
 
 
-def real_systems(memory: int, expert_memory: int) -> dict[str, SimSystem]:
-    ex = (SimExecutor("cpu#0", "cpu", memory, expert_memory),)
-    return {"coserve": SimSystem("coserve", ex, "coserve", "coserve"),
-            "samba": SimSystem("samba", ex, "fcfs", "lru")}
+def real_systems(memory: int, coserve_experts: int, samba_experts: int) -> dict[str, SimSystem]:
+    """One CPU executor each, the same memory: CoServe reserves activations for its max batch, Samba-CoE
+    (FCFS, one request at a time) for one request; the rest holds experts."""
+    return {"coserve": SimSystem("coserve", (SimExecutor("cpu#0", "cpu", memory, coserve_experts),), "coserve",
+                                 "coserve", max_wait=MAX_WAIT),
+            "samba": SimSystem("samba", (SimExecutor("cpu#0", "cpu", memory, samba_experts),), "fcfs", "lru")}
+
+
+def activation_reserves(model, profile: Profile | None, default_max_batch: int = 16) -> tuple[int, int]:
+    """(bytes for the max batch, bytes for one request) of the largest-activation expert, traced by its backend."""
+    from executors.backends import get_backend
+
+    big = one = 0
+    for arch in {e.arch for e in model.experts.values()}:
+        e = next(x for x in model.experts.values() if x.arch == arch)
+        mb = profile.archs[Profile.key(arch, "cpu")].max_batch if profile and Profile.key(arch, "cpu") in \
+            profile.archs else default_max_batch
+        big = max(big, get_backend(arch).activation_bytes(e, mb))
+        one = max(one, get_backend(arch).activation_bytes(e, 1))
+    return int(big), int(one)
 
 
 def run_real(data_dir: Path, *, requests: int = 600, types: int = 24, memory: int = 400_000_000,
-             expert_memory: int = 300_000_000, seed: int = 0, progress=print) -> tuple[list[SimReport], dict]:
-    """CoServe and Samba-CoE on real resnet18/yolov8n experts, cold SSD loads, side by side."""
+             seed: int = 0, repeats: int = 1, progress=print) -> tuple[list[list[SimReport]], dict]:
+    """CoServe and Samba-CoE on real resnet18/yolov8n experts, cold SSD loads, side by side, `repeats` times."""
     import numpy as np
 
     from executors.backends import get_backend
@@ -78,36 +142,82 @@ def run_real(data_dir: Path, *, requests: int = 600, types: int = 24, memory: in
               for i, c in enumerate(model.components)}
     prof_path = data_dir / "profile.json"
     profile = Profile.load(prof_path) if prof_path.is_file() else None
-    reports = []
-    for name, system in real_systems(memory, expert_memory).items():
-        progress(f"real run: {name} ({len(w.arrivals)} frames, one every {spec.interval * 1000:g} ms, cold SSD)")
-        reports.append(real(w, model, store, profile, system, RealOptions(interval=spec.interval, cold=True),
-                            images=images))
+    big, one = activation_reserves(model, profile)
+    systems = real_systems(memory, memory - big, memory - one)
+    runs = []
+    for rep in range(repeats):
+        reports = []
+        for name, system in systems.items():
+            progress(f"real run {rep + 1}/{repeats}: {name} ({len(w.arrivals)} frames, one every "
+                     f"{spec.interval * 1000:g} ms, cold SSD)")
+            r = real(w, model, store, profile, system, RealOptions(interval=spec.interval, cold=True), images=images)
+            r.resources = system.resources()
+            reports.append(r)
+        runs.append(reports)
+    ratios = [rs[0].throughput / rs[1].throughput for rs in runs]
     info = {"requests": requests, "types": types, "experts": len(model.experts),
-            "zoo_mb": round(sum(e.nbytes for e in model.experts.values()) / 1e6, 1),
-            "memory_mb": memory / 1e6, "expert_memory_mb": expert_memory / 1e6,
+            "zoo_mb": round(sum(e.nbytes for e in model.experts.values()) / 1e6, 1), "memory_mb": memory / 1e6,
+            "expert_memory_mb": {n: round(s.executors[0].expert_memory / 1e6, 1) for n, s in systems.items()},
+            "ratios": [round(x, 3) for x in ratios],
             "profile": profile.source if profile else "estimates (no profile.json; run coe-agent profile)"}
-    return reports, info
+    return runs, info
 
 
 def table(reports: list[SimReport], baseline: str = "samba") -> list[dict]:
     base = next((r for r in reports if r.system == baseline), reports[0])
+    paper = next((r for r in reports if r.system == "coserve-paper"), None)
     rows = []
     for r in reports:
         rows.append({**r.to_json(), "speedup": round(r.throughput / base.throughput, 2) if base.throughput else None,
+                     "vs_paper": round(r.throughput / paper.throughput, 3) if paper and paper.throughput else None,
                      "switch_reduction": round(1 - r.switches / base.switches, 4) if base.switches else None})
     return rows
 
 
 def format_table(title: str, rows: list[dict]) -> str:
-    head = (f"{'system':15} {'frames/s':>9} {'x samba':>8} {'switches':>9} {'-switch':>8} {'p99 s':>8} "
-            f"{'makespan s':>10} {'bound s':>8} {'eff':>5} {'batch':>6}")
-    lines = [title, head]
+    loads = sorted({float(f) for r in rows for f in r.get("latency", {})})
+    head = (f"{'system':15} {'frames/s':>9} {'x samba':>8} {'x paper':>8} {'switches':>9} {'-switch':>8} "
+            f"{'floor':>6} {'p99 s':>8} {'makespan s':>10} {'bound s':>8} {'eff':>5} {'batch':>6} {'SSD s':>7}"
+            + "".join(f" {'p50@' + format(f, 'g'):>8} {'p99@' + format(f, 'g'):>8}" for f in loads))
+    lines = [title, head] if title else [head]
     for r in rows:
-        lines.append(f"{r['system']:15} {r['throughput']:9.2f} {r['speedup']:8.2f} {r['switches']:9d} "
-                     f"{r['switch_reduction'] * 100:7.1f}% {r['p99_ms'] / 1000:8.2f} {r['makespan']:10.2f} "
-                     f"{r['lower_bound']:8.2f} {r['efficiency']:5.2f} {r['mean_batch']:6.2f}")
+        vs = f"{r['vs_paper']:8.2f}" if r.get("vs_paper") is not None else f"{'-':>8}"
+        lat = "".join(f" {r['latency'][f]['p50_s']:8.2f} {r['latency'][f]['p99_s']:8.2f}"
+                      if f in r.get("latency", {}) else f" {'-':>8} {'-':>8}" for f in loads)
+        lines.append(f"{r['system']:15} {r['throughput']:9.2f} {r['speedup']:8.2f} {vs} {r['switches']:9d} "
+                     f"{r['switch_reduction'] * 100:7.1f}% {r.get('switch_floor', 0):6d} {r['p99_ms'] / 1000:8.2f} "
+                     f"{r['makespan']:10.2f} "
+                     f"{r['lower_bound']:8.2f} {r['efficiency']:5.2f} {r['mean_batch']:6.2f} "
+                     f"{r.get('ssd_busy', 0.0):7.1f}{lat}")
+    rates = [r for r in rows if r.get("sustained_rate")]
+    if rates:
+        lines.append("sustained rate (highest steady arrival rate with a bounded backlog; F is a share of it): "
+                     + ", ".join(f"{r['system']} {r['sustained_rate']:.1f}/s" for r in rates))
+    lines.append("floor: switches no schedule avoids (experts the task uses that no executor pool held at start)")
+    lines.append("resources (every system gets the same machine):")
+    lines += [f"  {r['system']:15} {r.get('resources', '')}" for r in rows]
     return "\n".join(lines)
+
+
+def summary(co: list[dict], loads: tuple[float, ...] = ()) -> list[str]:
+    """CoServe's rows against the issue's targets, one line each."""
+    lines = [f"CoServe vs Samba-CoE: throughput {min(r['speedup'] for r in co):.2f}x to "
+             f"{max(r['speedup'] for r in co):.2f}x (target >= 4.5x), switches -"
+             f"{min(r['switch_reduction'] for r in co) * 100:.1f}% to -"
+             f"{max(r['switch_reduction'] for r in co) * 100:.1f}% (target >= 90%; at CoServe's floor it would be "
+             f"-{min(1 - r['switch_floor'] / (r['switches'] / (1 - r['switch_reduction'])) for r in co) * 100:.1f}% "
+             f"to -{max(1 - r['switch_floor'] / (r['switches'] / (1 - r['switch_reduction'])) for r in co) * 100:.1f}%)"
+             f", efficiency "
+             f"{min(r['efficiency'] for r in co):.2f} to {max(r['efficiency'] for r in co):.2f} vs the lower bound "
+             f"(target >= 0.8)"]
+    if all(r.get("vs_paper") for r in co):
+        lines.append(f"CoServe vs coserve-paper: {min(r['vs_paper'] for r in co):.2f}x to "
+                     f"{max(r['vs_paper'] for r in co):.2f}x (target >= 1.25x)")
+    for f in loads:
+        p99 = [r["latency"][f]["p99_s"] for r in co]
+        lines.append(f"CoServe at F = {f:g} of its sustained rate: p99 {min(p99):.2f} s to {max(p99):.2f} s"
+                     + (" (target <= 2 s)" if f == 0.8 else ""))
+    return lines
 
 
 def plot(results: dict[str, list[dict]], path: Path, title: str) -> Path:

@@ -41,18 +41,45 @@ class _Strict(BaseModel):
 
 
 class ExecutorConfig(_Strict):
+    """One device's executors.
+
+    `count` left out (or null) means "from the profile": the agent runs the
+    executor count that `coe-agent profile`'s search found for this device, and
+    they share `memory` equally, as the search assumed; with no profile entry,
+    one executor.  A `count` written in the config (or COE_EXECUTORS__N__COUNT)
+    always wins, and then `memory` is each executor's own budget.  `count`
+    reads as 1 when unset, so code that only sums budgets sees this entry's
+    total either way.
+    """
+
     device: str = "cpu"
-    count: int = Field(1, ge=1, le=64)
-    memory: int = Field(256 * 2**20, description="byte budget of this executor's model pool")
+    count: int = Field(1, ge=1, le=64, description="executors on this device; unset: the profile's "
+                                                   "executor-count search, else 1")
+    memory: int = Field(256 * 2**20, description="byte budget of this executor's model pool (with count unset: "
+                                                  "of all this entry's executors together)")
     threads: int | None = Field(None, ge=1, description="torch intra-op threads; default: cores / executors")
     prefetch: bool = Field(True, description="load the next group's expert while a batch computes")
-    expert_memory: int | None = Field(None, description="bytes of `memory` for experts; default: profiled split, "
-                                                        "else 75% (the rest is for activations)")
+    expert_memory: int | None = Field(None, description="bytes of `memory` for experts (with count unset: of all "
+                                                        "this entry's executors together); default: profiled "
+                                                        "split, else 75% (the rest is for activations)")
 
     _emem = field_validator("expert_memory", mode="before")(
         classmethod(lambda cls, v: None if v is None else parse_bytes(v)))
 
     _mem = field_validator("memory", mode="before")(classmethod(lambda cls, v: parse_bytes(v)))
+
+    @model_validator(mode="before")
+    @classmethod
+    def _unset_count(cls, raw: Any) -> Any:
+        """`count: null` (or an empty COE_ variable) means unset, i.e. from the profile."""
+        if isinstance(raw, dict) and raw.get("count", 0) in (None, ""):
+            raw = {k: v for k, v in raw.items() if k != "count"}
+        return raw
+
+    @property
+    def count_is_set(self) -> bool:
+        """True when the config (or an environment variable) states `count`; else the profile decides."""
+        return "count" in self.model_fields_set
 
     @field_validator("device")
     @classmethod
@@ -68,6 +95,8 @@ class SchedulerConfig(_Strict):
     profile: str = Field("{data_dir}/profile.json", description="costs from `coe-agent profile`; estimates if absent")
     tie_seconds: float | None = Field(None, ge=0, description="assignment tie window; default one median SSD load")
     initialize: bool = Field(True, description="fill pools by usage probability at start (CoServe §4.1)")
+    max_wait: float | None = Field(2.0, ge=0, description="age bound in seconds: a request queued longer is served "
+                                                          "next, whatever its group; null or 0 disables it")
 
 
 class WriterConfig(_Strict):
@@ -115,8 +144,12 @@ class LineConfig(_Strict):
     max_payload_bytes: int = 4 * 2**20
     max_inflight: int = Field(4096, ge=1, description="accepted frames without a verdict before ingest pauses")
     expert_verify: Literal["first", "always", "never"] = "first"
-    eviction: Literal["coserve", "probability", "lru", "fifo"] = "coserve"
+    eviction: Literal["coserve", "coserve-paper", "probability", "lru", "fifo"] = "coserve"
     cpu_tier: int = Field(2 * 2**30, description="shared host-memory tier behind GPU executors' pools")
+    cpu_tier_mode: Literal["exclusive", "inclusive"] = Field(
+        "exclusive", description="exclusive: the host tier is a victim cache of the GPU pools (GPU victims move "
+                                 "down into it, promoted experts leave it); inclusive: every GPU load goes "
+                                 "through it and it keeps a copy (the paper's reading)")
     expert_read: Literal["read", "mmap"] = Field("read", description="how tiers read expert files (bench/expert_load.py)")
     unified_memory: bool = Field(False, description="Jetson-style: GPU and CPU share DRAM, no separate host tier")
     executors: list[ExecutorConfig] = Field(default_factory=lambda: [ExecutorConfig()])

@@ -32,6 +32,7 @@ class ExecutorInfo:
     device_kind: str      # 'cpu' | 'cuda'
     memory: int           # the executor's whole budget: experts + activations
     pool: object          # storage.pool.Pool (experts resident on this executor)
+    device: str | None = None   # the profile's device name ('cpu', 'cuda:0'); default: the first of its kind
 
 
 def estimated_arch(arch: str, kind: str, weight_bytes: int, max_batch: int) -> ArchProfile:
@@ -41,9 +42,20 @@ def estimated_arch(arch: str, kind: str, weight_bytes: int, max_batch: int) -> A
 
 
 class ProfileCosts:
+    """K, B, switch and batch-cap answers for the scheduler, from a profile and the live pools.
+
+    K and B are the profiled figures divided by the executor's compute speed
+    when every executor of its device is busy (the device's concurrency
+    curve): executors that share a device share its compute, and a queue's
+    prediction is made for the loaded system it will run in.
+    """
+
     def __init__(self, model: CoEModel, executors: dict[str, ExecutorInfo], profile: Profile | None = None, *,
-                 host=None, default_max_batch: int = 16) -> None:
+                 host=None, default_max_batch: int = 16, ssd_inflight=None, ssd_utilisation=None) -> None:
         self.model, self.executors, self.profile, self.host = model, executors, profile, host
+        self._ssd_inflight = ssd_inflight or (lambda: 0.0)
+        self._ssd_utilisation = ssd_utilisation or (lambda: 0.0)
+        self._speed = {name: self._full_load_speed(name) for name in executors}
         self._arch: dict[tuple[str, str], ArchProfile] = {}
         self.estimated: set[str] = set()
         for e in model.experts.values():
@@ -60,6 +72,30 @@ class ProfileCosts:
             log.warning("no profiled costs for %s: scheduling on estimates (run `coe-agent profile`)",
                         ", ".join(sorted(self.estimated)))
 
+    def _full_load_speed(self, name: str) -> float:
+        dev = self.device_profile(name)
+        if dev is None:
+            return 1.0
+        n = sum(1 for other in self.executors if self.device_profile(other) is dev)
+        return dev.speed(n, n)
+
+    def device_profile(self, name: str):
+        """The profile's DeviceProfile for executor `name` (None without a profile or device entry)."""
+        if self.profile is None:
+            return None
+        info = self.executors[name]
+        if info.device is not None and info.device in self.profile.devices:
+            return self.profile.devices[info.device]
+        return next((d for d in self.profile.devices.values() if d.kind == info.device_kind), None)
+
+    def ssd_inflight(self) -> float:
+        """Seconds of SSD reads under way (the simulator's shared channel, or 0 where not tracked)."""
+        return self._ssd_inflight()
+
+    def ssd_utilisation(self) -> float:
+        """Share of recent time the SSD was reading (0 where not tracked)."""
+        return self._ssd_utilisation()
+
     def median_ssd_load(self) -> float:
         """One typical expert load from SSD: CoServe's assignment tie window."""
         loads = sorted(a.load_seconds.get("ssd", 0.0) for a in self._arch.values())
@@ -70,17 +106,25 @@ class ProfileCosts:
 
     def exec_cost(self, executor: str, expert_id: str) -> tuple[float, float]:
         a = self.arch(executor, expert_id)
-        return a.K, a.B
+        s = self._speed[executor]
+        return a.K / s, a.B / s
 
     def tier_of(self, executor: str, expert_id: str) -> str:
-        if self.executors[executor].pool.contains(expert_id):
+        pool = self.executors[executor].pool
+        present = getattr(pool, "present", pool.contains)   # loading counts as arriving, not absent
+        if present(expert_id):
             return "resident"
-        if self.host is not None and self.host.contains(expert_id):
+        # only GPU pools load through the host tier; a CPU executor's pool is host memory and reads the SSD
+        if self.host is not None and self.executors[executor].device_kind == "cuda" and self.host.contains(expert_id):
             return "host"
         return "ssd"
 
     def switch_cost(self, executor: str, expert_id: str) -> float:
         return self.arch(executor, expert_id).load(self.tier_of(executor, expert_id))
+
+    def ssd_seconds(self, executor: str, expert_id: str) -> float:
+        tier = self.tier_of(executor, expert_id)
+        return self.arch(executor, expert_id).load("ssd") if tier == "ssd" else 0.0
 
     def max_batch(self, executor: str, expert_id: str, *, memory: bool = True) -> int:
         a = self.arch(executor, expert_id)

@@ -117,6 +117,7 @@ class Executor:
                     return
                 continue
             result = self.run_batch(batch)
+            self.scheduler.finished(batch)   # its predicted time leaves the queue's estimate
             try:
                 self._on_result(result)
             except Exception as exc:  # noqa: BLE001 - the batch's frames must still get verdicts

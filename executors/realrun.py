@@ -62,11 +62,12 @@ def run_real(workload: Workload, model: CoEModel, store, profile: Profile | None
         src = (ColdStoreSource if opts.cold else StoreSource)(store)
         pools[ex.name] = Pool("cpu", ex.expert_memory, make_policy(system.eviction), src, name=ex.name,
                               probabilities=probs, preliminaries=prelims,
+                              on_event=lambda e, n=ex.name: box[0].refresh(e.expert_id, n) if box else None,
                               context=(lambda n=ex.name: {"queued": box[0].queued_set(n)}))
         infos[ex.name] = ExecutorInfo("cpu", ex.memory, pools[ex.name])
     costs = ProfileCosts(model, infos, profile)
     sched = Scheduler([e.name for e in system.executors], system.scheduler, costs=costs,
-                      tie_seconds=system.tie_seconds)
+                      tie_seconds=system.tie_seconds, max_wait=system.max_wait)
     box.append(sched)
     if system.init == "warm":
         initialize(list(pools.values()), sorted(model.experts, key=lambda e: -probs[e]))

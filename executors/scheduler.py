@@ -6,16 +6,32 @@ same code as CoServe:
 - assigning: `cost` puts a request on the queue that minimises the maximum
   predicted queue time over all executors (ties: the smallest added latency),
   where adding a request costs K (joining a batch) or K+B (starting one) plus
-  the switch latency (0 if the expert is resident there or already queued
-  there, else the load time from the tier where it lives); `round-robin`
-  cycles; `affinity` prefers an executor that holds or queues the expert.
+  the switch latency (0 if the expert is resident there, loading there or
+  already queued there, else the load time from the tier where it lives);
+  `round-robin` cycles; `affinity` prefers an executor that holds or queues
+  the expert.
+- shared-SSD awareness (`coserve`, not `coserve-paper`): the SSD is one
+  channel that every executor's switches queue for, so it is one more
+  resource in the min-max: the objective is the larger of the executors'
+  predicted queue times and the SSD's predicted backlog (reads under way plus
+  the SSD switches of every queued group).  A makespan is at least every
+  resource's backlog, so the weight of the SSD term is 1, derived, not fitted.
 - arranging: a request goes right behind the last queued request for the same
   expert (`arrange=True`); otherwise arrival order, and only neighbours batch.
 - splitting: a batch is capped at the cost model's max batch, which is
   min(profiled max batch, what fits in free memory now) when `split=True`.
+- age bound: a request that has waited longer than `max_wait` is served next,
+  whatever its group (`aged` counts how often that fired), so a hot head
+  group cannot starve the rest of a queue under a continuous stream.
 
-The scheduler decides; costs come from a `CostModel`; the clock is injected,
-so the simulated device drives this same code on virtual time.
+Predictions follow what runs: each queued group carries its predicted cost
+(switch + K*n + B*ceil(n/cap) with the splitter's real cap), a batch handed to
+an executor stays in its queue's estimate until `finished` is called, and
+`refresh` recomputes switch costs when a load or an eviction changes where an
+expert lives.  An estimate that goes negative raises: it is a bug.
+
+The scheduler decides; costs come from a `CostModel`; clocks are injected, so
+the simulated device drives this same code on virtual time.
 """
 from __future__ import annotations
 
@@ -27,9 +43,10 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from coe import Request
+from coe import CoEError, Request
 
 _batch_ids = itertools.count(1)
+_EPS = 1e-9
 
 
 @dataclass
@@ -40,6 +57,8 @@ class Batch:
     expert_id: str
     requests: list[Request]
     id: int = field(default_factory=lambda: next(_batch_ids))
+    predicted: float = 0.0        # seconds the scheduler predicted for it (switch + K*n + B)
+    ssd: float = 0.0              # of which SSD read seconds
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -51,15 +70,18 @@ class SchedulerPolicy:
     assign: str          # 'cost' | 'round-robin' | 'affinity'
     arrange: bool
     split: bool
+    ssd_aware: bool = False   # the shared SSD is a resource in the assignment objective
 
 
 POLICIES = {
-    "coserve": SchedulerPolicy("coserve", "cost", True, True),
+    "coserve": SchedulerPolicy("coserve", "cost", True, True, ssd_aware=True),
+    "coserve-paper": SchedulerPolicy("coserve-paper", "cost", True, True),   # the paper's rule, exactly
     "em+ra": SchedulerPolicy("em+ra", "round-robin", True, True),      # ablation: no cost-based assigning
     "em": SchedulerPolicy("em", "round-robin", False, True),           # ablation: expert management only
     "none": SchedulerPolicy("none", "round-robin", False, True),
-    "fcfs": SchedulerPolicy("fcfs", "round-robin", False, False),      # Samba-CoE: arrival order
-    "round-robin": SchedulerPolicy("round-robin", "round-robin", False, False),
+    # Samba-CoE: arrival order; the splitter still caps a batch at what fits, as for every system
+    "fcfs": SchedulerPolicy("fcfs", "round-robin", False, True),
+    "round-robin": SchedulerPolicy("round-robin", "round-robin", False, True),
     "grouped": SchedulerPolicy("grouped", "affinity", True, False),    # simple grouping without a profile
 }
 
@@ -75,10 +97,16 @@ class CostModel(Protocol):
     """What the scheduler needs to know about costs; see executors.costs for the profiled one."""
 
     def exec_cost(self, executor: str, expert_id: str) -> tuple[float, float]:
-        """(K, B) in seconds for this expert's architecture on this executor's device."""
+        """(K, B) in seconds for this expert's architecture on this executor (contention included)."""
 
     def switch_cost(self, executor: str, expert_id: str) -> float:
-        """0 if resident in the executor's pool, else the load time from where the expert lives."""
+        """0 if resident or loading in the executor's pool, else the load time from where the expert lives."""
+
+    def ssd_seconds(self, executor: str, expert_id: str) -> float:
+        """The SSD read time a switch to `expert_id` on `executor` would take now (0 unless it is on SSD only)."""
+
+    def ssd_inflight(self) -> float:
+        """Seconds of SSD reads already under way or waiting at the device."""
 
     def max_batch(self, executor: str, expert_id: str, *, memory: bool = True) -> int:
         """Profiled max batch; with `memory`, also capped by what fits in free memory now."""
@@ -101,6 +129,12 @@ class FixedCosts:
     def switch_cost(self, executor: str, expert_id: str) -> float:
         return 0.0 if expert_id in self._resident(executor) else self.load
 
+    def ssd_seconds(self, executor: str, expert_id: str) -> float:
+        return self.switch_cost(executor, expert_id)
+
+    def ssd_inflight(self) -> float:
+        return 0.0
+
     def max_batch(self, executor: str, expert_id: str, *, memory: bool = True) -> int:
         return self.mb
 
@@ -109,10 +143,16 @@ class FixedCosts:
 
 
 class _Group:
-    __slots__ = ("expert_id", "requests", "switch")
+    """Queued requests for one expert on one queue, with their predicted cost."""
 
-    def __init__(self, expert_id: str, switch: float) -> None:
-        self.expert_id, self.requests, self.switch = expert_id, deque(), switch
+    __slots__ = ("expert_id", "requests", "times", "switch", "ssd", "cost", "drain")
+
+    def __init__(self, expert_id: str, switch: float, ssd: float) -> None:
+        self.expert_id, self.switch, self.ssd = expert_id, switch, ssd
+        self.requests: deque[Request] = deque()
+        self.times: deque[float] = deque()   # when each request was queued (age bound)
+        self.cost = 0.0
+        self.drain = 0    # requests this group had when it was picked: served before the age bound looks again
 
 
 class _Queue:
@@ -122,7 +162,9 @@ class _Queue:
         self.groups: deque[_Group] = deque()
         self.by_expert: dict[str, _Group] = {}   # the group new requests of an expert join (arranging)
         self.counts: dict[str, int] = {}          # queued requests per expert
-        self.est = 0.0
+        self.queued = 0.0                         # sum of the queued groups' predicted costs
+        self.ssd = 0.0                            # SSD seconds the queued groups' switches will read
+        self.inflight: dict[int, tuple[float, float]] = {}   # batch id -> (predicted end, ssd seconds)
         self.n = 0
 
 
@@ -131,82 +173,136 @@ class Scheduler:
 
     def __init__(self, executors: list[str], policy: SchedulerPolicy | str = "coserve", *,
                  costs: CostModel | None = None, clock: Callable[[], float] = time.perf_counter,
-                 tie_seconds: float = 0.0) -> None:
+                 now: Callable[[], float] = time.monotonic, tie_seconds: float = 0.0,
+                 max_wait: float | None = None) -> None:
         if not executors:
             raise ValueError("a scheduler needs at least one executor")
+        if max_wait is not None and max_wait < 0:
+            raise ValueError(f"max_wait must be >= 0 seconds (or None to disable), got {max_wait}")
         self.policy = make_scheduler_policy(policy) if isinstance(policy, str) else policy
         self.costs = costs or FixedCosts()
         self.tie_seconds = tie_seconds
+        self.max_wait = max_wait or None
         self.names = list(executors)
         self._q = {e: _Queue() for e in executors}
         self._rr = itertools.cycle(self.names)
         self._cond = threading.Condition()
         self._closed = False
-        self._clock = clock
+        self._clock = clock      # measures decision time (real CPU time, also in simulation)
+        self._now = now          # the time requests wait in (virtual in simulation)
         self.decisions = 0
         self.decision_seconds = 0.0
+        self.aged = 0            # batches the age bound pulled ahead of the head group
+
+    # -- costs ----------------------------------------------------------------------
+    def _cap(self, executor: str, expert_id: str) -> int:
+        """The splitter's cap: what `next_batch` will really cut a batch at."""
+        return max(1, self.costs.max_batch(executor, expert_id, memory=self.policy.split))
+
+    def _group_cost(self, executor: str, g: _Group, n: int) -> float:
+        if n == 0:
+            return 0.0
+        K, B = self.costs.exec_cost(executor, g.expert_id)
+        return g.switch + K * n + B * -(-n // self._cap(executor, g.expert_id))
+
+    def _set_cost(self, executor: str, q: _Queue, g: _Group) -> None:
+        new = self._group_cost(executor, g, len(g.requests))
+        q.queued += new - g.cost
+        g.cost = new
+        if q.queued < -_EPS:
+            raise CoEError(f"scheduler bug: {executor}'s predicted queue time went negative ({q.queued:.6f} s)")
+
+    def estimate(self, executor: str) -> float:
+        """Predicted seconds until `executor`'s queue is empty: queued groups plus batches still running."""
+        q = self._q[executor]
+        now = self._now()
+        # a batch running past its prediction is still running: it counts as ending now, not in the past
+        return q.queued + sum(max(end - now, 0.0) for end, _ in q.inflight.values())
+
+    def ssd_backlog(self) -> float:
+        """Predicted SSD seconds: reads under way plus every queued group's SSD switch."""
+        f = getattr(self.costs, "ssd_inflight", None)
+        return (f() if f is not None else 0.0) + sum(q.ssd for q in self._q.values())
+
+    def added_latency(self, executor: str, expert_id: str) -> tuple[float, float, float]:
+        """(added seconds, switch seconds, SSD seconds) if a request for `expert_id` joins `executor`."""
+        q = self._q[executor]
+        g = self._join_target(q, expert_id)
+        if g is not None:
+            n = len(g.requests)
+            return self._group_cost(executor, g, n + 1) - self._group_cost(executor, g, n), 0.0, 0.0
+        switch = 0.0 if q.counts.get(expert_id) else self.costs.switch_cost(executor, expert_id)
+        ssd = self._ssd_seconds(executor, expert_id) if switch else 0.0
+        K, B = self.costs.exec_cost(executor, expert_id)
+        return K + B + switch, switch, ssd
+
+    def _ssd_seconds(self, executor: str, expert_id: str) -> float:
+        f = getattr(self.costs, "ssd_seconds", None)
+        return f(executor, expert_id) if f is not None else 0.0
+
+    def _join_target(self, q: _Queue, expert_id: str) -> _Group | None:
+        if self.policy.arrange:
+            return q.by_expert.get(expert_id)
+        return q.groups[-1] if q.groups and q.groups[-1].expert_id == expert_id else None
 
     # -- submit ---------------------------------------------------------------------
     def submit(self, request: Request) -> str:
         """Assign, arrange and queue a request; returns the executor it went to."""
         with self._cond:
             t0 = self._clock()
-            name, added, switch = self._assign(request.expert_id)
+            name, switch, ssd = self._assign(request.expert_id)
             q = self._q[name]
             x = request.expert_id
-            group = q.by_expert.get(x) if self.policy.arrange else (
-                q.groups[-1] if q.groups and q.groups[-1].expert_id == x else None)
+            group = self._join_target(q, x)
             if group is None:
-                group = _Group(x, switch)
+                group = _Group(x, switch, ssd)
                 q.groups.append(group)
                 q.by_expert[x] = group
+                q.ssd += ssd
             group.requests.append(request)
+            group.times.append(self._now())
+            self._set_cost(name, q, group)
             q.counts[x] = q.counts.get(x, 0) + 1
-            q.est += added
             q.n += 1
             self.decisions += 1
             self.decision_seconds += self._clock() - t0
             self._cond.notify_all()
             return name
 
-    def added_latency(self, executor: str, expert_id: str) -> tuple[float, float]:
-        """(added seconds, switch seconds) if a request for `expert_id` joins `executor`'s queue."""
-        q = self._q[executor]
-        K, B = self.costs.exec_cost(executor, expert_id)
-        n = q.counts.get(expert_id, 0)
-        if n and (self.policy.arrange or (q.groups and q.groups[-1].expert_id == expert_id)):
-            mb = self.costs.max_batch(executor, expert_id, memory=False)
-            return K + (B if n % mb == 0 else 0.0), 0.0
-        switch = 0.0 if n else self.costs.switch_cost(executor, expert_id)
-        return K + B + switch, switch
-
     def _assign(self, expert_id: str) -> tuple[str, float, float]:
         how = self.policy.assign
         if how == "round-robin" or len(self.names) == 1:
             name = next(self._rr) if how == "round-robin" else self.names[0]
-            return (name, *self.added_latency(name, expert_id))
+            return (name, *self.added_latency(name, expert_id)[1:])
         if how == "affinity":
             holders = [n for n in self.names if self._q[n].counts.get(expert_id)] or \
                       [n for n in self.names if expert_id in self.costs.resident(n)] or self.names
             name = min(holders, key=lambda n: self._q[n].n)
-            return (name, *self.added_latency(name, expert_id))
-        # cost: minimise the maximum total queue time; ties -> smallest added latency.  Predicted
-        # makespans within `tie_seconds` of the best count as ties: the predictions are not that exact.
-        ests = sorted(((self._q[n].est, n) for n in self.names), reverse=True)
-        top, top_name = ests[0][0], ests[0][1]
-        second = ests[1][0] if len(ests) > 1 else 0.0
+            return (name, *self.added_latency(name, expert_id)[1:])
+        # cost: minimise the maximum predicted time over every executor (and, SSD-aware, the SSD);
+        # ties -> smallest added latency.  `tie_seconds` widens what counts as a tie (default 0: exact).
+        ests = {n: self.estimate(n) for n in self.names}
+        order = sorted(((e, n) for n, e in ests.items()), reverse=True)
+        top, top_name = order[0]
+        second = order[1][0] if len(order) > 1 else 0.0
+        backlog = self.ssd_backlog() if self.policy.ssd_aware else 0.0
+        util = getattr(self.costs, "ssd_utilisation", None)
+        rho = util() if self.policy.ssd_aware and util is not None else 0.0
         cands = []
         for i, name in enumerate(self.names):
-            added, switch = self.added_latency(name, expert_id)
+            added, switch, ssd = self.added_latency(name, expert_id)
             others = second if name == top_name else top
-            cands.append((max(others, self._q[name].est + added), added, i, name, switch))
+            objective = max(others, ests[name] + added)
+            if self.policy.ssd_aware:
+                objective = max(objective, backlog + ssd) + rho * ssd
+            cands.append((objective, added, i, name, switch, ssd))
         floor = min(c[0] for c in cands) + self.tie_seconds
-        _, added, _, name, switch = min((c for c in cands if c[0] <= floor), key=lambda c: (c[1], c[0], c[2]))
-        return name, added, switch
+        _, _, _, name, switch, ssd = min((c for c in cands if c[0] <= floor + _EPS), key=lambda c: (c[1], c[0], c[2]))
+        return name, switch, ssd
 
     # -- take -------------------------------------------------------------------------
     def next_batch(self, executor: str, timeout: float | None = None) -> Batch | None:
-        """The head group of `executor`'s queue, split to the max executable batch."""
+        """The head group of `executor`'s queue (or the oldest waiter's, past `max_wait`), split to the cap."""
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
             q = self._q[executor]
@@ -217,23 +313,75 @@ class Scheduler:
                 if left is not None and left <= 0:
                     return None
                 self._cond.wait(left)
-            group = q.groups[0]
+            group = self._pick(q)
             x = group.expert_id
-            cap = max(1, self.costs.max_batch(executor, x, memory=self.policy.split))
+            cap = self._cap(executor, x)
             take = min(cap, len(group.requests))
+            group.drain = max(group.drain - take, 0)
             requests = [group.requests.popleft() for _ in range(take)]
+            for _ in range(take):
+                group.times.popleft()
             K, B = self.costs.exec_cost(executor, x)
-            q.est = max(0.0, q.est - (K * take + B + group.switch))
-            group.switch = 0.0
+            predicted = group.switch + K * take + B
+            ssd = group.ssd
+            q.ssd -= group.ssd
+            group.switch = group.ssd = 0.0
+            self._set_cost(executor, q, group)
             q.counts[x] -= take
             q.n -= take
             if not q.counts[x]:
                 del q.counts[x]
             if not group.requests:
-                q.groups.popleft()
+                q.groups.remove(group)
                 if q.by_expert.get(x) is group:
                     del q.by_expert[x]
-            return Batch(executor, x, requests)
+            batch = Batch(executor, x, requests, predicted=predicted, ssd=ssd)
+            q.inflight[batch.id] = (self._now() + predicted, ssd)
+            return batch
+
+    def _pick(self, q: _Queue) -> _Group:
+        """The group to serve: the one being drained, else the head, else (age bound) the oldest waiter's.
+
+        A picked group is served up to the requests it held when picked, so the
+        age bound never splits a group between reloads; requests that join it
+        later wait their turn, which is what stops a hot group from starving
+        the rest under a continuous stream.
+        """
+        for g in q.groups:
+            if g.drain > 0:
+                return g
+        pick = q.groups[0]
+        if self.max_wait is not None:
+            oldest = min(q.groups, key=lambda g: g.times[0])
+            if oldest is not pick and self._now() - oldest.times[0] > self.max_wait:
+                self.aged += 1
+                pick = oldest
+        pick.drain = len(pick.requests)
+        return pick
+
+    def finished(self, batch: Batch) -> None:
+        """The executor is done with `batch`: its predicted time leaves the queue's estimate."""
+        with self._cond:
+            self._q[batch.executor].inflight.pop(batch.id, None)
+
+    def refresh(self, expert_id: str, executor: str | None = None) -> None:
+        """Recompute the switch cost of queued groups for `expert_id` (on one executor, or all).
+
+        Called when a load or an eviction changes where the expert lives, so a
+        group predicted to read from SSD is not still charged once the expert is
+        resident, and a group whose expert was evicted is charged its reload.
+        """
+        with self._cond:
+            for name in ([executor] if executor is not None else self.names):
+                q = self._q[name]
+                for g in q.groups:
+                    if g.expert_id != expert_id:
+                        continue
+                    switch = self.costs.switch_cost(name, expert_id)
+                    ssd = self._ssd_seconds(name, expert_id) if switch else 0.0
+                    q.ssd += ssd - g.ssd
+                    g.switch, g.ssd = switch, ssd
+                    self._set_cost(name, q, g)
 
     # -- queries ------------------------------------------------------------------------
     def depth(self) -> int:

@@ -11,6 +11,7 @@ disk).  A paper-scale task (3,500 requests, 350 experts) runs in seconds.
 from __future__ import annotations
 
 import heapq
+from collections import deque
 import itertools
 import statistics
 import time
@@ -22,7 +23,7 @@ from storage.policies import make_policy
 from storage.pool import Pool, initialize
 
 from .costs import ExecutorInfo, ProfileCosts
-from .profile import Profile
+from .profile import DeviceProfile, Profile
 from .scheduler import Scheduler
 
 
@@ -48,7 +49,21 @@ class SimSystem:
     eviction: str
     host_tier: int = 0
     init: str = "warm"   # 'warm': pools filled by usage probability before the task; 'cold': empty
-    tie_seconds: float = 0.0   # CoServe assignment: predicted makespans this close count as ties
+    tie_seconds: float = 0.0   # assignment: predicted makespans this close count as ties (0: the paper's rule)
+    host_mode: str = "inclusive"   # 'exclusive': the host tier is a victim cache of the GPU pools
+    max_wait: float | None = None  # scheduler age bound (seconds); None: off
+
+    def resources(self) -> str:
+        """The memory and executors this system gets, for the bench table."""
+        by_dev: dict[str, list[SimExecutor]] = {}
+        for e in self.executors:
+            by_dev.setdefault(e.device, []).append(e)
+        parts = [f"{d}: {len(ex)} exec, {sum(e.expert_memory for e in ex) / 1e9:.2f} GB experts + "
+                 f"{sum(e.memory - e.expert_memory for e in ex) / 1e9:.2f} GB activations"
+                 for d, ex in by_dev.items()]
+        if self.host_tier:
+            parts.append(f"host tier {self.host_tier / 1e9:.2f} GB ({self.host_mode})")
+        return "; ".join(parts)
 
 
 @dataclass
@@ -71,6 +86,12 @@ class SimReport:
     sched_share: float = 0.0      # scheduler decision time / (makespan x executors)
     manage_share: float = 0.0     # expert-management bookkeeping time / (makespan x executors)
     real_run: bool = False
+    ssd_busy: float = 0.0         # seconds the shared SSD was reading
+    switch_floor: int = 0         # experts the task uses that no executor pool held at the start: >= 1 load each
+    aged: int = 0                 # batches the scheduler's age bound pulled forward
+    resources: str = ""           # memory and executors of the system
+    sustained_rate: float = 0.0   # highest steady arrival rate it sustains (bench --load), 0: not measured
+    latency: dict = field(default_factory=dict)        # F -> p50/p99 at F x the sustained rate (bench --load)
     order: list[tuple] = field(default_factory=list)   # (executor, expert, frame ids, start, end) per batch
 
     def to_json(self) -> dict:
@@ -88,19 +109,27 @@ class _SimWeights:
 class _SsdSource:
     def __init__(self, model: CoEModel) -> None:
         self.model = model
+        self.loads: list[tuple[str, str]] = []
 
     def size(self, expert_id: str) -> int:
         return self.model.experts[expert_id].nbytes
 
     def load(self, expert_id: str) -> _SimWeights:
+        self.loads.append((expert_id, "ssd"))
         return _SimWeights(self.size(expert_id), "ssd")
 
 
 class _TierSource:
-    """Loads into an executor pool from the host tier when it is there, else from SSD (through it)."""
+    """A GPU pool's source: the host tier when the expert is there, else SSD.
 
-    def __init__(self, model: CoEModel, host: Pool | None) -> None:
-        self.model, self.host = model, host
+    Inclusive (the paper's reading, Samba-CoE): an SSD miss is read into the
+    host tier and copied from there, so the host keeps a copy.  Exclusive
+    (victim cache): an SSD miss goes straight to the GPU, and an expert
+    promoted from the host tier leaves it.
+    """
+
+    def __init__(self, model: CoEModel, host: Pool | None, exclusive: bool) -> None:
+        self.model, self.host, self.exclusive = model, host, exclusive
         self.loads: list[tuple[str, str]] = []
 
     def size(self, expert_id: str) -> int:
@@ -110,46 +139,129 @@ class _TierSource:
         tier = "ssd"
         if self.host is not None:
             tier = "host" if self.host.contains(expert_id) else "ssd"
-            h = self.host.acquire(expert_id)   # keeps the host tier's LRU/probability state honest
-            if h is not None:
-                self.host.release(h)
+            if tier == "host" or not self.exclusive:
+                h = self.host.acquire(expert_id)   # keeps the host tier's LRU/probability state honest
+                if h is not None:
+                    self.host.release(h)
+                if self.exclusive:
+                    self.host.discard(expert_id)
         self.loads.append((expert_id, tier))
         return _SimWeights(self.size(expert_id), tier)
+
+
+class _Device:
+    """Processor sharing of one device's compute among its busy executors (the concurrency curve)."""
+
+    def __init__(self, profile: DeviceProfile, configured: int) -> None:
+        self.profile, self.configured = profile, configured
+        self.jobs: dict[int, list] = {}   # job id -> [remaining solo seconds, version]
+        self.rate = 0.0
+        self.t = 0.0
+
+    def _advance(self, now: float) -> None:
+        for job in self.jobs.values():
+            job[0] -= (now - self.t) * self.rate
+        self.t = now
+
+    def change(self, now: float, add: tuple[int, float] | None = None, remove: int | None = None) -> list:
+        """Start or end a job at `now`; returns (finish time, job id, version) for every running job."""
+        self._advance(now)
+        if remove is not None:
+            del self.jobs[remove]
+        if add is not None:
+            self.jobs[add[0]] = [add[1], 0]
+        self.rate = self.profile.speed(len(self.jobs), self.configured) if self.jobs else 0.0
+        out = []
+        for jid, job in self.jobs.items():
+            job[1] += 1
+            out.append((now + max(job[0], 0.0) / self.rate, jid, job[1]))
+        return out
+
+
+SSD_WINDOW = 10.0   # seconds of SSD history the utilisation estimate looks at
+
+
+class SsdMeter:
+    """The share of the last `window` seconds the SSD spent reading (reads already queued count too)."""
+
+    def __init__(self, window: float) -> None:
+        self.window = window
+        self.reads: deque[tuple[float, float]] = deque()
+
+    def read(self, begin: float, end: float) -> None:
+        self.reads.append((begin, end))
+
+    def utilisation(self, now: float) -> float:
+        lo = now - self.window
+        while self.reads and self.reads[0][1] <= lo:
+            self.reads.popleft()
+        busy = sum(min(e, now) - max(b, lo) for b, e in self.reads if b < now)
+        ahead = sum(e - max(b, now) for b, e in self.reads if e > now)
+        return min(1.0, (busy + ahead) / self.window)
+
+
+def _device_profiles(profile: Profile, system: SimSystem) -> dict[str, DeviceProfile]:
+    """The DeviceProfile each executor's device shares; a device the profile lacks gets a flat curve."""
+    out = {}
+    for ex in system.executors:
+        if ex.device not in out:
+            out[ex.device] = profile.devices.get(ex.device) or DeviceProfile(ex.device, ex.kind, ex.memory)
+    return out
 
 
 def simulate(workload: Workload, profile: Profile, system: SimSystem, *, record_order: bool = False) -> SimReport:
     model = workload.model
     probs = model.usage_probabilities()
     prelims = {e: tuple(model.preliminaries(e)) for e in model.experts}
+    exclusive = system.host_mode == "exclusive"
+    clock = [0.0]
+    box: list[Scheduler] = []
     host = None
     if system.host_tier:
         host = Pool("host", system.host_tier, make_policy("lru" if system.eviction == "fifo" else system.eviction),
-                    _SsdSource(model), probabilities=probs, preliminaries=prelims)
-    sched_box: list[Scheduler] = []
+                    _SsdSource(model), probabilities=probs, preliminaries=prelims,
+                    on_event=lambda e: box[0].refresh(e.expert_id) if box else None)
     pools, sources, infos = {}, {}, {}
     for ex in system.executors:
-        src = _TierSource(model, host)
+        gpu = ex.kind == "cuda"
+        src = _TierSource(model, host, exclusive) if gpu else _SsdSource(model)
+
+        def on_event(e, name=ex.name, gpu=gpu) -> None:
+            if not box:
+                return
+            if gpu and exclusive and host is not None and e.event == "evict":
+                host.admit(e.expert_id, keep=(e.incoming,))   # a GPU victim moves down into the host tier
+            box[0].refresh(e.expert_id, name)
+
         pools[ex.name] = Pool(ex.kind, ex.expert_memory, make_policy(system.eviction), src, name=ex.name,
-                              probabilities=probs, preliminaries=prelims,
-                              context=(lambda n=ex.name: {"queued": sched_box[0].queued_set(n)}))
+                              probabilities=probs, preliminaries=prelims, on_event=on_event,
+                              context=(lambda n=ex.name: {"queued": box[0].queued_set(n) if box else set()}))
         sources[ex.name] = src
-        infos[ex.name] = ExecutorInfo(ex.kind, ex.memory, pools[ex.name])
-    costs = ProfileCosts(model, infos, profile, host=host)
+        infos[ex.name] = ExecutorInfo(ex.kind, ex.memory, pools[ex.name], device=ex.device)
+    ssd_free = [0.0]
+    ssd = SsdMeter(SSD_WINDOW)
+    costs = ProfileCosts(model, infos, profile, host=host, ssd_inflight=lambda: max(ssd_free[0] - clock[0], 0.0),
+                         ssd_utilisation=lambda: ssd.utilisation(clock[0]))
     sched = Scheduler([e.name for e in system.executors], system.scheduler, costs=costs,
-                      tie_seconds=system.tie_seconds)
-    sched_box.append(sched)
+                      tie_seconds=system.tie_seconds, now=lambda: clock[0], max_wait=system.max_wait)
 
     order = sorted(model.experts, key=lambda e: -probs[e])
     if system.init == "warm":
         initialize(list(pools.values()), order)
         if host is not None:
-            initialize([host], [e for e in order if not any(p.contains(e) for p in pools.values())])
-        for s in sources.values():
+            held = {e for p in pools.values() for e in p.resident()}   # the host tier starts with the next ones
+            initialize([host], [e for e in order if e not in held])
+        for s in [*sources.values(), *([host.source] if host else [])]:
             s.loads.clear()
+    box.append(sched)
     initial = {e for p in [*pools.values(), *([host] if host else [])] for e in p.resident()}
+    in_pools = {e for p in pools.values() for e in p.resident()}
     init_misses = sum(p.stats().misses for p in pools.values())
 
     execs = {e.name: e for e in system.executors}
+    devprofs = _device_profiles(profile, system)
+    configured = {d: sum(1 for e in system.executors if e.device == d) for d in devprofs}
+    devices = {d: _Device(p, configured[d]) for d, p in devprofs.items()}
     events: list = []
     seq = itertools.count()
     for a in workload.arrivals:
@@ -159,13 +271,15 @@ def simulate(workload: Workload, profile: Profile, system: SimSystem, *, record_
     latencies: list[float] = []
     busy = {n: False for n in execs}
     busy_time = {n: 0.0 for n in execs}
-    ssd_free = 0.0
+    running: dict[int, tuple] = {}   # job id -> (executor, batch, handle, dispatched at, work)
+    ssd_busy = 0.0
     ssd_loads = host_loads = batches = batched = 0
     record: list[tuple] = []
+    jobs = itertools.count()
     now = 0.0
 
     def dispatch() -> None:
-        nonlocal ssd_free, ssd_loads, host_loads, batches, batched
+        nonlocal ssd_busy, ssd_loads, host_loads, batches, batched
         for name, ex in execs.items():
             if busy[name]:
                 continue
@@ -181,34 +295,54 @@ def simulate(workload: Workload, profile: Profile, system: SimSystem, *, record_
             for expert_id, tier in src.loads[n_loads:]:
                 a = costs.arch(name, expert_id)
                 if tier == "ssd":
-                    begin = max(t, ssd_free)
-                    t = ssd_free = begin + a.load("ssd")
+                    begin = max(t, ssd_free[0])
+                    t = ssd_free[0] = begin + a.load("ssd")
+                    ssd.read(begin, t)
+                    ssd_busy += a.load("ssd")
                     ssd_loads += 1
                 else:
                     t += a.load("host")
                     host_loads += 1
-            K, B = costs.exec_cost(name, b.expert_id)
-            done = t + K * len(b) + B
+            a = costs.arch(name, b.expert_id)
             busy[name] = True
-            busy_time[name] += done - now
             batches += 1
             batched += len(b)
-            if record_order:
-                record.append((name, b.expert_id, tuple(r.frame.frame_id for r in b.requests), now, done))
-            heapq.heappush(events, (done, next(seq), "done", (name, b, handle)))
+            jid = next(jobs)
+            running[jid] = (name, b, handle, now, a.K * len(b) + a.B)
+            heapq.heappush(events, (t, next(seq), "compute", jid))
+
+    def reschedule(finishes: list) -> None:
+        for t, jid, version in finishes:
+            heapq.heappush(events, (t, next(seq), "done", (jid, version)))
 
     while events:
         now, _, kind, data = heapq.heappop(events)
+        clock[0] = now
         if kind == "arrive":
             a = data
             start[a.frame_id] = a.t
             ok[a.frame_id] = a.ok
             frame = Frame(a.frame_id, "sim", "sim", a.component, a.t, None, received_at=a.t)
             sched.submit(Request(frame, model.components[a.component].classifier))
+        elif kind == "compute":
+            name, b, handle, t0, work = running[data]
+            reschedule(devices[execs[name].device].change(now, add=(data, work)))
         else:
-            name, b, handle = data
+            jid, version = data
+            if jid not in running:
+                continue
+            name, b, handle, t0, work = running[jid]
+            dev = devices[execs[name].device]
+            if dev.jobs.get(jid, (0, -1))[1] != version:
+                continue   # superseded: the device's sharing changed since this finish was predicted
+            del running[jid]
+            reschedule(dev.change(now, remove=jid))
             pools[name].release(handle)
+            sched.finished(b)
             busy[name] = False
+            busy_time[name] += now - t0
+            if record_order:
+                record.append((name, b.expert_id, tuple(r.frame.frame_id for r in b.requests), t0, now))
             expert = model.experts[b.expert_id]
             for r in b.requests:
                 nxt = expert.next.get("ok") if r.stage == 0 and ok[r.frame.frame_id] else None
@@ -234,41 +368,61 @@ def simulate(workload: Workload, profile: Profile, system: SimSystem, *, record_
         busy_fraction=sum(busy_time.values()) / (makespan * len(execs)) if makespan else 0.0, order=record,
         sched_share=sched.decision_seconds / (makespan * len(execs)) if makespan else 0.0,
         manage_share=sum(p.stats().manage_seconds for p in pools.values()) / (makespan * len(execs))
-        if makespan else 0.0)
+        if makespan else 0.0, ssd_busy=ssd_busy, aged=sched.aged, resources=system.resources(),
+        switch_floor=sum(1 for e in uses(workload) if e not in in_pools))
+
+
+def uses(workload: Workload) -> dict[str, int]:
+    """Requests per expert in the task: each arrival's classifier, and its detector when the frame is ok."""
+    model = workload.model
+    out: dict[str, int] = {}
+    for a in workload.arrivals:
+        cls = model.components[a.component].classifier
+        out[cls] = out.get(cls, 0) + 1
+        nxt = model.experts[cls].next.get("ok") if a.ok else None
+        if nxt:
+            out[nxt] = out.get(nxt, 0) + 1
+    return out
 
 
 def lower_bound(workload: Workload, profile: Profile, system: SimSystem, initial: set[str]) -> float:
-    """A makespan no schedule can beat on these executors.
+    """A makespan no schedule of this system can beat; each term is a valid bound on its own.
 
-    The larger of: (a) the last arrival plus the fastest single pass through its
-    chain; (b) all compute at the best batch efficiency of the fastest device,
-    spread over every executor; (c) the SSD time of experts the task uses that
-    no tier held at the start, each read once, on the one shared SSD.
+    (a) The last arrival plus the fastest single pass through its chain.
+    (b) Compute: each request costs at least min over device kinds of
+        K + B / max batch (a batch never holds more than the profiled max batch,
+        so B is shared by at most that many).  In time T a device delivers at
+        most capacity x T of profiled-speed work (its concurrency curve: a GPU's
+        busy executors share it; a CPU's executors own a share of its cores), so
+        T >= sum of per-request minima / sum of device capacities, however
+        requests are split across CPU and GPU.
+    (c) SSD: every expert the task uses that no tier held at the start is
+        read at least once, on the one shared SSD, at its fastest load.
     """
     model = workload.model
-    kinds = {e.kind for e in system.executors}
-    uses: dict[str, int] = {}
-    for a in workload.arrivals:
-        cls = model.components[a.component].classifier
-        uses[cls] = uses.get(cls, 0) + 1
-        nxt = model.experts[cls].next.get("ok") if a.ok else None
-        if nxt:
-            uses[nxt] = uses.get(nxt, 0) + 1
+    devs = _device_profiles(profile, system)
+    kinds = {d.kind for d in devs.values()}
+    n_by = uses(workload)
 
-    def best(expert_id: str, n: int) -> float:
+    def per_request(expert_id: str) -> float:
         arch = model.experts[expert_id].arch
-        out = []
-        for k in kinds:
-            a = profile.arch(arch, k)
-            out.append(a.K * n + a.B * -(-n // a.max_batch))
-        return min(out)
+        return min(profile.arch(arch, k).K + profile.arch(arch, k).B / profile.arch(arch, k).max_batch
+                   for k in kinds)
 
-    compute = sum(best(e, n) for e, n in uses.items()) / len(system.executors)
+    def single(expert_id: str) -> float:
+        arch = model.experts[expert_id].arch
+        return min(profile.arch(arch, k).batch_seconds(1) / max(d.speed(1, sum(
+            1 for e in system.executors if e.device == name)) for name, d in devs.items() if d.kind == k)
+            for k in kinds)
+
+    capacity = sum(d.capacity(sum(1 for e in system.executors if e.device == name)) for name, d in devs.items())
+    compute = sum(n * per_request(e) for e, n in n_by.items()) / capacity
     last = workload.arrivals[-1]
     cls = model.components[last.component].classifier
-    chain = best(cls, 1) + (best(model.experts[cls].next["ok"], 1) if last.ok and model.experts[cls].next else 0)
+    nxt = model.experts[cls].next.get("ok") if last.ok else None
+    chain = single(cls) + (single(nxt) if nxt else 0.0)
     spill = sum(min(profile.arch(model.experts[e].arch, k).load("ssd") for k in kinds)
-                for e in uses if e not in initial)
+                for e in n_by if e not in initial)
     return max(last.t + chain, compute, spill)
 
 

@@ -1,62 +1,85 @@
 """The systems the benchmark compares, all built from one profile's devices (DESIGN.md §4).
 
-CoServe uses every executor the profile's searches chose; Samba-CoE is FCFS
-with LRU on one GPU executor (CPU memory as its second tier); its FIFO and
-Parallel variants and CoServe's ablations run on the same code with one knob
-changed each.  Every system gets the same expert memory per device and the
-same host tier, and starts from the same warm pools unless told otherwise.
+Every system gets the same machine: the profile's GPU and CPU memory and
+the host memory behind them.  How each spends it:
+
+- CoServe: the executors and memory split of the profile's searches; each
+  executor reserves activation memory for its max batch and the rest holds
+  experts; the host tier is an exclusive victim cache of the GPU pools.
+- coserve-paper: the same executors with the paper's rules read exactly
+  (exact assignment ties, stage 2 strictly by probability, no SSD term,
+  no age bound) and an inclusive host tier (it keeps a copy of what it
+  hands to a GPU).
+- Samba-CoE: one GPU executor, FCFS, LRU.  Its expert memory is the whole
+  GPU less the activations of its own batch (FCFS serves requests one by one,
+  so one request of the largest-activation architecture); its host tier is
+  all the CPU memory that CoServe's CPU executor and host tier share.
+- Samba-CoE FIFO and Parallel, and CoServe's ablations, change one knob each.
 """
 from __future__ import annotations
 
-from .profile import Profile
+from .profile import DeviceProfile, Profile
 from .simdevice import SimExecutor, SimSystem
 
 SYSTEMS = ("coserve", "coserve-paper", "samba", "samba-fifo", "samba-parallel", "none", "em", "em+ra")
-DEFAULT = ("coserve", "coserve-paper", "samba", "samba-fifo", "samba-parallel", "none", "em", "em+ra")
+DEFAULT = SYSTEMS
+MAX_WAIT = 2.0   # seconds: CoServe's age bound in the benchmark (the agent's default, scheduler.max_wait)
+
+
+def _expert_memory(dev: DeviceProfile) -> int:
+    return dev.expert_memory if dev.expert_memory is not None else int(dev.memory * 0.75)
 
 
 def coserve_executors(profile: Profile) -> tuple[SimExecutor, ...]:
     out = []
     for dev in profile.devices.values():
         n = max(1, dev.executors)
-        expert = dev.expert_memory if dev.expert_memory is not None else int(dev.memory * 0.75)
+        expert = _expert_memory(dev)
         out += [SimExecutor(f"{dev.name}#{i}", dev.name, dev.memory // n, expert // n) for i in range(n)]
     return tuple(out)
 
 
-def single_executor(profile: Profile) -> tuple[SimExecutor, ...]:
+def activation_reserve(profile: Profile, kind: str, batch: int | None = None) -> int:
+    """Activation bytes one executor on a `kind` device needs: the largest over the profile's
+    architectures of per-sample bytes x `batch` (None: each architecture's max batch)."""
+    return max((a.activation_bytes * (batch or a.max_batch) for a in profile.archs.values() if a.device == kind),
+               default=0)
+
+
+def samba_executors(profile: Profile) -> tuple[SimExecutor, ...]:
     gpus = [d for d in profile.devices.values() if d.kind == "cuda"]
     dev = gpus[0] if gpus else next(iter(profile.devices.values()))
-    expert = dev.expert_memory if dev.expert_memory is not None else int(dev.memory * 0.75)
-    return (SimExecutor(f"{dev.name}#0", dev.name, dev.memory, expert),)
+    reserve = activation_reserve(profile, dev.kind, batch=1)
+    return (SimExecutor(f"{dev.name}#0", dev.name, dev.memory, dev.memory - reserve),)
 
 
 def host_tier(profile: Profile) -> int:
     return max((d.host_tier for d in profile.devices.values()), default=0)
 
 
+def samba_host_tier(profile: Profile) -> int:
+    """All the CPU memory CoServe uses: its host tier plus its CPU executors' memory."""
+    if not any(d.kind == "cuda" for d in profile.devices.values()):
+        return 0
+    return host_tier(profile) + sum(d.memory for d in profile.devices.values() if d.kind == "cpu")
+
+
 def build_system(name: str, profile: Profile, *, init: str = "warm") -> SimSystem:
-    co, one, host = coserve_executors(profile), single_executor(profile), host_tier(profile)
+    co, host = coserve_executors(profile), host_tier(profile)
+    one, one_host = samba_executors(profile), samba_host_tier(profile)
+    #        executors, scheduler, eviction, host tier, host mode, age bound
     table = {
-        "coserve": (co, "coserve", "coserve"),
-        "coserve-paper": (co, "coserve", "coserve-paper"),
-        "samba": (one, "fcfs", "lru"),
-        "samba-fifo": (one, "fcfs", "fifo"),
-        "samba-parallel": (co, "round-robin", "lru"),
-        "none": (co, "none", "fifo"),
-        "em": (co, "em", "coserve"),
-        "em+ra": (co, "em+ra", "coserve"),
+        "coserve": (co, "coserve", "coserve", host, "exclusive", MAX_WAIT),
+        "coserve-paper": (co, "coserve-paper", "coserve-paper", host, "inclusive", None),
+        "samba": (one, "fcfs", "lru", one_host, "inclusive", None),
+        "samba-fifo": (one, "fcfs", "fifo", one_host, "inclusive", None),
+        "samba-parallel": (co, "round-robin", "lru", host, "inclusive", None),
+        "none": (co, "none", "fifo", host, "inclusive", None),
+        "em": (co, "em", "coserve", host, "exclusive", None),
+        "em+ra": (co, "em+ra", "coserve", host, "exclusive", None),
     }
     try:
-        execs, sched, evict = table[name]
+        execs, sched, evict, tier, mode, max_wait = table[name]
     except KeyError:
         raise ValueError(f"unknown system '{name}' (known: {', '.join(SYSTEMS)})") from None
-    return SimSystem(name, execs, sched, evict, host_tier=host, init=init, tie_seconds=tie_seconds(profile, name))
-
-
-def tie_seconds(profile: Profile, system: str) -> float:
-    """CoServe treats predicted makespans within one median SSD load as ties; the paper reading does not."""
-    if system != "coserve":
-        return 0.0
-    loads = sorted(a.load_seconds.get("ssd", 0.0) for a in profile.archs.values())
-    return loads[len(loads) // 2] if loads else 0.0
+    return SimSystem(name, execs, sched, evict, host_tier=tier, init=init, host_mode=mode, max_wait=max_wait)

@@ -31,7 +31,9 @@ class PoolState:
 
     `preliminaries` maps an expert to the experts whose output can lead to it
     (a detector's classifiers); `queued` holds experts with queued requests;
-    `future` is the upcoming access order, known only to the offline oracle.
+    `future` is the upcoming access order, known only to the offline oracle;
+    `incoming` is the expert the room is being made for (it is not resident
+    yet, but it is about to be, so its followers are not orphans).
     """
 
     capacity: int
@@ -40,6 +42,7 @@ class PoolState:
     preliminaries: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     queued: frozenset[str] = frozenset()
     future: tuple[str, ...] = ()
+    incoming: str | None = None
 
     @property
     def used(self) -> int:
@@ -103,20 +106,35 @@ def _by_probability(state: PoolState) -> list[Resident]:
     return sorted(state.residents, key=lambda r: (state.probabilities.get(r.expert_id, 0.0), r.used_seq, r.expert_id))
 
 
+def present(state: PoolState) -> frozenset[str]:
+    """Experts that count as present when deciding orphanhood: resident, incoming, or queued.
+
+    The incoming expert is being loaded right now and a queued one will be
+    loaded soon; either can lead to its followers, so neither leaves them
+    orphaned.  Without this, loading a classifier could evict the very
+    detector that its 'ok' outputs are about to need.
+    """
+    out = {r.expert_id for r in state.residents} | state.queued
+    if state.incoming is not None:
+        out.add(state.incoming)
+    return frozenset(out)
+
+
 def stage_one(state: PoolState) -> list[Resident]:
-    """CoServe's stage-1 victims: subsequent experts no resident preliminary can reach, nothing queued.
+    """CoServe's stage-1 victims: subsequent experts that no present preliminary can reach, nothing queued.
 
     A detector qualifies when none of the classifiers that lead to it are
-    resident and no request for it is queued: nothing can need it soon.
-    Largest first, so the fewest evictions free the room.
+    present (resident, being loaded, or queued; see `present`) and no request
+    for it is queued: nothing can need it soon.  Largest first, so the fewest
+    evictions free the room.
     """
-    resident = {r.expert_id for r in state.residents}
+    here = present(state)
     out = []
     for r in state.residents:
         prelims = state.preliminaries.get(r.expert_id, ())
         if r.pinned or not prelims or r.expert_id in state.queued:
             continue
-        if resident.isdisjoint(prelims):
+        if here.isdisjoint(prelims):
             out.append(r)
     return sorted(out, key=lambda r: (-r.nbytes, r.expert_id))
 

@@ -7,12 +7,18 @@ expert.  It never holds more than its capacity.  An expert acquired by a
 running batch (or still loading) is pinned and is never a victim.  Two threads
 asking for the same expert share one load (an in-flight set, as Ray Serve's
 multiplexer does), and a failed load clears its reservation.
+
+Besides loading from its source, a pool can take an expert handed down from
+a tier above (`admit`: a GPU victim moving into the host tier, which makes
+the host tier an exclusive victim cache) and can let one go on request
+(`discard`: an expert promoted out of it).  Both follow the same rules: the
+policy picks the victims, pinned experts stay, capacity is never exceeded.
 """
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -38,11 +44,12 @@ class ExpertSource(Protocol):
 class PoolEvent:
     expert_id: str
     tier: str
-    event: str        # 'load' | 'evict'
+    event: str        # 'load' | 'evict' | 'admit'
     nbytes: int
     seconds: float
     at: float
     value: Any = field(default=None, repr=False, compare=False)  # the evicted value, for whoever points into it
+    incoming: str | None = None   # evict: the expert the room was made for (None: evicted on request)
 
 
 @dataclass
@@ -55,10 +62,11 @@ class PoolStats:
     resident_bytes: int = 0
     capacity: int = 0
     manage_seconds: float = 0.0   # bookkeeping and eviction decisions, loads excluded
+    admits: int = 0               # experts handed down from a tier above (`Pool.admit`): not loads, not misses
 
     @property
     def switches(self) -> int:
-        """Loads into this tier: each one is an expert switch."""
+        """Loads into this tier: each one is an expert switch (admits are not)."""
         return self.misses
 
 
@@ -137,10 +145,10 @@ class Pool:
             if need > self.capacity:
                 raise PoolFullError(f"expert '{expert_id}' needs {need} bytes but the {self.tier} pool holds "
                                     f"{self.capacity}; raise the executor's memory budget")
-            victims = self.policy.choose_victims(self._state_locked(ctx), need)
+            victims = self.policy.choose_victims(self._state_locked(ctx, incoming=expert_id), need)
             if victims is None:
                 return None
-            evicted = [self._evict_locked(v) for v in victims]
+            evicted = [self._evict_locked(v, incoming=expert_id) for v in victims]
             self._entries[expert_id] = _Entry(None, need, self._seq, self._seq, pins=1, loading=True)
         t0 = self._clock()
         load_started = time.perf_counter()
@@ -174,6 +182,93 @@ class Pool:
         self._on_event(PoolEvent(expert_id, self.tier, "load", entry.nbytes, seconds, time.time()))
         return Handle(expert_id, value, entry.nbytes)
 
+    def hold(self, expert_id: str) -> Handle | None:
+        """Pin `expert_id` if it is resident (a hit), else None: never loads and never evicts.
+
+        What a tier below uses to take an expert from this one only when it is
+        already here (an exclusive tier: a miss goes around it, not through it).
+        An expert still loading or being admitted is waited for, as `acquire` does.
+        """
+        with self._cond:
+            while (entry := self._entries.get(expert_id)) is not None and entry.loading:
+                self._cond.wait()
+            if entry is None:
+                return None
+            self._seq += 1
+            entry.pins += 1
+            entry.used_seq = self._seq
+            self._stats.hits += 1
+            return Handle(expert_id, entry.value, entry.nbytes)
+
+    def admit(self, expert_id: str, produce: Callable[[list], Any] | None = None, *,
+              keep: Collection[str | None] = ()) -> bool:
+        """Make `expert_id` resident without loading it from the source: an expert handed down a tier.
+
+        Room is made by the pool's policy exactly as for a load (pinned experts
+        are never victims).  `produce(reuse)` builds the value and may take one
+        of `reuse`, the values just evicted, so a same-sized buffer is refilled
+        instead of allocated; with `produce=None` the value is None (the
+        simulator's weightless experts).  Returns False and changes nothing when
+        the expert is already resident or loading, or cannot fit now.  If
+        `produce` raises, the reservation is cleared (no half entry) and the
+        error propagates; the victims stay evicted.  Counted in `admits`, not as
+        a miss: nothing was read from the source.  Residents in `keep` are not
+        victims this time: pass the expert the tier below is making room for
+        (`PoolEvent.incoming`), which it is about to take from here, so that
+        moving its victim down does not push out the very expert coming up.
+        """
+        entered = time.perf_counter()
+        ctx = self._context()
+        need = self.source.size(expert_id)
+        with self._cond:
+            if expert_id in self._entries or need > self.capacity:
+                return False
+            self._seq += 1
+            victims = self.policy.choose_victims(self._state_locked(ctx, incoming=expert_id, keep=keep), need)
+            if victims is None:
+                return False
+            evicted = [self._evict_locked(v, incoming=expert_id) for v in victims]
+            self._entries[expert_id] = _Entry(None, need, self._seq, self._seq, loading=True)
+        t0 = self._clock()
+        produce_started = time.perf_counter()
+        try:
+            for ev in evicted:
+                self._on_event(ev)
+            reuse = [ev.value for ev in evicted if ev.value is not None]
+            evicted = []
+            value = produce(reuse) if produce is not None else None
+            reuse.clear()
+            seconds = self._clock() - t0
+            produce_wall = time.perf_counter() - produce_started
+            measured = self._measure(value) if self._measure and value is not None else need
+        except BaseException:
+            with self._cond:
+                del self._entries[expert_id]
+                self._cond.notify_all()
+            raise
+        with self._cond:
+            entry = self._entries[expert_id]
+            entry.value, entry.loading, entry.nbytes = value, False, max(measured, need)
+            self._stats.admits += 1
+            self._stats.manage_seconds += time.perf_counter() - entered - produce_wall
+            self._cond.notify_all()
+        self._on_event(PoolEvent(expert_id, self.tier, "admit", entry.nbytes, seconds, time.time()))
+        return True
+
+    def discard(self, expert_id: str) -> bool:
+        """Evict `expert_id` if it is resident and nobody holds it; False otherwise.  Never raises.
+
+        For an exclusive tier whose expert was just promoted to the tier below:
+        if another holder still pins it, the copy simply stays.
+        """
+        with self._cond:
+            entry = self._entries.get(expert_id)
+            if entry is None or entry.pins or entry.loading:
+                return False
+            ev = self._evict_locked(expert_id)
+        self._on_event(ev)
+        return True
+
     def release(self, handle: Handle) -> None:
         with self._cond:
             entry = self._entries.get(handle.expert_id)
@@ -188,8 +283,8 @@ class Pool:
             entry = self._entries.get(expert_id)
             if entry is None:
                 return False
-            if entry.pins:
-                raise CoEError(f"cannot evict '{expert_id}': a running batch holds it")
+            if entry.pins or entry.loading:
+                raise CoEError(f"cannot evict '{expert_id}': a running batch holds it or it is still loading")
             ev = self._evict_locked(expert_id)
         self._on_event(ev)
         return True
@@ -198,6 +293,11 @@ class Pool:
         with self._cond:
             e = self._entries.get(expert_id)
             return e is not None and not e.loading
+
+    def present(self, expert_id: str) -> bool:
+        """Resident or being loaded: the expert is (about to be) here."""
+        with self._cond:
+            return expert_id in self._entries
 
     def resident(self) -> list[str]:
         with self._cond:
@@ -222,23 +322,26 @@ class Pool:
     def close(self) -> None:
         """Drop every unpinned resident; their memory goes back with the last reference."""
         with self._cond:
-            evs = [self._evict_locked(k) for k in [k for k, e in self._entries.items() if not e.pins]]
+            evs = [self._evict_locked(k) for k in [k for k, e in self._entries.items() if not e.pins and not e.loading]]
         for ev in evs:
             self._on_event(ev)
 
     # -- internals ----------------------------------------------------------------
-    def _state_locked(self, ctx: dict) -> PoolState:
+    def _state_locked(self, ctx: dict, incoming: str | None = None, keep: Collection[str | None] = ()) -> PoolState:
+        """What the policy sees; `keep` residents look pinned (not victims), as held ones do."""
         return PoolState(self.capacity, tuple(
-            Resident(k, e.nbytes, e.loaded_seq, e.used_seq, e.pins > 0 or e.loading) for k, e in self._entries.items()),
-            self._probabilities, self._preliminaries, frozenset(ctx.get("queued", ())), tuple(ctx.get("future", ())))
+            Resident(k, e.nbytes, e.loaded_seq, e.used_seq, e.pins > 0 or e.loading or k in keep)
+            for k, e in self._entries.items()),
+            self._probabilities, self._preliminaries, frozenset(ctx.get("queued", ())), tuple(ctx.get("future", ())),
+            incoming)
 
-    def _evict_locked(self, expert_id: str) -> PoolEvent:
+    def _evict_locked(self, expert_id: str, incoming: str | None = None) -> PoolEvent:
         entry = self._entries.get(expert_id)
         if entry is None or entry.pins or entry.loading:
             raise CoEError(f"policy {self.policy.name} chose '{expert_id}', which is pinned or absent, as a victim")
         del self._entries[expert_id]
         self._stats.evictions += 1
-        return PoolEvent(expert_id, self.tier, "evict", entry.nbytes, 0.0, time.time(), entry.value)
+        return PoolEvent(expert_id, self.tier, "evict", entry.nbytes, 0.0, time.time(), entry.value, incoming)
 
 
 def initialize(pools: list[Pool], order: list[str]) -> dict[str, list[str]]:
@@ -262,3 +365,14 @@ def initialize(pools: list[Pool], order: list[str]) -> dict[str, list[str]]:
         if all(p.capacity - p.used_bytes() <= 0 for p in pools):
             break
     return got
+
+
+def initialize_tier(tier: Pool, above: list[Pool], order: list[str]) -> list[str]:
+    """Fill a lower tier with the experts of `order` that none of the pools `above` it hold.
+
+    Run after `initialize` filled the pools above: the lower tier then starts
+    with the next most probable experts instead of copies of theirs (an
+    exclusive host tier behind the GPU pools).  Returns what it received.
+    """
+    held = {e for p in above for e in p.resident()}
+    return initialize([tier], [e for e in order if e not in held])[tier.name]

@@ -7,15 +7,28 @@ on CUDA with a non-blocking copy on a side stream, and records how many bytes
 the allocator really handed out (`measured_nbytes`), which the pool accounts.
 With unified memory (Jetson) the parent is the store itself: the host buffer
 is only staging and is dropped after the copy, so no expert is held twice.
+
+Inclusive or exclusive host tier.  Inclusive (the paper's reading, Samba-CoE):
+every GPU load goes through the host tier, which keeps a copy, so the host
+tier mostly duplicates what the GPU pools hold.  Exclusive (`TierSource(...,
+exclusive=True)` with `demote`): the host tier is a victim cache.  A GPU miss
+is served from it when the expert is there (and the host copy is then
+discarded), else read from SSD through a staging buffer that the host tier
+does not keep; a GPU victim moves down into it (`demote`, a device-to-host
+copy into a pinned buffer, an evicted one of the same size when there is one).
+GPU and host memory together then hold more distinct experts.
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from typing import TYPE_CHECKING, Any
 
 from .flat import FlatWeights
-from .pool import Pool
+from .pool import Pool, PoolEvent
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     import torch
@@ -56,14 +69,24 @@ class StoreSource:
 
 
 class TierSource:
-    """Loads into `device` memory from a parent pool (held only for the copy) or a plain source."""
+    """Loads into `device` memory from a parent pool (held only for the copy) or a plain source.
+
+    With `exclusive`, a parent pool is a victim cache: an expert found there is
+    copied and then discarded from it (promoted, not duplicated), and one not
+    there is read from the parent's own source into a staging buffer that is
+    dropped after the copy, so a miss never evicts the parent's experts.
+    """
 
     reuses_memory = True
 
-    def __init__(self, parent: Pool | StoreSource, device: str, *, wait: float = 60.0) -> None:
+    def __init__(self, parent: Pool | StoreSource, device: str, *, wait: float = 60.0,
+                 exclusive: bool = False) -> None:
         import torch
 
         self.parent, self.device, self._wait = parent, torch.device(device), wait
+        self.exclusive = exclusive and isinstance(parent, Pool)
+        self.promoted = 0      # exclusive: loads served from the parent pool (and discarded there)
+        self.staged = 0        # exclusive: loads read around the parent pool, from its source
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._lock = threading.Lock()  # one copy at a time per device tier keeps the measurement honest
         self.reused = 0
@@ -86,6 +109,8 @@ class TierSource:
         reuse = reuse if reuse is not None else []
         if not isinstance(self.parent, Pool):
             return self._copy(self.parent.load(expert_id), reuse)
+        if self.exclusive:
+            return self._promote(expert_id, reuse)
         deadline = time.monotonic() + self._wait
         while (handle := self.parent.acquire(expert_id)) is None:
             if time.monotonic() > deadline:
@@ -95,6 +120,20 @@ class TierSource:
             return self._copy(handle.value, reuse)
         finally:
             self.parent.release(handle)
+
+    def _promote(self, expert_id: str, reuse) -> FlatWeights:
+        """Exclusive: copy from the parent tier if it holds the expert, then let it go there; else stage from SSD."""
+        handle = self.parent.hold(expert_id)
+        if handle is None:
+            self.staged += 1
+            return self._copy(self.parent.source.load(expert_id), reuse)   # the staging buffer dies with this call
+        try:
+            out = self._copy(handle.value, reuse)
+        finally:
+            self.parent.release(handle)
+        self.promoted += 1
+        self.parent.discard(expert_id)   # stays only if another tier's copy still pins it
+        return out
 
     def _copy(self, src: FlatWeights, reuse) -> FlatWeights:
         import torch
@@ -114,6 +153,56 @@ class TierSource:
             out.measured_nbytes = allocator_bytes(src.nbytes, torch.cuda.memory_allocated(self.device) - before,
                                                   reused=old is not None)  # type: ignore[attr-defined]
             return out
+
+
+def host_copy(src: FlatWeights, reuse: list, *, pin: bool) -> FlatWeights:
+    """A host-memory copy of `src`, finished when this returns.
+
+    Into a buffer from `reuse` (values just evicted from the host tier) when
+    one has the same size and pinning, else a new one, pinned if `pin` (so
+    a later host-to-device copy can be asynchronous).  From CUDA the copy runs
+    on a side stream and is synchronised: the caller may hand the device
+    buffer to the next load as soon as we return.
+    """
+    import torch
+
+    cpu = torch.device("cpu")
+    old = take_buffer(reuse, src.nbytes, cpu, pin) if reuse else None
+    reuse.clear()   # the victims we did not take are freed before we allocate
+    dst = old.buffer if old is not None else torch.empty(src.nbytes, dtype=torch.uint8, pin_memory=pin)
+    if src.buffer.device.type == "cuda":
+        stream = torch.cuda.Stream(src.buffer.device)
+        with torch.cuda.stream(stream):
+            dst.copy_(src.buffer, non_blocking=dst.is_pinned())
+        stream.synchronize()
+    else:
+        dst.copy_(src.buffer)
+    return FlatWeights(src.layout, dst, like=old)
+
+
+def demote(event: PoolEvent, host: Pool, *, pin: bool | None = None) -> bool:
+    """Move a device pool's victim (its evict `event`) down into the `host` tier; True if it was admitted.
+
+    Call it from the device pool's evict callback: the pool hands the victim's
+    buffer to the incoming load only after its callbacks return, so the copy
+    made here reads bytes that are still the victim's.  The expert the device
+    pool is making room for is kept in the host tier meanwhile (it is about to
+    be promoted from there).  It never raises: a victim the host tier cannot
+    take (no room, a failed copy) is dropped, which costs a later SSD read,
+    whereas an exception here would fail the device pool's load.  `pin`
+    defaults to pinning when the victim comes from CUDA.
+    """
+    value = event.value
+    if getattr(value, "buffer", None) is None:
+        return False   # nothing to copy (a weightless value): the simulator calls `host.admit` itself
+    if pin is None:
+        pin = value.buffer.device.type == "cuda"
+    try:
+        return host.admit(event.expert_id, lambda reuse: host_copy(value, reuse, pin=pin), keep=(event.incoming,))
+    except Exception as exc:  # noqa: BLE001 - a victim cache may always decline
+        log.warning("could not demote '%s' into the %s tier (%s: %s); it stays on SSD only",
+                    event.expert_id, host.tier, type(exc).__name__, exc)
+        return False
 
 
 def allocator_bytes(nbytes: int, delta: int, *, reused: bool) -> int:

@@ -85,6 +85,7 @@ def test_every_frame_gets_exactly_one_verdict(agent, tiny_recording):
     text = urllib.request.urlopen(f"http://127.0.0.1:{agent.metrics_port}/metrics", timeout=5).read().decode()
     assert f'coe_frames_received_total{{line="T"}} {float(len(rec))}' in text
     assert "coe_expert_evictions_total" in text and "coe_queue_depth" in text
+    assert f'coe_scheduler_aged_total{{line="T"}} {float(agent.scheduler.aged)}' in text
 
 
 def test_duplicates_are_acked_and_not_rerun(agent, tiny_recording):

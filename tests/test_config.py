@@ -44,6 +44,9 @@ def test_env_overrides_nested_keys():
     ("line: T\nspec: spec.yaml\ningest: tcp://127.0.0.1:5\n", "ingest", "router+bind"),
     ("line: T\nspec: spec.yaml\neviction: random\n", "eviction", "lru"),
     ("line: T\nspec: spec.yaml\nscheduler: {max_batch: 0}\n", "scheduler.max_batch", "greater than"),
+    ("line: T\nspec: spec.yaml\nscheduler: {max_wait: -1}\n", "scheduler.max_wait", "greater than or equal to 0"),
+    ("line: T\nspec: spec.yaml\ncpu_tier_mode: shared\n", "cpu_tier_mode", "'exclusive' or 'inclusive'"),
+    ("line: T\nspec: spec.yaml\nexecutors: [{count: 0}]\n", "executors.0.count", "greater than or equal to 1"),
 ])
 def test_invalid_config_names_file_key_reason(tmp_path, text, key, reason):
     p = write(tmp_path, text)
@@ -84,3 +87,29 @@ def test_sizes_and_endpoints():
     with pytest.raises(ValueError):
         parse_bytes("12 parsecs")
     assert endpoint_parts("router+bind:tcp://127.0.0.1:5555") == ("router", True, "tcp://127.0.0.1:5555")
+
+
+def test_new_keys_defaults_and_unset_count(tmp_path):
+    cfg = load_config(write(tmp_path, "line: T\nspec: spec.yaml\n"), env={})
+    assert cfg.scheduler.max_wait == 2.0 and cfg.cpu_tier_mode == "exclusive"
+    assert cfg.executors[0].count == 1 and not cfg.executors[0].count_is_set   # the profile decides
+    cfg = load_config(write(tmp_path, "line: T\nspec: spec.yaml\nscheduler: {max_wait: null}\n"
+                                      "cpu_tier_mode: inclusive\neviction: coserve-paper\n"
+                                      "executors: [{count: null}, {count: 2}]\n"), env={})
+    assert cfg.scheduler.max_wait is None and cfg.cpu_tier_mode == "inclusive" and cfg.eviction == "coserve-paper"
+    assert [(e.count, e.count_is_set) for e in cfg.executors] == [(1, False), (2, True)]
+    cfg = load_config(LINE_A, env={"COE_SCHEDULER__MAX_WAIT": "0.5", "COE_EXECUTORS__0__COUNT": "2"})
+    assert cfg.scheduler.max_wait == 0.5 and cfg.executors[0].count_is_set and cfg.executors[0].count == 2
+    assert not load_config(LINE_A, env={}).executors[0].count_is_set            # line A leaves it to the profile
+
+
+@pytest.mark.parametrize("max_wait,expected", [(None, 2.0), (0.25, 0.25), (0, None)])
+def test_agent_passes_max_wait_to_the_scheduler(tiny_line, max_wait, expected):
+    from edge_agent.agent import Agent
+
+    env = {} if max_wait is None else {"COE_SCHEDULER__MAX_WAIT": str(max_wait)}
+    agent = Agent(load_config(tiny_line, env=env))
+    try:
+        assert agent.scheduler.max_wait == expected          # 0 disables the age bound
+    finally:
+        agent.stop()

@@ -12,7 +12,7 @@ from coe import Frame, Request, parse_spec
 from coe.workload import Arrival, Workload, make_workload, task
 from executors.costs import ExecutorInfo, ProfileCosts
 from executors.profile import ArchProfile, DeviceProfile, Profile, decay_window_search, fit_latency, max_useful_batch
-from executors.scheduler import Scheduler
+from executors.scheduler import Scheduler, _Group
 from executors.simdevice import SimExecutor, SimSystem, simulate
 from executors.systems import build_system
 from storage.policies import make_policy
@@ -34,6 +34,12 @@ class TableCosts:
     def switch_cost(self, e, x):
         return self.sw.get((e, x), 5.0)
 
+    def ssd_seconds(self, e, x):
+        return self.switch_cost(e, x)
+
+    def ssd_inflight(self):
+        return 0.0
+
     def max_batch(self, e, x, *, memory=True):
         return self.mb
 
@@ -48,9 +54,9 @@ def req(expert, i=0):
 def test_assignment_follows_the_papers_figure_8():
     # queue times 2, 3 and 10; the new request's expert is resident on q2 only
     costs = TableCosts(["q1", "q2", "q3"], switch={("q2", "x"): 0.0})
-    s = Scheduler(["q1", "q2", "q3"], "coserve", costs=costs)
+    s = Scheduler(["q1", "q2", "q3"], "coserve-paper", costs=costs)
     for name, est in (("q1", 2.0), ("q2", 3.0), ("q3", 10.0)):
-        s._q[name].est = est
+        s._q[name].queued = est
     # q1: max(10, 2+1+1+5) = 10; q2: max(10, 3+2) = 10; q3: 12 -> tie q1/q2, smaller added latency: q2
     assert s.submit(req("x")) == "q2"
 
@@ -62,10 +68,14 @@ def test_assignment_follows_the_papers_figure_8():
 def test_assignment_matches_the_rule_by_brute_force(ests, switches, queued):
     names = [f"q{i}" for i in range(len(ests))]
     costs = TableCosts(names, switch={(n, "x"): switches[i] for i, n in enumerate(names)})
-    s = Scheduler(names, "coserve", costs=costs)
+    s = Scheduler(names, "coserve-paper", costs=costs)
     for i, n in enumerate(names):   # set each queue's predicted time and how many 'x' requests it holds
-        s._q[n].est = ests[i]
+        s._q[n].queued = ests[i]
         if queued[i]:
+            g = _Group("x", 0.0, 0.0)
+            g.requests.extend(req("x", j) for j in range(queued[i]))
+            s._q[n].groups.append(g)
+            s._q[n].by_expert["x"] = g
             s._q[n].counts["x"] = queued[i]
             s._q[n].n = queued[i]
     expected = []

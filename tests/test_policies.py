@@ -23,20 +23,25 @@ residents = st.lists(st.tuples(st.sampled_from(EXPERTS), st.integers(1, 50), st.
                      unique_by=lambda t: t[0], max_size=8)
 
 
-def make_state(rs, need_room, queued, probs):
+def make_state(rs, need_room, queued, probs, incoming=None):
     res = tuple(Resident(e, n, i, (i * 7) % 11, pin) for i, (e, n, pin) in enumerate(rs))
     cap = sum(r.nbytes for r in res) + need_room
     prelims = {"g": ("a", "b"), "h": ("c",), "f": ("a",)}
-    return PoolState(cap, res, probs, prelims, frozenset(queued), tuple(reversed(EXPERTS)))
+    if incoming in {r.expert_id for r in res}:
+        incoming = None             # the pool only makes room for an expert it does not hold
+    return PoolState(cap, res, probs, prelims, frozenset(queued), tuple(reversed(EXPERTS)), incoming)
 
 
 @pytest.mark.parametrize("name", sorted(POLICIES))
 @settings(max_examples=200, deadline=None)
 @given(rs=residents, room=st.integers(0, 30), need=st.integers(1, 120),
-       queued=st.sets(st.sampled_from(EXPERTS)), probs=st.dictionaries(st.sampled_from(EXPERTS), st.floats(0, 1)))
-def test_contract_on_random_states(name, rs, room, need, queued, probs):
-    state = make_state(rs, room, queued, probs)
+       queued=st.sets(st.sampled_from(EXPERTS)), probs=st.dictionaries(st.sampled_from(EXPERTS), st.floats(0, 1)),
+       incoming=st.none() | st.sampled_from(EXPERTS))
+def test_contract_on_random_states(name, rs, room, need, queued, probs, incoming):
+    state = make_state(rs, room, queued, probs, incoming)
+    before = repr(state)
     victims = make_policy(name).choose_victims(state, need)
+    assert repr(state) == before and victims == make_policy(name).choose_victims(state, need)   # pure
     unpinned = sum(r.nbytes for r in state.residents if not r.pinned)
     if victims is None:
         assert state.free + unpinned < need          # None only when it truly cannot fit
@@ -49,6 +54,8 @@ def test_contract_on_random_states(name, rs, room, need, queued, probs):
         assert state.free + sum(by_id[v].nbytes for v in victims[:-1]) < need
     if name.startswith("coserve"):                                        # stage 1 strictly before stage 2
         first = [r.expert_id for r in stage_one(state)]
+        here = {r.expert_id for r in state.residents} | set(state.queued) | {state.incoming}
+        assert not any(here & set(state.preliminaries[v]) for v in first)   # stage 1 only takes orphans
         stage2 = [v for v in victims if v not in first]
         if stage2:
             assert victims[:len(first)] == first
@@ -109,6 +116,51 @@ def test_coserve_exact_order():
     assert make_policy("belady").choose_victims(oracle, 55) == ["det-y", "det-z"]   # never used again, largest first
 
 
+# Stage 1 and the expert being loaded (issue 9, item 4).  The pool holds detector det-d (high
+# probability) and classifier cls-x (low probability); making room for 30 bytes takes one of them.
+# Stage 2 alone would take cls-x; stage 1 would take det-d first, but only if det-d is an orphan.
+STAGE1_RESIDENTS = (Resident("det-d", 40, 1, 1), Resident("cls-x", 30, 2, 2))
+STAGE1_PRELIMS = {"det-d": ("cls-c",), "cls-x": (), "cls-c": ()}
+STAGE1_PROBS = {"det-d": 0.5, "cls-x": 0.1, "cls-c": 0.3, "cls-y": 0.1}
+
+
+def stage1_state(*, incoming=None, queued=()):
+    return PoolState(70, STAGE1_RESIDENTS, STAGE1_PROBS, STAGE1_PRELIMS, frozenset(queued), incoming=incoming)
+
+
+@pytest.mark.parametrize("name", ["coserve", "coserve-paper"])
+def test_stage_one_spares_the_detector_of_the_classifier_being_loaded(name):
+    # cls-c (whose 'ok' leads to det-d) is the expert being loaded: det-d is about to be needed
+    state = stage1_state(incoming="cls-c")
+    assert stage_one(state) == []
+    assert make_policy(name).choose_victims(state, 30) == ["cls-x"]
+
+
+@pytest.mark.parametrize("name", ["coserve", "coserve-paper"])
+def test_a_queued_classifier_protects_its_detector(name):
+    state = stage1_state(incoming="cls-y", queued={"cls-c"})
+    assert stage_one(state) == []
+    assert make_policy(name).choose_victims(state, 30) == ["cls-x"]
+
+
+@pytest.mark.parametrize("name", ["coserve", "coserve-paper"])
+def test_a_truly_orphaned_detector_is_still_evicted_first(name):
+    # nothing that leads to det-d is resident, loading or queued: stage 1 takes it despite its probability
+    state = stage1_state(incoming="cls-y")
+    assert [r.expert_id for r in stage_one(state)] == ["det-d"]
+    assert make_policy(name).choose_victims(state, 30) == ["det-d"]
+
+
+def test_pool_tells_the_policy_which_expert_it_is_loading():
+    """The same case through `Pool.acquire`: the pool must put the incoming expert in the policy's state."""
+    sizes = {"det-d": 40, "cls-x": 30, "cls-c": 30, "cls-y": 30}
+    pool = Pool("t", 100, CoServe(), SizedSource(sizes), probabilities=STAGE1_PROBS, preliminaries=STAGE1_PRELIMS)
+    for e in ("det-d", "cls-x", "cls-y"):       # full: 40 + 30 + 30
+        pool.release(pool.acquire(e))
+    pool.release(pool.acquire("cls-c"))        # room for cls-c: det-d is its follower and must stay
+    assert sorted(pool.resident()) == ["cls-c", "cls-y", "det-d"]   # cls-x: lowest probability, least recent
+
+
 def coe_trace(n_frames: int, seed: int = 0):
     """Steps of the demo line A in arrival order: classifier, then its detector on 'ok'."""
     model = load_spec(REPO / "configs" / "specs" / "line-A.coe.yaml")
@@ -128,12 +180,19 @@ def coe_trace(n_frames: int, seed: int = 0):
     return model, trace, {e.id: sizes[e.arch] * 10**6 for e in model.experts.values()}
 
 
-def test_coserve_loads_fewer_experts_than_lru_and_fifo_on_a_coe_trace():
-    model, trace, sizes = coe_trace(2000)
+@pytest.mark.parametrize("seed", [0, 1])
+def test_coserve_loads_fewer_experts_than_lru_and_fifo_on_a_coe_trace(seed):
+    """The same state for every policy: no queued knowledge at all (lookahead 0), so CoServe cannot win
+    by knowing the next requests that LRU and FIFO ignore; what it uses is the spec's usage probabilities
+    and dependencies, which are in every policy's state."""
+    model, trace, sizes = coe_trace(2000, seed)
     prelims = {e: tuple(model.preliminaries(e)) for e in model.experts}
     probs = model.usage_probabilities()
-    res = {p: simulate(trace, sizes, 160 * 10**6, p, probabilities=probs, preliminaries=prelims, lookahead=16)
-           for p in ("coserve", "lru", "fifo", "belady")}
-    assert res["coserve"].loads < res["lru"].loads
-    assert res["coserve"].loads < res["fifo"].loads
-    assert all(r.accesses == len(trace) for r in res.values())
+    res = {p: simulate(trace, sizes, 160 * 10**6, p, probabilities=probs, preliminaries=prelims, lookahead=0)
+           for p in ("coserve", "lru", "fifo")}
+    # the demo line's hot classifiers and shared detectors fit; recency alone keeps cycling the cold ones
+    # out and in, so a probability-blind policy loads at least half as often again
+    assert 3 * res["coserve"].loads < 2 * res["lru"].loads
+    assert 3 * res["coserve"].loads < 2 * res["fifo"].loads
+    for r in res.values():   # every access is a hit or a load, and every load that did not fit evicted
+        assert r.hits + r.loads == len(trace) and r.loads > r.evictions > 0

@@ -107,7 +107,7 @@ def test_capacity_never_exceeded_and_pins_respected(policy, cap, trace):
         h = p.acquire(eid)
         assert p.used_bytes() <= cap
         if h is None:
-            assert any(x.expert_id for x in held)   # only pins can block
+            assert held                             # only pins can block
             continue
         for x in held:
             assert x.expert_id in p.resident()      # a pinned expert is never evicted
@@ -193,3 +193,111 @@ def test_victims_are_freed_before_the_new_expert_loads():
     for e in "abc":
         use(p, e)
     assert seen[-1] == ("c", [])   # 'a' was evicted for 'c' and nothing kept it alive during the load
+
+
+# -- admit / discard: an expert handed down from the tier above, or let go to it ----------------------
+
+def test_admit_inserts_without_loading_and_counts_an_admit_not_a_miss():
+    events = []
+    p = pool(events=events)
+    use(p, "a")
+    assert p.admit("b") and p.contains("b")
+    assert p.source.loads == ["a"]                       # b was not read from the source
+    h = p.acquire("b")
+    assert h.value is None                               # produce=None: a weightless value (the simulator)
+    p.release(h)
+    s = p.stats()
+    assert (s.hits, s.misses, s.switches, s.admits) == (1, 1, 1, 1)
+    assert [(e.expert_id, e.event, e.nbytes) for e in events] == [("a", "load", 30), ("b", "admit", 30)]
+    assert not p.admit("b") and p.stats().admits == 1    # already resident: nothing changes
+
+
+def test_admit_evicts_by_policy_and_hands_the_victims_to_produce():
+    p = pool(cap=60)
+    use(p, "a")
+    b = use(p, "b").value
+    use(p, "a")                                          # b is least recent: the LRU victim
+    offered = []
+
+    def produce(reuse):
+        offered.extend(reuse)
+        return reuse.pop()                               # refill the victim's buffer instead of allocating
+
+    assert p.admit("c", produce)
+    assert sorted(p.resident()) == ["a", "c"] and p.used_bytes() == 60
+    assert len(offered) == 1 and offered[0] is b
+    h = p.acquire("c")
+    assert h.value is b                                  # c now lives in b's old buffer
+    p.release(h)
+
+
+def test_admit_never_evicts_pinned_and_fails_cleanly_when_it_cannot_fit():
+    events = []
+    p = pool(cap=60, events=events)
+    ha = p.acquire("a")
+    use(p, "b")
+    assert p.admit("c")                                  # b goes, a is pinned and stays
+    assert sorted(p.resident()) == ["a", "c"]
+    hc = p.acquire("c")
+    before = (sorted(p.resident()), p.used_bytes(), p.stats(), len(events))
+    assert not p.admit("d")                              # only pinned experts: no room, nothing changes
+    assert (sorted(p.resident()), p.used_bytes(), p.stats(), len(events)) == before
+    p.release(ha)
+    p.release(hc)
+
+
+def test_admit_keeps_the_experts_it_is_told_to_keep():
+    events = []
+    p = pool(cap=60, events=events)
+    use(p, "a")
+    use(p, "b")                                          # a is the LRU victim ...
+    assert p.admit("c", keep=("a",))                     # ... but kept: b goes instead
+    assert sorted(p.resident()) == ["a", "c"]
+    assert [(e.expert_id, e.incoming) for e in events if e.event == "evict"] == [("b", "c")]
+    assert not p.admit("d", keep=("a", "c"))             # everything kept: no room, nothing changes
+    assert sorted(p.resident()) == ["a", "c"]
+
+
+def test_admit_of_an_expert_larger_than_the_pool_is_refused():
+    p = pool(cap=20)
+    assert not p.admit("a") and p.resident() == [] and p.stats().admits == 0
+
+
+def test_a_failed_produce_leaves_no_half_entry():
+    p = pool(cap=60)
+    use(p, "a")
+    use(p, "b")
+
+    def boom(reuse):
+        raise MemoryError("no pinned memory")
+
+    with pytest.raises(MemoryError):
+        p.admit("c", boom)
+    assert "c" not in p.resident() and not p.present("c")
+    assert p.used_bytes() == sum(p.source.sizes[e] for e in p.resident())   # no leaked reservation
+    assert p.stats().admits == 0
+    assert p.admit("c", lambda reuse: bytearray(30)) and p.contains("c")     # and it can be admitted later
+
+
+def test_discard_evicts_only_an_unpinned_resident_and_never_raises():
+    events = []
+    p = pool(events=events)
+    use(p, "a")
+    h = p.acquire("b")
+    assert not p.discard("b")                            # pinned: stays (another tier still copies from it)
+    assert not p.discard("zz")                           # absent
+    assert p.discard("a") and p.resident() == ["b"]
+    assert events[-1].event == "evict" and events[-1].expert_id == "a"
+    p.release(h)
+    assert p.discard("b") and p.resident() == []
+
+
+def test_hold_pins_only_a_resident_expert_and_never_loads():
+    p = pool()
+    assert p.hold("a") is None and p.source.loads == [] and p.stats().misses == 0
+    use(p, "a")
+    h = p.hold("a")
+    assert h is not None and p.stats().hits == 1
+    assert not p.discard("a")                            # held
+    p.release(h)
+    assert p.discard("a")

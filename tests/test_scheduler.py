@@ -37,8 +37,35 @@ def test_assignment_prefers_executor_holding_the_expert():
     assert s.submit(req("a")) == "x"         # both empty: first shortest
     assert s.submit(req("b")) == "y"         # y has b resident
     assert s.submit(req("a")) == "x"         # x has a queued
-    assert s.submit(req("c")) in ("x", "y")
-    assert s.depth() == 4
+    # nobody holds or queues c, so every executor is a candidate and the shortest queue wins:
+    # y holds one request (b), x two (a, a)
+    assert s.submit(req("c")) == "y"
+    assert s.queued_experts("x") == ["a", "a"] and s.queued_experts("y") == ["b", "c"]
+
+
+def test_age_bound_serves_a_starved_group_first():
+    """A head group that keeps growing (a hot expert under a continuous stream) would starve a group
+    queued behind it; past `max_wait` the oldest waiting request's group is served next, once the
+    requests the head group held when it was picked are served (a group is never split between reloads)."""
+    def run(max_wait):
+        t = [0.0]
+        s = Scheduler(["x"], "grouped", costs=FixedCosts(max_batch=1), now=lambda: t[0], max_wait=max_wait)
+        s.submit(req("a", 0))
+        s.submit(req("a", 1))
+        t[0] = 1.0
+        s.submit(req("b", 2))                     # behind the a group
+        t[0] = 1.5
+        got = [s.next_batch("x", timeout=0)]      # picks a with 2 requests: both are served first
+        t[0] = 2.0
+        s.submit(req("a", 3))
+        s.submit(req("a", 4))                     # join the head group (arranging) after it was picked
+        t[0] = 3.5                                # b has waited 2.5 s, the head group's newest 1.5 s
+        got += [s.next_batch("x", timeout=0) for _ in range(4)]
+        return [b.expert_id for b in got], s.aged
+
+    assert run(2.0) == (["a", "a", "b", "a", "a"], 1)   # fired once, for b, after a's first two
+    assert run(3.0) == (["a", "a", "a", "a", "b"], 0)   # 2.5 s is within the bound: the head first
+    assert run(None) == (["a", "a", "a", "a", "b"], 0)  # off: the head group, however long b waits
 
 
 def test_close_wakes_waiters_and_drains():

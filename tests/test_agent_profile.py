@@ -1,0 +1,104 @@
+"""The agent runs the profile's executor count and memory split unless the config states a count (issue 9, item 8)."""
+from __future__ import annotations
+
+import logging
+import shutil
+
+import pytest
+
+from conftest import write_line
+from edge_agent.agent import Agent
+from edge_agent.config import load_config
+from executors.profile import DeviceProfile, Profile
+
+MB = 10**6
+
+
+@pytest.fixture
+def line(tmp_path, tiny_zoo):
+    """Write line T with the given executor entry and, optionally, a profile.json where the agent looks."""
+    store = tmp_path / "experts"
+    shutil.copytree(tiny_zoo, store)
+
+    def make(executor: dict, profile: DeviceProfile | None = None, env: dict | None = None):
+        path = write_line(tmp_path / "line", store=store, executors=[{"threads": 1, "prefetch": False, **executor}])
+        cfg = load_config(path, env=env or {})
+        if profile is not None:
+            Profile("assumed: test", {profile.name: profile}, {}).save(cfg.scheduler.profile)
+        return cfg
+
+    return make
+
+
+def searched(executors: int = 2) -> DeviceProfile:
+    """What `coe-agent profile` writes for a 40 MB cpu entry whose searches chose `executors` and 30 MB of experts."""
+    return DeviceProfile("cpu", "cpu", 40 * MB, executors=executors, expert_memory=30 * MB)
+
+
+def build(cfg, caplog) -> tuple[Agent, str]:
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="edge_agent.agent"):
+        agent = Agent(cfg)
+    lines = [r.getMessage() for r in caplog.records if r.getMessage().startswith("cpu: ")]
+    assert len(lines) == 1, lines                          # one line per executor entry
+    return agent, lines[0]
+
+
+def summary(agent: Agent) -> list[tuple[int, int]]:
+    return [(agent.costs.executors[s.name].memory, agent.pools[s.name].capacity) for s in agent.slots]
+
+
+def test_count_unset_runs_the_profiles_count_sharing_the_memory(line, caplog):
+    cfg = line({"device": "cpu", "memory": "40MB"}, searched(2))
+    agent, said = build(cfg, caplog)
+    try:
+        assert [e.name for e in agent.executors] == ["cpu-0.0", "cpu-0.1"]
+        # as the search simulated it: 40 MB shared by 2, and the searched 30 MB of experts split the same way
+        assert summary(agent) == [(20 * MB, 15 * MB), (20 * MB, 15 * MB)]
+        assert agent.scheduler.names == ["cpu-0.0", "cpu-0.1"]
+        assert said == (f"cpu: 2 executors, 15 MB experts each (of 20 MB), from profile {cfg.scheduler.profile} "
+                        f"(executor-count search); expert memory from profile (memory-split search)")
+    finally:
+        agent.stop()
+
+
+def test_count_in_the_config_wins_over_the_profile(line, caplog):
+    cfg = line({"device": "cpu", "memory": "40MB", "count": 3}, searched(2))
+    agent, said = build(cfg, caplog)
+    try:
+        assert len(agent.executors) == 3
+        assert summary(agent) == [(40 * MB, 30 * MB)] * 3  # memory is each executor's own; the split proportional
+        assert said.startswith("cpu: 3 executors, 30 MB experts each (of 40 MB), from config;")
+        assert "executor-count search" not in said
+    finally:
+        agent.stop()
+
+
+def test_count_from_an_environment_variable_is_from_config(line, caplog):
+    cfg = line({"device": "cpu", "memory": "40MB"}, searched(2), env={"COE_EXECUTORS__0__COUNT": "1"})
+    agent, said = build(cfg, caplog)
+    try:
+        assert len(agent.executors) == 1 and "from config" in said
+    finally:
+        agent.stop()
+
+
+def test_configured_expert_memory_is_shared_like_the_memory(line, caplog):
+    cfg = line({"device": "cpu", "memory": "40MB", "expert_memory": "24MB"}, searched(2))
+    agent, said = build(cfg, caplog)
+    try:
+        assert summary(agent) == [(20 * MB, 12 * MB), (20 * MB, 12 * MB)]
+        assert said.endswith("expert memory from config")
+    finally:
+        agent.stop()
+
+
+def test_without_a_profile_one_executor_and_the_default_split(line, caplog):
+    cfg = line({"device": "cpu", "memory": "40MB"})
+    agent, said = build(cfg, caplog)
+    try:
+        assert summary(agent) == [(40 * MB, 30 * MB)]
+        assert said == "cpu: 1 executor, 30 MB experts each (of 40 MB), default (count unset, no profile); " \
+                       "expert memory default (75%)"
+    finally:
+        agent.stop()

@@ -1,0 +1,290 @@
+"""The simulated device and the scheduler's predictions: contention, the lower bound, the age bound,
+estimates that follow what runs, the shared-SSD term, and the baselines' memory (issue 9)."""
+from __future__ import annotations
+
+import math
+from dataclasses import replace
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from coe import CoEModel, Component, Expert, Frame, Request
+from coe.workload import Arrival, Workload, make_workload, task
+from executors.profile import ArchProfile, DeviceProfile, Profile
+from executors.scheduler import FixedCosts, Scheduler
+from executors.simdevice import SimExecutor, SimSystem, lower_bound, simulate
+from executors.systems import activation_reserve, build_system, samba_host_tier
+
+GPU_CLASS = "configs/profiles/gpu-class.json"
+ARCH = "torchvision/resnet18"
+
+
+def one_arch_model(n_experts: int, nbytes: int = 1000) -> CoEModel:
+    experts = {f"e{i}": Expert(f"e{i}", ARCH, "classifier", ("ok", "defect"), 64, nbytes=nbytes)
+               for i in range(n_experts)}
+    comps = {f"c{i}": Component(f"c{i}", f"e{i}", 1.0) for i in range(n_experts)}
+    return CoEModel("toy", experts, comps)
+
+
+def toy_workload(model: CoEModel, comps: list[str], t: float = 0.0) -> Workload:
+    arrivals = tuple(Arrival(t, f"f{i:03d}", c, False) for i, c in enumerate(comps))
+    return Workload(task("A1", requests=len(arrivals)), model, arrivals)
+
+
+def toy_profile(devices: dict[str, DeviceProfile], costs: dict[str, tuple[float, float, int]],
+                load: float = 0.5) -> Profile:
+    archs = {Profile.key(ARCH, kind): ArchProfile(ARCH, kind, K, B, mb, 1000, 10, {"ssd": load, "host": load / 10})
+             for kind, (K, B, mb) in costs.items()}
+    return Profile("test: toy", devices, archs)
+
+
+def spans(rep) -> dict[str, float]:
+    return {expert: end - start for _, expert, _, start, end in rep.order}
+
+
+# -- contention ----------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("curve, expected", [((1.0,), 2.0), ((1.0, 1.5), 2.0 / 1.5), ((1.0, 2.0), 1.0)])
+def test_gpu_executors_share_the_devices_compute(curve, expected):
+    """Two GPU executors computing at once each run at c(2)/2 of one alone."""
+    model = one_arch_model(2)
+    dev = DeviceProfile("cuda:0", "cuda", 10_000, executors=2, concurrency=curve)
+    prof = toy_profile({"cuda:0": dev}, {"cuda": (1.0, 0.0, 4)})
+    execs = tuple(SimExecutor(f"cuda:0#{i}", "cuda:0", 5000, 4000) for i in range(2))
+    system = SimSystem("t", execs, "coserve-paper", "coserve", init="warm")
+    rep = simulate(toy_workload(model, ["c0", "c1"]), prof, system, record_order=True)
+    assert spans(rep) == pytest.approx({"e0": expected, "e1": expected})
+    alone = simulate(toy_workload(model, ["c0"]), prof, system, record_order=True)
+    assert spans(alone) == pytest.approx({"e0": 1.0})   # one busy executor runs at full speed
+
+
+def test_a_batch_speeds_up_when_the_other_executor_finishes():
+    """Processor sharing: e1 (4 s of work) shares the GPU with e0 (1 s) for 2 s, then runs alone."""
+    model = one_arch_model(2)
+    dev = DeviceProfile("cuda:0", "cuda", 10_000, executors=2, concurrency=(1.0, 1.0))
+    prof = toy_profile({"cuda:0": dev}, {"cuda": (1.0, 0.0, 4)})
+    execs = tuple(SimExecutor(f"cuda:0#{i}", "cuda:0", 5000, 4000) for i in range(2))
+    system = SimSystem("t", execs, "coserve-paper", "coserve", init="warm")
+    rep = simulate(toy_workload(model, ["c0", "c1", "c1", "c1", "c1"]), prof, system, record_order=True)
+    assert spans(rep) == pytest.approx({"e0": 2.0, "e1": 5.0})   # 1 s of e1 done by t=2, 3 s alone
+
+
+def test_cpu_executors_split_the_cores_statically():
+    """Two CPU executors each own half the cores: a batch alone still runs at c(2)/2 relative to one executor."""
+    model = one_arch_model(1)
+    dev = DeviceProfile("cpu", "cpu", 10_000, executors=2, concurrency=(1.0, 1.6), profiled_executors=1)
+    prof = toy_profile({"cpu": dev}, {"cpu": (1.0, 0.0, 4)})
+    execs = tuple(SimExecutor(f"cpu#{i}", "cpu", 5000, 4000) for i in range(2))
+    rep = simulate(toy_workload(model, ["c0"]), prof, SimSystem("t", execs, "coserve-paper", "coserve"),
+                   record_order=True)
+    assert spans(rep) == pytest.approx({"e0": 1.0 / 0.8})
+    assert dev.capacity(2) == pytest.approx(1.6)
+
+
+def test_gpu_class_profile_states_its_curve():
+    prof = Profile.load(GPU_CLASS)
+    for dev in prof.devices.values():
+        assert dev.concurrency and dev.concurrency[0] == 1.0 and dev.concurrency_source
+        assert len(dev.concurrency) >= dev.executors
+
+
+# -- the lower bound ------------------------------------------------------------------------------
+
+def _optimum(n: int, cpus: int, gpus: int) -> float:
+    """Brute force: the best makespan for n requests of one expert on CPU (K=0, B=2.4, mb 3) and GPU (K=1, B=0)."""
+    best = math.inf
+    for c in range(n + 1):
+        per_cpu = -(-c // cpus) if c else 0
+        t_cpu = 2.4 * -(-per_cpu // 3)
+        t_gpu = float(-(-(n - c) // gpus)) if gpus else (math.inf if n - c else 0.0)
+        best = min(best, max(t_cpu, t_gpu))
+    return best
+
+
+@pytest.mark.parametrize("gpus", [1, 3])
+def test_lower_bound_stays_below_the_optimum_when_requests_split_over_cpu_and_gpu(gpus):
+    """The counterexample of issue 9: splitting one expert's requests over CPU and GPU."""
+    model = one_arch_model(1)
+    devices = {"cpu": DeviceProfile("cpu", "cpu", 10_000, executors=1, concurrency=(1.0,)),
+               "cuda:0": DeviceProfile("cuda:0", "cuda", 10_000, executors=gpus,
+                                       concurrency=tuple(float(m) for m in range(1, gpus + 1)))}
+    prof = toy_profile(devices, {"cpu": (0.0, 2.4, 3), "cuda": (1.0, 0.0, 1)}, load=0.0)
+    execs = (SimExecutor("cpu#0", "cpu", 5000, 4000),
+             *(SimExecutor(f"cuda:0#{i}", "cuda:0", 5000, 4000) for i in range(gpus)))
+    system = SimSystem("t", execs, "coserve-paper", "coserve")
+    for n in range(1, 16):
+        w = toy_workload(model, ["c0"] * n)
+        bound = lower_bound(w, prof, system, initial={"e0"})
+        assert bound <= _optimum(n, 1, gpus) + 1e-9, n
+        assert bound <= simulate(w, prof, system).makespan + 1e-9
+    # the bound is not vacuous: 6 requests at 0.8 s each at best, over a capacity of 1 + gpus
+    assert lower_bound(toy_workload(model, ["c0"] * 6), prof, system, {"e0"}) == pytest.approx(4.8 / (1 + gpus))
+
+
+@settings(max_examples=12, deadline=None)
+@given(seed=st.integers(0, 10_000), skew=st.floats(0.3, 1.6), share=st.floats(0.0, 1.0),
+       system=st.sampled_from(["coserve", "coserve-paper", "samba", "em+ra"]))
+def test_no_system_beats_the_lower_bound(seed, skew, share, system):
+    prof = Profile.load(GPU_CLASS)
+    w = make_workload(task("A1", requests=150, types=40, skew=skew, detector_share=share, seed=seed))
+    rep = simulate(w, prof, build_system(system, prof))
+    assert rep.lower_bound <= rep.makespan + 1e-9 and rep.frames == 150
+
+
+# -- the scheduler's predictions ------------------------------------------------------------------
+
+def req(expert: str, i: int = 0) -> Request:
+    return Request(Frame(f"f{i}", "A", "B", "C", 0.0, None), expert)
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_a_running_batch_stays_in_the_estimate_until_it_finishes():
+    now = Clock()
+    s = Scheduler(["q"], "coserve", costs=FixedCosts(K=1.0, B=2.0, load=5.0), now=now)
+    for i in range(3):
+        s.submit(req("a", i))
+    assert s.estimate("q") == pytest.approx(5.0 + 3 * 1.0 + 2.0)
+    b = s.next_batch("q", timeout=0)
+    assert b.predicted == pytest.approx(10.0)
+    assert s.estimate("q") == pytest.approx(10.0)      # still running: still in the estimate
+    now.t = 4.0
+    assert s.estimate("q") == pytest.approx(6.0)       # 4 s of it has run
+    s.finished(b)
+    assert s.estimate("q") == 0.0
+
+
+def test_added_latency_uses_the_splitters_real_cap():
+    class Capped(FixedCosts):
+        def max_batch(self, executor, expert_id, *, memory=True):
+            return 2 if memory else 8   # free memory holds 2 although the profile allows 8
+
+    s = Scheduler(["q"], "coserve", costs=Capped(K=1.0, B=3.0, load=0.0))
+    s.submit(req("a", 0))
+    s.submit(req("a", 1))
+    assert s.added_latency("q", "a")[0] == pytest.approx(1.0 + 3.0)   # the third request starts a batch
+    s.submit(req("a", 2))
+    assert [len(s.next_batch("q", timeout=0)) for _ in range(2)] == [2, 1]
+
+
+def test_switch_costs_are_refreshed_when_residency_changes():
+    resident: set[str] = set()
+    s = Scheduler(["q"], "coserve", costs=FixedCosts(K=1.0, B=0.0, load=5.0, resident=lambda n: resident))
+    s.submit(req("a"))
+    assert s.estimate("q") == pytest.approx(6.0) and s.ssd_backlog() == pytest.approx(5.0)
+    resident.add("a")          # e.g. a prefetch loaded it
+    s.refresh("a", "q")
+    assert s.estimate("q") == pytest.approx(1.0) and s.ssd_backlog() == 0.0
+    resident.clear()           # evicted again before its batch ran
+    s.refresh("a")
+    assert s.estimate("q") == pytest.approx(6.0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(ops=st.lists(st.tuples(st.sampled_from(["submit", "take", "finish", "flip"]), st.sampled_from("abc")),
+                    max_size=60))
+def test_estimates_equal_the_queued_groups_and_never_go_negative(ops):
+    resident: set[str] = set()
+    costs = FixedCosts(K=0.5, B=1.0, load=3.0, max_batch=2, resident=lambda n: resident)
+    s = Scheduler(["q1", "q2"], "coserve", costs=costs, now=lambda: 0.0)
+    running = []
+    for i, (op, x) in enumerate(ops):
+        if op == "submit":
+            s.submit(req(x, i))
+        elif op == "take":
+            for name in ("q1", "q2"):
+                b = s.next_batch(name, timeout=0)
+                if b is not None:
+                    running.append(b)
+        elif op == "finish" and running:
+            s.finished(running.pop(0))
+        elif op == "flip":
+            resident.symmetric_difference_update({x})
+            s.refresh(x)
+        for name in ("q1", "q2"):
+            q = s._q[name]
+            want = sum(g.switch + 0.5 * len(g.requests) + 1.0 * -(-len(g.requests) // 2) for g in q.groups)
+            assert q.queued == pytest.approx(want, abs=1e-9) and q.queued >= 0
+            assert s.estimate(name) >= 0
+    assert s.ssd_backlog() >= -1e-9
+
+
+def test_age_bound_serves_a_starved_request_next():
+    def stream(max_wait):
+        now = Clock()
+        s = Scheduler(["q"], "coserve", costs=FixedCosts(K=1.0, B=0.0, load=0.0, max_batch=2), now=now,
+                      max_wait=max_wait)
+        for i in range(3):
+            s.submit(req("hot", i))
+        s.submit(req("cold", 3))
+        order = []
+        for i in range(6):   # two more hot requests a second: the head group never empties
+            now.t += 1.0
+            s.submit(req("hot", 10 + 2 * i))
+            s.submit(req("hot", 11 + 2 * i))
+            order.append(s.next_batch("q", timeout=0).expert_id)
+        return order, s.aged
+
+    order, aged = stream(2.0)
+    # the hot group held 5 requests when first picked: those are served (t=1..3), then cold, which has
+    # waited 4 s > 2 s, comes before the hot requests that arrived meanwhile
+    assert order[:4] == ["hot", "hot", "hot", "cold"] and aged == 1
+    order, aged = stream(None)
+    assert order == ["hot"] * 6 and aged == 0                  # without the bound it starves
+
+
+def test_ssd_aware_assignment_avoids_a_switch_when_the_ssd_is_the_bottleneck():
+    """q1 holds 'a' queued (5 s in all); q2 is idle but would read 'a' from SSD (2 s).  The paper's rule
+    takes q2 (makespan 5 instead of 6).  With 30 s of SSD reads already waiting, that read delays the
+    whole system, so CoServe joins q1's group instead."""
+    class Costs(FixedCosts):
+        def ssd_inflight(self):
+            return 30.0
+
+    for policy, want in (("coserve-paper", "q2"), ("coserve", "q1")):
+        s = Scheduler(["q1", "q2"], policy, costs=Costs(K=1.0, B=0.0, load=2.0))
+        assert _place_a_on(s, "q1") == "q1"
+        s._q["q1"].queued += 2.0            # other work on q1: 1 + 2 (switch) + 2 = 5 s
+        assert s.estimate("q1") == pytest.approx(5.0) and s.estimate("q2") == 0.0
+        assert s.submit(req("a", 5)) == want, policy
+    quiet = Scheduler(["q1", "q2"], "coserve", costs=FixedCosts(K=1.0, B=0.0, load=2.0))
+    _place_a_on(quiet, "q1")
+    quiet._q["q1"].queued += 2.0
+    assert quiet.submit(req("a", 6)) == "q2"   # an idle SSD: the same choice as the paper's rule
+
+
+def _place_a_on(s: Scheduler, name: str) -> str:
+    """Queue one 'a' on `name` by making every other queue look very long for a moment."""
+    saved = {n: s._q[n].queued for n in s.names}
+    for n in s.names:
+        if n != name:
+            s._q[n].queued = 1e6
+    got = s.submit(req("a", 4))
+    for n in s.names:
+        if n != name:
+            s._q[n].queued = saved[n]
+    return got
+
+
+# -- the baselines' memory ---------------------------------------------------------------------------
+
+def test_samba_gets_the_same_machine_as_coserve():
+    prof = Profile.load(GPU_CLASS)
+    co, samba = build_system("coserve", prof), build_system("samba", prof)
+    gpu = next(d for d in prof.devices.values() if d.kind == "cuda")
+    (one,) = samba.executors
+    assert one.memory == gpu.memory
+    assert one.expert_memory == gpu.memory - activation_reserve(prof, "cuda", batch=1)
+    assert one.expert_memory > sum(e.expert_memory for e in co.executors if e.kind == "cuda")
+    cpu_memory = sum(d.memory for d in prof.devices.values() if d.kind == "cpu")
+    assert samba.host_tier == co.host_tier + cpu_memory == samba_host_tier(prof)
+    for system in (co, samba):
+        assert "GB experts" in system.resources() and "host tier" in system.resources()
+    assert sum(e.memory for e in co.executors if e.kind == "cuda") <= gpu.memory

@@ -1,0 +1,288 @@
+"""The exclusive host tier (issue 9, item 5): a victim cache of the GPU pools.
+
+GPU victims move down into it, promoted experts leave it, and at start it holds
+the next most probable experts after the GPU pools'.  The "GPU" here is a
+'cpu' TierSource, so every test runs without CUDA through the same code; the
+agent test swaps the device to 'cpu' the same way.
+"""
+from __future__ import annotations
+
+import logging
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import storage.tiers as tiers
+from coe import Expert
+from storage.expert_store import ExpertStore
+from storage.policies import make_policy
+from storage.pool import Pool, initialize, initialize_tier
+from storage.tiers import StoreSource, TierSource, demote
+
+SMALL, LARGE = 4096, 8192
+SIZES = {**{e: SMALL for e in "abcdef"}, **{e: LARGE for e in "XY"}}
+FILL = {e: float(i + 1) for i, e in enumerate(SIZES)}    # each expert's bytes are recognisably its own
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> ExpertStore:
+    s = ExpertStore(tmp_path_factory.mktemp("victims"))
+    for eid, n in SIZES.items():
+        s.write(Expert(eid, "torchvision/none", "classifier", ("a",), 32), {"w": torch.full((n // 4,), FILL[eid])})
+    return s
+
+
+class CountingSource(StoreSource):
+    """The SSD tier, recording every read."""
+
+    def __init__(self, store) -> None:
+        super().__init__(store)
+        self.reads: list[str] = []
+
+    def load(self, expert_id, reuse=None):
+        self.reads.append(expert_id)
+        return super().load(expert_id, reuse)
+
+
+class Tiers:
+    """SSD -> host tier -> one or more 'GPU' pools, wired as the agent wires them."""
+
+    def __init__(self, store, *, gpu_bytes: int, host_bytes: int, exclusive: bool = True, gpus: int = 1,
+                 policy: str = "lru") -> None:
+        self.exclusive = exclusive
+        self.ssd = CountingSource(store)
+        self.host = Pool("host", host_bytes, make_policy(policy), self.ssd)
+        self.sources = [TierSource(self.host, "cpu", exclusive=exclusive) for _ in range(gpus)]
+        self.demoted: list[tuple[str, bool]] = []
+        self.gpus = [Pool(f"gpu{i}", gpu_bytes, make_policy(policy), src, name=f"gpu{i}", on_event=self._on_event)
+                     for i, src in enumerate(self.sources)]
+
+    def _on_event(self, e) -> None:
+        if e.event == "evict" and self.exclusive:
+            self.demoted.append((e.expert_id, demote(e, self.host)))
+
+    @property
+    def gpu(self) -> Pool:
+        return self.gpus[0]
+
+    def use(self, expert_id: str, gpu: int = 0):
+        pool = self.gpus[gpu]
+        h = pool.acquire(expert_id)
+        assert h is not None
+        assert torch.all(h.value.buffer.view(torch.float32) == FILL[expert_id])   # its own bytes, whatever buffer
+        pool.release(h)
+        return h.value
+
+
+def held_value(pool: Pool, expert_id: str):
+    h = pool.hold(expert_id)
+    assert h is not None, f"{expert_id} is not resident in {pool.name}"
+    pool.release(h)
+    return h.value
+
+
+def test_gpu_victim_moves_down_and_is_served_from_host_next_time(store):
+    t = Tiers(store, gpu_bytes=2 * SMALL, host_bytes=2 * SMALL)
+    t.use("a")
+    t.use("b")
+    assert t.ssd.reads == ["a", "b"] and t.host.resident() == []      # a miss is staged, not kept in the host
+    t.use("c")                                                          # evicts a (LRU): a moves down
+    assert t.demoted == [("a", True)] and t.host.resident() == ["a"]
+    assert torch.equal(held_value(t.host, "a").buffer, store.read_flat("a").buffer)
+    assert t.host.stats().admits == 1 and t.host.stats().misses == 0
+    t.use("a")                                                          # a host load, not an SSD load
+    assert t.ssd.reads == ["a", "b", "c"]
+    assert t.sources[0].promoted == 1 and t.sources[0].staged == 3
+    assert "a" not in t.host.resident() and "a" in t.gpu.resident()   # promoted: it left the host tier
+    assert t.host.resident() == ["b"]                                   # and b, the new victim, moved down
+
+
+def test_moving_a_victim_down_never_pushes_out_the_expert_coming_up(store):
+    t = Tiers(store, gpu_bytes=LARGE + 2 * SMALL, host_bytes=LARGE + SMALL)
+    t.use("X")
+    t.use("Y")                                                          # X moves down
+    t.use("a")
+    t.use("X")                                                          # Y must go; X comes up from the host
+    # Y only fits the host by evicting X, which the GPU pool is about to take: Y is dropped instead
+    assert t.demoted == [("X", True), ("Y", False)]
+    assert t.ssd.reads == ["X", "Y", "a"] and t.sources[0].promoted == 1
+    assert t.host.resident() == [] and sorted(t.gpu.resident()) == ["X", "a"]
+
+
+def test_promotion_removes_the_host_copy_unless_someone_still_holds_it(store):
+    t = Tiers(store, gpu_bytes=2 * SMALL, host_bytes=4 * SMALL)
+    for e in "ab":
+        t.host.release(t.host.acquire(e))                              # as initialisation fills it
+    t.use("a")
+    assert "a" not in t.host.resident() and t.sources[0].promoted == 1 and t.ssd.reads == ["a", "b"]
+    pinned = t.host.acquire("b")                                        # another tier is still copying b
+    t.use("b")
+    assert "b" in t.host.resident()                                     # so the host copy stays
+    t.host.release(pinned)
+
+
+def test_inclusive_tier_keeps_a_copy_of_every_gpu_load(store):
+    t = Tiers(store, gpu_bytes=2 * SMALL, host_bytes=4 * SMALL, exclusive=False)
+    for e in "abc":
+        t.use(e)
+    assert sorted(t.host.resident()) == ["a", "b", "c"] and t.demoted == []
+    assert set(t.gpu.resident()) < set(t.host.resident())               # the duplicates item 5 is about
+
+
+def test_demotion_refills_an_evicted_host_buffer_of_the_same_size(store):
+    t = Tiers(store, gpu_bytes=SMALL, host_bytes=2 * SMALL)
+    for e in "de":
+        t.host.release(t.host.acquire(e))
+    d_buffer = held_value(t.host, "d").buffer
+    t.host.release(t.host.hold("e"))                                    # d is now the host's LRU victim
+    t.use("a")
+    t.use("b")                                                          # a moves down, evicting d
+    assert sorted(t.host.resident()) == ["a", "e"]
+    a_host = held_value(t.host, "a")
+    assert a_host.buffer.data_ptr() == d_buffer.data_ptr()              # into d's old buffer, not a new one
+    assert torch.all(a_host.buffer.view(torch.float32) == FILL["a"])
+
+
+def test_a_victim_the_host_cannot_take_is_dropped_and_the_gpu_load_goes_on(store):
+    t = Tiers(store, gpu_bytes=SMALL, host_bytes=SMALL)
+    t.host.release(t.host.acquire("d"))
+    held = t.host.acquire("d")                                          # the host's only room is pinned
+    t.use("a")
+    t.use("b")
+    assert t.demoted == [("a", False)] and t.host.resident() == ["d"] and t.gpu.resident() == ["b"]
+    t.host.release(held)
+
+
+def test_a_failed_demotion_copy_leaves_no_half_entry_and_the_gpu_load_goes_on(store, monkeypatch, caplog):
+    t = Tiers(store, gpu_bytes=SMALL, host_bytes=2 * SMALL)
+
+    def no_memory(*a, **k):
+        raise RuntimeError("cudaHostAlloc failed")
+
+    t.use("a")
+    monkeypatch.setattr(tiers, "host_copy", no_memory)
+    with caplog.at_level(logging.WARNING, logger="storage.tiers"):
+        t.use("b")
+    assert t.demoted == [("a", False)] and "could not demote 'a'" in caplog.text
+    assert t.host.resident() == [] and t.host.used_bytes() == 0 and t.host.stats().admits == 0
+    assert t.gpu.resident() == ["b"]
+
+
+@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(trace=st.lists(st.tuples(st.sampled_from(sorted(SIZES)), st.booleans()), min_size=1, max_size=40),
+       policy=st.sampled_from(["lru", "coserve", "fifo"]))
+def test_host_never_exceeds_capacity_and_the_tiers_stay_exclusive(store, trace, policy):
+    t = Tiers(store, gpu_bytes=LARGE + 2 * SMALL, host_bytes=LARGE + SMALL, policy=policy)
+    held = None
+    for eid, keep in trace:
+        from_host = eid in t.host.resident() and eid not in t.gpu.resident()
+        reads = len(t.ssd.reads)
+        h = t.gpu.acquire(eid)
+        if h is None:                                                   # only the held expert can block
+            assert held is not None
+            continue
+        if from_host:
+            assert len(t.ssd.reads) == reads                            # a victim comes back without an SSD read
+        assert torch.all(h.value.buffer.view(torch.float32) == FILL[eid])
+        if keep and held is None:
+            held = h
+        else:
+            t.gpu.release(h)
+        assert t.host.used_bytes() <= t.host.capacity and t.gpu.used_bytes() <= t.gpu.capacity
+        assert not set(t.host.resident()) & set(t.gpu.resident())
+        for e in t.host.resident():                                     # a demoted copy is the expert's own bytes
+            assert torch.all(held_value(t.host, e).buffer.view(torch.float32) == FILL[e])
+
+
+def test_exclusive_init_puts_no_expert_in_both_tiers(store):
+    t = Tiers(store, gpu_bytes=2 * SMALL, host_bytes=2 * SMALL + LARGE, gpus=2)
+    order = ["a", "b", "c", "d", "e", "X", "f", "Y"]                    # descending usage probability
+    got = initialize(t.gpus, order)
+    host_got = initialize_tier(t.host, t.gpus, order)
+    assert got == {"gpu0": ["a", "c"], "gpu1": ["b", "d"]}               # round-robin by probability
+    assert host_got == ["e", "X", "f"] and sorted(t.host.resident()) == ["X", "e", "f"]   # the next ones
+    on_gpus = {e for p in t.gpus for e in p.resident()}
+    assert not on_gpus & set(t.host.resident())
+    assert t.ssd.reads == ["a", "b", "c", "d", "e", "X", "f"]            # each read once, none for both tiers
+
+
+# -- the agent's wiring, with the GPU swapped for 'cpu' -------------------------------------------------
+
+class _Writer:
+    def __init__(self) -> None:
+        self.events: list[dict] = []
+
+    def put_event(self, row: dict) -> None:
+        self.events.append(row)
+
+
+@pytest.fixture
+def cpu_gpu_agent(tmp_path, tiny_zoo, monkeypatch):
+    """An agent configured with one cuda:0 executor whose device memory is really host memory."""
+    import shutil
+
+    import edge_agent.agent as agent_mod
+    from conftest import write_line
+    from edge_agent.config import load_config
+
+    class CpuTier(TierSource):
+        def __init__(self, parent, device, **kw):
+            super().__init__(parent, "cpu", **kw)
+
+    class Unpinned(StoreSource):
+        def __init__(self, store, **kw):
+            super().__init__(store, **{**kw, "pin": False})
+
+    monkeypatch.setattr(agent_mod, "TierSource", CpuTier)
+    monkeypatch.setattr(agent_mod, "StoreSource", Unpinned)
+
+    made = []
+
+    def make(mode: str, cpu_tier: str):
+        store = tmp_path / f"experts-{mode}"
+        shutil.copytree(tiny_zoo, store)
+        path = write_line(tmp_path / mode, store=store, cpu_tier=cpu_tier, cpu_tier_mode=mode,
+                          executors=[{"device": "cuda:0", "count": 1, "memory": "40MB", "expert_memory": "30MB",
+                                      "prefetch": False}])
+        agent = agent_mod.Agent(load_config(path, env={}))
+        agent.writer = _Writer()           # pool events are recorded without starting the writer thread
+        made.append(agent)
+        return agent
+
+    yield make
+    for a in made:
+        a.stop()
+
+
+def test_agent_initialises_the_host_tier_with_the_next_experts_and_demotes_gpu_victims(cpu_gpu_agent):
+    # 30 MB of experts on the "GPU" hold the tiny line's 3 most probable (12 + 6 + 6 MB); the 20 MB host
+    # tier the next two classifiers (6 + 6 MB)
+    agent = cpu_gpu_agent("exclusive", "20MB")
+    gpu, host = agent.pools["cuda:0-0.0"], agent.host_tier
+    loaded = agent._initialize()
+    probs = agent.probabilities
+    order = sorted(agent.model.experts, key=lambda e: -probs[e])
+    assert sorted(loaded["cuda:0-0.0"]) == sorted(order[:3])
+    assert sorted(loaded["host"]) == sorted(order[3:5]) and sorted(host.resident()) == sorted(order[3:5])
+    assert not set(gpu.resident()) & set(host.resident())
+
+    missing = next(e for e in order if e not in gpu.resident() and e not in host.resident())
+    gpu.release(gpu.acquire(missing))                                     # from SSD: evicts GPU victims
+    victims = [r["expert_id"] for r in agent.writer.events if r["tier"] == "cuda:0" and r["event"] == "evict"]
+    admitted = [r["expert_id"] for r in agent.writer.events if r["tier"] == "host" and r["event"] == "admit"]
+    assert victims and admitted == victims                                # every victim moved down
+    assert set(victims) <= set(host.resident()) and missing not in host.resident()
+    assert host.used_bytes() <= host.capacity
+    gpu.release(gpu.acquire(victims[0]))                                  # promoted back: leaves the host
+    assert victims[0] in gpu.resident() and victims[0] not in host.resident()
+    assert not set(gpu.resident()) & set(host.resident())
+
+
+def test_agent_inclusive_mode_keeps_the_paper_tier(cpu_gpu_agent):
+    agent = cpu_gpu_agent("inclusive", "40MB")
+    gpu, host = agent.pools["cuda:0-0.0"], agent.host_tier
+    agent._initialize()
+    assert set(gpu.resident()) <= set(host.resident())                   # every GPU load left a copy
+    assert host.stats().admits == 0
