@@ -131,7 +131,7 @@ class Agent:
                                             device=ex.device)
         self.costs = ProfileCosts(self.model, infos, self.profile, host=self.host_tier,
                                   default_max_batch=cfg.scheduler.max_batch)
-        tie = cfg.scheduler.tie_seconds if cfg.scheduler.tie_seconds is not None else self.costs.median_ssd_load()
+        tie = cfg.scheduler.tie_seconds
         self.scheduler = Scheduler([s.name for s in self.slots], cfg.scheduler.policy, costs=self.costs,
                                    tie_seconds=tie, max_wait=cfg.scheduler.max_wait)
         for slot in self.slots:

@@ -90,10 +90,12 @@ class ExecutorConfig(_Strict):
 
 
 class SchedulerConfig(_Strict):
-    policy: Literal["coserve", "em+ra", "em", "none", "fcfs", "round-robin", "grouped"] = "coserve"
+    policy: Literal["coserve", "coserve-paper", "em+ra", "em", "none", "fcfs", "round-robin",
+                    "grouped"] = "coserve"
     max_batch: int = Field(16, ge=1, le=1024, description="batch cap where no profile gives one")
     profile: str = Field("{data_dir}/profile.json", description="costs from `coe-agent profile`; estimates if absent")
-    tie_seconds: float | None = Field(None, ge=0, description="assignment tie window; default one median SSD load")
+    tie_seconds: float = Field(0.0, ge=0, description="assignment: predicted makespans this close count as ties "
+                                                      "(0: exact, as the paper; the SSD term handles switches)")
     initialize: bool = Field(True, description="fill pools by usage probability at start (CoServe §4.1)")
     max_wait: float | None = Field(2.0, ge=0, description="age bound in seconds: a request queued longer is served "
                                                           "next, whatever its group; null or 0 disables it")

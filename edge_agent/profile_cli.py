@@ -41,17 +41,21 @@ def _batch_sizes(ctx: click.Context, param: click.Parameter, value: str) -> tupl
               help="Batch sizes to time, comma-separated.")
 @click.option("--repeats", default=3, show_default=True, type=click.IntRange(min=1),
               help="Timed rounds per batch size, and loads per tier (the median is kept).")
+@click.option("--concurrency-seconds", default=0.5, show_default=True, type=click.FloatRange(min=0, min_open=True),
+              help="How long k executors run together for each point of a device's concurrency curve.")
 @click.option("--plots/--no-plots", default=True, show_default=True, help="Write PNG plots next to the profile.")
 def profile(line: str, config_path: str | None, out: str | None, batch_sizes: tuple[int, ...], repeats: int,
-            plots: bool) -> None:
+            concurrency_seconds: float, plots: bool) -> None:
     """Microbenchmark the line's experts on this machine and write profile.json.
 
     Each (architecture, device) of the line is profiled once, with one of its
     experts loaded through the real tiers: batch latency K*n+B, the max useful
     batch, weight and per-sample activation bytes, and load latency from SSD
-    (cold) and from host memory.  Then the memory-split and executor-count
-    searches run where they are available.  The scheduler and the simulated
-    device read the result.
+    (cold) and from host memory.  Then each device's concurrency curve: the
+    aggregate throughput of 1..k executors running at once, relative to one.
+    Then the memory-split and executor-count searches run where they are
+    available, and the profile keeps their outcome (executors and expert
+    memory per device).  The scheduler and the simulated device read the result.
 
     \b
     Example:
@@ -74,13 +78,14 @@ def profile(line: str, config_path: str | None, out: str | None, batch_sizes: tu
     targets = plan_targets(cfg, model, store)
     click.echo(f"profiling line {cfg.line}: {len(targets)} (arch, device) pair(s), batch sizes "
                f"{','.join(map(str, batch_sizes))}, {repeats} repeat(s)")
-    bar = tqdm(total=step_count(targets, batch_sizes, repeats), desc="profiling", unit="step")
+    bar = tqdm(total=step_count(targets, batch_sizes, repeats, cfg), desc="profiling", unit="step")
 
     def step(msg: str) -> None:
         bar.update(1)
         bar.write(msg)
     try:
-        prof = profile_line(cfg, model, store, batch_sizes=batch_sizes, repeats=repeats, progress=step)
+        prof = profile_line(cfg, model, store, batch_sizes=batch_sizes, repeats=repeats, progress=step,
+                            concurrency_seconds=concurrency_seconds)
     finally:
         bar.close()
 
@@ -121,7 +126,12 @@ def _tuner():
 
 
 def format_table(prof: "Profile") -> list[str]:
-    """The profile's per-(arch, device) figures as aligned text rows."""
+    """The profile's per-(arch, device) figures as aligned text rows, then one row per device.
+
+    A device row gives its executor count and expert memory (the searches'
+    outcome when they ran), and one more its concurrency curve with where it
+    came from.
+    """
     cols = ("arch", "device", "K ms", "B ms", "max batch", "weights MB", "act MB/sample", "SSD load ms",
             "host load ms")
 
@@ -134,7 +144,13 @@ def format_table(prof: "Profile") -> list[str]:
 
     def fmt(vals) -> str:
         return "  ".join(v.ljust(w) if i < 2 else v.rjust(w) for i, (v, w) in enumerate(zip(vals, widths))).rstrip()
-    return [fmt(cols), *(fmt(r) for r in rows)]
+    out = [fmt(cols), *(fmt(r) for r in rows)]
+    for name, d in sorted(prof.devices.items()):
+        experts = "-" if d.expert_memory is None else f"{d.expert_memory / _MB:.0f} MB"
+        out.append(f"{name}: {d.executors} executor(s), experts {experts} of {d.memory / _MB:.0f} MB")
+        if d.concurrency:
+            out.append(f"{name} concurrency: {' '.join(f'{c:.2f}' for c in d.concurrency)} ({d.concurrency_source})")
+    return out
 
 
 from .cli import _config, _fail_clearly, line_options  # noqa: E402  (after `profile`: see the module doc)

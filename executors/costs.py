@@ -96,11 +96,6 @@ class ProfileCosts:
         """Share of recent time the SSD was reading (0 where not tracked)."""
         return self._ssd_utilisation()
 
-    def median_ssd_load(self) -> float:
-        """One typical expert load from SSD: CoServe's assignment tie window."""
-        loads = sorted(a.load_seconds.get("ssd", 0.0) for a in self._arch.values())
-        return loads[len(loads) // 2] if loads else 0.0
-
     def arch(self, executor: str, expert_id: str) -> ArchProfile:
         return self._arch[(self.model.experts[expert_id].arch, self.executors[executor].device_kind)]
 
@@ -120,7 +115,10 @@ class ProfileCosts:
         return "ssd"
 
     def switch_cost(self, executor: str, expert_id: str) -> float:
-        return self.arch(executor, expert_id).load(self.tier_of(executor, expert_id))
+        """Load time from the tier where the expert lives; an SSD read also waits for the reads ahead of it."""
+        tier = self.tier_of(executor, expert_id)
+        wait = self.ssd_inflight() if tier == "ssd" else 0.0
+        return self.arch(executor, expert_id).load(tier) + wait
 
     def ssd_seconds(self, executor: str, expert_id: str) -> float:
         tier = self.tier_of(executor, expert_id)

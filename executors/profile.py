@@ -198,25 +198,40 @@ def decay_window_search(throughput, n_max: int, *, window: int = 15, margin: flo
     """CoServe's memory-split search (paper §4.4, Eq. 1-3) over 'number of experts loaded'.
 
     `throughput(n)` runs sample inference with n experts resident.  The window
-    starts at [0, window]; each slide moves it up and shrinks it by the decay
-    factor 1 - window/100.  The first `fit_points` upper-bound throughputs are
-    fitted linearly (Eq. 2); sliding stops when the next measurement falls
-    below the fit by more than `margin` (Eq. 3) or n_max is reached.  Returns
-    the final window (low, high) and the measured points.
+    starts at [0, window]; each slide moves it up by its size and shrinks the
+    size by the decay factor 1 - window/100 (Eq. 1; never below one expert).
+    The first `fit_points` upper-bound throughputs, and only those, are fitted
+    linearly, f(n) = k*n + b (Eq. 2): that is the upward trend the paper
+    expects while more experts still pay.  Every later sample is compared with
+    the fit's prediction and sliding stops at the first one where
+    (f(n) - actual) / f(n) > margin (Eq. 3), so a plateau or a decline trips
+    it a bounded number of samples after it starts.  Two cases Eq. 3 cannot
+    catch stop it too: a fit with no upward trend (k <= 0: more experts did
+    not pay from the start, and a flat or falling line would be followed to
+    the end), right after the fit; and a prediction f(n) <= 0.  Otherwise the
+    search ends when the upper bound reaches `n_max` (the caller's cap: the
+    most experts that fit the expert memory).  Returns the final window (low,
+    high) and the measured points in the order measured; `stop_reason(points,
+    ...)` tells why it ended.
     """
+    if n_max < 1:
+        raise ValueError(f"n_max must be at least 1, got {n_max}")
+    if fit_points < 2:
+        raise ValueError(f"fit_points must be at least 2 (a line needs two points), got {fit_points}")
     decay = 1 - window / 100.0
     low, size = 0, float(window)
     points: list[tuple[int, float]] = []
+    fit: tuple[float, float] | None = None
     while True:
         high = min(n_max, max(low + 1, int(round(low + size))))
-        tp = throughput(high)
-        if len(points) >= fit_points:
-            k, b = _fit(points)
-            expected = k * high + b
-            if expected > 0 and (expected - tp) / expected > margin:
-                points.append((high, tp))
-                return low, high, points
+        tp = float(throughput(high))
         points.append((high, tp))
+        if fit is not None and _deviates(fit, high, tp, margin):
+            return low, high, points
+        if fit is None and len(points) == fit_points:
+            fit = _fit(points)
+            if fit[0] <= 0:
+                return low, high, points
         if high >= n_max:
             return low, high, points
         low = high
@@ -224,6 +239,12 @@ def decay_window_search(throughput, n_max: int, *, window: int = 15, margin: flo
 
 
 def _fit(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """Least-squares (k, b) of y = k*x + b through `points` (Eq. 2).
+
+    The search calls it once, on its first `fit_points` samples: refitting on
+    every sample would let the line bend to follow a plateau and Eq. 3 would
+    never trip.
+    """
     xs = [p[0] for p in points]
     ys = [p[1] for p in points]
     n = len(points)
@@ -231,3 +252,25 @@ def _fit(points: list[tuple[int, float]]) -> tuple[float, float]:
     var = sum((x - mx) ** 2 for x in xs)
     k = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / var if var else 0.0
     return k, my - k * mx
+
+
+def _deviates(fit: tuple[float, float], n: int, actual: float, margin: float) -> bool:
+    """Eq. 3: the sample at `n` falls below the fitted trend by more than `margin` (or the trend is <= 0)."""
+    expected = fit[0] * n + fit[1]
+    return expected <= 0 or (expected - actual) / expected > margin
+
+
+def stop_reason(points: list[tuple[int, float]], *, margin: float = 0.05, fit_points: int = 3) -> str:
+    """Why a `decay_window_search` that measured `points` (with these parameters) ended.
+
+    'Eq. 3' (the last sample fell below the fitted trend), 'no upward trend'
+    (the fit of the first points had slope <= 0), or '' (it reached n_max on
+    the trend).
+    """
+    if len(points) < fit_points:
+        return ""
+    fit = _fit(points[:fit_points])
+    if len(points) == fit_points:
+        return "no upward trend" if fit[0] <= 0 else ""
+    n, tp = points[-1]
+    return "Eq. 3" if _deviates(fit, n, tp, margin) else ""

@@ -14,17 +14,24 @@ evicted same-sized expert, so a load is the read (or copy) into that buffer
 plus a rebind.  Skeleton construction happens once per executor and is not a
 switch cost.
 
+After the per-arch measurements, each device of the config gets its
+concurrency curve: k = 1..K executor threads run the device's most used arch
+at its max batch at once, and their aggregate throughput relative to one alone
+is `DeviceProfile.concurrency` (the simulator shares a device's compute by it).
+
 The memory-split and executor-count searches live elsewhere (`executors.tuning`);
 this module only measures.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import datetime as dt
 import math
 import os
 import platform
 import statistics
+import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -53,6 +60,9 @@ POOR_FIT = 0.5             # a fit that misses a measured point by more than thi
 COLD_RESIDENT_MAX = 0.05   # a 'cold' file with more of its pages cached than this is reported as not cold
 FIXED_STEPS = 4            # progress steps per target besides one per batch size and one per timed round:
                            # build, activation, ssd load, host load
+CONCURRENCY_SECONDS = 0.5  # how long k concurrent executors run for one point of a device's concurrency curve
+MIN_CONCURRENCY = 4        # a curve covers at least 1..4 executors (the executor-count search's range) ...
+CUDA_CONCURRENCY = 4       # ... and a GPU's exactly that; a CPU's at most its cores
 
 Progress = Callable[[str], None]
 
@@ -119,19 +129,53 @@ def plan_targets(cfg: "LineConfig", model: CoEModel, store: "ExpertStore") -> li
     return targets
 
 
-def step_count(targets: Sequence[Target], batch_sizes: Sequence[int], repeats: int) -> int:
-    """How many times `profile_line` calls `progress` (for a progress bar's total)."""
-    return len(targets) * (len(set(batch_sizes)) + repeats + FIXED_STEPS)
+def step_count(targets: Sequence[Target], batch_sizes: Sequence[int], repeats: int, cfg: "LineConfig") -> int:
+    """How many times `profile_line` calls `progress` (for a progress bar's total).
+
+    Per target: one per batch size, one per timed round and FIXED_STEPS; per
+    device of `cfg`: one for building its concurrency copies and one per point
+    of its curve.
+    """
+    per_target = len(targets) * (len(set(batch_sizes)) + repeats + FIXED_STEPS)
+    return per_target + sum(1 + k for k in concurrency_plan(cfg).values())
+
+
+def profiled_executors(cfg: "LineConfig", device: str) -> int:
+    """The executor count whose thread share K and B of `device` are measured at (threads = cores // count).
+
+    A GPU's K and B are one executor alone on it: 1.
+    """
+    if device_kind(device) == "cuda":
+        return 1
+    cores = os.cpu_count() or 1
+    return max(1, cores // executor_threads(cfg))
+
+
+def concurrency_plan(cfg: "LineConfig") -> dict[str, int]:
+    """Device name -> K, the most concurrent executors its concurrency curve is measured for.
+
+    CPU: max(MIN_CONCURRENCY, its configured count, the count K and B were
+    profiled at), capped at the cores; GPU: CUDA_CONCURRENCY.
+    """
+    cores = os.cpu_count() or 1
+    counts: dict[str, int] = {}
+    for ex in cfg.executors:
+        counts[ex.device] = counts.get(ex.device, 0) + ex.count
+    return {name: CUDA_CONCURRENCY if device_kind(name) == "cuda"
+            else max(1, min(cores, max(MIN_CONCURRENCY, n, profiled_executors(cfg, name))))
+            for name, n in counts.items()}
 
 
 def profile_line(cfg: "LineConfig", model: CoEModel, store: "ExpertStore", *,
                  batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES, repeats: int = 3,
-                 progress: Progress | None = None, cap_seconds: float = CAP_SECONDS) -> Profile:
+                 progress: Progress | None = None, cap_seconds: float = CAP_SECONDS,
+                 concurrency_seconds: float = CONCURRENCY_SECONDS) -> Profile:
     """Microbenchmark every (arch, device kind) of the line once; return the measured Profile.
 
     Runs with the intra-op thread count one executor of this config gets, so
-    K and B are what one executor will see.  Torch's thread setting is
-    restored afterwards.
+    K and B are what one executor will see.  Then measures each device's
+    concurrency curve, `concurrency_seconds` per point.  Torch's thread
+    setting is restored afterwards.
     """
     import torch
 
@@ -140,6 +184,8 @@ def profile_line(cfg: "LineConfig", model: CoEModel, store: "ExpertStore", *,
         raise CoEError(f"batch sizes must be at least two distinct positive integers, got {list(batch_sizes)}")
     if repeats < 1:
         raise CoEError(f"repeats must be at least 1, got {repeats}")
+    if not concurrency_seconds > 0:
+        raise CoEError(f"concurrency seconds must be positive, got {concurrency_seconds}")
     check_devices(cfg)
     targets = plan_targets(cfg, model, store)
     say = progress or (lambda msg: None)
@@ -148,10 +194,18 @@ def profile_line(cfg: "LineConfig", model: CoEModel, store: "ExpertStore", *,
     notes: list[str] = []
     archs: dict[str, ArchProfile] = {}
     watch = _Contention()
+    devices = device_profiles(cfg)
     torch.set_num_threads(threads)
     try:
         for t in targets:
             archs[t.label] = _profile_target(t, cfg, store, sizes, repeats, cap_seconds, say, notes)
+        for name, k_max in concurrency_plan(cfg).items():
+            t = _concurrency_target(name, targets, model)
+            curve, how = _measure_concurrency(name, t, archs[t.label].max_batch, cfg, store, k_max,
+                                              concurrency_seconds, say)
+            devices[name] = dataclasses.replace(devices[name], concurrency=curve, concurrency_source=how,
+                                                profiled_executors=profiled_executors(cfg, name))
+            torch.set_num_threads(threads)
     finally:
         torch.set_num_threads(saved)
     notes.extend(_input_size_notes(model, targets))
@@ -166,7 +220,7 @@ def profile_line(cfg: "LineConfig", model: CoEModel, store: "ExpertStore", *,
     stamp = dt.datetime.now(dt.timezone.utc).astimezone().isoformat(timespec="seconds")
     source = (f"measured on {platform.node()} ({cpu_model()}, torch {torch.__version__}, {threads} threads) "
               f"at {stamp}")
-    return Profile(source=source, devices=device_profiles(cfg), archs=archs, notes=notes)
+    return Profile(source=source, devices=devices, archs=archs, notes=notes)
 
 
 def executor_threads(cfg: "LineConfig") -> int:
@@ -366,6 +420,122 @@ def _profile_target(t: Target, cfg: "LineConfig", store: "ExpertStore", sizes: l
                        activation_bytes=act, load_seconds={"ssd": ssd, "host": warm}, points=tuple(points))
 
 
+# -- concurrency ---------------------------------------------------------------------
+
+def _concurrency_target(device: str, targets: Sequence[Target], model: CoEModel) -> Target:
+    """The target of `device`'s kind whose arch the line uses most (expected requests per frame)."""
+    uses = model.expected_uses()
+    by_arch: dict[str, float] = {}
+    for e in model.experts.values():
+        by_arch[e.arch] = by_arch.get(e.arch, 0.0) + uses.get(e.id, 0.0)
+    mine = [t for t in targets if t.kind == device_kind(device)]
+    return max(mine, key=lambda t: (by_arch.get(t.arch, 0.0), t.arch))
+
+
+def _measure_concurrency(device: str, t: Target, batch: int, cfg: "LineConfig", store: "ExpertStore", k_max: int,
+                         seconds: float, say: Progress) -> tuple[tuple[float, ...], str]:
+    """`device`'s concurrency curve: aggregate throughput of k = 1..k_max executors relative to one.
+
+    Each executor is a thread with its own copy of `t`'s module (sharing one
+    copy of the weights) running batches of `batch` in a loop for `seconds`,
+    all k starting together.  On a CPU each gets the thread share an executor
+    would get, cores // k (torch's setting is process-wide and a thread reads
+    it at its first parallel op, so it is set before the k threads start and
+    the caller restores it); on a GPU each runs on its own CUDA stream.
+    """
+    import torch
+
+    from storage.tiers import StoreSource, TierSource
+
+    from .backends import get_backend
+    from .skeletons import Skeletons
+
+    cuda = t.kind == "cuda"
+    where = "cuda:0" if device == "cuda" else device
+    backend = get_backend(t.arch)
+    eid = t.expert.id
+    expert = t.expert if t.expert.uri else dataclasses.replace(t.expert, uri=str(store.path(eid)))
+    host_src = StoreSource(store, pin=cuda, method=cfg.expert_read)
+    held = _Held(store)
+    held.value = host_src.load(eid)
+    weights = TierSource(held, where).load(eid) if cuda else held.value
+    skeletons = [Skeletons(where) for _ in range(k_max)]
+    modules = [s.bind(expert, weights) for s in skeletons]
+    images = _sample_images(expert, t.components, batch)
+    cores = os.cpu_count() or 1
+    say(f"{device}: concurrency: {k_max} executor copies of {eid} ({t.arch}) at batch {batch}")
+    rates: list[float] = []
+    try:
+        for k in range(1, k_max + 1):
+            if not cuda:
+                torch.set_num_threads(max(1, cores // k))
+            rates.append(_run_concurrently(backend, expert, modules[:k], images, seconds,
+                                           torch.device(where) if cuda else None))
+            say(f"{device}: {k} concurrent executor(s): {rates[-1]:.1f} requests/s "
+                f"({rates[-1] / rates[0]:.2f}x one)")
+    finally:
+        for s in skeletons:
+            s.unbind(weights)
+        held.value = None
+        if cuda:
+            torch.cuda.empty_cache()
+    curve = (1.0, *(round(r / rates[0], 4) for r in rates[1:]))
+    machine = torch.cuda.get_device_name(torch.device(where)) if cuda else f"{cpu_model()}, {cores} cores"
+    how = (f"measured on {platform.node()} ({machine}) with {t.arch} at batch {batch}, {seconds:g} s per point"
+           + ("" if cuda else "; k executors at cores // k threads each") + (", one CUDA stream each" if cuda else ""))
+    return curve, how
+
+
+def _run_concurrently(backend, expert: Expert, modules: Sequence[Any], images: list, seconds: float,
+                      cuda: Any = None) -> float:
+    """Requests per second of len(modules) threads running `images` batches at once for about `seconds`.
+
+    Each thread warms up once, then all start together and each runs whole
+    batches until `seconds` have passed; the aggregate is the sum of each
+    thread's requests over its own elapsed time.  `cuda`: the torch device,
+    each thread on its own stream; None on a CPU.
+    """
+    import torch
+
+    k = len(modules)
+    start = threading.Barrier(k)
+    done: list[tuple[int, float] | None] = [None] * k
+    errors: list[BaseException] = []
+
+    def worker(i: int) -> None:
+        try:
+            stream = torch.cuda.Stream(cuda) if cuda is not None else None
+            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+                backend.run(modules[i], expert, images)   # warm-up: this thread's pool, allocator, kernels
+                if stream is not None:
+                    stream.synchronize()
+                start.wait()
+                t0 = time.perf_counter()
+                n = 0
+                while True:
+                    backend.run(modules[i], expert, images)
+                    n += 1
+                    if time.perf_counter() - t0 >= seconds:
+                        break
+                if stream is not None:
+                    stream.synchronize()
+                done[i] = (n * len(images), time.perf_counter() - t0)
+        except threading.BrokenBarrierError:
+            pass   # another thread failed: its error is the one reported
+        except BaseException as exc:  # noqa: BLE001  (re-raised in the caller's thread)
+            errors.append(exc)
+            start.abort()
+
+    threads = [threading.Thread(target=worker, args=(i,), name=f"concurrency-{i}", daemon=True) for i in range(k)]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    if errors:
+        raise errors[0]
+    return sum(d[0] / d[1] for d in done if d is not None and d[1] > 0)
+
+
 def _time_batches(t: Target, run: Callable[[int], Any], sizes: list[int], repeats: int, cap_seconds: float,
                   say: Progress, notes: list[str]) -> list[tuple[int, float]]:
     """Median seconds per batch size: one warm-up each, then `repeats` rounds over all sizes.
@@ -464,7 +634,8 @@ def plot_profile(profile: Profile, out_dir: str | Path) -> list[Path]:
     """Write the profile's PNGs into `out_dir`; return the paths written.
 
     latency_vs_batch.png always; throughput_vs_experts.png when a device has
-    memory-split points; throughput_vs_executors.png when one has count points.
+    memory-split points; throughput_vs_executors.png when one has count points;
+    concurrency.png when one has a concurrency curve.
     """
     import matplotlib
 
@@ -480,6 +651,12 @@ def plot_profile(profile: Profile, out_dir: str | Path) -> list[Path]:
     count = {k: d for k, d in profile.devices.items() if d.count_points}
     if count:
         written.append(_plot_count(plt, profile, count, out_dir / "throughput_vs_executors.png"))
+    curves = {k: d for k, d in profile.devices.items() if d.concurrency}
+    if curves:
+        written.append(_plot_search(plt, profile, curves, out_dir / "concurrency.png", field="concurrency",
+                                    xlabel="executors busy at once",
+                                    ylabel="aggregate throughput (x one executor)",
+                                    title="concurrency: throughput of k executors sharing the device"))
     return written
 
 
@@ -517,12 +694,17 @@ def _plot_latency(plt, profile: Profile, path: Path) -> Path:
 
 
 def _plot_search(plt, profile: Profile, devices: dict[str, DeviceProfile], path: Path, *, field: str,
-                 xlabel: str, title: str) -> Path:
-    """Throughput against the searched quantity, one line per device, with the search's outcome marked."""
+                 xlabel: str, title: str, ylabel: str = "throughput (requests/s)") -> Path:
+    """Throughput against the searched quantity, one line per device, with the search's outcome marked.
+
+    `field` names (x, y) points of the device, or "concurrency": its curve
+    (y at x = 1..k), with the chosen executor count marked as for the count search.
+    """
     fig, ax = plt.subplots(figsize=(7, 4.5))
     for i, (name, d) in enumerate(sorted(devices.items())):
         color = f"C{i % 10}"
-        order = list(getattr(d, field))
+        raw = getattr(d, field)
+        order = [(k, c) for k, c in enumerate(raw, 1)] if field == "concurrency" else list(raw)
         pts = sorted(order)
         ax.plot([p[0] for p in pts], [p[1] for p in pts], "o-", color=color, label=name)
         if field == "split_points":
@@ -531,7 +713,7 @@ def _plot_search(plt, profile: Profile, devices: dict[str, DeviceProfile], path:
             ax.axvspan(low, order[-1][0], color=color, alpha=0.15, label=f"{name} final window [{low}, {order[-1][0]}]")
         else:
             ax.axvline(d.executors, color=color, linestyle=":", label=f"{name} chosen: {d.executors}")
-    ax.set(xlabel=xlabel, ylabel="throughput (requests/s)", title=title)
+    ax.set(xlabel=xlabel, ylabel=ylabel, title=title)
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=8)
     fig.suptitle(profile.source, fontsize=7)

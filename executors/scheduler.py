@@ -20,9 +20,13 @@ same code as CoServe:
   expert (`arrange=True`); otherwise arrival order, and only neighbours batch.
 - splitting: a batch is capped at the cost model's max batch, which is
   min(profiled max batch, what fits in free memory now) when `split=True`.
-- age bound: a request that has waited longer than `max_wait` is served next,
-  whatever its group (`aged` counts how often that fired), so a hot head
-  group cannot starve the rest of a queue under a continuous stream.
+- age bound: a request that has waited `max_wait` longer than the wait the
+  scheduler predicted when it queued it is served next, whatever its group
+  (`aged` counts how often that fired), so a hot head group cannot starve the
+  rest of a queue under a continuous stream.  At a sustainable rate the
+  predicted wait is near 0 and the bound is `max_wait` itself; under a flood,
+  where no request can start within `max_wait`, it fires only for requests
+  that later arrivals overtook, so it does not turn grouping into FIFO.
 
 Predictions follow what runs: each queued group carries its predicted cost
 (switch + K*n + B*ceil(n/cap) with the splitter's real cap), a batch handed to
@@ -150,7 +154,7 @@ class _Group:
     def __init__(self, expert_id: str, switch: float, ssd: float) -> None:
         self.expert_id, self.switch, self.ssd = expert_id, switch, ssd
         self.requests: deque[Request] = deque()
-        self.times: deque[float] = deque()   # when each request was queued (age bound)
+        self.times: deque[float] = deque()   # when each request was due: queued + predicted wait (age bound)
         self.cost = 0.0
         self.drain = 0    # requests this group had when it was picked: served before the age bound looks again
 
@@ -252,6 +256,7 @@ class Scheduler:
             t0 = self._clock()
             name, switch, ssd = self._assign(request.expert_id)
             q = self._q[name]
+            due = self.estimate(name) if self.max_wait is not None else 0.0   # the wait predicted now
             x = request.expert_id
             group = self._join_target(q, x)
             if group is None:
@@ -260,7 +265,7 @@ class Scheduler:
                 q.by_expert[x] = group
                 q.ssd += ssd
             group.requests.append(request)
-            group.times.append(self._now())
+            group.times.append(self._now() + due)
             self._set_cost(name, q, group)
             q.counts[x] = q.counts.get(x, 0) + 1
             q.n += 1
@@ -353,7 +358,7 @@ class Scheduler:
         pick = q.groups[0]
         if self.max_wait is not None:
             oldest = min(q.groups, key=lambda g: g.times[0])
-            if oldest is not pick and self._now() - oldest.times[0] > self.max_wait:
+            if oldest is not pick and self._now() - oldest.times[0] > self.max_wait:   # overdue by max_wait
                 self.aged += 1
                 pick = oldest
         pick.drain = len(pick.requests)

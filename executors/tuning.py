@@ -1,25 +1,96 @@
 """The offline searches of CoServe §4.4-4.5, run on the simulated device with measured costs.
 
-- Memory split: the decay-window search over "experts loaded" (Eq. 1-3),
-  where a sample run's throughput comes from the simulator fed with the
-  line's own spec and the profile.  The split is the window's midpoint (the
-  paper picks any value in the final window; the midpoint is reproducible).
-- Executor count: the same sample run for 1..4 executors per device, each
-  with an equal share of the device's memory.  On a CPU, executors share the
-  cores, so each one's K and B grow with the count (profiled at one executor's
-  share of the threads).
+Per device, for each executor count n = 1..max_executors:
+
+- Activation reserve.  Every executor keeps memory for its biggest batch:
+  `reserve` = max over the line's archs that run on the device kind of
+  activation_bytes x max_batch.  Experts get at most memory - n x reserve
+  (the cap); a count whose executors cannot hold the largest expert next to
+  their reserve is infeasible and skipped.
+- Memory split, by the paper's two rules (§4.4):
+  * weak processor ("limited computation performance"): when the reserve of
+    all n executors is at most WEAK_RULE_SHARE of the device memory, the
+    max batch occupies little memory; reserve it and give the rest (the cap)
+    to experts.  No search.
+  * strong processor ("sufficient computation performance"): otherwise the
+    decay-window search (Eq. 1-3) over "experts loaded" in descending usage
+    probability, each sample a simulated run of the line's own spec, up to
+    the most experts that fit the cap (the search never samples past it).
+    The split is the midpoint of the final window when the search stopped
+    early (Eq. 3, or no upward trend in its first samples; the paper picks
+    any value in the window, the midpoint is reproducible), or the cap's
+    count when the throughput was still on its upward trend there.
+- Executor count: the simulated throughput of each feasible count at its own
+  split; the best wins (ties: fewer executors).  The simulator shares a
+  device's compute among its executors by the device's measured concurrency
+  curve (DeviceProfile.concurrency, relative to `profiled_executors`), so
+  nothing here scales K or B.
+
+The profile that comes out carries the outcome in each device's `executors`
+and `expert_memory` (and the samples in `split_points` / `count_points`), with
+one note per device saying which rule was used and why.
 """
 from __future__ import annotations
 
-from dataclasses import replace
+from dataclasses import dataclass, replace
 
 from coe import CoEModel
-from coe.workload import from_model
+from coe.workload import Workload, from_model
 
-from .profile import DeviceProfile, Profile, decay_window_search
+from .profile import DeviceProfile, Profile, decay_window_search, stop_reason
 from .simdevice import SimExecutor, SimSystem, simulate
 
 SAMPLE_REQUESTS = 800
+# The weak-processor rule applies when the max-batch activation reserve of all executors is at most this
+# share of the device memory.  25% is what the "casual" 75/25 experts/activations split gives activations
+# anyway: if the max batch fits in it, reserving it costs experts no more than the casual split, so the
+# processor is "limited" in the paper's sense (its max batch "occupies minimal memory") and the rest can go
+# to experts without a search.  Above it, the batches compete with experts for a substantial share of the
+# memory, which is the case the paper's decay-window search is for.
+WEAK_RULE_SHARE = 0.25
+NOTE_PREFIX = "tune: "     # every note tune() writes starts with this; a re-run replaces them
+_GB = 1e9
+
+
+@dataclass(frozen=True)
+class CountPlan:
+    """One executor count's outcome on one device."""
+
+    executors: int
+    rule: str                      # 'weak' | 'search' | 'infeasible'
+    reserve: int                   # activation bytes reserved per executor
+    cap: int                       # most bytes experts may get on the device: memory - executors x reserve
+    expert_memory: int = 0
+    experts: int = 0               # experts (in usage order) the expert memory was sized for (search rule)
+    n_max: int = 0                 # the most experts (in usage order) that fit the cap (search rule)
+    throughput: float = 0.0
+    points: tuple[tuple[int, float], ...] = ()   # the split search's samples (search rule)
+    window: tuple[int, int] | None = None
+    stopped: str = ""              # 'Eq. 3' | 'no upward trend' | 'cap' (search rule)
+    reason: str = ""               # why infeasible
+
+
+def activation_reserve(profile: Profile, model: CoEModel, kind: str) -> tuple[int, str]:
+    """Bytes one executor of a `kind` device keeps for its biggest batch, and the arch that sets it."""
+    best, arch = 0, ""
+    for a in sorted({e.arch for e in model.experts.values()}):
+        key = Profile.key(a, kind)
+        if key in profile.archs:
+            p = profile.archs[key]
+            need = p.activation_bytes * p.max_batch
+            if need > best:
+                best, arch = need, f"{a} at batch {p.max_batch}"
+    return best, arch
+
+
+def expert_cap(dev: DeviceProfile, executors: int, reserve: int) -> int:
+    """Most bytes of the device's memory experts may hold with `executors` executors, each with its reserve."""
+    return (dev.memory // executors - reserve) * executors
+
+
+def weak_rule(dev: DeviceProfile, executors: int, reserve: int) -> bool:
+    """The paper's rule for processors of limited computation: the reserve is a small share of the memory."""
+    return executors * reserve <= WEAK_RULE_SHARE * dev.memory
 
 
 def _system(dev: DeviceProfile, count: int, expert_memory: int) -> SimSystem:
@@ -28,52 +99,120 @@ def _system(dev: DeviceProfile, count: int, expert_memory: int) -> SimSystem:
     return SimSystem("tune", ex, "coserve", "coserve", host_tier=dev.host_tier)
 
 
-def _scaled(profile: Profile, dev: DeviceProfile, count: int, base: int) -> Profile:
-    """CPU executors split the cores: compute per executor slows in proportion (relative to `base`)."""
-    if dev.kind != "cpu" or count == base:
-        return profile
-    f = count / base
-    archs = {k: (replace(a, K=a.K * f, B=a.B * f) if a.device == "cpu" else a) for k, a in profile.archs.items()}
-    return replace(profile, archs=archs)
+class _Sampler:
+    """Simulated sample runs of one device, cached by (executors, expert memory)."""
+
+    def __init__(self, sample: Workload, profile: Profile, dev: DeviceProfile) -> None:
+        self.sample, self.profile, self.dev = sample, profile, dev
+        self.cache: dict[tuple[int, int], float] = {}
+
+    def __call__(self, executors: int, expert_memory: int) -> float:
+        key = (executors, int(expert_memory))
+        if key not in self.cache:
+            rep = simulate(self.sample, self.profile, _system(self.dev, executors, int(expert_memory)))
+            self.cache[key] = round(rep.throughput, 3)
+        return self.cache[key]
+
+
+def plan_count(run: _Sampler, dev: DeviceProfile, executors: int, reserve: int, sizes: list[int], *,
+               window: int = 15, margin: float = 0.05, fit_points: int = 3) -> CountPlan:
+    """The split for `executors` executors on `dev` (weak rule or search) and its simulated throughput.
+
+    `sizes`: the experts' bytes in descending usage probability.
+    """
+    cap = expert_cap(dev, executors, reserve)
+    largest = max(sizes)
+    if cap < largest * executors:
+        per = dev.memory // executors
+        return CountPlan(executors, "infeasible", reserve, cap,
+                         reason=f"{executors} executor(s) get {_size(per)} each, less than the largest expert "
+                                f"({_size(largest)}) plus the activation reserve ({_size(reserve)})")
+    if weak_rule(dev, executors, reserve):
+        return CountPlan(executors, "weak", reserve, cap, expert_memory=cap, throughput=run(executors, cap))
+    floor = largest * executors        # every executor's pool must hold the largest expert
+    cum = [0]
+    for s in sizes:
+        cum.append(cum[-1] + s)
+    n_max = max(1, max(n for n in range(len(sizes) + 1) if cum[n] <= cap))   # the most experts that fit the cap
+
+    def memory(n_experts: int) -> int:
+        return min(cap, max(cum[n_experts], floor))
+
+    low, high, pts = decay_window_search(lambda n: run(executors, memory(n)), n_max, window=window,
+                                         margin=margin, fit_points=fit_points)
+    stopped = stop_reason(pts, margin=margin, fit_points=fit_points)
+    chosen = max(1, (low + high) // 2) if stopped else high
+    mem = memory(chosen)
+    return CountPlan(executors, "search", reserve, cap, expert_memory=mem, experts=chosen,
+                     throughput=run(executors, mem), points=tuple(pts), window=(low, high), n_max=n_max,
+                     stopped=stopped or "cap")
 
 
 def tune(profile: Profile, model: CoEModel, cfg=None, *, requests: int = SAMPLE_REQUESTS,
-         window: int = 15, margin: float = 0.05, max_executors: int = 4) -> Profile:
-    """Fill each device's `expert_memory`, `executors`, `split_points` and `count_points`."""
+         window: int = 15, margin: float = 0.05, fit_points: int = 3, max_executors: int = 4) -> Profile:
+    """Fill each device's `executors`, `expert_memory`, `split_points` and `count_points` from the searches.
+
+    `profile` is passed to the simulator as it is: its device entries carry
+    the concurrency curves and `profiled_executors` the simulator scales the
+    measured K and B by.  `cfg` is accepted for the CLI's call and not read.
+    """
     sample = from_model(model, requests)
-    by_size = sorted((e.nbytes for e in model.experts.values()), reverse=False)
     probs = model.usage_probabilities()
-    ranked = sorted(model.experts, key=lambda e: -probs[e])
+    ranked = sorted(model.experts, key=lambda e: (-probs[e], e))
+    model_archs = {e.arch for e in model.experts.values()}
     devices = dict(profile.devices)
+    notes = [n for n in profile.notes if not n.startswith(NOTE_PREFIX)]
     for name, dev in profile.devices.items():
-        if not any(a.device == dev.kind for a in profile.archs.values()):
+        missing = sorted(a for a in model_archs if Profile.key(a, dev.kind) not in profile.archs)
+        if missing:
+            notes.append(f"{NOTE_PREFIX}{name}: not searched: the profile has no {dev.kind} entry for "
+                         f"{', '.join(missing)}; executors and expert memory left as they were")
             continue
-        base = max(1, dev.executors)
-        counts = []
-        for n in range(1, max_executors + 1):
-            prof_n = _scaled(profile, dev, n, base)
-            mem = dev.expert_memory or int(dev.memory * 0.75)
-            if mem // n < by_size[-1]:      # the largest expert would not fit one executor's share
-                counts.append((n, 0.0))
-                continue
-            rep = simulate(sample, prof_n, _system(dev, n, mem))
-            counts.append((n, round(rep.throughput, 3)))
-        best_n = max(counts, key=lambda c: (c[1], -c[0]))[0]
-        prof_n = _scaled(profile, dev, best_n, base)
+        reserve, by = activation_reserve(profile, model, dev.kind)
+        run = _Sampler(sample, profile, dev)
         sizes = [model.experts[e].nbytes for e in ranked]
-
-        floor = by_size[-1] * best_n   # every executor must hold at least its largest expert
-
-        def throughput(n_experts: int) -> float:
-            mem = min(dev.memory - 1, max(sum(sizes[:n_experts]), floor))
-            return simulate(sample, prof_n, _system(dev, best_n, mem)).throughput
-
-        low, high, pts = decay_window_search(throughput, len(ranked), window=window, margin=margin)
-        mid = (low + high) // 2 or high
-        expert_memory = min(dev.memory, max(sum(sizes[:mid]), floor))
-        devices[name] = replace(dev, executors=best_n, expert_memory=int(expert_memory),
-                                split_points=tuple((n, round(t, 3)) for n, t in pts), count_points=tuple(counts))
-    notes = list(profile.notes) + [f"searches: simulated sample of {requests} frames of the line's spec; "
-                                   f"split = midpoint of the final decay window (window {window}, margin "
-                                   f"{margin:.0%}); executor count = best simulated throughput of 1..{max_executors}"]
+        plans = [plan_count(run, dev, n, reserve, sizes, window=window, margin=margin, fit_points=fit_points)
+                 for n in range(1, max_executors + 1)]
+        feasible = [p for p in plans if p.rule != "infeasible"]
+        if not feasible:
+            notes.append(f"{NOTE_PREFIX}{name}: no executor count fits: {plans[0].reason}; executors and expert "
+                         f"memory left as they were")
+            continue
+        best = max(feasible, key=lambda p: (p.throughput, -p.executors))
+        devices[name] = replace(dev, executors=best.executors, expert_memory=int(best.expert_memory),
+                                split_points=best.points, count_points=tuple((p.executors, p.throughput)
+                                                                             for p in plans))
+        notes.append(NOTE_PREFIX + _device_note(name, dev, best, plans, by))
+    notes.append(f"{NOTE_PREFIX}each device's executors and expert_memory above are the searches' outcome: a "
+                 f"simulated sample of {requests} frames of the line's spec per point; executor count = best "
+                 f"simulated throughput of 1..{max_executors}, each count at its own split (the simulator shares "
+                 f"a device by its concurrency curve); split search: decay window {window}, fit of the first "
+                 f"{fit_points} points, margin {margin:.0%}")
     return replace(profile, devices=devices, notes=notes)
+
+
+def _device_note(name: str, dev: DeviceProfile, best: CountPlan, plans: list[CountPlan], by: str) -> str:
+    n, share = best.executors, best.executors * best.reserve / dev.memory
+    reserve = (f"the max-batch activation reserve ({by}: {_size(best.reserve)} per executor) of {n} "
+               f"executor(s) is {share:.0%} of {_size(dev.memory)}")
+    if best.rule == "weak":
+        text = (f"{name}: weak-processor rule (limited computation): {reserve}, at most {WEAK_RULE_SHARE:.0%}, so the "
+                f"max batch is reserved and the rest, {_size(best.expert_memory)}, goes to experts")
+    else:
+        low, high = best.window
+        ended = "the expert-memory cap" if best.stopped == "cap" else best.stopped
+        text = (f"{name}: memory-split search (sufficient computation): {reserve}, over {WEAK_RULE_SHARE:.0%}; "
+                f"the decay-window search over 1..{best.n_max} experts (the most that fit the cap) ended on "
+                f"{ended} in window [{low}, {high}] after {len(best.points)} sample(s), so {best.experts} experts: "
+                f"{_size(best.expert_memory)} for experts (cap {_size(best.cap)})")
+    counts = ", ".join(f"{p.executors}: {p.throughput:g}/s ({p.rule})" if p.rule != "infeasible"
+                       else f"{p.executors}: infeasible" for p in plans)
+    text += f"; {n} executor(s), the best simulated throughput of {counts}"
+    bad = [p for p in plans if p.rule == "infeasible"]
+    if bad:
+        text += "; infeasible: " + "; ".join(p.reason for p in bad)
+    return text + "."
+
+
+def _size(nbytes: float) -> str:
+    return f"{nbytes / _GB:.2f} GB" if abs(nbytes) >= 0.1 * _GB else f"{nbytes / 1e6:.1f} MB"

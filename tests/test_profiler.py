@@ -14,13 +14,15 @@ from click.testing import CliRunner
 from coe import CoEError, load_spec
 from edge_agent.cli import cli
 from edge_agent.config import load_config
-from executors.profile import DeviceProfile, Profile
-from executors.profiler import plan_targets, plot_profile, profile_line, step_count
+from executors.profile import DeviceProfile, Profile, fit_latency, max_useful_batch
+from executors.profiler import (concurrency_plan, executor_threads, plan_targets, plot_profile, profile_line,
+                                step_count)
 from storage.expert_store import ExpertStore
 
 from conftest import TINY_SPEC, write_line
 
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
+CONCURRENCY_SECONDS = 0.05   # per point of the concurrency curve: small, the tests check its shape, not its values
 ARCHS = {"torchvision/mobilenet_v3_small", "ultralytics/yolov8n"}
 
 
@@ -40,7 +42,8 @@ def measured(tiny_config) -> tuple[Profile, list[str], tuple[int, int]]:
     cfg, model, store = open_line(tiny_config)
     before = torch.get_num_threads()
     steps: list[str] = []
-    prof = profile_line(cfg, model, store, batch_sizes=(1, 2, 4), repeats=1, progress=steps.append)
+    prof = profile_line(cfg, model, store, batch_sizes=(1, 2, 4), repeats=1, progress=steps.append,
+                        concurrency_seconds=CONCURRENCY_SECONDS)
     return prof, steps, (before, torch.get_num_threads())
 
 
@@ -51,9 +54,13 @@ def test_profile_line_measures_each_arch_once_per_device(measured, tiny_config):
     assert set(prof.archs) == {Profile.key(a, "cpu") for a in ARCHS}
     for key, a in prof.archs.items():
         assert a.device == "cpu" and key == Profile.key(a.arch, "cpu")
-        assert a.K > 0 or a.B > 0
         assert [n for n, _ in a.points] == [1, 2, 4] and all(s > 0 for _, s in a.points)
-        assert a.max_batch in (1, 2, 4)
+        # the stored figures are the ones the stored points give, not defaults or another fit
+        assert a.max_batch == max_useful_batch(list(a.points))
+        assert (a.K, a.B) == pytest.approx(fit_latency(list(a.points)), rel=1e-12, abs=1e-15)
+        assert a.K > 0                      # a bigger batch takes longer
+        worst = max(abs(a.batch_seconds(n) - secs) / secs for n, secs in a.points)
+        assert worst < 0.5, f"{key}: the line K*n+B misses a measured point by {worst:.0%}"
         same_arch = [e for e in model.experts.values() if e.arch == a.arch]
         assert same_arch and all(a.weight_bytes == store.nbytes(e.id) for e in same_arch)
         assert a.activation_bytes > 0
@@ -61,9 +68,24 @@ def test_profile_line_measures_each_arch_once_per_device(measured, tiny_config):
     # the yolov8n detector costs more per request than the 32-px classifier
     assert (prof.arch("ultralytics/yolov8n", "cpu").batch_seconds(4)
             > prof.arch("torchvision/mobilenet_v3_small", "cpu").batch_seconds(4))
-    assert prof.devices == {"cpu": DeviceProfile(name="cpu", kind="cpu", memory=20_000_000, executors=1)}
+    cpu = prof.devices["cpu"]
+    cores = os.cpu_count() or 1
+    assert executor_threads(cfg) == 1                       # the config's threads: 1 ...
+    assert cpu.profiled_executors == cores                  # ... is the thread share of `cores` executors
+    k_max = min(cores, max(4, cores))
+    assert concurrency_plan(cfg) == {"cpu": k_max}
+    assert len(cpu.concurrency) == k_max and cpu.concurrency[0] == 1.0
+    assert all(c > 0 and c == c for c in cpu.concurrency)
+    assert cpu.concurrency_source.startswith("measured on ")
+    assert "torchvision/mobilenet_v3_small at batch" in cpu.concurrency_source   # the most used arch
+    assert f"{CONCURRENCY_SECONDS:g} s per point" in cpu.concurrency_source
+    assert prof.devices == {"cpu": DeviceProfile(name="cpu", kind="cpu", memory=20_000_000, executors=1,
+                                                 concurrency=cpu.concurrency,
+                                                 concurrency_source=cpu.concurrency_source,
+                                                 profiled_executors=cores)}
     assert prof.source.startswith("measured on ") and "1 threads" in prof.source  # the config's threads: 1
-    assert len(steps) == step_count(plan_targets(cfg, model, store), (1, 2, 4), 1)
+    assert len(steps) == step_count(plan_targets(cfg, model, store), (1, 2, 4), 1, cfg)
+    assert sum(s.startswith("cpu: ") and "concurrent executor(s)" in s for s in steps) == k_max
 
 
 def test_profile_round_trips_through_save_and_load(measured, tmp_path):
@@ -76,11 +98,11 @@ def test_slow_batches_cap_the_sweep_but_keep_two_sizes(tiny_config):
     cfg, model, store = open_line(tiny_config)
     steps: list[str] = []
     prof = profile_line(cfg, model, store, batch_sizes=(1, 2, 4, 8), repeats=1, progress=steps.append,
-                        cap_seconds=0.0)
+                        cap_seconds=0.0, concurrency_seconds=CONCURRENCY_SECONDS)
     for a in prof.archs.values():
         assert [n for n, _ in a.points] == [1, 2]
     assert sum("skipped" in s for s in steps) == 2 * len(prof.archs)
-    assert len(steps) == step_count(plan_targets(cfg, model, store), (1, 2, 4, 8), 1)
+    assert len(steps) == step_count(plan_targets(cfg, model, store), (1, 2, 4, 8), 1, cfg)
     assert any("batch sizes above 2 skipped" in n for n in prof.notes)
 
 
@@ -88,6 +110,8 @@ def test_bad_batch_sizes_and_missing_experts_are_clear_errors(tiny_config, tmp_p
     cfg, model, store = open_line(tiny_config)
     with pytest.raises(CoEError, match="two distinct positive"):
         profile_line(cfg, model, store, batch_sizes=(4, 4))
+    with pytest.raises(CoEError, match="concurrency seconds must be positive"):
+        profile_line(cfg, model, store, concurrency_seconds=0)
     with pytest.raises(CoEError, match="no expert of arch torchvision/mobilenet_v3_small.*zoo build"):
         plan_targets(cfg, model, ExpertStore(tmp_path / "empty"))
 
@@ -95,15 +119,17 @@ def test_bad_batch_sizes_and_missing_experts_are_clear_errors(tiny_config, tmp_p
 def test_plot_profile_writes_pngs(measured, tmp_path):
     prof = measured[0]
     written = plot_profile(prof, tmp_path / "plain")
-    assert [p.name for p in written] == ["latency_vs_batch.png"]
-    assert written[0].read_bytes()[:8] == PNG_MAGIC and written[0].stat().st_size > 1000
+    assert [p.name for p in written] == ["latency_vs_batch.png", "concurrency.png"]
+    assert all(p.read_bytes()[:8] == PNG_MAGIC and p.stat().st_size > 1000 for p in written)
+    untimed = dataclasses.replace(prof, devices={"cpu": dataclasses.replace(prof.devices["cpu"], concurrency=())})
+    assert [p.name for p in plot_profile(untimed, tmp_path / "no-curve")] == ["latency_vs_batch.png"]
 
     cpu = dataclasses.replace(prof.devices["cpu"], split_points=((15, 80.0), (28, 120.0), (39, 121.0)),
                               count_points=((1, 100.0), (2, 150.0), (3, 140.0)), executors=2)
     tuned = dataclasses.replace(prof, devices={"cpu": cpu})
     written = plot_profile(tuned, tmp_path / "tuned")
-    assert sorted(p.name for p in written) == ["latency_vs_batch.png", "throughput_vs_executors.png",
-                                               "throughput_vs_experts.png"]
+    assert sorted(p.name for p in written) == ["concurrency.png", "latency_vs_batch.png",
+                                               "throughput_vs_executors.png", "throughput_vs_experts.png"]
     assert all(p.read_bytes()[:8] == PNG_MAGIC for p in written)
 
 
@@ -119,7 +145,7 @@ def test_cli_writes_profile_json_plots_and_table(tiny_line, tmp_path, monkeypatc
     monkeypatch.setattr(profile_cli, "_tuner", lambda: None)
     out = tmp_path / "out" / "profile.json"
     res = CliRunner().invoke(cli, ["profile", "--config", str(tiny_line), "--batch-sizes", "1,2",
-                                   "--repeats", "1", "--out", str(out)])
+                                   "--repeats", "1", "--concurrency-seconds", "0.05", "--out", str(out)])
     assert res.exit_code == 0, res.output
     prof = Profile.load(out)
     assert set(prof.archs) == {Profile.key(a, "cpu") for a in ARCHS}
@@ -129,8 +155,28 @@ def test_cli_writes_profile_json_plots_and_table(tiny_line, tmp_path, monkeypatc
         assert row[1] == "cpu" and row[4] == str(a.max_batch) and row[5] == f"{a.weight_bytes / 1e6:.1f}"
         assert row[7] == f"{a.load_seconds['ssd'] * 1e3:.2f}"
     assert "searches skipped" in res.output
-    png = out.parent / "latency_vs_batch.png"
-    assert png.read_bytes()[:8] == PNG_MAGIC and str(png) in res.output
+    cpu = prof.devices["cpu"]
+    curve = " ".join(f"{c:.2f}" for c in cpu.concurrency)
+    assert f"cpu concurrency: {curve} ({cpu.concurrency_source})" in res.output.splitlines()
+    assert "cpu: 1 executor(s), experts - of 20 MB" in res.output.splitlines()
+    for name in ("latency_vs_batch.png", "concurrency.png"):
+        png = out.parent / name
+        assert png.read_bytes()[:8] == PNG_MAGIC and str(png) in res.output
+
+
+def test_cli_profile_keeps_the_searches_outcome(tiny_line, tmp_path):
+    out = tmp_path / "profile.json"
+    res = CliRunner().invoke(cli, ["profile", "--config", str(tiny_line), "--batch-sizes", "1,2",
+                                   "--repeats", "1", "--concurrency-seconds", "0.05", "--out", str(out)])
+    assert res.exit_code == 0, res.output
+    cpu = Profile.load(out).devices["cpu"]
+    assert [n for n, _ in cpu.count_points] == [1, 2, 3, 4]
+    assert cpu.executors == max(cpu.count_points, key=lambda p: (p[1], -p[0]))[0]
+    assert cpu.expert_memory is not None and 0 < cpu.expert_memory < cpu.memory
+    mb = f"{cpu.expert_memory / 1e6:.0f} MB"
+    assert f"cpu: {cpu.executors} executor(s), experts {mb} of 20 MB" in res.output.splitlines()
+    assert any(line.startswith("note: tune: cpu: ") and f"{cpu.executors} executor(s)" in line
+               for line in res.output.splitlines())
 
 
 def test_cli_runs_the_searches_when_tuning_exists(tiny_line, tmp_path, monkeypatch):
@@ -146,7 +192,7 @@ def test_cli_runs_the_searches_when_tuning_exists(tiny_line, tmp_path, monkeypat
     monkeypatch.setattr(profile_cli, "_tuner", lambda: fake_tune)
     out = tmp_path / "profile.json"
     res = CliRunner().invoke(cli, ["profile", "--config", str(tiny_line), "--batch-sizes", "1,2",
-                                   "--repeats", "1", "--out", str(out)])
+                                   "--repeats", "1", "--concurrency-seconds", "0.05", "--out", str(out)])
     assert res.exit_code == 0, res.output
     assert calls == [(TINY_SPEC["name"], "T")] and "skipped" not in res.output
     assert Profile.load(out).devices["cpu"].expert_memory == 12_000_000

@@ -49,7 +49,8 @@ def test_age_bound_serves_a_starved_group_first():
     requests the head group held when it was picked are served (a group is never split between reloads)."""
     def run(max_wait):
         t = [0.0]
-        s = Scheduler(["x"], "grouped", costs=FixedCosts(max_batch=1), now=lambda: t[0], max_wait=max_wait)
+        s = Scheduler(["x"], "grouped", costs=FixedCosts(K=0.0, B=0.0, load=0.0, max_batch=1), now=lambda: t[0],
+                      max_wait=max_wait)   # free costs: the predicted wait is 0, the bound is max_wait
         s.submit(req("a", 0))
         s.submit(req("a", 1))
         t[0] = 1.0

@@ -219,7 +219,7 @@ def test_estimates_equal_the_queued_groups_and_never_go_negative(ops):
 def test_age_bound_serves_a_starved_request_next():
     def stream(max_wait):
         now = Clock()
-        s = Scheduler(["q"], "coserve", costs=FixedCosts(K=1.0, B=0.0, load=0.0, max_batch=2), now=now,
+        s = Scheduler(["q"], "coserve", costs=FixedCosts(K=0.0, B=0.0, load=0.0, max_batch=2), now=now,
                       max_wait=max_wait)
         for i in range(3):
             s.submit(req("hot", i))
@@ -288,3 +288,25 @@ def test_samba_gets_the_same_machine_as_coserve():
     for system in (co, samba):
         assert "GB experts" in system.resources() and "host tier" in system.resources()
     assert sum(e.memory for e in co.executors if e.kind == "cuda") <= gpu.memory
+
+
+def test_age_bound_counts_from_the_predicted_wait_not_from_arrival():
+    """Under a flood no request starts within max_wait; the bound fires only once a request is overdue
+    by max_wait against the wait predicted when it was queued (here 5 s behind five hot requests)."""
+    def served_cold_at(max_wait):
+        now = Clock()
+        s = Scheduler(["q"], "coserve", costs=FixedCosts(K=1.0, B=0.0, load=0.0, max_batch=1), now=now,
+                      max_wait=max_wait)
+        for i in range(5):
+            s.submit(req("hot", i))
+        s.submit(req("cold", 5))
+        for t in range(1, 30):
+            now.t = float(t)
+            s.submit(req("hot", 10 + t))   # the hot group keeps growing
+            if s.next_batch("q", timeout=0).expert_id == "cold":
+                return t, s.aged
+        return None, s.aged
+
+    t, aged = served_cold_at(2.0)
+    assert aged == 1 and 5 + 2 < t <= 5 + 2 + 6    # not at 2 s (arrival-based), but soon after 7 s
+    assert served_cold_at(None) == (None, 0)        # without the bound: starved
