@@ -185,7 +185,8 @@ def format_table(title: str, rows: list[dict]) -> str:
         lat = "".join(f" {r['latency'][f]['p50_s']:8.2f} {r['latency'][f]['p99_s']:8.2f}"
                       if f in r.get("latency", {}) else f" {'-':>8} {'-':>8}" for f in loads)
         lines.append(f"{r['system']:15} {r['throughput']:9.2f} {r['speedup']:8.2f} {vs} {r['switches']:9d} "
-                     f"{r['switch_reduction'] * 100:7.1f}% {r.get('switch_floor', 0):6d} {r['p99_ms'] / 1000:8.2f} "
+                     f"{r['switch_reduction'] * 100:7.1f}% "
+                     f"{'-' if r.get('real_run') else r.get('switch_floor', 0):>6} {r['p99_ms'] / 1000:8.2f} "
                      f"{r['makespan']:10.2f} "
                      f"{r['lower_bound']:8.2f} {r['efficiency']:5.2f} {r['mean_batch']:6.2f} "
                      f"{r.get('ssd_busy', 0.0):7.1f}{lat}")

@@ -75,10 +75,11 @@ class SchedulerPolicy:
     arrange: bool
     split: bool
     ssd_aware: bool = False   # the shared SSD is a resource in the assignment objective
+    steal: bool = False       # an idle executor takes a waiting group that would finish sooner on it
 
 
 POLICIES = {
-    "coserve": SchedulerPolicy("coserve", "cost", True, True, ssd_aware=True),
+    "coserve": SchedulerPolicy("coserve", "cost", True, True, ssd_aware=True, steal=True),
     "coserve-paper": SchedulerPolicy("coserve-paper", "cost", True, True),   # the paper's rule, exactly
     "em+ra": SchedulerPolicy("em+ra", "round-robin", True, True),      # ablation: no cost-based assigning
     "em": SchedulerPolicy("em", "round-robin", False, True),           # ablation: expert management only
@@ -197,6 +198,7 @@ class Scheduler:
         self.decisions = 0
         self.decision_seconds = 0.0
         self.aged = 0            # batches the age bound pulled ahead of the head group
+        self.stolen = 0          # groups an idle executor took over from another queue
 
     # -- costs ----------------------------------------------------------------------
     def _cap(self, executor: str, expert_id: str) -> int:
@@ -312,6 +314,8 @@ class Scheduler:
         with self._cond:
             q = self._q[executor]
             while not q.groups:
+                if self.policy.steal and not q.inflight and self._steal(executor):
+                    break
                 if self._closed:
                     return None
                 left = None if deadline is None else deadline - time.monotonic()
@@ -343,6 +347,59 @@ class Scheduler:
             batch = Batch(executor, x, requests, predicted=predicted, ssd=ssd)
             q.inflight[batch.id] = (self._now() + predicted, ssd)
             return batch
+
+    def _steal(self, executor: str) -> bool:
+        """Move to idle `executor` the waiting group that gains most by running here, if any gains.
+
+        Assignments are predictions; when one queue runs dry while another
+        still holds work, the min-max was wrong about one of them.  A group
+        that has not started moves if it would finish sooner here (its switch
+        here included, and its SSD read weighted as in assignment) than where
+        it waits, which is its queue's time ahead of it plus its own cost.
+        """
+        q = self._q[executor]
+        now = self._now()
+        util = getattr(self.costs, "ssd_utilisation", None)
+        rho = util() if self.policy.ssd_aware and util is not None else 0.0
+        best, gain = None, 0.0
+        for name, o in self._q.items():
+            if name == executor or not o.groups:
+                continue
+            ahead = sum(max(end - now, 0.0) for end, _ in o.inflight.values())
+            for g in o.groups:
+                finish_there = ahead + g.cost
+                ahead = finish_there
+                if g.drain or not g.requests:
+                    continue
+                switch = 0.0 if q.counts.get(g.expert_id) else self.costs.switch_cost(executor, g.expert_id)
+                ssd = self._ssd_seconds(executor, g.expert_id) if switch else 0.0
+                probe = _Group(g.expert_id, switch, ssd)
+                here = self._group_cost(executor, probe, len(g.requests)) + rho * ssd
+                if finish_there - here > gain + _EPS:
+                    best, gain = (name, g, switch, ssd), finish_there - here
+        if best is None:
+            return False
+        name, g, switch, ssd = best
+        o = self._q[name]
+        o.groups.remove(g)
+        if o.by_expert.get(g.expert_id) is g:
+            del o.by_expert[g.expert_id]
+        o.queued -= g.cost
+        o.ssd -= g.ssd
+        n = len(g.requests)
+        o.counts[g.expert_id] -= n
+        if not o.counts[g.expert_id]:
+            del o.counts[g.expert_id]
+        o.n -= n
+        g.switch, g.ssd, g.cost = switch, ssd, 0.0
+        q.groups.append(g)
+        q.by_expert.setdefault(g.expert_id, g)
+        q.ssd += ssd
+        q.counts[g.expert_id] = q.counts.get(g.expert_id, 0) + n
+        q.n += n
+        self._set_cost(executor, q, g)
+        self.stolen += 1
+        return True
 
     def _pick(self, q: _Queue) -> _Group:
         """The group to serve: the one being drained, else the head, else (age bound) the oldest waiter's.

@@ -89,6 +89,7 @@ class SimReport:
     ssd_busy: float = 0.0         # seconds the shared SSD was reading
     switch_floor: int = 0         # experts the task uses that no executor pool held at the start: >= 1 load each
     aged: int = 0                 # batches the scheduler's age bound pulled forward
+    stolen: int = 0               # groups an idle executor took over from another queue
     resources: str = ""           # memory and executors of the system
     sustained_rate: float = 0.0   # highest steady arrival rate it sustains (bench --load), 0: not measured
     latency: dict = field(default_factory=dict)        # F -> p50/p99 at F x the sustained rate (bench --load)
@@ -368,7 +369,8 @@ def simulate(workload: Workload, profile: Profile, system: SimSystem, *, record_
         busy_fraction=sum(busy_time.values()) / (makespan * len(execs)) if makespan else 0.0, order=record,
         sched_share=sched.decision_seconds / (makespan * len(execs)) if makespan else 0.0,
         manage_share=sum(p.stats().manage_seconds for p in pools.values()) / (makespan * len(execs))
-        if makespan else 0.0, ssd_busy=ssd_busy, aged=sched.aged, resources=system.resources(),
+        if makespan else 0.0, ssd_busy=ssd_busy, aged=sched.aged, stolen=sched.stolen,
+        resources=system.resources(),
         switch_floor=sum(1 for e in uses(workload) if e not in in_pools))
 
 

@@ -310,3 +310,37 @@ def test_age_bound_counts_from_the_predicted_wait_not_from_arrival():
     t, aged = served_cold_at(2.0)
     assert aged == 1 and 5 + 2 < t <= 5 + 2 + 6    # not at 2 s (arrival-based), but soon after 7 s
     assert served_cold_at(None) == (None, 0)        # without the bound: starved
+
+
+def test_an_idle_executor_takes_over_a_group_that_would_finish_sooner_on_it():
+    """q1 holds two groups (8 s of work); q2 ran dry.  CoServe moves the group that waits longest to q2;
+    the paper's rule (no stealing) leaves q2 idle."""
+    for policy, moved in (("coserve", True), ("coserve-paper", False)):
+        s = Scheduler(["q1", "q2"], policy, costs=FixedCosts(K=1.0, B=0.0, load=1.0, max_batch=8), now=lambda: 0.0)
+        _place_on(s, "q1", [req("a", i) for i in range(4)] + [req("b", 10 + i) for i in range(3)])
+        b = s.next_batch("q2", timeout=0)
+        if moved:
+            assert b is not None and b.expert_id == "b" and len(b) == 3 and s.stolen == 1
+            assert s.queued_experts("q1") == ["a"] * 4
+        else:
+            assert b is None and s.queued_experts("q1") == ["a"] * 4 + ["b"] * 3
+
+
+def test_no_group_moves_when_it_would_not_finish_sooner():
+    s = Scheduler(["q1", "q2"], "coserve", costs=FixedCosts(K=1.0, B=0.0, load=50.0, max_batch=8), now=lambda: 0.0)
+    resident = {"q1": {"a"}, "q2": set()}
+    s.costs._resident = lambda n: resident[n]
+    _place_on(s, "q1", [req("a", i) for i in range(3)])
+    assert s.next_batch("q2", timeout=0) is None and s.stolen == 0   # a 50 s load to save 3 s: no
+
+
+def _place_on(s: Scheduler, name: str, requests: list[Request]) -> None:
+    saved = {n: s._q[n].queued for n in s.names}
+    for n in s.names:
+        if n != name:
+            s._q[n].queued = 1e6
+    for r in requests:
+        assert s.submit(r) == name
+    for n in s.names:
+        if n != name:
+            s._q[n].queued = saved[n]
