@@ -161,6 +161,7 @@ def tune(profile: Profile, model: CoEModel, cfg=None, *, requests: int = SAMPLE_
     ranked = sorted(model.experts, key=lambda e: (-probs[e], e))
     model_archs = {e.arch for e in model.experts.values()}
     devices = dict(profile.devices)
+    searched: dict[str, list[CountPlan]] = {}
     notes = [n for n in profile.notes if not n.startswith(NOTE_PREFIX)]
     for name, dev in profile.devices.items():
         missing = sorted(a for a in model_archs if Profile.key(a, dev.kind) not in profile.archs)
@@ -183,12 +184,50 @@ def tune(profile: Profile, model: CoEModel, cfg=None, *, requests: int = SAMPLE_
                                 split_points=best.points, count_points=tuple((p.executors, p.throughput)
                                                                              for p in plans))
         notes.append(NOTE_PREFIX + _device_note(name, dev, best, plans, by))
+        searched[name] = feasible
+    if len(searched) > 1:
+        devices, joint = _joint(sample, profile, devices, searched)
+        notes.append(NOTE_PREFIX + joint)
     notes.append(f"{NOTE_PREFIX}each device's executors and expert_memory above are the searches' outcome: a "
                  f"simulated sample of {requests} frames of the line's spec per point; executor count = best "
                  f"simulated throughput of 1..{max_executors}, each count at its own split (the simulator shares "
                  f"a device by its concurrency curve); split search: decay window {window}, fit of the first "
                  f"{fit_points} points, margin {margin:.0%}")
     return replace(profile, devices=devices, notes=notes)
+
+
+def _joint(sample: Workload, profile: Profile, devices: dict[str, DeviceProfile],
+           searched: dict[str, list[CountPlan]]) -> tuple[dict[str, DeviceProfile], str]:
+    """Choose the executor counts of all devices together, each count at its own split.
+
+    Searched alone, a device's best count ignores that the others share the
+    queue, the SSD and the host tier: a CPU's executors that win alone can
+    hold back a GPU that could have taken their work.  So every combination
+    of the devices' feasible counts runs on the whole machine (the system the
+    agent and the bench run: exclusive host tier), and the best wins (ties:
+    fewer executors).
+    """
+    import itertools
+
+    names = list(searched)
+    host = max((d.host_tier for d in devices.values()), default=0)
+    results = []
+    for combo in itertools.product(*(searched[n] for n in names)):
+        execs = tuple(SimExecutor(f"{n}#{i}", n, devices[n].memory // p.executors,
+                                  int(p.expert_memory) // p.executors)
+                      for n, p in zip(names, combo) for i in range(p.executors))
+        rep = simulate(sample, profile, SimSystem("tune", execs, "coserve", "coserve", host_tier=host,
+                                                  host_mode="exclusive"))
+        results.append((round(rep.throughput, 3), -sum(p.executors for p in combo), combo))
+    tp, _, combo = max(results, key=lambda r: (r[0], r[1]))
+    out = dict(devices)
+    for n, p in zip(names, combo):
+        out[n] = replace(out[n], executors=p.executors, expert_memory=int(p.expert_memory), split_points=p.points)
+    tried = ", ".join("+".join(f"{p.executors}" for p in c) + f": {t:g}/s" for t, _, c in results)
+    chosen = ", ".join(f"{n} {p.executors} executor(s) with {_size(p.expert_memory)} of experts"
+                       for n, p in zip(names, combo))
+    return out, (f"joint count search on the whole machine ({' + '.join(names)} executors): {chosen} "
+                 f"({tp:g}/s); tried {tried}")
 
 
 def _device_note(name: str, dev: DeviceProfile, best: CountPlan, plans: list[CountPlan], by: str) -> str:
