@@ -212,13 +212,26 @@ class Agent:
         model = self.model
 
         def context() -> dict:
-            return {"queued": self.scheduler.queued_set(executor) if executor else set()}
+            if executor:
+                return {"queued": self.scheduler.queued_set(executor)}
+            return {"queued": self._above_host()}
 
         return Pool(tier, capacity, make_policy(self.cfg.eviction), source, name=name,
                     on_event=lambda e: self._on_pool_event(e, executor),
                     probabilities=self.probabilities,
                     preliminaries=self.preliminaries,
                     context=context, measure=measured_nbytes)
+
+    def _above_host(self) -> set[str]:
+        """What the host tier's policy must count as present: experts queued anywhere and those the GPU
+        pools hold (an exclusive host tier never holds them itself, so a detector whose classifier sits on
+        a GPU is not orphaned)."""
+        out: set[str] = set()
+        for name in self.pools:
+            out |= self.scheduler.queued_set(name)
+        for name in self.gpu_pools:
+            out |= set(self.pools[name].resident())
+        return out
 
     def _all_pools(self) -> dict[str, Pool]:
         pools = dict(self.pools)

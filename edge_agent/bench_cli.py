@@ -5,6 +5,8 @@ from pathlib import Path
 
 import click
 
+from executors.systems import DEFAULT
+
 from .cli import _config, _fail_clearly, line_options
 
 
@@ -14,8 +16,7 @@ from .cli import _config, _fail_clearly, line_options
 @click.option("--sim/--real", default=True, help="Simulate on a profile (default) or run real experts here.")
 @click.option("--profile", "profile_path", type=click.Path(dir_okay=False),
               help="Profile for --sim (default: configs/profiles/gpu-class.json, documented assumptions).")
-@click.option("--policies", default=",".join(("coserve", "coserve-paper", "samba", "samba-fifo", "samba-parallel",
-                                               "none", "em", "em+ra")), show_default=True,
+@click.option("--policies", default=",".join(DEFAULT), show_default=True,
               help="Systems to compare, comma separated.")
 @click.option("--init", type=click.Choice(["warm", "cold"]), default="warm", show_default=True,
               help="Pools filled by usage probability before the task (warm) or empty (cold), for every system.")
@@ -24,8 +25,8 @@ from .cli import _config, _fail_clearly, line_options
 @click.option("--detector-share", type=float, help="Share of types followed by a detector (default 0.5).")
 @click.option("--requests", type=int, help="Override the task's request count.")
 @click.option("--load", "load", default="0.5,0.8", show_default=True, callback=lambda c, p, v: _loads(v),
-              help="Also run each system with frames arriving at F x its own saturation throughput and report "
-                   "p50/p99 there; comma-separated F values in (0, 1], or 'none'.")
+              help="Also run coserve, coserve-paper and samba with frames arriving evenly at F x the highest rate "
+                   "each sustains (see README) and report p50/p99 there; comma-separated F in (0, 1], or 'none'.")
 @click.option("--repeats", default=3, show_default=True, type=click.IntRange(1, 20),
               help="--real: run both systems this many times, side by side, and report the spread.")
 @click.option("--out", type=click.Path(file_okay=False), help="Where the PNG goes (default: {data_dir}/bench).")

@@ -97,8 +97,9 @@ class SchedulerConfig(_Strict):
     tie_seconds: float = Field(0.0, ge=0, description="assignment: predicted makespans this close count as ties "
                                                       "(0: exact, as the paper; the SSD term handles switches)")
     initialize: bool = Field(True, description="fill pools by usage probability at start (CoServe §4.1)")
-    max_wait: float | None = Field(2.0, ge=0, description="age bound in seconds: a request queued longer is served "
-                                                          "next, whatever its group; null or 0 disables it")
+    max_wait: float | None = Field(2.0, ge=0, description="age bound in seconds: a request that has waited this "
+                                                          "much longer than the wait predicted when it was queued "
+                                                          "is served next, whatever its group; null or 0: off")
 
 
 class WriterConfig(_Strict):

@@ -51,10 +51,9 @@ class ProfileCosts:
     """
 
     def __init__(self, model: CoEModel, executors: dict[str, ExecutorInfo], profile: Profile | None = None, *,
-                 host=None, default_max_batch: int = 16, ssd_inflight=None, ssd_utilisation=None) -> None:
+                 host=None, default_max_batch: int = 16, ssd_inflight=None) -> None:
         self.model, self.executors, self.profile, self.host = model, executors, profile, host
-        self._ssd_inflight = ssd_inflight or (lambda: 0.0)
-        self._ssd_utilisation = ssd_utilisation or (lambda: 0.0)
+        self._ssd_inflight = ssd_inflight
         self._speed = {name: self._full_load_speed(name) for name in executors}
         self._arch: dict[tuple[str, str], ArchProfile] = {}
         self.estimated: set[str] = set()
@@ -88,13 +87,10 @@ class ProfileCosts:
             return self.profile.devices[info.device]
         return next((d for d in self.profile.devices.values() if d.kind == info.device_kind), None)
 
-    def ssd_inflight(self) -> float:
-        """Seconds of SSD reads under way (the simulator's shared channel, or 0 where not tracked)."""
-        return self._ssd_inflight()
-
-    def ssd_utilisation(self) -> float:
-        """Share of recent time the SSD was reading (0 where not tracked)."""
-        return self._ssd_utilisation()
+    def ssd_inflight(self) -> float | None:
+        """Seconds of SSD reads under way (the simulator's shared channel); None where the device is not
+        watched, and the scheduler counts the reads of the batches it handed out instead."""
+        return self._ssd_inflight() if self._ssd_inflight is not None else None
 
     def arch(self, executor: str, expert_id: str) -> ArchProfile:
         return self._arch[(self.model.experts[expert_id].arch, self.executors[executor].device_kind)]
@@ -115,10 +111,7 @@ class ProfileCosts:
         return "ssd"
 
     def switch_cost(self, executor: str, expert_id: str) -> float:
-        """Load time from the tier where the expert lives; an SSD read also waits for the reads ahead of it."""
-        tier = self.tier_of(executor, expert_id)
-        wait = self.ssd_inflight() if tier == "ssd" else 0.0
-        return self.arch(executor, expert_id).load(tier) + wait
+        return self.arch(executor, expert_id).load(self.tier_of(executor, expert_id))
 
     def ssd_seconds(self, executor: str, expert_id: str) -> float:
         tier = self.tier_of(executor, expert_id)

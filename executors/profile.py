@@ -138,10 +138,15 @@ class Profile:
                 for f in ("split_points", "count_points"):
                     v[f] = tuple(tuple(p) for p in v.get(f, ()))
                 v["concurrency"] = tuple(float(c) for c in v.get("concurrency", ()))
-                if v["concurrency"] and (abs(v["concurrency"][0] - 1.0) > 1e-6
-                                         or any(not (c > 0 and math.isfinite(c)) for c in v["concurrency"])):
+                curve = v["concurrency"]
+                # a GPU shared by m executors cannot beat m whole GPUs (one alone has all of it: c(m) <= m); a
+                # CPU can, against one executor whose threads fight each other, so only the GPU is held to it
+                shared = v.get("kind") != "cpu"
+                if curve and (abs(curve[0] - 1.0) > 1e-6
+                              or any(not (0 < c and math.isfinite(c)) or (shared and c > m + 1e-9)
+                                     for m, c in enumerate(curve, 1))):
                     raise ValueError(f"devices.{k}.concurrency: must start at 1.0 and hold positive numbers, "
-                                     f"got {list(v['concurrency'])}")
+                                     f"on a GPU c(m) <= m (m executors cannot beat m GPUs), got {list(curve)}")
                 devices[k] = DeviceProfile(**v)
             archs = {}
             for k, v in raw["archs"].items():

@@ -81,6 +81,9 @@ class SchedulerPolicy:
 POLICIES = {
     "coserve": SchedulerPolicy("coserve", "cost", True, True, ssd_aware=True, steal=True),
     "coserve-paper": SchedulerPolicy("coserve-paper", "cost", True, True),   # the paper's rule, exactly
+    # one lever of ours off at a time (bench ablations)
+    "coserve-nossd": SchedulerPolicy("coserve-nossd", "cost", True, True, steal=True),
+    "coserve-nosteal": SchedulerPolicy("coserve-nosteal", "cost", True, True, ssd_aware=True),
     "em+ra": SchedulerPolicy("em+ra", "round-robin", True, True),      # ablation: no cost-based assigning
     "em": SchedulerPolicy("em", "round-robin", False, True),           # ablation: expert management only
     "none": SchedulerPolicy("none", "round-robin", False, True),
@@ -169,7 +172,7 @@ class _Queue:
         self.counts: dict[str, int] = {}          # queued requests per expert
         self.queued = 0.0                         # sum of the queued groups' predicted costs
         self.ssd = 0.0                            # SSD seconds the queued groups' switches will read
-        self.inflight: dict[int, tuple[float, float]] = {}   # batch id -> (predicted end, ssd seconds)
+        self.inflight: dict[int, tuple[float, float, float]] = {}   # batch id -> (start, predicted end, SSD s)
         self.n = 0
 
 
@@ -223,12 +226,26 @@ class Scheduler:
         q = self._q[executor]
         now = self._now()
         # a batch running past its prediction is still running: it counts as ending now, not in the past
-        return q.queued + sum(max(end - now, 0.0) for end, _ in q.inflight.values())
+        return q.queued + sum(max(end - now, 0.0) for _, end, _ in q.inflight.values())
+
+    def ssd_inflight(self) -> float:
+        """SSD seconds still to read for work already handed out.
+
+        From the cost model when it watches the device (the simulator's SSD
+        channel); otherwise from the batches handed out: a batch reads its
+        expert first, so one that started at `s` with `r` seconds of SSD read
+        has max(s + r - now, 0) left (0 once it is past its read).
+        """
+        f = getattr(self.costs, "ssd_inflight", None)
+        watched = f() if f is not None else None
+        if watched is not None:
+            return watched
+        now = self._now()
+        return sum(max(start + ssd - now, 0.0) for q in self._q.values() for start, _, ssd in q.inflight.values())
 
     def ssd_backlog(self) -> float:
         """Predicted SSD seconds: reads under way plus every queued group's SSD switch."""
-        f = getattr(self.costs, "ssd_inflight", None)
-        return (f() if f is not None else 0.0) + sum(q.ssd for q in self._q.values())
+        return self.ssd_inflight() + sum(q.ssd for q in self._q.values())
 
     def added_latency(self, executor: str, expert_id: str) -> tuple[float, float, float]:
         """(added seconds, switch seconds, SSD seconds) if a request for `expert_id` joins `executor`."""
@@ -237,10 +254,21 @@ class Scheduler:
         if g is not None:
             n = len(g.requests)
             return self._group_cost(executor, g, n + 1) - self._group_cost(executor, g, n), 0.0, 0.0
-        switch = 0.0 if q.counts.get(expert_id) else self.costs.switch_cost(executor, expert_id)
-        ssd = self._ssd_seconds(executor, expert_id) if switch else 0.0
+        switch, ssd = (0.0, 0.0) if q.counts.get(expert_id) else self._switch(executor, expert_id)
         K, B = self.costs.exec_cost(executor, expert_id)
         return K + B + switch, switch, ssd
+
+    def _switch(self, executor: str, expert_id: str) -> tuple[float, float]:
+        """(switch seconds, SSD read seconds) of loading `expert_id` on `executor` now.
+
+        SSD-aware, a read also waits behind the reads already under way (the
+        SSD is one channel); the paper's rule charges the load time alone.
+        """
+        switch = self.costs.switch_cost(executor, expert_id)
+        ssd = self._ssd_seconds(executor, expert_id) if switch else 0.0
+        if ssd and self.policy.ssd_aware:
+            switch += self.ssd_inflight()
+        return switch, ssd
 
     def _ssd_seconds(self, executor: str, expert_id: str) -> float:
         f = getattr(self.costs, "ssd_seconds", None)
@@ -293,15 +321,13 @@ class Scheduler:
         top, top_name = order[0]
         second = order[1][0] if len(order) > 1 else 0.0
         backlog = self.ssd_backlog() if self.policy.ssd_aware else 0.0
-        util = getattr(self.costs, "ssd_utilisation", None)
-        rho = util() if self.policy.ssd_aware and util is not None else 0.0
         cands = []
         for i, name in enumerate(self.names):
             added, switch, ssd = self.added_latency(name, expert_id)
             others = second if name == top_name else top
             objective = max(others, ests[name] + added)
             if self.policy.ssd_aware:
-                objective = max(objective, backlog + ssd) + rho * ssd
+                objective = max(objective, backlog + ssd)
             cands.append((objective, added, i, name, switch, ssd))
         floor = min(c[0] for c in cands) + self.tie_seconds
         _, _, _, name, switch, ssd = min((c for c in cands if c[0] <= floor + _EPS), key=lambda c: (c[1], c[0], c[2]))
@@ -345,7 +371,8 @@ class Scheduler:
                 if q.by_expert.get(x) is group:
                     del q.by_expert[x]
             batch = Batch(executor, x, requests, predicted=predicted, ssd=ssd)
-            q.inflight[batch.id] = (self._now() + predicted, ssd)
+            now = self._now()
+            q.inflight[batch.id] = (now, now + predicted, ssd)
             return batch
 
     def _steal(self, executor: str) -> bool:
@@ -359,22 +386,19 @@ class Scheduler:
         """
         q = self._q[executor]
         now = self._now()
-        util = getattr(self.costs, "ssd_utilisation", None)
-        rho = util() if self.policy.ssd_aware and util is not None else 0.0
         best, gain = None, 0.0
         for name, o in self._q.items():
             if name == executor or not o.groups:
                 continue
-            ahead = sum(max(end - now, 0.0) for end, _ in o.inflight.values())
+            ahead = sum(max(end - now, 0.0) for _, end, _ in o.inflight.values())
             for g in o.groups:
                 finish_there = ahead + g.cost
                 ahead = finish_there
                 if g.drain or not g.requests:
                     continue
-                switch = 0.0 if q.counts.get(g.expert_id) else self.costs.switch_cost(executor, g.expert_id)
-                ssd = self._ssd_seconds(executor, g.expert_id) if switch else 0.0
+                switch, ssd = self._switch(executor, g.expert_id)
                 probe = _Group(g.expert_id, switch, ssd)
-                here = self._group_cost(executor, probe, len(g.requests)) + rho * ssd
+                here = self._group_cost(executor, probe, len(g.requests))
                 if finish_there - here > gain + _EPS:
                     best, gain = (name, g, switch, ssd), finish_there - here
         if best is None:
@@ -439,8 +463,7 @@ class Scheduler:
                 for g in q.groups:
                     if g.expert_id != expert_id:
                         continue
-                    switch = self.costs.switch_cost(name, expert_id)
-                    ssd = self._ssd_seconds(name, expert_id) if switch else 0.0
+                    switch, ssd = self._switch(name, expert_id)
                     q.ssd += ssd - g.ssd
                     g.switch, g.ssd = switch, ssd
                     self._set_cost(name, q, g)

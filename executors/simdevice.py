@@ -1,17 +1,25 @@
 """The simulated device: production scheduler and pools on a virtual clock and profiled costs.
 
 Everything that decides is the production code: `Scheduler` (assign, arrange,
-split), `Pool` with the configured eviction policy, `ProfileCosts`, chain
-semantics (a classifier's "ok" submits its detector step when the classifier
-finishes).  Only time is simulated: a batch takes the profiled K*n+B plus the
-profiled load latency of its expert from the tier it came from, and the SSD is
-one shared channel (parallel executors queue for it, as they would for one
-disk).  A paper-scale task (3,500 requests, 350 experts) runs in seconds.
+split, steal, age bound), `Pool` with the configured eviction policy,
+`ProfileCosts`, chain semantics (a classifier's "ok" submits its detector step
+when the classifier finishes).  Only time is simulated:
+
+- a batch first loads its expert from the tier it came from (the SSD is one
+  shared channel that parallel executors queue for; a host copy takes the
+  profiled host load time), then computes `K*n + B` of solo work;
+- executors that share a device share its compute: a GPU's busy executors each
+  run at c(m)/m of solo speed (processor sharing by the device's concurrency
+  curve), a CPU's executors each own cores/n threads (c(n)/n);
+- with an exclusive host tier, GPU victims move down into it and promotions
+  leave it.  Host-to-GPU copies and demotion copies do not contend with each
+  other or with compute (PCIe is not modelled), and a demotion takes no time.
+
+A paper-scale task (3,500 requests, 350 experts) runs in well under a second.
 """
 from __future__ import annotations
 
 import heapq
-from collections import deque
 import itertools
 import statistics
 import time
@@ -179,28 +187,6 @@ class _Device:
         return out
 
 
-SSD_WINDOW = 10.0   # seconds of SSD history the utilisation estimate looks at
-
-
-class SsdMeter:
-    """The share of the last `window` seconds the SSD spent reading (reads already queued count too)."""
-
-    def __init__(self, window: float) -> None:
-        self.window = window
-        self.reads: deque[tuple[float, float]] = deque()
-
-    def read(self, begin: float, end: float) -> None:
-        self.reads.append((begin, end))
-
-    def utilisation(self, now: float) -> float:
-        lo = now - self.window
-        while self.reads and self.reads[0][1] <= lo:
-            self.reads.popleft()
-        busy = sum(min(e, now) - max(b, lo) for b, e in self.reads if b < now)
-        ahead = sum(e - max(b, now) for b, e in self.reads if e > now)
-        return min(1.0, (busy + ahead) / self.window)
-
-
 def _device_profiles(profile: Profile, system: SimSystem) -> dict[str, DeviceProfile]:
     """The DeviceProfile each executor's device shares; a device the profile lacks gets a flat curve."""
     out = {}
@@ -221,7 +207,13 @@ def simulate(workload: Workload, profile: Profile, system: SimSystem, *, record_
     if system.host_tier:
         host = Pool("host", system.host_tier, make_policy("lru" if system.eviction == "fifo" else system.eviction),
                     _SsdSource(model), probabilities=probs, preliminaries=prelims,
-                    on_event=lambda e: box[0].refresh(e.expert_id) if box else None)
+                    on_event=lambda e: box[0].refresh(e.expert_id) if box else None,
+                    context=lambda: {"queued": above_host()})
+
+    def above_host() -> set[str]:
+        """Present for the host tier's policy: queued anywhere, or held by a GPU pool (see Agent._above_host)."""
+        out = {e for n in pools for e in (box[0].queued_set(n) if box else ())}
+        return out | {e for n, p in pools.items() if infos[n].device_kind == "cuda" for e in p.resident()}
     pools, sources, infos = {}, {}, {}
     for ex in system.executors:
         gpu = ex.kind == "cuda"
@@ -240,9 +232,7 @@ def simulate(workload: Workload, profile: Profile, system: SimSystem, *, record_
         sources[ex.name] = src
         infos[ex.name] = ExecutorInfo(ex.kind, ex.memory, pools[ex.name], device=ex.device)
     ssd_free = [0.0]
-    ssd = SsdMeter(SSD_WINDOW)
-    costs = ProfileCosts(model, infos, profile, host=host, ssd_inflight=lambda: max(ssd_free[0] - clock[0], 0.0),
-                         ssd_utilisation=lambda: ssd.utilisation(clock[0]))
+    costs = ProfileCosts(model, infos, profile, host=host, ssd_inflight=lambda: max(ssd_free[0] - clock[0], 0.0))
     sched = Scheduler([e.name for e in system.executors], system.scheduler, costs=costs,
                       tie_seconds=system.tie_seconds, now=lambda: clock[0], max_wait=system.max_wait)
 
@@ -298,7 +288,6 @@ def simulate(workload: Workload, profile: Profile, system: SimSystem, *, record_
                 if tier == "ssd":
                     begin = max(t, ssd_free[0])
                     t = ssd_free[0] = begin + a.load("ssd")
-                    ssd.read(begin, t)
                     ssd_busy += a.load("ssd")
                     ssd_loads += 1
                 else:

@@ -11,17 +11,22 @@ the host memory behind them.  How each spends it:
   no age bound) and an inclusive host tier (it keeps a copy of what it
   hands to a GPU).
 - Samba-CoE: one GPU executor, FCFS, LRU.  Its expert memory is the whole
-  GPU less the activations of its own batch (FCFS serves requests one by one,
-  so one request of the largest-activation architecture); its host tier is
+  GPU less the activations of one request of the largest-activation
+  architecture (FCFS in arrival order: only neighbours for the same expert
+  batch, 1.05 requests a batch on the tasks, and the splitter caps them at
+  what fits); its host tier is
   all the CPU memory that CoServe's CPU executor and host tier share.
-- Samba-CoE FIFO and Parallel, and CoServe's ablations, change one knob each.
+- Samba-CoE FIFO and Parallel, and CoServe's ablations (the paper's: none, em,
+  em+ra; ours: -ssd, -steal, -exclusive, -age, -protect, each CoServe with one
+  lever off), change one knob each.
 """
 from __future__ import annotations
 
 from .profile import DeviceProfile, Profile
 from .simdevice import SimExecutor, SimSystem
 
-SYSTEMS = ("coserve", "coserve-paper", "samba", "samba-fifo", "samba-parallel", "none", "em", "em+ra")
+SYSTEMS = ("coserve", "coserve-paper", "samba", "samba-fifo", "samba-parallel", "none", "em", "em+ra",
+           "-ssd", "-steal", "-exclusive", "-age", "-protect")
 DEFAULT = SYSTEMS
 MAX_WAIT = 2.0   # seconds: CoServe's age bound in the benchmark (the agent's default, scheduler.max_wait)
 
@@ -77,6 +82,12 @@ def build_system(name: str, profile: Profile, *, init: str = "warm") -> SimSyste
         "none": (co, "none", "fifo", host, "inclusive", None),
         "em": (co, "em", "coserve", host, "exclusive", None),
         "em+ra": (co, "em+ra", "coserve", host, "exclusive", None),
+        # CoServe with one of our levers off, to attribute the gain over coserve-paper
+        "-ssd": (co, "coserve-nossd", "coserve", host, "exclusive", MAX_WAIT),
+        "-steal": (co, "coserve-nosteal", "coserve", host, "exclusive", MAX_WAIT),
+        "-exclusive": (co, "coserve", "coserve", host, "inclusive", MAX_WAIT),
+        "-age": (co, "coserve", "coserve", host, "exclusive", None),
+        "-protect": (co, "coserve", "coserve-paper", host, "exclusive", MAX_WAIT),
     }
     try:
         execs, sched, evict, tier, mode, max_wait = table[name]

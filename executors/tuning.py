@@ -41,6 +41,7 @@ from .profile import DeviceProfile, Profile, decay_window_search, stop_reason
 from .simdevice import SimExecutor, SimSystem, simulate
 
 SAMPLE_REQUESTS = 800
+MAX_WAIT = 2.0   # the agent's default age bound (scheduler.max_wait), as in executors.systems
 # The weak-processor rule applies when the max-batch activation reserve of all executors is at most this
 # share of the device memory.  25% is what the "casual" 75/25 experts/activations split gives activations
 # anyway: if the max batch fits in it, reserving it costs experts no more than the casual split, so the
@@ -94,9 +95,11 @@ def weak_rule(dev: DeviceProfile, executors: int, reserve: int) -> bool:
 
 
 def _system(dev: DeviceProfile, count: int, expert_memory: int) -> SimSystem:
+    """The system the agent runs (exclusive host tier, age bound), on this device's executors."""
     ex = tuple(SimExecutor(f"{dev.name}#{i}", dev.name, dev.memory // count, expert_memory // count)
                for i in range(count))
-    return SimSystem("tune", ex, "coserve", "coserve", host_tier=dev.host_tier)
+    return SimSystem("tune", ex, "coserve", "coserve", host_tier=dev.host_tier, host_mode="exclusive",
+                     max_wait=MAX_WAIT)
 
 
 class _Sampler:
@@ -217,7 +220,7 @@ def _joint(sample: Workload, profile: Profile, devices: dict[str, DeviceProfile]
                                   int(p.expert_memory) // p.executors)
                       for n, p in zip(names, combo) for i in range(p.executors))
         rep = simulate(sample, profile, SimSystem("tune", execs, "coserve", "coserve", host_tier=host,
-                                                  host_mode="exclusive"))
+                                                  host_mode="exclusive", max_wait=MAX_WAIT))
         results.append((round(rep.throughput, 3), -sum(p.executors for p in combo), combo))
     tp, _, combo = max(results, key=lambda r: (r[0], r[1]))
     out = dict(devices)

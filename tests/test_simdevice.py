@@ -245,13 +245,17 @@ def test_ssd_aware_assignment_avoids_a_switch_when_the_ssd_is_the_bottleneck():
     takes q2 (makespan 5 instead of 6).  With 30 s of SSD reads already waiting, that read delays the
     whole system, so CoServe joins q1's group instead."""
     class Costs(FixedCosts):
+        inflight = 0.0
+
         def ssd_inflight(self):
-            return 30.0
+            return self.inflight
 
     for policy, want in (("coserve-paper", "q2"), ("coserve", "q1")):
-        s = Scheduler(["q1", "q2"], policy, costs=Costs(K=1.0, B=0.0, load=2.0))
+        costs = Costs(K=1.0, B=0.0, load=2.0)
+        s = Scheduler(["q1", "q2"], policy, costs=costs)
         assert _place_a_on(s, "q1") == "q1"
         s._q["q1"].queued += 2.0            # other work on q1: 1 + 2 (switch) + 2 = 5 s
+        costs.inflight = 30.0               # then 30 s of SSD reads queue up elsewhere
         assert s.estimate("q1") == pytest.approx(5.0) and s.estimate("q2") == 0.0
         assert s.submit(req("a", 5)) == want, policy
     quiet = Scheduler(["q1", "q2"], "coserve", costs=FixedCosts(K=1.0, B=0.0, load=2.0))
@@ -344,3 +348,50 @@ def _place_on(s: Scheduler, name: str, requests: list[Request]) -> None:
     for n in s.names:
         if n != name:
             s._q[n].queued = saved[n]
+
+
+def test_a_curve_that_beats_one_device_per_executor_is_rejected():
+    raw = Profile.load(GPU_CLASS).to_json()
+    raw["devices"]["cuda:0"]["concurrency"] = [1.0, 2.5]
+    with pytest.raises(Exception, match=r"c\(m\) <= m"):
+        Profile.from_json(raw, "test.json")
+
+
+def test_gpu_victims_come_back_from_the_exclusive_host_tier():
+    """Two GPU-pool slots, three experts used in turn: with the exclusive tier each victim moves down and
+    comes back as a host copy; with the inclusive one the host keeps only what it read, so more SSD reads."""
+    model = one_arch_model(3)
+    dev = DeviceProfile("cuda:0", "cuda", 10_000, executors=1, concurrency=(1.0,))
+    prof = toy_profile({"cuda:0": dev}, {"cuda": (0.1, 0.0, 4)}, load=1.0)
+    execs = (SimExecutor("cuda:0#0", "cuda:0", 9000, 2000),)   # room for 2 experts of 1000 bytes
+    w = Workload(task("A1", requests=9), model,
+                 tuple(Arrival(2.0 * i, f"f{i}", f"c{i % 3}", False) for i in range(9)))
+    out = {}
+    for mode in ("exclusive", "inclusive"):
+        system = SimSystem("t", execs, "coserve-paper", "coserve", host_tier=1000, init="cold", host_mode=mode)
+        out[mode] = simulate(w, prof, system)
+    assert out["exclusive"].host_loads > 0
+    assert out["exclusive"].ssd_loads < out["inclusive"].ssd_loads
+
+
+def test_real_executors_report_every_batch_finished(tiny_zoo, monkeypatch):
+    """The estimate keeps a running batch until the executor says it is done: the real Executor must say so."""
+    import numpy as np
+
+    from coe import parse_spec
+    from executors.realrun import RealOptions, run_real
+    from storage.expert_store import ExpertStore
+
+    from conftest import TINY_SPEC
+
+    calls = []
+    original = Scheduler.finished
+    monkeypatch.setattr(Scheduler, "finished", lambda self, b: (calls.append(b.id), original(self, b))[1])
+    store = ExpertStore(tiny_zoo)
+    model = parse_spec(TINY_SPEC).with_sizes({e.id: e.nbytes for e in store.entries()})
+    comps = list(model.components)
+    w = Workload(task("A1"), model, tuple(Arrival(0.0, f"f{i}", comps[i % len(comps)], False) for i in range(12)))
+    system = SimSystem("coserve", (SimExecutor("cpu#0", "cpu", 40_000_000, 30_000_000),), "coserve", "coserve")
+    rep = run_real(w, model, store, None, system, RealOptions(interval=0.0, cold=False),
+                   images={c: [np.zeros((32, 32, 3), np.uint8)] for c in comps})
+    assert rep.batches > 0 and sorted(calls) == sorted(set(calls)) and len(calls) == rep.batches
