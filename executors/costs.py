@@ -51,9 +51,10 @@ class ProfileCosts:
     """
 
     def __init__(self, model: CoEModel, executors: dict[str, ExecutorInfo], profile: Profile | None = None, *,
-                 host=None, default_max_batch: int = 16, ssd_inflight=None) -> None:
+                 host=None, default_max_batch: int = 16, ssd_inflight=None, arriving=None) -> None:
         self.model, self.executors, self.profile, self.host = model, executors, profile, host
         self._ssd_inflight = ssd_inflight
+        self._arriving = arriving or (lambda executor, expert_id: 0.0)
         self._speed = {name: self._full_load_speed(name) for name in executors}
         self._arch: dict[tuple[str, str], ArchProfile] = {}
         self.estimated: set[str] = set()
@@ -111,7 +112,12 @@ class ProfileCosts:
         return "ssd"
 
     def switch_cost(self, executor: str, expert_id: str) -> float:
-        return self.arch(executor, expert_id).load(self.tier_of(executor, expert_id))
+        """The load time from the tier where the expert lives; for one already loading (resident in the
+        pool's books), what is left of its load where that is known (the simulator's prefetches)."""
+        tier = self.tier_of(executor, expert_id)
+        if tier == "resident":
+            return self._arriving(executor, expert_id)
+        return self.arch(executor, expert_id).load(tier)
 
     def ssd_seconds(self, executor: str, expert_id: str) -> float:
         tier = self.tier_of(executor, expert_id)

@@ -12,7 +12,9 @@ when the classifier finishes).  Only time is simulated:
   run at c(m)/m of solo speed (processor sharing by the device's concurrency
   curve), a CPU's executors each own cores/n threads (c(n)/n);
 - with an exclusive host tier, GPU victims move down into it and promotions
-  leave it.  Host-to-GPU copies and demotion copies do not contend with each
+  leave it;
+- as the real executor's Prefetcher does, once a batch's expert is in, the
+  next group's expert starts loading while the batch computes (`prefetch`).  Host-to-GPU copies and demotion copies do not contend with each
   other or with compute (PCIe is not modelled), and a demotion takes no time.
 
 A paper-scale task (3,500 requests, 350 experts) runs in well under a second.
@@ -60,6 +62,7 @@ class SimSystem:
     tie_seconds: float = 0.0   # assignment: predicted makespans this close count as ties (0: the paper's rule)
     host_mode: str = "inclusive"   # 'exclusive': the host tier is a victim cache of the GPU pools
     max_wait: float | None = None  # scheduler age bound (seconds); None: off
+    prefetch: bool = True          # load the next group's expert while a batch computes (as the Executor does)
 
     def resources(self) -> str:
         """The memory and executors this system gets, for the bench table."""
@@ -203,6 +206,7 @@ def simulate(workload: Workload, profile: Profile, system: SimSystem, *, record_
     exclusive = system.host_mode == "exclusive"
     clock = [0.0]
     box: list[Scheduler] = []
+    ready: dict[tuple[str, str], float] = {}   # (executor, expert) -> when its prefetch lands
     host = None
     if system.host_tier:
         host = Pool("host", system.host_tier, make_policy("lru" if system.eviction == "fifo" else system.eviction),
@@ -220,6 +224,8 @@ def simulate(workload: Workload, profile: Profile, system: SimSystem, *, record_
         src = _TierSource(model, host, exclusive) if gpu else _SsdSource(model)
 
         def on_event(e, name=ex.name, gpu=gpu) -> None:
+            if e.event == "evict":
+                ready.pop((name, e.expert_id), None)   # a prefetched expert evicted before its batch came
             if not box:
                 return
             if gpu and exclusive and host is not None and e.event == "evict":
@@ -232,7 +238,8 @@ def simulate(workload: Workload, profile: Profile, system: SimSystem, *, record_
         sources[ex.name] = src
         infos[ex.name] = ExecutorInfo(ex.kind, ex.memory, pools[ex.name], device=ex.device)
     ssd_free = [0.0]
-    costs = ProfileCosts(model, infos, profile, host=host, ssd_inflight=lambda: max(ssd_free[0] - clock[0], 0.0))
+    costs = ProfileCosts(model, infos, profile, host=host, ssd_inflight=lambda: max(ssd_free[0] - clock[0], 0.0),
+                         arriving=lambda name, e: max(ready.get((name, e), 0.0) - clock[0], 0.0))
     sched = Scheduler([e.name for e in system.executors], system.scheduler, costs=costs,
                       tie_seconds=system.tie_seconds, now=lambda: clock[0], max_wait=system.max_wait)
 
@@ -269,8 +276,24 @@ def simulate(workload: Workload, profile: Profile, system: SimSystem, *, record_
     jobs = itertools.count()
     now = 0.0
 
+    def read(name: str, start: float, loads: list[tuple[str, str]]) -> float:
+        """Time the loads the pool just asked its source for, from `start`; returns when they are done."""
+        nonlocal ssd_busy, ssd_loads, host_loads
+        t = start
+        for expert_id, tier in loads:
+            a = costs.arch(name, expert_id)
+            if tier == "ssd":
+                begin = max(t, ssd_free[0])
+                t = ssd_free[0] = begin + a.load("ssd")
+                ssd_busy += a.load("ssd")
+                ssd_loads += 1
+            else:
+                t += a.load("host")
+                host_loads += 1
+        return t
+
     def dispatch() -> None:
-        nonlocal ssd_busy, ssd_loads, host_loads, batches, batched
+        nonlocal batches, batched
         for name, ex in execs.items():
             if busy[name]:
                 continue
@@ -282,17 +305,10 @@ def simulate(workload: Workload, profile: Profile, system: SimSystem, *, record_
             handle = pool.acquire(b.expert_id)
             if handle is None:
                 raise RuntimeError(f"{name}: expert {b.expert_id} cannot fit next to pinned experts")
-            t = now
-            for expert_id, tier in src.loads[n_loads:]:
-                a = costs.arch(name, expert_id)
-                if tier == "ssd":
-                    begin = max(t, ssd_free[0])
-                    t = ssd_free[0] = begin + a.load("ssd")
-                    ssd_busy += a.load("ssd")
-                    ssd_loads += 1
-                else:
-                    t += a.load("host")
-                    host_loads += 1
+            # a prefetch of this expert may still be reading: the batch starts when it lands
+            t = max(read(name, now, src.loads[n_loads:]), ready.pop((name, b.expert_id), 0.0))
+            if system.prefetch:
+                prefetch(name, b.expert_id, t)
             a = costs.arch(name, b.expert_id)
             busy[name] = True
             batches += 1
@@ -300,6 +316,19 @@ def simulate(workload: Workload, profile: Profile, system: SimSystem, *, record_
             jid = next(jobs)
             running[jid] = (name, b, handle, now, a.K * len(b) + a.B)
             heapq.heappush(events, (t, next(seq), "compute", jid))
+
+    def prefetch(name: str, current: str, start: float) -> None:
+        """As the executor's Prefetcher: load the next group's expert while this batch computes."""
+        nxt = sched.next_expert(name, current)
+        pool, src = pools[name], sources[name]
+        if nxt is None or pool.present(nxt):
+            return
+        n_loads = len(src.loads)
+        h = pool.acquire(nxt)
+        if h is None:
+            return   # it cannot fit next to pinned experts now; the batch will load it
+        pool.release(h)
+        ready[(name, nxt)] = read(name, start, src.loads[n_loads:])
 
     def reschedule(finishes: list) -> None:
         for t, jid, version in finishes:

@@ -395,3 +395,19 @@ def test_real_executors_report_every_batch_finished(tiny_zoo, monkeypatch):
     rep = run_real(w, model, store, None, system, RealOptions(interval=0.0, cold=False),
                    images={c: [np.zeros((32, 32, 3), np.uint8)] for c in comps})
     assert rep.batches > 0 and sorted(calls) == sorted(set(calls)) and len(calls) == rep.batches
+
+
+def test_the_next_groups_expert_loads_while_a_batch_computes():
+    """As the executor's Prefetcher: e1's 1 s read overlaps e0's 2 s batch, so e1 starts when e0 ends."""
+    model = one_arch_model(2)
+    dev = DeviceProfile("cuda:0", "cuda", 10_000, executors=1, concurrency=(1.0,))
+    prof = toy_profile({"cuda:0": dev}, {"cuda": (1.0, 0.0, 4)}, load=1.0)
+    execs = (SimExecutor("cuda:0#0", "cuda:0", 9000, 2000),)
+    w = toy_workload(model, ["c0", "c0", "c1"])
+    ends = {}
+    for prefetch in (True, False):
+        system = SimSystem("t", execs, "coserve-paper", "coserve", init="cold", prefetch=prefetch)
+        rep = simulate(w, prof, system, record_order=True)
+        ends[prefetch] = {expert: end for _, expert, _, _, end in rep.order}
+    assert ends[False] == pytest.approx({"e0": 3.0, "e1": 5.0})   # read 1 + 2 s, then read 1 + 1 s
+    assert ends[True] == pytest.approx({"e0": 3.0, "e1": 4.0})    # e1's read ran during e0's batch
