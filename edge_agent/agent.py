@@ -203,8 +203,15 @@ class Agent:
             return min(ex.expert_memory // share, memory), "from config"
         dev = self._device_profile(ex)
         if dev is not None and dev.expert_memory:
-            return (min(memory, int(dev.expert_memory * memory / max(dev.memory, 1))),
-                    "from profile (memory-split search)")
+            scaled = min(memory, int(dev.expert_memory * memory / max(dev.memory, 1)))
+            # an executor this config sizes differently from the search still keeps its max-batch reserve
+            reserve = max((a.activation_bytes * a.max_batch for a in self.profile.archs.values()
+                           if a.device == dev.kind), default=0)
+            if memory - scaled < reserve:
+                biggest = max((e.nbytes for e in self.model.experts.values()), default=0)
+                return (max(memory - reserve, min(biggest, memory)),
+                        "from profile (memory-split search), cut to keep the max-batch activation reserve")
+            return scaled, "from profile (memory-split search)"
         return int(memory * 0.75), "default (75%)"
 
     def _pool(self, name: str, tier: str, capacity: int, source, executor: str | None) -> Pool:

@@ -102,3 +102,19 @@ def test_without_a_profile_one_executor_and_the_default_split(line, caplog):
                        "expert memory default (75%)"
     finally:
         agent.stop()
+
+
+def test_a_config_sized_executor_keeps_the_max_batch_reserve(line, caplog, tmp_path):
+    """The config runs 3 executors of 40 MB where the search sized 2: the proportional 30 MB of experts
+    would leave 10 MB, less than the 16 MB a max batch needs (2 MB x 8), so experts get 24 MB."""
+    from executors.profile import ArchProfile
+
+    cfg = line({"device": "cpu", "memory": "40MB", "count": 3})
+    arch = ArchProfile("ultralytics/yolov8n", "cpu", 0.01, 0.01, 8, 3 * MB, 2 * MB, {"ssd": 0.05, "host": 0.01})
+    Profile("assumed: test", {"cpu": searched(2)}, {Profile.key(arch.arch, "cpu"): arch}).save(cfg.scheduler.profile)
+    agent, said = build(cfg, caplog)
+    try:
+        assert summary(agent) == [(40 * MB, 24 * MB)] * 3
+        assert "cut to keep the max-batch activation reserve" in said
+    finally:
+        agent.stop()
