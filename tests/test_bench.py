@@ -1,0 +1,49 @@
+"""`coe-agent bench --sim`: one JSON line with every system's resources, the sustained rate and the latency
+at F x that rate; bad --load values are refused with a clear message (issue 9)."""
+from __future__ import annotations
+
+import json
+
+from click.testing import CliRunner
+
+from coe.workload import make_workload, task
+from edge_agent.bench import sustained_rate, sustains
+from edge_agent.cli import cli
+from executors.profile import Profile
+from executors.simdevice import simulate
+from executors.systems import build_system
+
+SMALL = ["--requests", "240", "--types", "40"]
+
+
+def test_bench_sim_reports_resources_sustained_rate_and_latency_under_load(tmp_path):
+    res = CliRunner().invoke(cli, ["bench", "--sim", "-w", "A1", *SMALL, "--policies", "coserve,coserve-paper",
+                                   "--load", "0.5,0.8", "--out", str(tmp_path), "--json"])
+    assert res.exit_code == 0, res.output
+    out = json.loads(res.output.strip().splitlines()[-1])
+    rows = {r["system"]: r for r in out["tasks"]["A1"]}
+    assert set(rows) == {"coserve", "coserve-paper", "samba"}          # the baseline is always added
+    assert rows["samba"]["speedup"] == 1.0 and rows["coserve-paper"]["vs_paper"] == 1.0
+    for r in rows.values():
+        assert "GB experts" in r["resources"] and r["frames"] == 240
+        assert r["lower_bound"] <= r["makespan"]
+        assert 0 < r["sustained_rate"] <= r["throughput"]
+        assert set(r["latency"]) == {"0.5", "0.8"}
+        assert abs(r["latency"]["0.8"]["rate"] - 0.8 * r["sustained_rate"]) < 2e-3
+    assert out["loads"] == [0.5, 0.8] and (tmp_path / "bench-throughput.png").is_file()
+
+
+def test_bench_refuses_a_load_outside_zero_to_one():
+    res = CliRunner().invoke(cli, ["bench", "--sim", "-w", "A1", *SMALL, "--load", "1.5"])
+    assert res.exit_code == 2 and "each F must be in (0, 1]" in res.output
+
+
+def test_the_sustained_rate_is_sustained_and_below_the_flood():
+    prof = Profile.load("configs/profiles/gpu-class.json")
+    spec = task("B1", requests=240, types=40)
+    system = build_system("coserve", prof)
+    flood = simulate(make_workload(spec), prof, system).throughput
+    rate = sustained_rate(spec, prof, system, flood)
+    assert 0 < rate <= flood
+    assert sustains(spec, prof, system, rate)
+    assert not sustains(spec, prof, system, 2 * flood)   # twice what it does flat out cannot drain
