@@ -16,6 +16,9 @@ same code as CoServe:
   predicted queue times and the SSD's predicted backlog (reads under way plus
   the SSD switches of every queued group).  A makespan is at least every
   resource's backlog, so the weight of the SSD term is 1, derived, not fitted.
+  A predicted SSD switch also waits behind the reads already under way.
+- work stealing (`coserve`): an executor that runs dry takes a waiting group
+  that would finish sooner on it, its switch there included.
 - arranging: a request goes right behind the last queued request for the same
   expert (`arrange=True`); otherwise arrival order, and only neighbours batch.
 - splitting: a batch is capped at the cost model's max batch, which is
