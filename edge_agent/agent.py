@@ -24,6 +24,7 @@ from executors.costs import ExecutorInfo, ProfileCosts
 from executors.executor import BatchResult, Executor, FailedExperts
 from executors.profile import Profile
 from executors.scheduler import Scheduler
+from executors.systems import activation_reserve
 from routing import RuleRouter
 from storage.expert_store import ExpertStore
 from storage.policies import make_policy
@@ -205,8 +206,7 @@ class Agent:
         if dev is not None and dev.expert_memory:
             scaled = min(memory, int(dev.expert_memory * memory / max(dev.memory, 1)))
             # an executor this config sizes differently from the search still keeps its max-batch reserve
-            reserve = max((a.activation_bytes * a.max_batch for a in self.profile.archs.values()
-                           if a.device == dev.kind), default=0)
+            reserve = activation_reserve(self.profile, dev.kind)
             if memory - scaled < reserve:
                 biggest = max((e.nbytes for e in self.model.experts.values()), default=0)
                 return (max(memory - reserve, min(biggest, memory)),

@@ -65,7 +65,6 @@ class Batch:
     requests: list[Request]
     id: int = field(default_factory=lambda: next(_batch_ids))
     predicted: float = 0.0        # seconds the scheduler predicted for it (switch + K*n + B)
-    ssd: float = 0.0              # of which SSD read seconds
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -373,7 +372,7 @@ class Scheduler:
                 q.groups.remove(group)
                 if q.by_expert.get(x) is group:
                     del q.by_expert[x]
-            batch = Batch(executor, x, requests, predicted=predicted, ssd=ssd)
+            batch = Batch(executor, x, requests, predicted=predicted)
             now = self._now()
             q.inflight[batch.id] = (now, now + predicted, ssd)
             return batch

@@ -39,9 +39,9 @@ from coe.workload import Workload, from_model
 
 from .profile import DeviceProfile, Profile, decay_window_search, stop_reason
 from .simdevice import SimExecutor, SimSystem, simulate
+from .systems import MAX_WAIT
 
 SAMPLE_REQUESTS = 800
-MAX_WAIT = 2.0   # the agent's default age bound (scheduler.max_wait), as in executors.systems
 # The weak-processor rule applies when the max-batch activation reserve of all executors is at most this
 # share of the device memory.  25% is what the "casual" 75/25 experts/activations split gives activations
 # anyway: if the max batch fits in it, reserving it costs experts no more than the casual split, so the

@@ -150,22 +150,35 @@ class Pool:
                 return None
             evicted = [self._evict_locked(v, incoming=expert_id) for v in victims]
             self._entries[expert_id] = _Entry(None, need, self._seq, self._seq, pins=1, loading=True)
+        # the victims' memory may become the new expert's (a switch between same-sized experts then costs
+        # one read or copy into warm memory); the source takes what it reuses
+        entry = self._fill(expert_id, evicted, need, entered, "load", reuse_victims=self._reuses,
+                           make=lambda reuse: (self.source.load(expert_id, reuse=reuse) if reuse
+                                               else self.source.load(expert_id)))
+        return Handle(expert_id, entry.value, entry.nbytes)
+
+    def _fill(self, expert_id: str, evicted: list[PoolEvent], need: int, entered: float, event: str, *,
+              reuse_victims: bool, make: Callable[[list], Any]) -> _Entry:
+        """Fill the reserved entry of `expert_id` with `make(reuse)`, outside the lock; `event` is 'load' or 'admit'.
+
+        Reports the evictions first, then hands `make` the victims' values it may
+        refill.  `evicted` is cleared here, so nothing keeps the other victims
+        alive while `make` allocates.  If `make` raises, the reservation goes
+        (no half entry) and the error propagates.
+        """
         t0 = self._clock()
-        load_started = time.perf_counter()
+        started = time.perf_counter()
         try:
-            for e in evicted:
-                self._on_event(e)
-            e = None
-            # the victims' memory may become the new expert's (a switch between same-sized experts
-            # then costs one read or copy into warm memory); the source takes what it reuses and
-            # clears the list, so everything else is freed before the load allocates
-            reuse = [e.value for e in evicted if e.value is not None] if self._reuses else []
-            evicted = []
-            value = self.source.load(expert_id, reuse=reuse) if reuse else self.source.load(expert_id)
+            for ev in evicted:
+                self._on_event(ev)
+            ev = None
+            reuse = [e.value for e in evicted if e.value is not None] if reuse_victims else []
+            evicted.clear()
+            value = make(reuse)
             reuse.clear()
             seconds = self._clock() - t0
-            load_wall = time.perf_counter() - load_started
-            measured = self._measure(value) if self._measure else need
+            wall = time.perf_counter() - started
+            measured = self._measure(value) if self._measure and value is not None else need
         except BaseException:
             with self._cond:
                 del self._entries[expert_id]
@@ -174,13 +187,16 @@ class Pool:
         with self._cond:
             entry = self._entries[expert_id]
             entry.value, entry.loading, entry.nbytes = value, False, max(measured, need)
-            self._stats.misses += 1
-            self._stats.bytes_in += entry.nbytes
-            self._stats.load_seconds += seconds
-            self._stats.manage_seconds += time.perf_counter() - entered - load_wall
+            if event == "load":
+                self._stats.misses += 1
+                self._stats.bytes_in += entry.nbytes
+                self._stats.load_seconds += seconds
+            else:
+                self._stats.admits += 1
+            self._stats.manage_seconds += time.perf_counter() - entered - wall
             self._cond.notify_all()
-        self._on_event(PoolEvent(expert_id, self.tier, "load", entry.nbytes, seconds, time.time()))
-        return Handle(expert_id, value, entry.nbytes)
+        self._on_event(PoolEvent(expert_id, self.tier, event, entry.nbytes, seconds, time.time()))
+        return entry
 
     def hold(self, expert_id: str) -> Handle | None:
         """Pin `expert_id` if it is resident (a hit), else None: never loads and never evicts.
@@ -229,30 +245,8 @@ class Pool:
                 return False
             evicted = [self._evict_locked(v, incoming=expert_id) for v in victims]
             self._entries[expert_id] = _Entry(None, need, self._seq, self._seq, loading=True)
-        t0 = self._clock()
-        produce_started = time.perf_counter()
-        try:
-            for ev in evicted:
-                self._on_event(ev)
-            reuse = [ev.value for ev in evicted if ev.value is not None]
-            evicted = []
-            value = produce(reuse) if produce is not None else None
-            reuse.clear()
-            seconds = self._clock() - t0
-            produce_wall = time.perf_counter() - produce_started
-            measured = self._measure(value) if self._measure and value is not None else need
-        except BaseException:
-            with self._cond:
-                del self._entries[expert_id]
-                self._cond.notify_all()
-            raise
-        with self._cond:
-            entry = self._entries[expert_id]
-            entry.value, entry.loading, entry.nbytes = value, False, max(measured, need)
-            self._stats.admits += 1
-            self._stats.manage_seconds += time.perf_counter() - entered - produce_wall
-            self._cond.notify_all()
-        self._on_event(PoolEvent(expert_id, self.tier, "admit", entry.nbytes, seconds, time.time()))
+        self._fill(expert_id, evicted, need, entered, "admit", reuse_victims=True,
+                   make=lambda reuse: produce(reuse) if produce is not None else None)
         return True
 
     def discard(self, expert_id: str) -> bool:

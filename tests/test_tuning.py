@@ -3,7 +3,6 @@ and the executor-count search on the simulator."""
 from __future__ import annotations
 
 import math
-import time
 from dataclasses import replace
 from pathlib import Path
 
@@ -188,14 +187,12 @@ def test_infeasible_counts_are_skipped_with_the_reason():
 # -- tune() on the simulator -------------------------------------------------------------
 
 @pytest.fixture(scope="module")
-def tuned(gpu_class, board_a) -> tuple[Profile, float]:
-    t0 = time.perf_counter()
-    out = tune(gpu_class, board_a, requests=300)
-    return out, time.perf_counter() - t0
+def tuned(gpu_class, board_a) -> Profile:
+    return tune(gpu_class, board_a, requests=300)
 
 
 def test_tune_on_gpu_class_keeps_the_activation_reserve(tuned, gpu_class, board_a):
-    out, _ = tuned
+    out = tuned
     sizes = sorted((e.nbytes for e in board_a.experts.values()), reverse=True)
     probs = board_a.usage_probabilities()
     by_use = [board_a.experts[e].nbytes for e in sorted(board_a.experts, key=lambda e: (-probs[e], e))]
@@ -220,7 +217,7 @@ def test_tune_on_gpu_class_keeps_the_activation_reserve(tuned, gpu_class, board_
 
 
 def test_tune_replaces_its_own_notes_on_a_rerun(tuned, board_a):
-    out, _ = tuned
+    out = tuned
     again = tune(out, board_a, requests=300, max_executors=1)
     mine = [n for n in again.notes if n.startswith(NOTE_PREFIX)]
     assert len(mine) == 4 and sum("best simulated throughput of 1..1," in n for n in mine) == 1  # 2 devices, joint, summary
