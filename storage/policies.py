@@ -34,6 +34,9 @@ class PoolState:
     `future` is the upcoming access order, known only to the offline oracle;
     `incoming` is the expert the room is being made for (it is not resident
     yet, but it is about to be, so its followers are not orphans).
+    `counts` (uses so far, LFU) and `gate_scores` (an MoE router's recent mean
+    gate score per expert, inactive experts included) come from the router
+    hook of an MoE model (`routing.moe_router`); vision pools leave them empty.
     """
 
     capacity: int
@@ -43,6 +46,8 @@ class PoolState:
     queued: frozenset[str] = frozenset()
     future: tuple[str, ...] = ()
     incoming: str | None = None
+    counts: Mapping[str, float] = field(default_factory=dict)
+    gate_scores: Mapping[str, float] = field(default_factory=dict)
 
     @property
     def used(self) -> int:
@@ -104,6 +109,36 @@ class Probability:
 
 def _by_probability(state: PoolState) -> list[Resident]:
     return sorted(state.residents, key=lambda r: (state.probabilities.get(r.expert_id, 0.0), r.used_seq, r.expert_id))
+
+
+class LFU:
+    """Fewest uses first (`state.counts`), least recently used among equals.
+
+    With an MoE model the counts are seeded by the prompt's prefill and grow
+    with every decode step: SMoE's Fixed-N cache and GPU-NDP's prefill-seeded
+    cache are this policy.
+    """
+
+    name = "lfu"
+
+    def choose_victims(self, state: PoolState, need_bytes: int) -> list[str] | None:
+        return _evict_in_order(state, need_bytes, sorted(
+            state.residents, key=lambda r: (state.counts.get(r.expert_id, 0.0), r.used_seq, r.expert_id)))
+
+
+class GateScore:
+    """Lowest recent mean gate score first (importance paper, Eq. 3), least recently used among equals.
+
+    `state.gate_scores` is the router's score for every expert, chosen or not,
+    averaged over the last n decode steps: an expert the router leans towards
+    without picking yet is kept over one it has turned away from.
+    """
+
+    name = "gate-score"
+
+    def choose_victims(self, state: PoolState, need_bytes: int) -> list[str] | None:
+        return _evict_in_order(state, need_bytes, sorted(
+            state.residents, key=lambda r: (state.gate_scores.get(r.expert_id, 0.0), r.used_seq, r.expert_id)))
 
 
 def present(state: PoolState) -> frozenset[str]:
@@ -190,7 +225,7 @@ class Belady:
         return _evict_in_order(state, need_bytes, order)
 
 
-POLICIES = {p.name: p for p in (LRU, FIFO, Probability, CoServe, CoServePaper, Belady)}
+POLICIES = {p.name: p for p in (LRU, FIFO, LFU, GateScore, Probability, CoServe, CoServePaper, Belady)}
 
 
 def make_policy(name: str) -> EvictionPolicy:

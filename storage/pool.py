@@ -106,7 +106,8 @@ class Pool:
         self._on_event = on_event or (lambda e: None)
         self._probabilities = dict(probabilities or {})
         self._preliminaries = dict(preliminaries or {})
-        self._context = context or dict  # live scheduler knowledge: {'queued': set, 'future': tuple}
+        # live knowledge: {'queued': set, 'future': tuple} from a scheduler; {'counts', 'gate_scores'} from an MoE router
+        self._context = context or dict
         self._measure = measure
         self._reuses = bool(getattr(source, "reuses_memory", False))
         self._clock = clock
@@ -327,7 +328,7 @@ class Pool:
             Resident(k, e.nbytes, e.loaded_seq, e.used_seq, e.pins > 0 or e.loading or k in keep)
             for k, e in self._entries.items()),
             self._probabilities, self._preliminaries, frozenset(ctx.get("queued", ())), tuple(ctx.get("future", ())),
-            incoming)
+            incoming, ctx.get("counts", {}), ctx.get("gate_scores", {}))
 
     def _evict_locked(self, expert_id: str, incoming: str | None = None) -> PoolEvent:
         entry = self._entries.get(expert_id)

@@ -1,0 +1,238 @@
+"""An imported MoE model running with its experts paged through pools.
+
+`load_pooled(STORE, memory=..., policy=...)` builds the transformers model on
+the meta device (no memory), swaps every experts module for `PooledExperts`,
+and materialises only the resident weights, memory-mapped from the resident
+file written by `coe-agent llm import`.  Expert bytes live only in the pools,
+so the process holds the budget plus the non-expert weights.
+
+Budgets.  `quota='shared'` gives all layers one pool (ranked together by the
+policy); `quota='per-layer'` gives each MoE layer an equal share.  On CUDA the
+device pool loads through a pinned host staging buffer (`TierSource`).
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from coe import CoEError
+from coe.moe import MoELayout, expert_id, parse_expert_id
+from routing.moe_router import RouterTap
+from storage.expert_store import ExpertStore, _sha256
+from storage.llm_import import MODEL_SUBDIR, load_config, meta_model
+from storage.moe_structure import find_experts
+from storage.policies import make_policy
+from storage.pool import Pool, PoolStats
+from storage.tiers import StoreSource, TierSource
+
+from .pooled_experts import PooledExperts
+
+QUOTAS = ("shared", "per-layer")
+LLM_POLICIES = ("lru", "lfu", "gate-score", "probability", "fifo", "belady")
+
+
+@dataclass
+class OffloadStats:
+    hits: int = 0
+    misses: int = 0
+    bytes_in: int = 0
+    load_seconds: float = 0.0
+    tokens: int = 0
+    seconds: float = 0.0
+    pools: list[PoolStats] = field(default_factory=list)
+
+    @property
+    def hit_rate(self) -> float:
+        n = self.hits + self.misses
+        return self.hits / n if n else 0.0
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def line(self) -> str:
+        return (f"hit rate {self.hit_rate:.1%} ({self.hits} hits, {self.misses} loads), "
+                f"{self.bytes_in / 2**20:.1f} MiB read, {self.load_seconds:.2f} s loading, "
+                f"{self.tokens} tokens in {self.seconds:.2f} s = {self.tokens_per_second:.2f} tokens/s")
+
+
+@dataclass
+class PooledModel:
+    model: torch.nn.Module
+    layout: MoELayout
+    store: ExpertStore
+    pools: list[Pool]
+    tap: RouterTap
+    device: torch.device
+    root: Path
+    _pool_by_layer: dict[int, Pool] = field(default_factory=dict)
+
+    def pool_of(self, eid: str) -> Pool:
+        return self._pool_by_layer[parse_expert_id(eid)[1]]
+
+    def stats(self) -> OffloadStats:
+        out = OffloadStats()
+        for p in self.pools:
+            s = p.stats()
+            out.hits += s.hits
+            out.misses += s.misses
+            out.bytes_in += s.bytes_in
+            out.load_seconds += s.load_seconds
+            out.pools.append(s)
+        return out
+
+    def tokenizer(self):
+        from transformers import AutoTokenizer
+
+        try:
+            return AutoTokenizer.from_pretrained(str(self.root / MODEL_SUBDIR), local_files_only=True)
+        except (OSError, ValueError, TypeError) as exc:
+            raise CoEError(f"{self.root / MODEL_SUBDIR}: no usable tokenizer ({exc}); "
+                           "import a model directory that has its tokenizer files") from None
+
+    @torch.no_grad()
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, *,
+                 on_token: Callable[[int], None] | None = None) -> tuple[list[int], OffloadStats]:
+        """Greedy decoding with the KV cache; `on_token` sees each new token as it is produced."""
+        before = self.stats()
+        ids = input_ids.to(self.device).reshape(1, -1)
+        out: list[int] = []
+        start = time.perf_counter()
+        past = None
+        nxt = ids
+        eos = _eos_ids(self.model)
+        for _ in range(max_new_tokens):
+            res = self.model(input_ids=nxt, past_key_values=past, use_cache=True)
+            past = res.past_key_values
+            tok = int(res.logits[0, -1].argmax())
+            out.append(tok)
+            if on_token is not None:
+                on_token(tok)
+            if tok in eos:
+                break
+            nxt = torch.tensor([[tok]], device=self.device)
+        after = self.stats()
+        delta = OffloadStats(after.hits - before.hits, after.misses - before.misses, after.bytes_in - before.bytes_in,
+                             after.load_seconds - before.load_seconds, len(out), time.perf_counter() - start,
+                             after.pools)
+        return out, delta
+
+    def close(self) -> None:
+        self.tap.detach()
+        for p in self.pools:
+            p.close()
+
+
+def load_pooled(root: str | Path, *, memory: int, policy: str = "lru", quota: str = "shared", device: str = "cpu",
+                window: int = 8, popularity: dict[str, float] | None = None, verify: str = "first",
+                context: Callable[[], dict] | None = None) -> PooledModel:
+    """The imported model at `root` with `memory` bytes of expert pool; see the module docstring.
+
+    `popularity` (expert id -> per-layer share, e.g. `Trace.popularity()`)
+    ranks experts for the 'probability' policy.  `context`, if given, adds to
+    what the policy sees (the offline oracle's future, in a trace replay).
+    """
+    root = Path(root)
+    layout = MoELayout.load(root)
+    if quota not in QUOTAS:
+        raise CoEError(f"quota must be one of {', '.join(QUOTAS)}, got {quota!r}")
+    if policy == "probability" and not popularity:
+        raise CoEError("policy 'probability' ranks experts by per-layer popularity: give a trace "
+                       "(coe-agent llm trace) to take it from")
+    store = ExpertStore(root, verify=verify)
+    missing = [eid for eid in layout.ids() if not store.has(eid)]
+    if missing:
+        raise CoEError(f"{root}: the store lacks {len(missing)} experts of '{layout.model}' (first: {missing[0]}); "
+                       "re-run coe-agent llm import")
+    dev = torch.device(device)
+    biggest = max(l.expert_nbytes for l in layout.layers)
+    need = layout.top_k * biggest
+    if quota == "shared":
+        if memory < need:
+            raise CoEError(f"memory {memory} bytes cannot hold one token's {layout.top_k} experts ({need} bytes)")
+        caps = {None: memory}
+    else:
+        share = memory // len(layout.layers)
+        if share < need:
+            raise CoEError(f"memory {memory} bytes split over {len(layout.layers)} layers gives {share} per layer, "
+                           f"less than one token's {layout.top_k} experts ({need} bytes)")
+        caps = {l.layer: share for l in layout.layers}
+
+    config = load_config(root / MODEL_SUBDIR)
+    model = meta_model(config)
+    sites = find_experts(model)
+    if [s.layer for s in sites] != [l.layer for l in layout.layers]:
+        raise CoEError(f"{root}: the model's MoE layers {[s.layer for s in sites]} differ from llm.json's "
+                       f"{[l.layer for l in layout.layers]}")
+    tap = RouterTap(layout, window=window)
+    extra = context or dict
+
+    def ctx() -> dict:
+        return {**tap.context(), **extra()}
+
+    pmodel = PooledModel(model, layout, store, [], tap, dev, root)
+    pools = {}
+    for key, cap in caps.items():
+        source = StoreSource(store, pin=dev.type == "cuda")
+        if dev.type == "cuda":
+            source = TierSource(source, str(dev))
+        pools[key] = Pool(dev.type, cap, make_policy(policy), source, probabilities=popularity or {}, context=ctx,
+                          name=f"{layout.model}:{'all' if key is None else f'L{key:02d}'}")
+    pmodel.pools = list(pools.values())
+    pmodel._pool_by_layer = {l.layer: pools[None if quota == "shared" else l.layer] for l in layout.layers}
+
+    for site in sites:
+        parent_path, _, leaf = site.path.rpartition(".")
+        parent = model.get_submodule(parent_path) if parent_path else model
+        old = getattr(parent, leaf)
+        ids = [expert_id(layout.model, site.layer, e) for e in range(site.num_experts)]
+        setattr(parent, leaf, PooledExperts(site.layer, ids, old.act_fn, pmodel.pool_of, device=dev))
+    _load_resident(model, root / layout.resident_file, layout, verify)
+    model.to(dev)
+    model.eval()
+    tap.attach(model, {s.layer: s.router for s in sites if s.router})
+    return pmodel
+
+
+def _load_resident(model: torch.nn.Module, path: Path, layout: MoELayout, verify: str) -> None:
+    """Assign the resident weights (memory-mapped), tie embeddings, and build non-persistent buffers."""
+    from safetensors.torch import load_file
+
+    if not path.is_file():
+        raise CoEError(f"{path}: the resident weights are missing; re-run coe-agent llm import")
+    if verify != "never" and layout.resident_sha256 and _sha256(path) != layout.resident_sha256:
+        raise CoEError(f"{path}: sha256 differs from llm.json: the resident weights are corrupt")
+    try:
+        state = load_file(str(path))
+    except Exception as exc:  # SafetensorError, OSError
+        raise CoEError(f"{path}: truncated or corrupt resident weights: {exc}") from None
+    result = model.load_state_dict(state, strict=False, assign=True)
+    if result.unexpected_keys:
+        raise CoEError(f"{path}: holds weights the model does not have: {result.unexpected_keys[:3]}")
+    if hasattr(model, "tie_weights"):
+        model.tie_weights()
+    for name, module in model.named_modules():
+        bufs = [b for b in module._non_persistent_buffers_set if getattr(module, b, None) is not None]
+        if not bufs or not any(getattr(module, b).is_meta for b in bufs):
+            continue
+        for b in bufs:
+            setattr(module, b, torch.empty_like(getattr(module, b), device="cpu"))
+        keep = {k: v.detach().clone() for k, v in module.named_parameters(recurse=False)}
+        model._init_weights(module)         # transformers' own init computes rotary inv_freq and friends
+        for k, v in keep.items():
+            getattr(module, k).data.copy_(v)
+    left = [n for n, t in list(model.named_parameters()) + list(model.named_buffers()) if t.is_meta]
+    if left:
+        raise CoEError(f"{path}: the resident weights lack {len(left)} tensors the model needs: {left[:3]}")
+
+
+def _eos_ids(model) -> set[int]:
+    cfg = getattr(model, "generation_config", None) or model.config
+    eos = getattr(cfg, "eos_token_id", None)
+    if eos is None:
+        return set()
+    return set(eos) if isinstance(eos, (list, tuple)) else {int(eos)}

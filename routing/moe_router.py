@@ -1,0 +1,137 @@
+"""What an MoE model's routers ask for: a hook on each router, its statistics and its traces.
+
+The router of every transformers MoE family returns `(router_logits,
+top_k_weights, top_k_index)`.  `RouterTap` hooks those modules (found by
+structure, `storage.moe_structure`) and keeps, per expert id:
+- `counts`: how many tokens chose it so far (LFU; the prompt's prefill seeds it);
+- `gate_scores`: its gate score averaged over the last `window` router calls,
+  for every expert, chosen or not (the importance paper's Eq. 3);
+and, while recording, every token's full router probabilities and chosen
+experts, which become a `Trace`.  Pools read the first two through
+`context()`; they never see the model.
+"""
+from __future__ import annotations
+
+from collections import deque
+from collections.abc import Iterable
+from typing import TYPE_CHECKING
+
+import numpy as np
+
+from coe import CoEError
+from coe.moe import MoELayout, expert_id
+
+from .moe_trace import Trace
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+
+class RouterTap:
+    """Hooks on an MoE model's routers; see the module docstring."""
+
+    def __init__(self, layout: MoELayout, window: int = 8) -> None:
+        if window < 1:
+            raise CoEError(f"gate-score window must be at least 1 step, got {window}")
+        self.layout = layout
+        self.window = window
+        self._ids = {l.layer: [expert_id(layout.model, l.layer, e) for e in range(l.num_experts)]
+                     for l in layout.layers}
+        self._recent: dict[int, deque] = {l.layer: deque(maxlen=window) for l in layout.layers}
+        self.counts: dict[str, float] = {}
+        self._scores: dict[str, float] | None = {}
+        self._hooks: list = []
+        self._rec: dict[int, list[tuple[np.ndarray, np.ndarray]]] | None = None
+        self._rec_meta: list[tuple[int, int, int]] = []     # (seq, step, tokens) per forward pass
+        self._seq, self._step = 0, 0
+        self.calls = 0
+
+    # -- hooking ------------------------------------------------------------------
+    def attach(self, model: "nn.Module", routers: dict[int, str]) -> "RouterTap":
+        """Hook `routers` (layer -> module path); every MoE layer must have one."""
+        modules = dict(model.named_modules())
+        missing = [l.layer for l in self.layout.layers if routers.get(l.layer) not in modules]
+        if missing:
+            raise CoEError(f"model '{self.layout.model}': no router module found for MoE layers {missing[:5]} "
+                           "(a sibling of the experts module with a [num_experts, hidden] weight)")
+        for layer, path in routers.items():
+            self._hooks.append(modules[path].register_forward_hook(self._hook(layer, path)))
+        return self
+
+    def detach(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+
+    def _hook(self, layer: int, path: str):
+        import torch
+
+        first = min(self._recent)
+        sigmoid = self.layout.scoring == "sigmoid"
+
+        def hook(module, inputs, output) -> None:
+            if not isinstance(output, tuple) or len(output) < 3:
+                raise CoEError(f"router '{path}' returned {type(output).__name__}, not (logits, weights, indices)")
+            logits, index = output[0], output[2]
+            with torch.no_grad():
+                logits = logits.reshape(-1, logits.shape[-1]).float()
+                probs = logits.sigmoid() if sigmoid else logits.softmax(dim=-1)
+                index = index.reshape(probs.shape[0], -1)
+                self._recent[layer].append(probs.mean(dim=0).cpu().numpy())
+                ids = self._ids[layer]
+                for e, n in zip(*np.unique(index.cpu().numpy(), return_counts=True)):
+                    self.counts[ids[int(e)]] = self.counts.get(ids[int(e)], 0.0) + float(n)
+                self._scores = None
+                if layer == first:
+                    self.calls += 1
+                if self._rec is not None:
+                    self._rec[layer].append((probs.cpu().numpy().astype(np.float16),
+                                             index.cpu().numpy().astype(np.int16)))
+                    if layer == first:
+                        self._rec_meta.append((self._seq, self._step, int(probs.shape[0])))
+                        self._step += 1
+        return hook
+
+    # -- what the pools see ------------------------------------------------------------
+    def gate_scores(self) -> dict[str, float]:
+        if self._scores is None:
+            scores = {}
+            for layer, recent in self._recent.items():
+                if recent:
+                    mean = np.mean(np.stack(recent), axis=0)
+                    scores.update(zip(self._ids[layer], mean.tolist()))
+            self._scores = scores
+        return self._scores
+
+    def context(self) -> dict:
+        return {"counts": self.counts, "gate_scores": self.gate_scores()}
+
+    def seed_counts(self, counts: dict[str, float]) -> None:
+        self.counts = dict(counts)
+
+    # -- recording -------------------------------------------------------------------
+    def start_recording(self) -> None:
+        self._rec = {l.layer: [] for l in self.layout.layers}
+        self._rec_meta = []
+        self._seq, self._step = 0, 0
+
+    def next_sequence(self) -> None:
+        """The following forward passes belong to the next prompt (its step 0 is the prefill)."""
+        if self._rec is not None and self._rec_meta and self._rec_meta[-1][0] == self._seq:
+            self._seq += 1
+        self._step = 0
+
+    def stop_recording(self, prompts: Iterable[str] = ()) -> Trace:
+        if self._rec is None:
+            raise CoEError("router tap: stop_recording without start_recording")
+        rec, meta, self._rec = self._rec, self._rec_meta, None
+        layers = [l.layer for l in self.layout.layers]
+        if not meta:
+            raise CoEError("router tap: nothing was recorded")
+        probs = np.stack([np.concatenate([p for p, _ in rec[l]]) for l in layers], axis=1)
+        chosen = np.stack([np.concatenate([c for _, c in rec[l]]) for l in layers], axis=1)
+        seq = np.concatenate([np.full(n, s, dtype=np.int32) for s, _, n in meta])
+        step = np.concatenate([np.full(n, k, dtype=np.int32) for _, k, n in meta])
+        return Trace(model=self.layout.model, layers=tuple(layers), top_k=self.layout.top_k,
+                     scoring=self.layout.scoring, probs=probs, chosen=chosen, seq=seq, step=step)

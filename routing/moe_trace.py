@@ -1,0 +1,178 @@
+"""MoE routing traces: per token and per MoE layer, the full router probabilities and the chosen experts.
+
+A trace is one safetensors file (numpy arrays, JSON metadata; nothing is
+unpickled):
+- `probs` [N, L, E] float16: every expert's gate score for each token;
+- `chosen` [N, L, k] int16: the experts the router picked;
+- `seq` [N] int32: which prompt the token belongs to;
+- `step` [N] int32: which forward pass of that prompt (0 is the prefill).
+`coe-agent llm trace` records them from a real model; `synthetic` draws them
+from measured per-layer popularity (Mixtral).  Replays read accesses from
+them: each forward pass asks each layer, in order, for the union of its
+tokens' chosen experts.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from coe import CoEError
+from coe.moe import expert_id
+
+TRACE_FORMAT = "coe-edge/moe-trace"
+TRACE_VERSION = 1
+
+
+@dataclass
+class Trace:
+    model: str
+    layers: tuple[int, ...]
+    top_k: int
+    scoring: str
+    probs: np.ndarray       # [N, L, E] float16
+    chosen: np.ndarray      # [N, L, k] int16
+    seq: np.ndarray         # [N] int32
+    step: np.ndarray        # [N] int32
+
+    @property
+    def tokens(self) -> int:
+        return int(self.chosen.shape[0])
+
+    @property
+    def num_experts(self) -> int:
+        return int(self.probs.shape[2])
+
+    def ids(self) -> list[str]:
+        return [expert_id(self.model, l, e) for l in self.layers for e in range(self.num_experts)]
+
+    def passes(self) -> Iterator[tuple[int, int, np.ndarray]]:
+        """(seq, step, token rows) of each forward pass, in order."""
+        if not self.tokens:
+            return
+        cut = np.flatnonzero((np.diff(self.seq) != 0) | (np.diff(self.step) != 0)) + 1
+        for rows in np.split(np.arange(self.tokens), cut):
+            yield int(self.seq[rows[0]]), int(self.step[rows[0]]), rows
+
+    def accesses(self) -> Iterator[tuple[int, int, list[str], np.ndarray]]:
+        """(pass index, layer, sorted expert ids the layer asks for, mean gate scores [E]) in execution order."""
+        for p, (_, _, rows) in enumerate(self.passes()):
+            for j, layer in enumerate(self.layers):
+                hit = np.unique(self.chosen[rows, j, :])
+                yield p, layer, [expert_id(self.model, layer, int(e)) for e in hit], \
+                    self.probs[rows, j, :].astype(np.float32).mean(axis=0)
+
+    def popularity(self) -> dict[str, float]:
+        """Per-layer share of tokens that chose each expert (CoServe's usage probability, per layer)."""
+        out = {}
+        n = max(self.tokens, 1)
+        for j, layer in enumerate(self.layers):
+            counts = np.bincount(self.chosen[:, j, :].ravel().astype(np.int64), minlength=self.num_experts)
+            out.update({expert_id(self.model, layer, e): float(c) / n for e, c in enumerate(counts)})
+        return out
+
+    # -- file -------------------------------------------------------------------------
+    def save(self, path: str | Path) -> Path:
+        from safetensors.numpy import save_file
+
+        path = Path(path)
+        meta = {"coe": json.dumps({"format": TRACE_FORMAT, "version": TRACE_VERSION, "model": self.model,
+                                   "layers": list(self.layers), "top_k": self.top_k, "scoring": self.scoring})}
+        tmp = path.with_name(f".{path.name}.tmp")
+        save_file({"probs": np.ascontiguousarray(self.probs, dtype=np.float16),
+                   "chosen": np.ascontiguousarray(self.chosen, dtype=np.int16),
+                   "seq": np.ascontiguousarray(self.seq, dtype=np.int32),
+                   "step": np.ascontiguousarray(self.step, dtype=np.int32)}, str(tmp), metadata=meta)
+        tmp.replace(path)
+        return path
+
+    @classmethod
+    def load(cls, path: str | Path) -> "Trace":
+        from safetensors import SafetensorError, safe_open
+
+        src = str(path)
+        try:
+            with safe_open(src, framework="numpy") as f:
+                meta = f.metadata() or {}
+                arrays = {k: f.get_tensor(k) for k in f.keys()}
+        except FileNotFoundError:
+            raise CoEError(f"{src}: trace not found") from None
+        except (SafetensorError, OSError, ValueError) as exc:
+            raise CoEError(f"{src}: not a readable trace (truncated or not safetensors): {exc}") from None
+        try:
+            info = json.loads(meta.get("coe", ""))
+        except ValueError:
+            raise CoEError(f"{src}: trace metadata is missing or not JSON") from None
+        if not isinstance(info, dict) or info.get("format") != TRACE_FORMAT:
+            raise CoEError(f"{src}: not an MoE trace (metadata format must be '{TRACE_FORMAT}')")
+        if info.get("version") != TRACE_VERSION:
+            raise CoEError(f"{src}: unsupported trace version {info.get('version')!r}")
+        for k in ("probs", "chosen", "seq", "step"):
+            if k not in arrays:
+                raise CoEError(f"{src}: trace lacks the '{k}' array")
+        layers = info.get("layers")
+        if not isinstance(layers, list) or not layers or not all(isinstance(x, int) for x in layers):
+            raise CoEError(f"{src}: trace metadata 'layers' must be a non-empty list of layer indices")
+        trace = cls(model=str(info.get("model", "")), layers=tuple(layers), top_k=int(info.get("top_k", 0)),
+                    scoring=str(info.get("scoring", "softmax")), probs=arrays["probs"], chosen=arrays["chosen"],
+                    seq=arrays["seq"], step=arrays["step"])
+        trace.check(src)
+        return trace
+
+    def check(self, src: str = "trace") -> None:
+        n, L = self.chosen.shape[0], len(self.layers)
+        if self.probs.ndim != 3 or self.probs.shape[:2] != (n, L):
+            raise CoEError(f"{src}: probs is {list(self.probs.shape)}, expected [{n}, {L}, experts]")
+        if self.chosen.ndim != 3 or self.chosen.shape[1] != L or self.chosen.shape[2] != self.top_k:
+            raise CoEError(f"{src}: chosen is {list(self.chosen.shape)}, expected [tokens, {L}, {self.top_k}]")
+        if self.seq.shape != (n,) or self.step.shape != (n,):
+            raise CoEError(f"{src}: seq and step must hold one entry per token ({n})")
+        if n and (self.chosen.min() < 0 or self.chosen.max() >= self.probs.shape[2]):
+            raise CoEError(f"{src}: chosen names an expert outside 0..{self.probs.shape[2] - 1}")
+
+
+def synthetic(popularity: Mapping[str, object] | list[list[float]], *, tokens: int, model: str = "mixtral",
+              top_k: int = 2, locality: float = 0.0, seed: int = 0) -> Trace:
+    """A decode trace whose per-layer marginals follow `popularity[layer][expert]` (counts or shares).
+
+    Each token draws its k experts per layer without replacement, weighted by
+    popularity.  `locality` is an assumption, not data: the probability that a
+    layer keeps the previous token's experts (the measured counts carry no
+    temporal information).  Gate scores are the normalised popularity.
+    """
+    pop = np.asarray(popularity, dtype=np.float64)
+    if pop.ndim != 2 or pop.shape[1] < top_k or (pop < 0).any() or (pop.sum(axis=1) <= 0).any():
+        raise CoEError(f"popularity must be [layers][experts] of non-negative counts with at least {top_k} experts")
+    rng = np.random.default_rng(seed)
+    L, E = pop.shape
+    share = pop / pop.sum(axis=1, keepdims=True)
+    chosen = np.empty((tokens, L, top_k), dtype=np.int16)
+    for t in range(tokens):
+        for l in range(L):
+            if t and locality and rng.random() < locality:
+                chosen[t, l] = chosen[t - 1, l]
+            else:
+                chosen[t, l] = np.sort(rng.choice(E, size=top_k, replace=False, p=share[l]))
+    probs = np.broadcast_to(share.astype(np.float16), (tokens, L, E)).copy()
+    return Trace(model=model, layers=tuple(range(L)), top_k=top_k, scoring="softmax", probs=probs, chosen=chosen,
+                 seq=np.zeros(tokens, dtype=np.int32), step=np.arange(tokens, dtype=np.int32))
+
+
+def load_popularity(path: str | Path) -> list[list[float]]:
+    """`expert_popularity[layer][expert]` from a JSON file such as ../shared/data/mixtral-expert-popularity/*.json."""
+    src = str(path)
+    try:
+        raw = json.loads(Path(path).read_text(encoding="utf-8"))
+        pop = raw["expert_popularity"]
+    except FileNotFoundError:
+        raise CoEError(f"{src}: popularity file not found") from None
+    except (OSError, ValueError, KeyError, TypeError) as exc:
+        raise CoEError(f"{src}: not a popularity file with 'expert_popularity': {exc}") from None
+    if not isinstance(pop, list) or not pop or not all(isinstance(r, list) and r for r in pop):
+        raise CoEError(f"{src}: expert_popularity must be a non-empty list of per-layer lists")
+    if len({len(r) for r in pop}) != 1 or not all(isinstance(x, (int, float)) and x >= 0 for r in pop for x in r):
+        raise CoEError(f"{src}: every layer must list the same number of non-negative counts")
+    return [[float(x) for x in r] for r in pop]

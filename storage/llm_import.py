@@ -1,0 +1,264 @@
+"""Split a local Hugging Face MoE checkpoint into one store entry per (layer, expert), once.
+
+`coe-agent llm import MODEL_DIR --out STORE` reads the safetensors shards of
+MODEL_DIR (never a pickle), finds the experts modules of the model its config
+describes (`moe_structure.find_experts`, by structure), and maps every
+checkpoint key to the model's own parameter names with transformers' own
+conversion mapping: legacy per-expert checkpoints (`experts.3.w1.weight`,
+`experts.3.gate_proj.weight`) and fused ones (`experts.gate_up_proj`) both
+import.  Each expert becomes `{gate_up_proj [2I, H], down_proj [H, I]}`, the
+slice the fused model parameter would hold, written through `ExpertStore` with
+its manifest and sha256.  Everything else (embeddings, attention, norms,
+routers, shared experts) streams into one resident file.
+
+Only one tensor slice is in memory at a time (`ShardReader` reads with
+`pread`, not a memory map), so a checkpoint larger than RAM imports.
+"""
+from __future__ import annotations
+
+import json
+import re
+import shutil
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from coe import CoEError, Expert
+from coe.moe import MoELayer, MoELayout, check_model_name, expert_id
+
+from .expert_store import ExpertStore
+from .moe_structure import ExpertsSite, find_experts
+from .safetensors_io import ShardReader, StreamWriter
+
+MODEL_SUBDIR = "model"          # config, generation config and tokenizer files, copied from MODEL_DIR
+_COPY_SUFFIXES = (".json", ".txt", ".model", ".jinja", ".tiktoken")
+_WEIGHT_NAMES = ("model.safetensors.index.json",)
+
+
+@dataclass(frozen=True)
+class _Part:
+    shard: Path
+    key: str
+    index: int | None = None     # a slice of a fused tensor along dim 0
+
+
+def load_config(model_dir: str | Path):
+    """The model's transformers config from local files only."""
+    from transformers import AutoConfig
+
+    path = Path(model_dir)
+    if not (path / "config.json").is_file():
+        raise CoEError(f"{path}: no config.json; point at a local Hugging Face model directory")
+    try:
+        return AutoConfig.from_pretrained(str(path), local_files_only=True)
+    except (ValueError, OSError, KeyError) as exc:
+        raise CoEError(f"{path}/config.json: transformers cannot read it: {exc}") from None
+
+
+def meta_model(config):
+    """The model built on the meta device: shapes and module structure, no memory."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            return AutoModelForCausalLM.from_config(config)
+    except ValueError as exc:
+        raise CoEError(f"model type '{getattr(config, 'model_type', '?')}': transformers has no causal LM for it: "
+                       f"{exc}") from None
+
+
+def shards(model_dir: Path) -> list[Path]:
+    """The checkpoint's safetensors files; a pickle-only checkpoint is refused, not loaded."""
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        try:
+            names = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
+        except (ValueError, KeyError, TypeError) as exc:
+            raise CoEError(f"{index}: malformed shard index: {exc}") from None
+        files = [model_dir / n for n in names]
+        missing = [str(f) for f in files if not f.is_file()]
+        if missing:
+            raise CoEError(f"{index}: lists shards that are missing: {', '.join(missing[:3])}")
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        pickles = sorted(p.name for p in model_dir.glob("*.bin")) + sorted(p.name for p in model_dir.glob("*.pt"))
+        hint = (f" (found {', '.join(pickles[:3])}: pickled weights are never loaded; convert them to safetensors "
+                "on a trusted machine)") if pickles else ""
+        raise CoEError(f"{model_dir}: no safetensors weights{hint}")
+    return files
+
+
+def import_checkpoint(model_dir: str | Path, out: str | Path, *, name: str | None = None,
+                      progress: Callable[[str, int], None] | None = None) -> MoELayout:
+    """Import MODEL_DIR into the expert store at `out`; returns the layout written to `out/llm.json`.
+
+    `progress(stage, n)` is called as work is done ('experts' with experts
+    written, 'resident' with tensors written), for a progress bar.
+    """
+    from transformers.conversion_mapping import get_model_conversion_mapping
+    from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
+
+    model_dir, out = Path(model_dir), Path(out)
+    config = load_config(model_dir)
+    name = check_model_name(name or re.sub(r"[^A-Za-z0-9_.+-]", "-", model_dir.resolve().name).lstrip(".-_+")
+                            or "model")
+    model = meta_model(config)
+    sites = find_experts(model)
+    by_param = {f"{s.path}.{p}": (s, p) for s in sites for p in ("gate_up_proj", "down_proj")}
+    meta_sd = model.state_dict()
+    transforms = get_model_conversion_mapping(model)
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+
+    fused: dict[tuple[str, str], _Part] = {}
+    split: dict[tuple[str, str], dict[int, dict[int, _Part]]] = defaultdict(lambda: defaultdict(dict))
+    resident: dict[str, _Part] = {}
+    dtypes: set[str] = set()
+    readers: dict[Path, ShardReader] = {}
+    try:
+        for shard in shards(model_dir):
+            reader = readers[shard] = ShardReader(shard)
+            for key, info in reader.tensors.items():
+                target, pattern = rename_source_key(key, renamings, converters, model.base_model_prefix, meta_sd)
+                if target in by_param:
+                    site, param = by_param[target]
+                    dtypes.add(info.dtype)
+                    if pattern is None:
+                        fused[(site.path, param)] = _Part(shard, key)
+                    else:
+                        order, e = _split_source(key, pattern, converters)
+                        split[(site.path, param)][e][order] = _Part(shard, key)
+                elif target in meta_sd:
+                    resident[target] = _Part(shard, key)
+        _check_complete(sites, fused, split, model_dir)
+        dtype = _one_dtype(dtypes, model_dir)
+        store = ExpertStore(out)
+        layout_layers = []
+        written = 0
+        for site in sites:
+            nbytes = 0
+            for e in range(site.num_experts):
+                tensors = {p: _read_param(readers, site, p, e, fused, split) for p in ("gate_up_proj", "down_proj")}
+                _check_shapes(site, e, tensors, model_dir)
+                expert = Expert(id=expert_id(name, site.layer, e), arch=f"transformers/{config.model_type}",
+                                kind="moe-ffn", classes=(), input_size=site.hidden)
+                entry = store.write(expert, tensors)
+                nbytes = entry.nbytes
+                written += 1
+                if progress:
+                    progress("experts", written)
+            layout_layers.append(MoELayer(site.layer, site.path, site.num_experts, site.hidden, site.intermediate,
+                                          nbytes))
+        sha, rbytes = _write_resident(out / "resident.safetensors", readers, resident, progress)
+    finally:
+        for r in readers.values():
+            r.close()
+    _copy_model_files(model_dir, out / MODEL_SUBDIR)
+    scoring = "sigmoid" if getattr(config, "scoring_func", "softmax") == "sigmoid" or any(
+        hasattr(m, "e_score_correction_bias") for m in model.modules()) else "softmax"
+    layout = MoELayout(model=name, model_type=config.model_type, top_k=_top_k(config), dtype=dtype,
+                       layers=tuple(layout_layers), resident_sha256=sha, resident_nbytes=rbytes, scoring=scoring,
+                       extra={"source": str(model_dir.resolve()),
+                              "norm_topk_prob": bool(getattr(config, "norm_topk_prob", True))})
+    layout.save(out)
+    return layout
+
+
+def _split_source(key: str, pattern: str, converters) -> tuple[int, int]:
+    """(position of `pattern` in its converter's sources, expert index) for a per-expert checkpoint key."""
+    from transformers.core_model_loading import Concatenate, MergeModulelist
+
+    for conv in converters:
+        sources = conv.source_patterns if isinstance(conv.source_patterns, list) else [conv.source_patterns]
+        if pattern not in sources:
+            continue
+        ops = list(conv.operations)
+        if not ops or not isinstance(ops[0], MergeModulelist) or ops[0].dim != 0 or any(
+                not isinstance(o, Concatenate) or o.dim != 1 for o in ops[1:]):
+            raise CoEError(f"checkpoint key '{key}': its conversion ({', '.join(type(o).__name__ for o in ops)}) "
+                           "is not a plain stack of per-expert matrices; coe-edge cannot split it")
+        regex = re.escape(pattern).replace(r"\*", r"(\d+)")
+        m = re.search(regex, key)
+        if m is None:
+            raise CoEError(f"checkpoint key '{key}': no expert index where '{pattern}' expects one")
+        return sources.index(pattern), int(m.group(1))
+    raise CoEError(f"checkpoint key '{key}': matched '{pattern}' but no converter lists it")
+
+
+def _check_complete(sites: list[ExpertsSite], fused, split, model_dir: Path) -> None:
+    for s in sites:
+        for p in ("gate_up_proj", "down_proj"):
+            if (s.path, p) in fused:
+                continue
+            have = split.get((s.path, p), {})
+            parts = 2 if p == "gate_up_proj" else 1
+            missing = [e for e in range(s.num_experts) if len(have.get(e, {})) != parts]
+            if missing:
+                raise CoEError(f"{model_dir}: the checkpoint lacks {p} of experts {missing[:5]} in '{s.path}' "
+                               f"(layer {s.layer})")
+
+
+def _one_dtype(dtypes: set[str], model_dir: Path) -> str:
+    if len(dtypes) != 1:
+        raise CoEError(f"{model_dir}: expert tensors come in several dtypes ({', '.join(sorted(dtypes))}); "
+                       "coe-edge stores one dtype per model")
+    (dtype,) = dtypes
+    if dtype not in ("float32", "float16", "bfloat16"):
+        raise CoEError(f"{model_dir}: expert tensors are {dtype}; coe-edge imports float32, float16 or bfloat16")
+    return dtype
+
+
+def _read_param(readers, site: ExpertsSite, param: str, e: int, fused, split):
+    import torch
+
+    part = fused.get((site.path, param))
+    if part is not None:
+        return readers[part.shard].read(part.key, e)
+    pieces = split[(site.path, param)][e]
+    tensors = [readers[pieces[i].shard].read(pieces[i].key) for i in sorted(pieces)]
+    return tensors[0] if len(tensors) == 1 else torch.cat(tensors, dim=0)
+
+
+def _check_shapes(site: ExpertsSite, e: int, tensors: dict, model_dir: Path) -> None:
+    want = {"gate_up_proj": (2 * site.intermediate, site.hidden), "down_proj": (site.hidden, site.intermediate)}
+    for p, shape in want.items():
+        if tuple(tensors[p].shape) != shape:
+            raise CoEError(f"{model_dir}: expert {e} of '{site.path}': {p} is {list(tensors[p].shape)}, the config "
+                           f"says {list(shape)}")
+
+
+def _write_resident(path: Path, readers, resident: dict[str, _Part], progress) -> tuple[str, int]:
+    specs = []
+    for target in sorted(resident):
+        part = resident[target]
+        info = readers[part.shard].tensors[part.key]
+        specs.append((target, info.dtype, info.shape))
+    writer = StreamWriter(path, specs, metadata={"coe": json.dumps({"kind": "moe-resident"})})
+    try:
+        for i, (target, _, _) in enumerate(specs):
+            part = resident[target]
+            writer.write(target, readers[part.shard].read(part.key))
+            if progress:
+                progress("resident", i + 1)
+        return writer.close(), writer.nbytes
+    except BaseException:
+        writer.abort()
+        raise
+
+
+def _copy_model_files(model_dir: Path, dest: Path) -> None:
+    dest.mkdir(parents=True, exist_ok=True)
+    for f in model_dir.iterdir():
+        if f.is_file() and f.suffix in _COPY_SUFFIXES and f.name not in _WEIGHT_NAMES:
+            shutil.copy2(f, dest / f.name)
+
+
+def _top_k(config) -> int:
+    for attr in ("num_experts_per_tok", "moe_topk", "top_k", "num_experts_per_token"):
+        v = getattr(config, attr, None)
+        if isinstance(v, int) and v > 0:
+            return v
+    raise CoEError(f"config of '{config.model_type}': no top-k attribute (num_experts_per_tok)")
