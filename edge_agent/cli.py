@@ -311,6 +311,8 @@ cli.add_command(bench)
 from .router_cli import router, probabilities  # noqa: E402
 cli.add_command(router)
 cli.add_command(probabilities)
+from .llm_cli import llm  # noqa: E402
+cli.add_command(llm)
 
 
 @cli.group()

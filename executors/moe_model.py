@@ -236,3 +236,24 @@ def _eos_ids(model) -> set[int]:
     if eos is None:
         return set()
     return set(eos) if isinstance(eos, (list, tuple)) else {int(eos)}
+
+
+def record_trace(pm: PooledModel, prompts: list[torch.Tensor], max_new_tokens: int,
+                 progress: Callable[[int], None] | None = None):
+    """Run each prompt (its prefill, then `max_new_tokens` greedy steps) and return the routing `Trace`."""
+    pm.tap.start_recording()
+    try:
+        for i, ids in enumerate(prompts):
+            if i:
+                pm.tap.next_sequence()
+            if max_new_tokens:
+                pm.generate(ids, max_new_tokens)
+            else:
+                with torch.no_grad():
+                    pm.model(ids.to(pm.device).reshape(1, -1))
+            if progress:
+                progress(i + 1)
+    except BaseException:
+        pm.tap.abort_recording()
+        raise
+    return pm.tap.stop_recording()

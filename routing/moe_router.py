@@ -111,10 +111,18 @@ class RouterTap:
         self.counts = dict(counts)
 
     # -- recording -------------------------------------------------------------------
+    @property
+    def recording(self) -> bool:
+        return self._rec is not None
+
     def start_recording(self) -> None:
         self._rec = {l.layer: [] for l in self.layout.layers}
         self._rec_meta = []
         self._seq, self._step = 0, 0
+
+    def abort_recording(self) -> None:
+        """Drop a partial recording (the run that fed it failed)."""
+        self._rec, self._rec_meta = None, []
 
     def next_sequence(self) -> None:
         """The following forward passes belong to the next prompt (its step 0 is the prefill)."""

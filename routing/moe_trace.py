@@ -14,6 +14,7 @@ tokens' chosen experts.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -139,24 +140,35 @@ def synthetic(popularity: Mapping[str, object] | list[list[float]], *, tokens: i
     """A decode trace whose per-layer marginals follow `popularity[layer][expert]` (counts or shares).
 
     Each token draws its k experts per layer without replacement, weighted by
-    popularity.  `locality` is an assumption, not data: the probability that a
-    layer keeps the previous token's experts (the measured counts carry no
-    temporal information).  Gate scores are the normalised popularity.
+    popularity, and its gate scores are consistent with that draw (see the
+    Gumbel-top-k note below).  `locality` is an assumption, not data: the
+    probability that a layer keeps the previous token's scores and experts
+    (the measured counts carry no temporal information).
     """
-    pop = np.asarray(popularity, dtype=np.float64)
-    if pop.ndim != 2 or pop.shape[1] < top_k or (pop < 0).any() or (pop.sum(axis=1) <= 0).any():
+    try:
+        pop = np.asarray(popularity, dtype=np.float64)
+    except (ValueError, TypeError):
+        pop = np.empty((0, 0))          # ragged or not numbers: refused below
+    if top_k < 1 or pop.ndim != 2 or pop.shape[1] < top_k or not np.isfinite(pop).all() or (pop < 0).any() \
+            or (pop.sum(axis=1) <= 0).any():
         raise CoEError(f"popularity must be [layers][experts] of non-negative counts with at least {top_k} experts")
+    if not 0 <= locality < 1:
+        raise CoEError(f"locality must be in [0, 1), got {locality}")
     rng = np.random.default_rng(seed)
     L, E = pop.shape
-    share = pop / pop.sum(axis=1, keepdims=True)
-    chosen = np.empty((tokens, L, top_k), dtype=np.int16)
+    logp = np.log(np.maximum(pop / pop.sum(axis=1, keepdims=True), 1e-12))
+    scores = np.empty((tokens, L, E))
     for t in range(tokens):
-        for l in range(L):
-            if t and locality and rng.random() < locality:
-                chosen[t, l] = chosen[t - 1, l]
-            else:
-                chosen[t, l] = np.sort(rng.choice(E, size=top_k, replace=False, p=share[l]))
-    probs = np.broadcast_to(share.astype(np.float16), (tokens, L, E)).copy()
+        fresh = logp + rng.gumbel(size=(L, E))
+        if t and locality:
+            keep = rng.random(L) < locality
+            fresh[keep] = scores[t - 1, keep]
+        scores[t] = fresh
+    # Gumbel-top-k: the top-k of log(share) + Gumbel noise is a draw of k experts without replacement weighted
+    # by share, and softmax of the same scores is a router distribution consistent with that choice
+    chosen = np.sort(np.argsort(-scores, axis=2)[:, :, :top_k], axis=2).astype(np.int16)
+    z = np.exp(scores - scores.max(axis=2, keepdims=True))
+    probs = (z / z.sum(axis=2, keepdims=True)).astype(np.float16)
     return Trace(model=model, layers=tuple(range(L)), top_k=top_k, scoring="softmax", probs=probs, chosen=chosen,
                  seq=np.zeros(tokens, dtype=np.int32), step=np.arange(tokens, dtype=np.int32))
 
@@ -173,6 +185,8 @@ def load_popularity(path: str | Path) -> list[list[float]]:
         raise CoEError(f"{src}: not a popularity file with 'expert_popularity': {exc}") from None
     if not isinstance(pop, list) or not pop or not all(isinstance(r, list) and r for r in pop):
         raise CoEError(f"{src}: expert_popularity must be a non-empty list of per-layer lists")
-    if len({len(r) for r in pop}) != 1 or not all(isinstance(x, (int, float)) and x >= 0 for r in pop for x in r):
+    if len({len(r) for r in pop}) != 1 or not all(
+            isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x) and x >= 0
+            for r in pop for x in r):
         raise CoEError(f"{src}: every layer must list the same number of non-negative counts")
     return [[float(x) for x in r] for r in pop]

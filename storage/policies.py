@@ -9,7 +9,7 @@ expert (held by a running batch) is never a victim.
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -44,7 +44,7 @@ class PoolState:
     probabilities: Mapping[str, float] = field(default_factory=dict)
     preliminaries: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     queued: frozenset[str] = frozenset()
-    future: tuple[str, ...] = ()
+    future: Sequence[str] = ()       # any sequence; a view is not copied
     incoming: str | None = None
     counts: Mapping[str, float] = field(default_factory=dict)
     gate_scores: Mapping[str, float] = field(default_factory=dict)
@@ -219,8 +219,12 @@ class Belady:
 
     def choose_victims(self, state: PoolState, need_bytes: int) -> list[str] | None:
         next_use: dict[str, float] = {}
-        for i, eid in enumerate(state.future):
-            next_use.setdefault(eid, i)
+        wanted = {r.expert_id for r in state.residents}
+        for i, eid in enumerate(state.future):   # stop once every resident's next use is known
+            if eid in wanted and eid not in next_use:
+                next_use[eid] = i
+                if len(next_use) == len(wanted):
+                    break
         order = sorted(state.residents, key=lambda r: (-next_use.get(r.expert_id, math.inf), -r.nbytes, r.expert_id))
         return _evict_in_order(state, need_bytes, order)
 

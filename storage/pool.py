@@ -327,7 +327,7 @@ class Pool:
         return PoolState(self.capacity, tuple(
             Resident(k, e.nbytes, e.loaded_seq, e.used_seq, e.pins > 0 or e.loading or k in keep)
             for k, e in self._entries.items()),
-            self._probabilities, self._preliminaries, frozenset(ctx.get("queued", ())), tuple(ctx.get("future", ())),
+            self._probabilities, self._preliminaries, frozenset(ctx.get("queued", ())), ctx.get("future", ()),
             incoming, ctx.get("counts", {}), ctx.get("gate_scores", {}))
 
     def _evict_locked(self, expert_id: str, incoming: str | None = None) -> PoolEvent:

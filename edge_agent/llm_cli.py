@@ -1,0 +1,343 @@
+"""`coe-agent llm ...`: import an MoE checkpoint, trace its routing, generate with experts paged through pools.
+
+Needs the `[llm]` extra (transformers).  A thin layer over
+`storage.llm_import`, `executors.moe_model` and `routing.moe_trace`.
+"""
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+
+import click
+
+from coe import CoEError
+
+from .cli import _fail_clearly
+from .config import parse_bytes
+
+
+@click.group()
+def llm() -> None:
+    """MoE LLMs served through the expert pools (needs: pip install -e '.[llm]')."""
+
+
+def _need_transformers() -> None:
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        raise CoEError("the llm commands need transformers: pip install -e '.[llm]'") from None
+
+
+def _store(path: str) -> Path:
+    root = Path(path)
+    if not (root / "llm.json").is_file():
+        hint = (f"; it looks like a Hugging Face model: run 'coe-agent llm import {root} --out STORE' first"
+                if (root / "config.json").is_file() else "")
+        raise CoEError(f"{root}: not an imported MoE store (no llm.json){hint}")
+    return root
+
+
+def _memory(text: str | None, layout) -> int:
+    if text is None:
+        return layout.expert_bytes
+    if text.endswith("%"):
+        try:
+            share = float(text[:-1]) / 100
+        except ValueError:
+            raise CoEError(f"--memory {text!r}: expected a size (2GB) or a share of the experts (25%)") from None
+        if not 0 < share <= 1:
+            raise CoEError(f"--memory {text!r}: a share must be in (0%, 100%]")
+        return int(layout.expert_bytes * share)
+    try:
+        return parse_bytes(text)
+    except ValueError as exc:
+        raise CoEError(f"--memory: {exc}") from None
+
+
+@llm.command("import")
+@click.argument("model_dir", type=click.Path(exists=True, file_okay=False))
+@click.option("--out", "-o", required=True, type=click.Path(file_okay=False), help="Expert store to write.")
+@click.option("--name", default=None, help="Model name prefixing every expert id (default: the directory name).")
+@_fail_clearly
+def llm_import(model_dir: str, out: str, name: str | None) -> None:
+    """Split a local Hugging Face MoE checkpoint into one store entry per (layer, expert), once.
+
+    Reads safetensors shards one tensor slice at a time (never a pickle), so a
+    checkpoint bigger than RAM imports.  Non-expert weights go to one resident file.
+
+    \b
+    Example:
+      coe-agent llm import ./Qwen1.5-MoE-A2.7B --out var/llm/qwen-moe
+    """
+    _need_transformers()
+    from tqdm import tqdm
+
+    from storage.llm_import import import_checkpoint
+
+    bars: dict[str, tqdm] = {}
+
+    def progress(stage: str, n: int) -> None:
+        bar = bars.get(stage)
+        if bar is None:
+            bar = bars[stage] = tqdm(desc=f"importing {stage}", unit=" tensors" if stage == "resident" else " experts",
+                                     disable=None)
+        bar.update(n - bar.n)
+
+    t0 = time.perf_counter()
+    try:
+        layout = import_checkpoint(model_dir, out, name=name, progress=progress)
+    finally:
+        for bar in bars.values():
+            bar.close()
+    n = sum(l.num_experts for l in layout.layers)
+    click.echo(f"imported '{layout.model}' ({layout.model_type}, {layout.dtype}): {n} experts in "
+               f"{len(layout.layers)} MoE layers, top-{layout.top_k}, {layout.expert_bytes / 2**20:.1f} MiB of experts"
+               f" + {layout.resident_nbytes / 2**20:.1f} MiB resident, in {time.perf_counter() - t0:.1f} s -> {out}")
+
+
+_POLICY = click.Choice(["lru", "lfu", "gate-score", "probability", "fifo"])
+
+
+@llm.command("generate")
+@click.option("--model", "-m", "model", required=True, type=click.Path(exists=True, file_okay=False),
+              help="Store written by 'coe-agent llm import'.")
+@click.option("--prompt", "-p", required=True, help="Prompt text.")
+@click.option("--max-new-tokens", "-n", default=64, show_default=True, type=click.IntRange(1, 100_000))
+@click.option("--memory", default=None, help="Expert pool budget: a size (2GB, 512MiB) or a share of all "
+              "experts (25%).  Default: every expert fits.")
+@click.option("--policy", default="lru", show_default=True, type=_POLICY, help="Eviction policy.")
+@click.option("--quota", default="shared", show_default=True, type=click.Choice(["shared", "per-layer"]),
+              help="One pool for all layers, or an equal share per layer.")
+@click.option("--device", default="cpu", show_default=True, help="cpu or cuda[:N] (a CUDA pool behind pinned host).")
+@click.option("--trace", "trace_path", default=None, type=click.Path(exists=True, dir_okay=False),
+              help="A trace (coe-agent llm trace) whose per-layer popularity ranks experts for --policy probability.")
+@click.option("--window", default=8, show_default=True, type=click.IntRange(1, 10_000),
+              help="Decode steps the gate-score policy averages over.")
+@_fail_clearly
+def llm_generate(model: str, prompt: str, max_new_tokens: int, memory: str | None, policy: str, quota: str,
+                 device: str, trace_path: str | None, window: int) -> None:
+    """Generate text greedily, streaming tokens, with experts paged SSD -> memory under a budget.
+
+    Ends with the offload stats: hit rate, bytes read, load seconds, tokens/s.
+
+    \b
+    Example:
+      coe-agent llm generate --model var/llm/qwen-moe --prompt "def fib(n):" --memory 2GB --policy lfu
+    """
+    _need_transformers()
+    import torch
+
+    from coe.moe import MoELayout
+    from executors.moe_model import load_pooled
+    from routing.moe_trace import Trace
+
+    root = _store(model)
+    layout = MoELayout.load(root)
+    popularity = Trace.load(trace_path).popularity() if trace_path else None
+    pm = load_pooled(root, memory=_memory(memory, layout), policy=policy, quota=quota, device=device,
+                     popularity=popularity, window=window)
+    tok = pm.tokenizer()
+    ids = torch.tensor([tok.encode(prompt)], dtype=torch.long)
+    if ids.shape[1] == 0:
+        raise CoEError("--prompt encodes to no tokens")
+    out: list[int] = []
+    shown = [0]
+
+    def stream(t: int) -> None:
+        out.append(t)
+        text = tok.decode(out, skip_special_tokens=True)
+        click.echo(text[shown[0]:], nl=False)
+        shown[0] = len(text)
+        sys.stdout.flush()
+
+    click.echo(prompt, nl=False)
+    _, stats = pm.generate(ids, max_new_tokens, on_token=stream)
+    click.echo("")
+    budget = sum(p.capacity for p in pm.pools)
+    click.echo(f"[{policy}, {quota}, pool {budget / 2**20:.1f} MiB of {layout.expert_bytes / 2**20:.1f} MiB experts] "
+               + stats.line(), err=True)
+    pm.close()
+
+
+@llm.command("trace")
+@click.option("--model", "-m", "model", required=True, type=click.Path(exists=True, file_okay=False),
+              help="Store written by 'coe-agent llm import'.")
+@click.option("--prompts", required=True, type=click.Path(exists=True, dir_okay=False),
+              help="UTF-8 text file, one prompt per line (blank lines and lines starting with # are skipped).")
+@click.option("--out", "-o", required=True, type=click.Path(dir_okay=False), help="Trace file to write.")
+@click.option("--max-new-tokens", "-n", default=32, show_default=True, type=click.IntRange(0, 100_000),
+              help="Decode steps per prompt after its prefill.")
+@click.option("--memory", default=None, help="Expert pool budget while tracing (default: every expert fits).")
+@_fail_clearly
+def llm_trace(model: str, prompts: str, out: str, max_new_tokens: int, memory: str | None) -> None:
+    """Record, per token and per MoE layer, the full router probabilities and the chosen experts.
+
+    \b
+    Example:
+      coe-agent llm trace --model var/llm/qwen-moe --prompts prompts.txt --out var/llm/qwen.trace
+    """
+    _need_transformers()
+    import torch
+    from tqdm import tqdm
+
+    from coe.moe import MoELayout
+    from executors.moe_model import load_pooled, record_trace
+
+    root = _store(model)
+    layout = MoELayout.load(root)
+    texts = read_prompts(prompts)
+    pm = load_pooled(root, memory=_memory(memory, layout), policy="lru")
+    tok = pm.tokenizer()
+    ids = []
+    for i, text in enumerate(texts):
+        ids.append(torch.tensor(tok.encode(text), dtype=torch.long))
+        if ids[-1].numel() == 0:
+            raise CoEError(f"{prompts}: prompt {i + 1} encodes to no tokens")
+    with tqdm(total=len(ids), desc="tracing", unit=" prompts", disable=None) as bar:
+        trace = record_trace(pm, ids, max_new_tokens, progress=lambda n: bar.update(n - bar.n))
+    trace.save(out)
+    pm.close()
+    click.echo(f"traced {len(texts)} prompts: {trace.tokens} tokens x {len(trace.layers)} MoE layers x "
+               f"{trace.num_experts} experts (top-{trace.top_k}) -> {out}")
+
+
+def read_prompts(path: str) -> list[str]:
+    """One prompt per line of a UTF-8 file; blank lines and '#' comments skipped; a clear error otherwise."""
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise CoEError(f"{path}: not UTF-8 text (byte {exc.start})") from None
+    except OSError as exc:
+        raise CoEError(f"{path}: cannot read: {exc.strerror or exc}") from None
+    prompts = [ln.rstrip("\n") for ln in text.splitlines() if ln.strip() and not ln.lstrip().startswith("#")]
+    if not prompts:
+        raise CoEError(f"{path}: no prompts (one per line; blank lines and '#' comments are skipped)")
+    return prompts
+
+
+@llm.command("make-model")
+@click.option("--trained", "kind", flag_value="trained", help="Train a small MoE on this machine's stdlib sources.")
+@click.option("--generated", "kind", flag_value="generated", help="Generate a big Mixtral-style MoE (random weights).")
+@click.option("--out", "-o", required=True, type=click.Path(file_okay=False), help="Hugging Face model dir to write.")
+@click.option("--seconds", default=480.0, show_default=True, type=click.FloatRange(1, 36_000),
+              help="--trained: training time on this CPU.")
+@click.option("--expert-gb", default=2.0, show_default=True, type=click.FloatRange(0.001, 1000),
+              help="--generated: size of all experts on disk.")
+@click.option("--seed", default=0, show_default=True, type=int)
+@_fail_clearly
+def llm_make_model(kind: str | None, out: str, seconds: float, expert_gb: float, seed: int) -> None:
+    """Make an MoE checkpoint here (nothing can be downloaded), in the Hugging Face format.
+
+    \b
+    Example:
+      coe-agent llm make-model --trained --out var/llm/trained-hf          # ~8 min on 2 cores
+      coe-agent llm make-model --generated --expert-gb 2 --out var/llm/big-hf
+      coe-agent llm import var/llm/trained-hf --out var/llm/trained
+    """
+    _need_transformers()
+    from tqdm import tqdm
+
+    from .llm_models import generated_model, train_model
+
+    if kind is None:
+        raise CoEError("say which: --trained or --generated")
+    if kind == "generated":
+        info = generated_model(out, expert_gb=expert_gb, seed=seed)
+        click.echo(f"generated {info['layers']} layers x {info['experts_per_layer']} experts, "
+                   f"{info['expert_bytes'] / 1e9:.2f} GB of experts -> {out}")
+        return
+    with tqdm(total=int(seconds), desc="training", unit=" s", disable=None) as bar:
+        def progress(step: int, loss: float, elapsed: float) -> None:
+            bar.set_postfix(step=step, loss=f"{loss:.3f}")
+            bar.update(min(int(elapsed), int(seconds)) - bar.n)
+        info = train_model(out, seconds=seconds, seed=seed, progress=progress)
+    click.echo(f"trained {info['steps']} steps ({info['tokens']} tokens) in {info['seconds']:.0f} s: "
+               f"loss {info['loss']:.3f} ({info['bits_per_byte']:.2f} bits/byte) -> {out}")
+
+
+@llm.command("bench")
+@click.option("--work", default="var/llm", show_default=True, type=click.Path(file_okay=False),
+              help="Where the trained model, its store and its traces are made (reused when present).")
+@click.option("--prompts", default=40, show_default=True, type=click.IntRange(4, 10_000),
+              help="Held-out prompts to trace on the trained model (half profile, half replay).")
+@click.option("--decode", default=32, show_default=True, type=click.IntRange(1, 10_000),
+              help="Decode steps per traced prompt.")
+@click.option("--train-seconds", default=480.0, show_default=True, type=click.FloatRange(1, 36_000))
+@click.option("--mixtral-data", default=None, type=click.Path(exists=True, file_okay=False),
+              help="Mixtral popularity dir (default: ../shared/data/mixtral-expert-popularity).")
+@click.option("--tokens", default=256, show_default=True, type=click.IntRange(8, 1_000_000),
+              help="Tokens per synthetic Mixtral trace.")
+@_fail_clearly
+def llm_bench(work: str, prompts: int, decode: int, train_seconds: float, mixtral_data: str | None,
+              tokens: int) -> None:
+    """Benchmark (a): hit rate per eviction policy at pools of 12.5%, 25% and 50% of the experts.
+
+    A simulation on real pools (production Pool and policies, no bytes), on
+    traces of a small MoE trained here and on synthetic traces with Mixtral's
+    measured per-layer popularity.  Prints a table and one JSON line.
+    Parts (b) real decode and (c) end to end are not built yet.
+
+    \b
+    Example:
+      coe-agent llm bench --work var/llm
+    """
+    _need_transformers()
+    import json
+
+    import torch
+    from tqdm import tqdm
+
+    from coe.moe import MoELayout
+    from executors.moe_model import load_pooled, record_trace
+    from routing.moe_trace import Trace
+    from storage.llm_import import import_checkpoint
+
+    from . import llm_bench as lb
+    from .llm_models import train_model
+
+    work_dir = Path(work)
+    hf, store, trace_path = work_dir / "trained-hf", work_dir / "trained", work_dir / f"trained-{prompts}x{decode}.trace"
+    if not (hf / "config.json").is_file():
+        click.echo(f"training the small MoE for {train_seconds:.0f} s -> {hf}", err=True)
+        train_model(hf, seconds=train_seconds)
+    if not (store / "llm.json").is_file():
+        import_checkpoint(hf, store, name="trained")
+    if not trace_path.is_file():
+        layout = MoELayout.load(store)
+        pm = load_pooled(store, memory=layout.expert_bytes, policy="lru")
+        tok = pm.tokenizer()
+        held = (hf / "heldout.txt").read_bytes().decode("utf-8", "replace")
+        step = max(1, len(held) // prompts)
+        texts = [held[i * step:i * step + 160] for i in range(prompts)]
+        ids = [torch.tensor(tok.encode(t), dtype=torch.long) for t in texts]
+        with tqdm(total=len(ids), desc="tracing the trained model", unit=" prompts", disable=None) as bar:
+            record_trace(pm, ids, decode, progress=lambda n: bar.update(n - bar.n)).save(trace_path)
+        pm.close()
+    profile, rep = lb.split_trace(Trace.load(trace_path))
+    data = Path(mixtral_data) if mixtral_data else _shared_data()
+    mprof, mrep = lb.mixtral_traces(data, tokens=tokens)
+    rows = []
+    with tqdm(total=2 * len(lb.SIZES) * len(lb.QUOTAS) * len(lb.POLICIES), desc="replaying", disable=None) as bar:
+        for kind, p, r in (("trained", profile, rep), ("mixtral", mprof, mrep)):
+            rows += lb.run_replays(kind, p, r, progress=lambda _: bar.update(1))
+    click.echo("(a) hit rate per policy (simulation on real pools; belady = offline oracle, a bound)")
+    click.echo(f"    trained: {len(rep.layers)} layers x {rep.num_experts} experts, top-{rep.top_k}, replay "
+               f"{rep.tokens} tokens, profile {profile.tokens}; mixtral: {len(mrep.layers)} x {mrep.num_experts}, "
+               f"top-{mrep.top_k}, {mrep.tokens} tokens, no temporal locality assumed")
+    click.echo(lb.table(rows))
+    summ = lb.summary(rows)
+    for kind, s in summ.items():
+        verdict = "meets" if s["miss_ratio_vs_lru"] is not None and s["miss_ratio_vs_lru"] <= 0.7 else "misses"
+        click.echo(f"at 25% on {kind}: LRU {s['lru_hit_rate']:.1%} hits; best {s['best']} ({s['best_quota']}) "
+                   f"{s['best_hit_rate']:.1%}, misses {s['miss_ratio_vs_lru']}x LRU ({verdict} the 0.7x target); "
+                   f"oracle {s['belady_hit_rate']:.1%} ({s['belady_miss_ratio_vs_lru']}x)")
+    click.echo(json.dumps({"bench": "llm", "part": "a", "summary": summ, "rows": lb.as_json(rows)}))
+
+
+def _shared_data() -> Path:
+    for base in (Path.cwd(), *Path.cwd().parents):
+        p = base / "shared" / "data" / "mixtral-expert-popularity"
+        if p.is_dir():
+            return p
+    raise CoEError("cannot find shared/data/mixtral-expert-popularity; pass --mixtral-data DIR")

@@ -1,0 +1,154 @@
+"""MoE models made here, since nothing can be downloaded: a trained small one and generated big ones.
+
+- `train_model`: a small Mixtral-style MoE trained on this machine's own
+  text (the Python standard library's sources), with a byte-level tokenizer,
+  saved in the Hugging Face format.  Its routing is learned, so its traces are
+  the realistic workload for the benchmarks.
+- `generated_model`: a model of any size from a family's config with
+  generated weights (for memory and bandwidth figures, where only the bytes
+  matter), written shard by shard as a real checkpoint.
+Both save with `save_pretrained`, so importing them exercises the same path
+as a user's checkpoint.
+"""
+from __future__ import annotations
+
+import math
+import random
+import sysconfig
+import time
+from collections.abc import Callable
+from pathlib import Path
+
+SPECIALS = ("<pad>", "<s>", "</s>")
+
+
+def byte_tokenizer():
+    """A byte-level tokenizer: 3 special tokens then the 256 bytes (ids 3..258), no merges."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers.pre_tokenizers import ByteLevel
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = ByteLevel.alphabet()
+    byte_chars = sorted(alphabet, key=lambda c: _byte_of(c))
+    vocab = {s: i for i, s in enumerate(SPECIALS)}
+    vocab.update({c: len(SPECIALS) + i for i, c in enumerate(byte_chars)})
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    return PreTrainedTokenizerFast(tokenizer_object=tok, pad_token="<pad>", bos_token="<s>", eos_token="</s>")
+
+
+def _byte_of(ch: str) -> int:
+    """The byte a ByteLevel alphabet character stands for (GPT-2's bytes_to_unicode, inverted)."""
+    bs = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    cs = bs[:]
+    n = 0
+    for b in range(256):
+        if b not in bs:
+            bs.append(b)
+            cs.append(256 + n)
+            n += 1
+    return dict(zip(map(chr, cs), bs))[ch]
+
+
+VOCAB = len(SPECIALS) + 256
+
+
+def stdlib_corpus(max_bytes: int = 8 * 2**20, seed: int = 0) -> tuple[bytes, bytes]:
+    """(train, held-out) text from the standard library's .py sources on this machine, split by file."""
+    root = Path(sysconfig.get_paths()["stdlib"])
+    files = sorted(p for p in root.rglob("*.py") if "site-packages" not in p.parts and "test" not in p.parts)
+    random.Random(seed).shuffle(files)
+    train, held = bytearray(), bytearray()
+    for i, f in enumerate(files):
+        try:
+            data = f.read_bytes()
+        except OSError:
+            continue
+        (held if i % 10 == 0 else train).extend(data + b"\n")
+        if len(train) >= max_bytes:
+            break
+    return bytes(train), bytes(held)
+
+
+def small_config(**overrides):
+    from transformers import MixtralConfig
+
+    kw = dict(vocab_size=VOCAB, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+              num_key_value_heads=2, num_local_experts=16, num_experts_per_tok=2, max_position_embeddings=512,
+              tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0, router_aux_loss_coef=0.02,
+              output_router_logits=True)
+    kw.update(overrides)
+    return MixtralConfig(**kw)
+
+
+def train_model(out: str | Path, *, seconds: float = 480.0, seq_len: int = 128, batch: int = 16, seed: int = 0,
+                progress: Callable[[int, float, float], None] | None = None, **config) -> dict:
+    """Train a small MoE on stdlib text for `seconds`; save model and tokenizer to `out`. Returns a summary."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(seed)
+    cfg = small_config(**config)
+    model = AutoModelForCausalLM.from_config(cfg)
+    tok = byte_tokenizer()
+    train, held = stdlib_corpus(seed=seed)
+    data = torch.tensor(list(train), dtype=torch.long) + len(SPECIALS)
+    opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
+    rng = torch.Generator().manual_seed(seed)
+    start = time.perf_counter()
+    step, loss_avg = 0, None
+    model.train()
+    while time.perf_counter() - start < seconds:
+        idx = torch.randint(0, len(data) - seq_len - 1, (batch,), generator=rng)
+        x = torch.stack([data[i:i + seq_len] for i in idx.tolist()])
+        lr = 3e-3 * min(1.0, (step + 1) / 50)
+        for g in opt.param_groups:
+            g["lr"] = lr
+        res = model(input_ids=x, labels=x)
+        opt.zero_grad()
+        res.loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        loss_avg = res.loss.item() if loss_avg is None else 0.95 * loss_avg + 0.05 * res.loss.item()
+        step += 1
+        if progress:
+            progress(step, loss_avg, time.perf_counter() - start)
+    model.eval()
+    model.config.output_router_logits = False
+    out = Path(out)
+    model.save_pretrained(out)
+    tok.save_pretrained(out)
+    (out / "heldout.txt").write_bytes(held[:200_000])
+    return {"steps": step, "loss": loss_avg, "bits_per_byte": (loss_avg or 0) / math.log(2),
+            "seconds": time.perf_counter() - start, "tokens": step * batch * seq_len}
+
+
+def generated_model(out: str | Path, *, expert_gb: float, family: str = "mixtral", seed: int = 0,
+                    dtype: str = "float32", **config) -> dict:
+    """A `family` model whose experts take about `expert_gb` GB on disk, with generated weights, saved to `out`."""
+    import torch
+    from transformers import AutoModelForCausalLM, MixtralConfig
+
+    if family != "mixtral":
+        raise ValueError(f"generated models are Mixtral-style; got family {family!r}")
+    base = dict(vocab_size=VOCAB, hidden_size=1024, intermediate_size=2048, num_hidden_layers=8,
+                num_attention_heads=8, num_key_value_heads=4, num_experts_per_tok=2, max_position_embeddings=1024,
+                tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0)
+    base.update(config)
+    item = torch.finfo(getattr(torch, dtype)).bits // 8
+    per_expert = 3 * base["hidden_size"] * base["intermediate_size"] * item
+    experts = max(base["num_experts_per_tok"] + 1,
+                  round(expert_gb * 1e9 / (per_expert * base["num_hidden_layers"])))
+    cfg = MixtralConfig(num_local_experts=experts, **base)
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype))
+    with torch.no_grad():   # routers that spread tokens over every expert, as a trained model's do
+        for name, p in model.named_parameters():
+            if name.endswith("gate.weight"):
+                p.normal_(0, 1.0 / math.sqrt(base["hidden_size"]) * 4)
+    out = Path(out)
+    model.save_pretrained(out, max_shard_size="500MB")
+    byte_tokenizer().save_pretrained(out)
+    return {"experts_per_layer": experts, "layers": base["num_hidden_layers"],
+            "expert_bytes": per_expert * experts * base["num_hidden_layers"]}

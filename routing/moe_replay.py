@@ -1,0 +1,125 @@
+"""Replay an MoE routing trace through real `Pool`s to count what each policy loads.
+
+The pools, policies and bookkeeping are the production ones; the source has
+sizes, not bytes.  Each forward pass asks each MoE layer, in order, for the
+union of its tokens' chosen experts; the layer's experts are pinned together
+(in waves if they do not fit), as `PooledExperts` pins them.  What the
+policies see is built from the trace as the router tap builds it live:
+- `counts`: tokens that chose each expert so far (the prompt's prefill first);
+- `gate_scores`: each expert's gate score averaged over the last `window` passes;
+- `probabilities`: per-layer popularity from a *different* trace (a profile),
+  never from the trace being replayed;
+- `future`: the remaining accesses, for the Belady oracle only.
+"""
+from __future__ import annotations
+
+import itertools
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from coe import CoEError
+from coe.moe import expert_id
+from storage.policies import make_policy
+from storage.pool import Pool
+
+from .moe_trace import Trace
+
+
+@dataclass(frozen=True)
+class ReplayResult:
+    policy: str
+    quota: str
+    capacity: int           # bytes, all pools together
+    accesses: int           # expert requests (one per layer per pass per expert asked for)
+    hits: int
+    loads: int
+    bytes_loaded: int
+
+    @property
+    def hit_rate(self) -> float:
+        return self.hits / self.accesses if self.accesses else 0.0
+
+
+class _Rest:
+    """flat[start:] without the copy (the oracle reads it once per eviction, stopping early)."""
+
+    def __init__(self, flat: list[str], start: int) -> None:
+        self.flat, self.start = flat, start
+
+    def __iter__(self):
+        return itertools.islice(self.flat, self.start, None)
+
+    def __len__(self) -> int:
+        return len(self.flat) - self.start
+
+    def __getitem__(self, i):
+        return self.flat[self.start + i]
+
+
+class _Sizes:
+    def __init__(self, nbytes: int) -> None:
+        self.nbytes = nbytes
+
+    def size(self, expert_id: str) -> int:
+        return self.nbytes
+
+    def load(self, expert_id: str) -> None:
+        return None
+
+
+def replay(trace: Trace, *, policy: str, capacity: int, expert_nbytes: int, quota: str = "shared",
+           popularity: Mapping[str, float] | None = None, window: int = 8) -> ReplayResult:
+    """Replay `trace` with `capacity` bytes of pool (split per layer with quota='per-layer')."""
+    if quota not in ("shared", "per-layer"):
+        raise CoEError(f"quota must be 'shared' or 'per-layer', got {quota!r}")
+    if policy == "probability" and not popularity:
+        raise CoEError("policy 'probability' needs a popularity profile (from another trace)")
+    accesses = list(trace.accesses())
+    flat = [eid for _, _, ids, _ in accesses for eid in ids]
+    counts: dict[str, float] = {}
+    recent = {layer: deque(maxlen=window) for layer in trace.layers}
+    scores: dict[str, float] = {}
+    pos = [0]
+    oracle = policy == "belady"
+
+    def context() -> dict:
+        return {"counts": counts, "gate_scores": scores, "future": _Rest(flat, pos[0]) if oracle else ()}
+
+    per = capacity // len(trace.layers) if quota == "per-layer" else capacity
+    if per < trace.top_k * expert_nbytes:
+        raise CoEError(f"a {quota} pool of {per} bytes cannot hold one token's {trace.top_k} experts")
+    pools = {key: Pool("sim", per, make_policy(policy), _Sizes(expert_nbytes), probabilities=dict(popularity or {}),
+                       context=context)
+             for key in (trace.layers if quota == "per-layer" else [None])}
+    rows_by_pass = [rows for _, _, rows in trace.passes()]
+    for p, layer, ids, mean_scores in accesses:
+        j = trace.layers.index(layer)
+        rows = rows_by_pass[p]
+        for e, n in zip(*np.unique(trace.chosen[rows, j, :], return_counts=True)):
+            key = expert_id(trace.model, layer, int(e))
+            counts[key] = counts.get(key, 0.0) + float(n)
+        recent[layer].append(mean_scores)
+        mean = np.mean(np.stack(recent[layer]), axis=0)
+        scores.update((expert_id(trace.model, layer, e), float(v)) for e, v in enumerate(mean))
+        pool = pools[layer if quota == "per-layer" else None]
+        pending = list(ids)
+        while pending:
+            held = []
+            for eid in pending:
+                h = pool.acquire(eid)
+                pos[0] += 1
+                if h is None:
+                    pos[0] -= 1
+                    break
+                held.append(h)
+            if not held:
+                raise CoEError(f"layer {layer}: the pool cannot hold even one expert")
+            for h in held:
+                pool.release(h)
+            pending = pending[len(held):]
+    stats = [p.stats() for p in pools.values()]
+    hits, loads = sum(s.hits for s in stats), sum(s.misses for s in stats)
+    return ReplayResult(policy, quota, per * len(pools), hits + loads, hits, loads, sum(s.bytes_in for s in stats))
