@@ -21,6 +21,7 @@ from .expert import Expert
 LAYOUT_FILE = "llm.json"
 LAYOUT_FORMAT = "coe-edge/moe-layout"
 LAYOUT_VERSION = 1
+_DTYPES = ("float32", "float16", "bfloat16")    # what `coe-agent llm import` stores
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,63}$")
 _ID = re.compile(r"^(?P<model>.+)\.L(?P<layer>\d{2,})\.E(?P<expert>\d{3,})$")
 
@@ -128,7 +129,12 @@ class MoELayout:
             raise CoEError(f"{src}.top_k: must be at least 1, got {raw['top_k']}")
         if raw["scoring"] not in ("softmax", "sigmoid"):
             raise CoEError(f"{src}.scoring: must be 'softmax' or 'sigmoid', got {raw['scoring']!r}")
-        if Path(raw["resident_file"]).name != raw["resident_file"]:
+        if raw["dtype"] not in _DTYPES:
+            raise CoEError(f"{src}.dtype: must be one of {', '.join(_DTYPES)}, got {raw['dtype']!r}")
+        if raw["resident_nbytes"] < 0:
+            raise CoEError(f"{src}.resident_nbytes: must not be negative, got {raw['resident_nbytes']}")
+        if raw["resident_file"] in ("", ".", "..") or "\\" in raw["resident_file"] \
+                or Path(raw["resident_file"]).name != raw["resident_file"]:
             raise CoEError(f"{src}.resident_file: must be a plain file name, got {raw['resident_file']!r}")
         layers = []
         spec = {"layer": int, "module": str, "num_experts": int, "hidden": int, "intermediate": int,
@@ -138,6 +144,8 @@ class MoELayout:
             if not isinstance(item, dict):
                 raise CoEError(f"{where}: expected an object")
             _check_fields(item, spec, where)
+            if item["layer"] < 0:
+                raise CoEError(f"{where}.layer: must not be negative, got {item['layer']}")
             for k in ("num_experts", "hidden", "intermediate", "expert_nbytes"):
                 if item[k] < 1:
                     raise CoEError(f"{where}.{k}: must be positive, got {item[k]}")
@@ -146,8 +154,11 @@ class MoELayout:
             layers.append(MoELayer(**{k: item[k] for k in spec}))
         if not layers:
             raise CoEError(f"{src}.layers: an MoE layout needs at least one layer")
-        if len({l.layer for l in layers}) != len(layers):
-            raise CoEError(f"{src}.layers: a layer index appears twice")
+        seen: set[int] = set()
+        for i, l in enumerate(layers):
+            if l.layer in seen:
+                raise CoEError(f"{src}.layers[{i}].layer: layer index {l.layer} appears twice")
+            seen.add(l.layer)
         extra = raw.get("extra", {})
         if not isinstance(extra, dict):
             raise CoEError(f"{src}.extra: must be an object")

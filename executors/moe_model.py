@@ -129,12 +129,14 @@ class PooledModel:
 
 def load_pooled(root: str | Path, *, memory: int, policy: str = "lru", quota: str = "shared", device: str = "cpu",
                 window: int = 8, popularity: dict[str, float] | None = None, verify: str = "first",
-                context: Callable[[], dict] | None = None) -> PooledModel:
+                context: Callable[[], dict] | None = None, drop_after_read: bool = False) -> PooledModel:
     """The imported model at `root` with `memory` bytes of expert pool; see the module docstring.
 
     `popularity` (expert id -> per-layer share, e.g. `Trace.popularity()`)
     ranks experts for the 'probability' policy.  `context`, if given, adds to
     what the policy sees (the offline oracle's future, in a trace replay).
+    `drop_after_read` drops each expert file from the page cache once read, so
+    every miss is an SSD read (benchmarks of a box whose RAM is the budget).
     """
     root = Path(root)
     layout = MoELayout.load(root)
@@ -177,7 +179,7 @@ def load_pooled(root: str | Path, *, memory: int, policy: str = "lru", quota: st
     pmodel = PooledModel(model, layout, store, [], tap, dev, root)
     pools = {}
     for key, cap in caps.items():
-        source = StoreSource(store, pin=dev.type == "cuda")
+        source = StoreSource(store, pin=dev.type == "cuda", drop_after_read=drop_after_read)
         if dev.type == "cuda":
             source = TierSource(source, str(dev))
         pools[key] = Pool(dev.type, cap, make_policy(policy), source, probabilities=popularity or {}, context=ctx,

@@ -67,7 +67,6 @@ class RouterTap:
     def _hook(self, layer: int, path: str):
         import torch
 
-        first = min(self._recent)
         sigmoid = self.layout.scoring == "sigmoid"
 
         def hook(module, inputs, output) -> None:
@@ -77,21 +76,24 @@ class RouterTap:
             with torch.no_grad():
                 logits = logits.reshape(-1, logits.shape[-1]).float()
                 probs = logits.sigmoid() if sigmoid else logits.softmax(dim=-1)
-                index = index.reshape(probs.shape[0], -1)
-                self._recent[layer].append(probs.mean(dim=0).cpu().numpy())
-                ids = self._ids[layer]
-                for e, n in zip(*np.unique(index.cpu().numpy(), return_counts=True)):
-                    self.counts[ids[int(e)]] = self.counts.get(ids[int(e)], 0.0) + float(n)
-                self._scores = None
-                if layer == first:
-                    self.calls += 1
-                if self._rec is not None:
-                    self._rec[layer].append((probs.cpu().numpy().astype(np.float16),
-                                             index.cpu().numpy().astype(np.int16)))
-                    if layer == first:
-                        self._rec_meta.append((self._seq, self._step, int(probs.shape[0])))
-                        self._step += 1
+                self.observe(layer, probs.cpu().numpy(), index.reshape(probs.shape[0], -1).cpu().numpy())
         return hook
+
+    def observe(self, layer: int, probs: np.ndarray, index: np.ndarray) -> None:
+        """One router call of `layer`: gate scores [T, E] and chosen experts [T, k] (from a hook or a trace)."""
+        self._recent[layer].append(probs.astype(np.float32).mean(axis=0))
+        ids = self._ids[layer]
+        for e, n in zip(*np.unique(index, return_counts=True)):
+            self.counts[ids[int(e)]] = self.counts.get(ids[int(e)], 0.0) + float(n)
+        self._scores = None
+        first = layer == self.layout.layers[0].layer
+        if first:
+            self.calls += 1
+        if self._rec is not None:
+            self._rec[layer].append((probs.astype(np.float16), index.astype(np.int16)))
+            if first:
+                self._rec_meta.append((self._seq, self._step, int(probs.shape[0])))
+                self._step += 1
 
     # -- what the pools see ------------------------------------------------------------
     def gate_scores(self) -> dict[str, float]:

@@ -74,9 +74,16 @@ def shards(model_dir: Path) -> list[Path]:
     index = model_dir / "model.safetensors.index.json"
     if index.is_file():
         try:
-            names = sorted(set(json.loads(index.read_text(encoding="utf-8"))["weight_map"].values()))
-        except (ValueError, KeyError, TypeError) as exc:
+            weight_map = json.loads(index.read_text(encoding="utf-8"))["weight_map"]
+        except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError) as exc:
             raise CoEError(f"{index}: malformed shard index: {exc}") from None
+        if not isinstance(weight_map, dict) or not weight_map or not all(
+                isinstance(v, str) for v in weight_map.values()):
+            raise CoEError(f"{index}: malformed shard index: 'weight_map' must map tensor names to shard file names")
+        names = sorted(set(weight_map.values()))
+        outside = [n for n in names if Path(n).name != n or n in (".", "..")]
+        if outside:
+            raise CoEError(f"{index}: malformed shard index: shard '{outside[0]}' is not a file name in {model_dir}")
         files = [model_dir / n for n in names]
         missing = [str(f) for f in files if not f.is_file()]
         if missing:
@@ -103,7 +110,7 @@ def import_checkpoint(model_dir: str | Path, out: str | Path, *, name: str | Non
 
     model_dir, out = Path(model_dir), Path(out)
     config = load_config(model_dir)
-    name = check_model_name(name or re.sub(r"[^A-Za-z0-9_.+-]", "-", model_dir.resolve().name).lstrip(".-_+")
+    name = check_model_name(name if name is not None else re.sub(r"[^A-Za-z0-9_.+-]", "-", model_dir.resolve().name).lstrip(".-_+")
                             or "model")
     model = meta_model(config)
     sites = find_experts(model)
@@ -118,10 +125,14 @@ def import_checkpoint(model_dir: str | Path, out: str | Path, *, name: str | Non
     resident: dict[str, _Part] = {}
     dtypes: set[str] = set()
     readers: dict[Path, ShardReader] = {}
+    seen: dict[str, Path] = {}
     try:
         for shard in shards(model_dir):
             reader = readers[shard] = ShardReader(shard)
             for key, info in reader.tensors.items():
+                if key in seen:
+                    raise CoEError(f"{model_dir}: tensor '{key}' is in two shards ({seen[key].name}, {shard.name})")
+                seen[key] = shard
                 target, pattern = rename_source_key(key, renamings, converters, model.base_model_prefix, meta_sd)
                 if target in by_param:
                     site, param = by_param[target]

@@ -83,6 +83,11 @@ class ShardReader:
                     raise CoEError(f"{where}: tensor '{name}' holds {t.nbytes} bytes, its shape {list(shape)} "
                                    f"of {dtype} needs {_numel(shape) * _itemsize(dtype)}")
                 self.tensors[name] = t
+            end = base
+            for t in sorted(self.tensors.values(), key=lambda t: t.start):
+                if t.start < end:
+                    raise CoEError(f"{where}: tensor '{t.name}' overlaps the tensor before it (corrupt header)")
+                end = t.end
         except BaseException:
             os.close(self._fd)
             raise

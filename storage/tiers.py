@@ -50,10 +50,12 @@ class StoreSource:
 
     reuses_memory = True
 
-    def __init__(self, store, *, pin: bool = False, method: str = "read") -> None:
+    def __init__(self, store, *, pin: bool = False, method: str = "read", drop_after_read: bool = False) -> None:
         import torch
 
         self.store, self.pin, self.method = store, pin, method
+        # a box whose RAM is the budget has no page cache to spare: every miss then reads the SSD
+        self.drop_after_read = drop_after_read
         self._cpu = torch.device("cpu")
         self.reused = 0
 
@@ -65,7 +67,12 @@ class StoreSource:
         if reuse:
             reuse.clear()  # the victims we did not take are freed before we allocate
         self.reused += out is not None
-        return self.store.read_flat(expert_id, pin=self.pin, method=self.method, out=out)
+        flat = self.store.read_flat(expert_id, pin=self.pin, method=self.method, out=out)
+        if self.drop_after_read:
+            from .pagecache import drop_from_page_cache
+
+            drop_from_page_cache(self.store.path(expert_id))
+        return flat
 
 
 class TierSource:

@@ -1,0 +1,87 @@
+"""Trace-driven decode: the pooled experts of a real model, with routing taken from a trace.
+
+Each forward pass of the trace calls every MoE layer's `PooledExperts` with
+the trace's chosen experts and gate weights on a fixed hidden state: real
+loads through the pools (SSD -> memory) and real expert matmuls, with no
+attention or router in between.  It isolates what the eviction policy
+changes, so tokens/s per policy compare the policies and nothing else.  The
+router tap is fed from the trace, so LFU and gate-score see what they would
+see live; the Belady oracle gets the remaining accesses.
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from coe import CoEError
+
+from .moe_model import OffloadStats, PooledModel
+from .pooled_experts import PooledExperts
+
+
+@dataclass(frozen=True)
+class DecodeResult:
+    tokens: int
+    seconds: float
+    stats: OffloadStats
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+def future_accesses(trace) -> list[str]:
+    """Every expert request of the trace in execution order (what the oracle may see)."""
+    return [eid for _, _, ids, _ in trace.accesses() for eid in ids]
+
+
+def trace_decode(pm: PooledModel, trace, *, position: list[int] | None = None, seed: int = 0) -> DecodeResult:
+    """Run `trace`'s passes through `pm`'s pooled experts; see the module docstring.
+
+    `position`, if given, is advanced to the index (in `future_accesses`) of
+    the next request, for a Belady context built over the same list.
+    """
+    layers = {m.layer: m for m in pm.model.modules() if isinstance(m, PooledExperts)}
+    missing = [l for l in trace.layers if l not in layers]
+    if missing or trace.num_experts != pm.layout.layers[0].num_experts:
+        raise CoEError(f"trace of {len(trace.layers)} layers x {trace.num_experts} experts does not fit model "
+                       f"'{pm.layout.model}' ({len(layers)} MoE layers x {pm.layout.layers[0].num_experts} experts)")
+    dtype = getattr(torch, pm.layout.dtype)
+    hidden = pm.layout.layers[0].hidden
+    g = torch.Generator().manual_seed(seed)
+    x = (torch.randn(1, hidden, generator=g) * 0.05).to(dtype=dtype, device=pm.device)
+    before = pm.stats()
+    tokens, pos = 0, 0
+    start = time.perf_counter()
+    with torch.no_grad():
+        for _, _, rows in trace.passes():
+            states = x.expand(len(rows), hidden).contiguous()
+            for j, layer in enumerate(trace.layers):
+                idx = trace.chosen[rows, j, :].astype(np.int64)
+                probs = trace.probs[rows, j, :].astype(np.float32)
+                pm.tap.observe(layer, probs, idx)
+                w = np.take_along_axis(probs, idx, axis=1)
+                w = w / np.maximum(w.sum(axis=1, keepdims=True), 1e-9)
+                if position is not None:
+                    position[0] = pos
+                layers[layer](states, torch.from_numpy(idx).to(pm.device),
+                              torch.from_numpy(w).to(dtype=dtype, device=pm.device))
+                pos += len(np.unique(idx))
+            tokens += len(rows)
+    seconds = time.perf_counter() - start
+    after = pm.stats()
+    return DecodeResult(tokens, seconds, OffloadStats(after.hits - before.hits, after.misses - before.misses,
+                                                      after.bytes_in - before.bytes_in,
+                                                      after.load_seconds - before.load_seconds, tokens, seconds,
+                                                      after.pools))
+
+
+def remap(trace, model: str):
+    """The same trace addressed to another model's expert ids (a big generated model of the same shape)."""
+    from routing.moe_trace import Trace
+
+    return Trace(model, trace.layers, trace.top_k, trace.scoring, trace.probs, trace.chosen, trace.seq, trace.step)
+

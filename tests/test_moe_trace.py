@@ -1,0 +1,382 @@
+"""MoE routing traces: recorded from a real (tiny) model, saved, loaded, refused when malformed, and synthetic
+ones drawn from measured popularity; then the two MoE eviction policies that read the router's statistics."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from coe import CoEError
+from routing.moe_trace import TRACE_FORMAT, TRACE_VERSION, Trace, load_popularity, synthetic
+from storage.policies import GateScore, LFU, PoolState, Resident, make_policy
+
+POPULARITY = Path("/work/shared/data/mixtral-expert-popularity/international_law.json")
+
+
+# -- recording from a real model ----------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def recorded(tmp_path_factory):
+    """qwen2_moe (MoE layers 0 and 2, dense layer 1): two prompts with decode steps, recorded through RouterTap,
+    and the eager reference model's router logits for the same forward passes."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from moe_models import VOCAB, build
+
+    from executors.moe_model import load_pooled
+    from storage.llm_import import import_checkpoint
+
+    root = tmp_path_factory.mktemp("trace")
+    ref = build("qwen2_moe", root / "hf")
+    layout = import_checkpoint(root / "hf", root / "store", name="tq")
+    pm = load_pooled(root / "store", memory=layout.expert_bytes, policy="lru")
+    g = torch.Generator().manual_seed(7)
+    prompts = [torch.randint(3, VOCAB, (1, 6), generator=g), torch.randint(3, VOCAB, (1, 4), generator=g)]
+    decode = [[11, 12, 13], [21, 22]]           # fixed next tokens: two prompts, 3 and 2 decode steps
+
+    def run(model, **kw):
+        passes = []                              # per forward pass: the model output
+        for p, (x, steps) in enumerate(zip(prompts, decode)):
+            if p and "tap" in kw:
+                kw["tap"].next_sequence()
+            res = model(input_ids=x, use_cache=True, **kw.get("extra", {}))
+            passes.append(res)
+            for tok in steps:
+                res = model(input_ids=torch.tensor([[tok]]), past_key_values=res.past_key_values, use_cache=True,
+                            **kw.get("extra", {}))
+                passes.append(res)
+        return passes
+
+    with torch.no_grad():
+        pm.tap.start_recording()
+        got = run(pm.model, tap=pm.tap)
+        trace = pm.tap.stop_recording()
+        want = run(ref, extra={"output_router_logits": True})
+    counts, scores = dict(pm.tap.counts), dict(pm.tap.gate_scores())
+    pm.close()
+    return dict(trace=trace, layout=layout, ref=ref, got=got, want=want, prompts=prompts, decode=decode,
+                counts=counts, scores=scores, root=root)
+
+
+def test_recorded_trace_has_the_right_shape(recorded):
+    trace, layout = recorded["trace"], recorded["layout"]
+    n = sum(x.shape[1] + len(d) for x, d in zip(recorded["prompts"], recorded["decode"]))
+    assert trace.tokens == n == 6 + 3 + 4 + 2
+    assert trace.layers == (0, 2) and trace.top_k == 2 and trace.model == "tq" and trace.scoring == "softmax"
+    assert trace.probs.shape == (n, 2, 8) and trace.probs.dtype == np.float16
+    assert trace.chosen.shape == (n, 2, 2) and trace.chosen.dtype == np.int16
+    assert trace.seq.tolist() == [0] * 9 + [1] * 6
+    assert trace.step.tolist() == [0] * 6 + [1, 2, 3] + [0] * 4 + [1, 2]
+    assert np.allclose(trace.probs.astype(np.float32).sum(axis=2), 1.0, atol=1e-2)
+    assert trace.ids() == layout.ids()
+
+
+def test_recorded_choices_are_what_the_reference_router_picks(recorded):
+    import torch
+
+    trace = recorded["trace"]
+    # the pooled model computes what the reference does (so the routers saw the same inputs) ...
+    for g, w in zip(recorded["got"], recorded["want"]):
+        assert torch.equal(g.logits, w.logits)
+    # ... and the trace holds the reference routers' choices and probabilities, token by token
+    logits = [torch.stack([lg.reshape(-1, 8) for lg in w.router_logits], dim=1) for w in recorded["want"]]
+    logits = torch.cat(logits)                              # [N, MoE layers, E]
+    assert logits.shape == (trace.tokens, 2, 8)
+    probs = logits.float().softmax(dim=-1)
+    top = probs.topk(2, dim=-1).indices
+    assert np.array_equal(np.sort(trace.chosen, axis=2), np.sort(top.numpy(), axis=2))
+    assert np.array_equal(trace.probs, probs.numpy().astype(np.float16))
+    # the tap counted every choice, and its gate scores are the mean of the last passes' mean probabilities
+    n = np.bincount(trace.chosen[:, 1, :].ravel(), minlength=8)
+    for e in range(8):
+        assert recorded["counts"].get(f"tq.L02.E{e:03d}", 0) == n[e]
+    per_pass = [probs[rows].mean(dim=0) for _, _, rows in trace.passes()]        # 7 passes, window 8
+    want = torch.stack(per_pass).mean(dim=0)                                       # [MoE layers, E]
+    for j, layer in enumerate(trace.layers):
+        got = np.array([recorded["scores"][f"tq.L{layer:02d}.E{e:03d}"] for e in range(8)])
+        assert np.allclose(got, want[j].numpy(), atol=1e-6)
+
+
+def test_passes_group_prefill_and_decode_steps(recorded):
+    trace = recorded["trace"]
+    passes = [(s, k, rows.tolist()) for s, k, rows in trace.passes()]
+    assert passes == [(0, 0, list(range(6))), (0, 1, [6]), (0, 2, [7]), (0, 3, [8]),
+                      (1, 0, list(range(9, 13))), (1, 1, [13]), (1, 2, [14])]
+    acc = list(trace.accesses())
+    assert [(p, layer) for p, layer, _, _ in acc] == [(p, layer) for p in range(7) for layer in (0, 2)]
+    for p, layer, ids, mean in acc:
+        rows = passes[p][2]
+        j = trace.layers.index(layer)
+        assert ids == [f"tq.L{layer:02d}.E{e:03d}" for e in np.unique(trace.chosen[rows, j])]
+        assert mean.shape == (8,) and np.isclose(mean.sum(), 1.0, atol=1e-2)
+    pop = trace.popularity()
+    for layer in (0, 2):
+        assert np.isclose(sum(v for k, v in pop.items() if f".L{layer:02d}." in k), trace.top_k)
+
+
+def test_save_load_round_trip(recorded, tmp_path):
+    trace = recorded["trace"]
+    path = trace.save(tmp_path / "t.safetensors")
+    back = Trace.load(path)
+    assert (back.model, back.layers, back.top_k, back.scoring) == (trace.model, trace.layers, trace.top_k,
+                                                                   trace.scoring)
+    for k in ("probs", "chosen", "seq", "step"):
+        a, b = getattr(trace, k), getattr(back, k)
+        assert a.dtype == b.dtype and np.array_equal(a, b), k
+    assert not list(tmp_path.glob(".*tmp"))
+
+
+def test_next_sequence_without_passes_does_not_skip_a_sequence(recorded):
+    from routing.moe_router import RouterTap
+
+    tap = RouterTap(recorded["layout"])
+    with pytest.raises(CoEError, match="stop_recording without start_recording"):
+        tap.stop_recording()
+    tap.start_recording()
+    tap.next_sequence()
+    with pytest.raises(CoEError, match="nothing was recorded"):
+        tap.stop_recording()
+    with pytest.raises(CoEError, match="window must be at least 1"):
+        RouterTap(recorded["layout"], window=0)
+
+
+# -- malformed trace files --------------------------------------------------------------------------------
+def _small(n=5, layers=(0, 1), e=4, k=2) -> Trace:
+    rng = np.random.default_rng(0)
+    chosen = np.stack([np.stack([rng.choice(e, k, replace=False) for _ in layers]) for _ in range(n)])
+    return Trace(model="m", layers=tuple(layers), top_k=k, scoring="softmax",
+                 probs=np.full((n, len(layers), e), 1 / e, dtype=np.float16), chosen=chosen.astype(np.int16),
+                 seq=np.zeros(n, dtype=np.int32), step=np.arange(n, dtype=np.int32))
+
+
+def _arrays(t: Trace) -> dict:
+    return {"probs": t.probs, "chosen": t.chosen, "seq": t.seq, "step": t.step}
+
+
+def _meta(**over) -> dict:
+    info = {"format": TRACE_FORMAT, "version": TRACE_VERSION, "model": "m", "layers": [0, 1], "top_k": 2,
+            "scoring": "softmax"}
+    info.update(over)
+    return {"coe": json.dumps(info)}
+
+
+def _write(path: Path, arrays: dict, meta: dict | None) -> Path:
+    from safetensors.numpy import save_file
+
+    save_file(arrays, str(path), metadata=meta)
+    return path
+
+
+def test_small_trace_round_trips(tmp_path):
+    t = _small()
+    back = Trace.load(_write(tmp_path / "ok.safetensors", _arrays(t), _meta()))
+    assert np.array_equal(back.chosen, t.chosen) and back.layers == (0, 1)
+
+
+def test_not_safetensors_and_truncated_and_missing(tmp_path):
+    (tmp_path / "text").write_text("these are not the routing choices you are looking for\n" * 20)
+    with pytest.raises(CoEError, match=r"text: not a readable trace"):
+        Trace.load(tmp_path / "text")
+    path = _small(50).save(tmp_path / "t.safetensors")
+    data = path.read_bytes()
+    path.write_bytes(data[: len(data) - 40])
+    with pytest.raises(CoEError, match=r"t\.safetensors: not a readable trace \(truncated"):
+        Trace.load(path)
+    with pytest.raises(CoEError, match=r"nope\.safetensors: trace not found"):
+        Trace.load(tmp_path / "nope.safetensors")
+
+
+@pytest.mark.parametrize("drop", ["probs", "chosen", "seq", "step"])
+def test_missing_array(tmp_path, drop):
+    arrays = _arrays(_small())
+    del arrays[drop]
+    with pytest.raises(CoEError, match=rf"trace lacks the '{drop}' array"):
+        Trace.load(_write(tmp_path / "t.safetensors", arrays, _meta()))
+
+
+@pytest.mark.parametrize("meta,match", [
+    (None, "trace metadata is missing or not JSON"),
+    ({"coe": "{not json"}, "trace metadata is missing or not JSON"),
+    ({"other": "x"}, "trace metadata is missing or not JSON"),
+    (_meta(format="coe-edge/something"), "not an MoE trace"),
+    ({"coe": "[1, 2]"}, "not an MoE trace"),
+    (_meta(version=99), "unsupported trace version 99"),
+    (_meta(layers=[]), "'layers' must be a non-empty list"),
+    (_meta(layers=["0", "1"]), "'layers' must be a non-empty list"),
+    (_meta(layers=[0, 1, 2]), r"probs is \[5, 2, 4\], expected \[5, 3, experts\]"),
+    (_meta(top_k=3), r"chosen is \[5, 2, 2\], expected \[tokens, 2, 3\]"),
+], ids=["none", "not-json", "no-coe-key", "format", "not-object", "version", "no-layers", "str-layers",
+        "layers-vs-probs", "top-k-vs-chosen"])
+def test_wrong_metadata(tmp_path, meta, match):
+    with pytest.raises(CoEError, match=match):
+        Trace.load(_write(tmp_path / "t.safetensors", _arrays(_small()), meta))
+
+
+def test_shape_mismatch_and_out_of_range(tmp_path):
+    t = _small()
+    cases = [
+        ({**_arrays(t), "probs": t.probs[:4]}, r"probs is \[4, 2, 4\], expected \[5, 2, experts\]"),
+        ({**_arrays(t), "probs": t.probs[:, :, 0].copy()}, r"probs is \[5, 2\]"),
+        ({**_arrays(t), "chosen": np.zeros((5, 2, 3), np.int16)}, r"chosen is \[5, 2, 3\]"),
+        ({**_arrays(t), "seq": t.seq[:3]}, r"seq and step must hold one entry per token \(5\)"),
+        ({**_arrays(t), "step": t.step.reshape(5, 1)}, r"seq and step must hold one entry per token"),
+    ]
+    for arrays, match in cases:
+        with pytest.raises(CoEError, match=match):
+            Trace.load(_write(tmp_path / "t.safetensors", arrays, _meta()))
+    for bad in (4, -1):
+        chosen = t.chosen.copy()
+        chosen[2, 1, 0] = bad
+        with pytest.raises(CoEError, match=r"chosen names an expert outside 0\.\.3"):
+            Trace.load(_write(tmp_path / "t.safetensors", {**_arrays(t), "chosen": chosen}, _meta()))
+
+
+# -- synthetic traces ---------------------------------------------------------------------------------------
+def _inclusion(p: np.ndarray) -> np.ndarray:
+    """P(expert e among 2 drawn without replacement, weighted by p): p_e + sum_j p_j p_e / (1 - p_j)."""
+    out = p.copy()
+    for e in range(len(p)):
+        out[e] += sum(p[j] * p[e] / (1 - p[j]) for j in range(len(p)) if j != e)
+    return out
+
+
+def test_synthetic_marginals_follow_popularity():
+    pop = [[8, 4, 2, 1, 1, 1, 1, 0], [1, 1, 1, 1, 1, 1, 1, 1], [0, 0, 5, 5, 0, 0, 0, 10]]
+    t = synthetic(pop, tokens=4000, top_k=2, seed=3)
+    t.check()
+    assert t.chosen.shape == (4000, 3, 2) and t.layers == (0, 1, 2)
+    assert (t.chosen[:, :, 0] != t.chosen[:, :, 1]).all()          # k distinct experts a token
+    for l, row in enumerate(pop):
+        p = np.asarray(row, float) / sum(row)
+        got = np.bincount(t.chosen[:, l].ravel(), minlength=8) / t.tokens
+        assert np.abs(got - _inclusion(p)).max() < 0.04, (l, got, _inclusion(p))
+        assert got[np.asarray(row) == 0].sum() == 0                  # an expert nobody uses is never drawn
+    # the gate scores agree with the choice: every chosen expert scores at least as high as every other
+    p = t.probs.astype(np.float32)
+    picked = np.take_along_axis(p, t.chosen.astype(np.int64), axis=2).min(axis=2)
+    mask = np.ones_like(p, dtype=bool)
+    np.put_along_axis(mask, t.chosen.astype(np.int64), False, axis=2)
+    assert (picked >= np.where(mask, p, 0).max(axis=2)).all()
+    assert np.allclose(p.sum(axis=2), 1, atol=1e-2)
+    # trace popularity (its per-layer shares) tells the same story
+    pop_l0 = [t.popularity()[f"mixtral.L00.E{e:03d}"] for e in range(8)]
+    assert pop_l0[0] > pop_l0[1] > pop_l0[2] > max(pop_l0[3:])
+
+
+def test_synthetic_is_reproducible_and_locality_increases_repeats():
+    pop = [[1.0] * 8 for _ in range(4)]
+
+    def repeats(t):
+        return float((t.chosen[1:] == t.chosen[:-1]).all(axis=2).mean())
+    a, b = synthetic(pop, tokens=600, seed=1), synthetic(pop, tokens=600, seed=1)
+    assert np.array_equal(a.chosen, b.chosen) and np.array_equal(a.probs, b.probs)
+    assert not np.array_equal(a.chosen, synthetic(pop, tokens=600, seed=2).chosen)
+    base = repeats(a)                                   # 1/28 for two of eight uniform experts
+    assert base < 0.1
+    r5, r9 = repeats(synthetic(pop, tokens=600, locality=0.5, seed=1)), repeats(
+        synthetic(pop, tokens=600, locality=0.9, seed=1))
+    assert base < r5 < r9
+    assert abs(r5 - (0.5 + 0.5 * base)) < 0.07 and abs(r9 - (0.9 + 0.1 * base)) < 0.05
+    assert a.seq.tolist() == [0] * 600 and a.step.tolist() == list(range(600))
+    assert len(list(a.passes())) == 600                 # one decode token per forward pass
+
+
+def test_synthetic_refuses_bad_popularity():
+    for bad in ([[1, 2, 3]], [[1, -1, 2, 2]], [[0, 0, 0, 0]], [1, 2, 3], [[[1, 2, 3]]], [[1, 2, 3], [1, 2]],
+                [[1, float("inf"), 1, 1]], [[1, float("nan"), 1, 1]], [["a", "b", "c"]]):
+        with pytest.raises(CoEError, match="popularity must be"):
+            synthetic(bad, tokens=3, top_k=4 if bad == [[1, 2, 3]] else 2)
+    with pytest.raises(CoEError, match="popularity must be"):
+        synthetic([[1, 1, 1]], tokens=3, top_k=0)
+    for bad in (-0.1, 1.0, 2):
+        with pytest.raises(CoEError, match="locality must be in"):
+            synthetic([[1, 1, 1]], tokens=3, top_k=2, locality=bad)
+
+
+def test_load_popularity_of_mixtral():
+    if not POPULARITY.is_file():
+        pytest.skip(f"{POPULARITY} not present")
+    pop = load_popularity(POPULARITY)
+    assert len(pop) == 32 and all(len(r) == 8 for r in pop)
+    raw = json.loads(POPULARITY.read_text())["expert_popularity"]
+    assert pop == [[float(x) for x in r] for r in raw]
+    t = synthetic(pop, tokens=50, top_k=2, seed=0)
+    assert t.chosen.shape == (50, 32, 2) and len(t.ids()) == 256
+
+
+@pytest.mark.parametrize("text,match", [
+    ("not json", "not a popularity file with 'expert_popularity'"),
+    ('{"counts": [[1, 2]]}', "not a popularity file with 'expert_popularity'"),
+    ("[1, 2]", "not a popularity file with 'expert_popularity'"),
+    ('{"expert_popularity": []}', "must be a non-empty list of per-layer lists"),
+    ('{"expert_popularity": [1, 2]}', "must be a non-empty list of per-layer lists"),
+    ('{"expert_popularity": [[1, 2], []]}', "must be a non-empty list of per-layer lists"),
+    ('{"expert_popularity": [[1, 2], [1, 2, 3]]}', "same number of non-negative counts"),
+    ('{"expert_popularity": [[1, -2], [1, 2]]}', "same number of non-negative counts"),
+    ('{"expert_popularity": [[1, "2"], [1, 2]]}', "same number of non-negative counts"),
+    ('{"expert_popularity": [[1, Infinity], [1, 2]]}', "same number of non-negative counts"),
+    ('{"expert_popularity": [[1, NaN], [1, 2]]}', "same number of non-negative counts"),
+    ('{"expert_popularity": [[1, true], [1, 2]]}', "same number of non-negative counts"),
+])
+def test_malformed_popularity_files(tmp_path, text, match):
+    path = tmp_path / "pop.json"
+    path.write_text(text)
+    with pytest.raises(CoEError, match=rf"pop\.json: .*{match}"):
+        load_popularity(path)
+
+
+def test_missing_popularity_file(tmp_path):
+    with pytest.raises(CoEError, match=r"nope\.json: popularity file not found"):
+        load_popularity(tmp_path / "nope.json")
+
+
+# -- LFU and gate-score eviction --------------------------------------------------------------------------
+def _state(spec, free=0, counts=None, scores=None) -> PoolState:
+    """spec: [(id, used_seq, pinned)], every expert 10 bytes."""
+    res = tuple(Resident(e, 10, i, used, pinned) for i, (e, used, pinned) in enumerate(spec))
+    return PoolState(10 * len(res) + free, res, counts=counts or {}, gate_scores=scores or {})
+
+
+def test_policies_are_registered():
+    assert isinstance(make_policy("lfu"), LFU) and isinstance(make_policy("gate-score"), GateScore)
+
+
+def test_lfu_evicts_the_least_counted_first_never_a_pinned_one():
+    counts = {"a": 5, "b": 1, "c": 3, "d": 0}            # e was never counted: 0
+    spec = [("a", 1, False), ("b", 2, False), ("c", 3, False), ("d", 4, True), ("e", 5, False)]
+    s = _state(spec, counts=counts)
+    lfu = LFU()
+    assert lfu.choose_victims(s, 0) == []
+    assert lfu.choose_victims(s, 10) == ["e"]                      # d has fewer uses but is pinned
+    assert lfu.choose_victims(s, 30) == ["e", "b", "c"]
+    assert lfu.choose_victims(s, 40) == ["e", "b", "c", "a"]
+    assert lfu.choose_victims(s, 41) is None                        # only the pinned d would free more
+    # equal counts: least recently used first
+    tie = _state([("a", 9, False), ("b", 2, False), ("c", 5, False)], counts={"a": 2, "b": 2, "c": 2})
+    assert lfu.choose_victims(tie, 20) == ["b", "c"]
+    # counts change the order, recency does not override them
+    assert lfu.choose_victims(_state(spec, counts={**counts, "e": 9}), 10) == ["b"]
+
+
+def test_gate_score_evicts_the_lowest_score_ties_by_lru():
+    scores = {"a": 0.30, "b": 0.05, "c": 0.05, "d": 0.01, "e": 0.20}
+    spec = [("a", 1, False), ("b", 7, False), ("c", 3, False), ("d", 4, True), ("e", 5, False)]
+    s = _state(spec, scores=scores)
+    gs = GateScore()
+    assert gs.choose_victims(s, 10) == ["c"]                        # b and c tie; c was used longer ago
+    assert gs.choose_victims(s, 20) == ["c", "b"]
+    assert gs.choose_victims(s, 40) == ["c", "b", "e", "a"]         # never d, the pinned lowest
+    assert gs.choose_victims(s, 50) is None
+    assert gs.choose_victims(_state(spec, free=10, scores=scores), 10) == []
+    # an expert without a score counts as 0: the router has not leant towards it
+    assert gs.choose_victims(_state(spec + [("f", 9, False)], scores=scores), 10) == ["f"]
+
+
+@pytest.mark.parametrize("policy", [LFU(), GateScore()])
+def test_pinned_experts_block(policy):
+    s = _state([("a", 1, True), ("b", 2, True), ("c", 3, False)], free=5, counts={"c": 9}, scores={"c": 0.9})
+    assert policy.choose_victims(s, 15) == ["c"]
+    assert policy.choose_victims(s, 16) is None
+    all_pinned = _state([("a", 1, True), ("b", 2, True)], counts={"a": 0}, scores={"a": 0})
+    assert policy.choose_victims(all_pinned, 1) is None
