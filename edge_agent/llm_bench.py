@@ -18,7 +18,7 @@ from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from routing.moe_replay import replay
+from routing.moe_replay import FutureView, replay
 from routing.moe_trace import Trace, load_popularity, synthetic
 
 SIZES = (0.125, 0.25, 0.5)
@@ -114,3 +114,119 @@ def table(rows: list[Row]) -> str:
 
 def as_json(rows: list[Row]) -> list[dict]:
     return [asdict(r) for r in rows]
+
+
+# -- (b) trace-driven real decode and (c) end to end ------------------------------------------------------------
+DECODE_POLICIES = ("lru", "fifo", "lfu", "gate-score", "probability", "belady")
+E2E_POLICIES = ("lru", "fifo", "lfu", "gate-score")
+
+
+@dataclass(frozen=True)
+class DecodeRow:
+    policy: str
+    tokens: int
+    seconds: float
+    tokens_per_second: float
+    hit_rate: float
+    gib_read: float
+    load_seconds: float
+
+
+def disk_read_speed(files: list[Path]) -> float:
+    """Bytes/s of a cold sequential read of `files` (their page cache dropped first)."""
+    import os
+    import time
+
+    from storage.pagecache import drop_from_page_cache
+
+    for f in files:
+        drop_from_page_cache(f)
+    buf = bytearray(16 << 20)
+    total, t0 = 0, time.perf_counter()
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            while n := os.readv(fd, [buf]):
+                total += n
+        finally:
+            os.close(fd)
+    return total / (time.perf_counter() - t0)
+
+
+def drop_store(root: Path) -> None:
+    from storage.pagecache import drop_from_page_cache
+
+    for f in root.glob("*.safetensors"):
+        drop_from_page_cache(f)
+
+
+def decode_only(trace: Trace, tokens: int) -> Trace:
+    """The decode steps of `trace` (no prefill), at most `tokens` of them."""
+    import numpy as np
+
+    rows = np.flatnonzero(trace.step > 0)[:tokens]
+    return Trace(trace.model, trace.layers, trace.top_k, trace.scoring, trace.probs[rows], trace.chosen[rows],
+                 trace.seq[rows], trace.step[rows])
+
+
+def run_decode(store: Path, profile: Trace, trace: Trace, *, share: float = 0.25,
+               progress: Callable[[str], None] | None = None) -> list[DecodeRow]:
+    """(b): each policy decodes `trace` through a pool of `share` of the experts, every miss read from SSD."""
+    from coe.moe import MoELayout
+    from executors.moe_decode import future_accesses, remap, trace_decode
+    from executors.moe_model import load_pooled
+
+    layout = MoELayout.load(store)
+    trace, profile = remap(trace, layout.model), remap(profile, layout.model)
+    flat = future_accesses(trace)
+    rows = []
+    for policy in DECODE_POLICIES:
+        if progress:
+            progress(policy)
+        pos = [0]
+        ctx = (lambda: {"future": FutureView(flat, pos[0])}) if policy == "belady" else None
+        drop_store(store)
+        pm = load_pooled(store, memory=int(layout.expert_bytes * share), policy=policy,
+                         popularity=profile.popularity(), context=ctx, drop_after_read=True)
+        r = trace_decode(pm, trace, position=pos)
+        pm.close()
+        rows.append(DecodeRow(policy, r.tokens, r.seconds, r.tokens_per_second, r.stats.hit_rate,
+                              r.stats.bytes_in / 2**30, r.stats.load_seconds))
+    return rows
+
+
+def run_e2e(hf: Path, store: Path, prompt_ids: list[int], tokens: int, *, share: float = 0.25,
+            progress: Callable[[str], None] | None = None) -> list[dict]:
+    """(c): each system generates `tokens` greedily in its own process at the same budget; see `llm_e2e`."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+
+    from coe.moe import MoELayout
+
+    layout = MoELayout.load(store)
+    memory = int(layout.expert_bytes * share)
+    runs = [("coe", p) for p in E2E_POLICIES] + [("accelerate", None), ("ram", None)]
+    out = []
+    for system, policy in runs:
+        if progress:
+            progress(system if policy is None else f"{system}/{policy}")
+        drop_store(store)
+        for f in hf.glob("*.safetensors"):
+            from storage.pagecache import drop_from_page_cache
+
+            drop_from_page_cache(f)
+        off = tempfile.mkdtemp(prefix="coe-offload-")
+        cmd = [sys.executable, "-m", "edge_agent.llm_e2e", "--system", system, "--hf", str(hf), "--store",
+               str(store), "--memory", str(memory), "--prompt-ids", ",".join(map(str, prompt_ids)), "--tokens",
+               str(tokens), "--offload-dir", off] + (["--policy", policy] if policy else [])
+        try:
+            res = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+        finally:
+            shutil.rmtree(off, ignore_errors=True)
+        if res.returncode != 0:
+            raise RuntimeError(f"{system} run failed: {res.stderr.strip()[-2000:]}")
+        out.append(json.loads(res.stdout.strip().splitlines()[-1]))
+    return out

@@ -5,6 +5,7 @@ Needs the `[llm]` extra (transformers).  A thin layer over
 """
 from __future__ import annotations
 
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -258,7 +259,9 @@ def llm_make_model(kind: str | None, out: str, seconds: float, expert_gb: float,
 
 @llm.command("bench")
 @click.option("--work", default="var/llm", show_default=True, type=click.Path(file_okay=False),
-              help="Where the trained model, its store and its traces are made (reused when present).")
+              help="Where the models, stores and traces are made (reused when present).")
+@click.option("--part", "parts", default="a,b,c", show_default=True,
+              help="Which parts: a (trace replay), b (trace-driven real decode), c (end to end).")
 @click.option("--prompts", default=40, show_default=True, type=click.IntRange(4, 10_000),
               help="Held-out prompts to trace on the trained model (half profile, half replay).")
 @click.option("--decode", default=32, show_default=True, type=click.IntRange(1, 10_000),
@@ -268,36 +271,146 @@ def llm_make_model(kind: str | None, out: str, seconds: float, expert_gb: float,
               help="Mixtral popularity dir (default: ../shared/data/mixtral-expert-popularity).")
 @click.option("--tokens", default=256, show_default=True, type=click.IntRange(8, 1_000_000),
               help="Tokens per synthetic Mixtral trace.")
+@click.option("--expert-gb", default=2.2, show_default=True, type=click.FloatRange(0.001, 1000),
+              help="(b), (c): size of the generated model's experts on disk.")
+@click.option("--decode-tokens", default=200, show_default=True, type=click.IntRange(1, 100_000),
+              help="(b): decode steps replayed per policy.")
+@click.option("--e2e-tokens", default=24, show_default=True, type=click.IntRange(1, 100_000),
+              help="(c): tokens each system generates.")
 @_fail_clearly
-def llm_bench(work: str, prompts: int, decode: int, train_seconds: float, mixtral_data: str | None,
-              tokens: int) -> None:
-    """Benchmark (a): hit rate per eviction policy at pools of 12.5%, 25% and 50% of the experts.
+def llm_bench(work: str, parts: str, prompts: int, decode: int, train_seconds: float, mixtral_data: str | None,
+              tokens: int, expert_gb: float, decode_tokens: int, e2e_tokens: int) -> None:
+    """Benchmark the MoE offload: (a) hit rates, (b) real decode per policy, (c) end to end.
 
-    A simulation on real pools (production Pool and policies, no bytes), on
-    traces of a small MoE trained here and on synthetic traces with Mixtral's
-    measured per-layer popularity.  Prints a table and one JSON line.
-    Parts (b) real decode and (c) end to end are not built yet.
+    \b
+    (a) Trace replay on real pools (simulation: no bytes) at 12.5/25/50% of the
+        experts, on traces of a small MoE trained here and on synthetic traces
+        with Mixtral's measured per-layer popularity.
+    (b) Real decode: a generated model with >= 2 GB of experts, routing from
+        the trained model's trace, page cache dropped, every miss read from
+        SSD, real expert matmuls on this CPU; tokens/s per policy at 25%.
+    (c) End to end: greedy generation at the same 25% budget for coe-edge
+        (each policy), accelerate's disk offload and everything in RAM, each
+        in its own process; plus the SSD-bound limit at the measured disk speed.
+    Prints tables and one JSON line.
 
     \b
     Example:
-      coe-agent llm bench --work var/llm
+      coe-agent llm bench --work var/llm                # all parts: ~25 min on 2 cores, first run trains
+      coe-agent llm bench --part a --prompts 20
     """
     _need_transformers()
     import json
 
+    from tqdm import tqdm
+
+    from coe.moe import MoELayout
+    from routing.moe_trace import Trace
+    from storage.llm_import import import_checkpoint
+
+    from . import llm_bench as lb
+    from .llm_models import generated_model
+
+    want = {p.strip() for p in parts.split(",") if p.strip()}
+    if not want or want - {"a", "b", "c"}:
+        raise CoEError(f"--part {parts!r}: give a comma-separated subset of a, b, c")
+    work_dir = Path(work)
+    doc: dict = {"bench": "llm"}
+    if want & {"a", "b"}:
+        profile, rep = lb.split_trace(Trace.load(_trained_trace(work_dir, prompts, decode, train_seconds)))
+    if "a" in want:
+        data = Path(mixtral_data) if mixtral_data else _shared_data()
+        mprof, mrep = lb.mixtral_traces(data, tokens=tokens)
+        rows = []
+        with tqdm(total=2 * len(lb.SIZES) * len(lb.QUOTAS) * len(lb.POLICIES), desc="(a) replaying",
+                  disable=None) as bar:
+            for kind, p, r in (("trained", profile, rep), ("mixtral", mprof, mrep)):
+                rows += lb.run_replays(kind, p, r, progress=lambda _: bar.update(1))
+        click.echo("(a) hit rate per policy (simulation on real pools; belady = offline oracle, a bound)")
+        click.echo(f"    trained: {len(rep.layers)} layers x {rep.num_experts} experts, top-{rep.top_k}, replay "
+                   f"{rep.tokens} tokens, profile {profile.tokens}; mixtral: {len(mrep.layers)} x "
+                   f"{mrep.num_experts}, top-{mrep.top_k}, {mrep.tokens} tokens, no temporal locality assumed")
+        click.echo(lb.table(rows))
+        summ = lb.summary(rows)
+        for kind, s in summ.items():
+            verdict = "meets" if s["miss_ratio_vs_lru"] is not None and s["miss_ratio_vs_lru"] <= 0.7 else "misses"
+            click.echo(f"at 25% on {kind}: LRU {s['lru_hit_rate']:.1%} hits; best {s['best']} ({s['best_quota']}) "
+                       f"{s['best_hit_rate']:.1%}, misses {s['miss_ratio_vs_lru']}x LRU ({verdict} the 0.7x "
+                       f"target); oracle {s['belady_hit_rate']:.1%} ({s['belady_miss_ratio_vs_lru']}x)")
+        doc["a"] = {"summary": summ, "rows": lb.as_json(rows)}
+    if want & {"b", "c"}:
+        big_hf, big = work_dir / "big-hf", work_dir / "big"
+        if not (big_hf / "config.json").is_file():
+            click.echo(f"generating a {expert_gb} GB model -> {big_hf}", err=True)
+            generated_model(big_hf, expert_gb=expert_gb)
+        if not (big / "llm.json").is_file():
+            import_checkpoint(big_hf, big, name="big")
+        layout = MoELayout.load(big)
+        speed = lb.disk_read_speed(sorted(big.glob("big.L00.*.safetensors")))
+        res = (f"pool {0.25 * layout.expert_bytes / 1e9:.2f} GB (25% of {layout.expert_bytes / 1e9:.2f} GB of "
+               f"experts) + {layout.resident_nbytes / 1e6:.0f} MB resident; disk {speed / 1e9:.2f} GB/s cold")
+        doc["resources"] = res
+        doc["disk_bytes_per_s"] = speed
+    if "b" in want:
+        trace = lb.decode_only(rep, decode_tokens)
+        with tqdm(total=len(lb.DECODE_POLICIES), desc="(b) decoding", disable=None) as bar:
+            drows = lb.run_decode(big, profile, trace, progress=lambda _: bar.update(1))
+        click.echo(f"(b) trace-driven real decode, {trace.tokens} decode tokens of the trained trace, real run: {res}")
+        click.echo(f"{'policy':12} {'tokens/s':>9} {'hit rate':>9} {'GiB read':>9} {'load s':>7} {'x LRU':>6}")
+        lru = next(r for r in drows if r.policy == "lru")
+        for r in drows:
+            click.echo(f"{r.policy:12} {r.tokens_per_second:>9.2f} {r.hit_rate:>9.1%} {r.gib_read:>9.2f} "
+                       f"{r.load_seconds:>7.1f} {r.tokens_per_second / lru.tokens_per_second:>6.2f}")
+        best = max((r for r in drows if r.policy != "belady"), key=lambda r: r.tokens_per_second)
+        click.echo(f"best {best.policy}: {best.tokens_per_second / lru.tokens_per_second:.2f}x LRU tokens/s "
+                   f"(target 1.3x)")
+        doc["b"] = {"rows": [dataclasses.asdict(r) for r in drows], "best": best.policy,
+                    "best_vs_lru": best.tokens_per_second / lru.tokens_per_second}
+    if "c" in want:
+        tok_ids = list(range(40, 56))
+        with tqdm(total=len(lb.E2E_POLICIES) + 2, desc="(c) end to end", disable=None) as bar:
+            runs = lb.run_e2e(big_hf, big, tok_ids, e2e_tokens, progress=lambda _: bar.update(1))
+        click.echo(f"(c) end to end, {e2e_tokens} tokens greedy, each system in its own process, real run: {res}")
+        click.echo(f"{'system':18} {'tokens/s':>9} {'hit rate':>9} {'peak RSS MB':>12} {'same tokens':>12}")
+        ram = next(r for r in runs if r["system"] == "ram")
+        for r in runs:
+            name = r["system"] + (f"/{r['policy']}" if r.get("policy") else "")
+            hr = f"{r['hit_rate']:.1%}" if "hit_rate" in r else "-"
+            click.echo(f"{name:18} {r['tokens_per_second']:>9.2f} {hr:>9} {r['rss_peak_above_base'] / 1e6:>12.0f} "
+                       f"{str(r['output'] == ram['output']):>12}")
+        coe_runs = [r for r in runs if r["system"] == "coe"]
+        best = max(coe_runs, key=lambda r: r["tokens_per_second"])
+        acc = next(r for r in runs if r["system"] == "accelerate")
+        bound = best["tokens"] / (best["bytes_in"] / speed) if best["bytes_in"] else float("inf")
+        click.echo(f"best coe-edge ({best['policy']}): {best['tokens_per_second'] / acc['tokens_per_second']:.2f}x "
+                   f"accelerate disk offload (target 3x); SSD-bound limit {bound:.2f} tokens/s "
+                   f"(every missed byte at {speed / 1e9:.2f} GB/s): {best['tokens_per_second'] / bound:.2f} of it "
+                   f"(target 0.8); RAM upper bound {ram['tokens_per_second']:.2f} tokens/s")
+        budget_rss = 0.25 * layout.expert_bytes + layout.resident_nbytes
+        click.echo(f"peak RSS above the process baseline: {best['rss_peak_above_base'] / 1e6:.0f} MB vs budget + "
+                   f"non-expert weights {budget_rss / 1e6:.0f} MB (+15%: {1.15 * budget_rss / 1e6:.0f} MB)")
+        for r in runs:
+            r.pop("output", None)
+        doc["c"] = {"runs": runs, "best": best["policy"],
+                    "vs_accelerate": best["tokens_per_second"] / acc["tokens_per_second"],
+                    "ssd_bound_tokens_per_s": bound, "of_ssd_bound": best["tokens_per_second"] / bound,
+                    "budget_plus_resident_bytes": budget_rss}
+    click.echo(json.dumps(doc))
+
+
+def _trained_trace(work_dir: Path, prompts: int, decode: int, train_seconds: float) -> Path:
+    """The trained small MoE's trace on held-out text: trained, imported and traced on first use, then reused."""
     import torch
     from tqdm import tqdm
 
     from coe.moe import MoELayout
     from executors.moe_model import load_pooled, record_trace
-    from routing.moe_trace import Trace
     from storage.llm_import import import_checkpoint
 
-    from . import llm_bench as lb
     from .llm_models import train_model
 
-    work_dir = Path(work)
-    hf, store, trace_path = work_dir / "trained-hf", work_dir / "trained", work_dir / f"trained-{prompts}x{decode}.trace"
+    hf, store = work_dir / "trained-hf", work_dir / "trained"
+    trace_path = work_dir / f"trained-{prompts}x{decode}.trace"
     if not (hf / "config.json").is_file():
         click.echo(f"training the small MoE for {train_seconds:.0f} s -> {hf}", err=True)
         train_model(hf, seconds=train_seconds)
@@ -314,25 +427,7 @@ def llm_bench(work: str, prompts: int, decode: int, train_seconds: float, mixtra
         with tqdm(total=len(ids), desc="tracing the trained model", unit=" prompts", disable=None) as bar:
             record_trace(pm, ids, decode, progress=lambda n: bar.update(n - bar.n)).save(trace_path)
         pm.close()
-    profile, rep = lb.split_trace(Trace.load(trace_path))
-    data = Path(mixtral_data) if mixtral_data else _shared_data()
-    mprof, mrep = lb.mixtral_traces(data, tokens=tokens)
-    rows = []
-    with tqdm(total=2 * len(lb.SIZES) * len(lb.QUOTAS) * len(lb.POLICIES), desc="replaying", disable=None) as bar:
-        for kind, p, r in (("trained", profile, rep), ("mixtral", mprof, mrep)):
-            rows += lb.run_replays(kind, p, r, progress=lambda _: bar.update(1))
-    click.echo("(a) hit rate per policy (simulation on real pools; belady = offline oracle, a bound)")
-    click.echo(f"    trained: {len(rep.layers)} layers x {rep.num_experts} experts, top-{rep.top_k}, replay "
-               f"{rep.tokens} tokens, profile {profile.tokens}; mixtral: {len(mrep.layers)} x {mrep.num_experts}, "
-               f"top-{mrep.top_k}, {mrep.tokens} tokens, no temporal locality assumed")
-    click.echo(lb.table(rows))
-    summ = lb.summary(rows)
-    for kind, s in summ.items():
-        verdict = "meets" if s["miss_ratio_vs_lru"] is not None and s["miss_ratio_vs_lru"] <= 0.7 else "misses"
-        click.echo(f"at 25% on {kind}: LRU {s['lru_hit_rate']:.1%} hits; best {s['best']} ({s['best_quota']}) "
-                   f"{s['best_hit_rate']:.1%}, misses {s['miss_ratio_vs_lru']}x LRU ({verdict} the 0.7x target); "
-                   f"oracle {s['belady_hit_rate']:.1%} ({s['belady_miss_ratio_vs_lru']}x)")
-    click.echo(json.dumps({"bench": "llm", "part": "a", "summary": summ, "rows": lb.as_json(rows)}))
+    return trace_path
 
 
 def _shared_data() -> Path:

@@ -124,31 +124,31 @@ def train_model(out: str | Path, *, seconds: float = 480.0, seq_len: int = 128, 
             "seconds": time.perf_counter() - start, "tokens": step * batch * seq_len}
 
 
-def generated_model(out: str | Path, *, expert_gb: float, family: str = "mixtral", seed: int = 0,
-                    dtype: str = "float32", **config) -> dict:
-    """A `family` model whose experts take about `expert_gb` GB on disk, with generated weights, saved to `out`."""
+def generated_model(out: str | Path, *, expert_gb: float, layers: int = 4, experts: int = 16, top_k: int = 2,
+                    hidden: int = 1024, seed: int = 0, dtype: str = "float32") -> dict:
+    """A Mixtral-style model whose experts take about `expert_gb` GB on disk, with generated weights.
+
+    The shape (layers x experts, top-k) is fixed so that routing traces of the
+    trained small model can drive it; the intermediate size is chosen to
+    reach the size.  Saved shard by shard with `save_pretrained`.
+    """
     import torch
     from transformers import AutoModelForCausalLM, MixtralConfig
 
-    if family != "mixtral":
-        raise ValueError(f"generated models are Mixtral-style; got family {family!r}")
-    base = dict(vocab_size=VOCAB, hidden_size=1024, intermediate_size=2048, num_hidden_layers=8,
-                num_attention_heads=8, num_key_value_heads=4, num_experts_per_tok=2, max_position_embeddings=1024,
-                tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=0)
-    base.update(config)
     item = torch.finfo(getattr(torch, dtype)).bits // 8
-    per_expert = 3 * base["hidden_size"] * base["intermediate_size"] * item
-    experts = max(base["num_experts_per_tok"] + 1,
-                  round(expert_gb * 1e9 / (per_expert * base["num_hidden_layers"])))
-    cfg = MixtralConfig(num_local_experts=experts, **base)
+    inter = max(16, int(expert_gb * 1e9 / (3 * hidden * item * layers * experts)) // 16 * 16 + 16)
+    cfg = MixtralConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=inter, num_hidden_layers=layers,
+                        num_attention_heads=8, num_key_value_heads=4, num_local_experts=experts,
+                        num_experts_per_tok=top_k, max_position_embeddings=1024, tie_word_embeddings=True,
+                        bos_token_id=1, eos_token_id=2, pad_token_id=0)
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=getattr(torch, dtype))
     with torch.no_grad():   # routers that spread tokens over every expert, as a trained model's do
         for name, p in model.named_parameters():
             if name.endswith("gate.weight"):
-                p.normal_(0, 1.0 / math.sqrt(base["hidden_size"]) * 4)
+                p.normal_(0, 4.0 / math.sqrt(hidden))
     out = Path(out)
     model.save_pretrained(out, max_shard_size="500MB")
     byte_tokenizer().save_pretrained(out)
-    return {"experts_per_layer": experts, "layers": base["num_hidden_layers"],
-            "expert_bytes": per_expert * experts * base["num_hidden_layers"]}
+    return {"experts_per_layer": experts, "layers": layers, "intermediate": inter,
+            "expert_bytes": 3 * hidden * inter * item * experts * layers}

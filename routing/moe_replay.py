@@ -43,7 +43,7 @@ class ReplayResult:
         return self.hits / self.accesses if self.accesses else 0.0
 
 
-class _Rest:
+class FutureView:
     """flat[start:] without the copy (the oracle reads it once per eviction, stopping early)."""
 
     def __init__(self, flat: list[str], start: int) -> None:
@@ -86,7 +86,7 @@ def replay(trace: Trace, *, policy: str, capacity: int, expert_nbytes: int, quot
     oracle = policy == "belady"
 
     def context() -> dict:
-        return {"counts": counts, "gate_scores": scores, "future": _Rest(flat, pos[0]) if oracle else ()}
+        return {"counts": counts, "gate_scores": scores, "future": FutureView(flat, pos[0]) if oracle else ()}
 
     per = capacity // len(trace.layers) if quota == "per-layer" else capacity
     if per < trace.top_k * expert_nbytes:

@@ -1,0 +1,97 @@
+"""One end-to-end generation run in its own process, for `coe-agent llm bench` part (c).
+
+Each system runs in a fresh process so its peak resident memory is its own:
+- `coe`: `load_pooled` at the budget, greedy decoding, every miss an SSD read;
+- `accelerate`: transformers `from_pretrained(device_map='auto', max_memory=
+  {'cpu': budget + non-expert bytes}, offload_folder=...)`, accelerate's disk
+  offload, which is what a user would reach for;
+- `ram`: the whole model in memory (the upper bound).
+Prints one JSON line.  `python -m edge_agent.llm_e2e --help`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+
+
+def _rss() -> int:
+    import psutil
+
+    return psutil.Process().memory_info().rss
+
+
+def _peak() -> int:
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024   # Linux reports KiB
+
+
+def run(system: str, hf_dir: str, store: str, memory: int, prompt_ids: list[int], tokens: int, policy: str,
+        offload_dir: str | None) -> dict:
+    import torch
+
+    torch.set_grad_enabled(False)
+    from transformers import AutoModelForCausalLM  # noqa: F401  (imported before the baseline is taken)
+
+    from coe.moe import MoELayout
+    from executors.moe_model import load_pooled
+
+    base = _rss()
+    ids = torch.tensor([prompt_ids], dtype=torch.long)
+    out: dict = {"system": system, "policy": policy if system == "coe" else None, "memory": memory}
+    t0 = time.perf_counter()
+    if system == "coe":
+        pm = load_pooled(store, memory=memory, policy=policy, drop_after_read=True)
+        out["load_seconds_model"] = time.perf_counter() - t0
+        toks, stats = pm.generate(ids, tokens)
+        out.update(tokens=stats.tokens, seconds=stats.seconds, hit_rate=stats.hit_rate, bytes_in=stats.bytes_in,
+                   expert_load_seconds=stats.load_seconds, output=toks)
+    else:
+        from transformers import AutoModelForCausalLM
+
+        if system == "accelerate":
+            layout = MoELayout.load(store)
+            model = AutoModelForCausalLM.from_pretrained(
+                hf_dir, device_map="auto", max_memory={"cpu": memory + layout.resident_nbytes},
+                offload_folder=offload_dir, dtype=getattr(torch, layout.dtype))
+            out["device_map"] = sorted(set(getattr(model, "hf_device_map", {}).values()))
+        elif system == "ram":
+            model = AutoModelForCausalLM.from_pretrained(hf_dir, experts_implementation="eager")
+        else:
+            raise SystemExit(f"unknown system {system!r}")
+        model.eval()
+        out["load_seconds_model"] = time.perf_counter() - t0
+        t1 = time.perf_counter()
+        res = model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
+        seconds = time.perf_counter() - t1
+        toks = res[0, ids.shape[1]:].tolist()
+        out.update(tokens=len(toks), seconds=seconds, output=toks)
+    out["tokens_per_second"] = out["tokens"] / out["seconds"] if out["seconds"] else 0.0
+    out["rss_base"] = base
+    out["rss_peak"] = _peak()
+    out["rss_peak_above_base"] = out["rss_peak"] - base
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
+                                 epilog="example: python -m edge_agent.llm_e2e --system coe --hf var/llm/big-hf "
+                                        "--store var/llm/big --memory 600000000 --prompt-ids 3,4,5 --tokens 16")
+    ap.add_argument("--system", required=True, choices=["coe", "accelerate", "ram"])
+    ap.add_argument("--hf", required=True)
+    ap.add_argument("--store", required=True)
+    ap.add_argument("--memory", required=True, type=int)
+    ap.add_argument("--prompt-ids", required=True)
+    ap.add_argument("--tokens", type=int, default=16)
+    ap.add_argument("--policy", default="lru")
+    ap.add_argument("--offload-dir", default=None)
+    a = ap.parse_args(argv)
+    ids = [int(x) for x in a.prompt_ids.split(",") if x]
+    print(json.dumps(run(a.system, a.hf, a.store, a.memory, ids, a.tokens, a.policy, a.offload_dir)))
+    sys.stdout.flush()
+
+
+if __name__ == "__main__":
+    main()
