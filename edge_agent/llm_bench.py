@@ -195,38 +195,117 @@ def run_decode(store: Path, profile: Trace, trace: Trace, *, share: float = 0.25
     return rows
 
 
+class MemoryCgroup:
+    """A cgroup-v1 memory cgroup limiting a child process (RSS and page cache), where the box allows one.
+
+    `create` returns None when there is no writable memory controller (not
+    root, cgroup v2 without the memory controller delegated): the bench then
+    says the page cache was not bounded.
+    """
+
+    ROOT = Path("/sys/fs/cgroup/memory")
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    @classmethod
+    def create(cls, name: str, limit: int) -> "MemoryCgroup | None":
+        import os
+
+        path = cls.ROOT / name
+        try:
+            path.mkdir(exist_ok=True)
+            (path / "memory.limit_in_bytes").write_text(str(int(limit)))
+            (path / "memory.max_usage_in_bytes").write_text("0")
+        except OSError:
+            if path.is_dir():
+                os.rmdir(path)
+            return None
+        return cls(path)
+
+    def enter(self) -> None:
+        """Run in the child before exec (`preexec_fn`)."""
+        import os
+
+        (self.path / "cgroup.procs").write_text(str(os.getpid()))
+
+    def peak(self) -> int:
+        return int((self.path / "memory.max_usage_in_bytes").read_text())
+
+    def failcnt(self) -> int:
+        return int((self.path / "memory.failcnt").read_text())
+
+    def remove(self) -> None:
+        import os
+
+        try:
+            os.rmdir(self.path)
+        except OSError:
+            pass
+
+
 def run_e2e(hf: Path, store: Path, prompt_ids: list[int], tokens: int, *, share: float = 0.25,
-            progress: Callable[[str], None] | None = None) -> list[dict]:
-    """(c): each system generates `tokens` greedily in its own process at the same budget; see `llm_e2e`."""
+            progress: Callable[[str], None] | None = None) -> tuple[list[dict], dict]:
+    """(c): each system generates `tokens` greedily in its own process at the same budget; see `llm_e2e`.
+
+    Each process runs in a memory cgroup of (its baseline after imports) +
+    1.15 x (expert budget + non-expert weights) where the box allows one, so
+    accelerate's page-cache reads and our pools share one bound.  Returns the
+    runs and a note on how memory was bounded.
+    """
     import json
+    import os
     import shutil
     import subprocess
     import sys
     import tempfile
 
     from coe.moe import MoELayout
+    from storage.pagecache import drop_from_page_cache
 
     layout = MoELayout.load(store)
     memory = int(layout.expert_bytes * share)
+
+    def child(system: str, policy: str | None, extra: list[str], cgroup: "MemoryCgroup | None") -> dict:
+        off = tempfile.mkdtemp(prefix="coe-offload-")
+        cmd = [sys.executable, "-m", "edge_agent.llm_e2e", "--system", system, "--hf", str(hf), "--store",
+               str(store), "--memory", str(memory), "--prompt-ids", ",".join(map(str, prompt_ids)), "--tokens",
+               str(tokens), "--offload-dir", off] + (["--policy", policy] if policy else []) + extra
+        try:
+            res = subprocess.run(cmd, capture_output=True, text=True, timeout=3600,
+                                 preexec_fn=cgroup.enter if cgroup else None)
+        finally:
+            shutil.rmtree(off, ignore_errors=True)
+        if res.returncode != 0:
+            killed = res.returncode in (-9, 137)
+            return {"system": system, "policy": policy, "failed": "killed at the memory bound" if killed else
+                    res.stderr.strip()[-500:], "tokens_per_second": 0.0}
+        return json.loads(res.stdout.strip().splitlines()[-1])
+
+    base = child("probe", None, [], None)["rss_base"]
+    limit = base + 1.15 * (memory + layout.resident_nbytes)
     runs = [("coe", p) for p in E2E_POLICIES] + [("accelerate", None), ("ram", None)]
     out = []
-    for system, policy in runs:
+    bounded = True
+    for i, (system, policy) in enumerate(runs):
         if progress:
             progress(system if policy is None else f"{system}/{policy}")
         drop_store(store)
         for f in hf.glob("*.safetensors"):
-            from storage.pagecache import drop_from_page_cache
-
             drop_from_page_cache(f)
-        off = tempfile.mkdtemp(prefix="coe-offload-")
-        cmd = [sys.executable, "-m", "edge_agent.llm_e2e", "--system", system, "--hf", str(hf), "--store",
-               str(store), "--memory", str(memory), "--prompt-ids", ",".join(map(str, prompt_ids)), "--tokens",
-               str(tokens), "--offload-dir", off] + (["--policy", policy] if policy else [])
+        cg = None if system == "ram" else MemoryCgroup.create(f"coe-bench-{os.getpid()}-{i}", limit)
+        bounded &= system == "ram" or cg is not None
+        extra = ["--drop-after-read"] if system == "coe" and cg is None else []
         try:
-            res = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+            r = child(system, policy, extra, cg)
+            if cg is not None:
+                r["cgroup_limit"], r["cgroup_peak"], r["cgroup_failcnt"] = int(limit), cg.peak(), cg.failcnt()
         finally:
-            shutil.rmtree(off, ignore_errors=True)
-        if res.returncode != 0:
-            raise RuntimeError(f"{system} run failed: {res.stderr.strip()[-2000:]}")
-        out.append(json.loads(res.stdout.strip().splitlines()[-1]))
-    return out
+            if cg is not None:
+                cg.remove()
+        out.append(r)
+    note = (f"each process but 'ram' in a memory cgroup of {limit / 1e6:.0f} MB (baseline {base / 1e6:.0f} MB after "
+            f"imports + 1.15 x budget and non-expert weights): RSS and page cache together"
+            if bounded else "no writable memory cgroup: page cache not bounded; coe-edge drops each expert file "
+                            "from the page cache after reading it, accelerate's offload reads stay cached")
+    return out, {"bounded": bounded, "limit": int(limit), "baseline": base, "note": note}

@@ -342,7 +342,8 @@ def llm_bench(work: str, parts: str, prompts: int, decode: int, train_seconds: f
         big_hf, big = work_dir / "big-hf", work_dir / "big"
         if not (big_hf / "config.json").is_file():
             click.echo(f"generating a {expert_gb} GB model -> {big_hf}", err=True)
-            generated_model(big_hf, expert_gb=expert_gb)
+            shape = {"layers": len(rep.layers), "experts": rep.num_experts, "top_k": rep.top_k} if "b" in want else {}
+            generated_model(big_hf, expert_gb=expert_gb, **shape)
         if not (big / "llm.json").is_file():
             import_checkpoint(big_hf, big, name="big")
         layout = MoELayout.load(big)
@@ -368,31 +369,38 @@ def llm_bench(work: str, parts: str, prompts: int, decode: int, train_seconds: f
                     "best_vs_lru": best.tokens_per_second / lru.tokens_per_second}
     if "c" in want:
         tok_ids = list(range(40, 56))
-        with tqdm(total=len(lb.E2E_POLICIES) + 2, desc="(c) end to end", disable=None) as bar:
-            runs = lb.run_e2e(big_hf, big, tok_ids, e2e_tokens, progress=lambda _: bar.update(1))
+        with tqdm(total=len(lb.E2E_POLICIES) + 3, desc="(c) end to end", disable=None) as bar:
+            runs, mem = lb.run_e2e(big_hf, big, tok_ids, e2e_tokens, progress=lambda _: bar.update(1))
         click.echo(f"(c) end to end, {e2e_tokens} tokens greedy, each system in its own process, real run: {res}")
-        click.echo(f"{'system':18} {'tokens/s':>9} {'hit rate':>9} {'peak RSS MB':>12} {'same tokens':>12}")
+        click.echo(f"    memory: {mem['note']}")
+        click.echo(f"{'system':18} {'tokens/s':>9} {'hit rate':>9} {'peak RSS MB':>12} {'cgroup peak MB':>15} "
+                   f"{'same tokens':>12}")
         ram = next(r for r in runs if r["system"] == "ram")
         for r in runs:
             name = r["system"] + (f"/{r['policy']}" if r.get("policy") else "")
+            if "failed" in r:
+                click.echo(f"{name:18} failed: {r['failed']}")
+                continue
             hr = f"{r['hit_rate']:.1%}" if "hit_rate" in r else "-"
+            cg = f"{r['cgroup_peak'] / 1e6:.0f}" if "cgroup_peak" in r else "-"
             click.echo(f"{name:18} {r['tokens_per_second']:>9.2f} {hr:>9} {r['rss_peak_above_base'] / 1e6:>12.0f} "
-                       f"{str(r['output'] == ram['output']):>12}")
-        coe_runs = [r for r in runs if r["system"] == "coe"]
+                       f"{cg:>15} {str(r['output'] == ram.get('output')):>12}")
+        coe_runs = [r for r in runs if r["system"] == "coe" and "failed" not in r]
         best = max(coe_runs, key=lambda r: r["tokens_per_second"])
         acc = next(r for r in runs if r["system"] == "accelerate")
         bound = best["tokens"] / (best["bytes_in"] / speed) if best["bytes_in"] else float("inf")
-        click.echo(f"best coe-edge ({best['policy']}): {best['tokens_per_second'] / acc['tokens_per_second']:.2f}x "
-                   f"accelerate disk offload (target 3x); SSD-bound limit {bound:.2f} tokens/s "
-                   f"(every missed byte at {speed / 1e9:.2f} GB/s): {best['tokens_per_second'] / bound:.2f} of it "
-                   f"(target 0.8); RAM upper bound {ram['tokens_per_second']:.2f} tokens/s")
+        vs_acc = best["tokens_per_second"] / acc["tokens_per_second"] if acc["tokens_per_second"] else float("inf")
+        click.echo(f"best coe-edge ({best['policy']}): {vs_acc:.2f}x accelerate disk offload (target 3x); "
+                   f"SSD-bound limit {bound:.2f} tokens/s (every missed byte at {speed / 1e9:.2f} GB/s): "
+                   f"{best['tokens_per_second'] / bound:.2f} of it (target 0.8); RAM upper bound "
+                   f"{ram.get('tokens_per_second', 0):.2f} tokens/s")
         budget_rss = 0.25 * layout.expert_bytes + layout.resident_nbytes
-        click.echo(f"peak RSS above the process baseline: {best['rss_peak_above_base'] / 1e6:.0f} MB vs budget + "
-                   f"non-expert weights {budget_rss / 1e6:.0f} MB (+15%: {1.15 * budget_rss / 1e6:.0f} MB)")
+        click.echo(f"peak RSS above the process baseline ({mem['baseline'] / 1e6:.0f} MB after imports): "
+                   f"{best['rss_peak_above_base'] / 1e6:.0f} MB vs budget + non-expert weights "
+                   f"{budget_rss / 1e6:.0f} MB (+15%: {1.15 * budget_rss / 1e6:.0f} MB)")
         for r in runs:
             r.pop("output", None)
-        doc["c"] = {"runs": runs, "best": best["policy"],
-                    "vs_accelerate": best["tokens_per_second"] / acc["tokens_per_second"],
+        doc["c"] = {"runs": runs, "memory": mem, "best": best["policy"], "vs_accelerate": vs_acc,
                     "ssd_bound_tokens_per_s": bound, "of_ssd_bound": best["tokens_per_second"] / bound,
                     "budget_plus_resident_bytes": budget_rss}
     click.echo(json.dumps(doc))

@@ -1,18 +1,19 @@
 """One end-to-end generation run in its own process, for `coe-agent llm bench` part (c).
 
 Each system runs in a fresh process so its peak resident memory is its own:
-- `coe`: `load_pooled` at the budget, greedy decoding, every miss an SSD read;
+- `coe`: `load_pooled` at the budget, greedy decoding;
 - `accelerate`: transformers `from_pretrained(device_map='auto', max_memory=
   {'cpu': budget + non-expert bytes}, offload_folder=...)`, accelerate's disk
   offload, which is what a user would reach for;
 - `ram`: the whole model in memory (the upper bound).
-Prints one JSON line.  `python -m edge_agent.llm_e2e --help`.
+The bench runs each in a memory cgroup sized to the budget where the box
+allows one, so the page cache (which accelerate's offload reads through) counts
+against the same memory as the pools.  Prints one JSON line.  `python -m edge_agent.llm_e2e --help`.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import resource
 import sys
 import time
 from pathlib import Path
@@ -24,12 +25,36 @@ def _rss() -> int:
     return psutil.Process().memory_info().rss
 
 
-def _peak() -> int:
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024   # Linux reports KiB
+class PeakRSS:
+    """Samples this process's resident set every few milliseconds; `peak` is the largest seen.
+
+    (ru_maxrss would do, but Linux carries it across exec from the parent.)
+    """
+
+    def __init__(self, every: float = 0.005) -> None:
+        import threading
+
+        import psutil
+
+        self._proc, self._every = psutil.Process(), every
+        self.peak = self._proc.memory_info().rss
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.wait(self._every):
+            self.peak = max(self.peak, self._proc.memory_info().rss)
+
+    def stop(self) -> int:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self._proc.memory_info().rss)
+        return self.peak
 
 
 def run(system: str, hf_dir: str, store: str, memory: int, prompt_ids: list[int], tokens: int, policy: str,
-        offload_dir: str | None) -> dict:
+        offload_dir: str | None, drop_after_read: bool = False) -> dict:
     import torch
 
     torch.set_grad_enabled(False)
@@ -39,11 +64,14 @@ def run(system: str, hf_dir: str, store: str, memory: int, prompt_ids: list[int]
     from executors.moe_model import load_pooled
 
     base = _rss()
+    if system == "probe":
+        return {"system": "probe", "rss_base": base}
+    peak = PeakRSS()
     ids = torch.tensor([prompt_ids], dtype=torch.long)
     out: dict = {"system": system, "policy": policy if system == "coe" else None, "memory": memory}
     t0 = time.perf_counter()
     if system == "coe":
-        pm = load_pooled(store, memory=memory, policy=policy, drop_after_read=True)
+        pm = load_pooled(store, memory=memory, policy=policy, drop_after_read=drop_after_read)
         out["load_seconds_model"] = time.perf_counter() - t0
         toks, stats = pm.generate(ids, tokens)
         out.update(tokens=stats.tokens, seconds=stats.seconds, hit_rate=stats.hit_rate, bytes_in=stats.bytes_in,
@@ -70,7 +98,7 @@ def run(system: str, hf_dir: str, store: str, memory: int, prompt_ids: list[int]
         out.update(tokens=len(toks), seconds=seconds, output=toks)
     out["tokens_per_second"] = out["tokens"] / out["seconds"] if out["seconds"] else 0.0
     out["rss_base"] = base
-    out["rss_peak"] = _peak()
+    out["rss_peak"] = peak.stop()
     out["rss_peak_above_base"] = out["rss_peak"] - base
     return out
 
@@ -79,7 +107,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="example: python -m edge_agent.llm_e2e --system coe --hf var/llm/big-hf "
                                         "--store var/llm/big --memory 600000000 --prompt-ids 3,4,5 --tokens 16")
-    ap.add_argument("--system", required=True, choices=["coe", "accelerate", "ram"])
+    ap.add_argument("--system", required=True, choices=["coe", "accelerate", "ram", "probe"])
     ap.add_argument("--hf", required=True)
     ap.add_argument("--store", required=True)
     ap.add_argument("--memory", required=True, type=int)
@@ -87,9 +115,12 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--policy", default="lru")
     ap.add_argument("--offload-dir", default=None)
+    ap.add_argument("--drop-after-read", action="store_true",
+                    help="coe: drop each expert file from the page cache once read (when no cgroup bounds memory)")
     a = ap.parse_args(argv)
     ids = [int(x) for x in a.prompt_ids.split(",") if x]
-    print(json.dumps(run(a.system, a.hf, a.store, a.memory, ids, a.tokens, a.policy, a.offload_dir)))
+    print(json.dumps(run(a.system, a.hf, a.store, a.memory, ids, a.tokens, a.policy, a.offload_dir,
+                         a.drop_after_read)))
     sys.stdout.flush()
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Collection
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -124,6 +125,29 @@ class Pool:
         raises PoolFullError when it can never fit, and the source's error
         (e.g. ExpertLoadError) when loading fails.
         """
+        got = self._reserve(expert_id)
+        return got if got is None or isinstance(got, Handle) else got()
+
+    def acquire_async(self, expert_id: str, submit: Callable[[Callable[[], Handle]], Future]) -> Future | None:
+        """`acquire`, with the room reserved now and the load run by `submit` (e.g. a loader thread pool).
+
+        Reservations happen in call order in the calling thread, so which
+        experts fit (and which are evicted) is what sequential `acquire`s would
+        decide; only the loads overlap.  Returns None when the expert cannot
+        fit now; a hit is an already-completed future.  The future raises what
+        a failed load raises, with the reservation cleared.
+        """
+        got = self._reserve(expert_id)
+        if got is None:
+            return None
+        if isinstance(got, Handle):
+            done: Future = Future()
+            done.set_result(got)
+            return done
+        return submit(got)
+
+    def _reserve(self, expert_id: str) -> "Handle | Callable[[], Handle] | None":
+        """A hit's handle, None if it cannot fit now, or (a miss, room reserved) the call that loads it."""
         entered = time.perf_counter()
         ctx = self._context()
         with self._cond:
@@ -151,12 +175,18 @@ class Pool:
                 return None
             evicted = [self._evict_locked(v, incoming=expert_id) for v in victims]
             self._entries[expert_id] = _Entry(None, need, self._seq, self._seq, pins=1, loading=True)
-        # the victims' memory may become the new expert's (a switch between same-sized experts then costs
-        # one read or copy into warm memory); the source takes what it reuses
-        entry = self._fill(expert_id, evicted, need, entered, "load", reuse_victims=self._reuses,
-                           make=lambda reuse: (self.source.load(expert_id, reuse=reuse) if reuse
-                                               else self.source.load(expert_id)))
-        return Handle(expert_id, entry.value, entry.nbytes)
+        managed = time.perf_counter() - entered
+
+        def load() -> Handle:
+            # time spent queued for a loader thread is neither management nor loading
+            entered = time.perf_counter() - managed
+            # the victims' memory may become the new expert's (a switch between same-sized experts then costs
+            # one read or copy into warm memory); the source takes what it reuses
+            entry = self._fill(expert_id, evicted, need, entered, "load", reuse_victims=self._reuses,
+                               make=lambda reuse: (self.source.load(expert_id, reuse=reuse) if reuse
+                                                   else self.source.load(expert_id)))
+            return Handle(expert_id, entry.value, entry.nbytes)
+        return load
 
     def _fill(self, expert_id: str, evicted: list[PoolEvent], need: int, entered: float, event: str, *,
               reuse_victims: bool, make: Callable[[list], Any]) -> _Entry:

@@ -87,15 +87,15 @@ def test_bench_part_a_prints_a_table_and_one_json_line(hf_model, tmp_path):
     work = tmp_path / "work"
     work.mkdir()
     (work / "trained-hf").symlink_to(root / "hf", target_is_directory=True)
-    res = _run("llm", "bench", "--work", str(work), "--prompts", "4", "--decode", "2", "--tokens", "16")
+    res = _run("llm", "bench", "--work", str(work), "--part", "a", "--prompts", "4", "--decode", "2", "--tokens", "16")
     assert res.exit_code == 0, res.output
     lines = res.output.strip().splitlines()
     doc = json.loads(lines[-1])
-    assert doc["bench"] == "llm" and set(doc["summary"]) == {"trained", "mixtral"}
-    for s in doc["summary"].values():
+    assert doc["bench"] == "llm" and set(doc["a"]["summary"]) == {"trained", "mixtral"} and "b" not in doc
+    for s in doc["a"]["summary"].values():
         assert 0 <= s["lru_hit_rate"] <= s["belady_hit_rate"] <= 1      # the oracle is never beaten
         assert s["best_hit_rate"] >= s["lru_hit_rate"]
-    rows = doc["rows"]
+    rows = doc["a"]["rows"]
     assert {r["policy"] for r in rows} == {"lru", "fifo", "lfu", "gate-score", "probability", "belady"}
     # mixtral: 32 layers x 8 experts, so a per-layer share of 12.5% (one expert) cannot hold top-2: n/a, not a crash
     assert all(r["hit_rate"] is None for r in rows if r["trace"] == "mixtral" and r["size"] == 0.125

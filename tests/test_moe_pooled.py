@@ -103,8 +103,9 @@ def test_freshly_loaded_expert_is_not_evicted_within_the_layer(imported):
     per = layout.layers[0].expert_nbytes
     pool = Pool("cpu", 2 * per, make_policy("lru"), StoreSource(store))
     want_a = {k: v.clone() for k, v in store.read(a).items()}
-    with PinnedWave(lambda _: pool, [a, b, c]) as held:
+    with PinnedWave(lambda _: pool, [a, b, c]) as wave:
         # the pool holds two experts: a and b stay pinned, c waits for the next wave instead of evicting a
+        held = list(wave)
         assert [h.expert_id for h in held] == [a, b]
         assert not pool.contains(c)
         for k, v in held[0].value.tensors().items():
@@ -127,9 +128,9 @@ def test_a_layer_larger_than_the_pool_runs_in_waves_and_stays_exact(imported):
     orig = PinnedWave.__enter__
 
     def spy(self):
-        held = orig(self)
-        waves.append(len(held))
-        return held
+        wave = orig(self)
+        waves.append(len(wave))
+        return wave
     PinnedWave.__enter__ = spy
     try:
         x = _inputs(3)
@@ -148,3 +149,33 @@ def test_budget_below_one_tokens_experts_is_a_clear_error(imported):
         load_pooled(store, memory=layout.layers[0].expert_nbytes * 3, policy="lru", quota="per-layer")
     with pytest.raises(CoEError, match="popularity"):
         load_pooled(store, memory=layout.layers[0].expert_nbytes * 4, policy="probability")
+
+
+def test_a_waves_misses_load_concurrently_but_fit_in_call_order(imported):
+    """Room is reserved in order (what sequential acquires decide); the loads themselves overlap."""
+    import threading
+
+    _, layout, store_root = imported("mixtral")
+    store = ExpertStore(store_root)
+    ids = layout.ids(0)[:4]
+    inflight, peak, gate = [0], [0], threading.Barrier(3, timeout=10)
+    lock = threading.Lock()
+
+    class SlowSource(StoreSource):
+        def load(self, expert_id, reuse=None):
+            with lock:
+                inflight[0] += 1
+                peak[0] = max(peak[0], inflight[0])
+            try:
+                gate.wait()         # the first three loads must all be in flight at once to pass this
+                return super().load(expert_id, reuse)
+            finally:
+                with lock:
+                    inflight[0] -= 1
+
+    per = layout.layers[0].expert_nbytes
+    pool = Pool("cpu", 3 * per, make_policy("lru"), SlowSource(store))
+    with PinnedWave(lambda _: pool, ids) as wave:
+        got = [h.expert_id for h in wave]
+    assert got == ids[:3] and peak[0] == 3          # the fourth did not fit beside three pinned ones
+    assert not pool.contains(ids[3]) and pool.stats().misses == 3
