@@ -16,6 +16,7 @@ import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import zmq
 
@@ -37,6 +38,9 @@ from .config import ExecutorConfig, LineConfig, endpoint_parts
 from .ingest import Accepted, Ingest, check_frame, route_learned
 from .metrics import Metrics
 from .writer import ResultWriter
+
+if TYPE_CHECKING:
+    from .llm_service import LLMService
 
 log = logging.getLogger(__name__)
 
@@ -88,6 +92,8 @@ class Agent:
                 f"expert store {cfg.store_path} lacks {len(missing)} expert(s) of the spec, e.g. "
                 f"{', '.join(missing[:3])}; run `coe-agent zoo build --line {cfg.line}`")
         self.model = self.model.with_sizes({e.id: e.nbytes for e in self.store.entries()})
+        self.llm_layout = self._llm_store() if cfg.llm is not None else None
+        self.llm: "LLMService | None" = None
         self.metrics = Metrics(cfg.line)
         self.router = RuleRouter(self.model)
         if cfg.routing.mode == "learned":
@@ -107,6 +113,8 @@ class Agent:
         self.profile = Profile.load(cfg.scheduler.profile) if Path(cfg.scheduler.profile).is_file() else None
         self.slots = self._plan_executors()
         self.probabilities = self._usage_probabilities()
+        if self.llm_layout is not None:
+            self.probabilities.update(self._llm_probabilities())
         self.preliminaries = {e: tuple(self.model.preliminaries(e)) for e in self.model.experts}  # once, not per pool
         self.failed = FailedExperts()
         self.pools: dict[str, Pool] = {}
@@ -161,6 +169,34 @@ class Agent:
             return spec
         log.info("usage probabilities from %s (%s)", path, source)
         return {e: measured.get(e, 0.0) for e in spec}
+
+    def _llm_store(self):
+        """The LLM's imported store, read through the same sources as the line's (a `StoreUnion`)."""
+        from coe.moe import MoELayout
+        from storage.store_union import StoreUnion
+
+        llm = self.cfg.llm
+        layout = MoELayout.load(llm.store)
+        self.store = StoreUnion(self.store, ExpertStore(llm.store, verify=self.cfg.expert_verify))
+        names = [f"{ex.device}-{i}" for i, ex in enumerate(self.cfg.executors)]
+        if llm.executor is not None and not any(llm.executor == n or llm.executor.startswith(n + ".")
+                                                for n in names):
+            raise ValueError(f"llm.executor: '{llm.executor}' names no executor (they are {', '.join(names)}.N)")
+        return layout
+
+    def _llm_probabilities(self) -> dict[str, float]:
+        """Usage probability of each LLM expert: its per-layer popularity (from `llm.trace`), else k/E.
+
+        Both kinds are 'the chance that the next unit of work (a frame, a token)
+        uses this expert', which is what ranks them together in a shared pool.
+        """
+        layout = self.llm_layout
+        if self.cfg.llm.trace:
+            from routing.moe_trace import Trace
+
+            popularity = Trace.load(self.cfg.llm.trace).popularity()
+            return {eid: popularity.get(eid, 0.0) for eid in layout.ids()}
+        return {eid: layout.top_k / l.num_experts for l in layout.layers for eid in layout.ids(l.layer)}
 
     def _plan_executors(self) -> list[_Slot]:
         """Every executor with its budget: the count from the config, else the profile's search, else 1.
@@ -274,12 +310,33 @@ class Agent:
         for ex in self.executors:
             ex.start()
         self._recover()
+        if cfg.llm is not None:
+            self.llm = self._start_llm()
         self.ingest.start()
         self._started = True
         log.info("line %s agent up: ingest %s, publish %s, %d executor(s), metrics %s", cfg.line,
                  self.endpoints["ingest"], self.endpoints["publish"], len(self.executors),
                  self.metrics_port or "off")
         return self
+
+    def _start_llm(self) -> "LLMService":
+        """The LLM on the pool of `llm.executor` (default: the first), serving /v1/completions."""
+        from executors.moe_model import load_pooled
+
+        from .llm_service import LLMService
+
+        llm = self.cfg.llm
+        name = llm.executor if llm.executor in self.pools else next(
+            (n for n in self.pools if llm.executor is None or n.startswith(llm.executor + ".")), None)
+        slot = next(s for s in self.slots if s.name == name)
+        pm = load_pooled(llm.store, memory=self.pools[name].capacity, device=slot.ex.device,
+                         shared_pool=self.pools[name], verify=self.cfg.expert_verify)
+        service = LLMService(pm, bind=llm.bind, port=llm.port, default_tokens=llm.max_tokens,
+                             limit=llm.max_tokens_limit, max_waiting=llm.max_waiting).start()
+        self.endpoints["llm"] = f"http://{llm.bind}:{service.port}/v1/completions"
+        log.info("LLM '%s' shares pool %s (%.0f MB): %s", self.llm_layout.model, name,
+                 self.pools[name].capacity / 1e6, self.endpoints["llm"])
+        return service
 
     def _initialize(self) -> dict[str, list[str]]:
         """CoServe's initialisation: the executors' pools round-robin by usage probability, then the host tier.
@@ -330,6 +387,8 @@ class Agent:
             return True
         self._started = False
         self.ingest.stop()
+        if self.llm is not None:
+            self.llm.stop()
         drained = self.wait_idle(timeout)
         self.scheduler.close()
         for ex in self.executors:

@@ -134,6 +134,21 @@ class MetricsConfig(_Strict):
     port: int = Field(9105, ge=0, le=65535, description="0 picks a free port")
 
 
+class LLMConfig(_Strict):
+    """An MoE LLM served next to the vision line, its experts in the executors' pools."""
+
+    store: str = Field(description="store written by 'coe-agent llm import' ({data_dir} allowed)")
+    bind: str = "127.0.0.1"
+    port: int = Field(8000, ge=0, le=65535, description="OpenAI-style /v1/completions; 0 picks a free port")
+    executor: str | None = Field(None, description="the executor whose pool (and device) the LLM shares, e.g. "
+                                                   "'cpu-0.0'; default: the first executor")
+    max_tokens: int = Field(128, ge=1, le=8192, description="completion length when a request gives none")
+    max_tokens_limit: int = Field(2048, ge=1, le=65536, description="longest completion a request may ask for")
+    max_waiting: int = Field(8, ge=0, description="completions queued behind the running one before 503 busy")
+    trace: str | None = Field(None, description="a trace (coe-agent llm trace) whose per-layer popularity ranks "
+                                                "the LLM's experts against the vision experts; default: uniform")
+
+
 class LineConfig(_Strict):
     """Everything one line agent needs.  Paths are resolved by `load_config`."""
 
@@ -162,6 +177,7 @@ class LineConfig(_Strict):
     curve: CurveConfig | None = None
     routing: RoutingConfig = Field(default_factory=RoutingConfig)
     retention: RetentionConfig = Field(default_factory=RetentionConfig)
+    llm: LLMConfig | None = None
     source: str = Field("<config>", exclude=True)
 
     _tier = field_validator("cpu_tier", mode="before")(classmethod(lambda cls, v: parse_bytes(v)))
@@ -300,7 +316,13 @@ def _resolve(cfg: LineConfig, path: Path) -> LineConfig:
     if not spec.is_absolute():
         spec = (path.parent / spec).resolve()
     scheduler = cfg.scheduler.model_copy(update={"profile": str(Path(cfg.scheduler.profile.format(**subs)))})
+    llm = cfg.llm
+    if llm is not None:
+        llm = llm.model_copy(update={
+            "store": str(Path(llm.store.format(**subs)).expanduser()),
+            "trace": str(Path(llm.trace.format(**subs)).expanduser()) if llm.trace else None})
     return cfg.model_copy(update={
+        "llm": llm,
         "scheduler": scheduler,
         "data_dir": str(data_dir),
         "results_db": str(Path(cfg.results_db.format(**subs)).expanduser()),

@@ -69,6 +69,7 @@ class PooledModel:
     tap: RouterTap
     device: torch.device
     root: Path
+    owns_pools: bool = True
     _pool_by_layer: dict[int, Pool] = field(default_factory=dict)
 
     def pool_of(self, eid: str) -> Pool:
@@ -123,13 +124,14 @@ class PooledModel:
 
     def close(self) -> None:
         self.tap.detach()
-        for p in self.pools:
+        for p in self.pools if self.owns_pools else ():
             p.close()
 
 
 def load_pooled(root: str | Path, *, memory: int, policy: str = "lru", quota: str = "shared", device: str = "cpu",
                 window: int = 8, popularity: dict[str, float] | None = None, verify: str = "first",
-                context: Callable[[], dict] | None = None, drop_after_read: bool = False) -> PooledModel:
+                context: Callable[[], dict] | None = None, drop_after_read: bool = False,
+                shared_pool: Pool | None = None) -> PooledModel:
     """The imported model at `root` with `memory` bytes of expert pool; see the module docstring.
 
     `popularity` (expert id -> per-layer share, e.g. `Trace.popularity()`)
@@ -137,12 +139,17 @@ def load_pooled(root: str | Path, *, memory: int, policy: str = "lru", quota: st
     what the policy sees (the offline oracle's future, in a trace replay).
     `drop_after_read` drops each expert file from the page cache once read, so
     every miss is an SSD read (benchmarks of a box whose RAM is the budget).
+    `shared_pool` serves every layer from a pool someone else owns (the line
+    agent's executor pool, shared with vision experts; its source must load
+    this model's ids): `memory`, `policy` and `quota` are then that pool's.
     """
     root = Path(root)
     layout = MoELayout.load(root)
     if quota not in QUOTAS:
         raise CoEError(f"quota must be one of {', '.join(QUOTAS)}, got {quota!r}")
-    if policy == "probability" and not popularity:
+    if shared_pool is not None:
+        memory, quota = shared_pool.capacity, "shared"
+    elif policy == "probability" and not popularity:
         raise CoEError("policy 'probability' ranks experts by per-layer popularity: give a trace "
                        "(coe-agent llm trace) to take it from")
     store = ExpertStore(root, verify=verify)
@@ -176,9 +183,9 @@ def load_pooled(root: str | Path, *, memory: int, policy: str = "lru", quota: st
     def ctx() -> dict:
         return {**tap.context(), **extra()}
 
-    pmodel = PooledModel(model, layout, store, [], tap, dev, root)
-    pools = {}
-    for key, cap in caps.items():
+    pmodel = PooledModel(model, layout, store, [], tap, dev, root, owns_pools=shared_pool is None)
+    pools = {None: shared_pool} if shared_pool is not None else {}
+    for key, cap in caps.items() if shared_pool is None else ():
         source = StoreSource(store, pin=dev.type == "cuda", drop_after_read=drop_after_read)
         if dev.type == "cuda":
             source = TierSource(source, str(dev))

@@ -1,0 +1,191 @@
+"""An MoE LLM served by the line agent next to the vision line, through the same executor pool.
+
+Real agent, real loopback ZeroMQ replay, real HTTP on loopback, a tiny Mixtral
+built from its config and imported; the reference text is transformers' own
+greedy generation.
+"""
+from __future__ import annotations
+
+import http.client
+import json
+import shutil
+import threading
+
+import pytest
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from moe_models import build  # noqa: E402
+
+from coe import SpecError  # noqa: E402
+from conftest import verdict_rows, write_line  # noqa: E402
+from edge_agent.agent import Agent  # noqa: E402
+from edge_agent.config import load_config  # noqa: E402
+from edge_agent.llm_models import byte_tokenizer  # noqa: E402
+from edge_agent.llm_service import RequestError, parse_request  # noqa: E402
+from edge_agent.replay import replay  # noqa: E402
+from storage.llm_import import import_checkpoint  # noqa: E402
+from storage.recording import Recording  # noqa: E402
+
+PROMPTS = ["def main(", "import sys\n"]
+TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def llm_store(tmp_path_factory):
+    root = tmp_path_factory.mktemp("llm")
+    ref = build("mixtral", root / "hf", seed=3)
+    byte_tokenizer().save_pretrained(root / "hf")
+    import_checkpoint(root / "hf", root / "store", name="tiny")
+    tok = byte_tokenizer()
+    want = {}
+    for p in PROMPTS:
+        ids = torch.tensor([tok.encode(p)])
+        out = ref.generate(ids, max_new_tokens=TOKENS, min_new_tokens=TOKENS, do_sample=False)[0, ids.shape[1]:]
+        want[p] = tok.decode(out.tolist(), skip_special_tokens=True)
+    return root / "store", want
+
+
+def _line(tmp_path, tiny_zoo, llm_store, name):
+    store = tmp_path / f"experts-{name}"
+    shutil.copytree(tiny_zoo, store)
+    return write_line(tmp_path / name, store=store, llm={"store": str(llm_store), "port": 0})
+
+
+def _post(port: int, body: bytes | dict, path: str = "/v1/completions") -> tuple[int, bytes]:
+    con = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    con.request("POST", path, body=data, headers={"Content-Type": "application/json"})
+    res = con.getresponse()
+    out = res.status, res.read()
+    con.close()
+    return out
+
+
+def _verdicts(db) -> dict:
+    return {r["frame_id"]: (r["verdict"], r["reason"]) for r in verdict_rows(db)}
+
+
+def test_replay_and_completions_at_once_match_each_alone_within_one_budget(tmp_path, tiny_zoo, tiny_recording,
+                                                                          llm_store):
+    store, want = llm_store
+    rec = Recording(tiny_recording)
+
+    alone = Agent(load_config(_line(tmp_path, tiny_zoo, store, "alone"), env={})).start()
+    try:
+        assert replay(rec, alone.endpoints["ingest"], window=16).accepted == len(rec)
+        assert alone.wait_verdicts(len(rec), timeout=120)
+        port = alone.llm.port
+        texts_alone = {p: json.loads(_post(port, {"prompt": p, "max_tokens": TOKENS})[1])["choices"][0]["text"]
+                       for p in PROMPTS}
+    finally:
+        alone.stop()
+    verdicts_alone = _verdicts(alone.cfg.db_path)
+    assert texts_alone == want            # the pooled LLM in the agent is exact
+
+    agent = Agent(load_config(_line(tmp_path, tiny_zoo, store, "both"), env={})).start()
+    pool = next(iter(agent.pools.values()))
+    peak, stop, seen_llm = [0], threading.Event(), [False]
+
+    def watch():
+        while not stop.is_set():
+            peak[0] = max(peak[0], pool.used_bytes())
+            seen_llm[0] |= any(e.startswith("tiny.") for e in pool.resident())
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    texts = {}
+
+    def complete():
+        for _ in range(3):
+            for p in PROMPTS:
+                status, body = _post(agent.llm.port, {"prompt": p, "max_tokens": TOKENS, "model": "tiny"})
+                assert status == 200, body
+                texts.setdefault(p, set()).add(json.loads(body)["choices"][0]["text"])
+    try:
+        worker = threading.Thread(target=complete)
+        worker.start()
+        assert replay(rec, agent.endpoints["ingest"], window=16).accepted == len(rec)
+        worker.join(120)
+        assert agent.wait_verdicts(len(rec), timeout=120)
+    finally:
+        stop.set()
+        watcher.join(5)
+        agent.stop()
+    assert {p: t for p, (t,) in ((p, tuple(v)) for p, v in texts.items())} == want
+    assert _verdicts(agent.cfg.db_path) == verdicts_alone
+    assert seen_llm[0] and 0 < peak[0] <= pool.capacity
+    import sqlite3
+
+    con = sqlite3.connect(agent.cfg.db_path)
+    llm_loads, vision_loads = con.execute(
+        "SELECT sum(expert_id LIKE 'tiny.%'), sum(expert_id NOT LIKE 'tiny.%') FROM expert_events "
+        "WHERE event='load'").fetchone()
+    con.close()
+    # one pool's bookkeeping: the LLM's loads are recorded beside the vision experts' (and the pool evicted)
+    assert llm_loads > 0 and vision_loads > 0 and pool.stats().evictions > 0
+
+
+def test_streaming_and_malformed_requests(tmp_path, tiny_zoo, llm_store):
+    store, want = llm_store
+    agent = Agent(load_config(_line(tmp_path, tiny_zoo, store, "http"), env={})).start()
+    try:
+        port = agent.llm.port
+        con = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+        con.request("POST", "/v1/completions", body=json.dumps({"prompt": PROMPTS[0], "max_tokens": TOKENS,
+                                                                "stream": True}))
+        res = con.getresponse()
+        assert res.status == 200 and res.getheader("Content-Type") == "text/event-stream"
+        events = [ln[len("data: "):] for ln in res.read().decode().split("\n\n") if ln.startswith("data: ")]
+        con.close()
+        assert events[-1] == "[DONE]"
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert "".join(c["choices"][0]["text"] for c in chunks) == want[PROMPTS[0]]
+        assert len(chunks) >= 2 and chunks[-1]["usage"]["completion_tokens"] == TOKENS
+
+        for body, status, needle in ((b"{nope", 400, "not JSON"), (b"[1]", 400, "JSON object"),
+                                     ({"max_tokens": 3}, 400, "prompt"),
+                                     ({"prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+                                     ({"prompt": "x", "max_tokens": "5"}, 400, "max_tokens"),
+                                     ({"prompt": "x", "temperature": 0.7}, 400, "temperature"),
+                                     ({"prompt": "x", "stream": "yes"}, 400, "stream"),
+                                     ({"prompt": "x", "model": "gpt-4"}, 404, "not served")):
+            got, text = _post(port, body)
+            err = json.loads(text)["error"]
+            assert got == status and needle in err["message"], (body, got, text)
+        assert _post(port, {"prompt": "x"}, path="/v1/chat")[0] == 404
+        con = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
+        con.request("GET", "/v1/models")
+        assert json.loads(con.getresponse().read())["data"][0]["id"] == "tiny"
+        con.close()
+        # the server survived every bad request
+        assert json.loads(_post(port, {"prompt": PROMPTS[1], "max_tokens": TOKENS})[1])["choices"][0]["text"] \
+            == want[PROMPTS[1]]
+    finally:
+        agent.stop()
+
+
+def test_llm_config_errors(tmp_path, tiny_zoo, llm_store):
+    store, _ = llm_store
+    path = write_line(tmp_path / "bad", store=tiny_zoo, llm={"store": str(store), "port": 70000})
+    with pytest.raises(SpecError, match="llm.port"):
+        load_config(path, env={})
+    path = write_line(tmp_path / "bad2", store=tiny_zoo, llm={"store": str(store), "colour": "red"})
+    with pytest.raises(SpecError, match="llm.colour"):
+        load_config(path, env={})
+    path = write_line(tmp_path / "bad3", store=tiny_zoo, llm={"store": str(store), "executor": "cuda-7"})
+    with pytest.raises(ValueError, match="llm.executor"):
+        Agent(load_config(path, env={}))
+    path = write_line(tmp_path / "bad4", store=tiny_zoo, llm={"store": str(tmp_path / "nowhere")})
+    with pytest.raises(Exception, match="llm.json"):
+        Agent(load_config(path, env={}))
+
+
+def test_parse_request_limits():
+    ok = parse_request(b'{"prompt": ["hi"], "max_tokens": 4}', model="m", default_tokens=16, limit=8)
+    assert ok == {"prompt": "hi", "max_tokens": 4, "stream": False}
+    assert parse_request(b'{"prompt": "hi"}', model="m", default_tokens=16, limit=32)["max_tokens"] == 16
+    with pytest.raises(RequestError, match="1 to 8"):
+        parse_request(b'{"prompt": "hi", "max_tokens": 9}', model="m", default_tokens=4, limit=8)
+    with pytest.raises(RequestError, match="not JSON"):
+        parse_request(b"\xff", model="m", default_tokens=4, limit=8)
