@@ -92,11 +92,14 @@ def summary(rows: list[Row]) -> dict:
         lru = min((r for r in at if r.policy == "lru"), key=lambda r: r.loads)
         best = min((r for r in at if r.policy in REALISABLE + ("lru",)), key=lambda r: r.loads)
         oracle = min((r for r in at if r.policy == "belady"), key=lambda r: r.loads)
+        by_quota = {q: max((r.hit_rate for r in at if r.quota == q and r.policy in REALISABLE + ("lru",)),
+                           default=None) for q in QUOTAS}
         out[kind] = {"lru_hit_rate": round(lru.hit_rate, 4), "lru_quota": lru.quota,
                      "best": best.policy, "best_quota": best.quota, "best_hit_rate": round(best.hit_rate, 4),
                      "miss_ratio_vs_lru": round(best.loads / lru.loads, 3) if lru.loads else None,
                      "belady_hit_rate": round(oracle.hit_rate, 4),
-                     "belady_miss_ratio_vs_lru": round(oracle.loads / lru.loads, 3) if lru.loads else None}
+                     "belady_miss_ratio_vs_lru": round(oracle.loads / lru.loads, 3) if lru.loads else None,
+                     "best_shared_hit_rate": by_quota["shared"], "best_per_layer_hit_rate": by_quota["per-layer"]}
     return out
 
 
@@ -321,3 +324,23 @@ def run_e2e(hf: Path, store: Path, prompt_ids: list[int], tokens: int, *, share:
             if bounded else "no writable memory cgroup: page cache not bounded; coe-edge drops each expert file "
                             "from the page cache after reading it, accelerate's offload reads stay cached")
     return out, {"bounded": bounded, "limit": int(limit), "baseline": base, "note": note}
+
+
+def import_peak(hf: Path) -> dict:
+    """Import `hf` into a scratch store in its own process; its peak RSS against the checkpoint's size."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+    import tempfile
+
+    out = Path(tempfile.mkdtemp(prefix="coe-import-"))
+    try:
+        res = subprocess.run([sys.executable, "-m", "edge_agent.llm_e2e", "--system", "import", "--hf", str(hf),
+                              "--store", str(out / "store"), "--memory", "0", "--prompt-ids", "0"],
+                             capture_output=True, text=True, timeout=3600)
+    finally:
+        shutil.rmtree(out, ignore_errors=True)
+    if res.returncode != 0:
+        raise RuntimeError(f"import run failed: {res.stderr.strip()[-2000:]}")
+    return json.loads(res.stdout.strip().splitlines()[-1])

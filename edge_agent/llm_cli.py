@@ -337,6 +337,10 @@ def llm_bench(work: str, parts: str, prompts: int, decode: int, train_seconds: f
             click.echo(f"at 25% on {kind}: LRU {s['lru_hit_rate']:.1%} hits; best {s['best']} ({s['best_quota']}) "
                        f"{s['best_hit_rate']:.1%}, misses {s['miss_ratio_vs_lru']}x LRU ({verdict} the 0.7x "
                        f"target); oracle {s['belady_hit_rate']:.1%} ({s['belady_miss_ratio_vs_lru']}x)")
+            sh, pl = s["best_shared_hit_rate"], s["best_per_layer_hit_rate"]
+            if sh is not None and pl is not None:
+                click.echo(f"  quotas on {kind} at 25%: one shared budget {sh:.1%} vs per-layer {pl:.1%} (best "
+                           f"realisable policy each): {'shared' if sh >= pl else 'per-layer'} is better")
         doc["a"] = {"summary": summ, "rows": lb.as_json(rows)}
     if want & {"b", "c"}:
         big_hf, big = work_dir / "big-hf", work_dir / "big"
@@ -352,6 +356,12 @@ def llm_bench(work: str, parts: str, prompts: int, decode: int, train_seconds: f
                f"experts) + {layout.resident_nbytes / 1e6:.0f} MB resident; disk {speed / 1e9:.2f} GB/s cold")
         doc["resources"] = res
         doc["disk_bytes_per_s"] = speed
+        imp = lb.import_peak(big_hf)
+        click.echo(f"import of the {imp['checkpoint_bytes'] / 1e9:.2f} GB checkpoint: {imp['seconds']:.0f} s, peak RSS "
+                   f"{imp['rss_peak_above_base'] / 1e6:.0f} MB above the baseline ({imp['rss_base'] / 1e6:.0f} MB: "
+                   f"interpreter, torch and the model's code) = "
+                   f"{imp['rss_peak_above_base'] / imp['checkpoint_bytes']:.1%} of the checkpoint (target < 25%)")
+        doc["import"] = imp
     if "b" in want:
         trace = lb.decode_only(rep, decode_tokens)
         with tqdm(total=len(lb.DECODE_POLICIES), desc="(b) decoding", disable=None) as bar:
@@ -395,7 +405,8 @@ def llm_bench(work: str, parts: str, prompts: int, decode: int, train_seconds: f
                    f"{best['tokens_per_second'] / bound:.2f} of it (target 0.8); RAM upper bound "
                    f"{ram.get('tokens_per_second', 0):.2f} tokens/s")
         budget_rss = 0.25 * layout.expert_bytes + layout.resident_nbytes
-        click.echo(f"peak RSS above the process baseline ({mem['baseline'] / 1e6:.0f} MB after imports): "
+        click.echo(f"peak RSS above the baseline ({mem['baseline'] / 1e6:.0f} MB: interpreter, torch and the model's "
+                   f"code, no weights): "
                    f"{best['rss_peak_above_base'] / 1e6:.0f} MB vs budget + non-expert weights "
                    f"{budget_rss / 1e6:.0f} MB (+15%: {1.15 * budget_rss / 1e6:.0f} MB)")
         for r in runs:

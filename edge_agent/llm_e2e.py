@@ -63,9 +63,25 @@ def run(system: str, hf_dir: str, store: str, memory: int, prompt_ids: list[int]
     from coe.moe import MoELayout
     from executors.moe_model import load_pooled
 
+    # the baseline: the interpreter with torch and the model's transformers code loaded (a meta-device model
+    # builds the classes and holds no weights), so what is above it is weights, pools, caches and activations
+    from storage.llm_import import load_config, meta_model
+
+    meta_model(load_config(Path(hf_dir)))
     base = _rss()
     if system == "probe":
         return {"system": "probe", "rss_base": base}
+    if system == "import":
+        from storage.llm_import import import_checkpoint
+
+        peak = PeakRSS()
+        t0 = time.perf_counter()
+        import_checkpoint(hf_dir, store, name="import-check")
+        seconds = time.perf_counter() - t0
+        size = sum(f.stat().st_size for f in Path(hf_dir).glob("*.safetensors"))
+        top = peak.stop()
+        return {"system": "import", "seconds": seconds, "checkpoint_bytes": size, "rss_base": base,
+                "rss_peak": top, "rss_peak_above_base": top - base}
     peak = PeakRSS()
     ids = torch.tensor([prompt_ids], dtype=torch.long)
     out: dict = {"system": system, "policy": policy if system == "coe" else None, "memory": memory}
@@ -107,7 +123,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="example: python -m edge_agent.llm_e2e --system coe --hf var/llm/big-hf "
                                         "--store var/llm/big --memory 600000000 --prompt-ids 3,4,5 --tokens 16")
-    ap.add_argument("--system", required=True, choices=["coe", "accelerate", "ram", "probe"])
+    ap.add_argument("--system", required=True, choices=["coe", "accelerate", "ram", "probe", "import"])
     ap.add_argument("--hf", required=True)
     ap.add_argument("--store", required=True)
     ap.add_argument("--memory", required=True, type=int)
