@@ -53,8 +53,17 @@ class PeakRSS:
         return self.peak
 
 
+def _bound(cgroup: str | None, limit: int) -> None:
+    """Lower this process's memory cgroup to `limit` now that the model is loaded (the kernel reclaims page
+    cache to get there; if the process's own memory is larger, it is killed by the bound, as it would be
+    on a box of that size)."""
+    if cgroup:
+        Path(cgroup, "memory.limit_in_bytes").write_text(str(int(limit)))
+
+
 def run(system: str, hf_dir: str, store: str, memory: int, prompt_ids: list[int], tokens: int, policy: str,
-        offload_dir: str | None, drop_after_read: bool = False) -> dict:
+        offload_dir: str | None, drop_after_read: bool = False, accelerate_share: float = 1.0,
+        bound_cgroup: str | None = None, bound: int = 0) -> dict:
     import torch
 
     torch.set_grad_enabled(False)
@@ -89,6 +98,7 @@ def run(system: str, hf_dir: str, store: str, memory: int, prompt_ids: list[int]
     if system == "coe":
         pm = load_pooled(store, memory=memory, policy=policy, drop_after_read=drop_after_read)
         out["load_seconds_model"] = time.perf_counter() - t0
+        _bound(bound_cgroup, bound)
         toks, stats = pm.generate(ids, tokens)
         out.update(tokens=stats.tokens, seconds=stats.seconds, hit_rate=stats.hit_rate, bytes_in=stats.bytes_in,
                    expert_load_seconds=stats.load_seconds, output=toks)
@@ -98,15 +108,17 @@ def run(system: str, hf_dir: str, store: str, memory: int, prompt_ids: list[int]
         if system == "accelerate":
             layout = MoELayout.load(store)
             model = AutoModelForCausalLM.from_pretrained(
-                hf_dir, device_map="auto", max_memory={"cpu": memory + layout.resident_nbytes},
+                hf_dir, device_map="auto", max_memory={"cpu": int(accelerate_share * (memory + layout.resident_nbytes))},
                 offload_folder=offload_dir, dtype=getattr(torch, layout.dtype))
             out["device_map"] = sorted(set(getattr(model, "hf_device_map", {}).values()))
+            out["max_memory_share"] = accelerate_share
         elif system == "ram":
             model = AutoModelForCausalLM.from_pretrained(hf_dir, experts_implementation="eager")
         else:
             raise SystemExit(f"unknown system {system!r}")
         model.eval()
         out["load_seconds_model"] = time.perf_counter() - t0
+        _bound(bound_cgroup, bound)
         t1 = time.perf_counter()
         res = model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
         seconds = time.perf_counter() - t1
@@ -131,12 +143,16 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--policy", default="lru")
     ap.add_argument("--offload-dir", default=None)
+    ap.add_argument("--bound-cgroup", default=None, help="cgroup (v1 memory) this process runs in")
+    ap.add_argument("--bound", type=int, default=0, help="memory limit applied to it once the model is loaded")
+    ap.add_argument("--accelerate-share", type=float, default=1.0,
+                    help="accelerate: max_memory as a share of (budget + non-expert weights)")
     ap.add_argument("--drop-after-read", action="store_true",
                     help="coe: drop each expert file from the page cache once read (when no cgroup bounds memory)")
     a = ap.parse_args(argv)
     ids = [int(x) for x in a.prompt_ids.split(",") if x]
     print(json.dumps(run(a.system, a.hf, a.store, a.memory, ids, a.tokens, a.policy, a.offload_dir,
-                         a.drop_after_read)))
+                         a.drop_after_read, a.accelerate_share, a.bound_cgroup, a.bound)))
     sys.stdout.flush()
 
 
