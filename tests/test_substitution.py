@@ -1,0 +1,63 @@
+"""Importance-driven substitution: the score bands, order independence, weights, and α = 0 changing nothing."""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from coe import CoEError
+from routing.substitution import WeightRule, substitute
+
+
+def _scores(*rows):
+    return np.array(rows, dtype=np.float64)
+
+
+def test_bands_decide_what_is_kept_and_what_is_replaced():
+    # k = 2; S (3rd score) = 0.20; alpha 0.3: top > 0.26, low in (0.20, 0.26], substitutes in (0.14, 0.20]
+    s = _scores([0.40, 0.25, 0.20, 0.15, 0.0])
+    got = substitute(s, [[0, 1]], resident={0, 3}, alpha=0.3, rule=WeightRule())
+    assert got.chosen.tolist() == [[0, 3]] and got.substituted == 1 and got.changed.tolist() == [True]
+    # the substitute's weight is its own score, renormalised over the final pair
+    assert got.weights[0].tolist() == pytest.approx([0.40 / 0.55, 0.15 / 0.55])
+    # a low-score expert that is resident stays; a top-score one that is missing stays (it will be loaded)
+    assert substitute(s, [[0, 1]], resident={1}, alpha=0.3, rule=WeightRule()).chosen.tolist() == [[0, 1]]
+    # no substitute inside (1-alpha)S..S: the low-score expert stays and is counted as missing
+    far = _scores([0.40, 0.25, 0.20, 0.05, 0.0])
+    got = substitute(far, [[0, 1]], resident={0, 4}, alpha=0.3, rule=WeightRule())
+    assert got.chosen.tolist() == [[0, 1]] and got.substituted == 0 and got.missing_low == 1
+
+
+def test_alpha_zero_changes_nothing():
+    rng = np.random.default_rng(0)
+    s = rng.dirichlet(np.ones(8), size=50)
+    chosen = np.argsort(-s, axis=1)[:, :2]
+    got = substitute(s, chosen, resident={0, 1}, alpha=0.0, rule=WeightRule())
+    assert (got.chosen == chosen).all() and got.substituted == 0 and not got.changed.any()
+
+
+def test_top_score_set_is_built_over_the_batch_first():
+    # token 1's low-score expert 2 is top-score for token 0, so it is kept, whichever token comes first
+    a = [0.10, 0.15, 0.60, 0.15, 0.0]      # S=0.15: 2 is top-score here
+    b = [0.50, 0.09, 0.23, 0.20, 0.0]      # S=0.20: 2 is low-score here (0.20 < 0.23 <= 0.26)
+    for rows, ch in (([a, b], [[2, 1], [0, 2]]), ([b, a], [[0, 2], [2, 1]])):
+        got = substitute(_scores(*rows), ch, resident=set(), alpha=0.3, rule=WeightRule())
+        assert got.chosen.tolist() == ch and got.substituted == 0
+
+
+def test_replacements_are_independent_of_token_order():
+    rng = np.random.default_rng(1)
+    s = rng.dirichlet(np.ones(16) * 8, size=40)
+    chosen = np.argsort(-s, axis=1)[:, :2]
+    resident = {1, 4, 7, 9, 12}
+    got = substitute(s, chosen, resident, 0.3, WeightRule())
+    perm = rng.permutation(len(s))
+    again = substitute(s[perm], chosen[perm], resident, 0.3, WeightRule())
+    assert (again.chosen == got.chosen[perm]).all() and got.substituted > 0
+
+
+def test_weight_rules_per_family():
+    sc = np.array([[0.5, 0.3]])
+    assert WeightRule(normalise=False).weights(sc)[0].tolist() == pytest.approx([0.5, 0.3])     # qwen2 default
+    assert WeightRule(normalise=True, scale=2.5).weights(sc)[0].tolist() == pytest.approx([1.5625, 0.9375])  # dsv3
+    with pytest.raises(CoEError, match="alpha"):
+        substitute(sc, [[0]], set(), 1.0, WeightRule())
