@@ -328,6 +328,9 @@ class Agent:
         llm = self.cfg.llm
         name = llm.executor if llm.executor in self.pools else next(
             (n for n in self.pools if llm.executor is None or n.startswith(llm.executor + ".")), None)
+        if name is None:
+            raise ValueError(f"llm.executor: '{llm.executor}' names no executor (they are "
+                             f"{', '.join(self.pools)})")
         slot = next(s for s in self.slots if s.name == name)
         pm = load_pooled(llm.store, memory=self.pools[name].capacity, device=slot.ex.device,
                          shared_pool=self.pools[name], verify=self.cfg.expert_verify)

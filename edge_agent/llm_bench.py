@@ -24,6 +24,7 @@ from routing.moe_trace import Trace, load_popularity, synthetic
 SIZES = (0.125, 0.25, 0.5)
 POLICIES = ("lru", "fifo", "lfu", "gate-score", "probability", "belady")
 REALISABLE = ("lfu", "gate-score", "probability", "fifo")
+MIXTRAL_EXPERT_BYTES = 3 * 4096 * 14336 * 2      # one Mixtral-8x7B expert in bf16: w1, w3 [14336, 4096], w2
 QUOTAS = ("shared", "per-layer")
 
 
@@ -95,6 +96,7 @@ def summary(rows: list[Row]) -> dict:
         by_quota = {q: max((r.hit_rate for r in at if r.quota == q and r.policy in REALISABLE + ("lru",)),
                            default=None) for q in QUOTAS}
         out[kind] = {"lru_hit_rate": round(lru.hit_rate, 4), "lru_quota": lru.quota,
+                     "lru_gib_moved": lru.gib_moved, "best_gib_moved": best.gib_moved,
                      "best": best.policy, "best_quota": best.quota, "best_hit_rate": round(best.hit_rate, 4),
                      "miss_ratio_vs_lru": round(best.loads / lru.loads, 3) if lru.loads else None,
                      "belady_hit_rate": round(oracle.hit_rate, 4),

@@ -99,6 +99,8 @@ def run(system: str, hf_dir: str, store: str, memory: int, prompt_ids: list[int]
         pm = load_pooled(store, memory=memory, policy=policy, drop_after_read=drop_after_read)
         out["load_seconds_model"] = time.perf_counter() - t0
         _bound(bound_cgroup, bound)
+        out["rss_load_peak"] = peak.stop()
+        peak = PeakRSS()
         toks, stats = pm.generate(ids, tokens)
         out.update(tokens=stats.tokens, seconds=stats.seconds, hit_rate=stats.hit_rate, bytes_in=stats.bytes_in,
                    expert_load_seconds=stats.load_seconds, output=toks)
@@ -109,7 +111,7 @@ def run(system: str, hf_dir: str, store: str, memory: int, prompt_ids: list[int]
             layout = MoELayout.load(store)
             model = AutoModelForCausalLM.from_pretrained(
                 hf_dir, device_map="auto", max_memory={"cpu": int(accelerate_share * (memory + layout.resident_nbytes))},
-                offload_folder=offload_dir, dtype=getattr(torch, layout.dtype))
+                offload_folder=offload_dir, dtype=getattr(torch, layout.dtype), experts_implementation="eager")
             out["device_map"] = sorted(set(getattr(model, "hf_device_map", {}).values()))
             out["max_memory_share"] = accelerate_share
         elif system == "ram":
@@ -119,6 +121,8 @@ def run(system: str, hf_dir: str, store: str, memory: int, prompt_ids: list[int]
         model.eval()
         out["load_seconds_model"] = time.perf_counter() - t0
         _bound(bound_cgroup, bound)
+        out["rss_load_peak"] = peak.stop()
+        peak = PeakRSS()
         t1 = time.perf_counter()
         res = model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
         seconds = time.perf_counter() - t1
@@ -126,7 +130,7 @@ def run(system: str, hf_dir: str, store: str, memory: int, prompt_ids: list[int]
         out.update(tokens=len(toks), seconds=seconds, output=toks)
     out["tokens_per_second"] = out["tokens"] / out["seconds"] if out["seconds"] else 0.0
     out["rss_base"] = base
-    out["rss_peak"] = peak.stop()
+    out["rss_peak"] = peak.stop()           # while generating, after loading
     out["rss_peak_above_base"] = out["rss_peak"] - base
     return out
 

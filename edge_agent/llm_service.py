@@ -121,9 +121,10 @@ class LLMService:
         finally:
             with self._count:
                 self._waiting -= 1
-        self.completions += 1
-        self.tokens += stats.tokens
-        self.seconds += stats.seconds
+        with self._count:
+            self.completions += 1
+            self.tokens += stats.tokens
+            self.seconds += stats.seconds
         eos = bool(out) and len(out) < max_tokens
         return {"text": self.tok.decode(out, skip_special_tokens=True), "tokens": out, "prompt_tokens": len(ids),
                 "finish_reason": "stop" if eos else "length", "stats": stats}
@@ -209,12 +210,16 @@ class LLMService:
                                                                     "finish_reason": None}]})
                 try:
                     res = service.complete(req["prompt"], req["max_tokens"], on_text=delta)
-                except RequestError as err:
-                    if started:      # headers are gone: report in the stream
-                        send({"error": {"message": err.message, "type": err.kind, "param": err.param}})
-                        send("[DONE]")
-                        return
-                    raise
+                except Exception as exc:
+                    if not started:
+                        raise
+                    # the headers are gone: the error goes into the stream, never a second HTTP response
+                    err = exc if isinstance(exc, RequestError) else RequestError(
+                        500, f"completion failed: {exc}", kind="server_error")
+                    log.error("streamed completion failed: %s", exc)
+                    send({"error": {"message": err.message, "type": err.kind, "param": err.param}})
+                    send("[DONE]")
+                    return
                 send({"id": cid, "object": "text_completion", "created": int(time.time()),
                       "model": service.model_name,
                       "choices": [{"text": "", "index": 0, "finish_reason": res["finish_reason"]}],

@@ -150,14 +150,21 @@ def load_pooled(root: str | Path, *, memory: int, policy: str = "lru", quota: st
     if shared_pool is not None:
         memory, quota = shared_pool.capacity, "shared"
     elif policy == "probability" and not popularity:
-        raise CoEError("policy 'probability' ranks experts by per-layer popularity: give a trace "
-                       "(coe-agent llm trace) to take it from")
+        raise CoEError("policy 'probability' ranks experts by per-layer popularity: give --trace TRACE "
+                       "(recorded with coe-agent llm trace) to take it from")
     store = ExpertStore(root, verify=verify)
     missing = [eid for eid in layout.ids() if not store.has(eid)]
     if missing:
         raise CoEError(f"{root}: the store lacks {len(missing)} experts of '{layout.model}' (first: {missing[0]}); "
                        "re-run coe-agent llm import")
-    dev = torch.device(device)
+    try:
+        dev = torch.device(device)
+    except RuntimeError:
+        raise CoEError(f"device {device!r}: expected 'cpu' or 'cuda[:N]'") from None
+    if dev.type == "cuda" and (not torch.cuda.is_available() or (dev.index or 0) >= torch.cuda.device_count()):
+        raise CoEError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    if dev.type not in ("cpu", "cuda"):
+        raise CoEError(f"device {device!r}: expected 'cpu' or 'cuda[:N]'")
     biggest = max(l.expert_nbytes for l in layout.layers)
     need = layout.top_k * biggest
     if quota == "shared":

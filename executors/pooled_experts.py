@@ -68,17 +68,24 @@ class PinnedWave:
 
     def __enter__(self) -> "PinnedWave":
         deadline = time.monotonic() + self._wait
-        for eid in self._ids:
-            fut = self._pool_of(eid).acquire_async(eid, self._submit)
-            while fut is None and not self._futures:
-                # nothing of ours is pinned, so others hold the room (another layer or request): wait for them
-                if time.monotonic() > deadline:
-                    raise CoEError(f"expert '{eid}': its pool stayed full of pinned experts for {self._wait:.0f} s")
-                time.sleep(0.001)
+        try:
+            for eid in self._ids:
                 fut = self._pool_of(eid).acquire_async(eid, self._submit)
-            if fut is None:
-                break
-            self._futures.append(fut)
+                pause = 0.001
+                while fut is None and not self._futures:
+                    # nothing of ours is pinned, so others hold the room (another layer or request): wait for them
+                    if time.monotonic() > deadline:
+                        raise CoEError(f"expert '{eid}': its pool stayed full of pinned experts for "
+                                       f"{self._wait:.0f} s")
+                    time.sleep(pause)
+                    pause = min(pause * 2, 0.05)
+                    fut = self._pool_of(eid).acquire_async(eid, self._submit)
+                if fut is None:
+                    break
+                self._futures.append(fut)
+        except BaseException:
+            self.__exit__(None, None, None)     # what was reserved before the error is released, not leaked
+            raise
         return self
 
     def __len__(self) -> int:
@@ -90,12 +97,11 @@ class PinnedWave:
             yield self.handles[-1]
 
     def __exit__(self, *exc) -> None:
-        error = None
         for fut in self._futures[len(self.handles):]:   # loads never waited for (an error cut the layer short)
             try:
                 self.handles.append(fut.result())
-            except Exception as e:  # the first error already propagates; later ones only clean up
-                error = error or e
+            except Exception:  # a failed load left no entry behind; the first error already propagates
+                pass
         for h in self.handles:
             self._pool_of(h.expert_id).release(h)
         self.handles, self._futures = [], []
@@ -105,7 +111,7 @@ class PooledExperts(nn.Module):
     """One MoE layer's experts, held by pools instead of parameters."""
 
     def __init__(self, layer: int, ids: Sequence[str], act_fn: nn.Module, pool_of: Callable[[str], Pool], *,
-                 device: torch.device | str = "cpu", on_hits: Callable[[int, list[int]], None] | None = None) -> None:
+                 device: torch.device | str = "cpu") -> None:
         super().__init__()
         self.layer = layer
         self.ids = list(ids)
@@ -113,7 +119,6 @@ class PooledExperts(nn.Module):
         self.act_fn = act_fn
         self.device = torch.device(device)
         self._pool_of = pool_of
-        self._on_hits = on_hits
 
     def extra_repr(self) -> str:
         return f"layer={self.layer}, experts={self.num_experts}, pooled"
@@ -126,8 +131,6 @@ class PooledExperts(nn.Module):
             expert_mask = expert_mask.permute(2, 1, 0)
             expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
         hits = [int(i) for i in expert_hit[:, 0].tolist() if int(i) < self.num_experts]
-        if self._on_hits is not None:
-            self._on_hits(self.layer, hits)
         pending = hits
         while pending:
             with PinnedWave(self._pool_of, [self.ids[e] for e in pending]) as wave:

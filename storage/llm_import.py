@@ -143,8 +143,16 @@ def import_checkpoint(model_dir: str | Path, out: str | Path, *, name: str | Non
                         order, e = _split_source(key, pattern, converters)
                         split[(site.path, param)][e][order] = _Part(shard, key)
                 elif target in meta_sd:
+                    if target in resident:
+                        raise CoEError(f"{model_dir}: checkpoint keys '{resident[target].key}' and '{key}' both map "
+                                       f"to the model's '{target}'")
                     resident[target] = _Part(shard, key)
         _check_complete(sites, fused, split, model_dir)
+        tied = set(getattr(model, "all_tied_weights_keys", None) or {})
+        lacking = sorted(k for k in meta_sd if k not in by_param and k not in resident and k not in tied)
+        if lacking:
+            raise CoEError(f"{model_dir}: the checkpoint lacks {len(lacking)} non-expert weights the model needs: "
+                           f"{', '.join(lacking[:3])}")
         dtype = _one_dtype(dtypes, model_dir)
         store = ExpertStore(out)
         layout_layers = []

@@ -144,7 +144,20 @@ class Pool:
             done: Future = Future()
             done.set_result(got)
             return done
-        return submit(got)
+        try:
+            fut = submit(got)
+        except BaseException:
+            self._unreserve(expert_id)   # the load will never run: no entry may stay 'loading' with its pin
+            raise
+        fut.add_done_callback(lambda f: self._unreserve(expert_id) if f.cancelled() else None)
+        return fut
+
+    def _unreserve(self, expert_id: str) -> None:
+        with self._cond:
+            entry = self._entries.get(expert_id)
+            if entry is not None and entry.loading:
+                del self._entries[expert_id]
+            self._cond.notify_all()
 
     def _reserve(self, expert_id: str) -> "Handle | Callable[[], Handle] | None":
         """A hit's handle, None if it cannot fit now, or (a miss, room reserved) the call that loads it."""

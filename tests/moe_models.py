@@ -1,5 +1,8 @@
 """Tiny MoE models of five transformers families, built from their configs with generated weights.
 
+Three families route to k >= 3 experts: with k = 2 every summation order gives the same float, so only
+k >= 3 lets the exactness tests catch an expert-order (accumulation-order) bug.
+
 Nothing is downloaded: each model is built from its config, initialised by
 transformers with a fixed seed and saved with `save_pretrained` into a temp
 dir, which is the real loading path for the importer.
@@ -21,15 +24,15 @@ def configs() -> dict:
                                  num_experts_per_tok=2),
         "qwen2_moe": Qwen2MoeConfig(**_COMMON, intermediate_size=96, moe_intermediate_size=32,
                                     shared_expert_intermediate_size=48, num_hidden_layers=3, num_experts=8,
-                                    num_experts_per_tok=2, decoder_sparse_step=1, mlp_only_layers=[1],
+                                    num_experts_per_tok=4, decoder_sparse_step=1, mlp_only_layers=[1],
                                     norm_topk_prob=False),
         "olmoe": OlmoeConfig(**_COMMON, intermediate_size=32, num_hidden_layers=2, num_experts=8,
-                             num_experts_per_tok=2),
+                             num_experts_per_tok=3),
         "qwen3_moe": Qwen3MoeConfig(**_COMMON, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
-                                    num_experts=8, num_experts_per_tok=2, head_dim=16, norm_topk_prob=True),
+                                    num_experts=8, num_experts_per_tok=4, head_dim=16, norm_topk_prob=True),
         "deepseek_v3": DeepseekV3Config(vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
                                         moe_intermediate_size=32, num_hidden_layers=3, first_k_dense_replace=1,
-                                        n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=4,
+                                        n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=3, n_group=4,
                                         topk_group=2, num_attention_heads=4, num_key_value_heads=4,
                                         q_lora_rank=None, kv_lora_rank=16, qk_rope_head_dim=8, qk_nope_head_dim=8,
                                         v_head_dim=16, max_position_embeddings=256, tie_word_embeddings=False,

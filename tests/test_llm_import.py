@@ -19,7 +19,7 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from moe_models import build  # noqa: E402
+from moe_models import build, configs  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
@@ -89,7 +89,7 @@ def test_legacy_and_fused_checkpoints_import_to_identical_experts(built, tmp_pat
 
     a = import_checkpoint(legacy, tmp_path / "a", name="m")
     b = import_checkpoint(fused, tmp_path / "b", name="m")
-    assert a.layers == b.layers and a.dtype == b.dtype == "float32" and a.top_k == 2
+    assert a.layers == b.layers and a.dtype == b.dtype == "float32" and a.top_k == configs()[family].num_experts_per_tok
     sa, sb = ExpertStore(tmp_path / "a"), ExpertStore(tmp_path / "b")
     assert sorted(e.id for e in sa.entries()) == sorted(a.ids()) == sorted(b.ids())
     for eid in a.ids():
@@ -624,3 +624,22 @@ def test_overlapping_tensors_and_a_key_in_two_shards_are_refused(tmp_path):
     assert one.name == "model.safetensors"
     with pytest.raises(CoEError, match="in two shards"):
         import_checkpoint(src, tmp_path / "store")
+
+
+def test_every_non_expert_weight_is_covered_exactly_once(tmp_path):
+    from safetensors.torch import load_file
+
+    src = tmp_path / "hf"
+    build("mixtral", src)
+    tensors = load_file(str(src / "model.safetensors"))
+    del tensors["model.norm.weight"]
+    save_file(tensors, str(src / "model.safetensors"))
+    with pytest.raises(CoEError, match="lacks 1 non-expert weights the model needs: model.norm.weight"):
+        import_checkpoint(src, tmp_path / "s1")
+
+    tensors = load_file(str(src / "model.safetensors"))
+    tensors["model.norm.weight"] = torch.ones(64)
+    tensors["model.layers.0.mlp.gate.weight"] = tensors["model.layers.0.block_sparse_moe.gate.weight"].clone()
+    save_file(tensors, str(src / "model.safetensors"))
+    with pytest.raises(CoEError, match="both map to the model's 'model.layers.0.mlp.gate.weight'"):
+        import_checkpoint(src, tmp_path / "s2")

@@ -89,24 +89,28 @@ def test_replay_and_completions_at_once_match_each_alone_within_one_budget(tmp_p
     peak, stop, seen_llm = [0], threading.Event(), [False]
 
     def watch():
-        while not stop.is_set():
+        while not stop.wait(0.002):
             peak[0] = max(peak[0], pool.used_bytes())
             seen_llm[0] |= any(e.startswith("tiny.") for e in pool.resident())
     watcher = threading.Thread(target=watch, daemon=True)
     watcher.start()
-    texts = {}
+    texts, errors = {}, []
 
     def complete():
-        for _ in range(3):
-            for p in PROMPTS:
-                status, body = _post(agent.llm.port, {"prompt": p, "max_tokens": TOKENS, "model": "tiny"})
-                assert status == 200, body
-                texts.setdefault(p, set()).add(json.loads(body)["choices"][0]["text"])
+        try:
+            for _ in range(3):
+                for p in PROMPTS:
+                    status, body = _post(agent.llm.port, {"prompt": p, "max_tokens": TOKENS, "model": "tiny"})
+                    assert status == 200, body
+                    texts.setdefault(p, set()).add(json.loads(body)["choices"][0]["text"])
+        except BaseException as exc:     # an assertion in this thread must fail the test, not vanish
+            errors.append(exc)
     try:
         worker = threading.Thread(target=complete)
         worker.start()
         assert replay(rec, agent.endpoints["ingest"], window=16).accepted == len(rec)
         worker.join(120)
+        assert not worker.is_alive() and not errors, errors
         assert agent.wait_verdicts(len(rec), timeout=120)
     finally:
         stop.set()
@@ -121,7 +125,19 @@ def test_replay_and_completions_at_once_match_each_alone_within_one_budget(tmp_p
     llm_loads, vision_loads = con.execute(
         "SELECT sum(expert_id LIKE 'tiny.%'), sum(expert_id NOT LIKE 'tiny.%') FROM expert_events "
         "WHERE event='load'").fetchone()
+    events = con.execute("SELECT expert_id, event, nbytes FROM expert_events ORDER BY at, id").fetchall()
     con.close()
+    # the recorded loads and evictions, replayed in time order, never hold more than the budget: an account
+    # kept apart from the pool's own ledger (an eviction is stamped when the room is reserved, a load when
+    # it completes, so time order never shows a load before the eviction that made its room)
+    held, most = {}, 0
+    for eid, event, nbytes in events:
+        if event in ("load", "admit"):
+            held[eid] = nbytes
+        elif event == "evict":
+            held.pop(eid, None)
+        most = max(most, sum(held.values()))
+    assert 0 < most <= pool.capacity
     # one pool's bookkeeping: the LLM's loads are recorded beside the vision experts' (and the pool evicted)
     assert llm_loads > 0 and vision_loads > 0 and pool.stats().evictions > 0
 
@@ -154,6 +170,24 @@ def test_streaming_and_malformed_requests(tmp_path, tiny_zoo, llm_store):
             err = json.loads(text)["error"]
             assert got == status and needle in err["message"], (body, got, text)
         assert _post(port, {"prompt": "x"}, path="/v1/chat")[0] == 404
+        # a completion that fails after the stream started: an error event and [DONE], not a second response
+        real = agent.llm.pm.generate
+
+        def failing(ids, n, on_token=None):
+            on_token(5)
+            raise RuntimeError("expert file vanished")
+        agent.llm.pm.generate = failing
+        try:
+            con = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+            con.request("POST", "/v1/completions", body=json.dumps({"prompt": "x", "stream": True}))
+            res = con.getresponse()
+            raw = res.read().decode()
+            con.close()
+        finally:
+            agent.llm.pm.generate = real
+        events = [ln[len("data: "):] for ln in raw.split("\n\n") if ln.startswith("data: ")]
+        assert res.status == 200 and "HTTP/1" not in raw and events[-1] == "[DONE]"
+        assert "expert file vanished" in json.loads(events[-2])["error"]["message"]
         con = http.client.HTTPConnection("127.0.0.1", port, timeout=10)
         con.request("GET", "/v1/models")
         assert json.loads(con.getresponse().read())["data"][0]["id"] == "tiny"

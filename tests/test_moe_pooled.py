@@ -179,3 +179,39 @@ def test_a_waves_misses_load_concurrently_but_fit_in_call_order(imported):
         got = [h.expert_id for h in wave]
     assert got == ids[:3] and peak[0] == 3          # the fourth did not fit beside three pinned ones
     assert not pool.contains(ids[3]) and pool.stats().misses == 3
+
+
+def test_a_wave_that_fails_midway_releases_what_it_reserved(imported):
+    from coe import ExpertLoadError
+
+    _, layout, store_root = imported("mixtral")
+    a = layout.ids(0)[0]
+    pool = Pool("cpu", 4 * layout.layers[0].expert_nbytes, make_policy("lru"), StoreSource(ExpertStore(store_root)))
+    with pytest.raises(ExpertLoadError):
+        with PinnedWave(lambda _: pool, [a, "mixtral.L00.E999"]):
+            pass
+    assert pool.evict(a)          # not left pinned by the failed wave
+
+
+def test_reversed_expert_order_is_caught_at_k_above_two(imported):
+    """The exactness test can fail: summing the same experts in another order changes the floats at k >= 3."""
+    ref, layout, store = imported("qwen3_moe")
+    assert layout.top_k >= 3
+    x = _inputs(5)
+    pm = load_pooled(store, memory=layout.expert_bytes, policy="lru")
+    with torch.no_grad():
+        want = ref(x).logits
+        assert torch.equal(pm.model(x).logits, want)
+        from executors import pooled_experts as px
+        orig = px.PooledExperts.forward
+
+        def reversed_forward(self, h, idx, w):      # same experts, reversed accumulation order
+            out = torch.zeros_like(h)
+            for j in reversed(range(idx.shape[1])):
+                out += orig(self, h, idx[:, j:j + 1], w[:, j:j + 1])
+            return out
+        px.PooledExperts.forward = reversed_forward
+        try:
+            assert not torch.equal(pm.model(x).logits, want)
+        finally:
+            px.PooledExperts.forward = orig

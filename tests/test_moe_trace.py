@@ -63,9 +63,9 @@ def test_recorded_trace_has_the_right_shape(recorded):
     trace, layout = recorded["trace"], recorded["layout"]
     n = sum(x.shape[1] + len(d) for x, d in zip(recorded["prompts"], recorded["decode"]))
     assert trace.tokens == n == 6 + 3 + 4 + 2
-    assert trace.layers == (0, 2) and trace.top_k == 2 and trace.model == "tq" and trace.scoring == "softmax"
+    assert trace.layers == (0, 2) and trace.top_k == 4 and trace.model == "tq" and trace.scoring == "softmax"
     assert trace.probs.shape == (n, 2, 8) and trace.probs.dtype == np.float16
-    assert trace.chosen.shape == (n, 2, 2) and trace.chosen.dtype == np.int16
+    assert trace.chosen.shape == (n, 2, 4) and trace.chosen.dtype == np.int16
     assert trace.seq.tolist() == [0] * 9 + [1] * 6
     assert trace.step.tolist() == [0] * 6 + [1, 2, 3] + [0] * 4 + [1, 2]
     assert np.allclose(trace.probs.astype(np.float32).sum(axis=2), 1.0, atol=1e-2)
@@ -84,7 +84,7 @@ def test_recorded_choices_are_what_the_reference_router_picks(recorded):
     logits = torch.cat(logits)                              # [N, MoE layers, E]
     assert logits.shape == (trace.tokens, 2, 8)
     probs = logits.float().softmax(dim=-1)
-    top = probs.topk(2, dim=-1).indices
+    top = probs.topk(4, dim=-1).indices
     assert np.array_equal(np.sort(trace.chosen, axis=2), np.sort(top.numpy(), axis=2))
     assert np.array_equal(trace.probs, probs.numpy().astype(np.float16))
     # the tap counted every choice, and its gate scores are the mean of the last passes' mean probabilities

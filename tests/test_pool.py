@@ -301,3 +301,28 @@ def test_hold_pins_only_a_resident_expert_and_never_loads():
     assert not p.discard("a")                            # held
     p.release(h)
     assert p.discard("a")
+
+
+def test_acquire_async_never_leaves_a_reservation_behind():
+    """A load that is never run (the submit fails, or its future is cancelled) clears its reservation."""
+    from concurrent.futures import Future
+
+    from conftest import SizedSource
+    from storage.policies import make_policy
+    from storage.pool import Pool
+
+    pool = Pool("cpu", 10, make_policy("lru"), SizedSource({"a": 4, "b": 4}))
+
+    def broken(fn):
+        raise RuntimeError("loader shut down")
+    with pytest.raises(RuntimeError, match="shut down"):
+        pool.acquire_async("a", broken)
+    assert not pool.present("a") and pool.used_bytes() == 0
+    h = pool.acquire("a")                      # would wait forever on a stale 'loading' entry
+    assert h is not None and pool.contains("a")
+    pool.release(h)
+
+    held = []
+    fut = pool.acquire_async("b", lambda fn: held.append(fn) or Future())
+    assert pool.present("b") and fut.cancel()
+    assert not pool.present("b") and pool.used_bytes() == 4
