@@ -179,24 +179,30 @@ def drop_store(root: Path) -> None:
 
 
 def decode_only(trace: Trace, tokens: int) -> Trace:
-    """The decode steps of `trace` (no prefill), at most `tokens` of them."""
+    """The prompts of `trace` up to its first `tokens` decode steps, prefills included (they seed the counts)."""
     import numpy as np
 
-    rows = np.flatnonzero(trace.step > 0)[:tokens]
+    decode = np.flatnonzero(trace.step > 0)
+    last = decode[min(tokens, len(decode)) - 1] if len(decode) else -1
+    rows = np.arange(last + 1)
     return Trace(trace.model, trace.layers, trace.top_k, trace.scoring, trace.probs[rows], trace.chosen[rows],
                  trace.seq[rows], trace.step[rows])
 
 
 def run_decode(store: Path, profile: Trace, trace: Trace, *, share: float = 0.25,
                progress: Callable[[str], None] | None = None) -> list[DecodeRow]:
-    """(b): each policy decodes `trace` through a pool of `share` of the experts, every miss read from SSD."""
+    """(b): each policy decodes `trace` through a pool of `share` of the experts, every miss read from SSD.
+
+    Prefill passes are shown to the router tap but not computed (LFU is seeded by them, as live); the
+    decode passes run real loads and matmuls.
+    """
     from coe.moe import MoELayout
     from executors.moe_decode import future_accesses, remap, trace_decode
     from executors.moe_model import load_pooled
 
     layout = MoELayout.load(store)
     trace, profile = remap(trace, layout.model), remap(profile, layout.model)
-    flat = future_accesses(trace)
+    flat = future_accesses(trace, prefill=False)
     rows = []
     for policy in DECODE_POLICIES:
         if progress:
@@ -206,7 +212,7 @@ def run_decode(store: Path, profile: Trace, trace: Trace, *, share: float = 0.25
         drop_store(store)
         pm = load_pooled(store, memory=int(layout.expert_bytes * share), policy=policy,
                          popularity=profile.popularity(), context=ctx, drop_after_read=True)
-        r = trace_decode(pm, trace, position=pos)
+        r = trace_decode(pm, trace, position=pos, prefill=False)
         pm.close()
         rows.append(DecodeRow(policy, r.tokens, r.seconds, r.tokens_per_second, r.stats.hit_rate,
                               r.stats.bytes_in / 2**30, r.stats.load_seconds))

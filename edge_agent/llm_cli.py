@@ -370,7 +370,9 @@ def llm_bench(work: str, parts: str, prompts: int, decode: int, train_seconds: f
         trace = lb.decode_only(rep, decode_tokens)
         with tqdm(total=len(lb.DECODE_POLICIES), desc="(b) decoding", disable=None) as bar:
             drows = lb.run_decode(big, profile, trace, progress=lambda _: bar.update(1))
-        click.echo(f"(b) trace-driven real decode, {trace.tokens} decode tokens of the trained trace, real run: {res}")
+        n_dec = int((trace.step > 0).sum())
+        click.echo(f"(b) trace-driven real decode, {n_dec} decode tokens of the trained trace (their prompts' "
+                   f"prefills seed the router statistics, not computed), real run: {res}")
         click.echo(f"{'policy':12} {'tokens/s':>9} {'hit rate':>9} {'GiB read':>9} {'load s':>7} {'x LRU':>6}")
         lru = next(r for r in drows if r.policy == "lru")
         for r in drows:

@@ -33,16 +33,21 @@ class DecodeResult:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
 
-def future_accesses(trace) -> list[str]:
-    """Every expert request of the trace in execution order (what the oracle may see)."""
-    return [eid for _, _, ids, _ in trace.accesses() for eid in ids]
+def future_accesses(trace, *, prefill: bool = True) -> list[str]:
+    """Every expert request of the trace in execution order (what the oracle may see); decode only if not `prefill`."""
+    steps = [step for _, step, _ in trace.passes()]
+    return [eid for p, _, ids, _ in trace.accesses() if prefill or steps[p] > 0 for eid in ids]
 
 
-def trace_decode(pm: PooledModel, trace, *, position: list[int] | None = None, seed: int = 0) -> DecodeResult:
+def trace_decode(pm: PooledModel, trace, *, position: list[int] | None = None, seed: int = 0,
+                 prefill: bool = True) -> DecodeResult:
     """Run `trace`'s passes through `pm`'s pooled experts; see the module docstring.
 
-    `position`, if given, is advanced to the index (in `future_accesses`) of
-    the next request, for a Belady context built over the same list.
+    With `prefill=False` a prompt's prefill pass is only shown to the router
+    tap (it seeds LFU's counts, as a live prefill would) and not computed, and
+    tokens/s counts decode tokens.  `position`, if given, is advanced to the
+    index (in `future_accesses(trace, prefill=prefill)`) of the next request,
+    for a Belady context built over the same list.
     """
     layers = {m.layer: m for m in pm.model.modules() if isinstance(m, PooledExperts)}
     missing = [l for l in trace.layers if l not in layers]
@@ -57,12 +62,14 @@ def trace_decode(pm: PooledModel, trace, *, position: list[int] | None = None, s
     tokens, pos = 0, 0
     start = time.perf_counter()
     with torch.no_grad():
-        for _, _, rows in trace.passes():
+        for _, step, rows in trace.passes():
             states = x.expand(len(rows), hidden).contiguous()
             for j, layer in enumerate(trace.layers):
                 idx = trace.chosen[rows, j, :].astype(np.int64)
                 probs = trace.probs[rows, j, :].astype(np.float32)
                 pm.tap.observe(layer, probs, idx)
+                if step == 0 and not prefill:
+                    continue
                 w = np.take_along_axis(probs, idx, axis=1)
                 w = w / np.maximum(w.sum(axis=1, keepdims=True), 1e-9)
                 if position is not None:
@@ -70,7 +77,8 @@ def trace_decode(pm: PooledModel, trace, *, position: list[int] | None = None, s
                 layers[layer](states, torch.from_numpy(idx).to(pm.device),
                               torch.from_numpy(w).to(dtype=dtype, device=pm.device))
                 pos += len(np.unique(idx))
-            tokens += len(rows)
+            if step > 0 or prefill:
+                tokens += len(rows)
     seconds = time.perf_counter() - start
     after = pm.stats()
     return DecodeResult(tokens, seconds, OffloadStats(after.hits - before.hits, after.misses - before.misses,

@@ -215,3 +215,21 @@ def test_reversed_expert_order_is_caught_at_k_above_two(imported):
             assert not torch.equal(pm.model(x).logits, want)
         finally:
             px.PooledExperts.forward = orig
+
+
+def test_trace_driven_decode_counts_decode_tokens_and_seeds_lfu_from_the_prefill(imported):
+    from executors.moe_decode import future_accesses, trace_decode
+    from executors.moe_model import record_trace
+
+    _, layout, store = imported("mixtral")
+    pm = load_pooled(store, memory=layout.expert_bytes, policy="lru")
+    trace = record_trace(pm, [_inputs(6)[0], _inputs(7)[0]], 4)
+    pm.close()
+    decode = int((trace.step > 0).sum())
+    lfu = load_pooled(store, memory=layout.layers[0].expert_nbytes * 3, policy="lfu")
+    r = trace_decode(lfu, trace, prefill=False)
+    assert r.tokens == decode == 6 and r.stats.tokens == decode
+    # every token's choices reached the tap (prefill included), but only decode passes asked the pool
+    assert sum(lfu.tap.counts.values()) == trace.tokens * len(trace.layers) * trace.top_k
+    assert r.stats.hits + r.stats.misses == len(future_accesses(trace, prefill=False))
+    assert len(future_accesses(trace)) > len(future_accesses(trace, prefill=False))
