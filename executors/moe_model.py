@@ -131,7 +131,7 @@ class PooledModel:
 def load_pooled(root: str | Path, *, memory: int, policy: str = "lru", quota: str = "shared", device: str = "cpu",
                 window: int = 8, popularity: dict[str, float] | None = None, verify: str = "first",
                 context: Callable[[], dict] | None = None, drop_after_read: bool = False,
-                shared_pool: Pool | None = None) -> PooledModel:
+                shared_pool: Pool | None = None, alpha: float = 0.0) -> PooledModel:
     """The imported model at `root` with `memory` bytes of expert pool; see the module docstring.
 
     `popularity` (expert id -> per-layer share, e.g. `Trace.popularity()`)
@@ -142,6 +142,8 @@ def load_pooled(root: str | Path, *, memory: int, policy: str = "lru", quota: st
     `shared_pool` serves every layer from a pool someone else owns (the line
     agent's executor pool, shared with vision experts; its source must load
     this model's ids): `memory`, `policy` and `quota` are then that pool's.
+    `alpha` > 0 turns on importance-driven substitution (`routing.substitution`):
+    approximate; 0 keeps logits exact.
     """
     root = Path(root)
     layout = MoELayout.load(root)
@@ -211,6 +213,15 @@ def load_pooled(root: str | Path, *, memory: int, policy: str = "lru", quota: st
     model.to(dev)
     model.eval()
     tap.attach(model, {s.layer: s.router for s in sites if s.router})
+    if alpha:
+        from routing.substitution import WeightRule
+
+        def resident_of(layer: int) -> set[int]:
+            pool = pmodel._pool_by_layer[layer]
+            return {e for e, eid in enumerate(layout.ids(layer)) if pool.contains(eid)}
+        tap.substitute_with(alpha, WeightRule(normalise=bool(layout.extra.get("norm_topk_prob", True)),
+                                              scale=float(layout.extra.get("routed_scaling_factor", 1.0))),
+                            resident_of)
     return pmodel
 
 

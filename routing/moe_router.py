@@ -22,6 +22,7 @@ from coe import CoEError
 from coe.moe import MoELayout, expert_id
 
 from .moe_trace import Trace
+from .substitution import WeightRule, substitute, warn_approximate
 
 if TYPE_CHECKING:
     import torch
@@ -46,6 +47,11 @@ class RouterTap:
         self._rec_meta: list[tuple[int, int, int]] = []     # (seq, step, tokens) per forward pass
         self._seq, self._step = 0, 0
         self.calls = 0
+        self.alpha = 0.0                # importance-driven substitution (`substitute_with`); 0 = exact
+        self._rule = WeightRule()
+        self._resident_of = None
+        self.substituted = 0
+        self.missing_low = 0
 
     # -- hooking ------------------------------------------------------------------
     def attach(self, model: "nn.Module", routers: dict[int, str]) -> "RouterTap":
@@ -69,15 +75,39 @@ class RouterTap:
 
         sigmoid = self.layout.scoring == "sigmoid"
 
-        def hook(module, inputs, output) -> None:
+        def hook(module, inputs, output):
             if not isinstance(output, tuple) or len(output) < 3:
                 raise CoEError(f"router '{path}' returned {type(output).__name__}, not (logits, weights, indices)")
-            logits, index = output[0], output[2]
+            logits, weights, index = output[0], output[1], output[2]
             with torch.no_grad():
-                logits = logits.reshape(-1, logits.shape[-1]).float()
-                probs = logits.sigmoid() if sigmoid else logits.softmax(dim=-1)
-                self.observe(layer, probs.cpu().numpy(), index.reshape(probs.shape[0], -1).cpu().numpy())
+                flat = logits.reshape(-1, logits.shape[-1]).float()
+                probs = (flat.sigmoid() if sigmoid else flat.softmax(dim=-1)).cpu().numpy()
+                chosen = index.reshape(probs.shape[0], -1).cpu().numpy()
+                replaced = None
+                if self.alpha > 0 and self._resident_of is not None:
+                    sub = substitute(probs, chosen, self._resident_of(layer), self.alpha, self._rule)
+                    self.substituted += sub.substituted
+                    self.missing_low += sub.missing_low
+                    if sub.substituted:
+                        rows = torch.from_numpy(sub.changed).to(index.device)
+                        new_index = index.reshape(chosen.shape).clone()
+                        new_index[rows] = torch.from_numpy(sub.chosen[sub.changed]).to(index.device, index.dtype)
+                        new_weights = weights.reshape(chosen.shape).clone()
+                        new_weights[rows] = torch.from_numpy(sub.weights[sub.changed]).to(weights.device,
+                                                                                           weights.dtype)
+                        chosen = sub.chosen
+                        replaced = (output[0], new_weights.reshape(weights.shape), new_index.reshape(index.shape),
+                                    *output[3:])
+                self.observe(layer, probs, chosen)
+            return replaced      # None keeps the router's own output (always, with alpha = 0)
         return hook
+
+    def substitute_with(self, alpha: float, rule: WeightRule, resident_of) -> None:
+        """Turn on importance-driven substitution (alpha > 0 is approximate; 0 turns it off)."""
+        if not 0 <= alpha < 1:
+            raise CoEError(f"substitution threshold alpha must be in [0, 1), got {alpha}")
+        self.alpha, self._rule, self._resident_of = alpha, rule, resident_of
+        warn_approximate(alpha)
 
     def observe(self, layer: int, probs: np.ndarray, index: np.ndarray) -> None:
         """One router call of `layer`: gate scores [T, E] and chosen experts [T, k] (from a hook or a trace)."""

@@ -181,7 +181,8 @@ def import_checkpoint(model_dir: str | Path, out: str | Path, *, name: str | Non
     layout = MoELayout(model=name, model_type=config.model_type, top_k=_top_k(config), dtype=dtype,
                        layers=tuple(layout_layers), resident_sha256=sha, resident_nbytes=rbytes, scoring=scoring,
                        extra={"source": str(model_dir.resolve()),
-                              "norm_topk_prob": bool(getattr(config, "norm_topk_prob", True))})
+                              "norm_topk_prob": bool(getattr(config, "norm_topk_prob", True)),
+                              "routed_scaling_factor": float(getattr(config, "routed_scaling_factor", 1.0) or 1.0)})
     layout.save(out)
     return layout
 

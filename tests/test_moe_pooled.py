@@ -233,3 +233,25 @@ def test_trace_driven_decode_counts_decode_tokens_and_seeds_lfu_from_the_prefill
     assert sum(lfu.tap.counts.values()) == trace.tokens * len(trace.layers) * trace.top_k
     assert r.stats.hits + r.stats.misses == len(future_accesses(trace, prefill=False))
     assert len(future_accesses(trace)) > len(future_accesses(trace, prefill=False))
+
+
+def test_substitution_asks_the_pool_for_fewer_missing_experts_and_alpha_zero_is_exact(imported, caplog):
+    ref, layout, store = imported("olmoe")
+    x = _inputs(8)[:1]
+    mem = layout.layers[0].expert_nbytes * (layout.top_k + 2)
+    exact = load_pooled(store, memory=mem, policy="gate-score", alpha=0.0)
+    toks0, s0 = exact.generate(x, 10)
+    with torch.no_grad():
+        assert torch.equal(exact.model(x).logits, ref(x).logits) and exact.tap.substituted == 0
+    import routing.substitution as rs
+
+    rs._warned = False
+    with caplog.at_level("WARNING"):
+        approx = load_pooled(store, memory=mem, policy="gate-score", alpha=0.5)
+        load_pooled(store, memory=mem, policy="gate-score", alpha=0.5)
+    assert caplog.text.count("generation is approximate") == 1      # said once, not per model or token
+    toks1, s1 = approx.generate(x, 10)
+    assert approx.tap.substituted > 0
+    assert s1.misses < s0.misses                  # substitutes are resident: fewer loads for the same text
+    with pytest.raises(CoEError, match="alpha"):
+        load_pooled(store, memory=mem, policy="lru", alpha=1.5)
