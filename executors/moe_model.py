@@ -70,6 +70,7 @@ class PooledModel:
     device: torch.device
     root: Path
     owns_pools: bool = True
+    prefetcher: object | None = None
     _pool_by_layer: dict[int, Pool] = field(default_factory=dict)
 
     def pool_of(self, eid: str) -> Pool:
@@ -124,6 +125,8 @@ class PooledModel:
 
     def close(self) -> None:
         self.tap.detach()
+        if self.prefetcher is not None:
+            self.prefetcher.close()
         for p in self.pools if self.owns_pools else ():
             p.close()
 
@@ -131,7 +134,7 @@ class PooledModel:
 def load_pooled(root: str | Path, *, memory: int, policy: str = "lru", quota: str = "shared", device: str = "cpu",
                 window: int = 8, popularity: dict[str, float] | None = None, verify: str = "first",
                 context: Callable[[], dict] | None = None, drop_after_read: bool = False,
-                shared_pool: Pool | None = None, alpha: float = 0.0) -> PooledModel:
+                shared_pool: Pool | None = None, alpha: float = 0.0, prefetch: str | None = None) -> PooledModel:
     """The imported model at `root` with `memory` bytes of expert pool; see the module docstring.
 
     `popularity` (expert id -> per-layer share, e.g. `Trace.popularity()`)
@@ -143,8 +146,11 @@ def load_pooled(root: str | Path, *, memory: int, policy: str = "lru", quota: st
     agent's executor pool, shared with vision experts; its source must load
     this model's ids): `memory`, `policy` and `quota` are then that pool's.
     `alpha` > 0 turns on importance-driven substitution (`routing.substitution`):
-    approximate; 0 keeps logits exact.
+    approximate; 0 keeps logits exact.  `prefetch='next-layer'` loads the next
+    layer's predicted experts in the background (`moe_prefetch`); exact.
     """
+    if prefetch not in (None, "none", "next-layer"):
+        raise CoEError(f"prefetch must be 'next-layer' or none, got {prefetch!r}")
     root = Path(root)
     layout = MoELayout.load(root)
     if quota not in QUOTAS:
@@ -213,6 +219,15 @@ def load_pooled(root: str | Path, *, memory: int, policy: str = "lru", quota: st
     model.to(dev)
     model.eval()
     tap.attach(model, {s.layer: s.router for s in sites if s.router})
+    if prefetch == "next-layer":
+        from .moe_prefetch import NextLayerPrefetcher
+
+        routers = {s.layer: model.get_submodule(s.router) for s in sites if s.router}
+        pmodel.prefetcher = NextLayerPrefetcher(routers, {l.layer: layout.ids(l.layer) for l in layout.layers},
+                                                layout.top_k, pmodel.pool_of)
+        for m in model.modules():
+            if isinstance(m, PooledExperts):
+                m.prefetcher = pmodel.prefetcher
     if alpha:
         from routing.substitution import WeightRule
 

@@ -65,6 +65,8 @@ class PinnedWave:
         self._submit = submit or loader().submit
         self._futures: list[Future] = []
         self.handles: list[Handle] = []
+        self._taken: dict[int, Handle] = {}
+        self._ready = 0
 
     def __enter__(self) -> "PinnedWave":
         deadline = time.monotonic() + self._wait
@@ -86,25 +88,50 @@ class PinnedWave:
         except BaseException:
             self.__exit__(None, None, None)     # what was reserved before the error is released, not leaked
             raise
+        self._ready = sum(f.done() for f in self._futures)
         return self
 
     def __len__(self) -> int:
         return len(self._futures)
 
+    @property
+    def ready(self) -> int:
+        """How many of the wave's experts were in memory when it was reserved (hits: no load to wait for)."""
+        return self._ready
+
+    def as_ready(self):
+        """(index, handle) of every expert of the wave: those in memory first, then each load as it completes."""
+        from concurrent.futures import as_completed
+
+        first = [i for i, f in enumerate(self._futures) if f.done()]
+        rest = {f: i for i, f in enumerate(self._futures) if not f.done()}
+        for i in first:
+            yield i, self._take(i)
+        for f in as_completed(rest):
+            yield rest[f], self._take(rest[f])
+
     def __iter__(self):
-        for fut in self._futures[len(self.handles):]:
-            self.handles.append(fut.result())
-            yield self.handles[-1]
+        """The handles in the wave's order, each as soon as its load is done."""
+        for i in range(len(self._futures)):
+            yield self._take(i)
+
+    def _take(self, i: int) -> Handle:
+        handle = self._futures[i].result()
+        self._taken[i] = handle
+        self.handles.append(handle)
+        return handle
 
     def __exit__(self, *exc) -> None:
-        for fut in self._futures[len(self.handles):]:   # loads never waited for (an error cut the layer short)
+        for i, fut in enumerate(self._futures):   # loads never waited for (an error cut the layer short)
+            if i in self._taken:
+                continue
             try:
                 self.handles.append(fut.result())
             except Exception:  # a failed load left no entry behind; the first error already propagates
                 pass
         for h in self.handles:
             self._pool_of(h.expert_id).release(h)
-        self.handles, self._futures = [], []
+        self.handles, self._futures, self._taken = [], [], {}
 
 
 class PooledExperts(nn.Module):
@@ -119,9 +146,31 @@ class PooledExperts(nn.Module):
         self.act_fn = act_fn
         self.device = torch.device(device)
         self._pool_of = pool_of
+        self.prefetcher = None      # a NextLayerPrefetcher, set by the model builder when prefetch is on
 
     def extra_repr(self) -> str:
         return f"layer={self.layer}, experts={self.num_experts}, pooled"
+
+    def _expert(self, e: int, handle: Handle, hidden_states: torch.Tensor, expert_mask: torch.Tensor,
+                top_k_weights: torch.Tensor) -> tuple:
+        """Expert e's weighted output for its tokens: transformers' eager arithmetic, op for op."""
+        weights = handle.value.tensors()
+        gate_up_proj, down_proj = weights["gate_up_proj"], weights["down_proj"]
+        top_k_pos, token_idx = torch.where(expert_mask[e])
+        current_state = hidden_states[token_idx]
+        gate, up = nn.functional.linear(current_state, gate_up_proj).chunk(2, dim=-1)
+        current_hidden_states = self.act_fn(gate) * up
+        current_hidden_states = nn.functional.linear(current_hidden_states, down_proj)
+        current_hidden_states = current_hidden_states * top_k_weights[token_idx, top_k_pos, None]
+        return top_k_pos, token_idx, current_hidden_states
+
+    @staticmethod
+    def _partial(hidden_states: torch.Tensor, out: dict) -> torch.Tensor:
+        """The layer's input plus the contributions computed so far: what the next router is guessed from."""
+        approx = hidden_states.clone()
+        for _, token_idx, contrib in out.values():
+            approx.index_add_(0, token_idx, contrib.to(approx.dtype))
+        return approx
 
     def forward(self, hidden_states: torch.Tensor, top_k_index: torch.Tensor,
                 top_k_weights: torch.Tensor) -> torch.Tensor:
@@ -131,19 +180,27 @@ class PooledExperts(nn.Module):
             expert_mask = expert_mask.permute(2, 1, 0)
             expert_hit = torch.greater(expert_mask.sum(dim=(-1, -2)), 0).nonzero()
         hits = [int(i) for i in expert_hit[:, 0].tolist() if int(i) < self.num_experts]
+        prefetch = self.prefetcher if self.prefetcher is not None and self.prefetcher.wants(len(hidden_states)) \
+            else None
+        if prefetch is not None:
+            prefetch.observe(self.layer, hits)
         pending = hits
         while pending:
             with PinnedWave(self._pool_of, [self.ids[e] for e in pending]) as wave:
-                for e, handle in zip(pending, wave):
-                    weights = handle.value.tensors()
-                    gate_up_proj, down_proj = weights["gate_up_proj"], weights["down_proj"]
-                    top_k_pos, token_idx = torch.where(expert_mask[e])
-                    current_state = hidden_states[token_idx]
-                    gate, up = nn.functional.linear(current_state, gate_up_proj).chunk(2, dim=-1)
-                    current_hidden_states = self.act_fn(gate) * up
-                    current_hidden_states = nn.functional.linear(current_hidden_states, down_proj)
-                    current_hidden_states = current_hidden_states * top_k_weights[token_idx, top_k_pos, None]
-                    final_hidden_states.index_add_(0, token_idx, current_hidden_states.to(final_hidden_states.dtype))
-                done = len(wave)
-            pending = pending[done:]
+                experts = pending[:len(wave)]
+                out = {}
+                if prefetch is not None and wave.ready == 0:     # nothing in memory: guess from the input alone
+                    prefetch.predict(self.layer, hidden_states)
+                    prefetch = None
+                # the experts already in memory first (their futures are done), then each load as it lands;
+                # the sum below still runs in ascending expert order, so the result is the eager loop's
+                for n, (i, handle) in enumerate(wave.as_ready(), 1):
+                    out[experts[i]] = self._expert(experts[i], handle, hidden_states, expert_mask, top_k_weights)
+                    if prefetch is not None and n == wave.ready:
+                        prefetch.predict(self.layer, self._partial(hidden_states, out))
+                        prefetch = None
+                for e in experts:
+                    _, token_idx, contribution = out[e]
+                    final_hidden_states.index_add_(0, token_idx, contribution.to(final_hidden_states.dtype))
+            pending = pending[len(experts):]
         return final_hidden_states

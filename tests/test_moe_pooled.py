@@ -255,3 +255,20 @@ def test_substitution_asks_the_pool_for_fewer_missing_experts_and_alpha_zero_is_
     assert s1.misses < s0.misses                  # substitutes are resident: fewer loads for the same text
     with pytest.raises(CoEError, match="alpha"):
         load_pooled(store, memory=mem, policy="lru", alpha=1.5)
+
+
+@pytest.mark.parametrize("family", ["mixtral", "deepseek_v3"])
+def test_next_layer_prefetch_is_exact_and_scores_its_guesses(imported, family):
+    ref, layout, store = imported(family)
+    x = _inputs(9)[:1]
+    want = ref.generate(x, max_new_tokens=8, min_new_tokens=8, do_sample=False)[0, x.shape[1]:].tolist()
+    mem = layout.layers[0].expert_nbytes * (layout.top_k * len(layout.layers) + 2)
+    pm = load_pooled(store, memory=mem, policy="lru", prefetch="next-layer")
+    got, stats = pm.generate(x, 8)
+    pm.close()
+    assert got == want[:len(got)]                                   # prefetch never changes the arithmetic
+    st = pm.prefetcher.stats
+    assert st.predicted > 0 and st.actual > 0 and st.issued > 0    # guesses were made, scored and loaded
+    assert 0 <= st.precision <= 1 and 0 <= st.recall <= 1 and st.true_positive <= min(st.predicted, st.actual)
+    with pytest.raises(CoEError, match="prefetch"):
+        load_pooled(store, memory=mem, policy="lru", prefetch="psychic")

@@ -1,0 +1,108 @@
+"""Next-layer expert prefetch (the importance paper's top-score prefetch), and how good its guesses are.
+
+While a layer computes, its output is approximated from the experts already
+resident (the hits, computed first), the next MoE layer's router weight is
+applied to `hidden + partial output`, and that layer's predicted top experts
+that are not in memory are loaded in the background.  The approximation skips
+the next layer's attention and norm (a cheap stand-in for the paper's pass
+through the next layer with the KV cache); its precision and recall against
+the experts the next layer really asks for are counted, so the bench can say
+whether it pays.
+
+Prefetches never delay the layer's own loads: they are issued after the
+layer's experts are reserved, run on their own loader thread, and a prefetch
+that finds no room (pinned experts fill the pool) is dropped, not waited for.
+A prefetched expert is unpinned as soon as it is in, so it is an ordinary
+resident the policy may evict.  Prefetch changes only what is in memory,
+never the arithmetic: logits stay exact.
+"""
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from storage.pool import Pool
+
+
+@dataclass
+class PrefetchStats:
+    predicted: int = 0          # experts predicted for a next layer
+    true_positive: int = 0      # predicted and then asked for
+    actual: int = 0             # experts the predicted-for layers asked for
+    issued: int = 0             # loads started (predicted and not in memory)
+    dropped: int = 0            # no room at the time: not loaded
+
+    @property
+    def precision(self) -> float:
+        return self.true_positive / self.predicted if self.predicted else 0.0
+
+    @property
+    def recall(self) -> float:
+        return self.true_positive / self.actual if self.actual else 0.0
+
+
+class NextLayerPrefetcher:
+    """Predicts layer l+1's experts during layer l and loads the missing ones in the background."""
+
+    def __init__(self, routers: dict[int, torch.nn.Module], ids: dict[int, list[str]], top_k: int,
+                 pool_of: Callable[[str], Pool], *, max_tokens: int = 4) -> None:
+        layers = sorted(routers)
+        self._next = dict(zip(layers, layers[1:]))
+        self._routers, self._ids, self._k, self._pool_of = routers, ids, top_k, pool_of
+        self._max_tokens = max_tokens
+        self._pending: dict[int, set[int]] = {}
+        self._lock = threading.Lock()
+        self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="coe-expert-prefetch")
+        self.stats = PrefetchStats()
+
+    def wants(self, tokens: int) -> bool:
+        """Decode steps only: a prefill asks for nearly every expert anyway."""
+        return tokens <= self._max_tokens
+
+    def observe(self, layer: int, hits: list[int]) -> None:
+        """What `layer` really asks for: scores the prediction made for it, if any."""
+        with self._lock:
+            pred = self._pending.pop(layer, None)
+            if pred is None:
+                return
+            actual = set(hits)
+            self.stats.predicted += len(pred)
+            self.stats.actual += len(actual)
+            self.stats.true_positive += len(pred & actual)
+
+    @torch.no_grad()
+    def predict(self, layer: int, approx: torch.Tensor) -> None:
+        """`approx` [T, H]: this layer's input plus its partial output; prefetch the next layer's guesses."""
+        nxt = self._next.get(layer)
+        if nxt is None:
+            return
+        router = self._routers[nxt]
+        logits = torch.nn.functional.linear(approx.to(router.weight.dtype), router.weight)
+        guess = {int(e) for e in logits.topk(self._k, dim=-1).indices.reshape(-1).tolist()}
+        with self._lock:
+            self._pending[nxt] = guess
+        for e in sorted(guess):
+            eid = self._ids[nxt][e]
+            pool = self._pool_of(eid)
+            if pool.present(eid):
+                continue
+            fut = pool.acquire_async(eid, self._loader.submit)
+            if fut is None:
+                self.stats.dropped += 1
+                continue
+            self.stats.issued += 1
+            fut.add_done_callback(_unpin(pool))
+
+    def close(self) -> None:
+        self._loader.shutdown(wait=True)
+
+
+def _unpin(pool: Pool):
+    def done(fut: Future) -> None:
+        if not fut.cancelled() and fut.exception() is None:
+            pool.release(fut.result())
+    return done
