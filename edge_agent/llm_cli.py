@@ -115,9 +115,13 @@ _POLICY = click.Choice(["lru", "lfu", "gate-score", "probability", "fifo"])
               help="A trace (coe-agent llm trace) whose per-layer popularity ranks experts for --policy probability.")
 @click.option("--window", default=8, show_default=True, type=click.IntRange(1, 10_000),
               help="Decode steps the gate-score policy averages over.")
+@click.option("--alpha", default=0.0, show_default=True, type=click.FloatRange(0, 1, max_open=True),
+              help="Importance-driven substitution threshold; 0 is exact, > 0 is approximate.")
+@click.option("--prefetch", default="none", show_default=True, type=click.Choice(["none", "next-layer"]),
+              help="Load the next layer's predicted experts in the background.")
 @_fail_clearly
 def llm_generate(model: str, prompt: str, max_new_tokens: int, memory: str | None, policy: str, quota: str,
-                 device: str, trace_path: str | None, window: int) -> None:
+                 device: str, trace_path: str | None, window: int, alpha: float, prefetch: str) -> None:
     """Generate text greedily, streaming tokens, with experts paged SSD -> memory under a budget.
 
     Ends with the offload stats: hit rate, bytes read, load seconds, tokens/s.
@@ -137,7 +141,7 @@ def llm_generate(model: str, prompt: str, max_new_tokens: int, memory: str | Non
     layout = MoELayout.load(root)
     popularity = Trace.load(trace_path).popularity() if trace_path else None
     pm = load_pooled(root, memory=_memory(memory, layout), policy=policy, quota=quota, device=device,
-                     popularity=popularity, window=window)
+                     popularity=popularity, window=window, alpha=alpha, prefetch=prefetch)
     tok = pm.tokenizer()
     ids = torch.tensor([tok.encode(prompt)], dtype=torch.long)
     if ids.shape[1] == 0:
@@ -158,6 +162,13 @@ def llm_generate(model: str, prompt: str, max_new_tokens: int, memory: str | Non
     budget = sum(p.capacity for p in pm.pools)
     click.echo(f"[{policy}, {quota}, pool {budget / 2**20:.1f} MiB of {layout.expert_bytes / 2**20:.1f} MiB experts] "
                + stats.line(), err=True)
+    if pm.prefetcher is not None:
+        st = pm.prefetcher.stats
+        click.echo(f"next-layer prefetch: precision {st.precision:.2f}, recall {st.recall:.2f}, {st.issued} loads "
+                   f"issued, {st.dropped} dropped for lack of room", err=True)
+    if alpha > 0:
+        click.echo(f"substitution (alpha {alpha}): {pm.tap.substituted} experts replaced by resident ones, "
+                   f"{pm.tap.missing_low} missing low-score experts seen (approximate generation)", err=True)
     pm.close()
 
 
