@@ -67,11 +67,15 @@ def trace_decode(pm: PooledModel, trace, *, position: list[int] | None = None, s
             for j, layer in enumerate(trace.layers):
                 idx = trace.chosen[rows, j, :].astype(np.int64)
                 probs = trace.probs[rows, j, :].astype(np.float32)
-                pm.tap.observe(layer, probs, idx)
-                if step == 0 and not prefill:
+                computed = step > 0 or prefill
+                sub = pm.tap.route(layer, probs, idx) if computed else pm.tap.observe(layer, probs, idx)
+                if not computed:
                     continue
                 w = np.take_along_axis(probs, idx, axis=1)
                 w = w / np.maximum(w.sum(axis=1, keepdims=True), 1e-9)
+                if sub is not None:      # substitution replaced some experts: their own weights, renormalised
+                    idx = np.where(sub.changed[:, None], sub.chosen, idx)
+                    w = np.where(sub.changed[:, None], sub.weights, w).astype(np.float32)
                 if position is not None:
                     position[0] = pos
                 layers[layer](states, torch.from_numpy(idx).to(pm.device),

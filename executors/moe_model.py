@@ -134,7 +134,8 @@ class PooledModel:
 def load_pooled(root: str | Path, *, memory: int, policy: str = "lru", quota: str = "shared", device: str = "cpu",
                 window: int = 8, popularity: dict[str, float] | None = None, verify: str = "first",
                 context: Callable[[], dict] | None = None, drop_after_read: bool = False,
-                shared_pool: Pool | None = None, alpha: float = 0.0, prefetch: str | None = None) -> PooledModel:
+                shared_pool: Pool | None = None, alpha: float = 0.0, prefetch: str | None = None,
+                predictor=None) -> PooledModel:
     """The imported model at `root` with `memory` bytes of expert pool; see the module docstring.
 
     `popularity` (expert id -> per-layer share, e.g. `Trace.popularity()`)
@@ -147,10 +148,13 @@ def load_pooled(root: str | Path, *, memory: int, policy: str = "lru", quota: st
     this model's ids): `memory`, `policy` and `quota` are then that pool's.
     `alpha` > 0 turns on importance-driven substitution (`routing.substitution`):
     approximate; 0 keeps logits exact.  `prefetch='next-layer'` loads the next
-    layer's predicted experts in the background (`moe_prefetch`); exact.
+    layer's predicted experts in the background, `prefetch='token'` the next
+    token's (from `predictor`, a `TokenPredictor` or its file); both exact.
     """
-    if prefetch not in (None, "none", "next-layer"):
-        raise CoEError(f"prefetch must be 'next-layer' or none, got {prefetch!r}")
+    if prefetch not in (None, "none", "next-layer", "token"):
+        raise CoEError(f"prefetch must be 'next-layer', 'token' or none, got {prefetch!r}")
+    if prefetch == "token" and predictor is None:
+        raise CoEError("prefetch 'token' needs a token predictor (coe-agent llm train-predictor)")
     root = Path(root)
     layout = MoELayout.load(root)
     if quota not in QUOTAS:
@@ -228,6 +232,18 @@ def load_pooled(root: str | Path, *, memory: int, policy: str = "lru", quota: st
         for m in model.modules():
             if isinstance(m, PooledExperts):
                 m.prefetcher = pmodel.prefetcher
+    if prefetch == "token":
+        from routing.moe_predictor import TokenPredictor
+
+        from .moe_prefetch import TokenPrefetcher
+
+        pred = predictor if isinstance(predictor, TokenPredictor) else TokenPredictor.load(predictor)
+        if pred.layers != tuple(l.layer for l in layout.layers) or pred.W.shape[1] != layout.layers[0].num_experts:
+            raise CoEError(f"the token predictor (layers {pred.layers}, {pred.W.shape[1]} experts) does not fit "
+                           f"model '{layout.model}'")
+        pmodel.prefetcher = TokenPrefetcher(pred, {l.layer: layout.ids(l.layer) for l in layout.layers},
+                                            pmodel.pool_of)
+        tap.listen(pmodel.prefetcher.on_router)
     if alpha:
         from routing.substitution import WeightRule
 

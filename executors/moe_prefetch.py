@@ -106,3 +106,52 @@ def _unpin(pool: Pool):
         if not fut.cancelled() and fut.exception() is None:
             pool.release(fut.result())
     return done
+
+
+class TokenPrefetcher:
+    """Token-wise prefetch (SMoE): when layer l routes token t, load what token t+1 will likely ask of layer l.
+
+    The guesses come from a trained `routing.moe_predictor.TokenPredictor`
+    (its top-m); they have the rest of token t to load.  Like the next-layer
+    prefetch, loads run on their own thread, a guess that finds no room is
+    dropped, and a loaded guess is unpinned at once.
+    """
+
+    def __init__(self, predictor, ids: dict[int, list[str]], pool_of: Callable[[str], Pool], *,
+                 m: int | None = None) -> None:
+        self._pred, self._ids, self._pool_of = predictor, ids, pool_of
+        self._m = m or predictor.top_k
+        self._index = {layer: j for j, layer in enumerate(predictor.layers)}
+        self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="coe-expert-prefetch")
+        self._pending: dict[int, set[int]] = {}
+        self._lock = threading.Lock()
+        self.stats = PrefetchStats()
+
+    def on_router(self, layer: int, probs, chosen) -> None:
+        """Called with each router call's scores [T, E] and choices [T, k] (decode: T is 1)."""
+        if layer not in self._index or len(probs) > 4:
+            return
+        with self._lock:
+            pred = self._pending.pop(layer, None)
+            if pred is not None:
+                actual = {int(e) for e in chosen.reshape(-1)}
+                self.stats.predicted += len(pred)
+                self.stats.actual += len(actual)
+                self.stats.true_positive += len(pred & actual)
+        guess = {int(e) for e in self._pred.predict(self._index[layer], probs[-1:], self._m).reshape(-1)}
+        with self._lock:
+            self._pending[layer] = guess
+        for e in sorted(guess):
+            eid = self._ids[layer][e]
+            pool = self._pool_of(eid)
+            if pool.present(eid):
+                continue
+            fut = pool.acquire_async(eid, self._loader.submit)
+            if fut is None:
+                self.stats.dropped += 1
+                continue
+            self.stats.issued += 1
+            fut.add_done_callback(_unpin(pool))
+
+    def close(self) -> None:
+        self._loader.shutdown(wait=True)

@@ -52,6 +52,7 @@ class RouterTap:
         self._resident_of = None
         self.substituted = 0
         self.missing_low = 0
+        self._listeners: list = []
 
     # -- hooking ------------------------------------------------------------------
     def attach(self, model: "nn.Module", routers: dict[int, str]) -> "RouterTap":
@@ -84,23 +85,33 @@ class RouterTap:
                 probs = (flat.sigmoid() if sigmoid else flat.softmax(dim=-1)).cpu().numpy()
                 chosen = index.reshape(probs.shape[0], -1).cpu().numpy()
                 replaced = None
-                if self.alpha > 0 and self._resident_of is not None:
-                    sub = substitute(probs, chosen, self._resident_of(layer), self.alpha, self._rule)
-                    self.substituted += sub.substituted
-                    self.missing_low += sub.missing_low
-                    if sub.substituted:
-                        rows = torch.from_numpy(sub.changed).to(index.device)
-                        new_index = index.reshape(chosen.shape).clone()
-                        new_index[rows] = torch.from_numpy(sub.chosen[sub.changed]).to(index.device, index.dtype)
-                        new_weights = weights.reshape(chosen.shape).clone()
-                        new_weights[rows] = torch.from_numpy(sub.weights[sub.changed]).to(weights.device,
-                                                                                           weights.dtype)
-                        chosen = sub.chosen
-                        replaced = (output[0], new_weights.reshape(weights.shape), new_index.reshape(index.shape),
-                                    *output[3:])
-                self.observe(layer, probs, chosen)
+                sub = self.route(layer, probs, chosen)
+                if sub is not None:
+                    rows = torch.from_numpy(sub.changed).to(index.device)
+                    new_index = index.reshape(chosen.shape).clone()
+                    new_index[rows] = torch.from_numpy(sub.chosen[sub.changed]).to(index.device, index.dtype)
+                    new_weights = weights.reshape(chosen.shape).clone()
+                    new_weights[rows] = torch.from_numpy(sub.weights[sub.changed]).to(weights.device, weights.dtype)
+                    replaced = (output[0], new_weights.reshape(weights.shape), new_index.reshape(index.shape),
+                                *output[3:])
             return replaced      # None keeps the router's own output (always, with alpha = 0)
         return hook
+
+    def route(self, layer: int, probs: np.ndarray, chosen: np.ndarray):
+        """The routing decision for one router call: substitution (if on), then the statistics.
+
+        Returns the `Substitution` when experts were replaced, else None (the router's choice stands).
+        Used by the hook and by trace-driven decode, which has no router to hook.
+        """
+        sub = None
+        if self.alpha > 0 and self._resident_of is not None:
+            sub = substitute(probs, chosen, self._resident_of(layer), self.alpha, self._rule)
+            self.substituted += sub.substituted
+            self.missing_low += sub.missing_low
+            if not sub.substituted:
+                sub = None
+        self.observe(layer, probs, sub.chosen if sub is not None else chosen)
+        return sub
 
     def substitute_with(self, alpha: float, rule: WeightRule, resident_of) -> None:
         """Turn on importance-driven substitution (alpha > 0 is approximate; 0 turns it off)."""
@@ -109,8 +120,14 @@ class RouterTap:
         self.alpha, self._rule, self._resident_of = alpha, rule, resident_of
         warn_approximate(alpha)
 
+    def listen(self, fn) -> None:
+        """Call `fn(layer, probs, chosen)` on every router call (a token-wise prefetcher)."""
+        self._listeners.append(fn)
+
     def observe(self, layer: int, probs: np.ndarray, index: np.ndarray) -> None:
         """One router call of `layer`: gate scores [T, E] and chosen experts [T, k] (from a hook or a trace)."""
+        for fn in self._listeners:
+            fn(layer, probs, index)
         self._recent[layer].append(probs.astype(np.float32).mean(axis=0))
         ids = self._ids[layer]
         for e, n in zip(*np.unique(index, return_counts=True)):

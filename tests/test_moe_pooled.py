@@ -272,3 +272,31 @@ def test_next_layer_prefetch_is_exact_and_scores_its_guesses(imported, family):
     assert 0 <= st.precision <= 1 and 0 <= st.recall <= 1 and st.true_positive <= min(st.predicted, st.actual)
     with pytest.raises(CoEError, match="prefetch"):
         load_pooled(store, memory=mem, policy="lru", prefetch="psychic")
+
+
+def test_token_prefetch_is_exact_and_trace_decode_substitutes(imported, tmp_path):
+    from executors.moe_decode import trace_decode
+    from executors.moe_model import record_trace
+    from routing.moe_predictor import TokenPredictor
+
+    ref, layout, store = imported("mixtral")
+    full = load_pooled(store, memory=layout.expert_bytes, policy="lru")
+    trace = record_trace(full, [_inputs(s)[0] for s in (10, 11, 12)], 6)
+    full.close()
+    pred = TokenPredictor.train(trace)
+    pred.save(tmp_path / "p")
+    x = _inputs(13)[:1]
+    want = ref.generate(x, max_new_tokens=6, min_new_tokens=6, do_sample=False)[0, x.shape[1]:].tolist()
+    mem = layout.layers[0].expert_nbytes * (layout.top_k * len(layout.layers) + 2)
+    pm = load_pooled(store, memory=mem, policy="gate-score", prefetch="token", predictor=tmp_path / "p")
+    got, _ = pm.generate(x, 6)
+    pm.close()
+    assert got == want[:len(got)] and pm.prefetcher.stats.predicted > 0 and pm.prefetcher.stats.issued > 0
+    with pytest.raises(CoEError, match="predictor"):
+        load_pooled(store, memory=mem, policy="lru", prefetch="token")
+
+    plain = load_pooled(store, memory=layout.layers[0].expert_nbytes * 3, policy="gate-score")
+    r0 = trace_decode(plain, trace, prefill=False)
+    sub = load_pooled(store, memory=layout.layers[0].expert_nbytes * 3, policy="gate-score", alpha=0.9)
+    r1 = trace_decode(sub, trace, prefill=False)
+    assert sub.tap.substituted > 0 and r1.stats.misses < r0.stats.misses and r1.tokens == r0.tokens
