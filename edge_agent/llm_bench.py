@@ -374,3 +374,45 @@ def import_peak(hf: Path) -> dict:
     if res.returncode != 0:
         raise RuntimeError(f"import run failed: {res.stderr.strip()[-2000:]}")
     return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+ABLATION = (("lru", "LRU (baseline)", {}),
+            ("gate-score", "eviction by windowed gate score", {}),
+            ("gate-score", "+ substitution (alpha 0.3)", {"alpha": 0.3}),
+            ("gate-score", "+ token-wise prefetch", {"alpha": 0.3, "prefetch": "token"}))
+
+
+def run_ablation(store: Path, profile: Trace, trace: Trace, *, share: float = 0.25,
+                 progress: Callable[[str], None] | None = None) -> list[dict]:
+    """Issue 11's ablation on trace-driven decode: each row on top of the one before.
+
+    Every miss is read from SSD (page cache dropped after each read).  The
+    token-wise predictor is trained on `profile` (other prompts than `trace`).
+    The next-layer prefetch needs real hidden states, which a trace-driven run
+    does not have, and the load/compute split is not built: neither is a row.
+    """
+    from coe.moe import MoELayout
+    from executors.moe_decode import remap, trace_decode
+    from executors.moe_model import load_pooled
+    from routing.moe_predictor import TokenPredictor
+
+    layout = MoELayout.load(store)
+    trace, profile = remap(trace, layout.model), remap(profile, layout.model)
+    predictor = TokenPredictor.train(profile)
+    rows = []
+    for policy, name, extra in ABLATION:
+        if progress:
+            progress(name)
+        drop_store(store)
+        pm = load_pooled(store, memory=int(layout.expert_bytes * share), policy=policy, drop_after_read=True,
+                         predictor=predictor if extra.get("prefetch") == "token" else None, **extra)
+        r = trace_decode(pm, trace, prefill=False)
+        pm.close()
+        row = {"row": name, "policy": policy, **extra, "tokens_per_second": r.tokens_per_second,
+               "hit_rate": r.stats.hit_rate, "gib_read": r.stats.bytes_in / 2**30, "tokens": r.tokens,
+               "substituted": pm.tap.substituted}
+        if pm.prefetcher is not None:
+            st = pm.prefetcher.stats
+            row.update(prefetch_precision=st.precision, prefetch_recall=st.recall, prefetch_issued=st.issued)
+        rows.append(row)
+    return rows

@@ -271,15 +271,16 @@ def llm_make_model(kind: str | None, out: str, seconds: float, expert_gb: float,
 @llm.command("bench")
 @click.option("--work", default="var/llm", show_default=True, type=click.Path(file_okay=False),
               help="Where the models, stores and traces are made (reused when present).")
-@click.option("--part", "parts", default="a,b,c", show_default=True,
-              help="Which parts: a (trace replay), b (trace-driven real decode), c (end to end).")
+@click.option("--part", "parts", default="a,b,c,d", show_default=True,
+              help="Which parts: a (trace replay), b (trace-driven real decode), c (end to end), d (issue 11 "
+                   "ablation).")
 @click.option("--prompts", default=40, show_default=True, type=click.IntRange(4, 10_000),
               help="Held-out prompts to trace on the trained model (half profile, half replay).")
 @click.option("--decode", default=32, show_default=True, type=click.IntRange(1, 10_000),
               help="Decode steps per traced prompt.")
 @click.option("--train-seconds", default=480.0, show_default=True, type=click.FloatRange(1, 36_000))
 @click.option("--mixtral-data", default=None, type=click.Path(exists=True, file_okay=False),
-              help="Mixtral popularity dir (default: ../shared/data/mixtral-expert-popularity).")
+              help="Mixtral popularity dir (default: the copy in configs/moe/mixtral-expert-popularity).")
 @click.option("--tokens", default=256, show_default=True, type=click.IntRange(8, 1_000_000),
               help="Tokens per synthetic Mixtral trace.")
 @click.option("--expert-gb", default=2.2, show_default=True, type=click.FloatRange(0.001, 1000),
@@ -303,6 +304,8 @@ def llm_bench(work: str, parts: str, prompts: int, decode: int, train_seconds: f
     (c) End to end: greedy generation at the same 25% budget for coe-edge
         (each policy), accelerate's disk offload and everything in RAM, each
         in its own process; plus the SSD-bound limit at the measured disk speed.
+    (d) Ablation as (b): gate-score eviction, then substitution, then
+        token-wise prefetch, each on top of the one before.
     Prints tables and one JSON line.
 
     \b
@@ -323,11 +326,11 @@ def llm_bench(work: str, parts: str, prompts: int, decode: int, train_seconds: f
     from .llm_models import generated_model
 
     want = {p.strip() for p in parts.split(",") if p.strip()}
-    if not want or want - {"a", "b", "c"}:
-        raise CoEError(f"--part {parts!r}: give a comma-separated subset of a, b, c")
+    if not want or want - {"a", "b", "c", "d"}:
+        raise CoEError(f"--part {parts!r}: give a comma-separated subset of a, b, c, d")
     work_dir = Path(work)
     doc: dict = {"bench": "llm"}
-    if want & {"a", "b"}:
+    if want & {"a", "b", "d"}:
         profile, rep = lb.split_trace(Trace.load(_trained_trace(work_dir, prompts, decode, train_seconds)))
     if "a" in want:
         data = Path(mixtral_data) if mixtral_data else _shared_data()
@@ -356,11 +359,12 @@ def llm_bench(work: str, parts: str, prompts: int, decode: int, train_seconds: f
                 click.echo(f"  quotas on {kind} at 25%: one shared budget {sh:.1%} vs per-layer {pl:.1%} (best "
                            f"realisable policy each): {'shared' if sh >= pl else 'per-layer'} is better")
         doc["a"] = {"summary": summ, "rows": lb.as_json(rows)}
-    if want & {"b", "c"}:
+    if want & {"b", "c", "d"}:
         big_hf, big = work_dir / "big-hf", work_dir / "big"
         if not (big_hf / "config.json").is_file():
             click.echo(f"generating a {expert_gb} GB model -> {big_hf}", err=True)
-            shape = {"layers": len(rep.layers), "experts": rep.num_experts, "top_k": rep.top_k} if "b" in want else {}
+            shape = ({"layers": len(rep.layers), "experts": rep.num_experts, "top_k": rep.top_k}
+                     if want & {"b", "d"} else {})
             generated_model(big_hf, expert_gb=expert_gb, **shape)
         if not (big / "llm.json").is_file():
             import_checkpoint(big_hf, big, name="big")
@@ -438,6 +442,21 @@ def llm_bench(work: str, parts: str, prompts: int, decode: int, train_seconds: f
         doc["c"] = {"runs": runs, "memory": mem, "best": best["policy"], "vs_accelerate": vs_acc,
                     "ssd_bound_tokens_per_s": bound, "of_ssd_bound": best["tokens_per_second"] / bound,
                     "budget_plus_resident_bytes": budget_rss}
+    if "d" in want:
+        trace = lb.decode_only(rep, decode_tokens)
+        with tqdm(total=len(lb.ABLATION), desc="(d) ablation", disable=None) as bar:
+            arows = lb.run_ablation(big, profile, trace, progress=lambda _: bar.update(1))
+        click.echo(f"(d) ablation, each row on top of the one before: trace-driven real decode as (b), {res}")
+        click.echo(f"{'row':36} {'tokens/s':>9} {'hit rate':>9} {'GiB read':>9} {'x LRU':>6}  notes")
+        for r in arows:
+            note = (f"{r['substituted']} substituted" if r.get("alpha") else "") + (
+                f"; prefetch precision {r['prefetch_precision']:.2f} recall {r['prefetch_recall']:.2f}"
+                if "prefetch_precision" in r else "")
+            click.echo(f"{r['row']:36} {r['tokens_per_second']:>9.2f} {r['hit_rate']:>9.1%} {r['gib_read']:>9.2f} "
+                       f"{r['tokens_per_second'] / arows[0]['tokens_per_second']:>6.2f}  {note}")
+        click.echo("    not rows: next-layer prefetch (needs real hidden states; see llm generate --prefetch) and "
+                   "the load/compute split (not built)")
+        doc["d"] = arows
     click.echo(json.dumps(doc))
 
 
@@ -474,43 +493,10 @@ def _trained_trace(work_dir: Path, prompts: int, decode: int, train_seconds: flo
 
 
 def _shared_data() -> Path:
-    for base in (Path.cwd(), *Path.cwd().parents):
-        p = base / "shared" / "data" / "mixtral-expert-popularity"
-        if p.is_dir():
-            return p
-    raise CoEError("cannot find shared/data/mixtral-expert-popularity; pass --mixtral-data DIR")
+    """Mixtral-8x7B's measured expert popularity, shipped in the package (configs/moe/; source in its README)."""
+    import configs
 
-
-@llm.command("train-predictor")
-@click.option("--trace", "trace_path", required=True, type=click.Path(exists=True, dir_okay=False),
-              help="Trace to learn from (coe-agent llm trace).")
-@click.option("--eval", "eval_path", default=None, type=click.Path(exists=True, dir_okay=False),
-              help="Held-out trace to score on (default: the second half of --trace's prompts, not trained on).")
-@click.option("--out", "-o", required=True, type=click.Path(dir_okay=False), help="Predictor file to write.")
-@_fail_clearly
-def llm_train_predictor(trace_path: str, eval_path: str | None, out: str) -> None:
-    """Train the token-wise expert predictor (SMoE): next token's experts at each layer from this token's scores.
-
-    Prints precision and recall on held-out traces at m = k and m = 2k guesses.
-
-    \b
-    Example:
-      coe-agent llm train-predictor --trace var/llm/trained-40x32.trace --out var/llm/trained.predictor
-    """
-    from routing.moe_predictor import TokenPredictor
-    from routing.moe_trace import Trace
-
-    from .llm_bench import split_trace
-
-    trace = Trace.load(trace_path)
-    if eval_path:
-        train, held = trace, Trace.load(eval_path)
-    else:
-        train, held = split_trace(trace)
-    pred = TokenPredictor.train(train)
-    scores = [pred.evaluate(held, m) for m in (pred.top_k, 2 * pred.top_k)]
-    pred.save(out, {"trained_on": trace_path, "held_out": scores})
-    for s in scores:
-        click.echo(f"held-out, top-{s['m']} guesses: precision {s['precision']:.2f}, recall {s['recall']:.2f} "
-                   f"({s['pairs']} next-token pairs)")
-    click.echo(f"predictor for {len(pred.layers)} layers x {pred.W.shape[1]} experts -> {out}")
+    path = Path(configs.__file__).resolve().parent / "moe" / "mixtral-expert-popularity"
+    if not path.is_dir():
+        raise CoEError(f"{path}: the packaged Mixtral popularity data is missing; pass --mixtral-data DIR")
+    return path
