@@ -45,100 +45,27 @@ class PrefetchStats:
         return self.true_positive / self.actual if self.actual else 0.0
 
 
-class NextLayerPrefetcher:
-    """Predicts layer l+1's experts during layer l and loads the missing ones in the background."""
+class _Prefetcher:
+    """What both prefetchers share: scoring guesses against what a layer asks for, and loading them."""
 
-    def __init__(self, routers: dict[int, torch.nn.Module], ids: dict[int, list[str]], top_k: int,
-                 pool_of: Callable[[str], Pool], *, max_tokens: int = 4) -> None:
-        layers = sorted(routers)
-        self._next = dict(zip(layers, layers[1:]))
-        self._routers, self._ids, self._k, self._pool_of = routers, ids, top_k, pool_of
-        self._max_tokens = max_tokens
+    def __init__(self, ids: dict[int, list[str]], pool_of: Callable[[str], Pool]) -> None:
+        self._ids, self._pool_of = ids, pool_of
         self._pending: dict[int, set[int]] = {}
         self._lock = threading.Lock()
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="coe-expert-prefetch")
         self.stats = PrefetchStats()
 
-    def wants(self, tokens: int) -> bool:
-        """Decode steps only: a prefill asks for nearly every expert anyway."""
-        return tokens <= self._max_tokens
-
-    def observe(self, layer: int, hits: list[int]) -> None:
-        """What `layer` really asks for: scores the prediction made for it, if any."""
+    def _score(self, layer: int, actual: set[int]) -> None:
         with self._lock:
             pred = self._pending.pop(layer, None)
             if pred is None:
                 return
-            actual = set(hits)
             self.stats.predicted += len(pred)
             self.stats.actual += len(actual)
             self.stats.true_positive += len(pred & actual)
 
-    @torch.no_grad()
-    def predict(self, layer: int, approx: torch.Tensor) -> None:
-        """`approx` [T, H]: this layer's input plus its partial output; prefetch the next layer's guesses."""
-        nxt = self._next.get(layer)
-        if nxt is None:
-            return
-        router = self._routers[nxt]
-        logits = torch.nn.functional.linear(approx.to(router.weight.dtype), router.weight)
-        guess = {int(e) for e in logits.topk(self._k, dim=-1).indices.reshape(-1).tolist()}
-        with self._lock:
-            self._pending[nxt] = guess
-        for e in sorted(guess):
-            eid = self._ids[nxt][e]
-            pool = self._pool_of(eid)
-            if pool.present(eid):
-                continue
-            fut = pool.acquire_async(eid, self._loader.submit)
-            if fut is None:
-                self.stats.dropped += 1
-                continue
-            self.stats.issued += 1
-            fut.add_done_callback(_unpin(pool))
-
-    def close(self) -> None:
-        self._loader.shutdown(wait=True)
-
-
-def _unpin(pool: Pool):
-    def done(fut: Future) -> None:
-        if not fut.cancelled() and fut.exception() is None:
-            pool.release(fut.result())
-    return done
-
-
-class TokenPrefetcher:
-    """Token-wise prefetch (SMoE): when layer l routes token t, load what token t+1 will likely ask of layer l.
-
-    The guesses come from a trained `routing.moe_predictor.TokenPredictor`
-    (its top-m); they have the rest of token t to load.  Like the next-layer
-    prefetch, loads run on their own thread, a guess that finds no room is
-    dropped, and a loaded guess is unpinned at once.
-    """
-
-    def __init__(self, predictor, ids: dict[int, list[str]], pool_of: Callable[[str], Pool], *,
-                 m: int | None = None) -> None:
-        self._pred, self._ids, self._pool_of = predictor, ids, pool_of
-        self._m = m or predictor.top_k
-        self._index = {layer: j for j, layer in enumerate(predictor.layers)}
-        self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="coe-expert-prefetch")
-        self._pending: dict[int, set[int]] = {}
-        self._lock = threading.Lock()
-        self.stats = PrefetchStats()
-
-    def on_router(self, layer: int, probs, chosen) -> None:
-        """Called with each router call's scores [T, E] and choices [T, k] (decode: T is 1)."""
-        if layer not in self._index or len(probs) > 4:
-            return
-        with self._lock:
-            pred = self._pending.pop(layer, None)
-            if pred is not None:
-                actual = {int(e) for e in chosen.reshape(-1)}
-                self.stats.predicted += len(pred)
-                self.stats.actual += len(actual)
-                self.stats.true_positive += len(pred & actual)
-        guess = {int(e) for e in self._pred.predict(self._index[layer], probs[-1:], self._m).reshape(-1)}
+    def _issue(self, layer: int, guess: set[int]) -> None:
+        """Remember the guess for scoring; load its experts that are not in memory, unpinning each when in."""
         with self._lock:
             self._pending[layer] = guess
         for e in sorted(guess):
@@ -155,3 +82,63 @@ class TokenPrefetcher:
 
     def close(self) -> None:
         self._loader.shutdown(wait=True)
+
+
+class NextLayerPrefetcher(_Prefetcher):
+    """Predicts layer l+1's experts during layer l and loads the missing ones in the background."""
+
+    def __init__(self, routers: dict[int, torch.nn.Module], ids: dict[int, list[str]], top_k: int,
+                 pool_of: Callable[[str], Pool], *, max_tokens: int = 4) -> None:
+        super().__init__(ids, pool_of)
+        layers = sorted(routers)
+        self._next = dict(zip(layers, layers[1:]))
+        self._routers, self._k, self._max_tokens = routers, top_k, max_tokens
+
+    def wants(self, tokens: int) -> bool:
+        """Decode steps only: a prefill asks for nearly every expert anyway."""
+        return tokens <= self._max_tokens
+
+    def observe(self, layer: int, hits: list[int]) -> None:
+        """What `layer` really asks for: scores the prediction made for it, if any."""
+        self._score(layer, set(hits))
+
+    @torch.no_grad()
+    def predict(self, layer: int, approx: torch.Tensor) -> None:
+        """`approx` [T, H]: this layer's input plus its partial output; prefetch the next layer's guesses."""
+        nxt = self._next.get(layer)
+        if nxt is None:
+            return
+        router = self._routers[nxt]
+        logits = torch.nn.functional.linear(approx.to(router.weight.dtype), router.weight)
+        self._issue(nxt, {int(e) for e in logits.topk(self._k, dim=-1).indices.reshape(-1).tolist()})
+
+
+class TokenPrefetcher(_Prefetcher):
+    """Token-wise prefetch (SMoE): when layer l routes token t, load what token t+1 will likely ask of layer l.
+
+    The guesses come from a trained `routing.moe_predictor.TokenPredictor`
+    (its top-m); they have the rest of token t to load.  Like the next-layer
+    prefetch, loads run on their own thread, a guess that finds no room is
+    dropped, and a loaded guess is unpinned at once.
+    """
+
+    def __init__(self, predictor, ids: dict[int, list[str]], pool_of: Callable[[str], Pool], *,
+                 m: int | None = None) -> None:
+        super().__init__(ids, pool_of)
+        self._pred, self._m = predictor, m or predictor.top_k
+        self._index = {layer: j for j, layer in enumerate(predictor.layers)}
+
+    def on_router(self, layer: int, probs, chosen) -> None:
+        """Called with each router call's scores [T, E] and choices [T, k] (decode: T is 1)."""
+        if layer not in self._index or len(probs) > 4:
+            return
+        self._score(layer, {int(e) for e in chosen.reshape(-1)})
+        guess = self._pred.predict(self._index[layer], probs[-1:], self._m)
+        self._issue(layer, {int(e) for e in guess.reshape(-1)})
+
+
+def _unpin(pool: Pool):
+    def done(fut: Future) -> None:
+        if not fut.cancelled() and fut.exception() is None:
+            pool.release(fut.result())
+    return done
