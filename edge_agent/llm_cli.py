@@ -492,6 +492,41 @@ def _trained_trace(work_dir: Path, prompts: int, decode: int, train_seconds: flo
     return trace_path
 
 
+@llm.command("train-predictor")
+@click.option("--trace", "trace_path", required=True, type=click.Path(exists=True, dir_okay=False),
+              help="Trace to learn from (coe-agent llm trace).")
+@click.option("--eval", "eval_path", default=None, type=click.Path(exists=True, dir_okay=False),
+              help="Held-out trace to score on (default: the second half of --trace's prompts, not trained on).")
+@click.option("--out", "-o", required=True, type=click.Path(dir_okay=False), help="Predictor file to write.")
+@_fail_clearly
+def llm_train_predictor(trace_path: str, eval_path: str | None, out: str) -> None:
+    """Train the token-wise expert predictor (SMoE): next token's experts at each layer from this token's scores.
+
+    Prints precision and recall on held-out traces at m = k and m = 2k guesses.
+
+    \b
+    Example:
+      coe-agent llm train-predictor --trace var/llm/trained-40x32.trace --out var/llm/trained.predictor
+    """
+    from routing.moe_predictor import TokenPredictor
+    from routing.moe_trace import Trace
+
+    from .llm_bench import split_trace
+
+    trace = Trace.load(trace_path)
+    if eval_path:
+        train, held = trace, Trace.load(eval_path)
+    else:
+        train, held = split_trace(trace)
+    pred = TokenPredictor.train(train)
+    scores = [pred.evaluate(held, m) for m in (pred.top_k, 2 * pred.top_k)]
+    pred.save(out, {"trained_on": trace_path, "held_out": scores})
+    for s in scores:
+        click.echo(f"held-out, top-{s['m']} guesses: precision {s['precision']:.2f}, recall {s['recall']:.2f} "
+                   f"({s['pairs']} next-token pairs)")
+    click.echo(f"predictor for {len(pred.layers)} layers x {pred.W.shape[1]} experts -> {out}")
+
+
 def _shared_data() -> Path:
     """Mixtral-8x7B's measured expert popularity, shipped in the package (configs/moe/; source in its README)."""
     import configs
