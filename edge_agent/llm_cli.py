@@ -527,6 +527,98 @@ def llm_train_predictor(trace_path: str, eval_path: str | None, out: str) -> Non
     click.echo(f"predictor for {len(pred.layers)} layers x {pred.W.shape[1]} experts -> {out}")
 
 
+@llm.command("tune-alpha")
+@click.option("--model", "-m", "model", required=True, type=click.Path(exists=True, file_okay=False),
+              help="Store written by 'coe-agent llm import'.")
+@click.option("--budget-ms", required=True, type=click.FloatRange(0, min_open=True), help="Target ms per token.")
+@click.option("--text", "text_path", default=None, type=click.Path(exists=True, dir_okay=False),
+              help="Held-out UTF-8 text (default: the model dir's heldout.txt).")
+@click.option("--memory", default="25%", show_default=True, help="Expert pool budget.")
+@click.option("--alphas", default="0,0.1,0.2,0.3,0.4,0.5", show_default=True, help="Alphas to measure.")
+@click.option("--tokens", default=400, show_default=True, type=click.IntRange(16, 100_000),
+              help="Held-out tokens decoded per alpha.")
+@click.option("--plot", default=None, type=click.Path(dir_okay=False), help="Write the alpha curve as a PNG.")
+@_fail_clearly
+def llm_tune_alpha(model: str, budget_ms: float, text_path: str | None, memory: str, alphas: str, tokens: int,
+                   plot: str | None) -> None:
+    """Pick the smallest substitution threshold alpha whose ms/token meets a budget.
+
+    Decodes held-out text token by token at each alpha (teacher forcing), measures
+    ms/token, perplexity and next-token agreement with alpha = 0, fits ms/token
+    with a low-degree polynomial and searches it (the importance paper's Eq. 5).
+
+    \b
+    Example:
+      coe-agent llm tune-alpha --model var/llm/trained --budget-ms 20 --plot alpha.png
+    """
+    _need_transformers()
+    from coe.moe import MoELayout
+    from executors.moe_model import load_pooled
+    from executors.moe_quality import decode_quality, pick_alpha
+
+    root = _store(model)
+    layout = MoELayout.load(root)
+    try:
+        grid = sorted({float(a) for a in alphas.split(",") if a.strip()})
+    except ValueError:
+        raise CoEError(f"--alphas {alphas!r}: expected numbers separated by commas") from None
+    if not grid or grid[0] != 0.0 or any(not 0 <= a < 1 for a in grid):
+        raise CoEError("--alphas: must start at 0 (the exact reference) and stay below 1")
+    text = Path(text_path).read_text(encoding="utf-8", errors="replace") if text_path else _heldout(layout, root)
+    rows, base = [], None
+    for a in grid:
+        pm = load_pooled(root, memory=_memory(memory, layout), policy="gate-score", alpha=a)
+        ids = pm.tokenizer().encode(text)[:tokens + 1]
+        q = decode_quality(pm, [ids])
+        st = pm.stats()
+        pm.close()
+        base = base or q
+        rows.append({"alpha": a, "ms_per_token": 1000 * q.seconds / max(q.tokens, 1), "perplexity": q.perplexity,
+                     "agreement": q.agreement(base), "loads": st.misses})
+        click.echo(f"alpha {a:.2f}: {rows[-1]['ms_per_token']:.1f} ms/token, perplexity {q.perplexity:.3f} "
+                   f"({(q.perplexity / base.perplexity - 1):+.2%}), agreement {rows[-1]['agreement']:.1%}, "
+                   f"{st.misses} loads")
+    best, coef = pick_alpha([r["alpha"] for r in rows], [r["ms_per_token"] for r in rows], budget_ms)
+    if plot:
+        _plot_alpha(rows, plot, budget_ms)
+    if best is None:
+        click.echo(f"no alpha up to {grid[-1]} meets {budget_ms} ms/token (fit {coef})")
+    else:
+        click.echo(f"smallest alpha meeting {budget_ms} ms/token: {best:.3f}" + (" (exact)" if best == 0 else ""))
+
+
+def _heldout(layout, root: Path) -> str:
+    src = Path(layout.extra.get("source", "")) / "heldout.txt"
+    if not src.is_file():
+        raise CoEError(f"no held-out text: pass --text FILE (looked for {src})")
+    return src.read_text(encoding="utf-8", errors="replace")
+
+
+def _plot_alpha(rows: list[dict], path: str, budget_ms: float | None = None) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    a = [r["alpha"] for r in rows]
+    fig, ax = plt.subplots(1, 2, figsize=(9, 3.6))
+    ax[0].plot(a, [r["ms_per_token"] for r in rows], "o-")
+    if budget_ms:
+        ax[0].axhline(budget_ms, color="grey", ls="--", label="budget")
+        ax[0].legend()
+    ax[0].set_xlabel("substitution threshold alpha")
+    ax[0].set_ylabel("ms per token")
+    base = rows[0]["perplexity"]
+    ax[1].plot(a, [100 * (r["perplexity"] / base - 1) for r in rows], "o-", label="perplexity rise %")
+    ax[1].plot(a, [100 * (1 - r["agreement"]) for r in rows], "s-", label="next-token disagreement %")
+    ax[1].set_xlabel("substitution threshold alpha")
+    ax[1].legend()
+    fig.suptitle("Importance-driven substitution: speed and quality against alpha")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def _shared_data() -> Path:
     """Mixtral-8x7B's measured expert popularity, shipped in the package (configs/moe/; source in its README)."""
     import configs

@@ -106,3 +106,21 @@ def test_bench_part_a_prints_a_table_and_one_json_line(hf_model, tmp_path):
     assert all(r["hit_rate"] is None for r in rows if r["trace"] == "mixtral" and r["size"] == 0.125
                and r["quota"] == "per-layer")
     assert any("at 25% on trained" in ln for ln in lines)
+
+
+def test_tune_alpha_measures_each_alpha_and_plots(hf_model, tmp_path):
+    root, _ = hf_model
+    store = tmp_path / "store"
+    assert _run("llm", "import", str(root / "hf"), "--out", str(store)).exit_code == 0
+    text = tmp_path / "held.txt"
+    text.write_text("import os\nimport sys\n" * 20, encoding="utf-8")
+    png = tmp_path / "alpha.png"
+    res = _run("llm", "tune-alpha", "--model", str(store), "--budget-ms", "100000", "--text", str(text),
+               "--alphas", "0,0.3", "--tokens", "24", "--plot", str(png))
+    assert res.exit_code == 0, res.output
+    assert "alpha 0.00:" in res.output and "alpha 0.30:" in res.output and "agreement 100.0%" in res.output
+    assert "smallest alpha meeting 100000.0 ms/token: 0.000 (exact)" in res.output
+    assert png.read_bytes()[:4] == b"\x89PNG"
+    bad = CliRunner().invoke(cli, ["llm", "tune-alpha", "--model", str(store), "--budget-ms", "5", "--text",
+                                   str(text), "--alphas", "0.1,0.2"])
+    assert bad.exit_code != 0 and "must start at 0" in bad.output

@@ -61,3 +61,15 @@ def test_weight_rules_per_family():
     assert WeightRule(normalise=True, scale=2.5).weights(sc)[0].tolist() == pytest.approx([1.5625, 0.9375])  # dsv3
     with pytest.raises(CoEError, match="alpha"):
         substitute(sc, [[0]], set(), 1.0, WeightRule())
+
+
+def test_pick_alpha_is_the_smallest_alpha_whose_fitted_time_meets_the_budget():
+    from executors.moe_quality import pick_alpha
+
+    alphas, ms = [0.0, 0.1, 0.2, 0.3, 0.4], [50.0, 45.0, 40.0, 35.0, 30.0]     # linear: 50 - 50 alpha
+    best, coef = pick_alpha(alphas, ms, 42.0)
+    assert best == pytest.approx(0.16, abs=0.005) and len(coef) == 3
+    assert pick_alpha(alphas, ms, 60.0)[0] == 0.0            # already within budget: exact
+    assert pick_alpha(alphas, ms, 10.0)[0] is None           # no alpha measured gets there
+    with pytest.raises(ValueError):
+        pick_alpha([0.0], [1.0], 1.0)
