@@ -379,7 +379,8 @@ def import_peak(hf: Path) -> dict:
 ABLATION = (("lru", "LRU (baseline)", {}),
             ("gate-score", "eviction by windowed gate score", {}),
             ("gate-score", "+ substitution (alpha 0.3)", {"alpha": 0.3}),
-            ("gate-score", "+ token-wise prefetch", {"alpha": 0.3, "prefetch": "token"}))
+            ("gate-score", "+ token-wise prefetch", {"alpha": 0.3, "prefetch": "token"}),
+            ("gate-score", "+ load/compute split", {"alpha": 0.3, "prefetch": "token", "split": True}))
 
 
 def run_ablation(store: Path, profile: Trace, trace: Trace, *, share: float = 0.25,
@@ -389,7 +390,7 @@ def run_ablation(store: Path, profile: Trace, trace: Trace, *, share: float = 0.
     Every miss is read from SSD (page cache dropped after each read).  The
     token-wise predictor is trained on `profile` (other prompts than `trace`).
     The next-layer prefetch needs real hidden states, which a trace-driven run
-    does not have, and the load/compute split is not built: neither is a row.
+    does not have: it is not a row.
     """
     from coe.moe import MoELayout
     from executors.moe_decode import remap, trace_decode
@@ -414,5 +415,7 @@ def run_ablation(store: Path, profile: Trace, trace: Trace, *, share: float = 0.
         if pm.prefetcher is not None:
             st = pm.prefetcher.stats
             row.update(prefetch_precision=st.precision, prefetch_recall=st.recall, prefetch_issued=st.issued)
+        if pm.split is not None:
+            row.update(in_place=pm.split.stats.in_place, loaded=pm.split.stats.loaded)
         rows.append(row)
     return rows

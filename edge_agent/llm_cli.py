@@ -119,9 +119,11 @@ _POLICY = click.Choice(["lru", "lfu", "gate-score", "probability", "fifo"])
               help="Importance-driven substitution threshold; 0 is exact, > 0 is approximate.")
 @click.option("--prefetch", default="none", show_default=True, type=click.Choice(["none", "next-layer"]),
               help="Load the next layer's predicted experts in the background.")
+@click.option("--split/--no-split", default=False, show_default=True,
+              help="Compute low-score missing experts in place from the file's memory map instead of loading them.")
 @_fail_clearly
 def llm_generate(model: str, prompt: str, max_new_tokens: int, memory: str | None, policy: str, quota: str,
-                 device: str, trace_path: str | None, window: int, alpha: float, prefetch: str) -> None:
+                 device: str, trace_path: str | None, window: int, alpha: float, prefetch: str, split: bool) -> None:
     """Generate text greedily, streaming tokens, with experts paged SSD -> memory under a budget.
 
     Ends with the offload stats: hit rate, bytes read, load seconds, tokens/s.
@@ -141,7 +143,7 @@ def llm_generate(model: str, prompt: str, max_new_tokens: int, memory: str | Non
     layout = MoELayout.load(root)
     popularity = Trace.load(trace_path).popularity() if trace_path else None
     pm = load_pooled(root, memory=_memory(memory, layout), policy=policy, quota=quota, device=device,
-                     popularity=popularity, window=window, alpha=alpha, prefetch=prefetch)
+                     popularity=popularity, window=window, alpha=alpha, prefetch=prefetch, split=split)
     tok = pm.tokenizer()
     ids = torch.tensor([tok.encode(prompt)], dtype=torch.long)
     if ids.shape[1] == 0:
@@ -166,6 +168,9 @@ def llm_generate(model: str, prompt: str, max_new_tokens: int, memory: str | Non
         st = pm.prefetcher.stats
         click.echo(f"next-layer prefetch: precision {st.precision:.2f}, recall {st.recall:.2f}, {st.issued} loads "
                    f"issued, {st.dropped} dropped for lack of room", err=True)
+    if pm.split is not None:
+        sp = pm.split.stats
+        click.echo(f"load/compute split: {sp.in_place} misses computed in place, {sp.loaded} loaded", err=True)
     if alpha > 0:
         click.echo(f"substitution (alpha {alpha}): {pm.tap.substituted} experts replaced by resident ones, "
                    f"{pm.tap.missing_low} missing low-score experts seen (approximate generation)", err=True)
@@ -450,12 +455,12 @@ def llm_bench(work: str, parts: str, prompts: int, decode: int, train_seconds: f
         click.echo(f"{'row':36} {'tokens/s':>9} {'hit rate':>9} {'GiB read':>9} {'x LRU':>6}  notes")
         for r in arows:
             note = (f"{r['substituted']} substituted" if r.get("alpha") else "") + (
+                f"; {r['in_place']} computed in place, {r['loaded']} loaded" if "in_place" in r else "") + (
                 f"; prefetch precision {r['prefetch_precision']:.2f} recall {r['prefetch_recall']:.2f}"
                 if "prefetch_precision" in r else "")
             click.echo(f"{r['row']:36} {r['tokens_per_second']:>9.2f} {r['hit_rate']:>9.1%} {r['gib_read']:>9.2f} "
                        f"{r['tokens_per_second'] / arows[0]['tokens_per_second']:>6.2f}  {note}")
-        click.echo("    not rows: next-layer prefetch (needs real hidden states; see llm generate --prefetch) and "
-                   "the load/compute split (not built)")
+        click.echo("    not a row: next-layer prefetch (needs real hidden states; see llm generate --prefetch)")
         doc["d"] = arows
     click.echo(json.dumps(doc))
 

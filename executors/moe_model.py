@@ -71,6 +71,7 @@ class PooledModel:
     root: Path
     owns_pools: bool = True
     prefetcher: object | None = None
+    split: object | None = None
     _pool_by_layer: dict[int, Pool] = field(default_factory=dict)
 
     def pool_of(self, eid: str) -> Pool:
@@ -135,7 +136,7 @@ def load_pooled(root: str | Path, *, memory: int, policy: str = "lru", quota: st
                 window: int = 8, popularity: dict[str, float] | None = None, verify: str = "first",
                 context: Callable[[], dict] | None = None, drop_after_read: bool = False,
                 shared_pool: Pool | None = None, alpha: float = 0.0, prefetch: str | None = None,
-                predictor=None) -> PooledModel:
+                predictor=None, split: bool = False) -> PooledModel:
     """The imported model at `root` with `memory` bytes of expert pool; see the module docstring.
 
     `popularity` (expert id -> per-layer share, e.g. `Trace.popularity()`)
@@ -150,6 +151,8 @@ def load_pooled(root: str | Path, *, memory: int, policy: str = "lru", quota: st
     approximate; 0 keeps logits exact.  `prefetch='next-layer'` loads the next
     layer's predicted experts in the background, `prefetch='token'` the next
     token's (from `predictor`, a `TokenPredictor` or its file); both exact.
+    `split` computes low-score misses in place from the expert file's memory
+    map instead of loading them (`moe_split`); exact.
     """
     if prefetch not in (None, "none", "next-layer", "token"):
         raise CoEError(f"prefetch must be 'next-layer', 'token' or none, got {prefetch!r}")
@@ -244,6 +247,13 @@ def load_pooled(root: str | Path, *, memory: int, policy: str = "lru", quota: st
         pmodel.prefetcher = TokenPrefetcher(pred, {l.layer: layout.ids(l.layer) for l in layout.layers},
                                             pmodel.pool_of)
         tap.listen(pmodel.prefetcher.on_router)
+    if split:
+        from .moe_split import LoadComputeSplit
+
+        pmodel.split = LoadComputeSplit()
+        for m in model.modules():
+            if isinstance(m, PooledExperts):
+                m.split, m.in_place = pmodel.split, store.read
     if alpha:
         from routing.substitution import WeightRule
 

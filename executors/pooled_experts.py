@@ -147,14 +147,36 @@ class PooledExperts(nn.Module):
         self.device = torch.device(device)
         self._pool_of = pool_of
         self.prefetcher = None      # a NextLayerPrefetcher, set by the model builder when prefetch is on
+        self.split = None           # a LoadComputeSplit, with `in_place(expert_id) -> tensors` (memory-mapped)
+        self.in_place = None
+        self._after_loads = None
 
     def extra_repr(self) -> str:
         return f"layer={self.layer}, experts={self.num_experts}, pooled"
 
-    def _expert(self, e: int, handle: Handle, hidden_states: torch.Tensor, expert_mask: torch.Tensor,
+    def _split_misses(self, hits: list[int], hidden_states, expert_mask, top_k_weights, out: dict) -> list[int]:
+        """Load the high-score misses; compute the low-score ones in place (into `out`). Returns what to acquire."""
+        misses = [e for e in hits if not self._pool_of(self.ids[e]).present(self.ids[e])]
+        if not misses:
+            return hits
+        score = {}
+        for e in misses:
+            pos, tok = torch.where(expert_mask[e])
+            score[e] = float(top_k_weights[tok, pos].sum())
+        _, in_place = self.split.split(sorted(misses, key=lambda e: -score[e]))
+        for e in in_place:
+            t0 = time.perf_counter()
+            out[e] = self._expert(e, self.in_place(self.ids[e]), hidden_states, expert_mask, top_k_weights)
+            self.split.measured(compute=time.perf_counter() - t0)
+        if len(in_place) < len(misses):
+            pool = self._pool_of(self.ids[misses[0]])
+            before = pool.stats()
+            self._after_loads = (pool, before)
+        return [e for e in hits if e not in set(in_place)]
+
+    def _expert(self, e: int, weights: dict, hidden_states: torch.Tensor, expert_mask: torch.Tensor,
                 top_k_weights: torch.Tensor) -> tuple:
         """Expert e's weighted output for its tokens: transformers' eager arithmetic, op for op."""
-        weights = handle.value.tensors()
         gate_up_proj, down_proj = weights["gate_up_proj"], weights["down_proj"]
         top_k_pos, token_idx = torch.where(expert_mask[e])
         current_state = hidden_states[token_idx]
@@ -184,23 +206,32 @@ class PooledExperts(nn.Module):
             else None
         if prefetch is not None:
             prefetch.observe(self.layer, hits)
+        out: dict[int, tuple] = {}
         pending = hits
+        if self.split is not None and len(hidden_states) <= 4:       # decode: some misses may stay out
+            pending = self._split_misses(hits, hidden_states, expert_mask, top_k_weights, out)
         while pending:
             with PinnedWave(self._pool_of, [self.ids[e] for e in pending]) as wave:
                 experts = pending[:len(wave)]
-                out = {}
                 if prefetch is not None and wave.ready == 0:     # nothing in memory: guess from the input alone
                     prefetch.predict(self.layer, hidden_states)
                     prefetch = None
-                # the experts already in memory first (their futures are done), then each load as it lands;
-                # the sum below still runs in ascending expert order, so the result is the eager loop's
+                # the experts already in memory first (their futures are done), then each load as it lands
                 for n, (i, handle) in enumerate(wave.as_ready(), 1):
-                    out[experts[i]] = self._expert(experts[i], handle, hidden_states, expert_mask, top_k_weights)
+                    out[experts[i]] = self._expert(experts[i], handle.value.tensors(), hidden_states, expert_mask,
+                                                   top_k_weights)
                     if prefetch is not None and n == wave.ready:
                         prefetch.predict(self.layer, self._partial(hidden_states, out))
                         prefetch = None
-                for e in experts:
-                    _, token_idx, contribution = out[e]
-                    final_hidden_states.index_add_(0, token_idx, contribution.to(final_hidden_states.dtype))
             pending = pending[len(experts):]
+        if self._after_loads is not None:        # what this layer's loads cost, for the next split
+            pool, before = self._after_loads
+            self._after_loads = None
+            after = pool.stats()
+            if after.misses > before.misses:
+                self.split.measured(load=(after.load_seconds - before.load_seconds) / (after.misses - before.misses))
+        # the sum runs in ascending expert order whatever order the parts were computed in: the eager loop's result
+        for e in hits:
+            _, token_idx, contribution = out[e]
+            final_hidden_states.index_add_(0, token_idx, contribution.to(final_hidden_states.dtype))
         return final_hidden_states

@@ -300,3 +300,22 @@ def test_token_prefetch_is_exact_and_trace_decode_substitutes(imported, tmp_path
     sub = load_pooled(store, memory=layout.layers[0].expert_nbytes * 3, policy="gate-score", alpha=0.9)
     r1 = trace_decode(sub, trace, prefill=False)
     assert sub.tap.substituted > 0 and r1.stats.misses < r0.stats.misses and r1.tokens == r0.tokens
+
+
+def test_load_compute_split_computes_low_score_misses_in_place_and_stays_exact(imported):
+    from executors.moe_split import choose_loads
+
+    assert choose_loads(4, 1.0, 1.0) == 2 and choose_loads(4, 1.0, 3.0) == 3 and choose_loads(3, 5.0, 1.0) == 0 and choose_loads(3, 1.0, 5.0) == 3
+    assert choose_loads(0, 1.0, 1.0) == 0
+    ref, layout, store = imported("qwen3_moe")
+    x = _inputs(14)[:1]
+    want = ref.generate(x, max_new_tokens=10, min_new_tokens=10, do_sample=False)[0, x.shape[1]:].tolist()
+    mem = layout.layers[0].expert_nbytes * (layout.top_k + 1)
+    pm = load_pooled(store, memory=mem, policy="lru", split=True)
+    got, stats = pm.generate(x, 10)
+    assert got == want[:len(got)]                                  # both paths do the eager arithmetic
+    s = pm.split.stats
+    assert s.in_place > 0 and s.loaded > 0 and s.compute_seconds > 0 and s.load_seconds > 0
+    plain = load_pooled(store, memory=mem, policy="lru")
+    _, plain_stats = plain.generate(x, 10)
+    assert stats.misses < plain_stats.misses                       # in-place experts never entered the pool
