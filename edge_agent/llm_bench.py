@@ -419,3 +419,40 @@ def run_ablation(store: Path, profile: Trace, trace: Trace, *, share: float = 0.
             row.update(in_place=pm.split.stats.in_place, loaded=pm.split.stats.loaded)
         rows.append(row)
     return rows
+
+
+def prefill_batching(store: Path, prompt_ids: list[int], *, share: float = 0.25) -> dict:
+    """Item 4 on a CPU box: the prefill split reduces to batching a prompt's tokens per expert.
+
+    One forward over the whole prompt (each expert loaded once and run on all
+    its tokens) against the same prompt fed token by token through the KV cache
+    (each token's experts loaded as it comes), same pool, every miss from SSD.
+    """
+    import time
+
+    import torch
+
+    from coe.moe import MoELayout
+    from executors.moe_model import load_pooled
+
+    layout = MoELayout.load(store)
+    out = {}
+    for mode in ("batched", "token-by-token"):
+        drop_store(store)
+        pm = load_pooled(store, memory=int(layout.expert_bytes * share), policy="lru", drop_after_read=True)
+        ids = torch.tensor([prompt_ids])
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            if mode == "batched":
+                pm.model(input_ids=ids)
+            else:
+                past = None
+                for i in range(ids.shape[1]):
+                    past = pm.model(input_ids=ids[:, i:i + 1], past_key_values=past, use_cache=True).past_key_values
+        seconds = time.perf_counter() - t0
+        st = pm.stats()
+        pm.close()
+        out[mode] = {"seconds": seconds, "tokens_per_second": len(prompt_ids) / seconds,
+                     "gib_read": st.bytes_in / 2**30}
+    out["speedup"] = out["batched"]["tokens_per_second"] / out["token-by-token"]["tokens_per_second"]
+    return out

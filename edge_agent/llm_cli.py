@@ -461,7 +461,13 @@ def llm_bench(work: str, parts: str, prompts: int, decode: int, train_seconds: f
             click.echo(f"{r['row']:36} {r['tokens_per_second']:>9.2f} {r['hit_rate']:>9.1%} {r['gib_read']:>9.2f} "
                        f"{r['tokens_per_second'] / arows[0]['tokens_per_second']:>6.2f}  {note}")
         click.echo("    not a row: next-layer prefetch (needs real hidden states; see llm generate --prefetch)")
+        pf = lb.prefill_batching(big, list(range(40, 168)))
+        click.echo(f"prefill split on this CPU box = batching a prompt's tokens per expert: 128-token prompt in one "
+                   f"pass {pf['batched']['tokens_per_second']:.1f} tokens/s ({pf['batched']['gib_read']:.2f} GiB read) "
+                   f"vs token by token {pf['token-by-token']['tokens_per_second']:.1f} tokens/s "
+                   f"({pf['token-by-token']['gib_read']:.2f} GiB): {pf['speedup']:.1f}x")
         doc["d"] = arows
+        doc["prefill"] = pf
     click.echo(json.dumps(doc))
 
 

@@ -319,3 +319,14 @@ def test_load_compute_split_computes_low_score_misses_in_place_and_stays_exact(i
     plain = load_pooled(store, memory=mem, policy="lru")
     _, plain_stats = plain.generate(x, 10)
     assert stats.misses < plain_stats.misses                       # in-place experts never entered the pool
+
+
+def test_prefill_batching_reads_each_expert_once_per_pass(imported):
+    """Item 4 on a CPU box: a prompt's tokens batched per expert, against the same prompt token by token."""
+    from edge_agent.llm_bench import prefill_batching
+
+    _, layout, store = imported("mixtral")
+    got = prefill_batching(store, _inputs(15)[0].tolist())
+    batched, single = got["batched"], got["token-by-token"]
+    assert batched["gib_read"] <= layout.expert_bytes / 2**30 + 1e-12       # at most every expert once
+    assert single["gib_read"] > batched["gib_read"] and got["speedup"] > 0
