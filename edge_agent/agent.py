@@ -112,6 +112,7 @@ class Agent:
 
         self.profile = Profile.load(cfg.scheduler.profile) if Path(cfg.scheduler.profile).is_file() else None
         self.slots = self._plan_executors()
+        self.llm_slot = self._llm_slot() if cfg.llm is not None else None
         self.probabilities = self._usage_probabilities()
         if self.llm_layout is not None:
             self.probabilities.update(self._llm_probabilities())
@@ -178,11 +179,16 @@ class Agent:
         llm = self.cfg.llm
         layout = MoELayout.load(llm.store)
         self.store = StoreUnion(self.store, ExpertStore(llm.store, verify=self.cfg.expert_verify))
-        names = [f"{ex.device}-{i}" for i, ex in enumerate(self.cfg.executors)]
-        if llm.executor is not None and not any(llm.executor == n or llm.executor.startswith(n + ".")
-                                                for n in names):
-            raise ValueError(f"llm.executor: '{llm.executor}' names no executor (they are {', '.join(names)}.N)")
         return layout
+
+    def _llm_slot(self) -> _Slot:
+        """The executor whose pool and device the LLM shares: `llm.executor` (a name or an entry), else the first."""
+        want = self.cfg.llm.executor
+        for slot in self.slots:
+            if want is None or slot.name == want or slot.name.startswith(want + "."):
+                return slot
+        raise ValueError(f"llm.executor: '{want}' names no executor (they are "
+                         f"{', '.join(s.name for s in self.slots)})")
 
     def _llm_probabilities(self) -> dict[str, float]:
         """Usage probability of each LLM expert: its per-layer popularity (from `llm.trace`), else k/E.
@@ -320,18 +326,13 @@ class Agent:
         return self
 
     def _start_llm(self) -> "LLMService":
-        """The LLM on the pool of `llm.executor` (default: the first), serving /v1/completions."""
+        """The LLM on the pool of `llm_slot`, serving /v1/completions."""
         from executors.moe_model import load_pooled
 
         from .llm_service import LLMService
 
-        llm = self.cfg.llm
-        name = llm.executor if llm.executor in self.pools else next(
-            (n for n in self.pools if llm.executor is None or n.startswith(llm.executor + ".")), None)
-        if name is None:
-            raise ValueError(f"llm.executor: '{llm.executor}' names no executor (they are "
-                             f"{', '.join(self.pools)})")
-        slot = next(s for s in self.slots if s.name == name)
+        llm, slot = self.cfg.llm, self.llm_slot
+        name = slot.name
         pm = load_pooled(llm.store, memory=self.pools[name].capacity, device=slot.ex.device,
                          shared_pool=self.pools[name], verify=self.cfg.expert_verify)
         service = LLMService(pm, bind=llm.bind, port=llm.port, default_tokens=llm.max_tokens,

@@ -48,11 +48,7 @@ def split_trace(trace: Trace) -> tuple[Trace, Trace]:
     if len(seqs) < 2:
         raise ValueError("a trace needs at least two prompts to split into a profile and a replay")
     cut = seqs[len(seqs) // 2]
-
-    def part(mask):
-        return Trace(trace.model, trace.layers, trace.top_k, trace.scoring, trace.probs[mask], trace.chosen[mask],
-                     trace.seq[mask], trace.step[mask])
-    return part(trace.seq < cut), part(trace.seq >= cut)
+    return trace.rows(trace.seq < cut), trace.rows(trace.seq >= cut)
 
 
 def mixtral_traces(data_dir: Path, tokens: int = 256, seed: int = 0) -> tuple[Trace, Trace]:
@@ -184,9 +180,7 @@ def decode_only(trace: Trace, tokens: int) -> Trace:
 
     decode = np.flatnonzero(trace.step > 0)
     last = decode[min(tokens, len(decode)) - 1] if len(decode) else -1
-    rows = np.arange(last + 1)
-    return Trace(trace.model, trace.layers, trace.top_k, trace.scoring, trace.probs[rows], trace.chosen[rows],
-                 trace.seq[rows], trace.step[rows])
+    return trace.rows(np.arange(last + 1))
 
 
 def run_decode(store: Path, profile: Trace, trace: Trace, *, share: float = 0.25,

@@ -75,9 +75,6 @@ class LLMService:
         self._run = threading.Lock()
         self._count = threading.Lock()
         self._waiting = 0
-        self.completions = 0
-        self.tokens = 0
-        self.seconds = 0.0
         self._server = ThreadingHTTPServer((bind, port), self._handler())
         self._server.daemon_threads = True
         self.port = self._server.server_address[1]
@@ -121,10 +118,6 @@ class LLMService:
         finally:
             with self._count:
                 self._waiting -= 1
-        with self._count:
-            self.completions += 1
-            self.tokens += stats.tokens
-            self.seconds += stats.seconds
         eos = bool(out) and len(out) < max_tokens
         return {"text": self.tok.decode(out, skip_special_tokens=True), "tokens": out, "prompt_tokens": len(ids),
                 "finish_reason": "stop" if eos else "length", "stats": stats}

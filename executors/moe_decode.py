@@ -10,6 +10,7 @@ see live; the Belady oracle gets the remaining accesses.
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from dataclasses import dataclass
 
@@ -93,7 +94,5 @@ def trace_decode(pm: PooledModel, trace, *, position: list[int] | None = None, s
 
 def remap(trace, model: str):
     """The same trace addressed to another model's expert ids (a big generated model of the same shape)."""
-    from routing.moe_trace import Trace
-
-    return Trace(model, trace.layers, trace.top_k, trace.scoring, trace.probs, trace.chosen, trace.seq, trace.step)
+    return dataclasses.replace(trace, model=model)
 

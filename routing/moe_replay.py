@@ -24,6 +24,7 @@ from coe import CoEError
 from coe.moe import expert_id
 from storage.policies import make_policy
 from storage.pool import Pool
+from storage.tracesim import SizeSource
 
 from .moe_trace import Trace
 
@@ -59,17 +60,6 @@ class FutureView:
         return self.flat[self.start + i]
 
 
-class _Sizes:
-    def __init__(self, nbytes: int) -> None:
-        self.nbytes = nbytes
-
-    def size(self, expert_id: str) -> int:
-        return self.nbytes
-
-    def load(self, expert_id: str) -> None:
-        return None
-
-
 def replay(trace: Trace, *, policy: str, capacity: int, expert_nbytes: int, quota: str = "shared",
            popularity: Mapping[str, float] | None = None, window: int = 8) -> ReplayResult:
     """Replay `trace` with `capacity` bytes of pool (split per layer with quota='per-layer')."""
@@ -91,7 +81,8 @@ def replay(trace: Trace, *, policy: str, capacity: int, expert_nbytes: int, quot
     per = capacity // len(trace.layers) if quota == "per-layer" else capacity
     if per < trace.top_k * expert_nbytes:
         raise CoEError(f"a {quota} pool of {per} bytes cannot hold one token's {trace.top_k} experts")
-    pools = {key: Pool("sim", per, make_policy(policy), _Sizes(expert_nbytes), probabilities=dict(popularity or {}),
+    sizes = SizeSource(dict.fromkeys(trace.ids(), expert_nbytes))
+    pools = {key: Pool("sim", per, make_policy(policy), sizes, probabilities=dict(popularity or {}),
                        context=context)
              for key in (trace.layers if quota == "per-layer" else [None])}
     rows_by_pass = [rows for _, _, rows in trace.passes()]

@@ -46,7 +46,6 @@ class RouterTap:
         self._rec: dict[int, list[tuple[np.ndarray, np.ndarray]]] | None = None
         self._rec_meta: list[tuple[int, int, int]] = []     # (seq, step, tokens) per forward pass
         self._seq, self._step = 0, 0
-        self.calls = 0
         self.alpha = 0.0                # importance-driven substitution (`substitute_with`); 0 = exact
         self._rule = WeightRule()
         self._resident_of = None
@@ -134,8 +133,6 @@ class RouterTap:
             self.counts[ids[int(e)]] = self.counts.get(ids[int(e)], 0.0) + float(n)
         self._scores = None
         first = layer == self.layout.layers[0].layer
-        if first:
-            self.calls += 1
         if self._rec is not None:
             self._rec[layer].append((probs.astype(np.float16), index.astype(np.int16)))
             if first:
@@ -155,9 +152,6 @@ class RouterTap:
 
     def context(self) -> dict:
         return {"counts": self.counts, "gate_scores": self.gate_scores()}
-
-    def seed_counts(self, counts: dict[str, float]) -> None:
-        self.counts = dict(counts)
 
     # -- recording -------------------------------------------------------------------
     @property

@@ -50,6 +50,11 @@ class Trace:
     def ids(self) -> list[str]:
         return [expert_id(self.model, l, e) for l in self.layers for e in range(self.num_experts)]
 
+    def rows(self, sel) -> "Trace":
+        """The same trace restricted to token rows `sel` (a mask or indices)."""
+        return Trace(self.model, self.layers, self.top_k, self.scoring, self.probs[sel], self.chosen[sel],
+                     self.seq[sel], self.step[sel])
+
     def passes(self) -> Iterator[tuple[int, int, np.ndarray]]:
         """(seq, step, token rows) of each forward pass, in order."""
         if not self.tokens:

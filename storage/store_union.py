@@ -21,16 +21,19 @@ class StoreUnion:
     def __init__(self, primary: ExpertStore, *others: ExpertStore) -> None:
         self.primary = primary
         self.stores = (primary, *others)
-        seen: dict[str, Path] = {}
-        for st in self.stores:
-            for e in st.entries():
-                if e.id in seen:
-                    raise CoEError(f"expert '{e.id}' is in two stores ({seen[e.id]} and {st.root}); ids must be "
-                                   "unique across the line's store and its LLM store")
-                seen[e.id] = st.root
-        self._owner = {eid: st for st in self.stores for eid in (e.id for e in st.entries())}
+        self._owner = self._index()
         self.root = primary.root
         self.verify = primary.verify
+
+    def _index(self) -> dict[str, ExpertStore]:
+        owner: dict[str, ExpertStore] = {}
+        for st in self.stores:
+            for e in st.entries():
+                if e.id in owner:
+                    raise CoEError(f"expert '{e.id}' is in two stores ({owner[e.id].root} and {st.root}); "
+                                   "ids must be unique across the line's store and its LLM store")
+                owner[e.id] = st
+        return owner
 
     def _of(self, expert_id: str) -> ExpertStore:
         st = self._owner.get(expert_id)
@@ -67,4 +70,4 @@ class StoreUnion:
     def reload(self) -> None:
         for st in self.stores:
             st.reload()
-        self._owner = {e.id: st for st in self.stores for e in st.entries()}
+        self._owner = self._index()

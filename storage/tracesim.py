@@ -27,7 +27,9 @@ class SimResult:
         return self.hits / self.accesses if self.accesses else 0.0
 
 
-class _Sizes:
+class SizeSource:
+    """A pool source of known sizes and no bytes (trace replays)."""
+
     def __init__(self, sizes: Mapping[str, int]) -> None:
         self.sizes = sizes
 
@@ -48,7 +50,7 @@ def simulate(trace: Sequence[str], sizes: Mapping[str, int], capacity: int, poli
         i = pos[0]
         return {"queued": set(trace[i + 1:i + 1 + lookahead]), "future": tuple(trace[i + 1:]) if oracle else ()}
 
-    pool = Pool("sim", capacity, make_policy(policy), _Sizes(sizes), probabilities=dict(probabilities or {}),
+    pool = Pool("sim", capacity, make_policy(policy), SizeSource(sizes), probabilities=dict(probabilities or {}),
                 preliminaries=dict(preliminaries or {}), context=context)
     for i, eid in enumerate(trace):
         pos[0] = i
