@@ -131,7 +131,8 @@ class Agent:
         for slot in self.slots:
             ex = slot.ex
             if ex.device == "cpu":
-                source = StoreSource(self.store, method=cfg.expert_read)
+                source = StoreSource(self.store, method=cfg.expert_read,
+                                     dtype=None if cfg.cpu_compute_dtype == "stored" else cfg.cpu_compute_dtype)
             else:  # a GPU pool loads through the shared host tier, or straight from SSD on unified memory
                 source = TierSource(self.host_tier or StoreSource(self.store, pin=True, method=cfg.expert_read),
                                     ex.device, exclusive=self.exclusive)

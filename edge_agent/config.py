@@ -169,6 +169,10 @@ class LineConfig(_Strict):
                                  "down into it, promoted experts leave it); inclusive: every GPU load goes "
                                  "through it and it keeps a copy (the paper's reading)")
     expert_read: Literal["read", "mmap"] = Field("read", description="how tiers read expert files (bench/expert_load.py)")
+    cpu_compute_dtype: Literal["float32", "bfloat16", "float16", "stored"] = Field(
+        "float32", description="dtype CPU executors compute in: experts stored in another floating dtype are "
+                               "cast while they load (GPU pools keep the stored half precision); 'stored' "
+                               "computes in whatever the store holds")
     unified_memory: bool = Field(False, description="Jetson-style: GPU and CPU share DRAM, no separate host tier")
     executors: list[ExecutorConfig] = Field(default_factory=lambda: [ExecutorConfig()])
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)

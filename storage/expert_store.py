@@ -25,9 +25,11 @@ process), 'always', or 'never' (a truncated or corrupt file still fails to parse
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
+import shutil
 import tempfile
 import threading
 import uuid
@@ -37,6 +39,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from coe import CoEError, Expert, ExpertLoadError
+
+from .flat import Layout, read_layout
 
 try:  # advisory locking between processes; absent on Windows, where the in-process lock still holds
     import fcntl
@@ -50,15 +54,22 @@ if TYPE_CHECKING:
 
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = "coe-edge/expert-store"
-MANIFEST_VERSION = 1
+MANIFEST_VERSION = 2          # 2 adds compression; version 1 manifests read as uncompressed stores
+READ_VERSIONS = (1, 2)
 SUFFIX = ".safetensors"
 VERIFY_POLICIES = ("first", "always", "never")
+COMPRESSIONS = ("none", "exponent-zstd")
 _CHUNK = 1 << 20
 
 
 @dataclass(frozen=True)
 class ManifestEntry:
-    """One expert as the manifest records it.  `nbytes` counts tensor bytes, not file bytes."""
+    """One expert as the manifest records it.  `nbytes` counts tensor bytes, not file bytes.
+
+    `sha256` is always the hash of the plain safetensors bytes, decoded ones
+    for a compressed expert, so it means the same whatever the store does.
+    Older manifests lack the last four fields; they read as plain files.
+    """
 
     id: str
     arch: str
@@ -68,6 +79,22 @@ class ManifestEntry:
     nbytes: int
     dtype: str
     version: int
+    compression: str = "none"
+    stored_nbytes: int = 0   # the file on disk
+    plain_nbytes: int = 0    # the plain safetensors file it decodes to
+    bound_nbytes: int = 0    # entropy bound of the compressed form (0: not measured)
+
+    @property
+    def ratio(self) -> float:
+        """Stored bytes over plain-file bytes (1.0 for a plain file)."""
+        if self.compression == "none" or not self.plain_nbytes:
+            return 1.0
+        return self.stored_nbytes / self.plain_nbytes
+
+    @property
+    def bound(self) -> float | None:
+        """The exponent-entropy bound as a ratio of the plain file, when measured."""
+        return self.bound_nbytes / self.plain_nbytes if self.bound_nbytes and self.plain_nbytes else None
 
 
 class ExpertStore:
@@ -85,6 +112,8 @@ class ExpertStore:
         self.verify = verify
         self._lock = threading.RLock()
         self._verified: set[tuple[str, str]] = set()  # (id, sha256) whose file hashed correctly
+        self._layouts: dict[tuple[str, str], Layout] = {}  # (id, sha256) -> stored layout
+        self._compression = "none"
         try:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
@@ -122,6 +151,34 @@ class ExpertStore:
     def nbytes(self, expert_id: str) -> int:
         return self.entry(expert_id).nbytes
 
+    @property
+    def compression(self) -> str:
+        """How new and rewritten experts are stored: 'none' or 'exponent-zstd' (the manifest keeps it)."""
+        return self._compression
+
+    def layout(self, expert_id: str) -> Layout:
+        """Where each tensor sits in the expert's plain data section (cached per content)."""
+        from .compressed import read_header
+
+        entry = self.entry(expert_id)
+        key = (expert_id, entry.sha256)
+        found = self._layouts.get(key)
+        if found is None:
+            path = self._existing(entry)
+            found = (read_header(path, expert_id).layout if entry.compression != "none"
+                     else read_layout(path, expert_id)[0])
+            with self._lock:
+                self._layouts[key] = found
+        return found
+
+    def loaded_nbytes(self, expert_id: str, dtype: str | None = None) -> int:
+        """Bytes the expert takes in memory when loaded to compute in `dtype` (None: as stored)."""
+        if dtype is None:
+            return self.nbytes(expert_id)
+        from .convert import converted_layout
+
+        return converted_layout(self.layout(expert_id), dtype).nbytes
+
     def reload(self) -> None:
         """Re-read the manifest from disk (another process may have written experts)."""
         entries = self._load_manifest()
@@ -149,8 +206,7 @@ class ExpertStore:
         dtype = max(by_dtype.items(), key=lambda kv: kv[1])[0]
 
         file = expert.id + SUFFIX
-        final = self.root / file
-        tmp = self.root / f".{file}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+        tmp = self._tmp(file)
         # one metadata key: safetensors stores metadata in a hash map, so several keys would be
         # written in a random order and the same tensors would hash differently on every write
         meta = {"coe": json.dumps({"expert_id": expert.id, "arch": expert.arch, "kind": expert.kind,
@@ -161,32 +217,116 @@ class ExpertStore:
             except (RuntimeError, ValueError) as exc:  # shared storage, unsupported dtype
                 raise CoEError(f"expert '{expert.id}': cannot serialise tensors: {exc}") from None
             digest = _sha256(tmp)
-            _fsync_file(tmp)
             entry = ManifestEntry(id=expert.id, arch=expert.arch, kind=expert.kind, file=file, sha256=digest,
-                                  nbytes=nbytes, dtype=dtype, version=int(version))
+                                  nbytes=nbytes, dtype=dtype, version=int(version),
+                                  stored_nbytes=tmp.stat().st_size, plain_nbytes=tmp.stat().st_size)
+            if self._compression != "none":
+                return self._install(self._compressed(entry, tmp))
+            return self._install(entry, tmp)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+
+    def set_compression(self, mode: str) -> None:
+        """Make `mode` the store's compression for experts written from now on (see `recompress`)."""
+        if mode not in COMPRESSIONS:
+            raise CoEError(f"expert store: compression must be one of {', '.join(COMPRESSIONS)}, got {mode!r}")
+        with self._lock, self._process_lock():
+            entries = self._load_manifest()
+            self._compression = mode
+            self._write_manifest(entries)
+            self._entries = entries
+
+    def recompress(self, expert_id: str) -> ManifestEntry:
+        """Rewrite one expert in the store's compression; its sha256 (of the plain bytes) stays."""
+        from .compressed import decompress_file
+
+        entry = self.entry(expert_id)
+        if entry.compression == self._compression:
+            return entry
+        src = self._existing(entry)
+        tmp = self._tmp(expert_id + SUFFIX)
+        try:
+            if entry.compression != "none":
+                decompress_file(src, tmp, expert_id)
+            else:
+                shutil.copyfile(src, tmp)
+            if _sha256(tmp) != entry.sha256:
+                raise ExpertLoadError(expert_id, str(src), "sha256 mismatch: refusing to rewrite a corrupt expert")
+            size = tmp.stat().st_size
+            plain = dataclasses.replace(entry, file=expert_id + SUFFIX, compression="none", stored_nbytes=size,
+                                        plain_nbytes=size, bound_nbytes=0)
+            if self._compression != "none":
+                return self._install(self._compressed(plain, tmp))
+            return self._install(plain, tmp)
+        finally:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+
+    def _compressed(self, plain: ManifestEntry, plain_file: Path) -> tuple[ManifestEntry, Path]:
+        """Compress `plain_file` to a temp file; the entry it would have."""
+        from .compressed import SUFFIX as ZSUFFIX
+        from .compressed import compress_file
+
+        file = plain.id + ZSUFFIX
+        tmp = self._tmp(file)
+        try:
+            stats = compress_file(plain_file, tmp, plain.id)
+        except BaseException:
+            with contextlib.suppress(FileNotFoundError):
+                tmp.unlink()
+            raise
+        return dataclasses.replace(plain, file=file, compression=self._compression,
+                                   stored_nbytes=stats.stored_bytes, plain_nbytes=stats.raw_bytes,
+                                   bound_nbytes=stats.bound_bytes), tmp
+
+    def _install(self, entry: ManifestEntry | tuple[ManifestEntry, Path], tmp: Path | None = None) -> ManifestEntry:
+        """Move `tmp` into place as `entry`'s file and record it; the expert's older file goes."""
+        if isinstance(entry, tuple):
+            entry, tmp = entry
+        assert tmp is not None
+        try:
+            _fsync_file(tmp)
             with self._lock, self._process_lock():
-                os.replace(tmp, final)
+                os.replace(tmp, self.root / entry.file)
                 _fsync_dir(self.root)
                 entries = self._load_manifest()  # pick up what other processes wrote meanwhile
-                entries[expert.id] = entry
+                old = entries.get(entry.id)
+                entries[entry.id] = entry
                 self._write_manifest(entries)
                 self._entries = entries
-                self._verified = {v for v in self._verified if v[0] != expert.id}
+                self._verified = {v for v in self._verified if v[0] != entry.id}
+                if old is not None and old.file != entry.file:
+                    with contextlib.suppress(FileNotFoundError):
+                        (self.root / old.file).unlink()   # readers that mapped it keep the inode
         finally:
             with contextlib.suppress(FileNotFoundError):
                 tmp.unlink()
         return entry
 
+    def _tmp(self, file: str) -> Path:
+        return self.root / f".{file}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
+
+    def _existing(self, entry: ManifestEntry) -> Path:
+        path = self.root / entry.file
+        if not path.is_file():
+            raise ExpertLoadError(entry.id, str(path), "file missing from the expert store")
+        return path
+
     # -- read -----------------------------------------------------------------------
     def read(self, expert_id: str) -> dict[str, "torch.Tensor"]:
-        """The expert's tensors (CPU, memory-mapped), verified per the store's policy."""
+        """The expert's tensors on the CPU, verified per the store's policy.
+
+        A plain file is memory-mapped (page-cache backed); a compressed one is
+        decoded into one private buffer.
+        """
         from safetensors.torch import load_file
 
         entry = self.entry(expert_id)
-        path = self.root / entry.file
+        path = self._existing(entry)
+        if entry.compression != "none":
+            return self.read_flat(expert_id).tensors()
         where = str(path)
-        if not path.is_file():
-            raise ExpertLoadError(expert_id, where, "file missing from the expert store")
         key = (expert_id, entry.sha256)
         if self.verify == "always" or (self.verify == "first" and key not in self._verified):
             try:
@@ -209,29 +349,69 @@ class ExpertStore:
         return tensors
 
     def read_flat(self, expert_id: str, *, pin: bool = False, method: str = "read",
-                  out: "FlatWeights | None" = None) -> "FlatWeights":
+                  out: "FlatWeights | None" = None, dtype: str | None = None) -> "FlatWeights":
         """The expert as one private buffer read sequentially (the tiers' format).
 
         Verification per the store's policy happens while the bytes stream in,
-        so a checked cold load still reads the disk once.
+        so a checked cold load still reads the disk once.  A compressed expert
+        decodes chunk by chunk into the buffer; with `dtype` its floating
+        tensors are cast on the way in (see `storage.convert`).  `out` lends
+        its buffer when it has exactly the loaded size.
         """
         from .flat import read_flat
 
         entry = self.entry(expert_id)
-        path = self.root / entry.file
-        if not path.is_file():
-            raise ExpertLoadError(expert_id, str(path), "file missing from the expert store")
+        path = self._existing(entry)
         key = (expert_id, entry.sha256)
         check = self.verify == "always" or (self.verify == "first" and key not in self._verified)
-        flat = read_flat(path, expert_id, pin=pin, expect_sha256=entry.sha256 if check else None,
-                         method=method, out=out)
-        if flat.nbytes != entry.nbytes:
+        expect = entry.sha256 if check else None
+        if entry.compression == "none" and self.loaded_nbytes(expert_id, dtype) == entry.nbytes:
+            flat = read_flat(path, expert_id, pin=pin, expect_sha256=expect, method=method, out=out)
+        else:
+            flat = self._stream_flat(entry, path, pin=pin, out=out, dtype=dtype, expect_sha256=expect)
+        if flat.nbytes != self.loaded_nbytes(expert_id, dtype):
             raise ExpertLoadError(expert_id, str(path),
                                   f"file holds {flat.nbytes} tensor bytes, manifest says {entry.nbytes}")
         if check:
             with self._lock:
                 self._verified.add(key)
         return flat
+
+    def _stream_flat(self, entry: ManifestEntry, path: Path, *, pin: bool, out: "FlatWeights | None",
+                     dtype: str | None, expect_sha256: str | None) -> "FlatWeights":
+        """Decode and/or convert into one buffer through a bounded scratch buffer."""
+        import torch
+
+        from .compressed import decode_to, iter_decoded, read_header
+        from .convert import Placer, converted_layout
+        from .flat import FlatWeights, iter_plain
+
+        eid = entry.id
+        if entry.compression != "none":
+            header = read_header(path, eid)
+            stored, prefix = header.layout, header.prefix
+        else:
+            stored, prefix = read_layout(path, eid)
+        target = converted_layout(stored, dtype)
+        if out is not None and (out.nbytes != target.nbytes or out.device.type != "cpu"):
+            out = None
+        buf = out.buffer if out is not None else torch.empty(target.nbytes, dtype=torch.uint8, pin_memory=pin)
+        dest = buf.numpy()
+        if target is stored and entry.compression != "none":
+            decode_to(path, header, eid, dest, expect_sha256)
+            return FlatWeights(target, buf, like=out)
+        hasher = hashlib.sha256(prefix) if expect_sha256 else None
+        placer = Placer(stored, target, buf)
+        pieces = (iter_decoded(path, header, eid) if entry.compression != "none"
+                  else iter_plain(path, stored, eid))
+        for start, end, view in pieces:
+            if hasher is not None:
+                hasher.update(view)
+            placer.place(start, end, view)
+        if hasher is not None and hasher.hexdigest() != expect_sha256:
+            raise ExpertLoadError(eid, str(path), f"sha256 mismatch: manifest {expect_sha256[:12]}…, "
+                                                  f"file {hasher.hexdigest()[:12]}…")
+        return FlatWeights(target, buf, like=out)
 
     # -- manifest ---------------------------------------------------------------------
     def _load_manifest(self) -> dict[str, ManifestEntry]:
@@ -250,9 +430,13 @@ class ExpertStore:
         if not isinstance(raw, dict) or raw.get("format") != MANIFEST_FORMAT:
             raise CoEError(f"{src}: malformed expert store manifest: expected an object with "
                            f"format '{MANIFEST_FORMAT}'")
-        if raw.get("version") != MANIFEST_VERSION:
+        if raw.get("version") not in READ_VERSIONS:
             raise CoEError(f"{src}: unsupported expert store manifest version {raw.get('version')!r} "
-                           f"(this build reads {MANIFEST_VERSION})")
+                           f"(this build reads {', '.join(map(str, READ_VERSIONS))})")
+        compression = raw.get("compression", "none")
+        if compression not in COMPRESSIONS:
+            raise CoEError(f"{src}: compression: must be one of {', '.join(COMPRESSIONS)}, got {compression!r}")
+        self._compression = compression
         items = raw.get("experts")
         if not isinstance(items, list):
             raise CoEError(f"{src}: malformed expert store manifest: 'experts' must be a list")
@@ -266,17 +450,24 @@ class ExpertStore:
 
     def _parse_entry(self, item: object, where: str) -> ManifestEntry:
         types = {"id": str, "arch": str, "kind": str, "file": str, "sha256": str, "nbytes": int,
-                 "dtype": str, "version": int}
+                 "dtype": str, "version": int, "compression": str, "stored_nbytes": int, "plain_nbytes": int,
+                 "bound_nbytes": int}
+        optional = {"compression", "stored_nbytes", "plain_nbytes", "bound_nbytes"}
         if not isinstance(item, dict):
             raise CoEError(f"{where}: malformed expert store manifest: expected an object")
         for f in fields(ManifestEntry):
             val = item.get(f.name)
             if f.name not in item:
+                if f.name in optional:
+                    continue
                 raise CoEError(f"{where}: malformed expert store manifest: missing '{f.name}'")
             if not isinstance(val, types[f.name]) or isinstance(val, bool):
                 raise CoEError(f"{where}.{f.name}: malformed expert store manifest: "
                                f"must be {types[f.name].__name__}, got {type(val).__name__}")
-        entry = ManifestEntry(**{f.name: item[f.name] for f in fields(ManifestEntry)})
+        entry = ManifestEntry(**{f.name: item[f.name] for f in fields(ManifestEntry) if f.name in item})
+        if entry.compression not in COMPRESSIONS:
+            raise CoEError(f"{where}.compression: must be one of {', '.join(COMPRESSIONS)}, "
+                           f"got {entry.compression!r}")
         try:
             _check_id(entry.id)
         except CoEError as exc:
@@ -295,7 +486,7 @@ class ExpertStore:
             raise CoEError(f"{where}.file: '{file}' is not a file directly inside the store root {self.root}")
 
     def _write_manifest(self, entries: Mapping[str, ManifestEntry]) -> None:
-        doc = {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION,
+        doc = {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "compression": self._compression,
                "experts": [asdict(entries[k]) for k in sorted(entries)]}
         fd, tmp = tempfile.mkstemp(prefix=f".{MANIFEST}.", suffix=".tmp", dir=self.root)
         try:

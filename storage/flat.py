@@ -67,6 +67,11 @@ def read_layout(path: str | os.PathLike, expert_id: str) -> tuple[Layout, bytes]
             raw = fh.read(n)
     except OSError as exc:
         raise ExpertLoadError(expert_id, where, f"cannot read: {exc.strerror or exc}") from None
+    return parse_layout(raw, size - 8 - n, 8 + n, expert_id, where), head + raw
+
+
+def parse_layout(raw: bytes, data: int, data_offset: int, expert_id: str, where: str) -> Layout:
+    """Check a safetensors header (its JSON bytes) against a data section of `data` bytes."""
     try:
         header = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:
@@ -85,7 +90,6 @@ def read_layout(path: str | os.PathLike, expert_id: str) -> tuple[Layout, bytes]
             raise ExpertLoadError(expert_id, where, f"corrupt safetensors header entry for '{name}'") from None
         specs.append(TensorSpec(name, dtype, shape, start, end))
     specs.sort(key=lambda s: s.start)
-    data = size - 8 - n
     pos = 0
     for s in specs:
         if s.start != pos or s.end < s.start:
@@ -95,7 +99,7 @@ def read_layout(path: str | os.PathLike, expert_id: str) -> tuple[Layout, bytes]
     if pos != data:
         raise ExpertLoadError(expert_id, where, f"truncated or corrupt: tensors need {pos} data bytes, "
                                                 f"file has {data}")
-    return Layout(tuple(specs), 8 + n, pos), head + raw
+    return Layout(tuple(specs), data_offset, pos)
 
 
 class FlatWeights:
@@ -212,3 +216,27 @@ def _copy_mmap(path, layout: Layout, mv: memoryview, hasher) -> int:
             finally:
                 src.release()
     return got
+
+
+def iter_plain(path: str | os.PathLike, layout: Layout, expert_id: str, piece: int = 1 << 20):
+    """Read a plain file's data section in pieces that never cross a tensor: yields (start, end, bytes).
+
+    The scratch buffer is reused, so a piece is valid until the next one.
+    """
+    import numpy as np
+
+    from .convert import pieces
+
+    ranges = pieces(layout, piece)
+    scratch = np.empty(max((e - s for s, e in ranges), default=0), np.uint8)
+    try:
+        with open(path, "rb", buffering=0) as fh:
+            fh.seek(layout.data_offset)
+            for s, e in ranges:
+                view = scratch[:e - s]
+                got = fh.readinto(memoryview(view))
+                if got != e - s:
+                    raise ExpertLoadError(expert_id, str(path), f"truncated while reading at data byte {s + (got or 0)}")
+                yield s, e, view
+    except OSError as exc:
+        raise ExpertLoadError(expert_id, str(path), f"cannot read: {exc.strerror or exc}") from None

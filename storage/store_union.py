@@ -53,6 +53,12 @@ class StoreUnion:
     def nbytes(self, expert_id: str) -> int:
         return self._of(expert_id).nbytes(expert_id)
 
+    def loaded_nbytes(self, expert_id: str, dtype: str | None = None) -> int:
+        return self._of(expert_id).loaded_nbytes(expert_id, dtype)
+
+    def layout(self, expert_id: str):
+        return self._of(expert_id).layout(expert_id)
+
     def path(self, expert_id: str) -> Path:
         return self._of(expert_id).path(expert_id) if expert_id in self._owner else self.primary.path(expert_id)
 

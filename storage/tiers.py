@@ -46,28 +46,36 @@ def take_buffer(reuse, nbytes: int, device, pinned: bool | None = None) -> FlatW
 
 
 class StoreSource:
-    """SSD tier: the expert store, read into host memory (into an evicted expert's buffer when sizes match)."""
+    """SSD tier: the expert store, read into host memory (into an evicted expert's buffer when sizes match).
+
+    `dtype` is the dtype a CPU executor computes in: floating tensors stored
+    in another dtype are cast while they load (fp16 on disk, fp32 in the
+    pool), and the pool accounts the loaded size.  None keeps the stored
+    dtype, which is what a GPU tier wants (half precision stays half).
+    Compressed experts decode on the calling loader thread.
+    """
 
     reuses_memory = True
 
-    def __init__(self, store, *, pin: bool = False, method: str = "read", drop_after_read: bool = False) -> None:
+    def __init__(self, store, *, pin: bool = False, method: str = "read", drop_after_read: bool = False,
+                 dtype: str | None = None) -> None:
         import torch
 
-        self.store, self.pin, self.method = store, pin, method
+        self.store, self.pin, self.method, self.dtype = store, pin, method, dtype
         # a box whose RAM is the budget has no page cache to spare: every miss then reads the SSD
         self.drop_after_read = drop_after_read
         self._cpu = torch.device("cpu")
         self.reused = 0
 
     def size(self, expert_id: str) -> int:
-        return self.store.nbytes(expert_id)
+        return self.store.loaded_nbytes(expert_id, self.dtype) if self.dtype else self.store.nbytes(expert_id)
 
     def load(self, expert_id: str, reuse=None) -> FlatWeights:
         out = take_buffer(reuse, self.size(expert_id), self._cpu, self.pin) if reuse else None
         if reuse:
             reuse.clear()  # the victims we did not take are freed before we allocate
         self.reused += out is not None
-        flat = self.store.read_flat(expert_id, pin=self.pin, method=self.method, out=out)
+        flat = self.store.read_flat(expert_id, pin=self.pin, method=self.method, out=out, dtype=self.dtype)
         if self.drop_after_read:
             from .pagecache import drop_from_page_cache
 

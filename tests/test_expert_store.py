@@ -61,11 +61,15 @@ def test_manifest_records_hash_size_and_dtype(tmp_path: Path) -> None:
     path = tmp_path / "cls-a.safetensors"
     assert entry == ManifestEntry(id="cls-a", arch="torchvision/resnet18", kind="classifier",
                                   file="cls-a.safetensors", sha256=hashlib.sha256(path.read_bytes()).hexdigest(),
-                                  nbytes=(2 * 64 + 2 + 64) * 4 + 8, dtype="float32", version=3)
+                                  nbytes=(2 * 64 + 2 + 64) * 4 + 8, dtype="float32", version=3,
+                                  stored_nbytes=path.stat().st_size, plain_nbytes=path.stat().st_size)
     on_disk = json.loads((tmp_path / "manifest.json").read_text())
     assert on_disk["experts"] == [{"id": "cls-a", "arch": "torchvision/resnet18", "kind": "classifier",
                                    "file": "cls-a.safetensors", "sha256": entry.sha256, "nbytes": entry.nbytes,
-                                   "dtype": "float32", "version": 3}]
+                                   "dtype": "float32", "version": 3, "compression": "none",
+                                   "stored_nbytes": path.stat().st_size, "plain_nbytes": path.stat().st_size,
+                                   "bound_nbytes": 0}]
+    assert on_disk["version"] == 2 and on_disk["compression"] == "none"
     assert store.nbytes("cls-a") == entry.nbytes and store.path("cls-a") == path
     assert sorted(os.listdir(tmp_path)) == [".manifest.lock", "cls-a.safetensors", "manifest.json"]  # no temp files
 

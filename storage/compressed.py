@@ -1,0 +1,289 @@
+"""Compressed expert files (`compression: exponent-zstd`): format, writer, streaming reader.
+
+A compressed expert keeps the safetensors header of the file it replaces, so
+the layout, and the sha256 of the decoded bytes, are those of the
+uncompressed file: the manifest's hash means the same thing either way and a
+corrupt chunk is caught exactly as a corrupt plain file is.
+
+    magic "COEZSTD1"  | u64 n | JSON (format, version, prefix length, chunk table)
+    the original safetensors prefix (u64 header length + header JSON)
+    chunk payloads back to back: zstd frame of the exponent plane, then the raw plane
+
+Chunks never cross a tensor and hold whole elements, so each decodes by
+itself (on any thread) straight to its place in the flat buffer.  Reading is
+a pipeline: while chunk group i decodes on the loader thread, the read of
+group i+1 is already in flight on a reader thread (`os.pread` and zstd both
+release the GIL), so a cold load costs max(read, decode), not their sum.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from coe import ExpertLoadError
+
+from . import exponent_codec as codec
+from .flat import Layout, parse_layout, read_layout
+
+MAGIC = b"COEZSTD1"
+FORMAT = "coe-edge/exponent-zstd"
+VERSION = 1
+SUFFIX = ".coez"
+CHUNK_BYTES = 1 << 20          # decoded bytes per chunk: big enough for zstd's tables to pay
+_GROUP_BYTES = 4 << 20         # stored bytes per read: one pread while the previous group decodes
+_MAX_HEAD = 64 << 20
+_readers: ThreadPoolExecutor | None = None
+
+
+def _reader() -> ThreadPoolExecutor:
+    global _readers
+    if _readers is None:
+        _readers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="coe-read")
+    return _readers
+
+
+@dataclass(frozen=True)
+class Chunk:
+    start: int        # decoded data-section byte range
+    end: int
+    codec: str
+    zlen: int         # exponent frame bytes
+    rlen: int         # raw plane bytes
+    offset: int       # where the payload starts in the file
+
+    @property
+    def stored(self) -> int:
+        return self.zlen + self.rlen
+
+
+@dataclass(frozen=True)
+class CompressedHeader:
+    layout: Layout
+    prefix: bytes                 # the uncompressed file's first bytes (hashing starts with them)
+    chunks: tuple[Chunk, ...]
+    file_bytes: int
+
+    @property
+    def decoded_file_bytes(self) -> int:
+        return len(self.prefix) + self.layout.nbytes
+
+
+@dataclass(frozen=True)
+class CompressionStats:
+    """What compressing one expert achieved, against what the exponent entropy allows."""
+
+    raw_bytes: int        # the uncompressed file
+    stored_bytes: int     # the compressed file
+    bound_bytes: int      # header + raw planes + entropy of each tensor's coded plane
+
+    @property
+    def ratio(self) -> float:
+        return self.stored_bytes / self.raw_bytes if self.raw_bytes else 1.0
+
+    @property
+    def bound(self) -> float:
+        return self.bound_bytes / self.raw_bytes if self.raw_bytes else 1.0
+
+
+def is_compressed(path: str | os.PathLike) -> bool:
+    try:
+        with open(path, "rb") as fh:
+            return fh.read(len(MAGIC)) == MAGIC
+    except OSError:
+        return False
+
+
+def compress_file(src: str | os.PathLike, dst: str | os.PathLike, expert_id: str, *,
+                  chunk_bytes: int = CHUNK_BYTES) -> CompressionStats:
+    """Write `dst`, the exponent-zstd form of the safetensors file `src` (not atomic: write to a temp name)."""
+    layout, prefix = read_layout(src, expert_id)
+    chunks: list[list] = []
+    payloads: list[bytes] = []
+    bound_bits = 0.0
+    with open(src, "rb") as fh:
+        fh.seek(layout.data_offset)
+        data = np.frombuffer(fh.read(layout.nbytes), np.uint8)
+    if data.size != layout.nbytes:
+        raise ExpertLoadError(expert_id, str(src), "truncated while compressing")
+    for spec in layout.specs:
+        kind = codec.codec_for(spec.dtype)
+        width = codec.element_size(kind)
+        tensor = data[spec.start:spec.end]
+        step = max(width, chunk_bytes // width * width)
+        hist = codec.exponent_histogram(tensor, kind)
+        bound_bits += (codec.bound_bits(kind, _coded_hist(tensor, kind, hist)) * (tensor.size // width)
+                       if kind != "raw" else 8 * tensor.size)
+        for pos in range(0, tensor.size, step):
+            enc = codec.encode(tensor[pos:pos + step], kind)
+            end = min(pos + step, tensor.size)
+            chunks.append([spec.start + pos, spec.start + end, kind, len(enc.zplane), len(enc.raw)])
+            payloads += [enc.zplane, enc.raw]
+    head = json.dumps({"format": FORMAT, "version": VERSION, "prefix": len(prefix), "chunks": chunks},
+                      separators=(",", ":")).encode()
+    with open(dst, "wb") as out:
+        out.write(MAGIC + struct.pack("<Q", len(head)) + head + prefix)
+        for p in payloads:
+            out.write(p)
+        stored = out.tell()
+    overhead = len(MAGIC) + 8 + len(head) + len(prefix)
+    return CompressionStats(raw_bytes=len(prefix) + layout.nbytes, stored_bytes=stored,
+                            bound_bytes=overhead + int(bound_bits / 8))
+
+
+def _coded_hist(tensor: np.ndarray, kind: str, hist: np.ndarray) -> np.ndarray:
+    """The histogram of the plane the coder sees: the exponent, or fp16's whole high byte."""
+    if kind == "fp16":
+        return np.bincount(tensor.reshape(-1, 2)[:, 1], minlength=256)
+    return hist
+
+
+def read_header(path: str | os.PathLike, expert_id: str) -> CompressedHeader:
+    """Parse and check a compressed file's header and chunk table (no payload is read)."""
+    where = str(path)
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as fh:
+            start = fh.read(len(MAGIC) + 8)
+            if len(start) < len(MAGIC) + 8 or start[:len(MAGIC)] != MAGIC:
+                raise ExpertLoadError(expert_id, where, "not an exponent-zstd expert file (bad magic)")
+            (n,) = struct.unpack("<Q", start[len(MAGIC):])
+            if n > _MAX_HEAD or len(start) + n > size:
+                raise ExpertLoadError(expert_id, where, f"corrupt or truncated: header claims {n} bytes, "
+                                                        f"file has {size}")
+            head = fh.read(n)
+            try:
+                doc = json.loads(head.decode("utf-8"))
+                if doc.get("format") != FORMAT or doc.get("version") != VERSION:
+                    raise ValueError(f"format {doc.get('format')!r} version {doc.get('version')!r}")
+                plen = int(doc["prefix"])
+                raw_chunks = doc["chunks"]
+                if not isinstance(raw_chunks, list) or not 8 <= plen <= _MAX_HEAD:
+                    raise ValueError("bad chunk table or prefix length")
+            except (UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as exc:
+                raise ExpertLoadError(expert_id, where, f"corrupt compressed header: {exc}") from None
+            prefix = fh.read(plen)
+    except OSError as exc:
+        raise ExpertLoadError(expert_id, where, f"cannot read: {exc.strerror or exc}") from None
+    if len(prefix) != plen:
+        raise ExpertLoadError(expert_id, where, "truncated inside the safetensors prefix")
+    (hlen,) = struct.unpack("<Q", prefix[:8])
+    if hlen != plen - 8:
+        raise ExpertLoadError(expert_id, where, "corrupt compressed header: prefix length disagrees")
+    offset = len(MAGIC) + 8 + n + plen
+    chunks, pos = [], 0
+    try:
+        for c in raw_chunks:
+            s, e, kind, zlen, rlen = c
+            s, e, zlen, rlen = int(s), int(e), int(zlen), int(rlen)
+            if kind not in codec.CODECS or s != pos or e <= s or zlen < 0 or rlen < 0:
+                raise ValueError(f"chunk {len(chunks)} ({c!r}) is out of place")
+            chunks.append(Chunk(s, e, kind, zlen, rlen, offset))
+            offset += zlen + rlen
+            pos = e
+    except (ValueError, TypeError) as exc:
+        raise ExpertLoadError(expert_id, where, f"corrupt chunk table: {exc}") from None
+    layout = parse_layout(prefix[8:], pos, 8 + hlen, expert_id, where)
+    if offset != size:
+        raise ExpertLoadError(expert_id, where, f"truncated or corrupt: chunks need {offset} bytes, file has {size}")
+    return CompressedHeader(layout, prefix, tuple(chunks), size)
+
+
+def _groups(chunks: tuple[Chunk, ...]) -> list[tuple[Chunk, ...]]:
+    groups, cur, size = [], [], 0
+    for c in chunks:
+        cur.append(c)
+        size += c.stored
+        if size >= _GROUP_BYTES:
+            groups.append(tuple(cur))
+            cur, size = [], 0
+    if cur:
+        groups.append(tuple(cur))
+    return groups
+
+
+def iter_decoded(path: str | os.PathLike, header: CompressedHeader, expert_id: str,
+                 dest: np.ndarray | None = None) -> Iterator[tuple[int, int, np.ndarray]]:
+    """Decode chunk by chunk, in order: yields (start, end, decoded bytes).
+
+    With `dest` (the flat buffer as uint8) each chunk decodes in place there;
+    without, into a scratch buffer that the next chunk reuses (for a caller
+    that converts dtypes on the way).  Reads run one group ahead.
+    """
+    where = str(path)
+    groups = _groups(header.chunks)
+    scratch = None if dest is not None else np.empty(max((c.end - c.start for c in header.chunks), default=0),
+                                                     np.uint8)
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as exc:
+        raise ExpertLoadError(expert_id, where, f"cannot read: {exc.strerror or exc}") from None
+    pool = _reader()
+
+    def read(g: tuple[Chunk, ...]):
+        return pool.submit(os.pread, fd, sum(c.stored for c in g), g[0].offset)
+
+    ahead = read(groups[0]) if groups else None
+    try:
+        for gi, group in enumerate(groups):
+            try:
+                data = ahead.result()
+            except OSError as exc:
+                raise ExpertLoadError(expert_id, where, f"cannot read: {exc.strerror or exc}") from None
+            ahead = read(groups[gi + 1]) if gi + 1 < len(groups) else None
+            want = sum(c.stored for c in group)
+            if len(data) != want:
+                raise ExpertLoadError(expert_id, where, f"truncated while reading: {len(data)} of {want} bytes "
+                                                        f"at offset {group[0].offset}")
+            mv, at = memoryview(data), 0
+            for c in group:
+                out = dest[c.start:c.end] if dest is not None else scratch[:c.end - c.start]
+                try:
+                    codec.decode_into(out, c.codec, mv[at:at + c.zlen], mv[at + c.zlen:at + c.stored])
+                except codec.CodecError as exc:
+                    index = header.chunks.index(c)
+                    raise ExpertLoadError(expert_id, where, f"corrupt chunk {index} (data bytes {c.start}-{c.end}, "
+                                                            f"{c.codec}): {exc}") from None
+                at += c.stored
+                yield c.start, c.end, out
+    finally:
+        if ahead is not None:
+            ahead.cancel()
+            try:
+                ahead.result()
+            except Exception:  # noqa: BLE001 - the read we no longer need may fail too
+                pass
+        os.close(fd)
+
+
+def decode_to(path: str | os.PathLike, header: CompressedHeader, expert_id: str, dest: np.ndarray,
+              expect_sha256: str | None = None) -> None:
+    """Decode the whole expert into `dest` (the flat buffer), checking the decoded bytes' sha256."""
+    hasher = hashlib.sha256(header.prefix) if expect_sha256 else None
+    for _s, _e, view in iter_decoded(path, header, expert_id, dest):
+        if hasher is not None:
+            hasher.update(view)
+    if hasher is not None and hasher.hexdigest() != expect_sha256:
+        raise ExpertLoadError(expert_id, str(path), f"sha256 of the decoded bytes mismatch: manifest "
+                                                    f"{expect_sha256[:12]}…, decoded {hasher.hexdigest()[:12]}…")
+
+
+def decompress_file(src: str | os.PathLike, dst: str | os.PathLike, expert_id: str) -> None:
+    """Write `dst`, the plain safetensors file `src` was made from."""
+    header = read_header(src, expert_id)
+    buf = np.empty(header.layout.nbytes, np.uint8)
+    decode_to(src, header, expert_id, buf)
+    with open(dst, "wb") as out:
+        out.write(header.prefix)
+        out.write(buf.tobytes())
+
+
+def write_path_for(root: Path, expert_id: str) -> Path:
+    return root / (expert_id + SUFFIX)

@@ -1,0 +1,212 @@
+"""Exponent-zstd compression: bit-exact round trips, corrupt chunks caught, the store's plumbing."""
+from __future__ import annotations
+
+import json
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from coe import CoEError, Expert, ExpertLoadError
+from storage import exponent_codec as codec
+from storage.compressed import CHUNK_BYTES, compress_file, read_header
+from storage.expert_store import ExpertStore
+from storage.tiers import StoreSource
+
+SPECIALS = {
+    # NaN (quiet and signalling payloads), +-Inf, +-0, the smallest subnormals, the largest finite values
+    "bf16": [0x7FC0, 0x7F81, 0xFFC1, 0x7F80, 0xFF80, 0x0000, 0x8000, 0x0001, 0x8001, 0x007F, 0x7F7F, 0xFF7F],
+    "fp16": [0x7E00, 0x7C01, 0xFE01, 0x7C00, 0xFC00, 0x0000, 0x8000, 0x0001, 0x8001, 0x03FF, 0x7BFF, 0xFBFF],
+    "fp32": [0x7FC00000, 0x7F800001, 0xFFC00001, 0x7F800000, 0xFF800000, 0x0, 0x80000000, 0x1, 0x80000001,
+             0x007FFFFF, 0x7F7FFFFF, 0xFF7FFFFF],
+}
+UINT = {"bf16": np.uint16, "fp16": np.uint16, "fp32": np.uint32}
+
+
+def _bits(kind: str):
+    width = 16 if kind != "fp32" else 32
+    anything = st.integers(0, 2**width - 1)
+    return st.lists(st.one_of(anything, st.sampled_from(SPECIALS[kind])), min_size=1, max_size=3000)
+
+
+@pytest.mark.parametrize("kind", ["bf16", "fp16", "fp32"])
+@settings(max_examples=60, deadline=None)
+@given(data=st.data())
+def test_round_trip_is_bit_exact_for_every_bit_pattern(kind: str, data) -> None:
+    values = np.array(data.draw(_bits(kind)), dtype=UINT[kind]).view(np.uint8)
+    enc = codec.encode(values, kind)
+    out = np.empty_like(values)
+    codec.decode_into(out, kind, enc.zplane, enc.raw)
+    assert out.tobytes() == values.tobytes()
+
+
+def test_specials_survive_and_trained_like_weights_compress_near_their_bound() -> None:
+    w = (torch.randn(1 << 18) * 0.02).to(torch.bfloat16)
+    w[:12] = torch.tensor(SPECIALS["bf16"], dtype=torch.int32).to(torch.int16).view(torch.bfloat16)
+    raw = w.view(torch.uint8).numpy()
+    enc = codec.encode(raw, "bf16")
+    out = np.empty_like(raw)
+    codec.decode_into(out, "bf16", enc.zplane, enc.raw)
+    assert out.tobytes() == raw.tobytes()
+    ratio = enc.nbytes / raw.size
+    bound = codec.bound_ratio("bf16", codec.exponent_histogram(raw, "bf16"))
+    assert 0.6 < bound < 0.7          # N(0, 0.02) has ~2.5 bits of exponent entropy
+    assert bound <= ratio < bound + 0.02
+
+
+def test_bound_formulas_follow_the_raw_bits_of_each_type() -> None:
+    hist = np.array([1, 1, 1, 1])     # two bits of entropy
+    assert codec.bound_ratio("bf16", hist) == pytest.approx((8 + 2) / 16)
+    assert codec.bound_ratio("fp32", hist) == pytest.approx((24 + 2) / 32)
+    assert codec.codec_for("int64") == "raw" and codec.codec_for("bfloat16") == "bf16"
+
+
+def test_a_corrupt_or_mis_sized_plane_is_a_codec_error() -> None:
+    raw = (torch.randn(4096) * 0.1).to(torch.bfloat16).view(torch.uint8).numpy()
+    enc = codec.encode(raw, "bf16")
+    out = np.empty_like(raw)
+    bad = bytearray(enc.zplane)
+    bad[len(bad) // 2] ^= 0xFF
+    with pytest.raises(codec.CodecError, match="exponent plane"):
+        codec.decode_into(out, "bf16", bytes(bad), enc.raw)
+    with pytest.raises(codec.CodecError, match="raw plane"):
+        codec.decode_into(out, "bf16", enc.zplane, enc.raw[:-1])
+
+
+def _expert(eid: str = "e1") -> Expert:
+    return Expert(id=eid, arch="torchvision/resnet18", kind="classifier", classes=("ok", "bad"), input_size=32)
+
+
+def _tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {"w": (torch.randn(600, 1000, generator=g) * 0.05).to(torch.bfloat16),   # > one chunk
+            "h": torch.randn(300, generator=g).half(),
+            "f": torch.randn(1000, generator=g),
+            "n": torch.tensor(7)}
+
+
+@pytest.fixture()
+def zstore(tmp_path: Path) -> ExpertStore:
+    store = ExpertStore(tmp_path, verify="always")
+    store.set_compression("exponent-zstd")
+    store.write(_expert(), _tensors())
+    return store
+
+
+def test_a_compressed_store_reads_back_bit_exact_with_the_plain_files_hash(tmp_path: Path, zstore) -> None:
+    entry = zstore.entry("e1")
+    plain = ExpertStore(tmp_path / "plain").write(_expert(), _tensors())
+    assert entry.compression == "exponent-zstd" and entry.file == "e1.coez"
+    assert entry.sha256 == plain.sha256 and entry.plain_nbytes == plain.stored_nbytes
+    assert entry.stored_nbytes == (tmp_path / "e1.coez").stat().st_size
+    assert 0.5 < entry.ratio < 0.9 and entry.bound is not None and entry.bound <= entry.ratio
+    assert len(read_header(tmp_path / "e1.coez", "e1").chunks) > 2
+    for got in (zstore.read("e1"), zstore.read_flat("e1").tensors()):
+        assert {k: got[k].dtype for k in got} == {k: v.dtype for k, v in _tensors().items()}
+        assert all(torch.equal(got[k], v) for k, v in _tensors().items())
+    reopened = ExpertStore(tmp_path)
+    assert reopened.compression == "exponent-zstd"
+    assert json.loads((tmp_path / "manifest.json").read_text())["compression"] == "exponent-zstd"
+
+
+def test_recompress_both_ways_keeps_the_bytes_and_removes_the_old_file(tmp_path: Path, zstore) -> None:
+    zstore.set_compression("none")
+    entry = zstore.recompress("e1")
+    assert entry.file == "e1.safetensors" and entry.ratio == 1.0
+    assert not (tmp_path / "e1.coez").exists()
+    assert all(torch.equal(zstore.read("e1")[k], v) for k, v in _tensors().items())
+    zstore.set_compression("exponent-zstd")
+    assert zstore.recompress("e1").file == "e1.coez" and not (tmp_path / "e1.safetensors").exists()
+
+
+def _flip(path: Path, at: int) -> None:
+    data = bytearray(path.read_bytes())
+    data[at] ^= 0x5A
+    path.write_bytes(bytes(data))
+
+
+def test_a_corrupt_exponent_chunk_names_the_expert_file_and_chunk(tmp_path: Path, zstore) -> None:
+    path = tmp_path / "e1.coez"
+    chunk = read_header(path, "e1").chunks[1]
+    _flip(path, chunk.offset + chunk.zlen // 2)
+    with pytest.raises(ExpertLoadError, match=r"e1.*e1\.coez.*corrupt chunk 1") as info:
+        ExpertStore(tmp_path, verify="never").read_flat("e1")
+    assert "zstd" in str(info.value) or "exponent plane" in str(info.value)
+
+
+def test_a_corrupt_raw_plane_fails_the_decoded_sha256(tmp_path: Path, zstore) -> None:
+    path = tmp_path / "e1.coez"
+    chunk = max(read_header(path, "e1").chunks, key=lambda c: c.rlen)
+    _flip(path, chunk.offset + chunk.zlen + 10)
+    with pytest.raises(ExpertLoadError, match=r"e1\.coez.*sha256"):
+        ExpertStore(tmp_path, verify="always").read_flat("e1")
+    with pytest.raises(ExpertLoadError, match=r"sha256"):
+        ExpertStore(tmp_path, verify="always").read_flat("e1", dtype="float32")
+
+
+@pytest.mark.parametrize("damage, reason", [
+    (lambda b: b[:-7], "truncated"),
+    (lambda b: b"NOTCOEZ!" + b[8:], "bad magic"),
+    (lambda b: b[:8] + struct.pack("<Q", 2**40) + b[16:], "header claims"),
+    (lambda b: b[:16] + b"x" + b[17:], "corrupt compressed header"),
+])
+def test_malformed_compressed_files_are_named_errors(tmp_path: Path, zstore, damage, reason: str) -> None:
+    path = tmp_path / "e1.coez"
+    path.write_bytes(damage(path.read_bytes()))
+    with pytest.raises(ExpertLoadError, match=reason) as info:
+        ExpertStore(tmp_path, verify="never").read_flat("e1")
+    assert "e1.coez" in str(info.value)
+
+
+def test_cpu_pools_cast_to_their_compute_dtype_while_loading(tmp_path: Path, zstore) -> None:
+    plain = ExpertStore(tmp_path / "plain")
+    plain.write(_expert(), _tensors())
+    for store in (zstore, plain):
+        src = StoreSource(store, dtype="float32")
+        flat = src.load("e1")
+        got = flat.tensors()
+        assert src.size("e1") == flat.nbytes == flat.buffer.numel()      # the pool accounts what it holds
+        assert all(got[k].dtype == torch.float32 for k in ("w", "h", "f")) and got["n"].dtype == torch.int64
+        assert all(torch.equal(got[k], v.float() if v.is_floating_point() else v) for k, v in _tensors().items())
+        assert StoreSource(store).size("e1") == store.nbytes("e1")        # no dtype: as stored (GPU tiers)
+
+
+def test_store_settings_and_manifest_fields_are_checked(tmp_path: Path, zstore) -> None:
+    with pytest.raises(CoEError, match="compression must be one of none, exponent-zstd"):
+        zstore.set_compression("gzip")
+    doc = json.loads((tmp_path / "manifest.json").read_text())
+    doc["experts"][0]["compression"] = "lz4"
+    (tmp_path / "manifest.json").write_text(json.dumps(doc))
+    with pytest.raises(CoEError, match=r"experts\[0\].compression"):
+        ExpertStore(tmp_path)
+
+
+def test_version_1_manifests_still_read_as_plain_stores(tmp_path: Path) -> None:
+    store = ExpertStore(tmp_path)
+    store.write(_expert(), _tensors())
+    doc = json.loads((tmp_path / "manifest.json").read_text())
+    doc["version"] = 1
+    del doc["compression"]
+    for e in doc["experts"]:
+        for k in ("compression", "stored_nbytes", "plain_nbytes", "bound_nbytes"):
+            del e[k]
+    (tmp_path / "manifest.json").write_text(json.dumps(doc))
+    old = ExpertStore(tmp_path)
+    assert old.compression == "none" and old.entry("e1").ratio == 1.0
+    assert torch.equal(old.read("e1")["w"], _tensors()["w"])
+
+
+def test_chunks_stay_inside_one_tensor(tmp_path: Path) -> None:
+    src = tmp_path / "x.safetensors"
+    from safetensors.torch import save_file
+
+    save_file({"a": torch.randn(CHUNK_BYTES // 4 + 3), "b": torch.randn(5).to(torch.bfloat16)}, str(src))
+    compress_file(src, tmp_path / "x.coez", "x")
+    header = read_header(tmp_path / "x.coez", "x")
+    bounds = {(s.start, s.end) for s in header.layout.specs}
+    for c in header.chunks:
+        assert any(a <= c.start and c.end <= b for a, b in bounds)
