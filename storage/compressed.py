@@ -21,6 +21,7 @@ import hashlib
 import json
 import os
 import struct
+import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -37,10 +38,18 @@ MAGIC = b"COEZSTD1"
 FORMAT = "coe-edge/exponent-zstd"
 VERSION = 1
 SUFFIX = ".coez"
-CHUNK_BYTES = 1 << 20          # decoded bytes per chunk: big enough for zstd's tables to pay
+CHUNK_BYTES = 512 << 10        # decoded bytes per chunk: zstd's tables pay off well below this
 _GROUP_BYTES = 4 << 20         # stored bytes per read: one pread while the previous group decodes
 _MAX_HEAD = 64 << 20
+_TASK_BYTES = 256 << 10        # stored bytes per read-and-decode task: small, so the pipeline fills fast
 _readers: ThreadPoolExecutor | None = None
+_local = threading.local()
+_decoders: ThreadPoolExecutor | None = None
+
+
+def decode_threads() -> int:
+    """Threads that decode chunks: one per core (decoding is CPU work; more threads only queue)."""
+    return max(1, min(8, os.cpu_count() or 1))
 
 
 def _reader() -> ThreadPoolExecutor:
@@ -48,6 +57,14 @@ def _reader() -> ThreadPoolExecutor:
     if _readers is None:
         _readers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="coe-read")
     return _readers
+
+
+def _decoder() -> ThreadPoolExecutor:
+    """Shared by every loader thread: the cores, not the loads, bound decoding."""
+    global _decoders
+    if _decoders is None:
+        _decoders = ThreadPoolExecutor(max_workers=decode_threads(), thread_name_prefix="coe-decode")
+    return _decoders
 
 
 @dataclass(frozen=True)
@@ -119,7 +136,7 @@ def compress_file(src: str | os.PathLike, dst: str | os.PathLike, expert_id: str
         tensor = data[spec.start:spec.end]
         step = max(width, chunk_bytes // width * width)
         hist = codec.exponent_histogram(tensor, kind)
-        bound_bits += (codec.bound_bits(kind, _coded_hist(tensor, kind, hist)) * (tensor.size // width)
+        bound_bits += (codec.bound_bits(kind, hist) * (tensor.size // width)
                        if kind != "raw" else 8 * tensor.size)
         for pos in range(0, tensor.size, step):
             enc = codec.encode(tensor[pos:pos + step], kind)
@@ -136,13 +153,6 @@ def compress_file(src: str | os.PathLike, dst: str | os.PathLike, expert_id: str
     overhead = len(MAGIC) + 8 + len(head) + len(prefix)
     return CompressionStats(raw_bytes=len(prefix) + layout.nbytes, stored_bytes=stored,
                             bound_bytes=overhead + int(bound_bits / 8))
-
-
-def _coded_hist(tensor: np.ndarray, kind: str, hist: np.ndarray) -> np.ndarray:
-    """The histogram of the plane the coder sees: the exponent, or fp16's whole high byte."""
-    if kind == "fp16":
-        return np.bincount(tensor.reshape(-1, 2)[:, 1], minlength=256)
-    return hist
 
 
 def read_header(path: str | os.PathLike, expert_id: str) -> CompressedHeader:
@@ -196,12 +206,12 @@ def read_header(path: str | os.PathLike, expert_id: str) -> CompressedHeader:
     return CompressedHeader(layout, prefix, tuple(chunks), size)
 
 
-def _groups(chunks: tuple[Chunk, ...]) -> list[tuple[Chunk, ...]]:
+def _groups(chunks: tuple[Chunk, ...], limit: int = _GROUP_BYTES) -> list[tuple[Chunk, ...]]:
     groups, cur, size = [], [], 0
     for c in chunks:
         cur.append(c)
         size += c.stored
-        if size >= _GROUP_BYTES:
+        if size >= limit:
             groups.append(tuple(cur))
             cur, size = [], 0
     if cur:
@@ -263,16 +273,76 @@ def iter_decoded(path: str | os.PathLike, header: CompressedHeader, expert_id: s
         os.close(fd)
 
 
+def _decode_group(fd: int, where: str, header: CompressedHeader, group: tuple[Chunk, ...], expert_id: str,
+                  dest: np.ndarray) -> None:
+    """Read one group of chunks with one pread and decode each to its place in `dest`."""
+    want = sum(c.stored for c in group)
+    data = memoryview(_read_buffer(want))[:want]
+    try:
+        got = os.preadv(fd, [data], group[0].offset)
+    except OSError as exc:
+        raise ExpertLoadError(expert_id, where, f"cannot read: {exc.strerror or exc}") from None
+    if got != want:
+        raise ExpertLoadError(expert_id, where, f"truncated while reading: {got} of {want} bytes "
+                                                f"at offset {group[0].offset}")
+    mv, at = data, 0
+    for c in group:
+        try:
+            codec.decode_into(dest[c.start:c.end], c.codec, mv[at:at + c.zlen], mv[at + c.zlen:at + c.stored])
+        except codec.CodecError as exc:
+            raise ExpertLoadError(expert_id, where, f"corrupt chunk {header.chunks.index(c)} (data bytes "
+                                                    f"{c.start}-{c.end}, {c.codec}): {exc}") from None
+        at += c.stored
+
+
+def _read_buffer(n: int) -> bytearray:
+    """A per-thread read buffer: a fresh one per read would page-fault its way through every load."""
+    buf = getattr(_local, "buf", None)
+    if buf is None or len(buf) < n:
+        buf = _local.buf = bytearray(max(n, _TASK_BYTES * 4))
+    return buf
+
+
 def decode_to(path: str | os.PathLike, header: CompressedHeader, expert_id: str, dest: np.ndarray,
-              expect_sha256: str | None = None) -> None:
-    """Decode the whole expert into `dest` (the flat buffer), checking the decoded bytes' sha256."""
+              expect_sha256: str | None = None, threads: int | None = None) -> None:
+    """Decode the whole expert into `dest` (the flat buffer), checking the decoded bytes' sha256.
+
+    Groups of chunks are read and decoded as independent tasks on the shared
+    decode pool, `threads` (default: one per core) at a time plus two, so one
+    task's read waits on the disk while the others decode.  The calling
+    loader thread hashes the decoded bytes in order as the tasks finish.
+    """
+    where = str(path)
     hasher = hashlib.sha256(header.prefix) if expect_sha256 else None
-    for _s, _e, view in iter_decoded(path, header, expert_id, dest):
-        if hasher is not None:
-            hasher.update(view)
+    groups = _groups(header.chunks, _TASK_BYTES)
+    depth = (threads or decode_threads()) + 2
+    pool = _decoder()
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as exc:
+        raise ExpertLoadError(expert_id, where, f"cannot read: {exc.strerror or exc}") from None
+    pending: list = []
+    try:
+        for i, group in enumerate(groups):
+            pending.append(pool.submit(_decode_group, fd, where, header, group, expert_id, dest))
+            if len(pending) >= depth or i == len(groups) - 1:
+                while pending and (len(pending) >= depth or i == len(groups) - 1):
+                    done = groups[i - len(pending) + 1]
+                    pending.pop(0).result()
+                    if hasher is not None:
+                        hasher.update(dest[done[0].start:done[-1].end])
+    finally:
+        for f in pending:
+            f.cancel()
+        for f in pending:
+            try:
+                f.result()
+            except Exception:  # noqa: BLE001 - the first failure is already raised
+                pass
+        os.close(fd)
     if hasher is not None and hasher.hexdigest() != expect_sha256:
-        raise ExpertLoadError(expert_id, str(path), f"sha256 of the decoded bytes mismatch: manifest "
-                                                    f"{expect_sha256[:12]}…, decoded {hasher.hexdigest()[:12]}…")
+        raise ExpertLoadError(expert_id, where, f"sha256 of the decoded bytes mismatch: manifest "
+                                                f"{expect_sha256[:12]}…, decoded {hasher.hexdigest()[:12]}…")
 
 
 def decompress_file(src: str | os.PathLike, dst: str | os.PathLike, expert_id: str) -> None:

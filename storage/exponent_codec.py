@@ -16,10 +16,10 @@ interleave (numpy, no bit packing):
   low three bytes are ``m23 s``.  Bound (24 + H) / 32.
 - fp16 ``s eeeee mm mmmmmmmm``: the 5-bit exponent does not fill a byte, so
   the high byte (sign, exponent, two mantissa bits) is the coded plane and
-  the low byte is raw.  The three extra bits are incompressible and cost the
-  coder about three bits, so the bound is (11 + H) / 16.
+  the low byte is raw.  Bound (8 + H) / 16 with H the high byte's entropy,
+  about three bits above the bare exponent's.
 
-H is the exponent's empirical entropy in bits.  The coder is zstd with an
+H is the coded plane's empirical entropy in bits per element.  The coder is zstd with an
 optimal-parsing strategy and a small window: on a plane like this one it
 emits almost only Huffman-coded literals, which land within about half a
 point of the entropy bound and decode at well over 1 GB/s (zstd's default
@@ -39,7 +39,7 @@ CODECS = ("bf16", "fp16", "fp32", "raw")
 _CODEC_OF_DTYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 #: bytes per element and sign+mantissa bits kept raw, per codec
 _WIDTH = {"bf16": 2, "fp16": 2, "fp32": 4, "raw": 1}
-_RAW_BITS = {"bf16": 8, "fp16": 11, "fp32": 24}
+_RAW_BITS = {"bf16": 8, "fp16": 8, "fp32": 24}
 _EXP_BITS = {"bf16": 8, "fp16": 5, "fp32": 8}
 _local = threading.local()
 
@@ -137,7 +137,11 @@ def decode_into(out: np.ndarray, codec: str, zplane: bytes | memoryview, raw: by
     if n % width or len(raw) != count * raw_width:
         raise CodecError(f"raw plane holds {len(raw)} bytes, expected {count * raw_width}")
     try:
-        exp = _decompressor().decompress(zplane, max_output_size=count)
+        # the frame states its size; checking it first keeps a corrupt header from asking for a huge buffer
+        if zstd.frame_content_size(zplane) != count:
+            raise CodecError(f"exponent plane frame declares {zstd.frame_content_size(zplane)} bytes, "
+                             f"expected {count}")
+        exp = _decompressor().decompress(zplane)
     except zstd.ZstdError as exc:
         raise CodecError(f"exponent plane does not decode: {exc}") from None
     if len(exp) != count:
@@ -167,12 +171,9 @@ def _scratch(dtype, count: int) -> np.ndarray:
 
 
 def exponent_histogram(data: np.ndarray, codec: str) -> np.ndarray:
-    """Counts of each exponent value (length 2**exponent bits) over raw element bytes `data`."""
+    """Counts of each value of the coded plane (the exponent; fp16's high byte) over element bytes `data`."""
     if codec == "raw":
         return np.zeros(0, np.int64)
-    if codec == "fp16":
-        e = (data.view(np.uint16) >> 10) & 0x1F
-        return np.bincount(e, minlength=32)
     exp, _ = split_planes(data, codec)
     return np.bincount(exp, minlength=256)
 
@@ -194,7 +195,7 @@ def bound_bits(codec: str, hist: np.ndarray) -> float:
 
 
 def bound_ratio(codec: str, hist: np.ndarray) -> float:
-    """(raw bits + H) / width: (8+H)/16 for bf16, (11+H)/16 for fp16, (24+H)/32 for fp32."""
+    """(raw bits + H) / width: (8+H)/16 for bf16 and fp16, (24+H)/32 for fp32."""
     return bound_bits(codec, hist) / (8 * _WIDTH[codec]) if codec != "raw" else 1.0
 
 

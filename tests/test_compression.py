@@ -62,6 +62,9 @@ def test_bound_formulas_follow_the_raw_bits_of_each_type() -> None:
     hist = np.array([1, 1, 1, 1])     # two bits of entropy
     assert codec.bound_ratio("bf16", hist) == pytest.approx((8 + 2) / 16)
     assert codec.bound_ratio("fp32", hist) == pytest.approx((24 + 2) / 32)
+    assert codec.bound_ratio("fp16", hist) == pytest.approx((8 + 2) / 16)   # H of the coded high byte
+    fp16 = torch.tensor([1.0, -1.0, 2.0, 0.5]).half().view(torch.uint8).numpy()
+    assert len(codec.exponent_histogram(fp16, "fp16")) == 256
     assert codec.codec_for("int64") == "raw" and codec.codec_for("bfloat16") == "bf16"
 
 
