@@ -36,6 +36,14 @@ def line_options(fn):
     return fn
 
 
+def dtype_option(default_is: str):
+    """--dtype: the dtype experts are stored in (fp32, fp16, bf16); `default_is` says what happens without it."""
+    from storage.dtypes import STORED_DTYPES
+
+    return click.option("--dtype", type=click.Choice(STORED_DTYPES, case_sensitive=False), default=None,
+                        help=f"Store the weights as this dtype (default: {default_is}).")
+
+
 def _config(line: str, config_path: str | None) -> LineConfig:
     return load_config(find_config(line, config_path))
 
@@ -128,16 +136,21 @@ def zoo() -> None:
 @line_options
 @click.option("--seed", default=0, show_default=True, help="Seed for the generated weights.")
 @click.option("--force", is_flag=True, help="Rebuild experts already in the store.")
+@dtype_option("fp32, as generated; stored experts are kept whatever their dtype")
 @_fail_clearly
-def zoo_build(line: str, config_path: str | None, seed: int, force: bool) -> None:
+def zoo_build(line: str, config_path: str | None, seed: int, force: bool, dtype: str | None) -> None:
     """Write every expert of the line's spec into its expert store.
 
     Real architectures (torchvision, ultralytics YOLO from yaml) with locally
-    generated weights, stored as safetensors with a sha256 manifest.
+    generated weights, stored as safetensors with a sha256 manifest.  With
+    --dtype the weights are cast once before they are written (fp16 and bf16
+    halve the bytes each expert switch reads); an expert stored in another
+    dtype is rebuilt.
 
     \b
     Example:
       coe-agent zoo build --line A
+      coe-agent zoo build --line A --dtype fp16
     """
     from tqdm import tqdm
 
@@ -151,7 +164,7 @@ def zoo_build(line: str, config_path: str | None, seed: int, force: bool) -> Non
     store = ExpertStore(cfg.store_path, verify=cfg.expert_verify)
     bar = tqdm(total=len(model.experts), desc="building expert zoo", unit="expert")
     entries = build_zoo(model, store, seed=seed, force=force, sample_images=sample_images_for(model, seed=seed),
-                        progress=lambda eid: bar.update(1))
+                        progress=lambda eid: bar.update(1), dtype=dtype)
     bar.close()
     total = sum(e.nbytes for e in store.entries() if e.id in model.experts)
     click.echo(f"{len(entries)} expert(s) written, {len(model.experts)} in spec, {total / 1e6:.1f} MB "

@@ -29,7 +29,7 @@ def experts() -> None:
     """The line's expert store: list, verify, import, warm and evict experts."""
 
 
-from .cli import _config, _fail_clearly, line_options  # noqa: E402  (after `experts`: see the module doc)
+from .cli import _config, _fail_clearly, dtype_option, line_options  # noqa: E402  (after `experts`: see the module doc)
 
 _MB = 1e6
 
@@ -194,18 +194,23 @@ def experts_verify(ids: tuple[str, ...], line: str, config_path: str | None) -> 
 @line_options
 @click.option("--trust", is_flag=True,
               help="Allow a pickle (.pt/.pth/.ckpt); pickles can run code when loaded.")
+@dtype_option("the file's dtype")
 @_fail_clearly
-def experts_import(expert_id: str, src: str, line: str, config_path: str | None, trust: bool) -> None:
+def experts_import(expert_id: str, src: str, line: str, config_path: str | None, trust: bool,
+                   dtype: str | None) -> None:
     """Convert a weights file into the store as expert ID, once, after checking it fits.
 
     Accepts .safetensors, or with --trust a PyTorch pickle holding a state_dict
     (or an ultralytics checkpoint for a YOLO expert).  The weights are built
-    against the expert's arch and classes before anything is written.
+    against the expert's arch and classes before anything is written.  With
+    --dtype the floating-point weights are cast first (integer buffers keep
+    theirs); a value too large for fp16 is an error, not an inf.
 
     \b
     Example:
       coe-agent experts import --line A cls-r0402 trained/r0402.safetensors
       coe-agent experts import --line A det-2term runs/detect/train/weights/best.pt --trust
+      coe-agent experts import --line A cls-r0402 trained/r0402.safetensors --dtype bf16
     """
     from storage.importer import import_expert
 
@@ -215,7 +220,7 @@ def experts_import(expert_id: str, src: str, line: str, config_path: str | None,
         raise CoEError(f"expert '{expert_id}' is not in the spec {cfg.spec_path}; add it there first "
                        f"(its arch and classes decide how the weights are checked)")
     store = _store(cfg, create=True)
-    entry = import_expert(store, expert, Path(src), trust=trust)
+    entry = import_expert(store, expert, Path(src), trust=trust, dtype=dtype)
     click.echo(f"imported {entry.id} from {src}: version {entry.version}, {entry.arch}, "
                f"{entry.nbytes / _MB:.1f} MB {entry.dtype}, sha256 {entry.sha256[:12]}, file {store.root / entry.file}")
 

@@ -14,7 +14,7 @@ import click
 
 from coe import CoEError
 
-from .cli import _fail_clearly
+from .cli import _fail_clearly, dtype_option
 from .config import parse_bytes
 
 
@@ -60,16 +60,20 @@ def _memory(text: str | None, layout) -> int:
 @click.argument("model_dir", type=click.Path(exists=True, file_okay=False))
 @click.option("--out", "-o", required=True, type=click.Path(file_okay=False), help="Expert store to write.")
 @click.option("--name", default=None, help="Model name prefixing every expert id (default: the directory name).")
+@dtype_option("the checkpoint's dtype")
 @_fail_clearly
-def llm_import(model_dir: str, out: str, name: str | None) -> None:
+def llm_import(model_dir: str, out: str, name: str | None, dtype: str | None) -> None:
     """Split a local Hugging Face MoE checkpoint into one store entry per (layer, expert), once.
 
     Reads safetensors shards one tensor slice at a time (never a pickle), so a
     checkpoint bigger than RAM imports.  Non-expert weights go to one resident file.
+    With --dtype every floating-point weight, experts and resident alike, is
+    cast as it streams through, and the model then computes in that dtype.
 
     \b
     Example:
       coe-agent llm import ./Qwen1.5-MoE-A2.7B --out var/llm/qwen-moe
+      coe-agent llm import ./Qwen1.5-MoE-A2.7B --out var/llm/qwen-moe-bf16 --dtype bf16
     """
     _need_transformers()
     from tqdm import tqdm
@@ -87,7 +91,7 @@ def llm_import(model_dir: str, out: str, name: str | None) -> None:
 
     t0 = time.perf_counter()
     try:
-        layout = import_checkpoint(model_dir, out, name=name, progress=progress)
+        layout = import_checkpoint(model_dir, out, name=name, progress=progress, dtype=dtype)
     finally:
         for bar in bars.values():
             bar.close()

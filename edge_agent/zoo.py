@@ -6,6 +6,10 @@ seed gives the same files for an expert however the spec is reordered or grown. 
 on sample images (their final bias only; see
 `executors.backends.calibrate_classifier`) so a demo line shows a plausible
 ok/defect mix.  This is generated demo content, not trained models.
+
+Weights are generated (and calibrated) in fp32; `dtype` casts them just before
+they are written, so an fp16 or bf16 zoo holds exactly the fp32 zoo's weights
+rounded once.
 """
 from __future__ import annotations
 
@@ -15,6 +19,7 @@ from typing import TYPE_CHECKING
 
 from coe import CoEModel
 from executors.backends import CalibratableBackend, calibrate_classifier, get_backend
+from storage.dtypes import cast_floating, parse_dtype
 from storage.expert_store import ExpertStore, ManifestEntry
 
 if TYPE_CHECKING:
@@ -23,14 +28,18 @@ if TYPE_CHECKING:
 
 def build_zoo(model: CoEModel, store: ExpertStore, *, seed: int = 0, force: bool = False,
               sample_images: Callable[[str], list["np.ndarray"]] | None = None,
-              progress: Callable[[str], None] | None = None) -> list[ManifestEntry]:
+              progress: Callable[[str], None] | None = None, dtype: str | None = None) -> list[ManifestEntry]:
     """Write every expert of `model` to `store`; return the manifest entries in spec order.
 
     An expert already in the store with the same arch and kind is kept unless
     `force`.  `sample_images(expert_id)` supplies calibration images for a
-    classifier; without it classifiers are stored as initialised.
+    classifier; without it classifiers are stored as initialised.  `dtype`
+    (fp32, fp16, bf16 or a torch name) is the stored dtype; an expert stored
+    in another dtype is then rebuilt.  Without it experts are written in fp32
+    and kept whatever their dtype.
     """
     say = progress or (lambda _msg: None)
+    want = parse_dtype(dtype, where="dtype") if dtype is not None else None
     # resolve every backend first: an unknown arch fails before anything is written
     backends = {eid: get_backend(exp.arch) for eid, exp in model.experts.items()}
     entries: list[ManifestEntry] = []
@@ -38,7 +47,8 @@ def build_zoo(model: CoEModel, store: ExpertStore, *, seed: int = 0, force: bool
     for index, (eid, expert) in enumerate(model.experts.items()):
         if not force and store.has(eid):
             existing = store.entry(eid)
-            if existing.arch == expert.arch and existing.kind == expert.kind:
+            if (existing.arch == expert.arch and existing.kind == expert.kind
+                    and want in (None, existing.dtype)):
                 say(f"[{index + 1}/{total}] {eid}: kept ({expert.arch}, {existing.nbytes} bytes)")
                 entries.append(existing)
                 continue
@@ -51,8 +61,10 @@ def build_zoo(model: CoEModel, store: ExpertStore, *, seed: int = 0, force: bool
                 note = ", calibrated"
             else:
                 note = f", not calibrated ({backend.family} backend cannot)"
+        if want is not None:
+            tensors = cast_floating(tensors, want)
         entry = store.write(expert, tensors)
-        say(f"[{index + 1}/{total}] {eid}: wrote {expert.arch}, {entry.nbytes} bytes{note}")
+        say(f"[{index + 1}/{total}] {eid}: wrote {expert.arch}, {entry.nbytes} bytes {entry.dtype}{note}")
         entries.append(entry)
     return entries
 

@@ -10,6 +10,8 @@ for the ultralytics family, whose checkpoints pickle whole model objects.
 The weights are checked by building the expert's module with its backend
 before anything is written, so a file for the wrong architecture or class count
 fails here, naming the expert and the file, and leaves the store unchanged.
+With `dtype` the floating-point weights are cast first (`storage.dtypes`), so
+the check builds the expert exactly as it will be stored.
 """
 from __future__ import annotations
 
@@ -22,6 +24,7 @@ from typing import TYPE_CHECKING, Any
 
 from coe import CoEError, Expert
 
+from .dtypes import cast_floating, parse_dtype
 from .expert_store import ExpertStore, ManifestEntry
 
 if TYPE_CHECKING:
@@ -33,14 +36,19 @@ STATE_DICT_KEYS = ("state_dict", "model_state_dict", "model")  # where training 
 UNSAFE_FALLBACK_FAMILIES = ("ultralytics",)
 
 
-def import_expert(store: ExpertStore, expert: Expert, src: str | Path, *, trust: bool = False) -> ManifestEntry:
+def import_expert(store: ExpertStore, expert: Expert, src: str | Path, *, trust: bool = False,
+                  dtype: str | None = None) -> ManifestEntry:
     """Convert `src` into the store as `expert` (version = previous + 1, or 1); return its manifest entry.
 
-    Raises CoEError for a refused or unreadable file, ExpertLoadError (naming
-    the expert and `src`) when the weights do not fit the expert's arch.
+    `dtype` (fp32, fp16, bf16 or a torch name) is the stored dtype of the
+    floating-point weights; without it they keep the file's dtype.  Raises
+    CoEError for a refused or unreadable file or a cast that overflows fp16,
+    ExpertLoadError (naming the expert and `src`) when the weights do not fit
+    the expert's arch.
     """
     from executors.backends import get_backend
 
+    want = parse_dtype(dtype, where="dtype") if dtype is not None else None
     src = Path(src)
     # resolve the backend first: an unknown arch fails before the file is opened, and the
     # ultralytics backend pins its offline settings before any unpickling imports ultralytics
@@ -59,6 +67,11 @@ def import_expert(store: ExpertStore, expert: Expert, src: str | Path, *, trust:
         raise CoEError(f"expert '{expert.id}': cannot import {src}: unknown weights format '{src.suffix}' "
                        f"(expected one of {', '.join(SAFE_SUFFIXES + PICKLE_SUFFIXES)})")
     tensors = _owned_cpu(_strip_prefix(tensors, "module."))
+    if want is not None:
+        try:
+            tensors = cast_floating(tensors, want)
+        except CoEError as exc:
+            raise CoEError(f"expert '{expert.id}': {src}: {exc}") from None
     # build on the backend's skeleton: missing, unexpected or mis-shaped keys raise ExpertLoadError naming src
     module = backend.build(dataclasses.replace(expert, uri=str(src)), tensors)
     del module

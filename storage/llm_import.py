@@ -13,6 +13,11 @@ routers, shared experts) streams into one resident file.
 
 Only one tensor slice is in memory at a time (`ShardReader` reads with
 `pread`, not a memory map), so a checkpoint larger than RAM imports.
+
+`dtype` casts the floating-point weights, experts and resident alike, one
+tensor at a time as they stream through, and records the stored dtype in
+`llm.json` and in the copied config.json: the imported model is then exactly
+what importing a checkpoint saved in that dtype gives.
 """
 from __future__ import annotations
 
@@ -27,6 +32,7 @@ from pathlib import Path
 from coe import CoEError, Expert
 from coe.moe import MoELayer, MoELayout, check_model_name, expert_id
 
+from .dtypes import FLOATING_DTYPES, cast_floating, parse_dtype
 from .expert_store import ExpertStore
 from .moe_structure import ExpertsSite, find_experts
 from .safetensors_io import ShardReader, StreamWriter
@@ -99,15 +105,18 @@ def shards(model_dir: Path) -> list[Path]:
 
 
 def import_checkpoint(model_dir: str | Path, out: str | Path, *, name: str | None = None,
-                      progress: Callable[[str, int], None] | None = None) -> MoELayout:
+                      progress: Callable[[str, int], None] | None = None, dtype: str | None = None) -> MoELayout:
     """Import MODEL_DIR into the expert store at `out`; returns the layout written to `out/llm.json`.
 
     `progress(stage, n)` is called as work is done ('experts' with experts
-    written, 'resident' with tensors written), for a progress bar.
+    written, 'resident' with tensors written), for a progress bar.  `dtype`
+    (fp32, fp16, bf16 or a torch name) is the stored dtype of every
+    floating-point weight; without it the checkpoint's dtype is kept.
     """
     from transformers.conversion_mapping import get_model_conversion_mapping
     from transformers.core_model_loading import WeightConverter, WeightRenaming, rename_source_key
 
+    want = parse_dtype(dtype, where="dtype") if dtype is not None else None
     model_dir, out = Path(model_dir), Path(out)
     config = load_config(model_dir)
     name = check_model_name(name if name is not None else re.sub(r"[^A-Za-z0-9_.+-]", "-", model_dir.resolve().name).lstrip(".-_+")
@@ -153,7 +162,7 @@ def import_checkpoint(model_dir: str | Path, out: str | Path, *, name: str | Non
         if lacking:
             raise CoEError(f"{model_dir}: the checkpoint lacks {len(lacking)} non-expert weights the model needs: "
                            f"{', '.join(lacking[:3])}")
-        dtype = _one_dtype(dtypes, model_dir)
+        stored = _one_dtype(dtypes, model_dir) if want is None else _castable(dtypes, model_dir, want)
         store = ExpertStore(out)
         layout_layers = []
         written = 0
@@ -162,6 +171,8 @@ def import_checkpoint(model_dir: str | Path, out: str | Path, *, name: str | Non
             for e in range(site.num_experts):
                 tensors = {p: _read_param(readers, site, p, e, fused, split) for p in ("gate_up_proj", "down_proj")}
                 _check_shapes(site, e, tensors, model_dir)
+                if want is not None:
+                    tensors = _cast(tensors, want, f"{model_dir}: expert {e} of '{site.path}'")
                 expert = Expert(id=expert_id(name, site.layer, e), arch=f"transformers/{config.model_type}",
                                 kind="moe-ffn", classes=(), input_size=site.hidden)
                 entry = store.write(expert, tensors)
@@ -171,14 +182,16 @@ def import_checkpoint(model_dir: str | Path, out: str | Path, *, name: str | Non
                     progress("experts", written)
             layout_layers.append(MoELayer(site.layer, site.path, site.num_experts, site.hidden, site.intermediate,
                                           nbytes))
-        sha, rbytes = _write_resident(out / "resident.safetensors", readers, resident, progress)
+        sha, rbytes = _write_resident(out / "resident.safetensors", readers, resident, progress, want, model_dir)
     finally:
         for r in readers.values():
             r.close()
     _copy_model_files(model_dir, out / MODEL_SUBDIR)
+    if want is not None:
+        _record_config_dtype(out / MODEL_SUBDIR / "config.json", want)
     scoring = "sigmoid" if getattr(config, "scoring_func", "softmax") == "sigmoid" or any(
         hasattr(m, "e_score_correction_bias") for m in model.modules()) else "softmax"
-    layout = MoELayout(model=name, model_type=config.model_type, top_k=_top_k(config), dtype=dtype,
+    layout = MoELayout(model=name, model_type=config.model_type, top_k=_top_k(config), dtype=stored,
                        layers=tuple(layout_layers), resident_sha256=sha, resident_nbytes=rbytes, scoring=scoring,
                        extra={"source": str(model_dir.resolve()),
                               "norm_topk_prob": bool(getattr(config, "norm_topk_prob", True)),
@@ -231,6 +244,34 @@ def _one_dtype(dtypes: set[str], model_dir: Path) -> str:
     return dtype
 
 
+def _castable(dtypes: set[str], model_dir: Path, want: str) -> str:
+    """With a stored dtype asked for, the experts may come in any floating dtypes: each is cast."""
+    other = sorted(d for d in dtypes if d not in FLOATING_DTYPES)
+    if other:
+        raise CoEError(f"{model_dir}: expert tensors are {', '.join(other)}; coe-edge casts only floating-point "
+                       f"weights to {want}")
+    return want
+
+
+def _cast(tensors: dict, want: str, where: str) -> dict:
+    try:
+        return cast_floating(tensors, want)
+    except CoEError as exc:
+        raise CoEError(f"{where}: {exc}") from None
+
+
+def _record_config_dtype(path: Path, want: str) -> None:
+    """Say the stored dtype in the copied config.json: transformers builds the model skeleton in it."""
+    try:
+        raw = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, ValueError) as exc:
+        raise CoEError(f"{path}: cannot record the stored dtype: {exc}") from None
+    raw["dtype"] = want
+    if "torch_dtype" in raw:
+        raw["torch_dtype"] = want
+    path.write_text(json.dumps(raw, indent=2) + "\n", encoding="utf-8")
+
+
 def _read_param(readers, site: ExpertsSite, param: str, e: int, fused, split):
     import torch
 
@@ -250,17 +291,23 @@ def _check_shapes(site: ExpertsSite, e: int, tensors: dict, model_dir: Path) -> 
                            f"says {list(shape)}")
 
 
-def _write_resident(path: Path, readers, resident: dict[str, _Part], progress) -> tuple[str, int]:
+def _write_resident(path: Path, readers, resident: dict[str, _Part], progress, want: str | None,
+                    model_dir: Path) -> tuple[str, int]:
+    """Stream the non-expert weights into one file; with `want`, floating ones are cast as they pass."""
     specs = []
     for target in sorted(resident):
         part = resident[target]
         info = readers[part.shard].tensors[part.key]
-        specs.append((target, info.dtype, info.shape))
+        cast = want is not None and info.dtype in FLOATING_DTYPES
+        specs.append((target, want if cast else info.dtype, info.shape))
     writer = StreamWriter(path, specs, metadata={"coe": json.dumps({"kind": "moe-resident"})})
     try:
         for i, (target, _, _) in enumerate(specs):
             part = resident[target]
-            writer.write(target, readers[part.shard].read(part.key))
+            tensor = readers[part.shard].read(part.key)
+            if want is not None:
+                tensor = _cast({part.key: tensor}, want, str(model_dir))[part.key]
+            writer.write(target, tensor)
             if progress:
                 progress("resident", i + 1)
         return writer.close(), writer.nbytes

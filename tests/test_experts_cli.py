@@ -179,3 +179,28 @@ def test_missing_store_says_how_to_build_it(tiny_line, tmp_path):
     res = run("ls", "--config", str(tiny_line))
     assert res.exit_code == 0 and all(row(res.output, e)[-1] == "MISSING" for e in IDS)
     assert not (tmp_path / "nowhere").exists()  # looking does not create a store
+
+
+def test_import_with_dtype_stores_and_records_it(tiny_line, tmp_path):
+    from safetensors.torch import save_file
+
+    from executors.backends import get_backend
+
+    expert = Expert(id="cls-r0402", arch="torchvision/mobilenet_v3_small", kind="classifier",
+                    classes=("ok", "missing", "misaligned", "wrong_part"), input_size=32)
+    weights = get_backend(expert.arch).init_weights(expert, seed=99)
+    src = tmp_path / "trained.safetensors"
+    save_file(weights, str(src))
+
+    res = run("import", "--config", str(tiny_line), "cls-r0402", str(src), "--dtype", "bf16")
+    assert res.exit_code == 0, res.output
+    assert "bfloat16" in res.output
+    entry = store_of(tiny_line).entry("cls-r0402")
+    assert entry.dtype == "bfloat16"
+    got = store_of(tiny_line).read("cls-r0402")
+    assert all(torch.equal(got[k], v.to(torch.bfloat16) if v.is_floating_point() else v) for k, v in weights.items())
+    assert row(run("ls", "--config", str(tiny_line)).output, "cls-r0402")[4] == "bfloat16"
+    assert run("verify", "--config", str(tiny_line), "cls-r0402").exit_code == 0
+
+    res = run("import", "--config", str(tiny_line), "cls-r0402", str(src), "--dtype", "int8")
+    assert res.exit_code == 2 and "'int8' is not one of 'fp32', 'fp16', 'bf16'" in res.output

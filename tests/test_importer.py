@@ -173,3 +173,36 @@ def test_missing_and_unknown_files_are_clear_errors(tmp_path):
     junk.write_bytes(b"not a torch file")
     with pytest.raises(CoEError, match="cannot read .*junk.pt with torch.load"):
         import_expert(store, CLS, junk, trust=True)
+
+
+def test_dtype_casts_floating_weights_before_the_check_and_keeps_integer_buffers(tmp_path, cls_weights):
+    from safetensors.torch import save_file
+
+    src = tmp_path / "r0402.safetensors"
+    save_file(cls_weights, str(src))
+    store = ExpertStore(tmp_path / "store")
+    entry = import_expert(store, CLS, src, dtype="bf16")
+    assert entry.dtype == "bfloat16" == ExpertStore(store.root).entry(CLS.id).dtype
+    want = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in cls_weights.items()}
+    assert any(v.dtype == torch.int64 for v in want.values())     # BatchNorm counters: the case that matters
+    assert_stored_equal(store, CLS.id, want)
+    again = import_expert(store, CLS, src)                         # no dtype: the file's own
+    assert again.dtype == "float32" and again.version == 2
+
+
+def test_a_weight_too_large_for_fp16_is_refused_naming_expert_file_and_tensor(tmp_path, cls_weights):
+    from safetensors.torch import save_file
+
+    key = next(k for k, v in cls_weights.items() if v.is_floating_point() and v.numel() > 1)
+    big = dict(cls_weights)
+    big[key] = big[key].clone()
+    big[key].view(-1)[0] = 1.0e6
+    src = tmp_path / "big.safetensors"
+    save_file(big, str(src))
+    store = ExpertStore(tmp_path / "store")
+    with pytest.raises(CoEError) as err:
+        import_expert(store, CLS, src, dtype="fp16")
+    msg = str(err.value)
+    assert f"expert '{CLS.id}'" in msg and str(src) in msg and f"'{key}'" in msg and "1e+06" in msg
+    assert not store.has(CLS.id)
+    assert import_expert(store, CLS, src, dtype="bf16").dtype == "bfloat16"

@@ -1,6 +1,7 @@
 """`coe-agent llm import|generate|trace|bench` on tiny models made in a temp dir."""
 from __future__ import annotations
 
+import copy
 import json
 
 import pytest
@@ -61,6 +62,27 @@ def test_import_generate_and_trace(hf_model, tmp_path):
     assert sorted(set(trace.seq.tolist())) == [0, 1]
     assert trace.tokens == len(tok.encode("import os")) + 3 + len(tok.encode("class A:")) + 3 - 2  # last step not fed
     assert trace.chosen.shape[1:] == (2, 2)
+
+
+def test_import_dtype_bf16_then_generate(hf_model, tmp_path):
+    from storage.expert_store import ExpertStore
+
+    root, ref = hf_model
+    store = tmp_path / "store"
+    res = _run("llm", "import", str(root / "hf"), "--out", str(store), "--name", "tiny", "--dtype", "bf16")
+    assert res.exit_code == 0, res.output
+    assert "(mixtral, bfloat16)" in res.output
+    assert MoELayout.load(store).dtype == "bfloat16"
+    assert {e.dtype for e in ExpertStore(store).entries()} == {"bfloat16"}
+    res = _run("llm", "generate", "--model", str(store), "--prompt", "def ", "-n", "4", "--memory", "50%")
+    assert res.exit_code == 0, res.output
+    tok = byte_tokenizer()
+    ids = torch.tensor([tok.encode("def ")])
+    ref16 = copy.deepcopy(ref).to(torch.bfloat16)      # a copy: the fixture's fp32 model serves other tests
+    want = ref16.generate(ids, max_new_tokens=4, min_new_tokens=4, do_sample=False)
+    assert res.output.startswith("def " + tok.decode(want[0, ids.shape[1]:].tolist(), skip_special_tokens=True))
+    res = CliRunner().invoke(cli, ["llm", "import", str(root / "hf"), "--out", str(tmp_path / "x"), "--dtype", "fp8"])
+    assert res.exit_code == 2 and "'fp8' is not one of 'fp32', 'fp16', 'bf16'" in res.output
 
 
 def test_clear_errors(hf_model, tmp_path):

@@ -19,13 +19,14 @@ import pytest
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from moe_models import build, configs  # noqa: E402
+from moe_models import VOCAB, build, configs  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
 from coe import CoEError  # noqa: E402
 from coe.moe import (LAYOUT_FORMAT, LAYOUT_VERSION, MoELayout, check_model_name, expert_id,  # noqa: E402
                      parse_expert_id)
+from executors.moe_model import load_pooled  # noqa: E402
 from storage.expert_store import ExpertStore  # noqa: E402
 from storage.llm_import import import_checkpoint  # noqa: E402
 from storage.moe_structure import find_experts, why_not_servable  # noqa: E402
@@ -146,6 +147,52 @@ def test_half_precision_checkpoints_keep_their_dtype(tmp_path, dtype, name):
     _assert_experts_match_reference(ref, layout, tmp_path / "store")
     with safe_open(str(tmp_path / "store" / "resident.safetensors"), framework="pt") as f:
         assert f.get_tensor("model.embed_tokens.weight").dtype == dtype
+
+
+@pytest.mark.parametrize("family", ["mixtral", "deepseek_v3"])
+def test_dtype_bf16_import_equals_importing_a_bf16_checkpoint_and_generates(built, tmp_path, family):
+    """--dtype bf16 of an fp32 checkpoint gives the store a bf16 checkpoint gives: experts, resident, config."""
+    _, legacy, _ = built(family)
+    ref16 = build(family, tmp_path / "hf16", dtype=torch.bfloat16)        # the same seed, saved in bf16
+    cast = import_checkpoint(legacy, tmp_path / "cast", name="m", dtype="bf16")
+    native = import_checkpoint(tmp_path / "hf16", tmp_path / "native", name="m")
+    assert cast.dtype == native.dtype == "bfloat16"
+    assert json.loads((tmp_path / "cast" / "llm.json").read_text())["dtype"] == "bfloat16"
+    assert json.loads((tmp_path / "cast" / "model" / "config.json").read_text())["dtype"] == "bfloat16"
+    sc, sn = ExpertStore(tmp_path / "cast"), ExpertStore(tmp_path / "native")
+    assert {e.dtype for e in sc.entries()} == {"bfloat16"}
+    assert all(sc.entry(eid).sha256 == sn.entry(eid).sha256 for eid in native.ids())
+    assert cast.layers == native.layers
+    assert cast.resident_sha256 == native.resident_sha256 and cast.resident_nbytes == native.resident_nbytes
+    _assert_experts_match_reference(ref16, cast, tmp_path / "cast")
+
+    x = torch.randint(3, VOCAB, (1, 7), generator=torch.Generator().manual_seed(0))
+    pm = load_pooled(tmp_path / "cast", memory=cast.layers[0].expert_nbytes * (cast.top_k + 1), policy="lru")
+    got, stats = pm.generate(x, 5)
+    want = ref16.generate(x, max_new_tokens=5, min_new_tokens=5, do_sample=False)[0, x.shape[1]:].tolist()
+    assert got == want and stats.tokens == 5
+    with torch.no_grad():
+        logits = pm.model(x).logits
+    assert logits.dtype == torch.bfloat16 and torch.equal(logits, ref16(x).logits)
+
+
+def test_dtype_fp16_refuses_a_weight_it_would_store_as_inf(built, tmp_path):
+    _, legacy, _ = built("mixtral")
+    hf = tmp_path / "hf"
+    shutil.copytree(legacy, hf)
+    with safe_open(str(hf / "model.safetensors"), framework="pt") as f:
+        sd = {k: f.get_tensor(k) for k in f.keys()}
+    sd["model.norm.weight"][3] = -1.0e5
+    save_file(sd, str(hf / "model.safetensors"), metadata={"format": "pt"})
+    with pytest.raises(CoEError) as err:
+        import_checkpoint(hf, tmp_path / "out", dtype="fp16")
+    msg = str(err.value)
+    assert str(hf) in msg and "'model.norm.weight'" in msg and "100000" in msg and "overflow fp16" in msg
+    assert not (tmp_path / "out" / "llm.json").exists()
+    assert import_checkpoint(hf, tmp_path / "bf", dtype="bf16").dtype == "bfloat16"   # bf16 has the range
+    with pytest.raises(CoEError, match=r"^dtype: unknown stored dtype 'int8'"):
+        import_checkpoint(hf, tmp_path / "bad", dtype="int8")
+    assert not (tmp_path / "bad").exists()
 
 
 def test_fused_checkpoint_is_read_one_expert_slice_at_a_time(built, tmp_path, monkeypatch):

@@ -140,3 +140,71 @@ def test_unknown_arch_fails_before_anything_is_written(tmp_path: Path) -> None:
     with pytest.raises(CoEError, match="yolov8q"):
         build_zoo(parse_spec(raw), store)
     assert store.entries() == []
+
+
+# -- stored dtype (--dtype) --------------------------------------------------------------------------
+def test_fp16_zoo_holds_the_fp32_zoos_weights_cast_once(tmp_path: Path, model: CoEModel) -> None:
+    import torch
+
+    fp32 = ExpertStore(tmp_path / "fp32")
+    fp16 = ExpertStore(tmp_path / "fp16")
+    wide = build_zoo(model, fp32, seed=1)
+    half = build_zoo(model, fp16, seed=1, dtype="fp16")
+    assert [e.dtype for e in half] == ["float16"] * 3
+    assert [e.dtype for e in fp16.entries()] == ["float16"] * 3            # what the manifest on disk says
+    for a, b in zip(wide, half):
+        assert b.nbytes < 0.55 * a.nbytes                                  # 2 bytes an element, not 4
+        want, got = fp32.read(a.id), fp16.read(b.id)
+        assert sorted(got) == sorted(want)
+        for k, v in want.items():
+            cast = v.to(torch.float16) if v.is_floating_point() else v       # num_batches_tracked stays int64
+            assert got[k].dtype == cast.dtype and torch.equal(got[k], cast), (a.id, k)
+        header = safetensors_header(fp16.path(b.id))
+        assert {v["dtype"] for k, v in header.items() if k != "__metadata__"} <= {"F16", "I64"}
+        expert = model.experts[b.id]
+        backend = get_backend(expert.arch)                                 # an fp16 expert still serves on CPU
+        assert len(backend.run(backend.build(expert, got), expert, samples(b.id)[:2])) == 2
+
+
+def test_an_expert_stored_in_another_dtype_is_rebuilt_only_when_a_dtype_is_asked_for(tmp_path: Path,
+                                                                                      model: CoEModel) -> None:
+    store = ExpertStore(tmp_path)
+    build_zoo(model, store, dtype="bf16")
+    said: list[str] = []
+    kept = build_zoo(model, store, progress=said.append)                   # no dtype: keep what is there
+    assert sum("kept" in m for m in said) == 3 and {e.dtype for e in kept} == {"bfloat16"}
+    said.clear()
+    rebuilt = build_zoo(model, store, dtype="fp32", progress=said.append)
+    assert sum("wrote" in m and "float32" in m for m in said) == 3
+    assert {e.dtype for e in rebuilt} == {e.dtype for e in store.entries()} == {"float32"}
+
+
+def test_a_bad_dtype_fails_before_anything_is_written(tmp_path: Path, model: CoEModel) -> None:
+    store = ExpertStore(tmp_path)
+    with pytest.raises(CoEError, match="fp8.*fp32, fp16, bf16"):
+        build_zoo(model, store, dtype="fp8")
+    assert store.entries() == []
+
+
+def test_zoo_build_cli_dtype_option(tmp_path: Path) -> None:
+    import yaml
+    from click.testing import CliRunner
+
+    from conftest import write_line
+    from edge_agent.cli import cli
+
+    config = write_line(tmp_path / "line", store=tmp_path / "experts")
+    one = {"name": "one", "experts": [SPEC["experts"][1] | {"next": {}}],
+           "components": [{"name": "C0402", "classifier": "cls-c", "frequency": 1}]}
+    (tmp_path / "line" / "tiny.coe.yaml").write_text(yaml.safe_dump(one))
+    runner = CliRunner()
+    res = runner.invoke(cli, ["zoo", "build", "--config", str(config), "--dtype", "bf16"])
+    assert res.exit_code == 0, res.output
+    assert ExpertStore(tmp_path / "experts").entry("cls-c").dtype == "bfloat16"
+    res = runner.invoke(cli, ["zoo", "build", "--config", str(config), "--dtype", "fp16"])
+    assert res.exit_code == 0, res.output
+    assert ExpertStore(tmp_path / "experts").entry("cls-c").dtype == "float16"
+    res = runner.invoke(cli, ["zoo", "build", "--config", str(config), "--dtype", "fp8"])
+    assert res.exit_code == 2 and "fp32" in res.output and "bf16" in res.output
+    help_text = runner.invoke(cli, ["zoo", "build", "--help"]).output
+    assert "--dtype [fp32|fp16|bf16]" in help_text and "coe-agent zoo build --line A --dtype fp16" in help_text
