@@ -278,6 +278,9 @@ def _load_resident(model: torch.nn.Module, path: Path, layout: MoELayout, verify
         state = load_file(str(path))
     except Exception as exc:  # SafetensorError, OSError
         raise CoEError(f"{path}: truncated or corrupt resident weights: {exc}") from None
+    # a tensor the file leaves off a 64-byte boundary gets its own aligned copy: CPU kernels take
+    # another path on unaligned data and round differently, so the logits would drift from the model's
+    state = {k: v.clone() if v.data_ptr() % 64 else v for k, v in state.items()}
     result = model.load_state_dict(state, strict=False, assign=True)
     if result.unexpected_keys:
         raise CoEError(f"{path}: holds weights the model does not have: {result.unexpected_keys[:3]}")
