@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING
 import zmq
 
 from coe import CoEModel, Frame, Request, decide, load_spec
-from executors.costs import ExecutorInfo, ProfileCosts
+from executors.costs import ExecutorInfo, ProfileCosts, store_forms
 from executors.executor import BatchResult, Executor, FailedExperts
 from executors.profile import Profile
 from executors.scheduler import Scheduler
@@ -124,7 +124,8 @@ class Agent:
         self.gpu_pools = [s.name for s in self.slots if s.ex.device.startswith("cuda")]
         if self.gpu_pools and not cfg.unified_memory:
             self.host_tier = self._pool("host", "host", cfg.cpu_tier,
-                                        StoreSource(self.store, pin=True, method=cfg.expert_read), None)
+                                        StoreSource(self.store, pin=True, method=cfg.expert_read,
+                                                    dtype=StoreSource.UNIFORM), None)
         # exclusive: the host tier is a victim cache (GPU victims move down, promotions leave it)
         self.exclusive = self.host_tier is not None and cfg.cpu_tier_mode == "exclusive"
         infos = {}
@@ -134,14 +135,15 @@ class Agent:
                 source = StoreSource(self.store, method=cfg.expert_read,
                                      dtype=None if cfg.cpu_compute_dtype == "stored" else cfg.cpu_compute_dtype)
             else:  # a GPU pool loads through the shared host tier, or straight from SSD on unified memory
-                source = TierSource(self.host_tier or StoreSource(self.store, pin=True, method=cfg.expert_read),
+                source = TierSource(self.host_tier or StoreSource(self.store, pin=True, method=cfg.expert_read,
+                                                                  dtype=StoreSource.UNIFORM),
                                     ex.device, exclusive=self.exclusive)
             pool = self._pool(slot.name, ex.device, slot.expert_memory, source, slot.name)
             self.pools[slot.name] = pool
             infos[slot.name] = ExecutorInfo("cpu" if ex.device == "cpu" else "cuda", slot.memory, pool,
                                             device=ex.device)
         self.costs = ProfileCosts(self.model, infos, self.profile, host=self.host_tier,
-                                  default_max_batch=cfg.scheduler.max_batch)
+                                  default_max_batch=cfg.scheduler.max_batch, stored=store_forms(self.store))
         tie = cfg.scheduler.tie_seconds
         self.scheduler = Scheduler([s.name for s in self.slots], cfg.scheduler.policy, costs=self.costs,
                                    tie_seconds=tie, max_wait=cfg.scheduler.max_wait)

@@ -1,4 +1,4 @@
-"""`coe-agent experts ...`: inspect, verify, import, warm and evict the line's expert store.
+"""`coe-agent experts ...`: inspect, verify, import, compress, warm and evict the line's expert store.
 
 A thin layer over `storage.expert_store`, `storage.importer` and
 `storage.pagecache`.  The group object is created before `.cli` is imported:
@@ -26,7 +26,7 @@ if TYPE_CHECKING:
 
 @click.group()
 def experts() -> None:
-    """The line's expert store: list, verify, import, warm and evict experts."""
+    """The line's expert store: list, verify, import, compress, warm and evict experts."""
 
 
 from .cli import _config, _fail_clearly, dtype_option, line_options  # noqa: E402  (after `experts`: see the module doc)
@@ -74,8 +74,9 @@ def _table(cols: tuple[str, ...], rows: list[list[str]], right: set[str]) -> lis
 def experts_ls(line: str, config_path: str | None, as_json: bool) -> None:
     """List the spec's experts with what the store holds for each.
 
-    Shows size, dtype, version, sha256 prefix and how much of each file is in
-    the OS page cache; MISSING marks a spec expert the store lacks, and
+    Shows size, dtype, the stored size with its compression ratio and entropy
+    bound (see `experts compress`), version, sha256 prefix and how much of
+    each file is in the OS page cache; MISSING marks a spec expert the store lacks, and
     'not in spec' a stored expert the spec does not use.
 
     \b
@@ -101,7 +102,9 @@ def experts_ls(line: str, config_path: str | None, as_json: bool) -> None:
             path = store.root / entry.file
             resident = resident_fraction(path) if path.is_file() else None
             rec.update(nbytes=entry.nbytes, dtype=entry.dtype, version=entry.version, sha256=entry.sha256,
-                       file=str(path), resident=resident)
+                       file=str(path), resident=resident, compression=entry.compression,
+                       stored_nbytes=entry.stored_nbytes or (path.stat().st_size if path.is_file() else 0),
+                       ratio=round(entry.ratio, 4), bound=entry.bound and round(entry.bound, 4))
             if spec is None:
                 rec["status"] = "not in spec"
             elif not path.is_file():
@@ -115,16 +118,19 @@ def experts_ls(line: str, config_path: str | None, as_json: bool) -> None:
         for rec in records:
             click.echo(json.dumps(rec))
         return
-    cols = ("id", "kind", "arch", "MB", "dtype", "ver", "sha256", "cached", "status")
+    cols = ("id", "kind", "arch", "MB", "dtype", "stored MB", "ratio", "bound", "ver", "sha256", "cached", "status")
     rows = []
     for r in records:
         if r["status"] == "MISSING":
-            rows.append([str(r["id"]), str(r["kind"]), str(r["arch"]), "-", "-", "-", "-", "-", "MISSING"])
+            rows.append([str(r["id"]), str(r["kind"]), str(r["arch"]), *["-"] * 8, "MISSING"])
             continue
         cached = "n/a" if r["resident"] is None else f"{100 * float(r['resident']):.0f}%"
+        ratio = "plain" if r["compression"] == "none" else f"{float(r['ratio']):.3f}"
+        bound = "-" if not r["bound"] else f"{float(r['bound']):.3f}"
         rows.append([str(r["id"]), str(r["kind"]), str(r["arch"]), f"{int(r['nbytes']) / _MB:.1f}", str(r["dtype"]),
+                     f"{int(r['stored_nbytes']) / _MB:.1f}", ratio, bound,
                      str(r["version"]), str(r["sha256"])[:12], cached, str(r["status"])])
-    for text in _table(cols, rows, right={"MB", "ver", "cached"}):
+    for text in _table(cols, rows, right={"MB", "stored MB", "ratio", "bound", "ver", "cached"}):
         click.echo(text)
     in_spec = [r for r in records if r["id"] in model.experts and "nbytes" in r]
     missing = sum(r["status"] == "MISSING" for r in records)
@@ -277,3 +283,6 @@ def experts_evict(ids: tuple[str, ...], line: str, config_path: str | None) -> N
     if targets and not dropped:
         raise CoEError("this platform has no posix_fadvise: cannot drop files from the page cache")
     click.echo(f"evicted {len(dropped)} expert file(s) from the page cache")
+
+
+from . import compress_cli  # noqa: E402,F401  (registers `experts compress`; it needs the helpers above)

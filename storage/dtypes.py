@@ -8,15 +8,24 @@ dominant dtype of the tensors written), and executors compute in it.
 Casting is checked: fp16 tops out at 65504, and a weight beyond it would be
 stored as inf and silently corrupt every verdict the expert gives, so such a
 cast is refused, naming the tensor.  bf16 has fp32's exponent range and cannot
-overflow this way.  Torch is imported inside the functions, so parsing an
+overflow this way.  The other end of fp16's range is as dangerous: a tensor
+whose values sit below fp16's smallest normal number (6.1e-5) loses them to
+zero or to a few bits of subnormal precision.  The bias a demo classifier is
+calibrated with can be 1e-10; flushed to zero it changes most verdicts.  Such
+a tensor keeps its source dtype (a log line names it): an expert is then
+mostly fp16 with a few small tensors in fp32, and the manifest records the
+dominant dtype.  Torch is imported inside the functions, so parsing an
 option costs nothing.
 """
 from __future__ import annotations
 
+import logging
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
 from coe import CoEError
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     import torch
@@ -46,12 +55,14 @@ def cast_floating(tensors: Mapping[str, "torch.Tensor"], dtype: str) -> dict[str
     num_batches_tracked, index tables) are counts and masks, and casting them
     to a float type would change their meaning or lose exactness.  Raises
     CoEError naming the tensor when a cast to fp16 would turn a finite value
-    into inf (its magnitude exceeds 65504).
+    into inf (its magnitude exceeds 65504); keeps a tensor that fp16 would
+    flush to zero (`fp16_underflows`) in its source dtype.
     """
     import torch
 
     target = getattr(torch, parse_dtype(dtype, where="dtype"))
     out: dict[str, torch.Tensor] = {}
+    kept: list[str] = []
     for name, t in tensors.items():
         if str(t.dtype).removeprefix("torch.") not in FLOATING_DTYPES or t.dtype == target:
             out[name] = t
@@ -59,8 +70,37 @@ def cast_floating(tensors: Mapping[str, "torch.Tensor"], dtype: str) -> dict[str
         cast = t.to(target)
         if target == torch.float16:
             _check_no_overflow(name, t, cast)
+            if fp16_underflows(t, cast):
+                kept.append(name)
+                out[name] = t
+                continue
         out[name] = cast
+    if kept:
+        log.warning("kept %d tensor(s) in their source dtype: fp16 would flush their values to zero or "
+                    "subnormals (%s)", len(kept), ", ".join(kept[:5]) + (" ..." if len(kept) > 5 else ""))
     return out
+
+
+UNDERFLOW_SHARE = 0.01
+
+
+def fp16_underflows(src: "torch.Tensor", cast: "torch.Tensor") -> bool:
+    """True when fp16 cannot hold `src`: all of it below the smallest normal, or over 1% of it flushed to zero.
+
+    A weight matrix always has a few values near zero, and losing those
+    costs nothing; losing a whole bias vector, or a share of a tensor's
+    values, changes what the expert says.
+    """
+    import torch
+
+    nonzero = src != 0
+    n = int(nonzero.sum())
+    if n == 0:
+        return False
+    if float(src.abs().max()) < torch.finfo(torch.float16).tiny:
+        return True
+    flushed = int((nonzero & (cast == 0)).sum())
+    return flushed > UNDERFLOW_SHARE * n
 
 
 def _check_no_overflow(name: str, src: "torch.Tensor", cast: "torch.Tensor") -> None:

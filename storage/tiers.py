@@ -51,9 +51,14 @@ class StoreSource:
     `dtype` is the dtype a CPU executor computes in: floating tensors stored
     in another dtype are cast while they load (fp16 on disk, fp32 in the
     pool), and the pool accounts the loaded size.  None keeps the stored
-    dtype, which is what a GPU tier wants (half precision stays half).
-    Compressed experts decode on the calling loader thread.
+    dtypes as they are.  'uniform' casts the few tensors an fp16 expert keeps
+    in fp32 (see `storage.dtypes.fp16_underflows`) to the expert's dominant
+    dtype, so a GPU module computing in half precision gets one dtype; an
+    expert stored half stays half.  Compressed experts decode on the calling
+    loader thread (and the shared decode pool).
     """
+
+    UNIFORM = "uniform"
 
     reuses_memory = True
 
@@ -67,15 +72,25 @@ class StoreSource:
         self._cpu = torch.device("cpu")
         self.reused = 0
 
+    def _dtype(self, expert_id: str) -> str | None:
+        if self.dtype != self.UNIFORM:
+            return self.dtype
+        from .convert import FLOATING
+
+        dominant = self.store.entry(expert_id).dtype
+        return dominant if dominant in FLOATING else None
+
     def size(self, expert_id: str) -> int:
-        return self.store.loaded_nbytes(expert_id, self.dtype) if self.dtype else self.store.nbytes(expert_id)
+        dtype = self._dtype(expert_id)
+        return self.store.loaded_nbytes(expert_id, dtype) if dtype else self.store.nbytes(expert_id)
 
     def load(self, expert_id: str, reuse=None) -> FlatWeights:
         out = take_buffer(reuse, self.size(expert_id), self._cpu, self.pin) if reuse else None
         if reuse:
             reuse.clear()  # the victims we did not take are freed before we allocate
         self.reused += out is not None
-        flat = self.store.read_flat(expert_id, pin=self.pin, method=self.method, out=out, dtype=self.dtype)
+        flat = self.store.read_flat(expert_id, pin=self.pin, method=self.method, out=out,
+                                    dtype=self._dtype(expert_id))
         if self.drop_after_read:
             from .pagecache import drop_from_page_cache
 

@@ -213,3 +213,73 @@ def test_chunks_stay_inside_one_tensor(tmp_path: Path) -> None:
     bounds = {(s.start, s.end) for s in header.layout.specs}
     for c in header.chunks:
         assert any(a <= c.start and c.end <= b for a, b in bounds)
+
+
+def _verdicts_through_agent(config: Path, recording: Path) -> tuple[dict[str, str], dict[str, int]]:
+    """Replay `recording` through a real agent on `config`: verdict per frame, expert events by kind."""
+    import sqlite3
+
+    from edge_agent.agent import Agent
+    from edge_agent.config import load_config
+    from edge_agent.replay import replay
+    from storage.recording import Recording
+
+    from conftest import verdict_rows
+
+    agent = Agent(load_config(config, env={})).start()
+    try:
+        rec = Recording(recording)
+        report = replay(rec, agent.endpoints["ingest"], window=16)
+        assert report.accepted == len(rec) and agent.wait_verdicts(len(rec), timeout=120)
+    finally:
+        agent.stop()
+    con = sqlite3.connect(load_config(config, env={}).db_path)
+    try:
+        events = dict(con.execute("SELECT event, count(*) FROM expert_events GROUP BY event").fetchall())
+    finally:
+        con.close()
+    return {r["frame_id"]: r["verdict"] for r in verdict_rows(load_config(config, env={}).db_path)}, events
+
+
+def test_the_agent_serves_a_compressed_half_precision_store_like_the_plain_fp32_one(tmp_path, tiny_zoo,
+                                                                                   tiny_recording):
+    """fp16 on disk, compressed, cast to fp32 in the CPU pool while loading: the same verdicts."""
+    import shutil
+
+    from storage.dtypes import cast_floating
+
+    from conftest import write_line
+
+    plain_root, half_root = tmp_path / "plain", tmp_path / "half"
+    shutil.copytree(tiny_zoo, plain_root)
+    src = ExpertStore(plain_root)
+    half = ExpertStore(half_root)
+    half.set_compression("exponent-zstd")
+    for e in src.entries():
+        spec = Expert(e.id, e.arch, e.kind, ("ok", "bad"), 32)
+        half.write(spec, cast_floating(src.read(e.id), "float16"))
+    assert all(e.compression == "exponent-zstd" and e.dtype == "float16" for e in half.entries())
+    want, _ = _verdicts_through_agent(write_line(tmp_path / "line-plain", store=plain_root), tiny_recording)
+    got, events = _verdicts_through_agent(write_line(tmp_path / "line-half", store=half_root), tiny_recording)
+    assert set(got) == set(want)                           # every frame, once
+    agree = sum(got[f] == want[f] for f in want) / len(want)
+    assert agree >= 0.98, agree
+    assert events.get("load", 0) >= 3 and events.get("evict", 0) > 0   # the pool paged the compressed experts
+
+
+def test_uniform_sources_give_a_half_expert_one_dtype_and_leave_pure_ones_untouched(tmp_path: Path) -> None:
+    """What a GPU tier loads: the fp32 tensors an fp16 expert kept are cast to fp16 too."""
+    from storage.dtypes import cast_floating
+
+    store = ExpertStore(tmp_path)
+    mixed = cast_floating({"w": torch.randn(64, 64) * 0.05, "b": torch.full((4,), 1e-10)}, "fp16")
+    assert mixed["w"].dtype == torch.float16 and mixed["b"].dtype == torch.float32   # fp16 would flush b
+    store.write(_expert("mixed"), mixed)
+    store.write(_expert("pure"), {"w": (torch.randn(64, 64) * 0.05).half()})
+    src = StoreSource(store, dtype=StoreSource.UNIFORM)
+    flat = src.load("mixed")
+    got = flat.tensors()
+    assert {t.dtype for t in got.values()} == {torch.float16} and src.size("mixed") == flat.nbytes
+    assert torch.equal(got["w"], mixed["w"])
+    pure = src.load("pure")
+    assert src.size("pure") == store.nbytes("pure") == pure.nbytes

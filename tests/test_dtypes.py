@@ -80,3 +80,21 @@ def test_importing_the_module_does_not_import_torch():
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, cwd=root,
                           timeout=60)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_fp16_keeps_a_tensor_it_would_flush_to_zero_in_its_source_dtype(caplog):
+    import torch
+
+    from storage.dtypes import cast_floating, fp16_underflows
+
+    src = {"bias": torch.tensor([2.5e-10, -1e-10, 3e-10, 0.0]),          # a calibrated demo bias
+           "w": torch.randn(1000) * 0.02,                                 # a few values near zero: fine
+           "half_gone": torch.cat([torch.full((50,), 1e-9), torch.ones(950)])}   # 5% flushed
+    with caplog.at_level("WARNING"):
+        out = cast_floating(src, "fp16")
+    assert out["bias"].dtype == torch.float32 and torch.equal(out["bias"], src["bias"])
+    assert out["half_gone"].dtype == torch.float32
+    assert out["w"].dtype == torch.float16
+    assert "bias" in caplog.text and "half_gone" in caplog.text
+    assert not fp16_underflows(torch.zeros(3), torch.zeros(3, dtype=torch.float16))
+    assert cast_floating(src, "bf16")["bias"].dtype == torch.bfloat16      # bf16 has fp32's range

@@ -39,7 +39,7 @@ def row(output: str, expert_id: str) -> list[str]:
 def test_every_experts_command_has_an_example():
     from edge_agent.experts_cli import experts
 
-    assert sorted(experts.commands) == ["evict", "import", "ls", "verify", "warm"]
+    assert sorted(experts.commands) == ["compress", "evict", "import", "ls", "verify", "warm"]
     for name in experts.commands:
         res = CliRunner().invoke(cli, ["experts", name, "--help"])
         assert res.exit_code == 0 and "Example:" in res.output and f"coe-agent experts {name}" in res.output
@@ -47,7 +47,7 @@ def test_every_experts_command_has_an_example():
 
 def test_importing_experts_cli_first_has_no_cycle():
     code = ("import edge_agent.experts_cli as m, edge_agent.cli as c; "
-            "assert c.cli.commands['experts'] is m.experts and len(m.experts.commands) == 5")
+            "assert c.cli.commands['experts'] is m.experts and len(m.experts.commands) == 6")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]),
                                                          os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
@@ -61,7 +61,8 @@ def test_ls_lists_spec_experts_with_sizes_and_flags_missing_and_extra(tiny_line)
     for eid in IDS:
         cols = row(res.output, eid)
         entry = store.entry(eid)
-        assert cols[3] == f"{entry.nbytes / 1e6:.1f}" and cols[6] == entry.sha256[:12] and cols[-1] == "ok"
+        assert cols[3] == f"{entry.nbytes / 1e6:.1f}" and cols[9] == entry.sha256[:12] and cols[-1] == "ok"
+        assert cols[6] == "plain" and cols[5] == f"{entry.stored_nbytes / 1e6:.1f}"
     total = sum(store.entry(e).nbytes for e in IDS) / 1e6
     assert f"6 experts in spec (0 missing), {total:.1f} MB stored" in res.output
     assert "1 x cpu 20.0 MB" in res.output and "do not all fit" in res.output
@@ -204,3 +205,33 @@ def test_import_with_dtype_stores_and_records_it(tiny_line, tmp_path):
 
     res = run("import", "--config", str(tiny_line), "cls-r0402", str(src), "--dtype", "int8")
     assert res.exit_code == 2 and "'int8' is not one of 'fp32', 'fp16', 'bf16'" in res.output
+
+
+def test_compress_shows_ratios_and_bounds_and_off_restores_plain_files(tiny_line):
+    store = store_of(tiny_line)
+    before = {e.id: e.sha256 for e in store.entries()}
+    res = run("compress", "--config", str(tiny_line))
+    assert res.exit_code == 0, res.output
+    store.reload()
+    assert store.compression == "exponent-zstd"
+    for eid in IDS:
+        cells = row(res.output, eid)
+        ratio, bound = float(cells[-2]), float(cells[-1])
+        assert 0.5 < ratio < 1.0 and bound <= ratio + 1e-9      # fp32 weights: (24+H)/32 is the floor
+        assert store.entry(eid).file.endswith(".coez") and store.entry(eid).sha256 == before[eid]
+    assert "store compression: exponent-zstd" in res.output
+    ls = run("ls", "--config", str(tiny_line))
+    assert ls.exit_code == 0 and float(row(ls.output, IDS[0])[6]) == pytest.approx(store.entry(IDS[0]).ratio, abs=1e-3)
+    assert run("verify", "--config", str(tiny_line)).exit_code == 0     # decodes, hashes and builds each expert
+    off = run("compress", "--config", str(tiny_line), "--off")
+    assert off.exit_code == 0, off.output
+    store.reload()
+    assert store.compression == "none" and all(store.entry(e).file.endswith(".safetensors") for e in IDS)
+    assert {e.id: e.sha256 for e in store.entries()} == before
+
+
+def test_compress_errors_name_the_store_and_the_expert(tiny_line, tmp_path):
+    res = run("compress", "--store", str(tmp_path / "nowhere"))
+    assert res.exit_code != 0 and "--store" in res.output and "nowhere" in res.output
+    res = run("compress", "--config", str(tiny_line), "no-such-expert")
+    assert res.exit_code != 0 and "no-such-expert" in res.output
