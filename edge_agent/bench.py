@@ -5,17 +5,22 @@ with a profile's costs (default: the documented GPU-class profile in
 configs/profiles/gpu-class.json).  Real (`--real`): small real experts
 (resnet18 classifiers, yolov8n detectors) on this machine's CPU, cold SSD
 loads, a memory budget that forces switching.  Every row says which it is.
+
+With a compression what-if (`SimCompression`, `--compression-ratio`), each
+system also runs with every expert stored exponent-compressed at that ratio
+and decoded at the given rate, and `compare` puts the two side by side.
 """
 from __future__ import annotations
 
 import json
 import os
 import platform
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from coe.workload import make_workload, task
-from executors.profile import Profile
+from executors.costs import StoredLookup, uniform_forms
+from executors.profile import Profile, StorageProfile
 from executors.simdevice import SimExecutor, SimReport, SimSystem, decision_overhead, simulate
 from executors.systems import DEFAULT, MAX_WAIT, build_system
 
@@ -28,9 +33,80 @@ GPU_CLASS = REPO / "configs" / "profiles" / "gpu-class.json"
 SUSTAIN_TAIL = 0.01
 
 
+@dataclass(frozen=True)
+class SimCompression:
+    """The what-if of `bench --sim --compression-ratio`: every expert stored at `ratio` of its bytes.
+
+    `storage` carries the decode rate (per thread, and the threads a load
+    decodes with) and the disk rate; a disk rate of None means each arch's
+    own profiled plain load rate (weight bytes over its SSD load), which is
+    how a profile without a measured disk (the GPU-class one) states its SSD.
+    """
+
+    ratio: float
+    storage: StorageProfile
+
+    def __post_init__(self) -> None:
+        if not 0 < self.ratio <= 1:
+            raise ValueError(f"compression ratio must be in (0, 1] (stored over plain bytes), got {self.ratio}")
+        if not self.storage.decode_total_bps:
+            raise ValueError("a compression what-if needs a decode rate")
+
+    def profile(self, profile: Profile) -> Profile:
+        return replace(profile, storage=self.storage)
+
+    def load_factors(self, profile: Profile) -> dict[str, float]:
+        """Per arch@device of `profile`: a compressed SSD load's time over the plain one's (transfer only)."""
+        out = {}
+        for key, a in profile.archs.items():
+            if "ssd" not in a.load_seconds or a.load_seconds["ssd"] <= 0:
+                continue
+            disk = self.storage.disk_bps or a.weight_bytes / a.load_seconds["ssd"]
+            out[key] = max(self.ratio, disk / self.storage.decode_total_bps)
+        return out
+
+
+def sim_compression(profile: Profile, ratio: float, decode_rate: float | str | None,
+                    decode_threads: int | None) -> SimCompression:
+    """The what-if for `bench --sim`: `decode_rate` in decoded bytes/s per thread, 'here' to measure it on
+    this machine now (the bf16 sample), or None for the profile's (its load decode rate on the line's
+    experts where it has one); the disk stays the profile's.  Raises ValueError naming the option when no
+    decode rate is to be had."""
+    from executors.storage_profiler import loader_decode_threads, measure_decode_contended
+
+    have = profile.storage
+    disk = have.disk_bps if have is not None else None
+    if decode_rate == "here":
+        threads = decode_threads or loader_decode_threads()
+        n = max(2, threads)
+        per_thread = measure_decode_contended(n) / n
+        source = (f"decode measured here on {platform.node()} ({os.cpu_count()} cores): bf16 exponent-zstd, "
+                  f"per thread with {n} decoding at once")
+    elif decode_rate is not None:
+        threads, per_thread = decode_threads or 1, float(decode_rate)
+        source = "decode rate given on the command line (--decode-rate)"
+    elif have is not None and have.decode_total_bps:
+        if decode_threads is not None:
+            have = replace(have, decode_threads=decode_threads)
+        storage = replace(have, ratio=ratio, source=f"decode and disk from the profile ({have.source})")
+        return SimCompression(ratio, storage)
+    else:
+        raise ValueError(f"--compression-ratio needs a decode rate and the profile ({profile.source[:60]}...) has "
+                         f"none: pass --decode-rate BYTES_PER_S (per thread) or --decode-rate here, or a --profile "
+                         f"written by `coe-agent profile` (it measures one)")
+    if not per_thread > 0:
+        raise ValueError(f"--decode-rate must be positive (decoded bytes per second per thread), got {decode_rate}")
+    disk_how = ("disk from the profile's measured rate" if disk else
+                "disk: each arch's profiled SSD load rate (weight bytes / SSD load seconds)")
+    storage = StorageProfile(disk_bps=disk, decode_bps=per_thread, decode_threads=threads, ratio=ratio,
+                             source=f"{source}; {disk_how}")
+    return SimCompression(ratio, storage)
+
+
 def run_sim(workloads: list[str], profile: Profile, systems: list[str], *, init: str = "warm",
             overrides: dict | None = None, loads: tuple[float, ...] = (),
-            load_systems: tuple[str, ...] = ("coserve", "coserve-paper", "samba")) -> dict[str, list[SimReport]]:
+            load_systems: tuple[str, ...] = ("coserve", "coserve-paper", "samba"),
+            compression: SimCompression | None = None) -> dict[str, list[SimReport]]:
     """Each system on each task, side by side; with `loads`, also at F x its own saturation rate.
 
     The task itself (one frame every 4 ms) floods every system: its throughput
@@ -39,20 +115,27 @@ def run_sim(workloads: list[str], profile: Profile, systems: list[str], *, init:
     the saturation rate is the highest steady arrival rate the system
     sustains (`sustained_rate`), and for each F the same frames arrive evenly
     spaced at F x that rate; the report's `latency[F]` holds p50/p99 there.
+    With `compression`, every expert is stored compressed (see SimCompression);
+    the systems themselves (memory, executors) are the plain run's.
     """
     out = {}
+    plain = profile
+    if compression is not None:
+        profile = compression.profile(profile)
     for wl in workloads:
         spec = task(wl, **(overrides or {}))
         w = make_workload(spec)
+        stored = uniform_forms(w.model, compression.ratio) if compression is not None else None
         reps = []
         for s in systems:
-            system = build_system(s, profile, init=init)
-            rep = simulate(w, profile, system)
+            system = build_system(s, plain, init=init)
+            rep = simulate(w, profile, system, stored=stored)
             if loads and s in load_systems:
-                rate = sustained_rate(spec, profile, system, rep.throughput)
+                rate = sustained_rate(spec, profile, system, rep.throughput, stored=stored)
                 rep.sustained_rate = round(rate, 3)
                 for f in loads:
-                    r = simulate(make_workload(replace(spec, interval=1.0 / (f * rate))), profile, system)
+                    r = simulate(make_workload(replace(spec, interval=1.0 / (f * rate))), profile, system,
+                                 stored=stored)
                     rep.latency[f] = {"p50_s": round(r.p50_ms / 1000, 3), "p99_s": round(r.p99_ms / 1000, 3),
                                       "rate": round(f * rate, 3), "aged": r.aged}
             reps.append(rep)
@@ -60,22 +143,23 @@ def run_sim(workloads: list[str], profile: Profile, systems: list[str], *, init:
     return out
 
 
-def sustains(spec, profile: Profile, system: SimSystem, rate: float) -> bool:
+def sustains(spec, profile: Profile, system: SimSystem, rate: float, *, stored: StoredLookup | None = None) -> bool:
     """True if frames arriving evenly at `rate` leave a backlog that drains within SUSTAIN_TAIL of the run."""
     w = make_workload(replace(spec, interval=1.0 / rate))
-    r = simulate(w, profile, system)
+    r = simulate(w, profile, system, stored=stored)
     span = w.arrivals[-1].t
     return r.makespan - span <= SUSTAIN_TAIL * span
 
 
-def sustained_rate(spec, profile: Profile, system: SimSystem, flood: float, *, precision: float = 0.03) -> float:
+def sustained_rate(spec, profile: Profile, system: SimSystem, flood: float, *, precision: float = 0.03,
+                   stored: StoredLookup | None = None) -> float:
     """The highest steady arrival rate (frames/s) `system` sustains, by bisection below its flood throughput."""
     lo, hi = 0.0, flood
-    if sustains(spec, profile, system, hi):
+    if sustains(spec, profile, system, hi, stored=stored):
         return hi
     while hi - lo > precision * hi:
         mid = (lo + hi) / 2 if lo else hi / 4
-        if sustains(spec, profile, system, mid):
+        if sustains(spec, profile, system, mid, stored=stored):
             lo = mid
         else:
             hi = mid
@@ -199,6 +283,52 @@ def format_table(title: str, rows: list[dict]) -> str:
     lines.append("floor: switches no schedule avoids (experts the task uses that no executor pool held at start)")
     lines.append("resources (every system gets the same machine):")
     lines += [f"  {r['system']:15} {r.get('resources', '')}" for r in rows]
+    return "\n".join(lines)
+
+
+def compare(plain: list[dict], packed: list[dict], factor: float = 1.0) -> list[dict]:
+    """One row per system: its throughput with the store plain and compressed, and the gain.
+
+    `expected` is the gain if only the SSD time changed, by `factor` (the load
+    factor): 1 / (1 - s (1 - factor)) for the plain run's SSD share s.  Where
+    the measured gain falls short of it, the schedule itself changed (cheaper
+    switches invite more of them).
+    """
+    by = {r["system"]: r for r in packed}
+    rows = []
+    for p in plain:
+        c = by[p["system"]]
+        share = min(1.0, p["ssd_busy"] / p["makespan"]) if p["makespan"] else 0.0
+        rows.append({"system": p["system"], "plain": p["throughput"], "compressed": c["throughput"],
+                     "gain": round(c["throughput"] / p["throughput"], 3) if p["throughput"] else None,
+                     "expected": round(1 / (1 - share * (1 - factor)), 3),
+                     "ssd_plain": p["ssd_busy"], "ssd_compressed": c["ssd_busy"], "ssd_share": round(share, 3),
+                     "switches_plain": p["switches"], "switches_compressed": c["switches"],
+                     "sustained_plain": p.get("sustained_rate") or None,
+                     "sustained_compressed": c.get("sustained_rate") or None,
+                     "resources": p.get("resources", "")})
+    return rows
+
+
+def format_compare(title: str, rows: list[dict]) -> str:
+    """The side-by-side table: frames/s plain and compressed, the gain, and how SSD-bound the plain run was."""
+    sustained = any(r["sustained_plain"] for r in rows)
+    head = (f"{'system':15} {'plain f/s':>10} {'compr f/s':>10} {'gain':>6} {'expect':>7} {'SSD s plain':>12} "
+            f"{'SSD s compr':>12} "
+            f"{'SSD share':>10} {'switches':>9} {'switches c':>11}"
+            + (f" {'sust plain':>11} {'sust compr':>11}" if sustained else ""))
+    lines = [title, head] if title else [head]
+    for r in rows:
+        sus = (f" {r['sustained_plain'] or 0:11.2f} {r['sustained_compressed'] or 0:11.2f}" if sustained else "")
+        lines.append(f"{r['system']:15} {r['plain']:10.2f} {r['compressed']:10.2f} {r['gain']:5.2f}x "
+                     f"{r['expected']:6.2f}x "
+                     f"{r['ssd_plain']:12.1f} {r['ssd_compressed']:12.1f} {r['ssd_share'] * 100:9.0f}% "
+                     f"{r['switches_plain']:9d} {r['switches_compressed']:11d}{sus}")
+    lines.append("SSD share: seconds the shared SSD channel was reading over the plain run's makespan "
+                 "(near 100%: SSD-bound); expect: the gain if only the SSD time shrank, 1 / (1 - share x (1 - load "
+                 "factor))")
+    lines.append("resources (every system gets the same machine, plain and compressed alike):")
+    lines += [f"  {r['system']:15} {r['resources']}" for r in rows]
     return "\n".join(lines)
 
 

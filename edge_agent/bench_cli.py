@@ -29,13 +29,24 @@ from .cli import _config, _fail_clearly, line_options
                    "each sustains (see README) and report p50/p99 there; comma-separated F in (0, 1], or 'none'.")
 @click.option("--repeats", default=3, show_default=True, type=click.IntRange(1, 20),
               help="--real: run both systems this many times, side by side, and report the spread.")
+@click.option("--compression-ratio", type=click.FloatRange(0, 1, min_open=True),
+              help="--sim: also run every system with each expert stored exponent-compressed at this ratio "
+                   "(stored/plain bytes, e.g. 0.66 for bf16) and report the throughput of both side by side.")
+@click.option("--decode-rate", callback=lambda c, p, v: _decode_rate(v),
+              help="With --compression-ratio: decoded bytes/s per decode thread (e.g. 1.3e9), or 'here' to measure "
+                   "it on this machine now (default: the profile's, from `coe-agent profile`).")
+@click.option("--decode-threads", type=click.IntRange(min=1),
+              help="With --compression-ratio: threads one load decodes with, at the per-thread rate (default: the "
+                   "profile's; with --decode-rate here, this machine's; else 1).  A profile's decode rate measured "
+                   "on the line's own experts already counts its threads.")
 @click.option("--out", type=click.Path(file_okay=False), help="Where the PNG goes (default: {data_dir}/bench).")
 @click.option("--json", "as_json", is_flag=True, help="Only the JSON line.")
 @line_options
 @_fail_clearly
 def bench(workload: str, sim: bool, profile_path: str | None, policies: str, init: str, skew: float | None,
           types: int | None, detector_share: float | None, requests: int | None, load: tuple[float, ...],
-          repeats: int, out: str | None, as_json: bool, line: str, config_path: str | None) -> None:
+          repeats: int, compression_ratio: float | None, decode_rate: float | str | None,
+          decode_threads: int | None, out: str | None, as_json: bool, line: str, config_path: str | None) -> None:
     """Compare CoServe with Samba-CoE and the ablations: throughput, switches, p99, bound.
 
     \b
@@ -43,6 +54,7 @@ def bench(workload: str, sim: bool, profile_path: str | None, policies: str, ini
       coe-agent bench --workload A1,B2 --sim
       coe-agent bench --sim --load 0.5,0.8 --skew 1.2 --types 120
       coe-agent bench --sim --profile var/line-A/profile.json --policies coserve,samba --json
+      coe-agent bench --sim --compression-ratio 0.66 --decode-rate here --load none
       coe-agent bench --real
     """
     from executors.profile import Profile
@@ -71,7 +83,15 @@ def bench(workload: str, sim: bool, profile_path: str | None, policies: str, ini
         click.echo(B.dumps({"bench": "coserve", "mode": "real", "machine": B.machine(), "info": info,
                             "runs": tables}))
         return
+    if (decode_rate is not None or decode_threads is not None) and compression_ratio is None:
+        raise click.UsageError("--decode-rate and --decode-threads only apply with --compression-ratio")
     prof = Profile.load(profile_path or B.GPU_CLASS)
+    comp = None
+    if compression_ratio is not None:
+        try:
+            comp = B.sim_compression(prof, compression_ratio, decode_rate, decode_threads)
+        except ValueError as exc:
+            raise click.UsageError(str(exc)) from None
     names = [p.strip() for p in policies.split(",") if p.strip()]
     if "samba" not in names:
         names.append("samba")
@@ -80,13 +100,22 @@ def bench(workload: str, sim: bool, profile_path: str | None, policies: str, ini
     wls = [w.strip().upper() for w in workload.split(",") if w.strip()]
     results = B.run_sim(wls, prof, names, init=init, overrides=overrides, loads=load)
     rows = {wl: B.table(reps) for wl, reps in results.items()}
+    packed = compared = None
+    if comp is not None:
+        packed = {wl: B.table(reps) for wl, reps in
+                  B.run_sim(wls, prof, names, init=init, overrides=overrides, loads=load, compression=comp).items()}
+        factor = min(comp.load_factors(prof).values(), default=1.0)
+        compared = {wl: B.compare(rows[wl], packed[wl], factor) for wl in rows}
     mean_decision = B.overhead(prof)
     png = B.plot(rows, out_dir / "bench-throughput.png", f"simulation on profile: {prof.source[:90]}")
     if not as_json:
         click.echo(f"simulation (virtual clock, profiled costs) on profile: {prof.source}")
-        for wl, r in rows.items():
-            click.echo("")
-            click.echo(B.format_table(f"task {wl}:", r))
+        if comp is not None:
+            _echo_compression(comp, prof, compared)
+        else:
+            for wl, r in rows.items():
+                click.echo("")
+                click.echo(B.format_table(f"task {wl}:", r))
         co = [r for rs in rows.values() for r in rs if r["system"] == "coserve"]
         if co:
             click.echo("")
@@ -97,9 +126,60 @@ def bench(workload: str, sim: bool, profile_path: str | None, policies: str, ini
                        f"{max(r['sched_share'] for r in co) * 100:.3f}% and expert management "
                        f"{max(r['manage_share'] for r in co) * 100:.4f}% of executor time at most")
         click.echo(f"chart: {png}")
+    extra = {}
+    if comp is not None:
+        st = comp.storage
+        extra = {"compression": {"ratio": comp.ratio,
+                                 "decode_bps_per_thread": round(st.decode_bps) if st.decode_bps else None,
+                                 "decode_threads": st.decode_threads, "decode_bps": round(st.decode_total_bps),
+                                 "disk_bps": round(st.disk_bps) if st.disk_bps else None, "source": st.source,
+                                 "load_factor": {k: round(v, 4) for k, v in comp.load_factors(prof).items()}},
+                 "compressed_tasks": packed, "compression_gain": compared}
     click.echo(B.dumps({"bench": "coserve", "mode": "sim", "profile": prof.source, "init": init, "loads": list(load),
                         "overrides": overrides, "decision_us_3500_queued": round(mean_decision * 1e6, 2),
-                        "tasks": rows, "chart": str(png)}))
+                        "tasks": rows, "chart": str(png), **extra}))
+
+
+def _echo_compression(comp, prof, compared: dict[str, list[dict]]) -> None:
+    """The what-if's terms, a side-by-side table per task, and the gain against the bytes saved."""
+    from . import bench as B
+
+    st = comp.storage
+    factors = comp.load_factors(prof)
+    lo, hi = min(factors.values()), max(factors.values())
+    disk = f"{st.disk_bps / 1e9:.2f} GB/s" if st.disk_bps else "each arch's profiled SSD load rate"
+    how = ("measured on the line's experts" if st.load_decode_bps else
+           f"{st.decode_bps / 1e9:.2f} GB/s per thread x {st.decode_threads} thread(s)")
+    click.echo(f"compression what-if: every expert stored at ratio {comp.ratio:.2f} (stored/plain bytes) and "
+               f"decoded at {st.decode_total_bps / 1e9:.2f} GB/s ({how}); disk {disk}; an SSD load's transfer costs "
+               f"max(stored/disk, decoded/decode) = {lo:.2f}x" + (f" to {hi:.2f}x" if hi - lo > 5e-3 else "")
+               + " the plain one")
+    click.echo(f"  ({st.source})")
+    for wl, rows in compared.items():
+        click.echo("")
+        click.echo(B.format_compare(f"task {wl}: plain store vs compressed at ratio {comp.ratio:.2f}:", rows))
+    click.echo("")
+    ceiling = 1 / lo
+    for name in [r["system"] for r in next(iter(compared.values()))]:
+        gains = [r["gain"] for rows in compared.values() for r in rows if r["system"] == name]
+        click.echo(f"compression gain, {name}: {min(gains):.2f}x to {max(gains):.2f}x over {', '.join(compared)} "
+                   f"(ceiling if wholly SSD-bound: {ceiling:.2f}x)")
+
+
+def _decode_rate(value: str | None) -> float | str | None:
+    """--decode-rate: 'here', or a positive number of decoded bytes per second per thread."""
+    if value is None:
+        return None
+    if value.strip().lower() == "here":
+        return "here"
+    try:
+        rate = float(value)
+    except ValueError:
+        raise click.BadParameter(f"expected decoded bytes per second per thread (e.g. 1.3e9) or 'here', "
+                                 f"got {value!r}") from None
+    if not (rate > 0 and rate < float("inf")):
+        raise click.BadParameter(f"must be a positive number of decoded bytes per second per thread, got {value!r}")
+    return rate
 
 
 def _loads(value: str) -> tuple[float, ...]:

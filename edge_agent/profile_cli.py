@@ -53,9 +53,15 @@ def profile(line: str, config_path: str | None, out: str | None, batch_sizes: tu
     batch, weight and per-sample activation bytes, and load latency from SSD
     (cold) and from host memory.  Then each device's concurrency curve: the
     aggregate throughput of 1..k executors running at once, relative to one.
-    Then the memory-split and executor-count searches run where they are
-    available, and the profile keeps their outcome (executors and expert
-    memory per device).  The scheduler and the simulated device read the result.
+    Then the box's storage: the raw disk read rate (cold reads of the same
+    expert files), the exponent decoder's rate per thread on a bf16 sample
+    (alone, and with as many threads decoding at once as one compressed load
+    uses), and the decode rate and ratio of the line's own experts
+    compressed; the output says whether compression pays on this box (it
+    does when decoding is faster than the disk), with the figures.  Then the memory-split and
+    executor-count searches run where they are available, and the profile
+    keeps their outcome (executors and expert memory per device).  The
+    scheduler and the simulated device read the result.
 
     \b
     Example:
@@ -65,6 +71,7 @@ def profile(line: str, config_path: str | None, out: str | None, batch_sizes: tu
     from tqdm import tqdm
 
     from executors.profiler import check_devices, plan_targets, plot_profile, profile_line, step_count
+    from executors.storage_profiler import verdict
     from storage.expert_store import ExpertStore
 
     cfg = _config(line, config_path)
@@ -102,6 +109,9 @@ def profile(line: str, config_path: str | None, out: str | None, batch_sizes: tu
     click.echo("")
     for row in format_table(prof):
         click.echo(row)
+    click.echo(verdict(prof.storage))
+    if prof.storage is not None:
+        click.echo(f"storage: {prof.storage.source}")
     click.echo(f"\n{prof.source}")
     for note in prof.notes:
         click.echo(f"note: {note}")

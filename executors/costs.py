@@ -7,15 +7,21 @@ load from the tier where the expert lives now), and how big a batch may be
 (min of the profiled max batch and what fits in the executor's free memory).
 Architectures the profile does not cover fall back to stated estimates, so an
 agent without a profile still runs; `estimated` lists them.
+
+An expert stored compressed (exponent-zstd) loads from SSD in
+`compressed_load_seconds` instead of its architecture's profiled plain load,
+once the profile knows the box's disk and decode rates (`StorageProfile`):
+the scheduler then predicts the switch the reader will actually make.
 """
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from coe import CoEModel
 
-from .profile import ArchProfile, Profile
+from .profile import ArchProfile, Profile, StorageProfile
 
 log = logging.getLogger(__name__)
 
@@ -35,6 +41,81 @@ class ExecutorInfo:
     device: str | None = None   # the profile's device name ('cpu', 'cuda:0'); default: the first of its kind
 
 
+@dataclass(frozen=True)
+class StoredForm:
+    """How one compressed expert sits on disk: `stored` bytes in the file that decode to `decoded` bytes."""
+
+    stored: int
+    decoded: int
+
+
+# expert id -> its StoredForm when it is stored compressed, None when plain
+StoredLookup = Callable[[str], "StoredForm | None"]
+
+
+def compressed_load_seconds(stored: float, decoded: float, disk_bps: float, decode_bps: float) -> float:
+    """Seconds to load an expert of `decoded` bytes stored compressed in `stored` bytes.
+
+    max(), not the sum: the compressed reader is a pipeline (storage.compressed)
+    in which the read of the next chunk group is in flight while the current
+    one decodes, so the disk and the decoder work at once and the slower of
+    the two sets the pace.  Disk-bound (decode faster than the disk delivers
+    decoded bytes) it is stored / disk: the bytes saved are time saved;
+    decode-bound it is decoded / decode, and compression costs time.
+    """
+    if disk_bps <= 0 or decode_bps <= 0:
+        raise ValueError(f"disk and decode rates must be positive, got disk {disk_bps} B/s, decode {decode_bps} B/s")
+    return max(stored / disk_bps, decoded / decode_bps)
+
+
+def ssd_load_seconds(arch: ArchProfile, form: StoredForm | None, storage: StorageProfile | None) -> float:
+    """An expert's SSD load: the arch's profiled one, with the transfer re-priced for how the expert is stored.
+
+    The profiled load is transfer + the rest (rebind, host-to-device copy),
+    timed on a file stored as `arch.ssd_stored_bytes` says.  The rest is what
+    is left after taking out that file's modelled transfer, and it stays; the
+    transfer becomes the expert's own: decoded / disk for a plain expert,
+    `compressed_load_seconds` for a compressed one.  So a plain expert timed
+    plain keeps exactly its profiled load.  The disk rate is the profile's
+    measured one, else the arch's own effective rate (weight bytes over its
+    profiled load: all of it transfer).  Without a decode rate the profiled
+    load stands: nothing is known to re-price it with.
+    """
+    measured = arch.load("ssd")
+    decode = storage.decode_total_bps if storage is not None else None
+    if decode is None or measured <= 0 or (form is None and not arch.ssd_stored_bytes):
+        return measured
+    disk = storage.disk_bps or arch.weight_bytes / measured
+
+    def transfer(f: StoredForm | None, decoded: int) -> float:
+        return decoded / disk if f is None else compressed_load_seconds(f.stored, f.decoded, disk, decode)
+    timed = StoredForm(arch.ssd_stored_bytes, arch.weight_bytes) if arch.ssd_stored_bytes else None
+    rest = max(0.0, measured - transfer(timed, arch.weight_bytes))
+    return rest + transfer(form, form.decoded if form is not None else arch.weight_bytes)
+
+
+def store_forms(store) -> StoredLookup:
+    """A StoredLookup over an ExpertStore's manifest, read at each call (a recompress changes it live)."""
+    def lookup(expert_id: str) -> StoredForm | None:
+        if not store.has(expert_id):
+            return None
+        e = store.entry(expert_id)
+        if e.compression == "none":
+            return None
+        return StoredForm(e.stored_nbytes, e.nbytes)
+    return lookup
+
+
+def uniform_forms(model: CoEModel, ratio: float) -> StoredLookup:
+    """Every expert of `model` stored at `ratio` of its bytes (the simulation's what-if); 1.0: all plain."""
+    if not 0 < ratio <= 1:
+        raise ValueError(f"compression ratio must be in (0, 1] (stored over plain bytes), got {ratio}")
+    if ratio == 1:
+        return lambda expert_id: None
+    forms = {k: StoredForm(round(e.nbytes * ratio), e.nbytes) for k, e in model.experts.items()}
+    return forms.get
+
+
 def estimated_arch(arch: str, kind: str, weight_bytes: int, max_batch: int) -> ArchProfile:
     return ArchProfile(arch=arch, device=kind, K=max(weight_bytes * EST_K_PER_BYTE, 1e-4), B=EST_B,
                        max_batch=max_batch, weight_bytes=weight_bytes, activation_bytes=max(weight_bytes // 8, 1),
@@ -51,8 +132,16 @@ class ProfileCosts:
     """
 
     def __init__(self, model: CoEModel, executors: dict[str, ExecutorInfo], profile: Profile | None = None, *,
-                 host=None, default_max_batch: int = 16, ssd_inflight=None, arriving=None) -> None:
+                 host=None, default_max_batch: int = 16, ssd_inflight=None, arriving=None,
+                 stored: StoredLookup | None = None) -> None:
         self.model, self.executors, self.profile, self.host = model, executors, profile, host
+        self._stored = stored or (lambda expert_id: None)
+        self._storage = profile.storage if profile is not None else None
+        if stored is not None and not (self._storage and self._storage.decode_total_bps):
+            packed = sum(1 for e in model.experts if stored(e) is not None)
+            if packed:
+                log.warning("%d expert(s) are stored compressed but the profile has no decode rate: their "
+                            "switches are predicted at the plain load (rerun `coe-agent profile`)", packed)
         self._ssd_inflight = ssd_inflight
         self._arriving = arriving or (lambda executor, expert_id: 0.0)
         self._speed = {name: self._full_load_speed(name) for name in executors}
@@ -117,11 +206,18 @@ class ProfileCosts:
         tier = self.tier_of(executor, expert_id)
         if tier == "resident":
             return self._arriving(executor, expert_id)
-        return self.arch(executor, expert_id).load(tier)
+        return self.load_seconds(executor, expert_id, tier)
+
+    def load_seconds(self, executor: str, expert_id: str, tier: str) -> float:
+        """Seconds to load `expert_id` on `executor` from `tier`; from SSD, as the expert is stored."""
+        a = self.arch(executor, expert_id)
+        if tier != "ssd":
+            return a.load(tier)
+        return ssd_load_seconds(a, self._stored(expert_id), self._storage)
 
     def ssd_seconds(self, executor: str, expert_id: str) -> float:
         tier = self.tier_of(executor, expert_id)
-        return self.arch(executor, expert_id).load("ssd") if tier == "ssd" else 0.0
+        return self.load_seconds(executor, expert_id, "ssd") if tier == "ssd" else 0.0
 
     def max_batch(self, executor: str, expert_id: str, *, memory: bool = True) -> int:
         a = self.arch(executor, expert_id)

@@ -3,7 +3,10 @@
 A profile holds, per (architecture, device kind), the batch latency model
 `K*n + B`, the max useful batch, weight and per-sample activation bytes, and
 the load latency from each tier; per device, its memory and the executor
-count and expert-memory split found by the offline search.  It is written by
+count and expert-memory split found by the offline search; for the box's
+storage, the raw disk read rate and the exponent decoder's rate per thread
+(`StorageProfile`), from which the cost model prices a compressed expert's
+load and the profiler decides whether compression pays.  It is written by
 `coe-agent profile` (measured) or shipped as a documented assumption set
 (configs/profiles/), and always says which in `source`.
 """
@@ -30,6 +33,9 @@ class ArchProfile:
     activation_bytes: int          # per sample
     load_seconds: dict[str, float] = field(default_factory=dict)  # tier -> seconds to make it resident
     points: tuple[tuple[int, float], ...] = ()                    # measured (batch size, seconds)
+    # bytes on disk of the file the 'ssd' load was timed on when it was stored compressed; 0: a plain file
+    # (the cost model needs it to tell the decode in that time from the read and the rebind)
+    ssd_stored_bytes: int = 0
 
     def batch_seconds(self, n: int) -> float:
         return self.K * n + self.B if n > 0 else 0.0
@@ -94,12 +100,77 @@ class DeviceProfile:
         return max(1, configured) * self.speed(configured, configured)
 
 
+@dataclass(frozen=True)
+class StorageProfile:
+    """The box's expert storage: how fast the disk reads and how fast exponent-coded experts decode.
+
+    A compressed expert's SSD load reads fewer bytes and then decodes them on
+    the CPU; the reader pipeline overlaps the two, so it costs the longer of
+    the two (`executors.costs.compressed_load_seconds`).  Both rates are
+    needed to price it, and to decide whether compression pays on this box:
+    it does when decoding is faster than the disk.  `None` means not
+    measured, and then nothing is assumed.
+    """
+
+    disk_bps: float | None = None          # raw cold read rate of expert files, stored bytes per second
+    decode_bps: float | None = None        # decoded bytes/s of ONE decode thread while `decode_threads` decode
+    decode_threads: int = 1                # threads one load decodes with (and decoding at once when measured)
+    decode_bps_alone: float | None = None  # decoded bytes/s of one thread with the others idle
+    # decoded bytes/s of whole loads of the line's own experts through the real reader, file in the page cache
+    # (decode only, all decode threads): small tensors make small chunks, whose fixed costs the sample lacks
+    load_decode_bps: float | None = None
+    ratio: float | None = None             # stored/plain bytes of the line's experts compressed; None: unknown
+    source: str = ""                       # how and where the figures were measured, or 'assumed: …'
+
+    @property
+    def decode_total_bps(self) -> float | None:
+        """Decoded bytes/s of one load: measured on the line's experts where it was, else `decode_threads`
+        threads at the contended per-thread rate of the synthetic sample."""
+        if self.load_decode_bps:
+            return self.load_decode_bps
+        return self.decode_bps * self.decode_threads if self.decode_bps else None
+
+    @property
+    def compression_pays(self) -> bool | None:
+        """Whether a compressed load beats a plain one here: decoding outruns the raw disk (None: unknown).
+
+        A plain load takes decoded/disk, a compressed one max(ratio x decoded/disk,
+        decoded/decode); for any ratio below 1 the second is smaller exactly when
+        decode > disk, so the verdict does not depend on the ratio, only its size does.
+        """
+        if not self.disk_bps or not self.decode_total_bps:
+            return None
+        return self.decode_total_bps > self.disk_bps
+
+    def load_factor(self, ratio: float) -> float | None:
+        """A compressed load's time over the plain one at `ratio`: max(ratio, disk / decode) (None: unknown)."""
+        if not self.disk_bps or not self.decode_total_bps:
+            return None
+        return max(ratio, self.disk_bps / self.decode_total_bps)
+
+    def to_json(self) -> dict:
+        return {**asdict(self), "compression_pays": self.compression_pays}   # derived: for a reader, not read back
+
+    @classmethod
+    def from_json(cls, raw: dict, where: str) -> "StorageProfile":
+        v = {k: raw[k] for k in raw if k != "compression_pays"}
+        s = cls(**v)
+        for name in ("disk_bps", "decode_bps", "decode_bps_alone", "load_decode_bps", "ratio"):
+            x = getattr(s, name)
+            if x is not None and not (isinstance(x, (int, float)) and x > 0 and math.isfinite(x)):
+                raise ValueError(f"{where}.{name}: must be a positive number or null, got {x!r}")
+        if not (isinstance(s.decode_threads, int) and s.decode_threads >= 1):
+            raise ValueError(f"{where}.decode_threads: must be an integer >= 1, got {s.decode_threads!r}")
+        return s
+
+
 @dataclass
 class Profile:
     source: str                    # 'measured on …' or 'assumed: …' — never ambiguous
     devices: dict[str, DeviceProfile]
     archs: dict[str, ArchProfile]  # key: f"{arch}@{device kind}"
     notes: list[str] = field(default_factory=list)
+    storage: StorageProfile | None = None   # None: a profile from before decode costs were measured
 
     @staticmethod
     def key(arch: str, kind: str) -> str:
@@ -119,7 +190,8 @@ class Profile:
                                 "count_points": [list(p) for p in v.count_points],
                                 "concurrency": list(v.concurrency)}
                             for k, v in self.devices.items()},
-                "archs": {k: {**asdict(v), "points": [list(p) for p in v.points]} for k, v in self.archs.items()}}
+                "archs": {k: {**asdict(v), "points": [list(p) for p in v.points]} for k, v in self.archs.items()},
+                **({"storage": self.storage.to_json()} if self.storage is not None else {})}
 
     def save(self, path: str | Path) -> Path:
         path = Path(path)
@@ -156,7 +228,10 @@ class Profile:
                 if not (a.K >= 0 and a.B >= 0 and a.max_batch >= 1 and math.isfinite(a.K + a.B)):
                     raise ValueError(f"archs.{k}: K, B must be finite and >= 0, max_batch >= 1")
                 archs[k] = a
-            return cls(source=str(raw["source"]), devices=devices, archs=archs, notes=list(raw.get("notes", [])))
+            storage = raw.get("storage")
+            storage = StorageProfile.from_json(storage, "storage") if storage is not None else None
+            return cls(source=str(raw["source"]), devices=devices, archs=archs, notes=list(raw.get("notes", [])),
+                       storage=storage)
         except (KeyError, TypeError, ValueError) as exc:
             raise CoEError(f"{src}: malformed profile: {exc}") from None
 

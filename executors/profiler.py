@@ -19,6 +19,10 @@ concurrency curve: k = 1..K executor threads run the device's most used arch
 at its max batch at once, and their aggregate throughput relative to one alone
 is `DeviceProfile.concurrency` (the simulator shares a device's compute by it).
 
+Last, the box's storage (`executors.storage_profiler`): the raw disk rate on
+the same expert files and the exponent decoder's rate per thread, which price
+a compressed expert's load and decide whether compression pays here.
+
 The memory-split and executor-count searches live elsewhere (`executors.tuning`);
 this module only measures.
 """
@@ -40,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 
 from coe import CoEError, CoEModel, Expert
 
+from . import storage_profiler
 from .profile import ArchProfile, DeviceProfile, Profile, fit_latency, max_useful_batch
 
 if TYPE_CHECKING:
@@ -134,10 +139,10 @@ def step_count(targets: Sequence[Target], batch_sizes: Sequence[int], repeats: i
 
     Per target: one per batch size, one per timed round and FIXED_STEPS; per
     device of `cfg`: one for building its concurrency copies and one per point
-    of its curve.
+    of its curve; then the storage's (storage_profiler.STEPS).
     """
     per_target = len(targets) * (len(set(batch_sizes)) + repeats + FIXED_STEPS)
-    return per_target + sum(1 + k for k in concurrency_plan(cfg).values())
+    return per_target + sum(1 + k for k in concurrency_plan(cfg).values()) + storage_profiler.STEPS
 
 
 def profiled_executors(cfg: "LineConfig", device: str) -> int:
@@ -169,12 +174,14 @@ def concurrency_plan(cfg: "LineConfig") -> dict[str, int]:
 def profile_line(cfg: "LineConfig", model: CoEModel, store: "ExpertStore", *,
                  batch_sizes: Sequence[int] = DEFAULT_BATCH_SIZES, repeats: int = 3,
                  progress: Progress | None = None, cap_seconds: float = CAP_SECONDS,
-                 concurrency_seconds: float = CONCURRENCY_SECONDS) -> Profile:
+                 concurrency_seconds: float = CONCURRENCY_SECONDS, decode_bytes: int | None = None) -> Profile:
     """Microbenchmark every (arch, device kind) of the line once; return the measured Profile.
 
     Runs with the intra-op thread count one executor of this config gets, so
     K and B are what one executor will see.  Then measures each device's
-    concurrency curve, `concurrency_seconds` per point.  Torch's thread
+    concurrency curve, `concurrency_seconds` per point, and the storage: disk
+    rate on the profiled experts' files, decode rate on a `decode_bytes`
+    sample (default storage_profiler.DECODE_SAMPLE_BYTES).  Torch's thread
     setting is restored afterwards.
     """
     import torch
@@ -208,6 +215,8 @@ def profile_line(cfg: "LineConfig", model: CoEModel, store: "ExpertStore", *,
             torch.set_num_threads(threads)
     finally:
         torch.set_num_threads(saved)
+    storage = storage_profiler.profile_storage(store, [t.expert.id for t in targets], repeats=repeats,
+                                               decode_bytes=decode_bytes, say=say)
     notes.extend(_input_size_notes(model, targets))
     others = watch.cores()
     if others is not None and others > CONTENDED_CORES:
@@ -220,7 +229,7 @@ def profile_line(cfg: "LineConfig", model: CoEModel, store: "ExpertStore", *,
     stamp = dt.datetime.now(dt.timezone.utc).astimezone().isoformat(timespec="seconds")
     source = (f"measured on {platform.node()} ({cpu_model()}, torch {torch.__version__}, {threads} threads) "
               f"at {stamp}")
-    return Profile(source=source, devices=devices, archs=archs, notes=notes)
+    return Profile(source=source, devices=devices, archs=archs, notes=notes, storage=storage)
 
 
 def executor_threads(cfg: "LineConfig") -> int:
@@ -416,8 +425,10 @@ def _profile_target(t: Target, cfg: "LineConfig", store: "ExpertStore", sizes: l
         if cuda:
             torch.cuda.empty_cache()
 
+    entry = store.entry(eid)
     return ArchProfile(arch=t.arch, device=t.kind, K=k, B=b, max_batch=best, weight_bytes=store.nbytes(eid),
-                       activation_bytes=act, load_seconds={"ssd": ssd, "host": warm}, points=tuple(points))
+                       activation_bytes=act, load_seconds={"ssd": ssd, "host": warm}, points=tuple(points),
+                       ssd_stored_bytes=entry.stored_nbytes if entry.compression != "none" else 0)
 
 
 # -- concurrency ---------------------------------------------------------------------

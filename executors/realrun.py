@@ -23,7 +23,7 @@ from storage.policies import make_policy
 from storage.pool import Pool, initialize
 from storage.tiers import StoreSource
 
-from .costs import ExecutorInfo, ProfileCosts
+from .costs import ExecutorInfo, ProfileCosts, store_forms
 from .executor import BatchResult, Executor
 from .profile import Profile
 from .scheduler import Scheduler
@@ -65,7 +65,7 @@ def run_real(workload: Workload, model: CoEModel, store, profile: Profile | None
                               on_event=lambda e, n=ex.name: box[0].refresh(e.expert_id, n) if box else None,
                               context=(lambda n=ex.name: {"queued": box[0].queued_set(n)}))
         infos[ex.name] = ExecutorInfo("cpu", ex.memory, pools[ex.name])
-    costs = ProfileCosts(model, infos, profile)
+    costs = ProfileCosts(model, infos, profile, stored=store_forms(store))
     sched = Scheduler([e.name for e in system.executors], system.scheduler, costs=costs,
                       tie_seconds=system.tie_seconds, max_wait=system.max_wait)
     box.append(sched)

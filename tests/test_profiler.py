@@ -15,6 +15,7 @@ from coe import CoEError, load_spec
 from edge_agent.cli import cli
 from edge_agent.config import load_config
 from executors.profile import DeviceProfile, Profile, fit_latency, max_useful_batch
+from executors import storage_profiler
 from executors.profiler import (concurrency_plan, executor_threads, plan_targets, plot_profile, profile_line,
                                 step_count)
 from storage.expert_store import ExpertStore
@@ -24,6 +25,12 @@ from conftest import TINY_SPEC, write_line
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 CONCURRENCY_SECONDS = 0.05   # per point of the concurrency curve: small, the tests check its shape, not its values
 ARCHS = {"torchvision/mobilenet_v3_small", "ultralytics/yolov8n"}
+DECODE_BYTES = 2 << 20        # the decode-rate sample: small, the tests check the figures exist, not their values
+
+
+@pytest.fixture(autouse=True)
+def small_decode_sample(monkeypatch):
+    monkeypatch.setattr(storage_profiler, "DECODE_SAMPLE_BYTES", DECODE_BYTES)
 
 
 def open_line(config: Path):
@@ -43,7 +50,7 @@ def measured(tiny_config) -> tuple[Profile, list[str], tuple[int, int]]:
     before = torch.get_num_threads()
     steps: list[str] = []
     prof = profile_line(cfg, model, store, batch_sizes=(1, 2, 4), repeats=1, progress=steps.append,
-                        concurrency_seconds=CONCURRENCY_SECONDS)
+                        concurrency_seconds=CONCURRENCY_SECONDS, decode_bytes=DECODE_BYTES)
     return prof, steps, (before, torch.get_num_threads())
 
 
@@ -84,7 +91,16 @@ def test_profile_line_measures_each_arch_once_per_device(measured, tiny_config):
     assert prof.source.startswith("measured on ") and "1 threads" in prof.source  # the config's threads: 1
     assert len(steps) == step_count(plan_targets(cfg, model, store), (1, 2, 4), 1, cfg)
     assert sum(s.startswith("cpu: ") and "concurrent executor(s)" in s for s in steps) == k_max
-
+    # the storage: disk and decode rates; the plain tiny zoo's fp32 stand-ins compressed to measure their decode
+    st = prof.storage
+    assert st is not None and st.disk_bps > 0 and st.decode_bps > 0 and st.decode_bps_alone > 0
+    assert st.decode_threads == storage_profiler.loader_decode_threads()
+    assert 0.75 < st.ratio < 0.9                         # fp32: (24 + ~3 bits) / 32
+    assert st.load_decode_bps > 0 and st.decode_total_bps == st.load_decode_bps
+    assert st.compression_pays == (st.load_decode_bps > st.disk_bps)
+    assert st.source.startswith("measured on ") and "2 MB" in st.source
+    assert all(a.ssd_stored_bytes == 0 for a in prof.archs.values())
+    assert sum(s.startswith("storage: ") for s in steps) == storage_profiler.STEPS
 
 def test_profile_round_trips_through_save_and_load(measured, tmp_path):
     prof = measured[0]
@@ -153,6 +169,8 @@ def test_cli_writes_profile_json_plots_and_table(tiny_line, tmp_path, monkeypatc
         assert row[1] == "cpu" and row[4] == str(a.max_batch) and row[5] == f"{a.weight_bytes / 1e6:.1f}"
         assert row[7] == f"{a.load_seconds['ssd'] * 1e3:.2f}"
     assert "searches skipped" in res.output
+    assert storage_profiler.verdict(prof.storage) in res.output.splitlines()
+    assert any(line.startswith("compression: ") and "GB/s" in line for line in res.output.splitlines())
     cpu = prof.devices["cpu"]
     curve = " ".join(f"{c:.2f}" for c in cpu.concurrency)
     assert f"cpu concurrency: {curve} ({cpu.concurrency_source})" in res.output.splitlines()
