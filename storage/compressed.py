@@ -130,18 +130,17 @@ def compress_file(src: str | os.PathLike, dst: str | os.PathLike, expert_id: str
         data = np.frombuffer(fh.read(layout.nbytes), np.uint8)
     if data.size != layout.nbytes:
         raise ExpertLoadError(expert_id, str(src), "truncated while compressing")
-    for spec in layout.specs:
+    for spec in layout.specs:   # the bound: each tensor's own exponent entropy
         kind = codec.codec_for(spec.dtype)
-        width = codec.element_size(kind)
         tensor = data[spec.start:spec.end]
+        bound_bits += (codec.bound_bits(kind, codec.exponent_histogram(tensor, kind))
+                       * (tensor.size // codec.element_size(kind)) if kind != "raw" else 8 * tensor.size)
+    for start, end, kind in runs(layout):
+        width = codec.element_size(kind)
         step = max(width, chunk_bytes // width * width)
-        hist = codec.exponent_histogram(tensor, kind)
-        bound_bits += (codec.bound_bits(kind, hist) * (tensor.size // width)
-                       if kind != "raw" else 8 * tensor.size)
-        for pos in range(0, tensor.size, step):
-            enc = codec.encode(tensor[pos:pos + step], kind)
-            end = min(pos + step, tensor.size)
-            chunks.append([spec.start + pos, spec.start + end, kind, len(enc.zplane), len(enc.raw)])
+        for pos in range(start, end, step):
+            enc = codec.encode(data[pos:min(pos + step, end)], kind)
+            chunks.append([pos, min(pos + step, end), kind, len(enc.zplane), len(enc.raw)])
             payloads += [enc.zplane, enc.raw]
     head = json.dumps({"format": FORMAT, "version": VERSION, "prefix": len(prefix), "chunks": chunks},
                       separators=(",", ":")).encode()
@@ -153,6 +152,27 @@ def compress_file(src: str | os.PathLike, dst: str | os.PathLike, expert_id: str
     overhead = len(MAGIC) + 8 + len(head) + len(prefix)
     return CompressionStats(raw_bytes=len(prefix) + layout.nbytes, stored_bytes=stored,
                             bound_bytes=overhead + int(bound_bits / 8))
+
+
+def runs(layout: Layout) -> list[tuple[int, int, str]]:
+    """Byte ranges of consecutive tensors that share a codec: chunks may span tensors inside a run.
+
+    An expert of many small tensors (a vision model's BatchNorm vectors)
+    would otherwise become thousands of tiny chunks, each paying a zstd
+    frame, a table entry and a task switch.  Inside a run every tensor holds
+    whole elements of one width, so a chunk of whole elements still splits
+    and joins its planes correctly.
+    """
+    out: list[list] = []
+    for spec in layout.specs:
+        kind = codec.codec_for(spec.dtype)
+        if spec.end == spec.start:
+            continue
+        if out and out[-1][2] == kind and out[-1][1] == spec.start:
+            out[-1][1] = spec.end
+        else:
+            out.append([spec.start, spec.end, kind])
+    return [tuple(r) for r in out]
 
 
 def read_header(path: str | os.PathLike, expert_id: str) -> CompressedHeader:

@@ -56,21 +56,27 @@ class Placer:
         self._i = 0
 
     def place(self, start: int, end: int, piece: "np.ndarray") -> None:
-        """Write stored bytes [start, end) (which never cross a tensor) into the target buffer."""
+        """Write stored bytes [start, end) into the target buffer, tensor by tensor, casting floats.
+
+        Pieces arrive in order; one may span several tensors (a compressed
+        chunk covers a run of same-dtype tensors).
+        """
         torch = self._torch
-        while self._pairs[self._i][0].end <= start:
-            self._i += 1
-        src, dst = self._pairs[self._i]
-        if end > src.end:
-            raise ValueError(f"piece {start}-{end} crosses tensor '{src.name}' ({src.start}-{src.end})")
-        a, b = start - src.start, end - src.start
-        raw = torch.from_numpy(piece[:end - start])
-        if src.dtype == dst.dtype:
-            self._dest[dst.start + a:dst.start + b].copy_(raw)
-            return
-        ws, wd = _SIZE[src.dtype], _SIZE[dst.dtype]
-        out = self._dest[dst.start + a // ws * wd:dst.start + b // ws * wd].view(getattr(torch, dst.dtype))
-        out.copy_(raw.view(getattr(torch, src.dtype)))
+        while start < end:
+            while self._pairs[self._i][0].end <= start:
+                self._i += 1
+            src, dst = self._pairs[self._i]
+            stop = min(end, src.end)
+            a, b = start - src.start, stop - src.start
+            raw = torch.from_numpy(piece[:stop - start])
+            if src.dtype == dst.dtype:
+                self._dest[dst.start + a:dst.start + b].copy_(raw)
+            else:
+                ws, wd = _SIZE[src.dtype], _SIZE[dst.dtype]
+                out = self._dest[dst.start + a // ws * wd:dst.start + b // ws * wd].view(getattr(torch, dst.dtype))
+                out.copy_(raw.view(getattr(torch, src.dtype)))
+            piece = piece[stop - start:]
+            start = stop
 
 
 def pieces(layout: Layout, size: int = 1 << 20) -> list[tuple[int, int]]:

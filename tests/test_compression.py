@@ -203,16 +203,28 @@ def test_version_1_manifests_still_read_as_plain_stores(tmp_path: Path) -> None:
     assert torch.equal(old.read("e1")["w"], _tensors()["w"])
 
 
-def test_chunks_stay_inside_one_tensor(tmp_path: Path) -> None:
-    src = tmp_path / "x.safetensors"
+def test_chunks_span_same_dtype_tensors_but_never_mix_codecs(tmp_path: Path) -> None:
     from safetensors.torch import save_file
 
-    save_file({"a": torch.randn(CHUNK_BYTES // 4 + 3), "b": torch.randn(5).to(torch.bfloat16)}, str(src))
+    src = tmp_path / "x.safetensors"
+    parts = {"a": torch.randn(CHUNK_BYTES // 4 + 3), "b": torch.randn(7), "c": torch.randn(5).to(torch.bfloat16),
+             "d": torch.tensor([1, 2, 3]), "e": torch.randn(9)}
+    save_file(parts, str(src))
     compress_file(src, tmp_path / "x.coez", "x")
     header = read_header(tmp_path / "x.coez", "x")
-    bounds = {(s.start, s.end) for s in header.layout.specs}
     for c in header.chunks:
-        assert any(a <= c.start and c.end <= b for a, b in bounds)
+        inside = [s for s in header.layout.specs if s.start < c.end and s.end > c.start]
+        assert {codec.codec_for(s.dtype) for s in inside} == {c.codec}
+        assert (c.end - c.start) % codec.element_size(c.codec) == 0
+    assert any(len([s for s in header.layout.specs if s.start < c.end and s.end > c.start]) > 1
+               for c in header.chunks)                     # a and b share the tail chunk
+    store = ExpertStore(tmp_path / "st", verify="always")
+    store.set_compression("exponent-zstd")
+    store.write(_expert("x"), parts)
+    for got in (store.read_flat("x").tensors(), store.read_flat("x", dtype="float32").tensors()):
+        for k, v in parts.items():
+            want = v.float() if v.is_floating_point() and got[k].dtype == torch.float32 else v
+            assert torch.equal(got[k], want), k
 
 
 def _verdicts_through_agent(config: Path, recording: Path) -> tuple[dict[str, str], dict[str, int]]:
