@@ -28,6 +28,7 @@ Prints a table and one JSON line.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -101,23 +102,31 @@ def moe_stores(moe: Path, work: Path) -> tuple[dict[str, ExpertStore], str]:
     return out, "generated N(0, 0.02), no trained model at --moe"
 
 
-def big_experts(src: ExpertStore, work: Path, target_mb: float = 16.0) -> ExpertStore:
-    """Plain bf16 experts of about `target_mb`, each the tensors of several trained experts side by side."""
+def big_experts(src: ExpertStore, work: Path, target_mb: float = 48.0, count: int = 3) -> ExpertStore:
+    """`count` plain bf16 experts of about `target_mb`, each the trained experts' tensors side by side.
+
+    A trained model this box can train is small (64 experts, 13 MB in bf16);
+    real expert slices are tens to hundreds of MB, and a cold load of a
+    small file measures latency, not bandwidth.  Each big expert takes the
+    trained tensors in a different order, repeated as needed, so its bytes
+    have exactly the trained exponent distribution.
+    """
     root = work / "cold-bf16"
     if root.exists():
         shutil.rmtree(root)
     dst = ExpertStore(root, verify="never")
-    group: dict[str, torch.Tensor] = {}
-    size, n = 0, 0
-    for e in src.entries():
-        for k, v in src.read(e.id).items():
-            group[f"{e.id}.{k}"] = v.clone()
-            size += v.numel() * v.element_size()
-        if size >= target_mb * MB:
-            dst.write(Expert(f"big{n:02d}", "moe/expert", "expert", (), 0), group)
-            group, size, n = {}, 0, n + 1
-    if n == 0 and group:
-        dst.write(Expert("big00", "moe/expert", "expert", (), 0), group)
+    tensors = [(f"{e.id}.{k}", v) for e in src.entries() for k, v in src.read(e.id).items()]
+    rng = np.random.default_rng(0)
+    for n in range(count):
+        group: dict[str, torch.Tensor] = {}
+        size, rep = 0, 0
+        while size < target_mb * MB:
+            for i in rng.permutation(len(tensors)):
+                name, v = tensors[i]
+                group[f"r{rep}.{name}"] = v.clone()
+                size += v.numel() * v.element_size()
+            rep += 1
+        dst.write(Expert(f"big{n:02d}", "moe/expert", "expert", (), 0), group)
     return dst
 
 
@@ -159,7 +168,49 @@ def raw_read_seconds(path: Path) -> float:
     return time.perf_counter() - t0
 
 
-def cold_loads(plain: ExpertStore, zstore: ExpertStore, repeats: int) -> list[dict]:
+@contextlib.contextmanager
+def read_throttle(path: Path, bps: int | None):
+    """Run the block inside a blkio cgroup (v1) that caps this process's reads of `path`'s disk at `bps`.
+
+    A line box's disk (SATA SSD about 500 MB/s, eMMC about 250) is slower
+    than this VM's; the kernel's throttle makes the same files come off the
+    disk at that speed, for the plain and the compressed load alike.
+    """
+    if not bps:
+        yield "raw"
+        return
+    root = Path("/sys/fs/cgroup/blkio")
+    if not (root / "blkio.throttle.read_bps_device").exists():
+        raise SystemExit("--disk-mbps needs the cgroup v1 blkio controller (and root)")
+    dev = os.stat(path).st_dev
+    major, minor = os.major(dev), os.minor(dev)
+    parent = Path(f"/sys/dev/block/{major}:{minor}/..")
+    if (parent / "dev").is_file() and (Path(f"/sys/dev/block/{major}:{minor}") / "partition").exists():
+        major, minor = (int(x) for x in (parent / "dev").read_text().split(":"))   # throttle the whole disk
+    group = root / f"coe-bench-{os.getpid()}"
+    group.mkdir(exist_ok=True)
+    try:
+        (group / "blkio.throttle.read_bps_device").write_text(f"{major}:{minor} {int(bps)}")
+        (group / "cgroup.procs").write_text(str(os.getpid()))
+        yield f"{bps / MB:.0f} MB/s (blkio throttle on {major}:{minor})"
+    finally:
+        (root / "cgroup.procs").write_text(str(os.getpid()))
+        group.rmdir()
+
+
+def settle(bps: int | None) -> None:
+    """Let the throttle go idle before a timed read, so every read starts from the same state.
+
+    The kernel's throttle accounts bytes in time slices; a read that starts
+    inside a slice another read used (or left unused) runs faster or slower
+    than the cap.  After half a second idle each read gets the same fresh
+    slice: a small fixed burst, then the capped rate.
+    """
+    if bps:
+        time.sleep(0.5)
+
+
+def cold_loads(plain: ExpertStore, zstore: ExpertStore, repeats: int, *, bps: int | None = None) -> list[dict]:
     rows = []
     for e in plain.entries():
         p_path, z_path = plain.root / e.file, zstore.root / zstore.entry(e.id).file
@@ -169,6 +220,7 @@ def cold_loads(plain: ExpertStore, zstore: ExpertStore, repeats: int) -> list[di
             for what in order:
                 path = z_path if what == "z" else p_path
                 cold(path)
+                settle(bps)
                 if what == "raw":
                     raw.append(raw_read_seconds(path))
                     continue
@@ -226,6 +278,9 @@ def main() -> int:
     ap.add_argument("--dir", default="var/bench/compression", help="work directory (stores are rebuilt here)")
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--frames", type=int, default=600)
+    ap.add_argument("--disk-mbps", default="raw,500,250",
+                    help="disk read speeds to run the cold loads at: 'raw' (this machine's disk) and MB/s caps "
+                         "(a blkio throttle; 500 is a SATA SSD, 250 an eMMC)")
     ap.add_argument("--skip-vision", action="store_true")
     ap.add_argument("--json-only", action="store_true")
     a = ap.parse_args()
@@ -240,7 +295,11 @@ def main() -> int:
     rates = decode_rates(zs["bf16"])
     big = big_experts(plain["bf16"], work)
     zbig = compressed_copy(big, work / "cold-bf16-z")
-    loads = cold_loads(big, zbig, a.repeats)
+    loads = []
+    for speed in a.disk_mbps.split(","):
+        bps = None if speed.strip() == "raw" else int(float(speed) * MB)
+        with read_throttle(big.root, bps) as disk:
+            loads += [{"disk": disk, **r} for r in cold_loads(big, zbig, a.repeats, bps=bps)]
     vis_ratios, agreement = ([], None) if a.skip_vision else vision(work, a.frames, a.json_only)
     ratios += vis_ratios
 
@@ -255,13 +314,16 @@ def main() -> int:
         f"from page cache: " + ", ".join(f"{t} thread{'s' if t > 1 else ''} {v / 1e9:.2f} GB/s"
                                           f" ({v / t / 1e9:.2f} per core)" for t, v in rates.items())
         + "  target >= 1 GB/s per core")
-    say(f"{'cold load':10} {'expert':8} {'MB':>6} {'ratio':>6} {'raw MB/s':>9} {'plain ms':>9} {'zstd ms':>8} "
-        f"{'load':>6} {'decoded MB/s':>12}  target load <= 0.8x, decoded > raw")
+    say(f"{'cold load':10} {'disk':40} {'expert':8} {'MB':>6} {'ratio':>6} {'raw MB/s':>9} {'plain ms':>9} "
+        f"{'zstd ms':>8} {'load':>6} {'decoded MB/s':>12}  target load <= 0.8x, decoded > raw")
     for r in loads:
-        say(f"{'':10} {r['expert']:8} {r['mb']:6.1f} {r['ratio']:6.3f} {r['raw_read_mbps']:9} {r['plain_ms']:9.1f} "
-            f"{r['z_ms']:8.1f} {r['load_ratio']:6.3f} {r['z_decoded_mbps']:12}")
-    med_load = statistics.median(r["load_ratio"] for r in loads)
-    say(f"{'':10} median load ratio {med_load:.3f} (page cache dropped before each read; verify off for both)")
+        say(f"{'':10} {r['disk']:40} {r['expert']:8} {r['mb']:6.1f} {r['ratio']:6.3f} {r['raw_read_mbps']:9} "
+            f"{r['plain_ms']:9.1f} {r['z_ms']:8.1f} {r['load_ratio']:6.3f} {r['z_decoded_mbps']:12}")
+    by_disk = {d: statistics.median(r["load_ratio"] for r in loads if r["disk"] == d)
+               for d in dict.fromkeys(r["disk"] for r in loads)}
+    med_load = by_disk
+    say(f"{'':10} median load ratio by disk: " + ", ".join(f"{d}: {v:.3f}" for d, v in by_disk.items())
+        + " (page cache dropped before each read; verify off for both)")
     if agreement is not None:
         say(f"{'vision':10} fp16-stored vs fp32 zoo, {agreement['frames']} replayed frames: "
             f"{agreement['agree']} verdicts agree = {100 * agreement['agreement']:.2f}%  target >= 99.5%  "

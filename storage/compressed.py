@@ -23,6 +23,7 @@ import os
 import struct
 import threading
 from collections.abc import Iterator
+from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,7 +42,9 @@ SUFFIX = ".coez"
 CHUNK_BYTES = 512 << 10        # decoded bytes per chunk: zstd's tables pay off well below this
 _GROUP_BYTES = 4 << 20         # stored bytes per read: one pread while the previous group decodes
 _MAX_HEAD = 64 << 20
-_TASK_BYTES = 256 << 10        # stored bytes per read-and-decode task: small, so the pipeline fills fast
+_TASK_BYTES = 256 << 10        # stored bytes per decode task: small, so the decoders start early
+_BLOCK_BYTES = 2 << 20         # stored bytes per read: large requests keep a disk at full speed
+READ_AHEAD = 2                 # blocks read ahead of the one being decoded
 _readers: ThreadPoolExecutor | None = None
 _local = threading.local()
 _decoders: ThreadPoolExecutor | None = None
@@ -293,19 +296,23 @@ def iter_decoded(path: str | os.PathLike, header: CompressedHeader, expert_id: s
         os.close(fd)
 
 
-def _decode_group(fd: int, where: str, header: CompressedHeader, group: tuple[Chunk, ...], expert_id: str,
-                  dest: np.ndarray) -> None:
-    """Read one group of chunks with one pread and decode each to its place in `dest`."""
-    want = sum(c.stored for c in group)
-    data = memoryview(_read_buffer(want))[:want]
+def _read_block(fd: int, where: str, expert_id: str, offset: int, view: memoryview) -> memoryview:
+    """One large pread (on a reader thread: it waits on the disk, not on a core)."""
     try:
-        got = os.preadv(fd, [data], group[0].offset)
+        got = os.preadv(fd, [view], offset)
     except OSError as exc:
         raise ExpertLoadError(expert_id, where, f"cannot read: {exc.strerror or exc}") from None
-    if got != want:
-        raise ExpertLoadError(expert_id, where, f"truncated while reading: {got} of {want} bytes "
-                                                f"at offset {group[0].offset}")
-    mv, at = data, 0
+    if got != len(view):
+        raise ExpertLoadError(expert_id, where, f"truncated while reading: {got} of {len(view)} bytes "
+                                                f"at offset {offset}")
+    return view
+
+
+def _decode_group(read, base: int, where: str, header: CompressedHeader, group: tuple[Chunk, ...],
+                  expert_id: str, dest: np.ndarray) -> None:
+    """Decode one group's chunks to their places in `dest` once the block holding them is read."""
+    mv = read.result()
+    at = group[0].offset - base
     for c in group:
         try:
             codec.decode_into(dest[c.start:c.end], c.codec, mv[at:at + c.zlen], mv[at + c.zlen:at + c.stored])
@@ -315,43 +322,77 @@ def _decode_group(fd: int, where: str, header: CompressedHeader, group: tuple[Ch
         at += c.stored
 
 
-def _read_buffer(n: int) -> bytearray:
-    """A per-thread read buffer: a fresh one per read would page-fault its way through every load."""
-    buf = getattr(_local, "buf", None)
-    if buf is None or len(buf) < n:
-        buf = _local.buf = bytearray(max(n, _TASK_BYTES * 4))
-    return buf
+def _blocks(groups: list[tuple[Chunk, ...]]) -> list[list[tuple[Chunk, ...]]]:
+    """Runs of consecutive groups holding at least _BLOCK_BYTES: one read each."""
+    out, cur, size = [], [], 0
+    for g in groups:
+        cur.append(g)
+        size += sum(c.stored for c in g)
+        if size >= _BLOCK_BYTES:
+            out.append(cur)
+            cur, size = [], 0
+    if cur:
+        out.append(cur)
+    return out
+
+
+def _ring(count: int, size: int) -> list[np.ndarray]:
+    """Read buffers of the calling loader thread, kept between loads (np.empty: no zero-fill)."""
+    ring = getattr(_local, "ring", None)
+    if ring is None or len(ring) < count or ring[0].size < size:
+        ring = _local.ring = [np.empty(max(size, 2 * _BLOCK_BYTES), np.uint8) for _ in range(count)]
+    return ring
 
 
 def decode_to(path: str | os.PathLike, header: CompressedHeader, expert_id: str, dest: np.ndarray,
               expect_sha256: str | None = None, threads: int | None = None) -> None:
     """Decode the whole expert into `dest` (the flat buffer), checking the decoded bytes' sha256.
 
-    Groups of chunks are read and decoded as independent tasks on the shared
-    decode pool, `threads` (default: one per core) at a time plus two, so one
-    task's read waits on the disk while the others decode.  The calling
-    loader thread hashes the decoded bytes in order as the tasks finish.
+    Two stages.  The file is read in large blocks (MiBs: one request each,
+    which a disk, or a throttled one, serves at full speed), `READ_AHEAD`
+    blocks ahead, on the reader threads.  Each block's groups of chunks
+    decode on the shared decode pool, `threads` (default: one per core) at a
+    time plus one, as soon as their block lands.  The calling loader thread
+    hashes the decoded bytes in order as groups finish.  A cold load then
+    costs about max(stored bytes / disk, decoded bytes / decode), not their sum.
     """
     where = str(path)
     hasher = hashlib.sha256(header.prefix) if expect_sha256 else None
-    groups = _groups(header.chunks, _TASK_BYTES)
-    depth = (threads or decode_threads()) + 2
-    pool = _decoder()
+    blocks = _blocks(_groups(header.chunks, _TASK_BYTES))
+    width = max(1, threads or decode_threads()) + 1
+    sizes = [sum(c.stored for g in b for c in g) for b in blocks]
+    ring = _ring(READ_AHEAD + 1, max(sizes, default=0))
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError as exc:
         raise ExpertLoadError(expert_id, where, f"cannot read: {exc.strerror or exc}") from None
-    pending: list = []
+    reader, decoder = _reader(), _decoder()
+    reads: deque = deque()     # (block index, read future): at most READ_AHEAD + 1 buffers in use
+    decodes: deque = deque()   # (block index, group, decode future), in file order
+    next_read = next_decode = 0
+    queue: deque = deque()     # (block index, group, read future) waiting for a decode slot
     try:
-        for i, group in enumerate(groups):
-            pending.append(pool.submit(_decode_group, fd, where, header, group, expert_id, dest))
-            if len(pending) >= depth or i == len(groups) - 1:
-                while pending and (len(pending) >= depth or i == len(groups) - 1):
-                    done = groups[i - len(pending) + 1]
-                    pending.pop(0).result()
-                    if hasher is not None:
-                        hasher.update(dest[done[0].start:done[-1].end])
+        while next_read < len(blocks) or reads or queue or decodes:
+            while next_read < len(blocks) and len(reads) <= READ_AHEAD:
+                base = blocks[next_read][0][0].offset
+                view = memoryview(ring[next_read % len(ring)])[:sizes[next_read]]
+                rf = reader.submit(_read_block, fd, where, expert_id, base, view)
+                reads.append((next_read, rf))
+                queue.extend((next_read, g, rf) for g in blocks[next_read])
+                next_read += 1
+            while queue and len(decodes) < width:
+                bi, g, rf = queue.popleft()
+                base = blocks[bi][0][0].offset
+                decodes.append((bi, g, decoder.submit(_decode_group, rf, base, where, header, g, expert_id, dest)))
+            bi, g, df = decodes.popleft()
+            df.result()
+            if hasher is not None:
+                hasher.update(dest[g[0].start:g[-1].end])
+            if g is blocks[bi][-1]:          # the block's last group: its buffer is free again
+                assert reads[0][0] == bi
+                reads.popleft()
     finally:
+        pending = [f for _, _, f in decodes] + [f for _, f in reads]
         for f in pending:
             f.cancel()
         for f in pending:

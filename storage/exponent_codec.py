@@ -146,18 +146,41 @@ def decode_into(out: np.ndarray, codec: str, zplane: bytes | memoryview, raw: by
         raise CodecError(f"exponent plane does not decode: {exc}") from None
     if len(exp) != count:
         raise CodecError(f"exponent plane decodes to {len(exp)} bytes, expected {count}")
-    b = out.reshape(-1, width)
-    b[:, width - 1] = np.frombuffer(exp, np.uint8)
-    rawv = np.frombuffer(raw, np.uint8)
-    if codec == "fp16":
-        b[:, 0] = rawv
+    expv, rawv = np.frombuffer(exp, np.uint8), np.frombuffer(raw, np.uint8)
+    if codec == "bf16":
+        _join_bf16(out.view(np.uint16), expv, rawv)
         return
+    if codec == "fp16":   # high byte coded, low byte raw: x = hi << 8 | lo
+        x = out.view(np.uint16)
+        np.left_shift(expv, 8, out=x, dtype=np.uint16, casting="unsafe")
+        np.bitwise_or(x, rawv, out=x, casting="unsafe")
+        return
+    b = out.reshape(-1, width)
+    b[:, width - 1] = expv
     b[:, :raw_width] = rawv.reshape(-1, raw_width)
-    x = out.view(np.uint16 if codec == "bf16" else np.uint32)
-    tmp = _scratch(x.dtype, count)
+    x = out.view(np.uint32)
+    tmp = _scratch(np.uint32, count)
     np.right_shift(x, 1, out=tmp)
     np.left_shift(x, 8 * width - 1, out=x)
     np.bitwise_or(x, tmp, out=x)
+
+
+def _join_bf16(x: np.ndarray, exp: np.ndarray, raw: np.ndarray) -> None:
+    """x = rotate-right-by-one(exp << 8 | raw), as whole-array arithmetic.
+
+    Interleaving the two byte planes with strided copies and rotating costs
+    twice as much: each strided byte copy runs at a fraction of memory speed.
+    Here: exponent to bits 7-14, the raw byte's low bit (the sign) to bit 15,
+    its other seven bits (the mantissa) to bits 0-6.
+    """
+    count = x.size
+    wide = _scratch(np.uint16, count)
+    narrow = _scratch(np.uint8, count)
+    np.left_shift(exp, 7, out=x, dtype=np.uint16, casting="unsafe")
+    np.left_shift(raw, 15, out=wide, dtype=np.uint16, casting="unsafe")
+    np.bitwise_or(x, wide, out=x)
+    np.right_shift(raw, 1, out=narrow)
+    np.bitwise_or(x, narrow, out=x, casting="unsafe")
 
 
 def _scratch(dtype, count: int) -> np.ndarray:
