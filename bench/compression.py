@@ -46,7 +46,7 @@ from coe import Expert  # noqa: E402
 from storage.compressed import decode_threads, decode_to, read_header  # noqa: E402
 from storage.exponent_codec import measure_decode_rate  # noqa: E402
 from storage.expert_store import ExpertStore  # noqa: E402
-from storage.pagecache import drop_from_page_cache, resident_fraction  # noqa: E402
+from bench.expert_load import cold  # noqa: E402  (drop a file from the page cache, checked)
 
 MB = 1e6
 
@@ -146,14 +146,6 @@ def decode_rates(zstore: ExpertStore) -> dict:
             best = min(best, time.perf_counter() - t0)
         out[threads] = total / best
     return out
-
-
-def cold(path: Path) -> None:
-    drop_from_page_cache(path)
-    frac = resident_fraction(path)
-    if frac is not None and frac > 0.05:
-        raise SystemExit(f"could not evict {path} from the page cache ({frac:.0%} resident): cold figures "
-                         "would be warm ones; run on a filesystem that honours posix_fadvise")
 
 
 def raw_read_seconds(path: Path) -> float:
