@@ -284,9 +284,10 @@ def main() -> int:
     zs = {dt: compressed_copy(st, work / f"{st.root.name}-z") for dt, st in plain.items()}
     ratios = [ratio_row(f"MoE experts ({dt})", source, zs[dt]) for dt in ("bf16", "fp16", "fp32")]
     one_thread = measure_decode_rate()
-    rates = decode_rates(zs["bf16"])
+    small_rates = decode_rates(zs["bf16"])
     big = big_experts(plain["bf16"], work)
     zbig = compressed_copy(big, work / "cold-bf16-z")
+    rates = decode_rates(zbig)
     loads = []
     for speed in a.disk_mbps.split(","):
         bps = None if speed.strip() == "raw" else int(float(speed) * MB)
@@ -302,10 +303,14 @@ def main() -> int:
     for r in ratios:
         say(f"{'':10} {r['set']:28} {r['dtype']:9} {r['experts']:7} {r['plain_mb']:9.1f} {r['stored_mb']:9.1f} "
             f"{r['ratio']:6.3f} {r['bound']:6.3f} {r['gap_points']:6.2f}  {r['weights']}")
-    say(f"{'decode':10} one thread, trained-like bf16: {one_thread / 1e9:.2f} GB/s decoded per core; whole MoE experts "
-        f"from page cache: " + ", ".join(f"{t} thread{'s' if t > 1 else ''} {v / 1e9:.2f} GB/s"
-                                          f" ({v / t / 1e9:.2f} per core)" for t, v in rates.items())
-        + "  target >= 1 GB/s per core")
+    def per_core(r: dict) -> str:
+        return ", ".join(f"{t} thread{'s' if t > 1 else ''} {v / 1e9:.2f} GB/s ({v / t / 1e9:.2f} per core)"
+                         for t, v in r.items())
+    say(f"{'decode':10} decoded bytes/s, page cache warm (decode-bound)  target >= 1 GB/s per core")
+    say(f"{'':10} codec alone, one thread, trained-like bf16 in 512 KiB chunks: {one_thread / 1e9:.2f} GB/s")
+    say(f"{'':10} whole {big.entries()[0].nbytes / MB:.0f} MB experts (decode_to): {per_core(rates)}")
+    say(f"{'':10} the 64 trained experts, {zs['bf16'].entries()[0].nbytes / MB:.2f} MB each: {per_core(small_rates)}"
+        f" (a load's fixed cost dominates at this size)")
     say(f"{'cold load':10} {'disk':40} {'expert':8} {'MB':>6} {'ratio':>6} {'raw MB/s':>9} {'plain ms':>9} "
         f"{'zstd ms':>8} {'load':>6} {'decoded MB/s':>12}  target load <= 0.8x, decoded > raw")
     for r in loads:
@@ -322,7 +327,8 @@ def main() -> int:
             f"(runs: {json.dumps(agreement['runs'])})")
     print(json.dumps({"bench": "compression", "real_run": True, "cores": cores, "decode_threads": decode_threads(),
                       "ratios": ratios, "decode_gbps_one_thread": round(one_thread / 1e9, 3),
-                      "decode_gbps_experts": {str(t): round(v / 1e9, 3) for t, v in rates.items()},
+                      "decode_gbps_big_experts": {str(t): round(v / 1e9, 3) for t, v in rates.items()},
+                      "decode_gbps_trained_experts": {str(t): round(v / 1e9, 3) for t, v in small_rates.items()},
                       "cold": loads, "cold_load_ratio_median": med_load, "vision": agreement}))
     return 0
 

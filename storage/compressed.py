@@ -355,10 +355,55 @@ def decode_to(path: str | os.PathLike, header: CompressedHeader, expert_id: str,
     time plus one, as soon as their block lands.  The calling loader thread
     hashes the decoded bytes in order as groups finish.  A cold load then
     costs about max(stored bytes / disk, decoded bytes / decode), not their sum.
+    `threads=1`, or an expert that fits one read block, reads and decodes
+    on the calling thread alone (what one core does: the profiler's
+    per-thread figure).
     """
     where = str(path)
     hasher = hashlib.sha256(header.prefix) if expect_sha256 else None
     blocks = _blocks(_groups(header.chunks, _TASK_BYTES))
+    if threads == 1 or len(blocks) <= 1:     # one read: nothing to overlap, and hand-offs would cost more
+        _decode_serial(path, header, expert_id, dest, blocks, hasher)
+    else:
+        _decode_pipelined(path, header, expert_id, dest, blocks, hasher, threads)
+    if hasher is not None and hasher.hexdigest() != expect_sha256:
+        raise ExpertLoadError(expert_id, where, f"sha256 of the decoded bytes mismatch: manifest "
+                                                f"{expect_sha256[:12]}…, decoded {hasher.hexdigest()[:12]}…")
+
+
+class _Done:
+    """A finished read, for the serial path (`_decode_group` takes anything with `result()`)."""
+
+    def __init__(self, view: memoryview) -> None:
+        self._view = view
+
+    def result(self) -> memoryview:
+        return self._view
+
+
+def _decode_serial(path, header: CompressedHeader, expert_id: str, dest: np.ndarray, blocks, hasher) -> None:
+    where = str(path)
+    ring = _ring(1, max((sum(c.stored for g in b for c in g) for b in blocks), default=0))
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError as exc:
+        raise ExpertLoadError(expert_id, where, f"cannot read: {exc.strerror or exc}") from None
+    try:
+        for block in blocks:
+            base = block[0][0].offset
+            size = sum(c.stored for g in block for c in g)
+            read = _Done(_read_block(fd, where, expert_id, base, memoryview(ring[0])[:size]))
+            for g in block:
+                _decode_group(read, base, where, header, g, expert_id, dest)
+                if hasher is not None:
+                    hasher.update(dest[g[0].start:g[-1].end])
+    finally:
+        os.close(fd)
+
+
+def _decode_pipelined(path, header: CompressedHeader, expert_id: str, dest: np.ndarray, blocks, hasher,
+                      threads: int | None) -> None:
+    where = str(path)
     width = max(1, threads or decode_threads()) + 1
     sizes = [sum(c.stored for g in b for c in g) for b in blocks]
     ring = _ring(READ_AHEAD + 1, max(sizes, default=0))
@@ -401,9 +446,6 @@ def decode_to(path: str | os.PathLike, header: CompressedHeader, expert_id: str,
             except Exception:  # noqa: BLE001 - the first failure is already raised
                 pass
         os.close(fd)
-    if hasher is not None and hasher.hexdigest() != expect_sha256:
-        raise ExpertLoadError(expert_id, where, f"sha256 of the decoded bytes mismatch: manifest "
-                                                f"{expect_sha256[:12]}…, decoded {hasher.hexdigest()[:12]}…")
 
 
 def decompress_file(src: str | os.PathLike, dst: str | os.PathLike, expert_id: str) -> None:

@@ -316,3 +316,27 @@ def test_a_compressed_llm_store_gives_bit_exact_logits(tmp_path: Path) -> None:
     with torch.no_grad():
         assert torch.equal(pm.model(x).logits, ref(x).logits)
     assert pm.stats().misses > 0
+
+
+def test_the_pipelined_and_serial_decoders_agree_and_both_name_a_corrupt_chunk(tmp_path: Path) -> None:
+    from storage.compressed import _BLOCK_BYTES, decode_to
+
+    big = {"w": (torch.randn(4 << 20, generator=torch.Generator().manual_seed(2)) * 0.02).to(torch.bfloat16)}
+    store = ExpertStore(tmp_path, verify="always")
+    store.set_compression("exponent-zstd")
+    entry = store.write(_expert("big"), big)
+    path = tmp_path / entry.file
+    header = read_header(path, "big")
+    assert entry.stored_nbytes > 2 * _BLOCK_BYTES                    # several reads: the pipelined path
+    outs = []
+    for threads in (None, 1):
+        out = np.empty(header.layout.nbytes, np.uint8)
+        decode_to(path, header, "big", out, expect_sha256=entry.sha256, threads=threads)
+        outs.append(out)
+    assert np.array_equal(outs[0], outs[1])
+    assert torch.equal(store.read_flat("big").tensors()["w"], big["w"])
+    last = len(header.chunks) - 1
+    _flip(path, header.chunks[last].offset + header.chunks[last].zlen // 2)
+    for threads in (None, 1):
+        with pytest.raises(ExpertLoadError, match=rf"big\.coez.*corrupt chunk {last}"):
+            decode_to(path, header, "big", np.empty(header.layout.nbytes, np.uint8), threads=threads)
