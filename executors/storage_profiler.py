@@ -18,10 +18,9 @@ decoding outruns the disk.  `profile_storage` measures both sides and
 - decode of the line's own experts: the same files compressed (in a
   temporary directory where the store keeps them plain) and decoded whole
   through the real reader from the page cache.  The synthetic sample is
-  bf16 in 1 MB chunks; an expert of many small tensors is many small chunks,
-  each paying zstd's and numpy's fixed costs, and an fp32 one decodes four
-  bytes per coded byte, so this is the rate the cost model uses where it is
-  known, and its ratio is the one the verdict quotes.
+  bf16 in 512 KiB chunks; an fp32 expert decodes four bytes per coded byte
+  and a small expert pays a load's fixed costs, so this is the rate the cost
+  model uses where it is known, and its ratio is the one the verdict quotes.
 """
 from __future__ import annotations
 
@@ -39,7 +38,7 @@ from .profile import StorageProfile
 if TYPE_CHECKING:
     from storage.expert_store import ExpertStore
 
-DECODE_SAMPLE_BYTES = 16 << 20   # decoded bytes per decode sample: a few 1 MB chunks per thread, ~0.1 s each
+DECODE_SAMPLE_BYTES = 16 << 20   # decoded bytes per decode sample: a few dozen chunks per thread, ~0.1 s each
 COLD_RESIDENT_MAX = 0.05         # as the profiler's: more of a 'cold' file cached than this is not cold
 STEPS = 3                        # progress steps: disk, decode sample, decode of the line's experts
 
