@@ -31,7 +31,7 @@ from storage.expert_store import ExpertStore
 from storage.policies import make_policy
 from storage.pool import Pool, PoolEvent, initialize, initialize_tier
 from storage.results import ResultStore
-from storage.tiers import StoreSource, TierSource, demote, measured_nbytes
+from storage.tiers import StoreSource, TierSource, demote, measured_nbytes, source_dtype
 
 from . import protocol as P
 from .config import ExecutorConfig, LineConfig, endpoint_parts
@@ -125,18 +125,17 @@ class Agent:
         if self.gpu_pools and not cfg.unified_memory:
             self.host_tier = self._pool("host", "host", cfg.cpu_tier,
                                         StoreSource(self.store, pin=True, method=cfg.expert_read,
-                                                    dtype=StoreSource.UNIFORM), None)
+                                                    dtype=source_dtype(cfg.gpu_compute_dtype)), None)
         # exclusive: the host tier is a victim cache (GPU victims move down, promotions leave it)
         self.exclusive = self.host_tier is not None and cfg.cpu_tier_mode == "exclusive"
         infos = {}
         for slot in self.slots:
             ex = slot.ex
             if ex.device == "cpu":
-                source = StoreSource(self.store, method=cfg.expert_read,
-                                     dtype=None if cfg.cpu_compute_dtype == "stored" else cfg.cpu_compute_dtype)
+                source = StoreSource(self.store, method=cfg.expert_read, dtype=source_dtype(cfg.cpu_compute_dtype))
             else:  # a GPU pool loads through the shared host tier, or straight from SSD on unified memory
                 source = TierSource(self.host_tier or StoreSource(self.store, pin=True, method=cfg.expert_read,
-                                                                  dtype=StoreSource.UNIFORM),
+                                                                  dtype=source_dtype(cfg.gpu_compute_dtype)),
                                     ex.device, exclusive=self.exclusive)
             pool = self._pool(slot.name, ex.device, slot.expert_memory, source, slot.name)
             self.pools[slot.name] = pool

@@ -173,6 +173,10 @@ class LineConfig(_Strict):
         "float32", description="dtype CPU executors compute in: experts stored in another floating dtype are "
                                "cast while they load (GPU pools keep the stored half precision); 'stored' "
                                "computes in whatever the store holds")
+    gpu_compute_dtype: Literal["stored", "float32", "bfloat16", "float16"] = Field(
+        "stored", description="dtype GPU executors compute in: 'stored' keeps half-stored experts half (the "
+                              "bytes a switch moves stay halved); a tensor an fp16 expert kept in fp32 because "
+                              "fp16 would flush it is then cast to fp16 too")
     unified_memory: bool = Field(False, description="Jetson-style: GPU and CPU share DRAM, no separate host tier")
     executors: list[ExecutorConfig] = Field(default_factory=lambda: [ExecutorConfig()])
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)

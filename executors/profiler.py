@@ -336,7 +336,7 @@ def _profile_target(t: Target, cfg: "LineConfig", store: "ExpertStore", sizes: l
     skeletons = Skeletons(t.device)
 
     # the first load builds the skeleton and verifies the file per the store's policy: untimed
-    host_src = StoreSource(store, pin=cuda, method=cfg.expert_read)
+    host_src = StoreSource(store, pin=cuda, method=cfg.expert_read, dtype=_compute_dtype(cfg, cuda))
     held = _Held(store)
     tier = TierSource(held, t.device) if cuda else None
     host = host_src.load(eid)
@@ -426,7 +426,7 @@ def _profile_target(t: Target, cfg: "LineConfig", store: "ExpertStore", sizes: l
             torch.cuda.empty_cache()
 
     entry = store.entry(eid)
-    return ArchProfile(arch=t.arch, device=t.kind, K=k, B=b, max_batch=best, weight_bytes=store.nbytes(eid),
+    return ArchProfile(arch=t.arch, device=t.kind, K=k, B=b, max_batch=best, weight_bytes=host.nbytes,
                        activation_bytes=act, load_seconds={"ssd": ssd, "host": warm}, points=tuple(points),
                        ssd_stored_bytes=entry.stored_nbytes if entry.compression != "none" else 0)
 
@@ -466,7 +466,7 @@ def _measure_concurrency(device: str, t: Target, batch: int, cfg: "LineConfig", 
     backend = get_backend(t.arch)
     eid = t.expert.id
     expert = t.expert if t.expert.uri else dataclasses.replace(t.expert, uri=str(store.path(eid)))
-    host_src = StoreSource(store, pin=cuda, method=cfg.expert_read)
+    host_src = StoreSource(store, pin=cuda, method=cfg.expert_read, dtype=_compute_dtype(cfg, cuda))
     held = _Held(store)
     held.value = host_src.load(eid)
     weights = TierSource(held, where).load(eid) if cuda else held.value
@@ -742,3 +742,10 @@ def _plot_split(plt, profile: Profile, devices: dict[str, DeviceProfile], path: 
 def _plot_count(plt, profile: Profile, devices: dict[str, DeviceProfile], path: Path) -> Path:
     return _plot_search(plt, profile, devices, path, field="count_points", xlabel="executors",
                         title="executor count: throughput vs executors")
+
+
+def _compute_dtype(cfg, cuda: bool) -> str:
+    """The dtype the agent's pools would load this device's experts in (profile what runs)."""
+    from storage.tiers import source_dtype
+
+    return source_dtype(getattr(cfg, "gpu_compute_dtype" if cuda else "cpu_compute_dtype", "stored"))

@@ -59,7 +59,7 @@ def run_real(workload: Workload, model: CoEModel, store, profile: Profile | None
     for ex in system.executors:
         if ex.kind != "cpu":
             raise ValueError(f"real runs here use CPU executors; {ex.name} is on {ex.device}")
-        src = (ColdStoreSource if opts.cold else StoreSource)(store)
+        src = (ColdStoreSource if opts.cold else StoreSource)(store, dtype="float32")   # as the agent's CPU pools
         pools[ex.name] = Pool("cpu", ex.expert_memory, make_policy(system.eviction), src, name=ex.name,
                               probabilities=probs, preliminaries=prelims,
                               on_event=lambda e, n=ex.name: box[0].refresh(e.expert_id, n) if box else None,

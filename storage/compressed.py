@@ -55,19 +55,24 @@ def decode_threads() -> int:
     return max(1, min(8, os.cpu_count() or 1))
 
 
+_pools_lock = threading.Lock()
+
+
 def _reader() -> ThreadPoolExecutor:
     global _readers
-    if _readers is None:
-        _readers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="coe-read")
-    return _readers
+    with _pools_lock:
+        if _readers is None:
+            _readers = ThreadPoolExecutor(max_workers=4, thread_name_prefix="coe-read")
+        return _readers
 
 
 def _decoder() -> ThreadPoolExecutor:
     """Shared by every loader thread: the cores, not the loads, bound decoding."""
     global _decoders
-    if _decoders is None:
-        _decoders = ThreadPoolExecutor(max_workers=decode_threads(), thread_name_prefix="coe-decode")
-    return _decoders
+    with _pools_lock:
+        if _decoders is None:
+            _decoders = ThreadPoolExecutor(max_workers=decode_threads(), thread_name_prefix="coe-decode")
+        return _decoders
 
 
 @dataclass(frozen=True)

@@ -48,7 +48,8 @@ def parse_dtype(name: str, where: str = "--dtype") -> str:
     return _ALIASES[key]
 
 
-def cast_floating(tensors: Mapping[str, "torch.Tensor"], dtype: str) -> dict[str, "torch.Tensor"]:
+def cast_floating(tensors: Mapping[str, "torch.Tensor"], dtype: str, *,
+                  keep_underflow: bool = True) -> dict[str, "torch.Tensor"]:
     """`tensors` with every floating-point tensor cast to `dtype`; the others are returned unchanged.
 
     Only floating tensors are cast: integer and bool buffers (BatchNorm's
@@ -56,7 +57,9 @@ def cast_floating(tensors: Mapping[str, "torch.Tensor"], dtype: str) -> dict[str
     to a float type would change their meaning or lose exactness.  Raises
     CoEError naming the tensor when a cast to fp16 would turn a finite value
     into inf (its magnitude exceeds 65504); keeps a tensor that fp16 would
-    flush to zero (`fp16_underflows`) in its source dtype.
+    flush to zero (`fp16_underflows`) in its source dtype, or with
+    `keep_underflow=False` (a store that must hold one dtype, like an LLM's
+    `llm.json` layout) refuses it, naming the tensor.
     """
     import torch
 
@@ -71,6 +74,10 @@ def cast_floating(tensors: Mapping[str, "torch.Tensor"], dtype: str) -> dict[str
         if target == torch.float16:
             _check_no_overflow(name, t, cast)
             if fp16_underflows(t, cast):
+                if not keep_underflow:
+                    raise CoEError(f"tensor '{name}': fp16 would flush its values to zero (max |value| "
+                                   f"{float(t.abs().max()):.3g}, fp16's smallest normal is "
+                                   f"{torch.finfo(torch.float16).tiny:.3g}); store it as bf16 or fp32 instead")
                 kept.append(name)
                 out[name] = t
                 continue

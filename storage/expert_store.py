@@ -265,13 +265,18 @@ class ExpertStore:
 
     def _compressed(self, plain: ManifestEntry, plain_file: Path) -> tuple[ManifestEntry, Path]:
         """Compress `plain_file` to a temp file; the entry it would have."""
+        import numpy as np
+
         from .compressed import SUFFIX as ZSUFFIX
-        from .compressed import compress_file
+        from .compressed import compress_file, decode_to, read_header
 
         file = plain.id + ZSUFFIX
         tmp = self._tmp(file)
         try:
             stats = compress_file(plain_file, tmp, plain.id)
+            # decode it once before it replaces anything: the plain file may be the only other copy
+            header = read_header(tmp, plain.id)
+            decode_to(tmp, header, plain.id, np.empty(header.layout.nbytes, np.uint8), expect_sha256=plain.sha256)
         except BaseException:
             with contextlib.suppress(FileNotFoundError):
                 tmp.unlink()
@@ -313,6 +318,18 @@ class ExpertStore:
             raise ExpertLoadError(entry.id, str(path), "file missing from the expert store")
         return path
 
+    def _current(self, expert_id: str) -> tuple[ManifestEntry, Path]:
+        """The entry and its file; re-reads the manifest once when the file has gone.
+
+        `experts compress` in another process renames an expert's file
+        (.safetensors <-> .coez) while a running agent holds the old manifest.
+        """
+        entry = self.entry(expert_id)
+        if not (self.root / entry.file).is_file():
+            self.reload()
+            entry = self.entry(expert_id)
+        return entry, self._existing(entry)
+
     # -- read -----------------------------------------------------------------------
     def read(self, expert_id: str) -> dict[str, "torch.Tensor"]:
         """The expert's tensors on the CPU, verified per the store's policy.
@@ -322,8 +339,7 @@ class ExpertStore:
         """
         from safetensors.torch import load_file
 
-        entry = self.entry(expert_id)
-        path = self._existing(entry)
+        entry, path = self._current(expert_id)
         if entry.compression != "none":
             return self.read_flat(expert_id).tensors()
         where = str(path)
@@ -360,12 +376,14 @@ class ExpertStore:
         """
         from .flat import read_flat
 
-        entry = self.entry(expert_id)
-        path = self._existing(entry)
+        entry, path = self._current(expert_id)
         key = (expert_id, entry.sha256)
         check = self.verify == "always" or (self.verify == "first" and key not in self._verified)
         expect = entry.sha256 if check else None
-        if entry.compression == "none" and self.loaded_nbytes(expert_id, dtype) == entry.nbytes:
+        from .convert import converted_layout
+
+        stored = self.layout(expert_id)
+        if entry.compression == "none" and converted_layout(stored, dtype) is stored:
             flat = read_flat(path, expert_id, pin=pin, expect_sha256=expect, method=method, out=out)
         else:
             flat = self._stream_flat(entry, path, pin=pin, out=out, dtype=dtype, expect_sha256=expect)
@@ -404,10 +422,13 @@ class ExpertStore:
         placer = Placer(stored, target, buf)
         pieces = (iter_decoded(path, header, eid) if entry.compression != "none"
                   else iter_plain(path, stored, eid))
-        for start, end, view in pieces:
-            if hasher is not None:
-                hasher.update(view)
-            placer.place(start, end, view)
+        try:
+            for start, end, view in pieces:
+                if hasher is not None:
+                    hasher.update(view)
+                placer.place(start, end, view)
+        finally:
+            pieces.close()        # a failed load lets go of its file and read-ahead now
         if hasher is not None and hasher.hexdigest() != expect_sha256:
             raise ExpertLoadError(eid, str(path), f"sha256 mismatch: manifest {expect_sha256[:12]}…, "
                                                   f"file {hasher.hexdigest()[:12]}…")
@@ -486,7 +507,10 @@ class ExpertStore:
             raise CoEError(f"{where}.file: '{file}' is not a file directly inside the store root {self.root}")
 
     def _write_manifest(self, entries: Mapping[str, ManifestEntry]) -> None:
-        doc = {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION, "compression": self._compression,
+        compressed = self._compression != "none" or any(e.compression != "none" for e in entries.values())
+        # version 1 while nothing is compressed: older builds ignore the new fields and keep reading the store
+        doc = {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION if compressed else 1,
+               "compression": self._compression,
                "experts": [asdict(entries[k]) for k in sorted(entries)]}
         fd, tmp = tempfile.mkstemp(prefix=f".{MANIFEST}.", suffix=".tmp", dir=self.root)
         try:

@@ -255,7 +255,7 @@ def _castable(dtypes: set[str], model_dir: Path, want: str) -> str:
 
 def _cast(tensors: dict, want: str, where: str) -> dict:
     try:
-        return cast_floating(tensors, want)
+        return cast_floating(tensors, want, keep_underflow=False)   # llm.json states one dtype
     except CoEError as exc:
         raise CoEError(f"{where}: {exc}") from None
 

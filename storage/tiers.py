@@ -34,6 +34,11 @@ if TYPE_CHECKING:
     import torch
 
 
+def source_dtype(setting: str) -> str:
+    """What a StoreSource casts to for a config's compute dtype: 'stored' computes in the stored dtype."""
+    return StoreSource.UNIFORM if setting == "stored" else setting
+
+
 def take_buffer(reuse, nbytes: int, device, pinned: bool | None = None) -> FlatWeights | None:
     """An evicted value whose buffer holds exactly `nbytes` on `device`, or None."""
     for v in reuse:
@@ -50,11 +55,11 @@ class StoreSource:
 
     `dtype` is the dtype a CPU executor computes in: floating tensors stored
     in another dtype are cast while they load (fp16 on disk, fp32 in the
-    pool), and the pool accounts the loaded size.  None keeps the stored
-    dtypes as they are.  'uniform' casts the few tensors an fp16 expert keeps
-    in fp32 (see `storage.dtypes.fp16_underflows`) to the expert's dominant
-    dtype, so a GPU module computing in half precision gets one dtype; an
-    expert stored half stays half.  Compressed experts decode on the calling
+    pool), and the pool accounts the loaded size.  'uniform' (the default)
+    casts the few tensors an fp16 expert keeps in fp32 (see
+    `storage.dtypes.fp16_underflows`) to the expert's dominant dtype: a
+    module computes in one dtype, and an expert stored half stays half.
+    None keeps the stored dtypes as they are, mixed or not.  Compressed experts decode on the calling
     loader thread (and the shared decode pool).
     """
 
@@ -63,7 +68,7 @@ class StoreSource:
     reuses_memory = True
 
     def __init__(self, store, *, pin: bool = False, method: str = "read", drop_after_read: bool = False,
-                 dtype: str | None = None) -> None:
+                 dtype: str | None = "uniform") -> None:
         import torch
 
         self.store, self.pin, self.method, self.dtype = store, pin, method, dtype

@@ -175,7 +175,9 @@ def test_cpu_pools_cast_to_their_compute_dtype_while_loading(tmp_path: Path, zst
         assert src.size("e1") == flat.nbytes == flat.buffer.numel()      # the pool accounts what it holds
         assert all(got[k].dtype == torch.float32 for k in ("w", "h", "f")) and got["n"].dtype == torch.int64
         assert all(torch.equal(got[k], v.float() if v.is_floating_point() else v) for k, v in _tensors().items())
-        assert StoreSource(store).size("e1") == store.nbytes("e1")        # no dtype: as stored (GPU tiers)
+        assert StoreSource(store, dtype=None).size("e1") == store.nbytes("e1")   # None: exactly as stored
+        uniform = StoreSource(store).load("e1").tensors()                          # default: one dtype per module
+        assert {uniform[k].dtype for k in ("w", "h", "f")} == {torch.bfloat16} and uniform["n"].dtype == torch.int64
 
 
 def test_store_settings_and_manifest_fields_are_checked(tmp_path: Path, zstore) -> None:
@@ -340,3 +342,19 @@ def test_the_pipelined_and_serial_decoders_agree_and_both_name_a_corrupt_chunk(t
     for threads in (None, 1):
         with pytest.raises(ExpertLoadError, match=rf"big\.coez.*corrupt chunk {last}"):
             decode_to(path, header, "big", np.empty(header.layout.nbytes, np.uint8), threads=threads)
+
+
+def test_casts_follow_layouts_not_sizes_and_a_renamed_file_is_found_again(tmp_path: Path) -> None:
+    """A cast whose padding makes the sizes equal still casts; a file `experts compress` renamed still loads."""
+    store = ExpertStore(tmp_path)
+    # fp16 w (64x64), a 30-element fp32 bias and an int64 scalar: the fp16 layout pads back to the same size
+    tensors = {"w": (torch.randn(64, 64) * 0.05).half(), "b": torch.full((30,), 1e-10), "n": torch.tensor(1)}
+    store.write(_expert("m"), tensors)
+    got = StoreSource(store, dtype=StoreSource.UNIFORM).load("m").tensors()
+    assert got["b"].dtype == torch.float16 and got["w"].dtype == torch.float16 and got["n"].dtype == torch.int64
+    running = ExpertStore(tmp_path)                  # an agent's view, taken before the rewrite
+    other = ExpertStore(tmp_path)
+    other.set_compression("exponent-zstd")
+    other.recompress("m")                            # m.safetensors -> m.coez behind the agent's back
+    assert torch.equal(running.read_flat("m").tensors()["w"], tensors["w"])
+    assert running.entry("m").file == "m.coez"

@@ -98,3 +98,12 @@ def test_fp16_keeps_a_tensor_it_would_flush_to_zero_in_its_source_dtype(caplog):
     assert "bias" in caplog.text and "half_gone" in caplog.text
     assert not fp16_underflows(torch.zeros(3), torch.zeros(3, dtype=torch.float16))
     assert cast_floating(src, "bf16")["bias"].dtype == torch.bfloat16      # bf16 has fp32's range
+
+
+def test_a_store_of_one_dtype_refuses_what_fp16_would_flush():
+    import torch
+
+    from storage.dtypes import cast_floating
+
+    with pytest.raises(CoEError, match=r"tensor 'bias'.*flush.*bf16 or fp32"):
+        cast_floating({"bias": torch.tensor([1e-10, 2e-10])}, "fp16", keep_underflow=False)
