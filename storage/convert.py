@@ -87,3 +87,35 @@ def pieces(layout: Layout, size: int = 1 << 20) -> list[tuple[int, int]]:
         step = max(width, size // width * width)
         out += [(p, min(p + step, s.end)) for p in range(s.start, s.end, step)]
     return out
+
+
+def cast_in_place(stored: Layout, target: Layout, buf, offset: int, piece: int = 1 << 20) -> None:
+    """Cast a stored data section sitting at `buf[offset:]` into `target`'s places from `buf[0]` on.
+
+    Safe when no tensor narrows (`offset` = target size - stored size >= 0
+    and every element is at least as wide in the target): the target bytes
+    of anything up to element e end before the stored bytes of any later
+    element begin, so casting front to back only ever overwrites bytes
+    already cast.  Each piece is copied out through a small scratch buffer
+    first, since its own target range may overlap its source.
+    """
+    import torch
+
+    if offset < 0 or any(_SIZE.get(t.dtype, 0) < _SIZE.get(s.dtype, 0) for s, t in zip(stored.specs, target.specs)):
+        raise ValueError("cast_in_place only widens")
+    flat = buf if isinstance(buf, torch.Tensor) else torch.from_numpy(buf)
+    scratch = torch.empty(piece, dtype=torch.uint8)
+    placer = Placer(stored, target, flat)
+    ends = {s.start: (s, t) for s, t in zip(stored.specs, target.specs)}
+    spec = None
+    for start, end in pieces(stored, piece):
+        spec = ends.get(start, spec)
+        src, dst = spec
+        width = _SIZE.get(src.dtype, 1)
+        target_end = dst.start + (end - src.start) // width * _SIZE.get(dst.dtype, 1)
+        if target_end <= offset + start:        # the piece's target lies wholly before its source: cast direct
+            placer.place(start, end, flat[offset + start:offset + end].numpy())
+            continue
+        bounce = scratch[:end - start]
+        bounce.copy_(flat[offset + start:offset + end])
+        placer.place(start, end, bounce.numpy())

@@ -401,7 +401,7 @@ class ExpertStore:
         import torch
 
         from .compressed import decode_to, iter_decoded, read_header
-        from .convert import Placer, converted_layout
+        from .convert import Placer, cast_in_place, converted_layout
         from .flat import FlatWeights, iter_plain
 
         eid = entry.id
@@ -417,6 +417,13 @@ class ExpertStore:
         dest = buf.numpy()
         if target is stored and entry.compression != "none":
             decode_to(path, header, eid, dest, expect_sha256)
+            return FlatWeights(target, buf, like=out)
+        tail = target.nbytes - stored.nbytes
+        if entry.compression != "none" and tail >= 0:
+            # widening (fp16 stored, fp32 computed): decode at full speed into the buffer's tail, then
+            # cast front to back in place; a tensor's cast never reaches bytes not yet cast (see convert)
+            decode_to(path, header, eid, dest[tail:], expect_sha256)
+            cast_in_place(stored, target, buf, tail)
             return FlatWeights(target, buf, like=out)
         hasher = hashlib.sha256(prefix) if expect_sha256 else None
         placer = Placer(stored, target, buf)

@@ -358,3 +358,35 @@ def test_casts_follow_layouts_not_sizes_and_a_renamed_file_is_found_again(tmp_pa
     other.recompress("m")                            # m.safetensors -> m.coez behind the agent's back
     assert torch.equal(running.read_flat("m").tensors()["w"], tensors["w"])
     assert running.entry("m").file == "m.coez"
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from(["float16", "bfloat16", "float32", "int64"]), st.integers(0, 700)),
+                min_size=1, max_size=6))
+def test_casting_in_place_equals_casting_each_tensor(specs) -> None:
+    """Any mix of tensor dtypes and sizes, widened to fp32 inside one buffer from its tail."""
+    from storage.convert import cast_in_place, converted_layout
+    from storage.flat import Layout, TensorSpec
+
+    gen = torch.Generator().manual_seed(len(specs))
+    tensors, layout_specs, pos = [], [], 0
+    for i, (dt, n) in enumerate(specs):
+        t = (torch.randint(-9, 9, (n,), generator=gen) if dt == "int64"
+             else torch.randn(n, generator=gen).to(getattr(torch, dt)))
+        nbytes = t.numel() * t.element_size()
+        tensors.append(t)
+        layout_specs.append(TensorSpec(f"t{i}", dt, (n,), pos, pos + nbytes))
+        pos += nbytes
+    stored = Layout(tuple(layout_specs), 0, pos)
+    target = converted_layout(stored, "float32")
+    buf = torch.zeros(max(target.nbytes, stored.nbytes), dtype=torch.uint8)
+    offset = target.nbytes - stored.nbytes
+    if offset < 0:
+        return
+    for s, t in zip(stored.specs, tensors):
+        buf[offset + s.start:offset + s.end] = t.view(torch.uint8) if t.numel() else buf[:0]
+    cast_in_place(stored, target, buf, offset, piece=96)       # small pieces: many overlapping ones
+    for s, t in zip(target.specs, tensors):
+        got = buf[s.start:s.end].view(getattr(torch, s.dtype)) if s.end > s.start else None
+        if got is not None:
+            assert torch.equal(got, t.float() if t.is_floating_point() else t), s.name
