@@ -14,7 +14,7 @@ Real run on this machine, every figure measured side by side in one run:
   cold load  page cache dropped before every read: a plain bf16 expert against
              the same expert compressed, alternating, verify off for both (the
              sha256 costs both the same).  Each expert is several trained
-             experts' tensors concatenated, 8-20 MB like a real expert slice.
+             experts' tensors concatenated, about 50 MB, like a real expert slice.
                                                      target <= 0.8x, decoded B/s > raw disk B/s
   vision     verdict agreement of the fp16-stored line A zoo (cast to fp32 on
              load, the CPU pool's compute dtype) with the fp32 zoo, on one

@@ -84,7 +84,9 @@ def cast_floating(tensors: Mapping[str, "torch.Tensor"], dtype: str, *,
         out[name] = cast
     if kept:
         log.warning("kept %d tensor(s) in their source dtype: fp16 would flush their values to zero or "
-                    "subnormals (%s)", len(kept), ", ".join(kept[:5]) + (" ..." if len(kept) > 5 else ""))
+                    "subnormals (%s); CPU pools computing in fp32 use them as they are, but a GPU computing in "
+                    "fp16 (gpu_compute_dtype: stored) flushes them: give it gpu_compute_dtype: float32, or "
+                    "store this expert as bf16", len(kept), ", ".join(kept[:5]) + (" ..." if len(kept) > 5 else ""))
     return out
 
 
