@@ -387,6 +387,6 @@ def test_casting_in_place_equals_casting_each_tensor(specs) -> None:
         buf[offset + s.start:offset + s.end] = t.view(torch.uint8) if t.numel() else buf[:0]
     cast_in_place(stored, target, buf, offset, piece=96)       # small pieces: many overlapping ones
     for s, t in zip(target.specs, tensors):
-        got = buf[s.start:s.end].view(getattr(torch, s.dtype)) if s.end > s.start else None
+        got = buf[s.start:s.end].clone().view(getattr(torch, s.dtype)) if s.end > s.start else None
         if got is not None:
             assert torch.equal(got, t.float() if t.is_floating_point() else t), s.name
