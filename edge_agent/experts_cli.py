@@ -207,7 +207,8 @@ def experts_import(expert_id: str, src: str, line: str, config_path: str | None,
     """Convert a weights file into the store as expert ID, once, after checking it fits.
 
     Accepts .safetensors, or with --trust a PyTorch pickle holding a state_dict
-    (or an ultralytics checkpoint for a YOLO expert).  The weights are built
+    (or an ultralytics checkpoint for a YOLO expert), or an .onnx model for an
+    expert whose arch is onnx/<name> (checked by building its session).  The weights are built
     against the expert's arch and classes before anything is written.  With
     --dtype the floating-point weights are cast first (integer buffers keep
     theirs); a value too large for fp16 is an error, not an inf.
@@ -217,6 +218,7 @@ def experts_import(expert_id: str, src: str, line: str, config_path: str | None,
       coe-agent experts import --line A cls-r0402 trained/r0402.safetensors
       coe-agent experts import --line A det-2term runs/detect/train/weights/best.pt --trust
       coe-agent experts import --line A cls-r0402 trained/r0402.safetensors --dtype bf16
+      coe-agent experts import --line A cls-r0402-onnx r0402.onnx
     """
     from storage.importer import import_expert
 
@@ -285,4 +287,4 @@ def experts_evict(ids: tuple[str, ...], line: str, config_path: str | None) -> N
     click.echo(f"evicted {len(dropped)} expert file(s) from the page cache")
 
 
-from . import compress_cli  # noqa: E402,F401  (registers `experts compress`; it needs the helpers above)
+from . import compress_cli, onnx_cli  # noqa: E402,F401  (register `experts compress|export-onnx`; they need the helpers above)

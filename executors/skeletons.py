@@ -56,6 +56,9 @@ class Skeletons:
     def bind(self, expert: Expert, weights: "FlatWeights"):
         """A module running `expert`, pointing into `weights` (which the caller keeps pinned)."""
         key = (expert.arch, len(expert.classes), weights.layout.signature)
+        backend = get_backend(expert.arch)
+        if getattr(backend, "builds_per_switch", False):
+            return self._rebuild(backend, key, expert, weights)
         with self._lock:
             slot = self._slots.get(key)
             if slot is None:
@@ -72,6 +75,18 @@ class Skeletons:
                 self.rebinds += 1
             return slot.module
 
+    def _rebuild(self, backend, key: tuple, expert: Expert, weights: "FlatWeights"):
+        """A runtime with no skeleton to re-point (ONNX Runtime): a switch builds a new session."""
+        with self._lock:
+            slot = self._slots.get(key)
+            if slot is not None and slot.bound is weights and slot.module is not None:
+                return slot.module
+        module = backend.build(expert, weights.tensors(), self.device)    # outside the lock: it takes a while
+        with self._lock:
+            self._slots[key] = _Slot(module, weights, expert.id)
+            self.builds += 1
+        return module
+
     def unbind(self, weights) -> None:
         """Point slots bound to these evicted weights at nothing, so their memory really goes back.
 
@@ -82,6 +97,9 @@ class Skeletons:
 
         with self._lock:
             for slot in self._slots.values():
+                if slot.bound is weights and weights is not None and not slot.targets:
+                    slot.module, slot.bound, slot.expert_id = None, None, None   # a session: let it go
+                    continue
                 if slot.bound is weights and weights is not None:
                     self._point(slot, {k: torch.empty(0, dtype=t.dtype, device=t.device)
                                        for k, t in slot.bound.tensors().items()})

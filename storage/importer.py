@@ -31,6 +31,7 @@ if TYPE_CHECKING:
     import torch
 
 SAFE_SUFFIXES = (".safetensors",)
+ONNX_SUFFIXES = (".onnx",)
 PICKLE_SUFFIXES = (".pt", ".pth", ".ckpt")
 STATE_DICT_KEYS = ("state_dict", "model_state_dict", "model")  # where training scripts nest a state_dict
 UNSAFE_FALLBACK_FAMILIES = ("ultralytics",)
@@ -56,6 +57,10 @@ def import_expert(store: ExpertStore, expert: Expert, src: str | Path, *, trust:
     if not src.is_file():
         raise CoEError(f"expert '{expert.id}': weights file {src} does not exist")
     suffix = src.suffix.lower()
+    if suffix in ONNX_SUFFIXES:
+        return _import_onnx(store, expert, src, backend, want)
+    if backend.family == "onnx":
+        raise CoEError(f"expert '{expert.id}' is an {expert.arch} in the spec: import an .onnx file, not {src.name}")
     if suffix in SAFE_SUFFIXES:
         tensors = _read_safetensors(expert, src)
     elif suffix in PICKLE_SUFFIXES:
@@ -65,7 +70,7 @@ def import_expert(store: ExpertStore, expert: Expert, src: str | Path, *, trust:
         tensors = _read_pickle(expert, src)
     else:
         raise CoEError(f"expert '{expert.id}': cannot import {src}: unknown weights format '{src.suffix}' "
-                       f"(expected one of {', '.join(SAFE_SUFFIXES + PICKLE_SUFFIXES)})")
+                       f"(expected one of {', '.join(SAFE_SUFFIXES + PICKLE_SUFFIXES + ONNX_SUFFIXES)})")
     tensors = _owned_cpu(_strip_prefix(tensors, "module."))
     if want is not None:
         try:
@@ -74,6 +79,23 @@ def import_expert(store: ExpertStore, expert: Expert, src: str | Path, *, trust:
             raise CoEError(f"expert '{expert.id}': {src}: {exc}") from None
     # build on the backend's skeleton: missing, unexpected or mis-shaped keys raise ExpertLoadError naming src
     module = backend.build(dataclasses.replace(expert, uri=str(src)), tensors)
+    del module
+    version = store.entry(expert.id).version + 1 if store.has(expert.id) else 1
+    return store.write(expert, tensors, version=version)
+
+
+def _import_onnx(store: ExpertStore, expert: Expert, src: Path, backend, want: str | None) -> ManifestEntry:
+    """An .onnx file becomes one uint8 tensor (the pools page it like any expert); a session build checks it."""
+    import torch
+
+    if backend.family != "onnx":
+        raise CoEError(f"expert '{expert.id}': {src.name} is an ONNX model but the spec says {expert.arch}; "
+                       f"give the expert an onnx/<name> arch (e.g. onnx/{expert.model_name})")
+    if want is not None:
+        raise CoEError(f"expert '{expert.id}': --dtype does not apply to an .onnx file (its graph fixes the dtypes)")
+    blob = src.read_bytes()
+    tensors = {"onnx.model": torch.frombuffer(bytearray(blob), dtype=torch.uint8)}
+    module = backend.build(dataclasses.replace(expert, uri=str(src)), tensors)   # ExpertLoadError names src
     del module
     version = store.entry(expert.id).version + 1 if store.has(expert.id) else 1
     return store.write(expert, tensors, version=version)

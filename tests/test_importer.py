@@ -167,8 +167,12 @@ def test_missing_and_unknown_files_are_clear_errors(tmp_path):
         import_expert(store, CLS, tmp_path / "nope.pt", trust=True)
     onnx = tmp_path / "model.onnx"
     onnx.write_bytes(b"\0" * 16)
-    with pytest.raises(CoEError, match=r"unknown weights format '\.onnx'"):
+    with pytest.raises(CoEError, match=r"ONNX model but the spec says torchvision/.*onnx/<name> arch"):
         import_expert(store, CLS, onnx, trust=True)
+    odd = tmp_path / "model.tflite"
+    odd.write_bytes(b"\0" * 16)
+    with pytest.raises(CoEError, match=r"unknown weights format '\.tflite'"):
+        import_expert(store, CLS, odd, trust=True)
     junk = tmp_path / "junk.pt"
     junk.write_bytes(b"not a torch file")
     with pytest.raises(CoEError, match="cannot read .*junk.pt with torch.load"):

@@ -12,10 +12,11 @@ import threading
 from coe import CoEError
 
 from .base import Backend, CalibratableBackend, calibrate_classifier
+from .onnx_backend import OnnxBackend
 from .torchvision_backend import TorchvisionBackend
 from .ultralytics_backend import UltralyticsBackend
 
-BACKEND_CLASSES: dict[str, type] = {cls.family: cls for cls in (TorchvisionBackend, UltralyticsBackend)}
+BACKEND_CLASSES: dict[str, type] = {cls.family: cls for cls in (TorchvisionBackend, UltralyticsBackend, OnnxBackend)}
 
 _instances: dict[str, Backend] = {}
 _lock = threading.Lock()
@@ -41,6 +42,6 @@ def get_backend(arch: str) -> Backend:
 
 
 __all__ = [
-    "BACKEND_CLASSES", "Backend", "CalibratableBackend", "TorchvisionBackend", "UltralyticsBackend",
+    "BACKEND_CLASSES", "Backend", "CalibratableBackend", "OnnxBackend", "TorchvisionBackend", "UltralyticsBackend",
     "calibrate_classifier", "get_backend",
 ]

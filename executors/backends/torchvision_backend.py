@@ -29,6 +29,15 @@ if TYPE_CHECKING:
     import torch
 
 
+def classify(logits: "torch.Tensor", expert: Expert) -> list[StepOutput]:
+    """Label and softmax score per row of (N, C) logits; shared with runtimes that produce the same logits."""
+    # argmax on the logits, not the probabilities: calibrated demo weights can
+    # separate labels by less than float32 resolves after softmax
+    idx = logits.argmax(dim=1)
+    score = logits.softmax(dim=1).gather(1, idx[:, None])[:, 0]
+    return [StepOutput(label=expert.classes[int(i)], score=float(s)) for s, i in zip(score, idx)]
+
+
 class TorchvisionBackend:
     """Classification models of torchvision, run as ImageNet-normalised RGB classifiers."""
 
@@ -108,12 +117,7 @@ class TorchvisionBackend:
     def run(self, module: torch.nn.Module, expert: Expert, images: Sequence[np.ndarray]) -> list[StepOutput]:
         if not images:
             return []
-        logits = self.logits(module, expert, images)
-        # argmax on the logits, not the probabilities: calibrated demo weights can
-        # separate labels by less than float32 resolves after softmax
-        idx = logits.argmax(dim=1)
-        score = logits.softmax(dim=1).gather(1, idx[:, None])[:, 0]
-        return [StepOutput(label=expert.classes[int(i)], score=float(s)) for s, i in zip(score, idx)]
+        return classify(self.logits(module, expert, images), expert)
 
     def activation_bytes(self, expert: Expert, batch_size: int) -> int:
         """Input batch bytes + per-sample traced eager activation peak x WORKSPACE_FACTOR.

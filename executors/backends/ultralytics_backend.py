@@ -33,6 +33,33 @@ IOU_THRESHOLD = 0.7
 MAX_DETECTIONS = 300
 
 
+def detections(preds: "torch.Tensor", expert: Expert, images: Sequence["np.ndarray"]) -> list[StepOutput]:
+    """NMS on raw YOLO head output (N, 4 + classes, anchors), boxes scaled back to each image's pixels.
+
+    Shared by every runtime that produces ultralytics' raw head output (torch, ONNX Runtime).
+    """
+    try:
+        from ultralytics.utils.nms import non_max_suppression
+    except ImportError:  # older ultralytics keeps it in ops
+        from ultralytics.utils.ops import non_max_suppression
+
+    dets = non_max_suppression(preds.float(), conf_thres=expert.conf_threshold, iou_thres=IOU_THRESHOLD,
+                               nc=len(expert.classes), max_det=MAX_DETECTIONS)
+    size = expert.input_size
+    outs = []
+    for img, det in zip(images, dets):
+        h, w = img.shape[:2]
+        boxes = []
+        for x1, y1, x2, y2, conf, cls in det.cpu().tolist():
+            boxes.append((
+                round(min(max(x1 * w / size, 0.0), w), 2), round(min(max(y1 * h / size, 0.0), h), 2),
+                round(min(max(x2 * w / size, 0.0), w), 2), round(min(max(y2 * h / size, 0.0), h), 2),
+                round(conf, 2), expert.classes[int(cls)],
+            ))
+        outs.append(StepOutput(boxes=tuple(boxes)))
+    return outs
+
+
 class UltralyticsBackend:
     """YOLO detectors; input RGB / 255 at the expert's square input size, boxes in image pixels."""
 
@@ -133,33 +160,13 @@ class UltralyticsBackend:
         if not images:
             return []
         self._offline()
-        try:
-            from ultralytics.utils.nms import non_max_suppression
-        except ImportError:  # older ultralytics keeps it in ops
-            from ultralytics.utils.ops import non_max_suppression
-
         device, dtype = module_device_dtype(module)
         x = to_input(resize_batch(expert, images), device, dtype)
         with torch.inference_mode():
             preds = module(x)
             if isinstance(preds, (tuple, list)):
                 preds = preds[0]
-            dets = non_max_suppression(preds.float(), conf_thres=expert.conf_threshold, iou_thres=IOU_THRESHOLD,
-                                       nc=len(expert.classes), max_det=MAX_DETECTIONS)
-        size = expert.input_size
-        outs = []
-        for img, det in zip(images, dets):
-            h, w = img.shape[:2]
-            rows = det.cpu().tolist()
-            boxes = []
-            for x1, y1, x2, y2, conf, cls in rows:
-                boxes.append((
-                    round(min(max(x1 * w / size, 0.0), w), 2), round(min(max(y1 * h / size, 0.0), h), 2),
-                    round(min(max(x2 * w / size, 0.0), w), 2), round(min(max(y2 * h / size, 0.0), h), 2),
-                    round(conf, 2), expert.classes[int(cls)],
-                ))
-            outs.append(StepOutput(boxes=tuple(boxes)))
-        return outs
+        return detections(preds, expert, images)
 
     def activation_bytes(self, expert: Expert, batch_size: int) -> int:
         """Input batch bytes + per-sample traced eager activation peak x WORKSPACE_FACTOR.

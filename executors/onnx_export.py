@@ -1,0 +1,88 @@
+"""Export a torch expert (torchvision classifier, ultralytics detector) to an ONNX expert.
+
+The exported file carries what the ONNX backend needs to feed it, in its own
+metadata (`coe-edge` in metadata_props): task, input normalisation, source
+arch and the per-sample activation bytes of the torch network, so an .onnx
+file moved to another box still runs the same way.  The batch axis is
+dynamic; the input size is the expert's.  Export is in fp32 whatever the
+stored dtype, since ONNX Runtime's CPU provider runs fp32 kernels.
+"""
+from __future__ import annotations
+
+import dataclasses
+import io
+import json
+import warnings
+from collections.abc import Mapping
+from typing import TYPE_CHECKING
+
+from coe import CoEError, Expert
+
+from .backends import get_backend
+from .backends.onnx_backend import META_FORMAT, META_KEY, MODEL_KEY
+
+if TYPE_CHECKING:
+    import torch
+
+OPSET = 17
+_PREPROCESS = {"torchvision": "imagenet", "ultralytics": "unit"}
+_TASK = {"classifier": "logits", "detector": "yolo"}
+
+
+def onnx_expert(source: Expert, expert_id: str) -> Expert:
+    """The spec entry of the ONNX twin of `source`: same classes, kind and thresholds, arch onnx/<model>."""
+    return dataclasses.replace(source, id=expert_id, arch=f"onnx/{source.model_name}", uri="")
+
+
+def export_onnx(expert: Expert, tensors: Mapping[str, "torch.Tensor"]) -> bytes:
+    """The .onnx bytes of `expert` built from `tensors` (CoEError for a family that cannot export)."""
+    import onnx
+    import torch
+
+    family = expert.family
+    if family not in _PREPROCESS:
+        raise CoEError(f"expert '{expert.id}': cannot export a {expert.arch} to ONNX "
+                       f"(exportable families: {', '.join(sorted(_PREPROCESS))})")
+    backend = get_backend(expert.arch)
+    fp32 = {k: v.float() if v.is_floating_point() else v for k, v in tensors.items()}
+    module = _FirstOutput(backend.build(expert, fp32, "cpu")).eval()
+    size = expert.input_size
+    buf = io.BytesIO()
+    with warnings.catch_warnings(), torch.inference_mode(False), torch.no_grad():
+        warnings.simplefilter("ignore")           # the TorchScript exporter's deprecation notice
+        torch.onnx.export(module, (torch.zeros(2, 3, size, size),), buf, input_names=["images"],
+                          output_names=["output"], dynamic_axes={"images": {0: "batch"}, "output": {0: "batch"}},
+                          opset_version=OPSET, dynamo=False)
+    model = onnx.load_from_string(buf.getvalue())
+    input_bytes = 3 * size * size * 4
+    meta = {"format": META_FORMAT, "task": _TASK[expert.kind], "preprocess": _PREPROCESS[family],
+            "source_arch": expert.arch,
+            "activation_bytes_per_sample": max(0, backend.activation_bytes(expert, 1) - input_bytes)}
+    entry = model.metadata_props.add()
+    entry.key, entry.value = META_KEY, json.dumps(meta, sort_keys=True)
+    return model.SerializeToString()
+
+
+def onnx_tensors(blob: bytes) -> dict[str, "torch.Tensor"]:
+    """An ONNX expert's store tensors: the file's bytes as one uint8 tensor."""
+    import torch
+
+    return {MODEL_KEY: torch.frombuffer(bytearray(blob), dtype=torch.uint8)}
+
+
+class _FirstOutput:
+    """Wraps a module whose eval forward returns (predictions, extras): export the predictions only."""
+
+    def __new__(cls, module):
+        import torch
+
+        class Wrapper(torch.nn.Module):
+            def __init__(self, inner) -> None:
+                super().__init__()
+                self.inner = inner
+
+            def forward(self, x):
+                out = self.inner(x)
+                return out[0] if isinstance(out, (tuple, list)) else out
+
+        return Wrapper(module)

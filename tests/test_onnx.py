@@ -1,0 +1,156 @@
+"""ONNX Runtime experts: export parity, the store and pools, import/export commands, and a line that runs one."""
+from __future__ import annotations
+
+import copy
+import dataclasses
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+import yaml
+from click.testing import CliRunner
+
+from coe import CoEError, ExpertLoadError, parse_spec
+from edge_agent.cli import cli
+from edge_agent.onnx_cli import max_output_difference
+from executors.backends import get_backend
+from executors.backends.onnx_backend import MODEL_KEY, OnnxModule
+from executors.onnx_export import export_onnx, onnx_expert, onnx_tensors
+from executors.skeletons import Skeletons
+from storage.expert_store import ExpertStore
+from storage.tiers import StoreSource
+
+from conftest import TINY_SPEC, write_line
+
+MODEL = parse_spec(TINY_SPEC)
+
+
+def _images(n: int, seed: int = 0) -> list[np.ndarray]:
+    rng = np.random.default_rng(seed)
+    return [rng.integers(0, 256, (40 + 3 * i, 48, 3), dtype=np.uint8) for i in range(n)]
+
+
+@pytest.fixture(scope="module")
+def exports(tiny_zoo):
+    store = ExpertStore(tiny_zoo)
+    out = {}
+    for eid in ("cls-r0402", "det-2term"):
+        tensors = store.read(eid)
+        out[eid] = (tensors, export_onnx(MODEL.experts[eid], tensors))
+    return out
+
+
+@pytest.mark.parametrize("eid", ["cls-r0402", "det-2term"])
+def test_exports_match_their_torch_expert_within_1e4(exports, eid):
+    expert = MODEL.experts[eid]
+    tensors, blob = exports[eid]
+    assert max_output_difference(expert, tensors, blob, batch=8) <= 1e-4
+    twin = onnx_expert(expert, f"{eid}-onnx")
+    module = get_backend(twin.arch).build(twin, onnx_tensors(blob))
+    assert isinstance(module, OnnxModule) and module.meta["source_arch"] == expert.arch
+    got = get_backend(twin.arch).run(module, twin, _images(5))
+    want = get_backend(expert.arch).run(get_backend(expert.arch).build(expert, tensors), expert, _images(5))
+    assert len(got) == len(want) == 5
+    if expert.kind == "detector":                  # the same boxes after NMS (coordinates rounded to 0.01 px)
+        for g, w in zip(got, want):
+            assert len(g.boxes) == len(w.boxes)
+            for gb, wb in zip(g.boxes, w.boxes):
+                assert gb[5] == wb[5] and all(abs(a - b) <= 0.02 for a, b in zip(gb[:5], wb[:5]))
+    else:                                          # same scores (labels of a random demo net sit 1e-10 apart)
+        assert all(abs(g.score - w.score) < 1e-4 for g, w in zip(got, want))
+
+
+def test_an_onnx_expert_pages_through_the_store_and_a_switch_builds_a_session(tmp_path, exports):
+    store = ExpertStore(tmp_path)
+    twins = []
+    for eid in ("cls-r0402", "det-2term"):
+        twin = onnx_expert(MODEL.experts[eid], f"{eid}-onnx")
+        store.write(twin, onnx_tensors(exports[eid][1]))
+        twins.append(twin)
+    assert store.entry("cls-r0402-onnx").arch == "onnx/mobilenet_v3_small"
+    assert store.entry("cls-r0402-onnx").dtype == "uint8" and store.nbytes("cls-r0402-onnx") > 1e5
+    src, skel = StoreSource(store), Skeletons("cpu")
+    first = src.load(twins[0].id)
+    m1 = skel.bind(twins[0], first)
+    assert skel.bind(twins[0], first) is m1 and skel.builds == 1          # same weights: no rebuild
+    m2 = skel.bind(twins[1], src.load(twins[1].id))
+    assert skel.builds == 2 and m2 is not m1
+    again = src.load(twins[0].id)                                          # evicted and loaded again
+    assert skel.bind(twins[0], again) is not m1 and skel.builds == 3
+    skel.unbind(again)
+    assert all(s.module is None for s in skel._slots.values() if s.bound is None)
+    out = get_backend("onnx").run(m2, twins[1], _images(2))
+    assert len(out) == 2 and all(o.boxes is not None for o in out)
+
+
+def test_bad_onnx_experts_fail_with_the_expert_named(tmp_path, exports):
+    twin = onnx_expert(MODEL.experts["cls-r0402"], "cls-onnx")
+    backend = get_backend("onnx")
+    with pytest.raises(ExpertLoadError, match=r"cls-onnx.*onnxruntime cannot load"):
+        backend.build(twin, {MODEL_KEY: torch.frombuffer(bytearray(b"not a model at all"), dtype=torch.uint8)})
+    with pytest.raises(ExpertLoadError, match=r"cls-onnx.*exactly one tensor"):
+        backend.build(twin, {"w": torch.zeros(3)})
+    as_detector = dataclasses.replace(twin, kind="detector")
+    with pytest.raises(ExpertLoadError, match="the model is a logits, the spec says detector"):
+        backend.build(as_detector, onnx_tensors(exports["cls-r0402"][1]))
+    with pytest.raises(CoEError, match="not generated; import one"):
+        backend.init_weights(twin, 0)
+    with pytest.raises(CoEError, match="must be 1-64"):
+        get_backend("onnx/bad name!")
+
+
+def _onnx_line(tmp_path: Path, tiny_zoo: Path) -> Path:
+    """Line T with det-2term served by ONNX Runtime (arch onnx/yolov8n), its store a copy of the tiny zoo."""
+    spec = copy.deepcopy(TINY_SPEC)
+    for e in spec["experts"]:
+        if e["id"] == "det-2term":
+            e["arch"] = "onnx/yolov8n"
+    store = tmp_path / "experts"
+    shutil.copytree(tiny_zoo, store)
+    config = write_line(tmp_path / "line", store=store)
+    (config.parent / "tiny.coe.yaml").write_text(yaml.safe_dump(spec))
+    return config
+
+
+def test_export_import_and_a_line_that_serves_an_onnx_detector(tmp_path, tiny_zoo, tiny_recording):
+    from edge_agent.agent import Agent
+    from edge_agent.config import load_config
+    from edge_agent.replay import replay
+    from storage.recording import Recording
+
+    from conftest import verdict_rows
+
+    config = _onnx_line(tmp_path, tiny_zoo)
+    run = CliRunner().invoke
+    # the plain line's torch detector is exported (det-ic keeps torch) and imported as the spec's onnx det-2term
+    res = run(cli, ["experts", "export-onnx", "det-ic", "--config", str(config), "--out", str(tmp_path / "d.onnx")])
+    assert res.exit_code == 0, res.output
+    assert "max |torch - onnxruntime|" in res.output and (tmp_path / "d.onnx").stat().st_size > 1e5
+    bad = run(cli, ["experts", "import", "cls-r0402", str(tmp_path / "d.onnx"), "--config", str(config)])
+    assert bad.exit_code != 0 and "onnx/<name> arch" in bad.output
+    src = ExpertStore(tiny_zoo).read("det-2term")
+    (tmp_path / "det2.onnx").write_bytes(export_onnx(MODEL.experts["det-2term"], src))
+    res = run(cli, ["experts", "import", "det-2term", str(tmp_path / "det2.onnx"), "--config", str(config)])
+    assert res.exit_code == 0, res.output
+    store = ExpertStore(yaml.safe_load(config.read_text())["expert_store"])
+    assert store.entry("det-2term").arch == "onnx/yolov8n"
+
+    agent = Agent(load_config(config, env={})).start()
+    try:
+        rec = Recording(tiny_recording)
+        report = replay(rec, agent.endpoints["ingest"], window=16)
+        assert report.accepted == len(rec) and agent.wait_verdicts(len(rec), timeout=120)
+    finally:
+        agent.stop()
+    rows = verdict_rows(load_config(config, env={}).db_path)
+    assert len(rows) == len(rec) and all(r["verdict"] in ("pass", "defect") for r in rows)
+    import sqlite3
+
+    con = sqlite3.connect(load_config(config, env={}).db_path)
+    try:
+        ran = con.execute("SELECT count(*) FROM inferences WHERE expert_id='det-2term'").fetchone()[0]
+    finally:
+        con.close()
+    assert ran > 0                               # the ONNX detector really ran on the line
