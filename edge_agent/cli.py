@@ -226,15 +226,33 @@ def record(line: str, config_path: str | None, synthetic: bool, frames: int, out
 @click.option("--server-key", type=click.Path(dir_okay=False, exists=True),
               help="CURVE: the agent's public certificate.")
 @click.option("--json", "as_json", is_flag=True, help="Print the counts as one JSON line.")
+@click.option("--report", "report_dir", type=click.Path(file_okay=False),
+              help="Judge the verdicts against the recording's truth; write report.md, confusion.png, report.json.")
+@click.option("--results", "results_db", type=click.Path(dir_okay=False),
+              help="The results database the verdicts land in (default: the line config's).")
+@click.option("--baseline", "baseline_db", type=click.Path(dir_okay=False, exists=True),
+              help="Another run's results database: report the frames whose verdict changed.")
+@click.option("--gate", default=None, help="Conditions on the report, e.g. accuracy>=0.97,regressions<=0; "
+                                          "exit 3 when one fails.")
+@click.option("--verdict-timeout", default=120.0, show_default=True,
+              help="Seconds to wait, after the last ack, for every verdict to reach the database.")
 @_fail_clearly
 def replay(recording: str, line: str, config_path: str | None, endpoint: str | None, rate: float | None,
            window: int, ack_timeout: float, deadline: float, client_key: str | None, server_key: str | None,
-           as_json: bool) -> None:
+           as_json: bool, report_dir: str | None, results_db: str | None, baseline_db: str | None,
+           gate: str | None, verdict_timeout: float) -> None:
     """Send a recording to a running agent; wait for every ack, resend what was not acked.
+
+    With --report, once every verdict is in, the run is judged against the
+    recording's truth (accuracy, confusion per component and label, latency,
+    expert versions), and against --baseline's verdicts (fixed, broken,
+    changed).  --gate makes the exit code say whether the expert set may go
+    on the line.
 
     \b
     Example:
       coe-agent replay rec/A-500 --line A --rate 250
+      coe-agent replay rec/A-500 --line A --report out/run2 --baseline out/run1.db --gate accuracy>=0.97,regressions<=0
     """
     from tqdm import tqdm
 
@@ -244,8 +262,17 @@ def replay(recording: str, line: str, config_path: str | None, endpoint: str | N
     from .replay import replay as do_replay
 
     rec = Recording(recording)
+    conditions = None
+    if gate is not None:
+        from .judge import parse_gate
+
+        conditions = parse_gate(gate)          # a bad gate fails before a frame is sent
+        if report_dir is None:
+            raise click.UsageError("--gate needs --report (the gate judges the report)")
+    if baseline_db and report_dir is None:
+        raise click.UsageError("--baseline needs --report")
+    cfg = _config(line, config_path) if (endpoint is None or report_dir) else None
     if endpoint is None:
-        cfg = _config(line, config_path)
         endpoint = endpoint_parts(cfg.ingest)[2]
     bar = tqdm(total=len(rec), desc="replaying (acked)", unit="frame")
     setup = None
@@ -268,6 +295,51 @@ def replay(recording: str, line: str, config_path: str | None, endpoint: str | N
     if report.unacked:
         raise click.ClickException(f"{len(report.unacked)} frame(s) never acked, e.g. {report.unacked[:3]} "
                                    f"(is the agent running on {endpoint}?)")
+    if report_dir:
+        _judge_replay(rec, cfg, Path(results_db) if results_db else cfg.db_path, baseline_db, report_dir,
+                      conditions, verdict_timeout)
+
+
+def _judge_replay(rec, cfg, db: Path, baseline_db: str | None, report_dir: str, conditions, timeout: float) -> None:
+    """Wait for the recording's verdicts, judge them, write the report, apply the gate (exit 3 on failure)."""
+    import sqlite3
+    import time
+
+    from coe import load_spec
+
+    from .judge import failed_conditions, judge, write_report
+
+    ids = {f.header["frame_id"] for f in rec}
+    until = time.monotonic() + timeout
+    while True:
+        have = 0
+        if db.is_file():
+            con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+            try:
+                have = sum(1 for (fid,) in con.execute("SELECT frame_id FROM verdicts") if fid in ids)
+            except sqlite3.Error:
+                have = 0
+            finally:
+                con.close()
+        if have >= len(ids) or time.monotonic() > until:
+            break
+        time.sleep(0.2)
+    versions = {}
+    if cfg.store_path.is_dir():
+        from storage.expert_store import ExpertStore
+
+        versions = {e.id: e.version for e in ExpertStore(cfg.store_path, verify="never").entries()}
+    j = judge(load_spec(cfg.spec_path), rec, db, baseline_db=baseline_db, expert_versions=versions)
+    md = write_report(j, report_dir, conditions)
+    click.echo(f"judged {j.judged} of {j.frames} frames: accuracy {100 * j.accuracy:.2f}%, missing {j.missing}, "
+               f"errors {j.errors}" + (f"; vs baseline fixed {len(j.fixed)}, broken {len(j.broken)}, "
+                                        f"changed {len(j.changed)}" if baseline_db else "") + f"; report {md}")
+    click.echo(json.dumps({"replay_report": str(md), "accuracy": round(j.accuracy, 5), **{
+        k: v for k, v in j.metrics().items() if k != "accuracy"}}))
+    failed = failed_conditions(j, conditions) if conditions else []
+    if failed:
+        click.echo("gate FAILED: " + "; ".join(failed), err=True)
+        raise SystemExit(3)
 
 
 @cli.command()

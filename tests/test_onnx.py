@@ -154,3 +154,15 @@ def test_export_import_and_a_line_that_serves_an_onnx_detector(tmp_path, tiny_zo
     finally:
         con.close()
     assert ran > 0                               # the ONNX detector really ran on the line
+
+
+def test_auto_picks_onnx_only_when_it_is_clearly_faster():
+    from executors.runtime_choice import choose_runtime
+
+    assert choose_runtime({1: (2.0, 1.0), 8: (10.0, 6.0)}) == "onnx"
+    assert choose_runtime({1: (2.0, 1.99), 8: (10.0, 9.9)}) == "torch"           # within the margin: a tie
+    assert choose_runtime({1: (1.0, 2.0), 16: (20.0, 9.0)}) == "onnx"            # the totals decide
+    with pytest.raises(ValueError, match="at least one"):
+        choose_runtime({})
+    with pytest.raises(ValueError, match="positive"):
+        choose_runtime({1: (0.0, 1.0)})

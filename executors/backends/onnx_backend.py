@@ -126,8 +126,11 @@ class OnnxBackend:
             raise ExpertLoadError(expert.id, where, f"an ONNX expert holds exactly one tensor '{MODEL_KEY}', "
                                                     f"got {sorted(tensors)[:4]}")
         blob = tensors[MODEL_KEY].detach().cpu().contiguous().numpy().tobytes()
+        import torch
+
         options = ort.SessionOptions()
         options.log_severity_level = 3
+        options.intra_op_num_threads = torch.get_num_threads()   # the same cores torch executors get
         try:
             session = ort.InferenceSession(blob, sess_options=options, providers=providers_for(device))
         except CoEError:

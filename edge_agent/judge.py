@@ -1,0 +1,231 @@
+"""Judge a replay: join the agent's verdicts with the recording's truth, compare with a baseline, gate.
+
+A recorded frame's truth is its classifier label (`truth` in the recording);
+its true verdict is `pass` when that label is one of the classifier's pass
+labels and `defect` otherwise.  The report covers accuracy, a confusion per
+component type and per truth label, latency percentiles, and, against a
+baseline run's database, the frames whose verdict changed: `fixed` (now
+right, was wrong), `broken` (now wrong, was right) and `changed` (different,
+both wrong or no truth).  `--gate` conditions turn the report into an exit
+code, so a script can refuse to deploy an expert set that got worse.
+"""
+from __future__ import annotations
+
+import json
+import re
+import sqlite3
+from collections import Counter, defaultdict
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from coe import CoEError, CoEModel
+
+from storage.recording import Recording
+
+GATE_METRICS = ("accuracy", "regressions", "fixed", "changed", "errors", "missing", "p99_ms")
+_GATE = re.compile(r"^\s*([a-z0-9_]+)\s*(>=|<=|==|>|<)\s*([0-9.eE+-]+)\s*$")
+
+
+@dataclass
+class Judgement:
+    frames: int                              # recorded frames
+    judged: int                              # with a verdict and a truth
+    correct: int
+    missing: int                             # recorded frames without a verdict in the database
+    errors: int                              # verdict 'error'
+    p50_ms: float | None
+    p99_ms: float | None
+    confusion_by_component: dict = field(default_factory=dict)   # component -> {true verdict -> {verdict: n}}
+    confusion_by_label: dict = field(default_factory=dict)       # truth label -> {verdict: n}
+    wrong: list = field(default_factory=list)                    # a few frame ids judged wrong
+    fixed: list = field(default_factory=list)
+    broken: list = field(default_factory=list)
+    changed: list = field(default_factory=list)
+    baseline: str | None = None
+    expert_versions: dict = field(default_factory=dict)
+
+    @property
+    def accuracy(self) -> float:
+        return self.correct / self.judged if self.judged else 0.0
+
+    def metrics(self) -> dict[str, float]:
+        return {"accuracy": self.accuracy, "regressions": len(self.broken), "fixed": len(self.fixed),
+                "changed": len(self.changed), "errors": self.errors, "missing": self.missing,
+                "p99_ms": self.p99_ms if self.p99_ms is not None else 0.0}
+
+    def to_json(self) -> dict:
+        out = asdict(self)
+        out["accuracy"] = round(self.accuracy, 5)
+        for k in ("fixed", "broken", "changed"):
+            out[k] = {"count": len(getattr(self, k)), "frames": getattr(self, k)[:20]}
+        return out
+
+
+def true_verdict(model: CoEModel, component: str | None, truth: str | None) -> str | None:
+    """'pass' or 'defect' from a frame's component and truth label; None when either is unknown."""
+    if truth is None or component is None:
+        return None
+    comp = model.components.get(component)
+    if comp is None:
+        return None
+    expert = model.experts[comp.classifier]
+    return "pass" if truth in expert.pass_labels else "defect"
+
+
+def _verdicts(db: Path) -> dict[str, tuple[str, float | None]]:
+    if not Path(db).is_file():
+        raise CoEError(f"{db}: no results database there")
+    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    try:
+        rows = con.execute("SELECT frame_id, verdict, latency_ms FROM verdicts").fetchall()
+    except sqlite3.Error as exc:
+        raise CoEError(f"{db}: not a coe-edge results database ({exc})") from None
+    finally:
+        con.close()
+    return {f: (v, lat) for f, v, lat in rows}
+
+
+def judge(model: CoEModel, recording: Recording, results_db: str | Path, *, baseline_db: str | Path | None = None,
+          expert_versions: dict | None = None, show: int = 10) -> Judgement:
+    """The report of one replay's verdicts (in `results_db`) against the recording's truth."""
+    import numpy as np
+
+    got = _verdicts(Path(results_db))
+    base = _verdicts(Path(baseline_db)) if baseline_db is not None else None
+    by_comp: dict = defaultdict(lambda: defaultdict(Counter))
+    by_label: dict = defaultdict(Counter)
+    judged = correct = missing = errors = 0
+    wrong, fixed, broken, changed, lat = [], [], [], [], []
+    for frame in recording:
+        fid = frame.header["frame_id"]
+        comp = frame.header.get("component") or frame.truth_component
+        want = true_verdict(model, comp, frame.truth)
+        if fid not in got:
+            missing += 1
+            continue
+        verdict, latency = got[fid]
+        errors += verdict == "error"
+        if latency is not None:
+            lat.append(latency)
+        if want is not None:
+            judged += 1
+            correct += verdict == want
+            if verdict != want and len(wrong) < show:
+                wrong.append(fid)
+            by_comp[comp][want][verdict] += 1
+            by_label[frame.truth][verdict] += 1
+        if base is not None and fid in base and base[fid][0] != verdict:
+            before = base[fid][0]
+            if want is not None and verdict == want:
+                fixed.append(fid)
+            elif want is not None and before == want:
+                broken.append(fid)
+            else:
+                changed.append(fid)
+    p = (lambda q: round(float(np.percentile(lat, q)), 2)) if lat else (lambda q: None)
+    return Judgement(frames=len(recording), judged=judged, correct=correct, missing=missing, errors=errors,
+                     p50_ms=p(50), p99_ms=p(99),
+                     confusion_by_component={c: {t: dict(v) for t, v in d.items()} for c, d in sorted(by_comp.items())},
+                     confusion_by_label={k: dict(v) for k, v in sorted(by_label.items())}, wrong=wrong,
+                     fixed=fixed, broken=broken, changed=changed,
+                     baseline=str(baseline_db) if baseline_db is not None else None,
+                     expert_versions=dict(expert_versions or {}))
+
+
+@dataclass(frozen=True)
+class Condition:
+    metric: str
+    op: str
+    value: float
+
+    def holds(self, metrics: dict[str, float]) -> bool:
+        x = metrics[self.metric]
+        return {">=": x >= self.value, "<=": x <= self.value, "==": x == self.value,
+                ">": x > self.value, "<": x < self.value}[self.op]
+
+    def __str__(self) -> str:
+        return f"{self.metric}{self.op}{self.value:g}"
+
+
+def parse_gate(text: str) -> list[Condition]:
+    """'accuracy>=0.97,regressions<=0' -> conditions; CoEError naming the bad clause otherwise."""
+    out = []
+    for clause in filter(None, (c.strip() for c in text.split(","))):
+        m = _GATE.match(clause)
+        if not m:
+            raise CoEError(f"--gate: cannot read {clause!r}: write METRIC OP NUMBER, e.g. accuracy>=0.97 "
+                           f"(metrics: {', '.join(GATE_METRICS)}; ops: >= <= == > <)")
+        metric, op, value = m.groups()
+        if metric not in GATE_METRICS:
+            raise CoEError(f"--gate: unknown metric {metric!r} in {clause!r} (metrics: {', '.join(GATE_METRICS)})")
+        try:
+            out.append(Condition(metric, op, float(value)))
+        except ValueError:
+            raise CoEError(f"--gate: {value!r} in {clause!r} is not a number") from None
+    if not out:
+        raise CoEError("--gate: no conditions given (e.g. --gate accuracy>=0.97,regressions<=0)")
+    return out
+
+
+def failed_conditions(j: Judgement, gate: list[Condition]) -> list[str]:
+    metrics = j.metrics()
+    return [f"{c} (got {metrics[c.metric]:g})" for c in gate if not c.holds(metrics)]
+
+
+def write_report(j: Judgement, out: str | Path, gate: list[Condition] | None = None) -> Path:
+    """report.md, confusion.png and report.json in `out`; returns the Markdown path."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    failed = failed_conditions(j, gate) if gate else []
+    lines = ["# Replay report", "",
+             f"- frames recorded: {j.frames}; judged against truth: {j.judged}; without a verdict: {j.missing}",
+             f"- **accuracy: {100 * j.accuracy:.2f}%** ({j.correct} of {j.judged}); error verdicts: {j.errors}",
+             f"- latency p50 / p99: {j.p50_ms} / {j.p99_ms} ms"]
+    if j.baseline:
+        lines.append(f"- against baseline {j.baseline}: fixed {len(j.fixed)}, broken {len(j.broken)}, "
+                     f"changed {len(j.changed)}")
+    if gate:
+        lines.append(f"- gate {', '.join(map(str, gate))}: " + ("**FAILED**: " + "; ".join(failed) if failed
+                                                                 else "passed"))
+    lines += ["", "## Confusion by truth label (verdicts)", "", "| truth | pass | defect | error |", "|---|---|---|---|"]
+    for label, counts in j.confusion_by_label.items():
+        lines.append(f"| {label} | {counts.get('pass', 0)} | {counts.get('defect', 0)} | {counts.get('error', 0)} |")
+    lines += ["", "## Confusion by component (true verdict → verdicts)", "",
+              "| component | true | pass | defect | error |", "|---|---|---|---|---|"]
+    for comp, rows in j.confusion_by_component.items():
+        for want, counts in rows.items():
+            lines.append(f"| {comp} | {want} | {counts.get('pass', 0)} | {counts.get('defect', 0)} | "
+                         f"{counts.get('error', 0)} |")
+    if j.wrong:
+        lines += ["", f"Frames judged wrong (first {len(j.wrong)}): {', '.join(j.wrong)}"]
+    if j.broken:
+        lines += ["", f"Broken against the baseline (first 20): {', '.join(j.broken[:20])}"]
+    if j.expert_versions:
+        lines += ["", "## Expert versions", "", *(f"- {k}: v{v}" for k, v in sorted(j.expert_versions.items()))]
+    md = out / "report.md"
+    md.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    _plot(j, out / "confusion.png")
+    (out / "report.json").write_text(json.dumps({**j.to_json(), "gate_failed": failed}) + "\n", encoding="utf-8")
+    return md
+
+
+def _plot(j: Judgement, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    labels = list(j.confusion_by_label)
+    verdicts = ("pass", "defect", "error")
+    fig, ax = plt.subplots(figsize=(6, 0.5 + 0.45 * max(1, len(labels))))
+    left = [0] * len(labels)
+    for v, color in zip(verdicts, ("#4c9a2a", "#c0392b", "#7f8c8d")):
+        vals = [j.confusion_by_label[lab].get(v, 0) for lab in labels]
+        ax.barh(labels, vals, left=left, color=color, label=f"verdict {v}")
+        left = [a + b for a, b in zip(left, vals)]
+    ax.set_xlabel("frames")
+    ax.set_title(f"verdicts by truth label (accuracy {100 * j.accuracy:.1f}%)")
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -1,0 +1,126 @@
+"""Replay that judges: truth joins, confusion, baseline diffs, the gate, and a worse candidate caught end to end."""
+from __future__ import annotations
+
+import json
+import shutil
+import sqlite3
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+from click.testing import CliRunner
+
+from coe import CoEError, parse_spec
+from edge_agent.judge import failed_conditions, judge, parse_gate, true_verdict, write_report
+from storage.recording import Recording
+
+from conftest import TINY_SPEC, write_line
+
+MODEL = parse_spec(TINY_SPEC)
+
+
+def _db(path: Path, verdicts: dict[str, str]) -> Path:
+    con = sqlite3.connect(path)
+    con.execute("CREATE TABLE verdicts (frame_id TEXT PRIMARY KEY, verdict TEXT, reason TEXT, decided_at REAL, "
+                "latency_ms REAL, chain TEXT)")
+    con.executemany("INSERT INTO verdicts VALUES (?, ?, '', 0, ?, '')",
+                    [(f, v, 10.0 + i) for i, (f, v) in enumerate(verdicts.items())])
+    con.commit()
+    con.close()
+    return path
+
+
+def test_truth_labels_become_true_verdicts_through_the_classifier_pass_labels():
+    assert true_verdict(MODEL, "R0402", "ok") == "pass"
+    assert true_verdict(MODEL, "R0402", "missing") == "defect"
+    assert true_verdict(MODEL, "NOPE", "ok") is None and true_verdict(MODEL, "R0402", None) is None
+
+
+def test_judge_counts_confusion_and_splits_baseline_changes(tmp_path, tiny_recording):
+    rec = Recording(tiny_recording)
+    frames = list(rec)
+    truth = {f.header["frame_id"]: true_verdict(MODEL, f.header.get("component") or f.truth_component, f.truth)
+             for f in frames}
+    ids = list(truth)
+    flip = {"pass": "defect", "defect": "pass"}
+    base = {f: truth[f] for f in ids}
+    base[ids[0]] = flip[truth[ids[0]]]                      # wrong in the baseline, right now: fixed
+    now = {f: truth[f] for f in ids[:-1]}                   # the last frame never got a verdict
+    now[ids[1]] = flip[truth[ids[1]]]                       # right before, wrong now: broken
+    j = judge(MODEL, rec, _db(tmp_path / "now.db", now), baseline_db=_db(tmp_path / "base.db", base))
+    assert (j.frames, j.missing, j.judged) == (len(frames), 1, len(frames) - 1)
+    assert j.correct == j.judged - 1 and j.wrong == [ids[1]]
+    assert (j.fixed, j.broken, j.changed) == ([ids[0]], [ids[1]], [])
+    assert sum(sum(c.values()) for c in j.confusion_by_label.values()) == j.judged
+    assert j.p50_ms is not None and j.p99_ms >= j.p50_ms
+    md = write_report(j, tmp_path / "report", parse_gate("accuracy>=0.5,regressions<=0"))
+    text = md.read_text()
+    assert "accuracy" in text and "FAILED" in text and "regressions<=0 (got 1)" in text
+    assert (tmp_path / "report" / "confusion.png").stat().st_size > 1000
+    doc = json.loads((tmp_path / "report" / "report.json").read_text())
+    assert doc["broken"]["count"] == 1 and doc["gate_failed"] == ["regressions<=0 (got 1)"]
+
+
+@pytest.mark.parametrize("gate, message", [
+    ("accuracy=>0.9", "cannot read"), ("speed>=3", "unknown metric 'speed'"), ("", "no conditions"),
+    ("accuracy>=high", "cannot read"),
+])
+def test_bad_gates_are_named(gate, message):
+    with pytest.raises(CoEError, match=message):
+        parse_gate(gate)
+
+
+def test_a_missing_or_foreign_database_is_a_clear_error(tmp_path, tiny_recording):
+    with pytest.raises(CoEError, match="no results database"):
+        judge(MODEL, Recording(tiny_recording), tmp_path / "nope.db")
+    (tmp_path / "junk.db").write_bytes(b"not sqlite at all" * 10)
+    with pytest.raises(CoEError, match="not a coe-edge results database"):
+        judge(MODEL, Recording(tiny_recording), tmp_path / "junk.db")
+
+
+def _run_line(config: Path, recording: Path, *extra: str):
+    """Start the line's agent, replay through the CLI with a report, stop; returns the CLI result."""
+    from edge_agent.agent import Agent
+    from edge_agent.cli import cli
+    from edge_agent.config import load_config
+
+    agent = Agent(load_config(config, env={})).start()
+    try:
+        return CliRunner().invoke(cli, ["replay", str(recording), "--config", str(config),
+                                        "--endpoint", agent.endpoints["ingest"].replace("*", "127.0.0.1"),
+                                        "--window", "16", *extra])
+    finally:
+        agent.stop()
+
+
+def test_the_gate_catches_a_worse_candidate_and_passes_an_identical_one(tmp_path, tiny_zoo, tiny_recording):
+    from edge_agent.config import load_config
+    from storage.expert_store import ExpertStore
+
+    stores = {}
+    for name in ("base", "same", "worse"):
+        stores[name] = tmp_path / f"store-{name}"
+        shutil.copytree(tiny_zoo, stores[name])
+    worse = ExpertStore(stores["worse"])
+    tensors = dict(worse.read("cls-r0402"))
+    bias = next(k for k in tensors if k.endswith("classifier.3.bias"))
+    tensors[bias] = torch.tensor([0.0, 50.0, 0.0, 0.0])          # says 'missing' whatever it sees
+    worse.write(MODEL.experts["cls-r0402"], tensors, version=2)
+    configs = {n: write_line(tmp_path / f"line-{n}", store=s) for n, s in stores.items()}
+    db = {n: load_config(c, env={}).db_path for n, c in configs.items()}
+
+    res = _run_line(configs["base"], tiny_recording, "--report", str(tmp_path / "r-base"))
+    assert res.exit_code == 0, res.output
+    assert "accuracy" in res.output and (tmp_path / "r-base" / "report.md").is_file()
+    gate = "regressions<=0,missing<=0"
+    ok = _run_line(configs["same"], tiny_recording, "--report", str(tmp_path / "r-same"),
+                   "--baseline", str(db["base"]), "--gate", gate)
+    assert ok.exit_code == 0, ok.output
+    assert "broken 0" in ok.output
+    bad = _run_line(configs["worse"], tiny_recording, "--report", str(tmp_path / "r-worse"),
+                    "--baseline", str(db["base"]), "--gate", gate)
+    assert bad.exit_code == 3, bad.output
+    report = json.loads((tmp_path / "r-worse" / "report.json").read_text())
+    assert report["broken"]["count"] > 0 and report["expert_versions"]["cls-r0402"] == 2
+    assert any(g.startswith("regressions<=0") for g in report["gate_failed"])
