@@ -138,6 +138,7 @@ def run_demo(cfg: LineConfig, model: CoEModel, *, frames: int = 600, seed: int =
         stop_sub.set()
         sub_thread.join(2)
     summary = summarize(Path(cfg.results_db), t0)
+    summary.update(correctness(model, rec, Path(cfg.results_db)))
     summary.update({"sent": report.sent, "accepted": report.accepted, "duplicate": report.duplicate,
                     "rejected": report.rejected, "resent": report.resent, "published": published[0],
                     "recording": str(rec_dir), "line": cfg.line, "metrics_port": agent.metrics_port,
@@ -192,6 +193,20 @@ def summarize(db_path: Path, t0: float) -> dict:
     }
 
 
+def correctness(model: CoEModel, rec: Recording, db: Path) -> dict:
+    """Whether the verdicts were right: accuracy against the recording's truth, recall per defect label."""
+    from .judge import judge
+
+    j = judge(model, rec, db, show=5)
+    recall = {}
+    for label, counts in j.confusion_by_label.items():
+        total = sum(counts.values())
+        comp_pass = all(label in e.pass_labels for e in model.experts.values() if e.kind == "classifier")
+        if total and not comp_pass:
+            recall[label] = round(counts.get("defect", 0) / total, 4)
+    return {"accuracy": round(j.accuracy, 4), "judged": j.judged, "recall": recall, "wrong_frames": j.wrong}
+
+
 def format_summary(s: dict) -> str:
     kinds = ", ".join(f"{k} {v}" for k, v in sorted(s["by_verdict"].items())) or "none"
     rows = [
@@ -209,6 +224,10 @@ def format_summary(s: dict) -> str:
         ("expert steps / batches", f"{s['inferences']} in {s['batches']} batches (mean {s['mean_batch']})"),
         ("expert loads / evictions", f"{s['expert_loads']} / {s['evictions']}"),
         ("executors", "; ".join(s["executors"]) + f" for a {s['zoo_bytes'] / 1e6:.0f} MB zoo"),
+        ("verdict accuracy", f"{100 * s['accuracy']:.1f}% of {s['judged']} frames with a recorded truth"
+                             if s.get("judged") else "no truth in the recording"),
+        ("recall per defect label", ", ".join(f"{k} {100 * v:.0f}%" for k, v in s.get("recall", {}).items()) or "-"),
+        ("frames it got wrong", ", ".join(s.get("wrong_frames", [])[:5]) or "none"),
         ("errors table rows", s["errors"]),
         ("database", s["database"]),
     ]

@@ -124,3 +124,24 @@ def test_the_gate_catches_a_worse_candidate_and_passes_an_identical_one(tmp_path
     report = json.loads((tmp_path / "r-worse" / "report.json").read_text())
     assert report["broken"]["count"] > 0 and report["expert_versions"]["cls-r0402"] == 2
     assert any(g.startswith("regressions<=0") for g in report["gate_failed"])
+
+
+def test_the_demo_summary_says_whether_it_was_right(tmp_path, tiny_recording):
+    from edge_agent.demo import correctness, format_summary
+
+    rec = Recording(tiny_recording)
+    truth = {f.header["frame_id"]: true_verdict(MODEL, f.header.get("component") or f.truth_component, f.truth)
+             for f in rec}
+    perfect = correctness(MODEL, rec, _db(tmp_path / "right.db", truth))
+    assert perfect["accuracy"] == 1.0 and perfect["judged"] == len(rec) and perfect["wrong_frames"] == []
+    assert perfect["recall"] and set(perfect["recall"]) <= {"missing", "misaligned", "wrong_part"}
+    assert all(v == 1.0 for v in perfect["recall"].values())
+    lazy = correctness(MODEL, rec, _db(tmp_path / "pass.db", {f: "pass" for f in truth}))
+    assert all(v == 0.0 for v in lazy["recall"].values()) and len(lazy["wrong_frames"]) == 5
+    assert lazy["accuracy"] == pytest.approx(sum(v == "pass" for v in truth.values()) / len(truth), abs=1e-4)
+    base = {"line": "T", "recording": "r", "sent": 1, "accepted": 1, "duplicate": 0, "rejected": 0, "resent": 0,
+            "frames": 1, "verdicts": 1, "by_verdict": {}, "published": 1, "throughput_fps": 1, "seconds": 1,
+            "p50_ms": 1, "p99_ms": 1, "inferences": 1, "batches": 1, "mean_batch": 1, "expert_loads": 0,
+            "evictions": 0, "executors": [], "zoo_bytes": 0, "errors": 0, "database": "d"}
+    text = format_summary({**base, **lazy})
+    assert "verdict accuracy" in text and "recall per defect label" in text and lazy["wrong_frames"][0] in text
