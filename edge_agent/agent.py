@@ -49,6 +49,7 @@ log = logging.getLogger(__name__)
 class _InFlight:
     frame: Frame
     chain: list[str] = field(default_factory=list)
+    versions: dict[str, int | None] = field(default_factory=dict)   # expert -> store version that ran
 
 
 @dataclass(frozen=True)
@@ -506,8 +507,9 @@ class Agent:
             self.writer.put_inference({"frame_id": req.frame.frame_id, "stage": req.stage, "expert_id": b.expert_id,
                                        "device": result.device, "executor": result.executor, "batch_id": b.id,
                                        "output": json.dumps(out.to_json()), "latency_ms": latency_ms,
-                                       "started_at": result.started_at})
+                                       "started_at": result.started_at, "expert_version": result.expert_version})
             flight = self._flight(req.frame)
+            flight.versions[b.expert_id] = result.expert_version
             decision = decide(self.model, b.expert_id, out)
             if decision.next_expert is not None:
                 flight.chain.append(b.expert_id)
@@ -529,7 +531,7 @@ class Agent:
         now = time.time()
         self.writer.put_verdict({"frame_id": flight.frame.frame_id, "verdict": verdict, "reason": reason,
                                  "decided_at": now, "latency_ms": (now - flight.frame.received_at) * 1000.0,
-                                 "chain": json.dumps(flight.chain)})
+                                 "chain": json.dumps(flight.chain), "versions": json.dumps(flight.versions)})
 
     def _on_committed(self, verdicts: list[dict], stored: set[str]) -> None:
         """Called by the writer after commit; a verdict not in `stored` already existed (idempotent)."""

@@ -324,12 +324,7 @@ def _judge_replay(rec, cfg, db: Path, baseline_db: str | None, report_dir: str, 
         if have >= len(ids) or time.monotonic() > until:
             break
         time.sleep(0.2)
-    versions = {}
-    if cfg.store_path.is_dir():
-        from storage.expert_store import ExpertStore
-
-        versions = {e.id: e.version for e in ExpertStore(cfg.store_path, verify="never").entries()}
-    j = judge(load_spec(cfg.spec_path), rec, db, baseline_db=baseline_db, expert_versions=versions)
+    j = judge(load_spec(cfg.spec_path), rec, db, baseline_db=baseline_db)   # versions: what the rows name
     md = write_report(j, report_dir, conditions)
     click.echo(f"judged {j.judged} of {j.frames} frames: accuracy {100 * j.accuracy:.2f}%, missing {j.missing}, "
                f"errors {j.errors}" + (f"; vs baseline fixed {len(j.fixed)}, broken {len(j.broken)}, "

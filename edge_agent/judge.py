@@ -85,12 +85,36 @@ def _verdicts(db: Path) -> dict[str, tuple[str, float | None]]:
     return {f: (v, lat) for f, v, lat in rows}
 
 
+def versions_that_ran(db: str | Path, frames: set[str] | None = None) -> dict[str, dict[str, int]]:
+    """expert -> {store version: inferences} from the run's own rows (what really produced the verdicts)."""
+    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    try:
+        cols = {r[1] for r in con.execute("PRAGMA table_info(inferences)")}
+        if "expert_version" not in cols:
+            return {}
+        rows = con.execute("SELECT frame_id, expert_id, expert_version FROM inferences").fetchall()
+    except sqlite3.Error:
+        return {}
+    finally:
+        con.close()
+    out: dict[str, Counter] = defaultdict(Counter)
+    for fid, eid, ver in rows:
+        if frames is None or fid in frames:
+            out[eid]["?" if ver is None else str(ver)] += 1
+    return {k: dict(v) for k, v in sorted(out.items())}
+
+
 def judge(model: CoEModel, recording: Recording, results_db: str | Path, *, baseline_db: str | Path | None = None,
           expert_versions: dict | None = None, show: int = 10) -> Judgement:
-    """The report of one replay's verdicts (in `results_db`) against the recording's truth."""
+    """The report of one replay's verdicts (in `results_db`) against the recording's truth.
+
+    `expert_versions` defaults to the versions the run's inference rows name.
+    """
     import numpy as np
 
     got = _verdicts(Path(results_db))
+    if expert_versions is None:
+        expert_versions = versions_that_ran(results_db, {f.header["frame_id"] for f in recording})
     base = _verdicts(Path(baseline_db)) if baseline_db is not None else None
     by_comp: dict = defaultdict(lambda: defaultdict(Counter))
     by_label: dict = defaultdict(Counter)
@@ -201,7 +225,10 @@ def write_report(j: Judgement, out: str | Path, gate: list[Condition] | None = N
     if j.broken:
         lines += ["", f"Broken against the baseline (first 20): {', '.join(j.broken[:20])}"]
     if j.expert_versions:
-        lines += ["", "## Expert versions", "", *(f"- {k}: v{v}" for k, v in sorted(j.expert_versions.items()))]
+        def fmt(v) -> str:
+            return ", ".join(f"v{ver} ({n} inferences)" for ver, n in v.items()) if isinstance(v, dict) else f"v{v}"
+        lines += ["", "## Expert versions that ran", "",
+                  *(f"- {k}: {fmt(v)}" for k, v in sorted(j.expert_versions.items()))]
     md = out / "report.md"
     md.write_text("\n".join(lines) + "\n", encoding="utf-8")
     _plot(j, out / "confusion.png")

@@ -38,6 +38,7 @@ class BatchResult:
     outputs: list[StepOutput] | None = None
     error: str | None = None
     error_kind: str = ""
+    expert_version: int | None = None    # the store version of the weights that ran (None: not from a store)
 
 
 def is_out_of_memory(exc: BaseException) -> bool:
@@ -167,7 +168,8 @@ class Executor:
             module = self.skeletons.bind(expert, handle.value)
             images = [r.frame.image for r in batch.requests]
             outputs = self._run_splitting(module, expert, images)
-            result = BatchResult(batch, self.name, self.device, started, time.perf_counter() - t0, outputs=outputs)
+            result = BatchResult(batch, self.name, self.device, started, time.perf_counter() - t0, outputs=outputs,
+                                 expert_version=getattr(handle.value, "version", None))
         except Exception as exc:  # noqa: BLE001 - every failure becomes an error verdict, never a lost frame
             load_failure = isinstance(exc, ExpertLoadError) or type(exc).__name__ == "PoolFullError"
             if load_failure and self.failed.mark(batch.expert_id, str(exc)):

@@ -107,6 +107,7 @@ class FlatWeights:
 
     def __init__(self, layout: Layout, buffer: "torch.Tensor", *, like: "FlatWeights | None" = None) -> None:
         self.layout, self.buffer = layout, buffer
+        self.version: int | None = None     # the store's version of the expert these bytes are
         self._views: dict[str, torch.Tensor] | None = None
         if (like is not None and like.buffer is buffer and like._views is not None
                 and like.layout.signature == layout.signature):

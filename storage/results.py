@@ -95,12 +95,17 @@ class ResultStore:
             if "inferences" not in db.table_names():
                 db["inferences"].create({"id": int, "frame_id": str, "stage": int, "expert_id": str,
                                          "device": str, "executor": str, "batch_id": int, "output": str,
-                                         "latency_ms": float, "started_at": float}, pk="id")
+                                         "latency_ms": float, "started_at": float, "expert_version": int},
+                                        pk="id")
                 db["inferences"].create_index(["frame_id"])
             if "verdicts" not in db.table_names():
                 db["verdicts"].create({"frame_id": str, "verdict": str, "reason": str, "decided_at": float,
-                                       "latency_ms": float, "chain": str}, pk="frame_id")
+                                       "latency_ms": float, "chain": str, "versions": str}, pk="frame_id")
                 db["verdicts"].create_index(["verdict"])
+            # databases from before expert versions were recorded gain the columns (rows before: NULL)
+            for table, column, kind in (("inferences", "expert_version", int), ("verdicts", "versions", str)):
+                if column not in db[table].columns_dict:
+                    db[table].add_column(column, kind)
             if "errors" not in db.table_names():
                 db["errors"].create({"id": int, "frame_id": str, "kind": str, "message": str, "at": float},
                                     pk="id")

@@ -96,6 +96,7 @@ class StoreSource:
         self.reused += out is not None
         flat = self.store.read_flat(expert_id, pin=self.pin, method=self.method, out=out,
                                     dtype=self._dtype(expert_id))
+        flat.version = self.store.entry(expert_id).version   # what the inference rows name
         if self.drop_after_read:
             from .pagecache import drop_from_page_cache
 
@@ -171,6 +172,11 @@ class TierSource:
         return out
 
     def _copy(self, src: FlatWeights, reuse) -> FlatWeights:
+        out = self._copy_bytes(src, reuse)
+        out.version = getattr(src, "version", None)
+        return out
+
+    def _copy_bytes(self, src: FlatWeights, reuse) -> FlatWeights:
         import torch
 
         with self._lock:
@@ -212,7 +218,9 @@ def host_copy(src: FlatWeights, reuse: list, *, pin: bool) -> FlatWeights:
         stream.synchronize()
     else:
         dst.copy_(src.buffer)
-    return FlatWeights(src.layout, dst, like=old)
+    out = FlatWeights(src.layout, dst, like=old)
+    out.version = getattr(src, "version", None)
+    return out
 
 
 def demote(event: PoolEvent, host: Pool, *, pin: bool | None = None) -> bool:

@@ -56,3 +56,25 @@ def test_query_filters(tmp_path):
     assert ro.counts()["by_verdict"] == {"pass": 1, "defect": 2}
     with pytest.raises(FileNotFoundError, match="does not exist"):
         ResultStore(tmp_path / "none.db", readonly=True)
+
+
+def test_an_older_database_gains_the_expert_version_columns(tmp_path):
+    import sqlite3
+
+    from storage.results import ResultStore
+
+    path = tmp_path / "old.db"
+    con = sqlite3.connect(path)
+    con.execute("CREATE TABLE inferences (id INTEGER PRIMARY KEY, frame_id TEXT, stage INTEGER, expert_id TEXT, "
+                "device TEXT, executor TEXT, batch_id INTEGER, output TEXT, latency_ms REAL, started_at REAL)")
+    con.execute("CREATE TABLE verdicts (frame_id TEXT PRIMARY KEY, verdict TEXT, reason TEXT, decided_at REAL, "
+                "latency_ms REAL, chain TEXT)")
+    con.execute("INSERT INTO verdicts VALUES ('f1', 'pass', '', 0, 1, '[]')")
+    con.commit()
+    con.close()
+    rs = ResultStore(path)
+    try:
+        assert "expert_version" in rs.db["inferences"].columns_dict and "versions" in rs.db["verdicts"].columns_dict
+        assert rs.db.execute("SELECT versions FROM verdicts WHERE frame_id='f1'").fetchone() == (None,)
+    finally:
+        rs.close()
