@@ -321,6 +321,11 @@ class Agent:
         self._recover()
         if cfg.llm is not None:
             self.llm = self._start_llm()
+        from .store_watch import StoreWatcher
+
+        self.store_watch = StoreWatcher(getattr(self.store, "primary", self.store), lambda: self._all_pools().values(),
+                                        forget=self.failed.forget,
+                                        interval=cfg.store_poll_s).start()
         self.ingest.start()
         self._started = True
         log.info("line %s agent up: ingest %s, publish %s, %d executor(s), metrics %s", cfg.line,
@@ -394,6 +399,8 @@ class Agent:
             return True
         self._started = False
         self.ingest.stop()
+        if getattr(self, "store_watch", None) is not None:
+            self.store_watch.stop()
         if self.llm is not None:
             self.llm.stop()
         drained = self.wait_idle(timeout)

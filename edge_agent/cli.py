@@ -234,13 +234,16 @@ def record(line: str, config_path: str | None, synthetic: bool, frames: int, out
               help="Another run's results database: report the frames whose verdict changed.")
 @click.option("--gate", default=None, help="Conditions on the report, e.g. accuracy>=0.97,regressions<=0; "
                                           "exit 3 when one fails.")
+@click.option("--candidate", "candidate_dir", type=click.Path(file_okay=False, exists=True),
+              help="Run the recording against this expert store instead, in an agent of its own started here "
+                   "(own results database in --report, loopback ports): the line is not touched.")
 @click.option("--verdict-timeout", default=120.0, show_default=True,
               help="Seconds to wait, after the last ack, for every verdict to reach the database.")
 @_fail_clearly
 def replay(recording: str, line: str, config_path: str | None, endpoint: str | None, rate: float | None,
            window: int, ack_timeout: float, deadline: float, client_key: str | None, server_key: str | None,
            as_json: bool, report_dir: str | None, results_db: str | None, baseline_db: str | None,
-           gate: str | None, verdict_timeout: float) -> None:
+           gate: str | None, candidate_dir: str | None, verdict_timeout: float) -> None:
     """Send a recording to a running agent; wait for every ack, resend what was not acked.
 
     With --report, once every verdict is in, the run is judged against the
@@ -253,6 +256,7 @@ def replay(recording: str, line: str, config_path: str | None, endpoint: str | N
     Example:
       coe-agent replay rec/A-500 --line A --rate 250
       coe-agent replay rec/A-500 --line A --report out/run2 --baseline out/run1.db --gate accuracy>=0.97,regressions<=0
+      coe-agent replay rec/A-500 --line A --candidate new-experts/ --report out/cand --baseline out/run1.db
     """
     from tqdm import tqdm
 
@@ -271,7 +275,21 @@ def replay(recording: str, line: str, config_path: str | None, endpoint: str | N
             raise click.UsageError("--gate needs --report (the gate judges the report)")
     if baseline_db and report_dir is None:
         raise click.UsageError("--baseline needs --report")
+    if candidate_dir and report_dir is None:
+        raise click.UsageError("--candidate needs --report (its verdicts go into the report's own database)")
     cfg = _config(line, config_path) if (endpoint is None or report_dir) else None
+    candidate = None
+    if candidate_dir:
+        from .agent import Agent
+
+        cfg = cfg.model_copy(update={
+            "expert_store": str(candidate_dir), "results_db": str(Path(report_dir) / "results.db"),
+            "data_dir": str(Path(report_dir)), "ingest": "router+bind:tcp://127.0.0.1:*",
+            "publish": "pub+bind:tcp://127.0.0.1:*", "metrics": cfg.metrics.model_copy(update={"port": 0})})
+        if cfg.db_path.exists():
+            raise click.UsageError(f"{cfg.db_path} exists: give --report a fresh directory for the candidate run")
+        candidate = Agent(cfg, load_spec(cfg.spec_path)).start()
+        endpoint, results_db = candidate.endpoints["ingest"], str(cfg.db_path)
     if endpoint is None:
         endpoint = endpoint_parts(cfg.ingest)[2]
     bar = tqdm(total=len(rec), desc="replaying (acked)", unit="frame")
@@ -281,10 +299,15 @@ def replay(recording: str, line: str, config_path: str | None, endpoint: str | N
             raise click.UsageError("CURVE needs both --client-key and --server-key")
         from .security import client_setup
         setup = client_setup(client_key, server_key)
-    report = do_replay(rec, endpoint, rate=rate, window=window, ack_timeout=ack_timeout, deadline=deadline,
-                       socket_setup=setup,
-                       progress=lambda r: bar.update(r.acked - bar.n))
-    bar.close()
+    try:
+        report = do_replay(rec, endpoint, rate=rate, window=window, ack_timeout=ack_timeout, deadline=deadline,
+                           socket_setup=setup, progress=lambda r: bar.update(r.acked - bar.n))
+        bar.close()
+        if candidate is not None:
+            candidate.wait_verdicts(report.accepted, timeout=verdict_timeout)
+    finally:
+        if candidate is not None:
+            candidate.stop()
     if as_json:
         click.echo(json.dumps(report.to_json()))
     else:

@@ -177,6 +177,8 @@ class LineConfig(_Strict):
         "stored", description="dtype GPU executors compute in: 'stored' keeps half-stored experts half (the "
                               "bytes a switch moves stay halved); a tensor an fp16 expert kept in fp32 because "
                               "fp16 would flush it is then cast to fp16 too")
+    store_poll_s: float = Field(0.5, gt=0, description="how often the agent looks for experts promoted into its "
+                                                      "store (coe-agent experts promote)")
     unified_memory: bool = Field(False, description="Jetson-style: GPU and CPU share DRAM, no separate host tier")
     executors: list[ExecutorConfig] = Field(default_factory=lambda: [ExecutorConfig()])
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)

@@ -287,4 +287,4 @@ def experts_evict(ids: tuple[str, ...], line: str, config_path: str | None) -> N
     click.echo(f"evicted {len(dropped)} expert file(s) from the page cache")
 
 
-from . import compress_cli, onnx_cli  # noqa: E402,F401  (register `experts compress|export-onnx`; they need the helpers above)
+from . import compress_cli, onnx_cli, promote_cli  # noqa: E402,F401  (register more `experts` commands; they need the helpers above)

@@ -78,6 +78,11 @@ class FailedExperts:
         with self._lock:
             return dict(self._failed)
 
+    def forget(self, expert_id: str) -> None:
+        """A new version of the expert arrived: let it be tried again."""
+        with self._lock:
+            self._failed.pop(expert_id, None)
+
 
 class Executor:
     """Runs batches from `scheduler` for executor `name` until the scheduler closes and drains."""

@@ -242,6 +242,12 @@ class Pool:
         self._on_event(PoolEvent(expert_id, self.tier, event, entry.nbytes, seconds, time.time()))
         return entry
 
+    def peek(self, expert_id: str):
+        """The resident value of `expert_id`, or None: no pin, no hit counted, no recency touched."""
+        with self._cond:
+            entry = self._entries.get(expert_id)
+            return None if entry is None or entry.loading else entry.value
+
     def hold(self, expert_id: str) -> Handle | None:
         """Pin `expert_id` if it is resident (a hit), else None: never loads and never evicts.
 

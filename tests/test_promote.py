@@ -1,0 +1,138 @@
+"""Trying a candidate expert set without touching the line, and promoting one while frames flow."""
+from __future__ import annotations
+
+import json
+import shutil
+import sqlite3
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from coe import CoEError, parse_spec
+from edge_agent.cli import cli
+from storage.expert_store import ExpertStore
+from storage.promote import promote
+
+from conftest import TINY_SPEC, write_line
+from test_judge import _run_line
+
+MODEL = parse_spec(TINY_SPEC)
+
+
+def _copy(src: Path, dst: Path) -> ExpertStore:
+    shutil.copytree(src, dst)
+    return ExpertStore(dst)
+
+
+def test_promote_refuses_a_bad_candidate_and_changes_nothing(tmp_path, tiny_zoo):
+    line = _copy(tiny_zoo, tmp_path / "line")
+    cand = ExpertStore(tmp_path / "cand")
+    good = line.read("cls-r0402")
+    cand.write(MODEL.experts["cls-r0402"], good)
+    wrong = MODEL.experts["det-ic"]
+    cand.write(wrong.__class__(**{**wrong.__dict__, "id": "cls-c0402"}), line.read("det-ic"))   # a detector
+    before = {e.id: e.version for e in line.entries()}
+    with pytest.raises(CoEError, match="cls-c0402' is a ultralytics/yolov8n detector in the candidate"):
+        promote(line, cand, MODEL)
+    with pytest.raises(CoEError, match="'cls-u-soic8' is not in the candidate"):
+        promote(line, cand, MODEL, ["cls-u-soic8"])
+    assert {e.id: e.version for e in line.entries()} == before
+    done = promote(line, cand, MODEL, ["cls-r0402"])
+    assert [(p.expert_id, p.old_version, p.new_version) for p in done] == [("cls-r0402", 1, 2)]
+
+
+def test_a_candidate_runs_in_its_own_agent_and_the_gate_catches_it(tmp_path, tiny_zoo, tiny_recording):
+    base_cfg = write_line(tmp_path / "line", store=_copy(tiny_zoo, tmp_path / "store").root)
+    res = _run_line(base_cfg, tiny_recording, "--report", str(tmp_path / "r-base"))
+    assert res.exit_code == 0, res.output
+    from edge_agent.config import load_config
+
+    base_db = load_config(base_cfg, env={}).db_path
+    worse = _copy(tiny_zoo, tmp_path / "worse")
+    tensors = dict(worse.read("cls-c0402"))
+    bias = next(k for k in tensors if k.endswith("classifier.3.bias"))
+    tensors[bias] = torch.tensor([0.0, 0.0, 0.0, 50.0])                   # 'wrong_part' for everything
+    worse.write(MODEL.experts["cls-c0402"], tensors, version=2)
+    rows_before = sqlite3.connect(base_db).execute("SELECT count(*) FROM verdicts").fetchone()[0]
+    bad = CliRunner().invoke(cli, ["replay", str(tiny_recording), "--config", str(base_cfg),
+                                   "--candidate", str(worse.root), "--report", str(tmp_path / "r-cand"),
+                                   "--baseline", str(base_db), "--gate", "regressions<=0"])
+    assert bad.exit_code == 3, bad.output
+    report = json.loads((tmp_path / "r-cand" / "report.json").read_text())
+    assert report["broken"]["count"] > 0 and set(report["expert_versions"]["cls-c0402"]) == {"2"}
+    assert (tmp_path / "r-cand" / "results.db").is_file()                  # its own database...
+    assert sqlite3.connect(base_db).execute("SELECT count(*) FROM verdicts").fetchone()[0] == rows_before  # ...only
+    again = CliRunner().invoke(cli, ["replay", str(tiny_recording), "--config", str(base_cfg),
+                                     "--candidate", str(worse.root), "--report", str(tmp_path / "r-cand")])
+    assert again.exit_code != 0 and "fresh directory" in again.output
+
+
+def test_promotion_under_a_running_replay_loses_and_duplicates_nothing(tmp_path, tiny_zoo, tiny_recording):
+    from edge_agent.agent import Agent
+    from edge_agent.config import load_config
+    from edge_agent.replay import replay
+    from storage.recording import Recording
+
+    store = _copy(tiny_zoo, tmp_path / "store")
+    config = write_line(tmp_path / "line", store=store.root, store_poll_s=0.05)
+    cand = _copy(tiny_zoo, tmp_path / "cand")                                # the same weights, new versions
+    rec = Recording(tiny_recording)
+    agent = Agent(load_config(config, env={})).start()
+    try:
+        out = {}
+        sender = threading.Thread(target=lambda: out.setdefault("r", replay(rec, agent.endpoints["ingest"],
+                                                                            rate=40, window=8)))
+        sender.start()
+        time.sleep(0.6)                                                     # about a third of the frames in
+        res = CliRunner().invoke(cli, ["experts", "promote", str(cand.root), "--config", str(config)])
+        assert res.exit_code == 0, res.output
+        sender.join(60)
+        report = out["r"]
+        assert report.accepted == len(rec) and not report.unacked
+        assert agent.wait_verdicts(len(rec), timeout=120)
+    finally:
+        agent.stop()
+    con = sqlite3.connect(load_config(config, env={}).db_path)
+    try:
+        verdicts = con.execute("SELECT frame_id, verdict, versions FROM verdicts").fetchall()
+        ran = con.execute("SELECT expert_version, count(*) FROM inferences GROUP BY expert_version").fetchall()
+    finally:
+        con.close()
+    ids = [v[0] for v in verdicts]
+    assert sorted(ids) == sorted(f.header["frame_id"] for f in rec)         # every frame exactly once
+    assert all(v[1] in ("pass", "defect") for v in verdicts)               # no errors from the swap
+    assert {v for v, _ in ran} == {1, 2}                                    # before and after, both named
+    assert all(json.loads(v[2]) for v in verdicts)
+
+
+def test_the_watcher_drops_stale_copies_once_no_batch_holds_them(tmp_path, tiny_zoo):
+    from edge_agent.store_watch import StoreWatcher
+    from storage.policies import make_policy
+    from storage.pool import Pool
+    from storage.tiers import StoreSource
+
+    line = _copy(tiny_zoo, tmp_path / "line")
+    pool = Pool("cpu", 10**9, make_policy("lru"), StoreSource(line))
+    forgotten = []
+    watch = StoreWatcher(line, lambda: [pool], forget=forgotten.append)
+    for eid in ("cls-r0402", "cls-c0402"):
+        pool.release(pool.acquire(eid))
+    held = pool.acquire("cls-c0402")                                      # a batch is running on it
+    assert watch.tick() == 0                                              # nothing changed yet
+    time.sleep(0.01)
+    writer = ExpertStore(line.root)                                       # another process promotes
+    for eid in ("cls-r0402", "cls-c0402"):
+        writer.write(MODEL.experts[eid], writer.read(eid), version=2)
+    assert watch.tick() == 1 and sorted(forgotten) == ["cls-c0402", "cls-r0402"]
+    assert not pool.contains("cls-r0402") and pool.contains("cls-c0402")  # the held copy stays for its batch
+    assert held.value.version == 1
+    pool.release(held)
+    assert watch.tick() == 1 and not pool.contains("cls-c0402")          # dropped once released
+    fresh = pool.acquire("cls-c0402")
+    assert fresh.value.version == 2
+    pool.release(fresh)
+    assert watch.tick() == 0
