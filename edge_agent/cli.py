@@ -283,16 +283,15 @@ def replay(recording: str, line: str, config_path: str | None, endpoint: str | N
         from .agent import Agent
 
         cfg = cfg.model_copy(update={
-            "expert_store": str(candidate_dir), "results_db": str(Path(report_dir) / "results.db"),
+            "llm": None, "expert_store": str(candidate_dir), "results_db": str(Path(report_dir) / "results.db"),
             "data_dir": str(Path(report_dir)), "ingest": "router+bind:tcp://127.0.0.1:*",
             "publish": "pub+bind:tcp://127.0.0.1:*", "metrics": cfg.metrics.model_copy(update={"port": 0})})
         if cfg.db_path.exists():
             raise click.UsageError(f"{cfg.db_path} exists: give --report a fresh directory for the candidate run")
-        candidate = Agent(cfg, load_spec(cfg.spec_path)).start()
-        endpoint, results_db = candidate.endpoints["ingest"], str(cfg.db_path)
+        candidate = Agent(cfg, load_spec(cfg.spec_path))
+        results_db = str(cfg.db_path)
     if endpoint is None:
         endpoint = endpoint_parts(cfg.ingest)[2]
-    bar = tqdm(total=len(rec), desc="replaying (acked)", unit="frame")
     setup = None
     if client_key or server_key:
         if not (client_key and server_key):
@@ -300,6 +299,9 @@ def replay(recording: str, line: str, config_path: str | None, endpoint: str | N
         from .security import client_setup
         setup = client_setup(client_key, server_key)
     try:
+        if candidate is not None:
+            endpoint = candidate.start().endpoints["ingest"]
+        bar = tqdm(total=len(rec), desc="replaying (acked)", unit="frame")
         report = do_replay(rec, endpoint, rate=rate, window=window, ack_timeout=ack_timeout, deadline=deadline,
                            socket_setup=setup, progress=lambda r: bar.update(r.acked - bar.n))
         bar.close()
@@ -318,6 +320,11 @@ def replay(recording: str, line: str, config_path: str | None, endpoint: str | N
     if report.unacked:
         raise click.ClickException(f"{len(report.unacked)} frame(s) never acked, e.g. {report.unacked[:3]} "
                                    f"(is the agent running on {endpoint}?)")
+    if report_dir and report.duplicate:
+        raise click.ClickException(
+            f"{report.duplicate} of {len(rec)} frame(s) were already in the results database (an earlier replay of "
+            f"this recording): their verdicts are the old ones, so no report was written; judge a fresh database "
+            f"(--candidate DIR, or a line whose results_db is new)")
     if report_dir:
         _judge_replay(rec, cfg, Path(results_db) if results_db else cfg.db_path, baseline_db, report_dir,
                       conditions, verdict_timeout)

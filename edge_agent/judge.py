@@ -49,9 +49,13 @@ class Judgement:
         return self.correct / self.judged if self.judged else 0.0
 
     def metrics(self) -> dict[str, float]:
-        return {"accuracy": self.accuracy, "regressions": len(self.broken), "fixed": len(self.fixed),
-                "changed": len(self.changed), "errors": self.errors, "missing": self.missing,
-                "p99_ms": self.p99_ms if self.p99_ms is not None else 0.0}
+        """The gate's metrics; a metric that was not measured is NaN, which fails every condition."""
+        nan = float("nan")
+        compared = self.baseline is not None
+        return {"accuracy": self.accuracy if self.judged else nan,
+                "regressions": len(self.broken) if compared else nan, "fixed": len(self.fixed) if compared else nan,
+                "changed": len(self.changed) if compared else nan, "errors": self.errors, "missing": self.missing,
+                "p99_ms": self.p99_ms if self.p99_ms is not None else nan}
 
     def to_json(self) -> dict:
         out = asdict(self)
@@ -69,6 +73,8 @@ def true_verdict(model: CoEModel, component: str | None, truth: str | None) -> s
     if comp is None:
         return None
     expert = model.experts[comp.classifier]
+    if truth not in expert.classes:
+        return None                      # a label this classifier cannot say: not judged, never a silent defect
     return "pass" if truth in expert.pass_labels else "defect"
 
 
@@ -193,7 +199,10 @@ def parse_gate(text: str) -> list[Condition]:
 
 def failed_conditions(j: Judgement, gate: list[Condition]) -> list[str]:
     metrics = j.metrics()
-    return [f"{c} (got {metrics[c.metric]:g})" for c in gate if not c.holds(metrics)]
+    why = {"regressions": "no --baseline", "fixed": "no --baseline", "changed": "no --baseline",
+           "accuracy": "no frame with a truth", "p99_ms": "no latencies"}
+    return [f"{c} (got {metrics[c.metric]:g})" if metrics[c.metric] == metrics[c.metric]
+            else f"{c} (not measured: {why.get(c.metric, 'no data')})" for c in gate if not c.holds(metrics)]
 
 
 def write_report(j: Judgement, out: str | Path, gate: list[Condition] | None = None) -> Path:

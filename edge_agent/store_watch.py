@@ -26,7 +26,7 @@ class StoreWatcher:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="store-watch", daemon=True)
         self._mtime = self._stamp()
-        self._pending = False           # a stale copy was pinned last tick: look again
+        self._changed: set[str] = set()  # experts with a new version some pool may still hold stale
         self.dropped = 0                # stale copies dropped (for tests and metrics)
 
     def _stamp(self) -> float | None:
@@ -60,22 +60,25 @@ class StoreWatcher:
             for e in self.store.entries():
                 if before.get(e.id) != e.version:
                     self._forget(e.id)
+                    self._changed.add(e.id)
                     log.info("expert %s: version %s in the store now (was %s)", e.id, e.version, before.get(e.id))
-            self._pending = True
-        if not self._pending:
-            return 0
-        dropped, stale_left = 0, False
-        for pool in self._pools():
-            for eid in pool.resident():
-                if not self.store.has(eid):
+        dropped, settled = 0, set()
+        for eid in sorted(self._changed):
+            want = self.store.entry(eid).version if self.store.has(eid) else None
+            done = True
+            for pool in self._pools():
+                if not pool.present(eid):
                     continue
-                version = getattr(pool.peek(eid), "version", None)
-                if version is None or version == self.store.entry(eid).version:
-                    continue
-                if pool.discard(eid):
-                    dropped += 1
-                else:
-                    stale_left = True   # a batch holds it: it finishes on these bytes; drop it next tick
-        self._pending = stale_left
+                value = pool.peek(eid)
+                if value is None:                  # still loading: which version is not known yet
+                    done = False
+                elif getattr(value, "version", want) != want:
+                    if pool.discard(eid):
+                        dropped += 1
+                    else:
+                        done = False               # a batch holds it and finishes on these bytes: next tick
+            if done:
+                settled.add(eid)
+        self._changed -= settled
         self.dropped += dropped
         return dropped

@@ -57,8 +57,8 @@ class Skeletons:
         """A module running `expert`, pointing into `weights` (which the caller keeps pinned)."""
         key = (expert.arch, len(expert.classes), weights.layout.signature)
         backend = get_backend(expert.arch)
-        if getattr(backend, "builds_per_switch", False):
-            return self._rebuild(backend, key, expert, weights)
+        if getattr(backend, "builds_per_switch", False):     # one session per expert, dropped on eviction
+            return self._rebuild(backend, (expert.id, *key), expert, weights)
         with self._lock:
             slot = self._slots.get(key)
             if slot is None:

@@ -366,6 +366,20 @@ class ExpertStore:
 
     def read_flat(self, expert_id: str, *, pin: bool = False, method: str = "read",
                   out: "FlatWeights | None" = None, dtype: str | None = None) -> "FlatWeights":
+        """See `_read_flat`; a sha256 mismatch from a file another process just replaced is retried once."""
+        try:
+            return self._read_flat(expert_id, pin=pin, method=method, out=out, dtype=dtype)
+        except ExpertLoadError as exc:
+            if "sha256" not in str(exc):
+                raise
+            before = self.entry(expert_id).sha256
+            self.reload()                 # `experts promote` may have rewritten it after we read the manifest
+            if not self.has(expert_id) or self.entry(expert_id).sha256 == before:
+                raise
+            return self._read_flat(expert_id, pin=pin, method=method, out=out, dtype=dtype)
+
+    def _read_flat(self, expert_id: str, *, pin: bool = False, method: str = "read",
+                   out: "FlatWeights | None" = None, dtype: str | None = None) -> "FlatWeights":
         """The expert as one private buffer read sequentially (the tiers' format).
 
         Verification per the store's policy happens while the bytes stream in,
@@ -393,6 +407,7 @@ class ExpertStore:
         if check:
             with self._lock:
                 self._verified.add(key)
+        flat.version = entry.version     # the manifest entry this read used: what inference rows name
         return flat
 
     def _stream_flat(self, entry: ManifestEntry, path: Path, *, pin: bool, out: "FlatWeights | None",

@@ -96,7 +96,6 @@ class StoreSource:
         self.reused += out is not None
         flat = self.store.read_flat(expert_id, pin=self.pin, method=self.method, out=out,
                                     dtype=self._dtype(expert_id))
-        flat.version = self.store.entry(expert_id).version   # what the inference rows name
         if self.drop_after_read:
             from .pagecache import drop_from_page_cache
 

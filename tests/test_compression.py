@@ -390,3 +390,12 @@ def test_casting_in_place_equals_casting_each_tensor(specs) -> None:
         got = buf[s.start:s.end].clone().view(getattr(torch, s.dtype)) if s.end > s.start else None
         if got is not None:
             assert torch.equal(got, t.float() if t.is_floating_point() else t), s.name
+
+
+def test_a_read_racing_a_promotion_retries_with_the_new_entry_and_names_its_version(tmp_path: Path) -> None:
+    reader = ExpertStore(tmp_path, verify="always")
+    reader.write(_expert(), {"w": torch.zeros(64)})
+    writer = ExpertStore(tmp_path)
+    writer.write(_expert(), {"w": torch.ones(64)}, version=2)           # same file name, new bytes
+    flat = reader.read_flat("e1")                                      # the reader's manifest still says v1
+    assert torch.equal(flat.tensors()["w"], torch.ones(64)) and flat.version == 2

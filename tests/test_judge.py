@@ -153,3 +153,19 @@ def test_the_demo_summary_says_whether_it_was_right(tmp_path, tiny_recording):
             "evictions": 0, "executors": [], "zoo_bytes": 0, "errors": 0, "database": "d"}
     text = format_summary({**base, **lazy})
     assert "verdict accuracy" in text and "recall per defect label" in text and lazy["wrong_frames"][0] in text
+
+
+def test_a_second_replay_into_the_same_database_refuses_to_judge_old_verdicts(tmp_path, tiny_zoo, tiny_recording):
+    shutil.copytree(tiny_zoo, tmp_path / "store")
+    config = write_line(tmp_path / "line", store=tmp_path / "store")
+    assert _run_line(config, tiny_recording, "--report", str(tmp_path / "r1")).exit_code == 0
+    again = _run_line(config, tiny_recording, "--report", str(tmp_path / "r2"))
+    assert again.exit_code != 0 and "already in the results database" in again.output
+    assert not (tmp_path / "r2" / "report.md").exists()
+
+
+def test_gates_on_what_was_not_measured_fail(tmp_path, tiny_recording):
+    rec = Recording(tiny_recording)
+    j = judge(MODEL, rec, _db(tmp_path / "v.db", {f.header["frame_id"]: "pass" for f in rec}))
+    failed = failed_conditions(j, parse_gate("regressions<=0,accuracy>=0"))
+    assert failed == ["regressions<=0 (not measured: no --baseline)"]

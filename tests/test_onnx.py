@@ -183,3 +183,19 @@ def test_the_profiler_measures_an_onnx_experts_switch(tmp_path, tiny_zoo):
     onnx = next(a for a in (archs.values() if isinstance(archs, dict) else archs) if a["arch"] == "onnx/yolov8n")
     assert onnx["load_seconds"]["host"] > 0 and onnx["load_seconds"]["ssd"] > 0
     assert onnx["weight_bytes"] == store.nbytes("det-2term")      # the pool holds the model file's bytes
+
+
+def test_resident_onnx_experts_keep_their_sessions_between_switches(tmp_path, exports):
+    store = ExpertStore(tmp_path)
+    blob = exports["cls-r0402"][1]
+    twins = [onnx_expert(MODEL.experts["cls-r0402"], f"cls-{i}-onnx") for i in range(2)]   # same bytes, same size
+    for t in twins:
+        store.write(t, onnx_tensors(blob))
+    src, skel = StoreSource(store), Skeletons("cpu")
+    flats = [src.load(t.id) for t in twins]
+    for _ in range(3):
+        for t, f in zip(twins, flats):
+            skel.bind(t, f)
+    assert skel.builds == 2                                  # one session each, not one per switch
+    skel.unbind(flats[0])
+    assert skel.bind(twins[0], flats[0]) is not None and skel.builds == 3
