@@ -35,6 +35,10 @@ class StoreWatcher:
         except OSError:
             return None
 
+    def pending(self) -> set[str]:
+        """Experts with a new version that some pool may still hold stale (empty: every pool is current)."""
+        return set(self._changed)
+
     def start(self) -> "StoreWatcher":
         self._thread.start()
         return self
