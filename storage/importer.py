@@ -95,7 +95,9 @@ def _import_onnx(store: ExpertStore, expert: Expert, src: Path, backend, want: s
         raise CoEError(f"expert '{expert.id}': --dtype does not apply to an .onnx file (its graph fixes the dtypes)")
     blob = src.read_bytes()
     tensors = {"onnx.model": torch.frombuffer(bytearray(blob), dtype=torch.uint8)}
-    module = backend.build(dataclasses.replace(expert, uri=str(src)), tensors)   # ExpertLoadError names src
+    named = dataclasses.replace(expert, uri=str(src))
+    module = backend.build(named, tensors)                   # ExpertLoadError names src
+    backend.check_fits(module, named)                        # output channels too, by one zero image
     del module
     version = store.entry(expert.id).version + 1 if store.has(expert.id) else 1
     return store.write(expert, tensors, version=version)

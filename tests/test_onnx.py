@@ -199,3 +199,19 @@ def test_resident_onnx_experts_keep_their_sessions_between_switches(tmp_path, ex
     assert skel.builds == 2                                  # one session each, not one per switch
     skel.unbind(flats[0])
     assert skel.bind(twins[0], flats[0]) is not None and skel.builds == 3
+
+
+def test_a_model_that_does_not_fit_the_spec_fails_at_import(exports):
+    twin = onnx_expert(MODEL.experts["cls-r0402"], "cls-onnx")
+    blob = onnx_tensors(exports["cls-r0402"][1])
+    three = dataclasses.replace(twin, classes=("ok", "missing", "misaligned"))
+    with pytest.raises(ExpertLoadError, match="outputs 4 classes, the spec's 3 classes need 3"):
+        get_backend("onnx").build(three, blob)
+    bigger = dataclasses.replace(twin, input_size=96)
+    with pytest.raises(ExpertLoadError, match=r"takes input \[.*32, 32\], the spec needs \[batch, 3, 96, 96\]"):
+        get_backend("onnx").build(bigger, blob)
+    det = onnx_expert(MODEL.experts["det-2term"], "det-onnx")
+    more = dataclasses.replace(det, classes=("a", "b", "c"))
+    module = get_backend("onnx").build(more, onnx_tensors(exports["det-2term"][1]))   # the graph does not say
+    with pytest.raises(ExpertLoadError, match="outputs 6 box \\+ class channels, the spec's 3 classes need 7"):
+        get_backend("onnx").check_fits(module, more)                                 # one zero image does

@@ -78,6 +78,36 @@ def model_meta(session, expert: Expert) -> dict:
     return meta
 
 
+def _channels(shape) -> int | None:
+    return shape[1] if len(shape) >= 2 and isinstance(shape[1], int) else None
+
+
+def check_io(session, expert: Expert, meta: dict, *, probe: bool = False) -> None:
+    """The model's input and output shapes against the spec: a wrong file fails at import, not per batch.
+
+    Dimensions the model leaves symbolic are not checked, except with `probe`
+    (import), which runs one zero image to learn the output's channels.
+    """
+    import numpy as np
+
+    where = expert.uri or "<onnx>"
+    shape = session.get_inputs()[0].shape
+    want = [None, 3, expert.input_size, expert.input_size]
+    if len(shape) != 4 or any(isinstance(d, int) and w is not None and d != w for d, w in zip(shape, want)):
+        raise ExpertLoadError(expert.id, where, f"the model takes input {shape}, the spec needs "
+                                                f"[batch, 3, {expert.input_size}, {expert.input_size}]")
+    per = _channels(session.get_outputs()[0].shape)
+    if per is None and probe:       # symbolic (a YOLO head's concat): run one zero image to see
+        x = np.zeros((1, 3, expert.input_size, expert.input_size), np.float32)
+        per = _channels(list(session.run(None, {session.get_inputs()[0].name: x})[0].shape))
+    classes = len(expert.classes)
+    need = classes if meta["task"] == "logits" else 4 + classes
+    if isinstance(per, int) and per != need:
+        what = "classes" if meta["task"] == "logits" else "box + class channels"
+        raise ExpertLoadError(expert.id, where, f"the model outputs {per} {what}, the spec's {classes} classes "
+                                                f"need {need}")
+
+
 def providers_for(device: str) -> list:
     """Execution providers for `device`, best first, among those this onnxruntime build has."""
     import onnxruntime as ort
@@ -139,10 +169,15 @@ class OnnxBackend:
             raise ExpertLoadError(expert.id, where, f"onnxruntime cannot load the model: "
                                                     f"{str(exc).splitlines()[0][:300]}") from None
         meta = model_meta(session, expert)
+        check_io(session, expert, meta)
         if meta["activation_bytes_per_sample"]:
             with self._lock:
                 self._act_per_sample[expert.id] = int(meta["activation_bytes_per_sample"])
         return OnnxModule(session, meta, device, len(blob))
+
+    def check_fits(self, module: OnnxModule, expert: Expert) -> None:
+        """At import: every shape against the spec, running one zero image where the graph does not say."""
+        check_io(module.session, expert, module.meta, probe=True)
 
     def run(self, module: OnnxModule, expert: Expert, images: Sequence["np.ndarray"]) -> list[StepOutput]:
         import numpy as np
