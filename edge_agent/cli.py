@@ -132,6 +132,49 @@ def zoo() -> None:
     """The demo expert zoo."""
 
 
+@zoo.command("train")
+@line_options
+@click.option("--steps", default=120, show_default=True, help="Training steps per classifier group.")
+@click.option("--batch", default=48, show_default=True, help="Synthetic frames per step.")
+@click.option("--seed", default=0, show_default=True, help="Seed for the frames and the initial weights.")
+@click.option("--force", is_flag=True, help="Retrain groups whose experts are already trained.")
+@_fail_clearly
+def zoo_train(line: str, config_path: str | None, steps: int, batch: int, seed: int, force: bool) -> None:
+    """Train the spec's classifiers on synthetic frames of their component types.
+
+    Classifiers sharing an architecture, classes and input size are trained
+    as one network on all their component types and written to each of them.
+    A group already trained with the same recipe is kept.  Detectors are not
+    trained yet.
+
+    \b
+    Example:
+      coe-agent zoo train --line A
+      coe-agent zoo train --line A --steps 300 --force
+    """
+    from tqdm import tqdm
+
+    from storage.expert_store import ExpertStore
+
+    from .zoo_train import train_classifiers
+
+    cfg = _config(line, config_path)
+    model = load_spec(cfg.spec_path)
+    store = ExpertStore(cfg.store_path, verify=cfg.expert_verify)
+    bars: dict[str, tqdm] = {}
+
+    def tick(arch: str, step: int, total: int) -> None:
+        bar = bars.setdefault(arch, tqdm(total=total, desc=f"training {arch}", unit="step", disable=None))
+        bar.update(step - bar.n)
+    results = train_classifiers(model, store, steps=steps, batch=batch, seed=seed, force=force, progress=tick)
+    for bar in bars.values():
+        bar.close()
+    for r in results:
+        state = "kept (already trained)" if r.skipped else f"trained {r.steps} steps"
+        click.echo(f"{r.arch}: {len(r.experts)} classifier(s), {len(r.components)} component type(s), {state}; "
+                   f"held-out accuracy {100 * r.heldout_accuracy:.1f}%")
+
+
 @zoo.command("build")
 @line_options
 @click.option("--seed", default=0, show_default=True, help="Seed for the generated weights.")

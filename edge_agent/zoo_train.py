@@ -1,0 +1,139 @@
+"""Train the demo zoo's classifiers on synthetic frames, so their verdicts mean something.
+
+The synthetic recordings draw every component with a known label (ok,
+missing, misaligned, wrong_part), so the same drawing code is a labelled
+training set.  Classifiers that share an architecture, classes and input
+size share one network: it is trained once on all of their component types
+(a label looks alike across types: bare pads, a shifted body, another
+family's body), and each of those experts is written with it.  Per-expert
+fine-tuning of that base is the next step and not built yet.
+
+Training runs a fixed number of steps from a seeded generator, so a run is
+reproducible; BatchNorm statistics are recomputed at the end with the
+network frozen (a short run leaves the running averages behind the weights,
+and eval-mode accuracy would collapse).  A group whose experts still hold
+exactly what the last training wrote is skipped (`.trained.json` in the
+store), so the demo trains on its first run and reuses the result after.
+Detectors are not trained here yet.
+"""
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from coe import CoEError, CoEModel, Expert
+from storage.expert_store import ExpertStore
+from storage.synthetic import LABELS, draw_component
+
+from executors.backends.base import IMAGENET_MEAN, IMAGENET_STD
+
+MARKER = ".trained.json"
+
+
+@dataclass(frozen=True)
+class GroupResult:
+    arch: str
+    experts: tuple[str, ...]
+    components: tuple[str, ...]
+    steps: int
+    heldout_accuracy: float
+    skipped: bool
+
+
+def _groups(model: CoEModel) -> dict[tuple, tuple[list[Expert], list[str]]]:
+    """(arch, classes, input size) -> (classifier experts, the component types they classify)."""
+    out: dict[tuple, tuple[list[Expert], list[str]]] = {}
+    for comp in model.components.values():
+        e = model.experts[comp.classifier]
+        if e.family != "torchvision":
+            continue
+        unknown = [c for c in e.classes if c not in LABELS]
+        if unknown:
+            raise CoEError(f"expert '{e.id}': cannot train on synthetic frames: classes {unknown} are not drawn "
+                           f"(drawn labels: {', '.join(LABELS)})")
+        key = (e.arch, e.classes, e.input_size)
+        experts, comps = out.setdefault(key, ([], []))
+        if e not in experts:
+            experts.append(e)
+        comps.append(comp.name)
+    return out
+
+
+def _batch(rng: np.random.Generator, comps: list[str], classes: tuple[str, ...], n: int, size: int):
+    import torch
+
+    ys = rng.integers(len(classes), size=n)
+    xs = np.stack([draw_component(comps[int(rng.integers(len(comps)))], classes[int(y)], rng, size) for y in ys])
+    x = torch.from_numpy(xs).permute(0, 3, 1, 2).float() / 255.0
+    x = (x - torch.tensor(IMAGENET_MEAN)[:, None, None]) / torch.tensor(IMAGENET_STD)[:, None, None]
+    return x, torch.from_numpy(ys.astype(np.int64))
+
+
+def train_group(arch: str, classes: tuple[str, ...], size: int, comps: list[str], *, steps: int, batch: int,
+                seed: int, progress: Callable[[int], None] | None = None):
+    """A trained torchvision network and its accuracy on held-out draws (another seed)."""
+    import torch
+    import torchvision
+
+    torch.manual_seed(seed)
+    net = torchvision.models.get_model(arch.split("/", 1)[1], weights=None, num_classes=len(classes))
+    opt = torch.optim.AdamW(net.parameters(), lr=2e-3, weight_decay=1e-4)
+    rng = np.random.default_rng(seed)
+    net.train()
+    for step in range(steps):
+        x, y = _batch(rng, comps, classes, batch, size)
+        loss = torch.nn.functional.cross_entropy(net(x), y)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        if progress is not None:
+            progress(step + 1)
+    # recompute BatchNorm statistics with the weights frozen: the running averages trail a short run
+    for m in net.modules():
+        if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
+            m.reset_running_stats()
+            m.momentum = None
+    with torch.no_grad():
+        for _ in range(8):
+            net(_batch(rng, comps, classes, batch, size)[0])
+    net.eval()
+    held = np.random.default_rng(seed + 10_000)
+    with torch.no_grad():
+        x, y = _batch(held, comps, classes, 256, size)
+        acc = float((net(x).argmax(1) == y).float().mean())
+    return net, acc
+
+
+def train_classifiers(model: CoEModel, store: ExpertStore, *, steps: int = 300, batch: int = 48, seed: int = 0,
+                      force: bool = False, progress: Callable[[str, int, int], None] | None = None
+                      ) -> list[GroupResult]:
+    """Train every torchvision classifier group of `model` and write its experts into `store`."""
+    groups = _groups(model)               # a spec the frames cannot teach fails before anything is touched
+    marker_path = Path(store.root) / MARKER
+    try:
+        marker = json.loads(marker_path.read_text()) if marker_path.is_file() else {}
+    except (OSError, ValueError) as exc:
+        raise CoEError(f"{marker_path}: unreadable training record ({exc}); delete it to retrain") from None
+    results = []
+    for (arch, classes, size), (experts, comps) in groups.items():
+        recipe = {"steps": steps, "batch": batch, "seed": seed, "components": sorted(comps)}
+        current = all(store.has(e.id) and marker.get(e.id, {}).get("sha256") == store.entry(e.id).sha256
+                      and marker[e.id].get("recipe") == recipe for e in experts)
+        if current and not force:
+            results.append(GroupResult(arch, tuple(e.id for e in experts), tuple(comps), steps,
+                                       marker[experts[0].id]["heldout_accuracy"], True))
+            continue
+        net, acc = train_group(arch, classes, size, comps, steps=steps, batch=batch, seed=seed,
+                               progress=(lambda s, a=arch: progress(a, s, steps)) if progress else None)
+        tensors = {k: v.detach().contiguous() for k, v in net.state_dict().items()}
+        for e in experts:
+            version = store.entry(e.id).version + 1 if store.has(e.id) else 1
+            entry = store.write(e, tensors, version=version)
+            marker[e.id] = {"sha256": entry.sha256, "recipe": recipe, "heldout_accuracy": round(acc, 4)}
+        marker_path.write_text(json.dumps(marker, indent=1, sort_keys=True) + "\n")
+        results.append(GroupResult(arch, tuple(e.id for e in experts), tuple(comps), steps, acc, False))
+    return results

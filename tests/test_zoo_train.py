@@ -1,0 +1,66 @@
+"""Training the classifiers on synthetic frames: better than chance, reproducible, cached, and used by the agent."""
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import yaml
+from click.testing import CliRunner
+
+from coe import CoEError, parse_spec
+from edge_agent.cli import cli
+from edge_agent.zoo_train import MARKER, train_classifiers
+from storage.expert_store import ExpertStore
+
+from conftest import TINY_SPEC, write_line
+
+MODEL = parse_spec(TINY_SPEC)
+CLASSIFIERS = [e for e in MODEL.experts.values() if e.kind == "classifier"]
+
+
+def test_classifiers_learn_the_drawn_labels_and_a_second_run_keeps_them(tmp_path):
+    store = ExpertStore(tmp_path)
+    first = train_classifiers(MODEL, store, steps=40, batch=16, seed=0)
+    assert len(first) == 1 and not first[0].skipped
+    assert sorted(first[0].experts) == sorted(e.id for e in CLASSIFIERS)
+    assert first[0].heldout_accuracy > 0.5                       # four labels: chance is 0.25
+    shas = {e.id: store.entry(e.id).sha256 for e in CLASSIFIERS}
+    w = [store.read(e.id) for e in CLASSIFIERS]
+    assert all(torch.equal(w[0][k], x[k]) for x in w[1:] for k in w[0])   # one network for the group
+    marker = json.loads((tmp_path / MARKER).read_text())
+    assert set(marker) == set(shas) and all(m["sha256"] == shas[k] for k, m in marker.items())
+    again = train_classifiers(MODEL, store, steps=40, batch=16, seed=0)
+    assert again[0].skipped and {e.id: store.entry(e.id).sha256 for e in CLASSIFIERS} == shas
+    other = train_classifiers(MODEL, store, steps=41, batch=16, seed=0)   # another recipe: trained again
+    assert not other[0].skipped and store.entry(CLASSIFIERS[0].id).version == 2
+
+
+def test_training_is_reproducible(tmp_path):
+    a = train_classifiers(MODEL, ExpertStore(tmp_path / "a"), steps=5, batch=8, seed=3)
+    b = train_classifiers(MODEL, ExpertStore(tmp_path / "b"), steps=5, batch=8, seed=3)
+    wa = ExpertStore(tmp_path / "a").read(CLASSIFIERS[0].id)
+    wb = ExpertStore(tmp_path / "b").read(CLASSIFIERS[0].id)
+    assert a[0].heldout_accuracy == b[0].heldout_accuracy and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+def test_classes_the_frames_cannot_show_are_refused():
+    spec = json.loads(json.dumps(TINY_SPEC))
+    spec["experts"][0]["classes"] = ["ok", "scratched"]
+    spec["experts"][0]["priors"] = {"ok": 0.9, "scratched": 0.1}
+    with pytest.raises(CoEError, match="classes \\['scratched'\\] are not drawn"):
+        train_classifiers(parse_spec(spec), None)
+
+
+def test_the_cli_trains_and_reports(tmp_path, tiny_zoo):
+    import shutil
+
+    shutil.copytree(tiny_zoo, tmp_path / "store")
+    config = write_line(tmp_path / "line", store=tmp_path / "store")
+    res = CliRunner().invoke(cli, ["zoo", "train", "--config", str(config), "--steps", "20", "--batch", "8"])
+    assert res.exit_code == 0, res.output
+    assert "torchvision/mobilenet_v3_small: 4 classifier(s), 4 component type(s), trained 20 steps" in res.output
+    store = ExpertStore(yaml.safe_load(config.read_text())["expert_store"])
+    assert all(store.entry(e.id).version == 2 for e in CLASSIFIERS)   # written over the generated zoo
+    res = CliRunner().invoke(cli, ["zoo", "train", "--config", str(config), "--steps", "20", "--batch", "8"])
+    assert "kept (already trained)" in res.output
