@@ -93,9 +93,31 @@ class DemoResult:
     ok: bool
 
 
+def ensure_trained(cfg: LineConfig, model: CoEModel, *, quiet: bool = False) -> None:
+    """Train the classifiers on synthetic frames unless the store already holds this training."""
+    from .zoo_train import train_classifiers
+
+    store = ExpertStore(cfg.store_path, verify=cfg.expert_verify)
+    bars: dict[str, tqdm] = {}
+
+    def tick(arch: str, step: int, total: int) -> None:
+        bar = bars.setdefault(arch, tqdm(total=total, desc=f"training {arch}", unit="step",
+                                         disable=quiet or None))
+        bar.update(step - bar.n)
+    results = train_classifiers(model, store, progress=tick)
+    for bar in bars.values():
+        bar.close()
+    trained = [r for r in results if not r.skipped]
+    stage(f"classifiers: {sum(len(r.experts) for r in results)} trained on synthetic frames"
+          + (f" (this run: {', '.join(f'{r.arch} {100 * r.heldout_accuracy:.1f}% held-out' for r in trained)})"
+             if trained else " (reused)"), quiet)
+
+
 def run_demo(cfg: LineConfig, model: CoEModel, *, frames: int = 600, seed: int = 0, rate: float | None = None,
-             recording: Path | None = None, quiet: bool = False) -> DemoResult:
+             recording: Path | None = None, quiet: bool = False, train: bool = True) -> DemoResult:
     ensure_zoo(cfg, model, seed=seed, quiet=quiet)
+    if train:
+        ensure_trained(cfg, model, quiet=quiet)
     rec_dir = recording or ensure_recording(cfg, model, frames, seed, quiet=quiet)
     rec = Recording(rec_dir)
     demo_dir = Path(cfg.data_dir) / "demo"
