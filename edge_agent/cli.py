@@ -109,7 +109,7 @@ def demo(line: str, config_path: str | None, frames: int, seed: int, rate: float
     """Build and train the demo zoo and a recording if absent, serve, replay, and summarise.
 
     The classifiers are trained on synthetic frames on the first run (about
-    1.5 minutes on 2 cores) and reused after that; the summary says how many
+    3 minutes on 2 cores) and reused after that; the summary says how many
     verdicts were right against the recording's truth.
 
     \b
