@@ -35,7 +35,6 @@ import math
 import os
 import platform
 import statistics
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -45,6 +44,7 @@ from typing import TYPE_CHECKING, Any
 from coe import CoEError, CoEModel, Expert
 
 from . import storage_profiler
+from .lockstep import run_in_lockstep
 from .profile import ArchProfile, DeviceProfile, Profile, fit_latency, max_useful_batch
 
 if TYPE_CHECKING:
@@ -509,41 +509,27 @@ def _run_concurrently(backend, expert: Expert, modules: Sequence[Any], images: l
     import torch
 
     k = len(modules)
-    start = threading.Barrier(k)
     done: list[tuple[int, float] | None] = [None] * k
-    errors: list[BaseException] = []
 
-    def worker(i: int) -> None:
-        try:
-            stream = torch.cuda.Stream(cuda) if cuda is not None else None
-            with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
-                backend.run(modules[i], expert, images)   # warm-up: this thread's pool, allocator, kernels
-                if stream is not None:
-                    stream.synchronize()
-                start.wait()
-                t0 = time.perf_counter()
-                n = 0
-                while True:
-                    backend.run(modules[i], expert, images)
-                    n += 1
-                    if time.perf_counter() - t0 >= seconds:
-                        break
-                if stream is not None:
-                    stream.synchronize()
-                done[i] = (n * len(images), time.perf_counter() - t0)
-        except threading.BrokenBarrierError:
-            pass   # another thread failed: its error is the one reported
-        except BaseException as exc:  # noqa: BLE001  (re-raised in the caller's thread)
-            errors.append(exc)
-            start.abort()
+    def body(i: int, start) -> None:
+        stream = torch.cuda.Stream(cuda) if cuda is not None else None
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            backend.run(modules[i], expert, images)   # warm-up: this thread's pool, allocator, kernels
+            if stream is not None:
+                stream.synchronize()
+            start()
+            t0 = time.perf_counter()
+            n = 0
+            while True:
+                backend.run(modules[i], expert, images)
+                n += 1
+                if time.perf_counter() - t0 >= seconds:
+                    break
+            if stream is not None:
+                stream.synchronize()
+            done[i] = (n * len(images), time.perf_counter() - t0)
 
-    threads = [threading.Thread(target=worker, args=(i,), name=f"concurrency-{i}", daemon=True) for i in range(k)]
-    for th in threads:
-        th.start()
-    for th in threads:
-        th.join()
-    if errors:
-        raise errors[0]
+    run_in_lockstep(body, k, "concurrency")
     return sum(d[0] / d[1] for d in done if d is not None and d[1] > 0)
 
 

@@ -27,12 +27,12 @@ from __future__ import annotations
 import os
 import platform
 import statistics
-import threading
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from .lockstep import run_in_lockstep
 from .profile import StorageProfile
 
 if TYPE_CHECKING:
@@ -116,31 +116,17 @@ def measure_decode_contended(threads: int, nbytes: int = DECODE_SAMPLE_BYTES, *,
     chunks = [encode(data[a:b], "bf16") for a, b in spans]
     best = 0.0
     for _ in range(repeats):
-        start = threading.Barrier(threads)
         rates = [0.0] * threads
-        errors: list[BaseException] = []
 
-        def worker(i: int) -> None:
-            try:
-                out = np.empty(data.size, np.uint8)
-                start.wait()
-                t0 = time.perf_counter()
-                for (a, b), c in zip(spans, chunks):
-                    decode_into(out[a:b], "bf16", c.zplane, c.raw)
-                rates[i] = data.size / max(time.perf_counter() - t0, 1e-9)
-            except threading.BrokenBarrierError:
-                pass
-            except BaseException as exc:  # noqa: BLE001  (re-raised in the caller's thread)
-                errors.append(exc)
-                start.abort()
+        def body(i: int, start) -> None:
+            out = np.empty(data.size, np.uint8)
+            start()
+            t0 = time.perf_counter()
+            for (a, b), c in zip(spans, chunks):
+                decode_into(out[a:b], "bf16", c.zplane, c.raw)
+            rates[i] = data.size / max(time.perf_counter() - t0, 1e-9)
 
-        pool = [threading.Thread(target=worker, args=(i,), name=f"decode-{i}", daemon=True) for i in range(threads)]
-        for th in pool:
-            th.start()
-        for th in pool:
-            th.join()
-        if errors:
-            raise errors[0]
+        run_in_lockstep(body, threads, "decode")
         best = max(best, sum(rates))
     return best
 

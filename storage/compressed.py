@@ -96,10 +96,6 @@ class CompressedHeader:
     chunks: tuple[Chunk, ...]
     file_bytes: int
 
-    @property
-    def decoded_file_bytes(self) -> int:
-        return len(self.prefix) + self.layout.nbytes
-
 
 @dataclass(frozen=True)
 class CompressionStats:
@@ -116,14 +112,6 @@ class CompressionStats:
     @property
     def bound(self) -> float:
         return self.bound_bytes / self.raw_bytes if self.raw_bytes else 1.0
-
-
-def is_compressed(path: str | os.PathLike) -> bool:
-    try:
-        with open(path, "rb") as fh:
-            return fh.read(len(MAGIC)) == MAGIC
-    except OSError:
-        return False
 
 
 def compress_file(src: str | os.PathLike, dst: str | os.PathLike, expert_id: str, *,
@@ -461,7 +449,3 @@ def decompress_file(src: str | os.PathLike, dst: str | os.PathLike, expert_id: s
     with open(dst, "wb") as out:
         out.write(header.prefix)
         out.write(buf.tobytes())
-
-
-def write_path_for(root: Path, expert_id: str) -> Path:
-    return root / (expert_id + SUFFIX)

@@ -40,7 +40,6 @@ _CODEC_OF_DTYPE = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
 #: bytes per element and sign+mantissa bits kept raw, per codec
 _WIDTH = {"bf16": 2, "fp16": 2, "fp32": 4, "raw": 1}
 _RAW_BITS = {"bf16": 8, "fp16": 8, "fp32": 24}
-_EXP_BITS = {"bf16": 8, "fp16": 5, "fp32": 8}
 _local = threading.local()
 
 
@@ -221,9 +220,6 @@ def bound_ratio(codec: str, hist: np.ndarray) -> float:
     """(raw bits + H) / width: (8+H)/16 for bf16 and fp16, (24+H)/32 for fp32."""
     return bound_bits(codec, hist) / (8 * _WIDTH[codec]) if codec != "raw" else 1.0
 
-
-def exponent_bits(codec: str) -> int:
-    return _EXP_BITS.get(codec, 0)
 
 
 def measure_decode_rate(nbytes: int = 32 << 20, *, chunk_bytes: int = 1 << 20, seed: int = 0,

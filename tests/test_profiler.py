@@ -246,3 +246,25 @@ def test_importing_profile_cli_first_has_no_cycle():
                                                          os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
     assert proc.returncode == 0, proc.stderr
+
+
+def test_lockstep_threads_start_together_and_the_first_error_reaches_the_caller():
+    import threading
+
+    from executors.lockstep import run_in_lockstep
+
+    seen, lock = [], threading.Lock()
+
+    def body(i, start):
+        start()
+        with lock:
+            seen.append(i)
+    run_in_lockstep(body, 3, "t")
+    assert sorted(seen) == [0, 1, 2]
+
+    def failing(i, start):
+        if i == 1:
+            raise ValueError("thread 1 broke")
+        start()                               # the others would wait forever without the abort
+    with pytest.raises(ValueError, match="thread 1 broke"):
+        run_in_lockstep(failing, 3, "t")
