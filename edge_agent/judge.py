@@ -1,6 +1,7 @@
 """Judge a replay: join the agent's verdicts with the recording's truth, compare with a baseline, gate.
 
-A recorded frame's truth is its classifier label (`truth` in the recording);
+A recorded frame's truth is its classifier label, or the class of the defect a
+later step (a detector) should find (`truth` in the recording);
 its true verdict is `pass` when that label is one of the classifier's pass
 labels and `defect` otherwise.  The report covers accuracy, a confusion per
 component type and per truth label, latency percentiles, and, against a
@@ -73,9 +74,14 @@ def true_verdict(model: CoEModel, component: str | None, truth: str | None) -> s
     if comp is None:
         return None
     expert = model.experts[comp.classifier]
-    if truth not in expert.classes:
-        return None                      # a label this classifier cannot say: not judged, never a silent defect
-    return "pass" if truth in expert.pass_labels else "defect"
+    if truth in expert.classes:
+        return "pass" if truth in expert.pass_labels else "defect"
+    # a defect a later step of the chain finds (a soldering defect on a part the classifier calls ok)
+    for label in expert.pass_labels:
+        nxt = expert.next.get(label)
+        if nxt is not None and truth in model.experts[nxt].classes:
+            return "defect"
+    return None                          # a label no step can say: not judged, never a silent defect
 
 
 def _verdicts(db: Path) -> dict[str, tuple[str, float | None]]:

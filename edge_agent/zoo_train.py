@@ -6,7 +6,8 @@ training set.  Classifiers that share an architecture, classes and input
 size share one network: it is trained once on all of their component types
 (a label looks alike across types: bare pads, a shifted body, another
 family's body), and each of those experts is written with it.  Per-expert
-fine-tuning of that base is the next step and not built yet.
+fine-tuning of that base is the next step and not built yet.  Detectors are
+trained one by one on soldering defects (`edge_agent.detector_train`).
 
 Training runs a fixed number of steps from a seeded generator, so a run is
 reproducible; BatchNorm statistics are recomputed at the end with the
@@ -14,7 +15,6 @@ network frozen (a short run leaves the running averages behind the weights,
 and eval-mode accuracy would collapse).  A group whose experts still hold
 exactly what the last training wrote is skipped (`.trained.json` in the
 store), so the demo trains on its first run and reuses the result after.
-Detectors are not trained here yet.
 """
 from __future__ import annotations
 
@@ -32,6 +32,7 @@ from storage.synthetic import LABELS, draw_component
 from executors.backends.base import IMAGENET_MEAN, IMAGENET_STD
 
 MARKER = ".trained.json"
+DETECTOR_STEPS = 300
 
 
 @dataclass(frozen=True)
@@ -41,6 +42,21 @@ class GroupResult:
     components: tuple[str, ...]
     steps: int
     heldout_accuracy: float
+    skipped: bool
+
+
+@dataclass(frozen=True)
+class DetectorResult:
+    """One trained detector: held-out recall at IoU >= 0.5 (all and per class) and false alarms on clean crops."""
+
+    arch: str
+    expert: str
+    components: tuple[str, ...]
+    steps: int
+    heldout_recall: float
+    recall_by_class: dict
+    false_alarm_rate: float
+    undrawable: tuple[str, ...]
     skipped: bool
 
 
@@ -113,11 +129,7 @@ def train_classifiers(model: CoEModel, store: ExpertStore, *, steps: int = 300, 
                       ) -> list[GroupResult]:
     """Train every torchvision classifier group of `model` and write its experts into `store`."""
     groups = _groups(model)               # a spec the frames cannot teach fails before anything is touched
-    marker_path = Path(store.root) / MARKER
-    try:
-        marker = json.loads(marker_path.read_text()) if marker_path.is_file() else {}
-    except (OSError, ValueError) as exc:
-        raise CoEError(f"{marker_path}: unreadable training record ({exc}); delete it to retrain") from None
+    marker_path, marker = _read_marker(store)
     results = []
     for (arch, classes, size), (experts, comps) in groups.items():
         recipe = {"steps": steps, "batch": batch, "seed": seed, "components": sorted(comps)}
@@ -136,4 +148,50 @@ def train_classifiers(model: CoEModel, store: ExpertStore, *, steps: int = 300, 
             marker[e.id] = {"sha256": entry.sha256, "recipe": recipe, "heldout_accuracy": round(acc, 4)}
         marker_path.write_text(json.dumps(marker, indent=1, sort_keys=True) + "\n")
         results.append(GroupResult(arch, tuple(e.id for e in experts), tuple(comps), steps, acc, False))
+    return results
+
+
+def _read_marker(store: ExpertStore) -> tuple[Path, dict]:
+    marker_path = Path(store.root) / MARKER
+    try:
+        return marker_path, (json.loads(marker_path.read_text()) if marker_path.is_file() else {})
+    except (OSError, ValueError) as exc:
+        raise CoEError(f"{marker_path}: unreadable training record ({exc}); delete it to retrain") from None
+
+
+def train_detectors(model: CoEModel, store: ExpertStore, *, steps: int = DETECTOR_STEPS, batch: int = 16,
+                    seed: int = 0, force: bool = False, frame_size: int = 64,
+                    progress: Callable[[str, int, int], None] | None = None) -> list[DetectorResult]:
+    """Train every ultralytics detector the classifiers hand ok parts to, and write it into `store`.
+
+    Each is scored on held-out crops through the serving backend; a detector
+    whose stored bytes are still what the last training wrote is skipped.
+    """
+    from .detector_train import evaluate, plans, train_detector
+
+    todo = plans(model)                   # a class that cannot be drawn fails before anything is touched
+    marker_path, marker = _read_marker(store)
+    results = []
+    for plan in todo:
+        e = plan.expert
+        recipe = {"steps": steps, "batch": batch, "seed": seed, "frame_size": frame_size,
+                  "pairs": sorted(map(list, plan.pairs)), "input_size": e.input_size}
+        rec = marker.get(e.id, {})
+        if (not force and store.has(e.id) and rec.get("sha256") == store.entry(e.id).sha256
+                and rec.get("recipe") == recipe):
+            results.append(DetectorResult(e.arch, e.id, plan.components, steps, rec["heldout_recall"],
+                                          rec["recall_by_class"], rec["false_alarm_rate"], plan.undrawable, True))
+            continue
+        tensors, _losses = train_detector(plan, steps=steps, batch=batch, seed=seed, frame_size=frame_size,
+                                 progress=(lambda s, i=e.id: progress(i, s, steps)) if progress else None)
+        score = evaluate(plan, tensors, seed=seed, frame_size=frame_size)
+        version = store.entry(e.id).version + 1 if store.has(e.id) else 1
+        entry = store.write(e, tensors, version=version)
+        marker[e.id] = {"sha256": entry.sha256, "recipe": recipe, "heldout_recall": round(score.recall, 4),
+                        "recall_by_class": score.recall_by_class(),
+                        "false_alarm_rate": round(score.false_alarm_rate, 4)}
+        marker_path.write_text(json.dumps(marker, indent=1, sort_keys=True) + "\n")
+        results.append(DetectorResult(e.arch, e.id, plan.components, steps, round(score.recall, 4),
+                                      score.recall_by_class(), round(score.false_alarm_rate, 4),
+                                      plan.undrawable, False))
     return results

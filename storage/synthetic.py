@@ -465,9 +465,43 @@ def _draw_silk(img: np.ndarray, silk: Silkscreen, centre: tuple[float, float], s
     _draw(img, silk.marks, centre, scale)
 
 
+@dataclass(frozen=True)
+class Scene:
+    """A replacement for a footprint's pads and body, plus shapes drawn over everything.
+
+    How `storage.solder` draws a soldering defect on an otherwise ok part
+    (a tombstoned body, a lifted lead, a bridge of solder).
+    """
+
+    pads: tuple[Shape, ...]
+    body: tuple[Shape, ...]
+    overlay: tuple[Shape, ...] = ()
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Where a drawing put the footprint in the output image: pixel = centre + unit * scale."""
+
+    cx: float
+    cy: float
+    scale: float
+
+    def box(self, x0: float, y0: float, x1: float, y1: float, size: int) -> tuple[float, float, float, float]:
+        """A box in unit coordinates as pixels (x1, y1, x2, y2), clipped to the `size` x `size` image."""
+        def px(v: float, c: float) -> float:
+            return float(min(max(c + v * self.scale, 0.0), size))
+        return (px(x0, self.cx), px(y0, self.cy), px(x1, self.cx), px(y1, self.cy))
+
+
 def draw_component(component: str, label: str, rng: np.random.Generator, size: int = 64, *,
-                   silk: bool = True) -> np.ndarray:
-    """A `size` x `size` x 3 uint8 RGB crop of `component` showing `label`.
+                   silk: bool = True, scene: Callable[[Footprint], Scene] | None = None) -> np.ndarray:
+    """A `size` x `size` x 3 uint8 RGB crop of `component` showing `label` (see `render`)."""
+    return render(component, label, rng, size, silk=silk, scene=scene)[0]
+
+
+def render(component: str, label: str, rng: np.random.Generator, size: int = 64, *,
+           silk: bool = True, scene: Callable[[Footprint], Scene] | None = None) -> tuple[np.ndarray, Placement]:
+    """A `size` x `size` x 3 uint8 RGB crop of `component` showing `label`, and where the part is.
 
     The type is visible (family colour and shape, package size, lead count, and
     the silkscreen printed round the footprint); the label changes the body
@@ -475,7 +509,9 @@ def draw_component(component: str, label: str, rng: np.random.Generator, size: i
     the board's silkscreen or pads; jitter in position, scale, brightness and
     noise makes every draw differ.  `silk=False` leaves the silkscreen out (a
     bare footprint); it draws no random numbers, so the rest of the picture is
-    the same for the same generator state.
+    the same for the same generator state.  `scene(footprint)` (only with
+    label ok) swaps the pads and body drawn and adds an overlay; it is called
+    after the position jitter is drawn, so it may draw random numbers itself.
     """
     if label not in LABELS:
         raise ValueError(f"label must be one of {', '.join(LABELS)}, got {label!r}")
@@ -483,6 +519,8 @@ def draw_component(component: str, label: str, rng: np.random.Generator, size: i
         raise ValueError(f"size must be an integer in 16..1024, got {size!r}")
     if not isinstance(component, str) or not component:
         raise ValueError(f"component must be a non-empty string, got {component!r}")
+    if scene is not None and label != "ok":
+        raise ValueError(f"a scene is drawn on an ok part, not on label {label!r}")
     fp = footprint(component)
     big = size * _SS
     scale = big * rng.uniform(0.95, 1.05)
@@ -493,7 +531,8 @@ def draw_component(component: str, label: str, rng: np.random.Generator, size: i
     cv2.rectangle(canvas, (0, 0), (big - 1, big - 1), bg, -1)  # ~15x faster than np.full here
     if silk:
         _draw_silk(canvas, silkscreen(component), centre, scale)  # printed on the board, under everything
-    _draw(canvas, fp.pads, centre, scale)
+    drawn = scene(fp) if scene is not None else Scene(fp.pads, fp.body)
+    _draw(canvas, drawn.pads, centre, scale)
 
     if label == "missing":
         # bare pads wetted with solder, each with a specular highlight
@@ -501,7 +540,7 @@ def draw_component(component: str, label: str, rng: np.random.Generator, size: i
         shine = tuple(Shape("circle", p.cx, p.cy, min(p.w, p.h) * 0.35, 0, (240, 240, 236)) for p in fp.pads)
         _draw(canvas, solder + shine, centre, scale)
     else:
-        body = fp.body
+        body = drawn.body
         if label == "wrong_part":
             others = sorted(f for f in _WRONG_PARTS if f != fp.family)
             body = footprint(_WRONG_PARTS[others[int(rng.integers(len(others)))]]).body
@@ -520,11 +559,14 @@ def draw_component(component: str, label: str, rng: np.random.Generator, size: i
             np.copyto(canvas, layer, where=(mask > 127)[:, :, None])
         else:
             _draw(canvas, body, centre, scale)
+            _draw(canvas, drawn.overlay, centre, scale)
 
     small = cv2.resize(canvas, (size, size), interpolation=cv2.INTER_AREA).astype(np.float32)
     small *= rng.uniform(0.94, 1.06)
     small += rng.normal(0.0, 3.0, small.shape)
-    return np.clip(small, 0, 255).astype(np.uint8)
+    # in edge coordinates (pixel i spans [i, i + 1)) big x + 0.5 shrinks to (x + 0.5) / SS
+    where = Placement((centre[0] + 0.5) / _SS, (centre[1] + 0.5) / _SS, scale / _SS)
+    return np.clip(small, 0, 255).astype(np.uint8), where
 
 
 # -- recordings --------------------------------------------------------------------
@@ -558,6 +600,27 @@ def _draw_label(model: CoEModel, component: str) -> tuple[list[str], np.ndarray,
     return labels, p / p.sum(), looks
 
 
+def _solder_defects(model: CoEModel, components: set[str]) -> dict[tuple[str, str], tuple[str, ...]]:
+    """(component, pass label) -> soldering defects its next detector knows and the part can show."""
+    from .solder import applicable
+
+    out: dict[tuple[str, str], tuple[str, ...]] = {}
+    for comp in components:
+        cls = model.experts[model.components[comp].classifier]
+        for label in cls.pass_labels:
+            nxt = cls.next.get(label)
+            if nxt is not None:
+                known = model.experts[nxt].classes
+                out[(comp, label)] = tuple(d for d in applicable(comp) if d in known)
+    return out
+
+
+def _draw_solder(component: str, defect: str, rng: np.random.Generator, size: int) -> np.ndarray:
+    from .solder import draw_solder_defect
+
+    return draw_solder_defect(component, defect, rng, size)[0]
+
+
 def encode_image(img: np.ndarray, encoding: str) -> bytes:
     """Encode an RGB uint8 image as a wire payload (png/jpeg via BGR, raw as plain bytes)."""
     if encoding == "raw":
@@ -576,15 +639,21 @@ def encode_image(img: np.ndarray, encoding: str) -> bytes:
 
 def record_synthetic(model: CoEModel, out: str | Path, frames: int, *, line: str, seed: int = 0,
                      size: int = 64, encoding: str = "png", omit_component: bool = False,
-                     boards_components: int = 40, overwrite: bool = False,
+                     boards_components: int = 40, overwrite: bool = False, solder_rate: float = 0.0,
                      progress: Callable[[int], None] | None = None) -> Path:
     """Write a recording of exactly `frames` frames, board after board in layout order.
 
     Every board of the recording shares one seeded layout.  Each frame's pixels
     and truth label come from a generator seeded by (seed, frame index), so the
     same seed gives byte-identical output and a longer recording starts with
-    the frames of a shorter one.
+    the frames of a shorter one.  With `solder_rate` > 0, that share of the
+    frames whose part is ok shows a soldering defect instead (`storage.solder`),
+    drawn from the classes of the detector the classifier hands ok parts to;
+    the truth is then the defect's name.  At 0 no extra random number is drawn,
+    so older recordings stay byte-identical.
     """
+    if not isinstance(solder_rate, (int, float)) or isinstance(solder_rate, bool) or not 0 <= solder_rate <= 1:
+        raise ValueError(f"solder_rate must be a number in 0..1, got {solder_rate!r}")
     if not isinstance(frames, int) or isinstance(frames, bool) or frames < 0:
         raise ValueError(f"frames must be a non-negative integer, got {frames!r}")
     if not isinstance(seed, int) or isinstance(seed, bool) or seed < 0:
@@ -595,6 +664,7 @@ def record_synthetic(model: CoEModel, out: str | Path, frames: int, *, line: str
         raise ValueError(f"encoding must be one of {', '.join(_EXTENSIONS)}, got {encoding!r}")
     layout = board_layout(model, boards_components, np.random.default_rng([seed, 0]))
     draws = {c: _draw_label(model, c) for c in set(layout)}
+    solder = _solder_defects(model, set(layout)) if solder_rate > 0 else {}
     width = max(3, len(str(len(layout))))
     out = Path(out)
     with RecordingWriter(out, overwrite=overwrite) as writer:
@@ -604,7 +674,12 @@ def record_synthetic(model: CoEModel, out: str | Path, frames: int, *, line: str
             rng = np.random.default_rng([seed, 1, i])
             labels, p, looks = draws[comp]
             truth = labels[int(rng.choice(len(labels), p=p))]
-            img = draw_component(comp, looks[truth], rng, size)
+            defects = solder.get((comp, truth), ())
+            if defects and rng.random() < solder_rate:
+                truth = defects[int(rng.integers(len(defects)))]
+                img = _draw_solder(comp, truth, rng, size)
+            else:
+                img = draw_component(comp, looks[truth], rng, size)
             board_id = f"B{board + 1:06d}"
             header: dict = {"v": 1, "frame_id": f"{line}-{board_id}-{pos + 1:0{width}d}", "line": line,
                             "board_id": board_id}
