@@ -37,10 +37,12 @@ from . import protocol as P
 from .config import ExecutorConfig, LineConfig, endpoint_parts
 from .ingest import Accepted, Ingest, check_frame, route_learned
 from .metrics import Metrics
+from .status_model import DefectEntry, Health, StatusModel, StatusSources
 from .writer import ResultWriter
 
 if TYPE_CHECKING:
     from .llm_service import LLMService
+    from .status_server import StatusServer
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +52,7 @@ class _InFlight:
     frame: Frame
     chain: list[str] = field(default_factory=list)
     versions: dict[str, int | None] = field(default_factory=dict)   # expert -> store version that ran
+    steps: list[dict] = field(default_factory=list)   # each step's expert, output and version (for the page)
 
 
 @dataclass(frozen=True)
@@ -110,6 +113,7 @@ class Agent:
         self.metrics_port: int | None = None
         self._started = False
         self._closing = False
+        self.phase = "created"       # created -> starting -> serving -> stopping -> stopped (for /api/health)
 
         self.profile = Profile.load(cfg.scheduler.profile) if Path(cfg.scheduler.profile).is_file() else None
         self.slots = self._plan_executors()
@@ -154,6 +158,14 @@ class Agent:
         self._by_name = {e.name: e for e in self.executors}
         self.metrics.watch_pools(self._all_pools)
         self.metrics.registry.register(_SchedulerCollector(cfg.line, self.scheduler))
+        self.status = StatusModel(StatusSources(
+            line=cfg.line, registry=self.metrics.registry, pools=self._all_pools, queue_depths=self._queue_depths,
+            executors={s.name: s.ex.device for s in self.slots}, health=self.health,
+            llm_experts=frozenset(self.llm_layout.ids()) if self.llm_layout is not None else None,
+            llm_model=self.llm_layout.model if self.llm_layout is not None else None))
+        self.status_server: "StatusServer | None" = None
+        # thumbnails exist for the status page and /api/frames; none are kept without it
+        self.thumbnails = cfg.metrics.thumbnails if cfg.metrics.enabled else 0
         n = len(self.slots)
         self.threads = min((s.ex.threads or max(1, (os.cpu_count() or 1) // n)) for s in self.slots)
 
@@ -299,18 +311,19 @@ class Agent:
         torch.set_num_threads(self.threads)
         cv2.setNumThreads(1)
         cfg = self.cfg
+        self.phase = "starting"
         router_sock = self._socket(zmq.ROUTER, cfg.ingest, "ingest")
         pub_sock = self._socket(zmq.PUB, cfg.publish, "publish")
         self.journal = ResultStore(cfg.db_path, synchronous="FULL")
         self.writer = ResultWriter(str(cfg.db_path), pub_sock, cfg.line, batch_rows=cfg.writer.batch_rows,
                                    flush_ms=cfg.writer.flush_ms, on_committed=self._on_committed,
                                    retention_days=cfg.retention.days, keep_verdicts=cfg.retention.keep_verdicts,
-                                   retention_interval=cfg.retention.interval_s)
+                                   retention_interval=cfg.retention.interval_s, keep_thumbnails=self.thumbnails)
         self.ingest = Ingest(router_sock, self.journal, line=cfg.line, router=self.router,
                              max_payload=cfg.max_payload_bytes, metrics=self.metrics,
                              on_accepted=self._submit_accepted, free_slots=self._free_slots)
         if cfg.metrics.enabled:
-            self.metrics_port = self.metrics.serve(cfg.metrics.bind, cfg.metrics.port)
+            self.metrics_port = self._serve_status()
         self.writer.start()
         if cfg.scheduler.initialize:
             loaded = self._initialize()
@@ -328,10 +341,53 @@ class Agent:
                                         interval=cfg.store_poll_s).start()
         self.ingest.start()
         self._started = True
+        self.phase = "serving"
         log.info("line %s agent up: ingest %s, publish %s, %d executor(s), metrics %s", cfg.line,
                  self.endpoints["ingest"], self.endpoints["publish"], len(self.executors),
                  self.metrics_port or "off")
         return self
+
+    def _serve_status(self) -> int:
+        """/metrics, the status page and the read-only API on the metrics port; returns the bound port."""
+        from .status_server import StatusServer
+
+        m = self.cfg.metrics
+        self.status.start()
+        try:
+            self.status_server = StatusServer(m.bind, m.port, registry=self.metrics.registry, model=self.status,
+                                              db_path=self.cfg.db_path, token=m.token, health=self.health).start()
+        except OSError as exc:
+            self.status.stop()
+            raise OSError(f"metrics port {m.bind}:{m.port}: {exc.strerror or exc} "
+                          "(is another agent running on it?)") from None
+        return self.status_server.port
+
+    def health(self) -> Health:
+        """Ready to take frames, or why not: starting or stopping, a dead thread, saturation.
+
+        Experts that failed to load and retried result writes are warnings: the
+        agent still serves, and the frames they touch get error verdicts.
+        """
+        reasons: list[str] = []
+        if self.phase != "serving":
+            reasons.append({"created": "not started", "starting": "starting: filling the pools",
+                            "stopping": "stopping: draining in-flight frames"}.get(self.phase, self.phase))
+        else:
+            reasons += [f"{d} is not running" for d in self.dead_threads()]
+        with self._lock:
+            inflight = len(self._inflight)
+        if inflight >= self.cfg.max_inflight:
+            reasons.append(f"saturated: {inflight} frames in flight (max_inflight {self.cfg.max_inflight}); "
+                           "new frames are acked busy")
+        warnings = [f"expert {e} failed: {why}" for e, why in sorted(self.failed.all().items())]
+        writer = getattr(self, "writer", None)
+        if writer is not None and writer.failures:
+            warnings.append(f"result writes failed {writer.failures} time(s) and were retried")
+        return Health(ready=not reasons, reasons=reasons, warnings=warnings, inflight=inflight,
+                      max_inflight=self.cfg.max_inflight)
+
+    def _queue_depths(self) -> dict[str, int]:
+        return {name: len(self.scheduler.queued_experts(name)) for name in self._by_name}
 
     def _start_llm(self) -> "LLMService":
         """The LLM on the pool of `llm_slot`, serving /v1/completions."""
@@ -343,6 +399,13 @@ class Agent:
         name = slot.name
         pm = load_pooled(llm.store, memory=self.pools[name].capacity, device=slot.ex.device,
                          shared_pool=self.pools[name], verify=self.cfg.expert_verify)
+        first = self.llm_layout.layers[0].layer
+        status = self.status
+
+        def count_token(layer: int, probs, chosen) -> None:
+            if layer == first:    # one forward pass per generated token, each calls the first router once
+                status.token()
+        pm.tap.listen(count_token)
         service = LLMService(pm, bind=llm.bind, port=llm.port, default_tokens=llm.max_tokens,
                              limit=llm.max_tokens_limit, max_waiting=llm.max_waiting).start()
         self.endpoints["llm"] = f"http://{llm.bind}:{service.port}/v1/completions"
@@ -398,6 +461,7 @@ class Agent:
             self.ctx.term()
             return True
         self._started = False
+        self.phase = "stopping"
         self.ingest.stop()
         if getattr(self, "store_watch", None) is not None:
             self.store_watch.stop()
@@ -412,7 +476,10 @@ class Agent:
             pool.close()                      # their evict events still reach expert_events
         self.writer.stop()
         self.journal.close()
-        self.metrics.close()
+        if self.status_server is not None:
+            self.status_server.close()
+        self.status.stop()
+        self.phase = "stopped"
         if getattr(self, "_auth", None) is not None:
             self._auth.stop()
         stuck = [t for t in (*self.executors, self.writer) if t.alive()]
@@ -503,7 +570,9 @@ class Agent:
     def _on_batch(self, result: BatchResult) -> None:
         b = result.batch
         self.metrics.batch_size.observe(len(b))
+        self.status.batch(result.executor, len(b))
         if result.error is not None:
+            self.status.error(result.error_kind or "executor", len(b.requests))
             for req in b.requests:
                 self.writer.put_error({"frame_id": req.frame.frame_id, "kind": result.error_kind,
                                        "message": result.error, "at": time.time()})
@@ -517,6 +586,7 @@ class Agent:
                                        "started_at": result.started_at, "expert_version": result.expert_version})
             flight = self._flight(req.frame)
             flight.versions[b.expert_id] = result.expert_version
+            flight.steps.append({"expert_id": b.expert_id, "output": out.to_json(), "version": result.expert_version})
             decision = decide(self.model, b.expert_id, out)
             if decision.next_expert is not None:
                 flight.chain.append(b.expert_id)
@@ -536,9 +606,22 @@ class Agent:
             with self._lock:
                 self._inflight[flight.frame.frame_id] = flight
         now = time.time()
-        self.writer.put_verdict({"frame_id": flight.frame.frame_id, "verdict": verdict, "reason": reason,
-                                 "decided_at": now, "latency_ms": (now - flight.frame.received_at) * 1000.0,
-                                 "chain": json.dumps(flight.chain), "versions": json.dumps(flight.versions)})
+        frame = flight.frame
+        thumb = self._defect(flight, reason, now) if verdict == "defect" and self.thumbnails else None
+        self.writer.put_verdict({"frame_id": frame.frame_id, "verdict": verdict, "reason": reason,
+                                 "decided_at": now, "latency_ms": (now - frame.received_at) * 1000.0,
+                                 "chain": json.dumps(flight.chain), "versions": json.dumps(flight.versions),
+                                 "component": frame.component or None, "board_id": frame.board_id}, thumb)
+
+    def _defect(self, flight: _InFlight, reason: str, now: float) -> dict | None:
+        """A defect for the status page, and its thumbnail row for the writer (None when it has no image)."""
+        from .thumbnails import MIME, make_thumbnail
+
+        frame = flight.frame
+        data = make_thumbnail(frame.image)
+        self.status.defect(DefectEntry(frame.frame_id, frame.board_id, frame.component or "", reason, now,
+                                       list(flight.steps), data is not None))
+        return None if data is None else {"frame_id": frame.frame_id, "mime": MIME, "data": data, "at": now}
 
     def _on_committed(self, verdicts: list[dict], stored: set[str]) -> None:
         """Called by the writer after commit; a verdict not in `stored` already existed (idempotent)."""
@@ -550,6 +633,8 @@ class Agent:
                     self.metrics.frame_latency.observe(v["latency_ms"] / 1000.0)
             self.verdicts_total += len(stored)
             self._lock.notify_all()
+        self.status.verdicts([v["latency_ms"] / 1000.0 for v in verdicts if v["frame_id"] in stored])
+        self.status.committed([v["frame_id"] for v in verdicts if v["verdict"] == "defect"], stored)
 
     def _on_pool_event(self, e: PoolEvent, executor: str | None) -> None:
         """A pool loaded, evicted or admitted an expert: demote GPU victims, unbind, refresh costs, record.
@@ -565,5 +650,8 @@ class Agent:
         if scheduler is not None:   # where the expert lives changed: queued groups' switch costs follow
             scheduler.refresh(e.expert_id, executor)
         self.metrics.expert_event(e.tier, e.event, e.seconds)
+        status = getattr(self, "status", None)
+        if status is not None:
+            status.pool_event(executor or "host", e)
         self.writer.put_event({"expert_id": e.expert_id, "tier": e.tier, "event": e.event, "nbytes": e.nbytes,
                                "seconds": e.seconds, "at": e.at})

@@ -354,6 +354,13 @@ def summary(co: list[dict], loads: tuple[float, ...] = ()) -> list[str]:
 
 
 def plot(results: dict[str, list[dict]], path: Path, title: str) -> Path:
+    """Throughput per workload and system, as grouped bars.
+
+    The title is wrapped to the figure's width (a profile's source note is long)
+    and the legend sits below the axes, so neither is cut off nor covers a bar.
+    """
+    import textwrap
+
     import matplotlib
 
     matplotlib.use("Agg")
@@ -361,16 +368,20 @@ def plot(results: dict[str, list[dict]], path: Path, title: str) -> Path:
 
     workloads = list(results)
     systems = [r["system"] for r in results[workloads[0]]]
-    fig, ax = plt.subplots(figsize=(2 + 1.6 * len(workloads) * max(1, len(systems) / 4), 4.5))
+    width_in = max(6.0, 2 + 1.6 * len(workloads) * max(1, len(systems) / 4))
+    ncol = max(1, min(len(systems), int(width_in * 1.1)))
+    legend_rows = -(-len(systems) // ncol)
+    lines = textwrap.wrap(title, width=max(30, int(width_in * 72 / (9 * 0.6))))
+    fig, ax = plt.subplots(figsize=(width_in, 4.2 + 0.16 * len(lines) + 0.2 * legend_rows), layout="constrained")
     width = 0.8 / len(systems)
+    colors = plt.get_cmap("tab10" if len(systems) <= 10 else "tab20").colors   # one colour per system
     for i, s in enumerate(systems):
         ys = [next(r["throughput"] for r in results[w] if r["system"] == s) for w in workloads]
-        ax.bar([j + i * width for j in range(len(workloads))], ys, width, label=s)
+        ax.bar([j + i * width for j in range(len(workloads))], ys, width, label=s, color=colors[i % len(colors)])
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(workloads))], workloads)
     ax.set_ylabel("throughput (frames/s)")
-    ax.set_title(title, fontsize=9)
-    ax.legend(fontsize=7, ncol=2)
-    fig.tight_layout()
+    ax.set_title("\n".join(lines), fontsize=9, loc="left")
+    fig.legend(loc="outside lower center", ncol=ncol, fontsize=7, frameon=False)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -107,7 +107,7 @@ def bench(workload: str, sim: bool, profile_path: str | None, policies: str, ini
         factor = min(comp.load_factors(prof).values(), default=1.0)
         compared = {wl: B.compare(rows[wl], packed[wl], factor) for wl in rows}
     mean_decision = B.overhead(prof)
-    png = B.plot(rows, out_dir / "bench-throughput.png", f"simulation on profile: {prof.source[:90]}")
+    png = B.plot(rows, out_dir / "bench-throughput.png", f"simulation on profile: {prof.source}")
     if not as_json:
         click.echo(f"simulation (virtual clock, profiled costs) on profile: {prof.source}")
         if comp is not None:

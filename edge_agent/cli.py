@@ -118,7 +118,7 @@ def demo(line: str, config_path: str | None, frames: int, seed: int, rate: float
       coe-agent demo --line A --seed 1          # a held-out recording
       coe-agent demo --line A --frames 2000 --rate 250 --json
     """
-    from .demo import format_summary, run_demo, summary_json
+    from .demo import format_summary, results_command, run_demo, summary_json
 
     cfg = _config(line, config_path)
     model = load_spec(cfg.spec_path)
@@ -126,6 +126,7 @@ def demo(line: str, config_path: str | None, frames: int, seed: int, rate: float
                       recording=Path(recording) if recording else None, train=not no_train)
     click.echo(f"\ncoe-edge demo, line {cfg.line} (real run on {'/'.join(e.device for e in cfg.executors)}):")
     click.echo(format_summary(result.summary))
+    click.echo(f"\nits verdicts: {results_command(cfg, config_path)}")
     if as_json:
         click.echo(summary_json(result.summary))
     if not result.ok:
@@ -421,41 +422,70 @@ def _judge_replay(rec, cfg, db: Path, baseline_db: str | None, report_dir: str, 
 @click.option("--verdict", type=click.Choice(["pass", "defect", "error"]), help="Only this verdict.")
 @click.option("--board", help="Only this board_id.")
 @click.option("--component", help="Only this component type.")
-@click.option("--limit", default=20, show_default=True)
+@click.option("--since", help="Only verdicts decided at or after this time (epoch seconds or ISO 8601).")
+@click.option("--limit", default=20, show_default=True, help="Rows per page (1..1000).")
+@click.option("--next", "cursor", help="Start after this cursor (printed under a full page; as the API's `next`).")
 @click.option("--db", type=click.Path(dir_okay=False), help="Database file (default: the config's results_db).")
 @click.option("--json", "as_json", is_flag=True, help="One JSON object per line.")
 @_fail_clearly
 def results(line: str, config_path: str | None, verdict: str | None, board: str | None, component: str | None,
-            limit: int, db: str | None, as_json: bool) -> None:
+            since: str | None, limit: int, cursor: str | None, db: str | None, as_json: bool) -> None:
     """Query verdicts from the line's results database, newest first.
+
+    The same query as the status page's /api/verdicts (storage.queries), so
+    both list the same rows for the same filters.  Before the line's agent has
+    run, the demo's database (written by `coe-agent demo`) is used, and said so.
 
     \b
     Example:
       coe-agent results --line A --verdict defect --limit 10
       coe-agent results --line A --board B000003 --json
+      coe-agent results --line A --since 2025-01-31T06:00:00 --component R0402
     """
+    from storage.queries import QueryError, VerdictQuery, parse_cursor, parse_since, query_verdicts
     from storage.results import ResultStore
 
-    path = Path(db) if db else _config(line, config_path).db_path
+    path = Path(db) if db else _line_results_db(_config(line, config_path))
+    try:
+        q = VerdictQuery(verdict=verdict, component=component, board=board,
+                         since=parse_since(since) if since is not None else None, limit=limit,
+                         after=parse_cursor(cursor) if cursor else None)
+    except QueryError as exc:
+        raise click.BadParameter(exc.message, param_hint=f"'--{exc.param}'") from None
     rs = ResultStore(path, readonly=True)
     try:
-        rows = rs.query_verdicts(verdict=verdict, board=board, component=component, limit=limit)
+        page = query_verdicts(rs.db.conn, q)
     finally:
         rs.close()
     if as_json:
-        for r in rows:
+        for r in page.rows:
             click.echo(json.dumps(r))
         return
-    if not rows:
+    if not page.rows:
         click.echo("no verdicts match")
         return
     cols = ("frame_id", "board_id", "component", "verdict", "latency_ms", "reason")
-    table = [[r["frame_id"], r["board_id"], r["component"] or "", r["verdict"], f"{r['latency_ms']:.1f}",
-              r["reason"]] for r in rows]
+    table = [[r["frame_id"], r["board_id"] or "", r["component"] or "", r["verdict"],
+              f"{r['latency_ms']:.1f}" if r["latency_ms"] is not None else "", r["reason"] or ""] for r in page.rows]
     widths = [max(len(c), *(len(str(t[i])) for t in table)) for i, c in enumerate(cols)]
     click.echo("  ".join(c.ljust(w) for c, w in zip(cols, widths)))
     for t in table:
         click.echo("  ".join(str(v).ljust(w) for v, w in zip(t, widths)))
+    if page.next:
+        click.echo(f"more: add --next {page.next}", err=True)
+
+
+def _line_results_db(cfg: LineConfig) -> Path:
+    """The line's results database; before the agent has run there, the demo's (with a note on stderr)."""
+    path = cfg.db_path
+    if not path.is_file():
+        from .demo import demo_db_path
+
+        demo = demo_db_path(cfg)
+        if demo.is_file():
+            click.echo(f"(no results in {path} yet: showing the demo's, {demo})", err=True)
+            return demo
+    return path
 
 
 from .experts_cli import experts  # noqa: E402
@@ -496,7 +526,21 @@ def keys_generate(name: str, out: str) -> None:
     click.echo(f"public: {public}\nsecret: {secret}")
 
 
+def quiet_third_party(env=None) -> None:
+    """Keep libraries' chatter off the terminal: ultralytics' settings-file notes, its online checks.
+
+    Set at the start of the command, before anything imports ultralytics (it
+    reads these when first imported); a variable already set wins.
+    """
+    import os
+
+    env = os.environ if env is None else env
+    env.setdefault("YOLO_VERBOSE", "False")
+    env.setdefault("YOLO_OFFLINE", "1")
+
+
 def main() -> None:
+    quiet_third_party()
     cli(prog_name="coe-agent")
 
 

@@ -129,9 +129,15 @@ class RoutingConfig(_Strict):
 
 
 class MetricsConfig(_Strict):
+    """The agent's HTTP port: Prometheus `/metrics`, the status page at `/` and its read-only JSON API."""
+
     enabled: bool = True
-    bind: str = "127.0.0.1"
+    bind: str = Field("127.0.0.1", description="where /metrics, the status page and /api/* listen")
     port: int = Field(9105, ge=0, le=65535, description="0 picks a free port")
+    token: str | None = Field(None, min_length=16, description="when set, every request must present it "
+                                                               "(Authorization: Bearer, or ?token= for a browser)")
+    thumbnails: int = Field(2000, ge=0, description="defect thumbnails kept at most (oldest go first; "
+                                                    "retention.days prunes them too); 0: none stored")
 
 
 class LLMConfig(_Strict):

@@ -87,6 +87,23 @@ def ensure_recording(cfg: LineConfig, model: CoEModel, frames: int, seed: int, *
     return out
 
 
+def demo_db_path(cfg: LineConfig) -> Path:
+    """Where the demo's agent writes: apart from the line's own database, which a demo never touches."""
+    return Path(cfg.data_dir) / "demo" / "results.db"
+
+
+def results_command(cfg: LineConfig, config_path: str | None = None) -> str:
+    """The exact `coe-agent results` command that lists the demo's verdicts.
+
+    Without --db while the line's own database does not exist yet (`results`
+    then falls back to the demo's); with it once the line has run.
+    """
+    cmd = f"coe-agent results --line {cfg.line}" + (f" --config {config_path}" if config_path else "")
+    if Path(cfg.results_db).is_file():
+        cmd += f" --db {demo_db_path(cfg)}"
+    return cmd + " --verdict defect --limit 10"
+
+
 @dataclass
 class DemoResult:
     summary: dict
@@ -120,18 +137,18 @@ def run_demo(cfg: LineConfig, model: CoEModel, *, frames: int = 600, seed: int =
         ensure_trained(cfg, model, quiet=quiet)
     rec_dir = recording or ensure_recording(cfg, model, frames, seed, quiet=quiet)
     rec = Recording(rec_dir)
-    demo_dir = Path(cfg.data_dir) / "demo"
-    if demo_dir.exists():
-        shutil.rmtree(demo_dir)  # each demo run starts from an empty database
+    demo_db = demo_db_path(cfg)
+    if demo_db.parent.exists():
+        shutil.rmtree(demo_db.parent)  # each demo run starts from an empty database
     cfg = cfg.model_copy(update={
-        "results_db": str(demo_dir / "results.db"),
+        "results_db": str(demo_db),
         "ingest": "router+bind:tcp://127.0.0.1:*",
         "publish": "pub+bind:tcp://127.0.0.1:*",
         "metrics": cfg.metrics.model_copy(update={"port": 0}),
     })
     agent = Agent(cfg, model).start()
     stage(f"agent up: ingest {agent.endpoints['ingest']}, publish {agent.endpoints['publish']}, "
-          f"metrics http://127.0.0.1:{agent.metrics_port}/metrics", quiet)
+          f"status page http://127.0.0.1:{agent.metrics_port}/ (metrics at /metrics)", quiet)
     published = [0]
     stop_sub = threading.Event()
     sub_ready = threading.Event()

@@ -1,7 +1,11 @@
-"""Prometheus metrics of one agent, on a registry of its own (no global state)."""
+"""Prometheus metrics of one agent, on a registry of its own (no global state).
+
+They are served, with the status page, by `edge_agent.status_server` on the
+metrics port; the status page samples the same registry, so the two agree.
+"""
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 
@@ -24,7 +28,6 @@ class Metrics:
         self.frame_latency = Histogram("coe_frame_latency_seconds", "Receive-to-verdict latency", ["line"],
                                        buckets=(.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30), registry=r).labels(**lab)
         self.line = line
-        self._server = None
 
     def reject(self, reason: str) -> None:
         self._rejects.labels(self.line, reason).inc()
@@ -42,17 +45,6 @@ class Metrics:
     def watch_pools(self, pools) -> None:
         """Export every tier pool's counters at scrape time (`pools()` -> {name: Pool})."""
         self.registry.register(_PoolCollector(self.line, pools))
-
-    def serve(self, bind: str, port: int) -> int:
-        """Start the /metrics endpoint; returns the bound port (useful when port is 0)."""
-        self._server, _thread = start_http_server(port, addr=bind, registry=self.registry)
-        return self._server.server_port
-
-    def close(self) -> None:
-        if self._server is not None:
-            self._server.shutdown()
-            self._server.server_close()
-            self._server = None
 
 
 class _PoolCollector:

@@ -27,9 +27,10 @@ class _Pending:
     verdicts: list[dict] = field(default_factory=list)
     errors: list[dict] = field(default_factory=list)
     events: list[dict] = field(default_factory=list)
+    thumbnails: list[dict] = field(default_factory=list)
 
     def __len__(self) -> int:
-        return len(self.inferences) + len(self.verdicts) + len(self.errors) + len(self.events)
+        return len(self.inferences) + len(self.verdicts) + len(self.errors) + len(self.events) + len(self.thumbnails)
 
 
 class ResultWriter:
@@ -38,7 +39,8 @@ class ResultWriter:
     def __init__(self, db_path: str, pub: zmq.Socket, line: str, *, batch_rows: int = 512,
                  flush_ms: float = 50.0, on_committed: Callable[[list[dict], set[str]], None] | None = None,
                  retention_days: float | None = None, keep_verdicts: bool = True,
-                 retention_interval: float = 3600.0) -> None:
+                 retention_interval: float = 3600.0, keep_thumbnails: int | None = None,
+                 first_prune_s: float = 5.0) -> None:
         self._db_path, self._pub, self._line = db_path, pub, line.encode()
         self._batch_rows, self._flush_s = batch_rows, flush_ms / 1000.0
         self._q: queue.Queue = queue.Queue()
@@ -46,7 +48,8 @@ class ResultWriter:
         self._thread = threading.Thread(target=self._loop, name="result-writer", daemon=True)
         self._stop = threading.Event()
         self._retention = (retention_days, keep_verdicts, retention_interval)
-        self._next_prune = time.monotonic() + 5.0   # first prune soon after start, then every interval
+        self._keep_thumbnails = keep_thumbnails
+        self._next_prune = time.monotonic() + first_prune_s   # first prune soon after start, then every interval
         self.pruned: dict[str, int] = {}
         self.failures = 0
         self.gave_up = 0
@@ -58,8 +61,13 @@ class ResultWriter:
     def put_inference(self, row: dict) -> None:
         self._q.put(("inferences", row))
 
-    def put_verdict(self, row: dict) -> None:
-        self._q.put(("verdicts", row))
+    def put_verdict(self, row: dict, thumbnail: dict | None = None) -> None:
+        """A verdict, with a defect's thumbnail (`frame_id`, `mime`, `data`, `at`) when there is one.
+
+        Both commit in one transaction, so a verdict the page lists always has
+        its thumbnail, and retention prunes the thumbnail with the other rows.
+        """
+        self._q.put(("verdicts", row) if thumbnail is None else ("verdict+thumbnail", (row, thumbnail)))
 
     def put_error(self, row: dict) -> None:
         self._q.put(("errors", row))
@@ -87,7 +95,11 @@ class ResultWriter:
                         kind, row = self._q.get(timeout=max(left, 0.0)) if left > 0 else self._q.get_nowait()
                     except queue.Empty:
                         break
-                    getattr(pending, kind).append(row)
+                    if kind == "verdict+thumbnail":
+                        pending.verdicts.append(row[0])
+                        pending.thumbnails.append(row[1])
+                    else:
+                        getattr(pending, kind).append(row)
                 if pending:
                     self._flush(store, pending)
                 elif self._stop.is_set() and self._q.empty():
@@ -121,7 +133,8 @@ class ResultWriter:
         while True:  # frames are journaled, so retrying (not dropping) is always safe
             try:
                 stored = set(store.write(inferences=p.inferences, verdicts=p.verdicts, errors=p.errors,
-                                         events=p.events))
+                                         events=p.events, thumbnails=p.thumbnails,
+                                         keep_thumbnails=self._keep_thumbnails))
                 break
             except Exception as exc:  # noqa: BLE001 - a locked or full disk must not kill the writer
                 attempt += 1

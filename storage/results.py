@@ -9,7 +9,6 @@ makes an ack mean the frame survives a power cut, not only a crash.
 from __future__ import annotations
 
 import contextlib
-import json
 import os
 import sqlite3
 from collections.abc import Iterable, Sequence
@@ -20,6 +19,15 @@ from typing import Any
 import sqlite_utils
 
 SCHEMA_VERSION = 1
+
+# name -> columns; each equality filter of a verdict query leads one, decision time follows (newest first)
+VERDICT_INDEXES = {
+    "idx_verdicts_decided": ("decided_at",),
+    "idx_verdicts_verdict_decided": ("verdict", "decided_at"),
+    "idx_verdicts_component_decided": ("component", "decided_at"),
+    "idx_verdicts_board_decided": ("board_id", "decided_at"),
+    "idx_verdicts_verdict_component_decided": ("verdict", "component", "decided_at"),
+}
 
 
 @dataclass(frozen=True)
@@ -100,18 +108,42 @@ class ResultStore:
                 db["inferences"].create_index(["frame_id"])
             if "verdicts" not in db.table_names():
                 db["verdicts"].create({"frame_id": str, "verdict": str, "reason": str, "decided_at": float,
-                                       "latency_ms": float, "chain": str, "versions": str}, pk="frame_id")
-                db["verdicts"].create_index(["verdict"])
+                                       "latency_ms": float, "chain": str, "versions": str, "component": str,
+                                       "board_id": str}, pk="frame_id")
             # databases from before expert versions were recorded gain the columns (rows before: NULL)
             for table, column, kind in (("inferences", "expert_version", int), ("verdicts", "versions", str)):
                 if column not in db[table].columns_dict:
                     db[table].add_column(column, kind)
+            self._denormalize_verdicts()
+            # every filter of `storage.queries.query_verdicts` leads one of these, newest first after it
+            for name, cols in VERDICT_INDEXES.items():
+                db.execute(f"CREATE INDEX IF NOT EXISTS {name} ON verdicts ({', '.join(cols)})")
+            if "thumbnails" not in db.table_names():
+                db["thumbnails"].create({"id": int, "frame_id": str, "mime": str, "data": bytes, "at": float},
+                                        pk="id")
+                db["thumbnails"].create_index(["frame_id"], unique=True)
+                db["thumbnails"].create_index(["at"])
             if "errors" not in db.table_names():
                 db["errors"].create({"id": int, "frame_id": str, "kind": str, "message": str, "at": float},
                                     pk="id")
             if "expert_events" not in db.table_names():
                 db["expert_events"].create({"id": int, "expert_id": str, "tier": str, "event": str,
                                             "nbytes": int, "seconds": float, "at": float}, pk="id")
+
+    def _denormalize_verdicts(self) -> None:
+        """Verdicts carry their frame's component and board, so each filter is one index range.
+
+        A database from before gains the two columns, filled from `frames` once.
+        """
+        cols = self.db["verdicts"].columns_dict
+        if "component" in cols and "board_id" in cols:
+            return
+        for column in ("component", "board_id"):
+            if column not in cols:
+                self.db["verdicts"].add_column(column, str)
+        self.db.execute("UPDATE verdicts SET "
+                        "component = (SELECT f.component FROM frames f WHERE f.frame_id = verdicts.frame_id), "
+                        "board_id = (SELECT f.board_id FROM frames f WHERE f.frame_id = verdicts.frame_id)")
 
     # -- ingest side ----------------------------------------------------------
     def journal(self, entries: Sequence[JournalEntry], errors: Iterable[dict] = ()) -> list[bool]:
@@ -164,11 +196,16 @@ class ResultStore:
 
     # -- result writer side -----------------------------------------------------
     def write(self, *, inferences: Sequence[dict] = (), verdicts: Sequence[dict] = (),
-              errors: Sequence[dict] = (), events: Sequence[dict] = ()) -> list[str]:
+              errors: Sequence[dict] = (), events: Sequence[dict] = (), thumbnails: Sequence[dict] = (),
+              keep_thumbnails: int | None = None) -> list[str]:
         """Store one batch of results in one transaction.
 
         Verdicts are idempotent by frame_id: a frame that already has one keeps
-        it.  Returns the frame_ids whose verdict this call stored.
+        it.  A verdict row without `component`/`board_id` gets its frame's.
+        Thumbnails (`frame_id`, `mime`, `data`, `at`) are stored only with a
+        verdict this call stores, and at most `keep_thumbnails` stay (the
+        oldest go first), so their disk use is bounded between prunes.
+        Returns the frame_ids whose verdict this call stored.
         """
         stored: list[str] = []
         with self._write_txn():
@@ -181,6 +218,7 @@ class ResultStore:
                     if v["frame_id"] not in have:
                         have.add(v["frame_id"])
                         new.append(v)
+                self._fill_frame_fields(new)
                 if new:
                     self.db["verdicts"].insert_all(new, batch_size=500)
                     stored = [v["frame_id"] for v in new]
@@ -193,7 +231,28 @@ class ResultStore:
                 self.db["errors"].insert_all(errors, batch_size=500)
             if events:
                 self.db["expert_events"].insert_all(events, batch_size=500)
+            keep = set(stored)
+            thumbs = [t for t in thumbnails if t["frame_id"] in keep]
+            if thumbs and keep_thumbnails != 0:
+                self.db["thumbnails"].insert_all(thumbs, batch_size=500)
+                if keep_thumbnails is not None:
+                    self.db.execute("DELETE FROM thumbnails WHERE id <= (SELECT max(id) FROM thumbnails) - ?",
+                                    (keep_thumbnails,))
         return stored
+
+    def _fill_frame_fields(self, verdicts: list[dict]) -> None:
+        """Give verdict rows that lack them their frame's component and board (the agent passes both)."""
+        todo = [v for v in verdicts if "component" not in v or "board_id" not in v]
+        for i in range(0, len(todo), 500):
+            chunk = todo[i:i + 500]
+            marks = ",".join("?" * len(chunk))
+            known = {r[0]: (r[1], r[2]) for r in self.db.execute(
+                f"SELECT frame_id, component, board_id FROM frames WHERE frame_id IN ({marks})",
+                [v["frame_id"] for v in chunk])}
+            for v in chunk:
+                comp, board = known.get(v["frame_id"], (None, None))
+                v.setdefault("component", comp)
+                v.setdefault("board_id", board)
 
     def _verdicts_for(self, ids: Sequence[str]) -> set[str]:
         found: set[str] = set()
@@ -207,33 +266,19 @@ class ResultStore:
     # -- queries ------------------------------------------------------------------
     def query_verdicts(self, *, verdict: str | None = None, board: str | None = None,
                        component: str | None = None, limit: int = 50) -> list[dict[str, Any]]:
-        where, args = [], []
-        if verdict:
-            where.append("v.verdict = ?")
-            args.append(verdict)
-        if board:
-            where.append("f.board_id = ?")
-            args.append(board)
-        if component:
-            where.append("f.component = ?")
-            args.append(component)
-        sql = ("SELECT v.frame_id, f.board_id, f.component, v.verdict, v.reason, v.latency_ms, v.decided_at, v.chain "
-               "FROM verdicts v JOIN frames f ON f.frame_id = v.frame_id")
-        if where:
-            sql += " WHERE " + " AND ".join(where)
-        sql += " ORDER BY v.decided_at DESC, v.rowid DESC LIMIT ?"
-        args.append(limit)
-        rows = [dict(r) for r in self.db.query(sql, args)]
-        for r in rows:
-            r["chain"] = json.loads(r["chain"]) if r.get("chain") else []
-        return rows
+        """The first page of `storage.queries.query_verdicts` (the query the CLI and the API share)."""
+        from .queries import VerdictQuery, query_verdicts
+
+        return query_verdicts(self.db.conn, VerdictQuery(verdict=verdict, component=component, board=board,
+                                                         limit=limit)).rows
 
     def prune(self, before: float, *, keep_verdicts: bool = True) -> dict[str, int]:
         """Delete rows older than `before` (epoch seconds), then give free pages back.
 
         Frames still waiting for a verdict are never pruned: retention must not
         lose an accepted frame.  With `keep_verdicts`, verdicts and their frame
-        rows stay; inferences, errors and expert events go.
+        rows stay; inferences, errors, expert events and defect thumbnails go
+        (thumbnails are images of the product: they never outlive `before`).
         """
         deleted = {}
         with self._write_txn():
@@ -241,6 +286,7 @@ class ResultStore:
             deleted["inferences"] = c.execute("DELETE FROM inferences WHERE started_at < ?", (before,)).rowcount
             deleted["errors"] = c.execute("DELETE FROM errors WHERE at < ?", (before,)).rowcount
             deleted["expert_events"] = c.execute("DELETE FROM expert_events WHERE at < ?", (before,)).rowcount
+            deleted["thumbnails"] = c.execute("DELETE FROM thumbnails WHERE at < ?", (before,)).rowcount
             if not keep_verdicts:
                 deleted["verdicts"] = c.execute("DELETE FROM verdicts WHERE decided_at < ?", (before,)).rowcount
                 deleted["frames"] = c.execute(
