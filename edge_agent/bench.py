@@ -354,7 +354,18 @@ def summary(co: list[dict], loads: tuple[float, ...] = ()) -> list[str]:
 
 
 def plot(results: dict[str, list[dict]], path: Path, title: str) -> Path:
-    """Throughput per workload and system, as grouped bars.
+    """Throughput per workload and system, as grouped bars, saved as a PNG."""
+    import matplotlib.pyplot as plt
+
+    fig = chart(results, title)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def chart(results: dict[str, list[dict]], title: str):
+    """The figure `plot` saves.
 
     The title is wrapped to the figure's width (a profile's source note is long)
     and the legend sits below the axes, so neither is cut off nor covers a bar.
@@ -382,10 +393,7 @@ def plot(results: dict[str, list[dict]], path: Path, title: str) -> Path:
     ax.set_ylabel("throughput (frames/s)")
     ax.set_title("\n".join(lines), fontsize=9, loc="left")
     fig.legend(loc="outside lower center", ncol=ncol, fontsize=7, frameon=False)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    return fig
 
 
 def machine() -> str:

@@ -145,8 +145,8 @@ def _verdict_columns(conn: sqlite3.Connection) -> set[str]:
     return {r[1] for r in conn.execute("PRAGMA table_info(verdicts)")}
 
 
-def query_verdicts(conn: sqlite3.Connection, q: VerdictQuery) -> VerdictPage:
-    """The page of verdicts `q` asks for, newest first (by decision time, then insertion order)."""
+def verdict_sql(conn: sqlite3.Connection, q: VerdictQuery) -> tuple[str, list]:
+    """The SQL and arguments `query_verdicts` runs for `q` (also for EXPLAIN QUERY PLAN in tests and bench)."""
     cols = _verdict_columns(conn)
     own = {"component", "board_id"} <= cols     # every database this version wrote; older ones join frames
     has_versions = "versions" in cols
@@ -169,7 +169,12 @@ def query_verdicts(conn: sqlite3.Connection, q: VerdictQuery) -> VerdictPage:
         sql += " WHERE " + " AND ".join(where)
     sql += " ORDER BY v.decided_at DESC, v.rowid DESC LIMIT ?"
     args.append(q.limit + 1)       # one more than asked: tells whether a next page exists
-    cur = conn.execute(sql, args)
+    return sql, args
+
+
+def query_verdicts(conn: sqlite3.Connection, q: VerdictQuery) -> VerdictPage:
+    """The page of verdicts `q` asks for, newest first (by decision time, then insertion order)."""
+    cur = conn.execute(*verdict_sql(conn, q))
     names = [d[0] for d in cur.description]
     raw = [dict(zip(names, r)) for r in cur.fetchall()]
     more = len(raw) > q.limit

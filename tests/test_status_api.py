@@ -1,8 +1,8 @@
 """The agent's HTTP side against a real agent: /metrics, the JSON API, the token, read-only, 400s.
 
-One agent serves a replayed recording for the module; the token tests start a
-second one with `metrics.token` set.  Every answer is checked against the
-results database the agent wrote.
+One agent, with `metrics.token` set, serves a replayed recording for the
+module; every request presents the token unless a test says otherwise.  Every
+answer is checked against the results database the agent wrote.
 """
 from __future__ import annotations
 
@@ -31,9 +31,11 @@ from conftest import write_line
 TOKEN = "s3cret-line-token-0123456789"
 
 
-def get(port: int, path: str, *, headers: dict | None = None, method: str = "GET", data: bytes | None = None):
+def get(port: int, path: str, *, headers: dict | None = None, method: str = "GET", data: bytes | None = None,
+        auth: bool = True):
     """(status, headers, body) of one request; HTTP errors are answers here, not exceptions."""
-    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", headers=headers or {}, method=method, data=data)
+    headers = {**({"Authorization": f"Bearer {TOKEN}"} if auth else {}), **(headers or {})}
+    req = urllib.request.Request(f"http://127.0.0.1:{port}{path}", headers=headers, method=method, data=data)
     try:
         with urllib.request.urlopen(req, timeout=10) as r:
             return r.status, dict(r.headers), r.read()
@@ -60,7 +62,7 @@ def served(tmp_path_factory, tiny_zoo, tiny_recording):
     root = tmp_path_factory.mktemp("served")
     store = root / "experts"
     shutil.copytree(tiny_zoo, store)
-    agent = Agent(load_config(write_line(root / "line", store=store), env={})).start()
+    agent = Agent(load_config(write_line(root / "line", store=store), env={"COE_METRICS__TOKEN": TOKEN})).start()
     rec = Recording(tiny_recording)
     report = replay(rec, agent.endpoints["ingest"])
     assert report.accepted == len(rec)
@@ -163,7 +165,8 @@ def test_status_pools_health_and_metrics_tell_what_the_agent_did(served):
     status, headers, body = get(port, "/metrics")
     assert status == 200 and f'coe_frames_received_total{{line="T"}} {float(n)}' in body.decode()
     status, headers, body = get(port, "/")
-    assert status == 200 and b"/static/app.js" in body and "default-src 'none'" in headers["Content-Security-Policy"]
+    assert status == 200 and "default-src 'none'" in headers["Content-Security-Policy"]
+    assert f"/static/app.js?token={TOKEN}".encode() in body                      # the page passes its token on
     assert get(port, "/static/app.js")[0] == 200 and get(port, "/static/../agent.py")[0] == 404
 
 
@@ -193,25 +196,17 @@ def test_a_foreign_host_name_is_refused_on_loopback(served):
     assert get(served.metrics_port, "/api/health", headers={"Host": f"localhost:{served.metrics_port}"})[0] == 200
 
 
-def test_with_a_token_every_request_must_present_it(tiny_line):
-    cfg = load_config(tiny_line, env={"COE_METRICS__TOKEN": TOKEN})
-    agent = Agent(cfg).start()
-    try:
-        port = agent.metrics_port
-        for path in ("/", "/metrics", "/api/verdicts", "/api/health", "/static/app.js", "/api/stream"):
-            assert get(port, path)[0] == 401, path
-            assert get(port, path, headers={"Authorization": "Bearer wrong-token-wrong-token"})[0] == 401, path
-            assert get(port, path + "?token=" + TOKEN[:-1] + "X")[0] == 401, path
-        status, headers, body = get(port, "/api/verdicts")
-        assert headers["WWW-Authenticate"].startswith("Bearer") and "token" in json.loads(body)["error"]
-        assert get(port, "/metrics", headers={"Authorization": f"Bearer {TOKEN}"})[0] == 200
-        assert get(port, "/api/verdicts?limit=5", headers={"Authorization": f"Bearer {TOKEN}"})[0] == 200
-        status, _, page = get(port, f"/?token={TOKEN}")
-        assert status == 200 and f"/static/app.js?token={TOKEN}".encode() in page   # the page passes it on
-        assert get(port, "/api/verdicts", method="POST")[0] == 401                    # refused before anything
-        assert get(port, "/api/verdicts", method="POST", headers={"Authorization": f"Bearer {TOKEN}"})[0] == 405
-    finally:
-        agent.stop()
+def test_every_request_must_present_the_token(served):
+    port = served.metrics_port
+    for path in ("/", "/metrics", "/api/verdicts", "/api/health", "/static/app.js", "/api/stream",
+                 "/api/frames/x/thumbnail"):
+        assert get(port, path, auth=False)[0] == 401, path
+        assert get(port, path, headers={"Authorization": "Bearer wrong-token-wrong-token"})[0] == 401, path
+        assert get(port, path + "?token=" + TOKEN[:-1] + "X", auth=False)[0] == 401, path
+    status, headers, body = get(port, "/api/verdicts", auth=False)
+    assert headers["WWW-Authenticate"].startswith("Bearer") and "token" in json.loads(body)["error"]
+    assert get(port, f"/api/verdicts?limit=5&token={TOKEN}", auth=False)[0] == 200   # as a browser sends it
+    assert get(port, "/api/verdicts", method="POST", auth=False)[0] == 401           # refused before anything
 
 
 def test_health_says_why_an_agent_is_not_ready(tiny_line):

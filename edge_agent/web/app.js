@@ -109,7 +109,7 @@
     kpi("k-p50", ...latency(lat.p50_ms));
     kpi("k-p99", ...latency(lat.p99_ms));
     $("k-lat-n").textContent = lat.count ? fmtInt(lat.count) + " verdicts in the last " + lat.window_s + " s" : "no verdicts in the last minute";
-    $("k-lat-max").textContent = lat.max_ms !== null ? "max " + fmtMs(lat.max_ms) + " ms" : "";
+    $("k-lat-max").textContent = lat.max_ms !== null ? "max " + latency(lat.max_ms).join(" ") : "";
     const v = f.verdicts, total = (v.pass || 0) + (v.defect || 0) + (v.error || 0);
     kpi("k-defects", fmtInt(v.defect || 0));
     $("k-defect-share").textContent = total ? ((100 * (v.defect || 0)) / total).toFixed(1) + "% of " + fmtInt(total) : "";

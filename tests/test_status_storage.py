@@ -1,0 +1,148 @@
+"""The shared verdict query (keyset pages, filters on indexes, old databases) and thumbnail retention."""
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+
+import pytest
+import zmq
+
+from edge_agent.writer import ResultWriter
+from storage.queries import QueryError, VerdictQuery, parse_verdict_params, query_verdicts, verdict_sql
+from storage.results import VERDICT_INDEXES, JournalEntry, ResultStore
+
+
+def fill(rs: ResultStore, n: int, *, at=lambda i: 1000.0 + i // 7, comps=("R0402", "C0402", "U-SOIC8")) -> None:
+    """n frames with verdicts; many share a decision time, so paging must break ties by insertion order."""
+    rs.journal([JournalEntry(f"f{i:05d}", "A", f"B{i // 20}", comps[i % len(comps)], 1.0, at(i), "{}", b"x")
+                for i in range(n)])
+    rs.write(verdicts=[{"frame_id": f"f{i:05d}", "verdict": "defect" if i % 9 == 0 else "pass", "reason": "",
+                        "decided_at": at(i), "latency_ms": 1.0, "chain": json.dumps(["cls"])} for i in range(n)])
+
+
+def all_pages(conn, **filters) -> list[str]:
+    out, after = [], None
+    while True:
+        page = query_verdicts(conn, VerdictQuery(limit=13, after=after, **filters))
+        out += [r["frame_id"] for r in page.rows]
+        if page.next is None:
+            return out
+        after = parse_verdict_params({"next": [page.next]}).after
+
+
+def test_keyset_pages_return_every_row_once_in_order_despite_tied_times(tmp_path):
+    rs = ResultStore(tmp_path / "r.db")
+    fill(rs, 500)
+    want = [r[0] for r in rs.db.execute("SELECT frame_id FROM verdicts ORDER BY decided_at DESC, rowid DESC")]
+    assert all_pages(rs.db.conn) == want
+    defects = [f for f in want if int(f[1:]) % 9 == 0]
+    assert all_pages(rs.db.conn, verdict="defect") == defects
+    assert all_pages(rs.db.conn, verdict="defect", component="R0402") == [f for f in defects if int(f[1:]) % 3 == 0]
+    assert all_pages(rs.db.conn, board="B3") == [f for f in want if int(f[1:]) // 20 == 3]
+    assert all_pages(rs.db.conn, since=1050.0) == [f for f in want if 1000 + int(f[1:]) // 7 >= 1050]
+
+
+@pytest.mark.parametrize("filters", [{}, {"verdict": "defect"}, {"component": "R0402"}, {"board": "B3"},
+                                     {"verdict": "defect", "component": "R0402"}, {"since": 1010.0},
+                                     {"verdict": "pass", "after": (1040.0, 200)}])
+def test_every_filter_reads_an_index_newest_first_without_sorting(tmp_path, filters):
+    rs = ResultStore(tmp_path / "r.db")
+    fill(rs, 50)
+    sql, args = verdict_sql(rs.db.conn, VerdictQuery(**filters))
+    plan = " | ".join(r[3] for r in rs.db.execute("EXPLAIN QUERY PLAN " + sql, args))
+    assert "USING INDEX idx_verdicts_" in plan or "USING COVERING INDEX idx_verdicts_" in plan, plan
+    assert "TEMP B-TREE" not in plan, plan           # the index gives the order: no sort of the matches
+
+
+def test_a_database_from_before_gains_frame_fields_and_indexes_and_read_only_ones_still_answer(tmp_path):
+    path = tmp_path / "old.db"
+    con = sqlite3.connect(path)
+    con.execute("CREATE TABLE frames (frame_id TEXT PRIMARY KEY, line TEXT, board_id TEXT, component TEXT, ts REAL, "
+                "received_at REAL, status TEXT)")
+    con.execute("CREATE TABLE verdicts (frame_id TEXT PRIMARY KEY, verdict TEXT, reason TEXT, decided_at REAL, "
+                "latency_ms REAL, chain TEXT)")
+    for i, comp in enumerate(["R0402", "C0402", "R0402"]):
+        con.execute("INSERT INTO frames VALUES (?, 'A', 'B1', ?, 0, 0, 'done')", (f"f{i}", comp))
+        con.execute("INSERT INTO verdicts VALUES (?, 'pass', '', ?, 1, '[]')", (f"f{i}", float(i)))
+    con.commit()
+    con.close()
+    ro = ResultStore(path, readonly=True)       # never migrated: answered through a join with frames
+    assert [r["frame_id"] for r in query_verdicts(ro.db.conn, VerdictQuery(component="R0402")).rows] == ["f2", "f0"]
+    ro.close()
+    rs = ResultStore(path)
+    assert rs.db.execute("SELECT component, board_id FROM verdicts WHERE frame_id='f1'").fetchone() == ("C0402", "B1")
+    assert set(VERDICT_INDEXES) <= {i.name for i in rs.db["verdicts"].indexes}
+    assert [r["frame_id"] for r in query_verdicts(rs.db.conn, VerdictQuery(component="R0402")).rows] == ["f2", "f0"]
+
+
+@pytest.mark.parametrize("params, param", [
+    ({"limit": ["x"]}, "limit"), ({"limit": ["1001"]}, "limit"), ({"verdict": ["ok"]}, "verdict"),
+    ({"since": ["31/01/2025"]}, "since"), ({"since": ["inf"]}, "since"), ({"next": ["12"]}, "next"),
+    ({"next": ["nan:3"]}, "next"), ({"board": ["x" * 200]}, "board"), ({"sort": ["frame_id"]}, "sort"),
+    ({"verdict": ["pass", "defect"]}, "verdict"),
+])
+def test_malformed_parameters_raise_naming_them(params, param):
+    with pytest.raises(QueryError) as err:
+        parse_verdict_params(params)
+    assert err.value.param == param and f"'{param}'" in str(err.value)
+
+
+def test_parameters_parse_times_and_ignore_the_token():
+    q = parse_verdict_params({"since": ["2025-01-31T06:00:00Z"], "limit": ["5"], "token": ["t" * 20],
+                              "next": ["1738303200.5:42"]})
+    assert q.since == 1738303200.0 and q.limit == 5 and q.after == (1738303200.5, 42)
+
+
+def thumb(fid: str, at: float) -> dict:
+    return {"frame_id": fid, "mime": "image/jpeg", "data": b"\xff\xd8" + fid.encode() * 50, "at": at}
+
+
+def test_thumbnails_are_stored_with_new_defect_verdicts_capped_and_pruned_with_retention(tmp_path):
+    rs = ResultStore(tmp_path / "r.db")
+    old, new = 1000.0, time.time()
+    rs.journal([JournalEntry(f"f{i}", "A", "B", "C", 1.0, 1.0, "{}", b"x") for i in range(12)])
+    v = lambda i, at: {"frame_id": f"f{i}", "verdict": "defect", "reason": "", "decided_at": at,  # noqa: E731
+                       "latency_ms": 1.0, "chain": "[]"}
+    rs.write(verdicts=[v(i, old) for i in range(4)], thumbnails=[thumb(f"f{i}", old) for i in range(4)])
+    # a thumbnail without a verdict stored in the same call (a duplicate verdict) is not kept
+    rs.write(verdicts=[v(0, new)], thumbnails=[thumb("f0", new)])
+    assert rs.db.execute("SELECT count(*), min(at) FROM thumbnails").fetchone() == (4, old)
+    rs.write(verdicts=[v(i, new) for i in range(4, 12)], thumbnails=[thumb(f"f{i}", new) for i in range(4, 12)],
+             keep_thumbnails=6)
+    assert [r[0] for r in rs.db.execute("SELECT frame_id FROM thumbnails ORDER BY id")] == \
+        [f"f{i}" for i in range(6, 12)]            # the newest 6 stay
+    rs.write(verdicts=[], thumbnails=[])
+    rs.db.execute("UPDATE thumbnails SET at = ? WHERE frame_id IN ('f6', 'f7')", (old,))
+    rs.db.conn.commit()
+    got = rs.prune(time.time() - 86400, keep_verdicts=True)
+    assert got["thumbnails"] == 2 and rs.db.execute("SELECT count(*) FROM verdicts").fetchone()[0] == 12
+    assert {r[0] for r in rs.db.execute("SELECT frame_id FROM thumbnails")} == {f"f{i}" for i in range(8, 12)}
+
+
+def test_the_result_writer_prunes_thumbnails_under_the_retention_policy(tmp_path):
+    db = tmp_path / "r.db"
+    rs = ResultStore(db)
+    rs.journal([JournalEntry(f"f{i}", "A", "B", "C", 1.0, 1.0, "{}", b"x") for i in range(3)])
+    rs.close()
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.bind("inproc://thumbs")
+    committed = []
+    w = ResultWriter(str(db), pub, "A", flush_ms=5, retention_days=1.0, keep_thumbnails=100,
+                     first_prune_s=0.3, on_committed=lambda rows, stored: committed.extend(stored))
+    w.start()
+    old = time.time() - 3 * 86400
+    for i, at in enumerate([old, old, time.time()]):
+        w.put_verdict({"frame_id": f"f{i}", "verdict": "defect", "reason": "", "decided_at": at, "latency_ms": 1.0,
+                       "chain": "[]"}, thumb(f"f{i}", at))
+    deadline = time.time() + 20
+    while w.pruned.get("thumbnails", 0) < 2 and time.time() < deadline:
+        time.sleep(0.05)
+    w.stop()
+    ctx.term()
+    assert sorted(committed) == ["f0", "f1", "f2"] and w.pruned.get("thumbnails") == 2
+    con = sqlite3.connect(db)
+    assert [r[0] for r in con.execute("SELECT frame_id FROM thumbnails")] == ["f2"]
+    assert con.execute("SELECT count(*) FROM verdicts").fetchone()[0] == 3     # keep_verdicts: they stay
+    con.close()
