@@ -5,6 +5,7 @@ key, a frame), never a traceback.  Every command's help ends with an example.
 """
 from __future__ import annotations
 
+
 import functools
 import json
 import logging
@@ -142,44 +143,51 @@ def zoo() -> None:
 @zoo.command("train")
 @line_options
 @click.option("--steps", default=300, show_default=True, help="Training steps per classifier group.")
-@click.option("--batch", default=48, show_default=True, help="Synthetic frames per step.")
+@click.option("--batch", default=48, show_default=True, help="Synthetic frames per classifier step.")
+@click.option("--detector-steps", default=None, type=int,
+              help="Training steps per detector (default: zoo_train.DETECTOR_STEPS); 0 leaves detectors alone.")
 @click.option("--seed", default=0, show_default=True, help="Seed for the frames and the initial weights.")
-@click.option("--force", is_flag=True, help="Retrain groups whose experts are already trained.")
+@click.option("--force", is_flag=True, help="Retrain experts that are already trained.")
 @_fail_clearly
-def zoo_train(line: str, config_path: str | None, steps: int, batch: int, seed: int, force: bool) -> None:
-    """Train the spec's classifiers on synthetic frames of their component types.
+def zoo_train(line: str, config_path: str | None, steps: int, batch: int, detector_steps: int | None, seed: int,
+              force: bool) -> None:
+    """Train the spec's classifiers and detectors on synthetic frames of their component types.
 
     Classifiers sharing an architecture, classes and input size are trained
     as one network on all their component types and written to each of them.
-    A group already trained with the same recipe is kept.  Detectors are not
-    trained yet.
+    Each detector learns the soldering defects of its classes, drawn with
+    their boxes on the parts its classifiers pass to it; its held-out recall
+    (IoU >= 0.5) and false alarms on clean parts are printed.  An expert
+    already trained with the same recipe is kept.
 
     \b
     Example:
       coe-agent zoo train --line A
-      coe-agent zoo train --line A --steps 300 --force
+      coe-agent zoo train --line A --steps 300 --detector-steps 400 --force
     """
-    from tqdm import tqdm
-
     from storage.expert_store import ExpertStore
 
-    from .zoo_train import train_classifiers
+    from .progress import step_bars
+    from .zoo_train import DETECTOR_STEPS, train_classifiers, train_detectors
 
     cfg = _config(line, config_path)
     model = load_spec(cfg.spec_path)
     store = ExpertStore(cfg.store_path, verify=cfg.expert_verify)
-    bars: dict[str, tqdm] = {}
-
-    def tick(arch: str, step: int, total: int) -> None:
-        bar = bars.setdefault(arch, tqdm(total=total, desc=f"training {arch}", unit="step", disable=None))
-        bar.update(step - bar.n)
-    results = train_classifiers(model, store, steps=steps, batch=batch, seed=seed, force=force, progress=tick)
-    for bar in bars.values():
-        bar.close()
+    det_steps = DETECTOR_STEPS if detector_steps is None else detector_steps
+    if det_steps < 0:
+        raise click.BadParameter(f"must be 0 or more, got {det_steps}", param_hint="--detector-steps")
+    with step_bars() as tick:
+        results = train_classifiers(model, store, steps=steps, batch=batch, seed=seed, force=force, progress=tick)
     for r in results:
         state = "kept (already trained)" if r.skipped else f"trained {r.steps} steps"
         click.echo(f"{r.arch}: {len(r.experts)} classifier(s), {len(r.components)} component type(s), {state}; "
                    f"held-out accuracy {100 * r.heldout_accuracy:.1f}%")
+    if det_steps == 0:
+        return
+    with step_bars() as tick:
+        detectors = train_detectors(model, store, steps=det_steps, seed=seed, force=force, progress=tick)
+    for d in detectors:
+        click.echo(d.describe())
 
 
 @zoo.command("build")
@@ -234,15 +242,19 @@ def zoo_build(line: str, config_path: str | None, seed: int, force: bool, dtype:
               help="Components per board layout (use about --frames for a stream that follows the spec's "
                    "frequencies, e.g. to train a router).")
 @click.option("--overwrite", is_flag=True, help="Replace an existing recording.")
+@click.option("--solder-rate", default=0.0, show_default=True, type=click.FloatRange(0, 1),
+              help="Share of ok parts drawn with a soldering defect their detector should find.")
 @_fail_clearly
 def record(line: str, config_path: str | None, synthetic: bool, frames: int, out: str, seed: int,
-           encoding: str, size: int, omit_component: bool, board_components: int, overwrite: bool) -> None:
+           encoding: str, size: int, omit_component: bool, board_components: int, overwrite: bool,
+           solder_rate: float) -> None:
     """Make a seeded synthetic recording of the line's component types, in board order.
 
     \b
     Example:
       coe-agent record --synthetic --line A --frames 500 --out rec/A-500
       coe-agent record --synthetic --line A --frames 3000 --board-components 3000 --omit-component --out rec/train
+      coe-agent record --synthetic --line A --frames 600 --seed 1 --solder-rate 0.05 --out rec/A-heldout
     """
     from tqdm import tqdm
 
@@ -258,7 +270,7 @@ def record(line: str, config_path: str | None, synthetic: bool, frames: int, out
         done[0] = n
     path = record_synthetic(model, out, frames, line=cfg.line, seed=seed, size=size, encoding=encoding,
                             omit_component=omit_component, boards_components=board_components,
-                            overwrite=overwrite, progress=tick)
+                            overwrite=overwrite, solder_rate=solder_rate, progress=tick)
     bar.close()
     click.echo(f"wrote {frames} frame(s) to {path}")
 

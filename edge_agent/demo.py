@@ -27,6 +27,7 @@ from storage.synthetic import draw_component, record_synthetic
 from .agent import Agent
 from .config import LineConfig
 from .replay import replay
+from .zoo_train import SOLDER_RATE
 from .zoo import build_zoo
 
 
@@ -71,7 +72,7 @@ def ensure_zoo(cfg: LineConfig, model: CoEModel, *, seed: int = 0, quiet: bool =
 
 
 def ensure_recording(cfg: LineConfig, model: CoEModel, frames: int, seed: int, *, quiet: bool = False) -> Path:
-    out = Path(cfg.data_dir) / "recordings" / f"synthetic-{frames}-s{seed}"
+    out = Path(cfg.data_dir) / "recordings" / f"synthetic-{frames}-s{seed}-solder{round(100 * SOLDER_RATE)}"
     if (out / "manifest.jsonl").is_file():
         stage(f"recording: reusing {out}", quiet)
         return out
@@ -82,7 +83,8 @@ def ensure_recording(cfg: LineConfig, model: CoEModel, frames: int, seed: int, *
     def tick(n: int) -> None:
         bar.update(n - done[0])
         done[0] = n
-    record_synthetic(model, out, frames, line=cfg.line, seed=seed, overwrite=True, progress=tick)
+    record_synthetic(model, out, frames, line=cfg.line, seed=seed, overwrite=True, solder_rate=SOLDER_RATE,
+                     progress=tick)
     bar.close()
     return out
 
@@ -111,23 +113,23 @@ class DemoResult:
 
 
 def ensure_trained(cfg: LineConfig, model: CoEModel, *, quiet: bool = False) -> None:
-    """Train the classifiers on synthetic frames unless the store already holds this training."""
-    from .zoo_train import train_classifiers
+    """Train the classifiers and detectors on synthetic frames unless the store already holds this training."""
+    from .progress import step_bars
+    from .zoo_train import train_classifiers, train_detectors
 
     store = ExpertStore(cfg.store_path, verify=cfg.expert_verify)
-    bars: dict[str, tqdm] = {}
-
-    def tick(arch: str, step: int, total: int) -> None:
-        bar = bars.setdefault(arch, tqdm(total=total, desc=f"training {arch}", unit="step",
-                                         disable=quiet or None))
-        bar.update(step - bar.n)
-    results = train_classifiers(model, store, progress=tick)
-    for bar in bars.values():
-        bar.close()
+    with step_bars(disable=quiet) as tick:
+        results = train_classifiers(model, store, progress=tick)
     trained = [r for r in results if not r.skipped]
     stage(f"classifiers: {sum(len(r.experts) for r in results)} trained on synthetic frames"
           + (f" (this run: {', '.join(f'{r.arch} {100 * r.heldout_accuracy:.1f}% held-out' for r in trained)})"
              if trained else " (reused)"), quiet)
+    with step_bars(disable=quiet) as tick:
+        detectors = train_detectors(model, store, progress=tick)
+    fresh = [d for d in detectors if not d.skipped]
+    stage(f"detectors: {len(detectors)} trained on drawn soldering defects" + (" (reused)" if not fresh else ""), quiet)
+    for d in fresh:
+        stage("  " + d.describe(), quiet)
 
 
 def run_demo(cfg: LineConfig, model: CoEModel, *, frames: int = 600, seed: int = 0, rate: float | None = None,

@@ -18,7 +18,6 @@ found when a box of its class overlaps it at IoU >= 0.5.
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -126,6 +125,8 @@ def train_detector(plan: DetectorPlan, *, steps: int, batch: int, seed: int, fra
     from executors.backends.base import resize_batch, to_input
     from executors.backends.ultralytics_backend import UltralyticsBackend
 
+    from .zoo_train import recalibrate_batchnorm
+
     backend = UltralyticsBackend()
     expert = plan.expert
     torch.manual_seed(seed)
@@ -134,12 +135,8 @@ def train_detector(plan: DetectorPlan, *, steps: int, batch: int, seed: int, fra
 
     net.args = get_cfg()                     # the loss gains (box, cls, dfl) of ultralytics' defaults
     criterion = net.init_criterion()
-    for p in net.parameters():
-        p.requires_grad_(True)
-    opt = torch.optim.AdamW(net.parameters(), lr=2e-3, weight_decay=5e-4)
-    warm = max(steps // 10, 1)
-    sched = torch.optim.lr_scheduler.LambdaLR(
-        opt, lambda s: (s + 1) / warm if s < warm else 0.05 + 0.95 * 0.5 * (1 + math.cos(math.pi * (s - warm) / max(steps - warm, 1))))
+    # only what the model leaves trainable: DFL's projection is a fixed 0..15 ramp, and training it breaks boxes
+    opt = torch.optim.AdamW([p for p in net.parameters() if p.requires_grad], lr=1e-3, weight_decay=5e-4)
     rng = np.random.default_rng(seed)
 
     def inputs(images):
@@ -155,30 +152,10 @@ def train_detector(plan: DetectorPlan, *, steps: int, batch: int, seed: int, fra
         losses.append(float(loss.detach().sum()) / batch)
         torch.nn.utils.clip_grad_norm_(net.parameters(), 10.0)
         opt.step()
-        sched.step()
         if progress is not None:
             progress(step + 1)
     recalibrate_batchnorm(net, lambda: inputs(draw_batch(plan, rng, batch, frame_size)[0]))
     return {k: v.detach().contiguous() for k, v in net.state_dict().items()}, losses
-
-
-def recalibrate_batchnorm(net, batches: Callable[[], object], rounds: int = 8) -> None:
-    """Recompute BatchNorm running statistics with the weights frozen, then leave `net` in eval mode.
-
-    A short run leaves the running averages behind the weights, and eval-mode
-    outputs would collapse; a cumulative average over a few batches fixes that.
-    """
-    import torch
-
-    bns = [m for m in net.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
-    for m in bns:
-        m.reset_running_stats()
-        m.momentum = None
-    net.train()
-    with torch.no_grad():
-        for _ in range(rounds):
-            net(batches())
-    net.eval()
 
 
 def _iou(a, b) -> float:

@@ -32,7 +32,8 @@ from storage.synthetic import LABELS, draw_component
 from executors.backends.base import IMAGENET_MEAN, IMAGENET_STD
 
 MARKER = ".trained.json"
-DETECTOR_STEPS = 300
+DETECTOR_STEPS = 500
+SOLDER_RATE = 0.05   # the demo recording: share of ok parts drawn with a soldering defect
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,17 @@ class DetectorResult:
     false_alarm_rate: float
     undrawable: tuple[str, ...]
     skipped: bool
+
+    def describe(self) -> str:
+        """One line for a terminal: recall per class, false alarms, classes it never saw."""
+        state = "kept (already trained)" if self.skipped else f"trained {self.steps} steps"
+        by_class = ", ".join(f"{k} {100 * v:.0f}%" for k, v in self.recall_by_class.items())
+        out = (f"{self.expert} ({self.arch}): {len(self.components)} component type(s), {state}; held-out recall "
+               f"at IoU 0.5 {100 * self.heldout_recall:.1f}% ({by_class}); false alarms on clean parts "
+               f"{100 * self.false_alarm_rate:.1f}%")
+        if self.undrawable:
+            out += f"; not trained on {', '.join(self.undrawable)} (no part of it can show them)"
+        return out
 
 
 def _groups(model: CoEModel) -> dict[tuple, tuple[list[Expert], list[str]]]:
@@ -91,37 +103,58 @@ def _batch(rng: np.random.Generator, comps: list[str], classes: tuple[str, ...],
 
 def train_group(arch: str, classes: tuple[str, ...], size: int, comps: list[str], *, steps: int, batch: int,
                 seed: int, progress: Callable[[int], None] | None = None):
-    """A trained torchvision network and its accuracy on held-out draws (another seed)."""
+    """A trained torchvision network and its accuracy on held-out draws (another seed).
+
+    It trains in channels-last memory format: on a CPU that makes
+    mobilenet_v3_small's step about twice as fast and the others no slower.
+    """
     import torch
     import torchvision
 
     torch.manual_seed(seed)
     net = torchvision.models.get_model(arch.split("/", 1)[1], weights=None, num_classes=len(classes))
+    net = net.to(memory_format=torch.channels_last)
     opt = torch.optim.AdamW(net.parameters(), lr=2e-3, weight_decay=1e-4)
     rng = np.random.default_rng(seed)
+
+    def draw(n: int):
+        x, y = _batch(rng, comps, classes, n, size)
+        return x.contiguous(memory_format=torch.channels_last), y
+
     net.train()
     for step in range(steps):
-        x, y = _batch(rng, comps, classes, batch, size)
+        x, y = draw(batch)
         loss = torch.nn.functional.cross_entropy(net(x), y)
         opt.zero_grad()
         loss.backward()
         opt.step()
         if progress is not None:
             progress(step + 1)
-    # recompute BatchNorm statistics with the weights frozen: the running averages trail a short run
+    recalibrate_batchnorm(net, lambda: draw(batch)[0])
+    held = np.random.default_rng(seed + 10_000)
+    with torch.no_grad():
+        x, y = _batch(held, comps, classes, 256, size)
+        acc = float((net(x.contiguous(memory_format=torch.channels_last)).argmax(1) == y).float().mean())
+    return net, acc
+
+
+def recalibrate_batchnorm(net, batches: Callable[[], object], rounds: int = 8) -> None:
+    """Recompute BatchNorm running statistics with the weights frozen, then leave `net` in eval mode.
+
+    A short run leaves the running averages behind the weights, and eval-mode
+    outputs would collapse; a cumulative average over a few batches fixes that.
+    """
+    import torch
+
     for m in net.modules():
         if isinstance(m, torch.nn.modules.batchnorm._BatchNorm):
             m.reset_running_stats()
             m.momentum = None
+    net.train()
     with torch.no_grad():
-        for _ in range(8):
-            net(_batch(rng, comps, classes, batch, size)[0])
+        for _ in range(rounds):
+            net(batches())
     net.eval()
-    held = np.random.default_rng(seed + 10_000)
-    with torch.no_grad():
-        x, y = _batch(held, comps, classes, 256, size)
-        acc = float((net(x).argmax(1) == y).float().mean())
-    return net, acc
 
 
 def train_classifiers(model: CoEModel, store: ExpertStore, *, steps: int = 300, batch: int = 48, seed: int = 0,

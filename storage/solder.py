@@ -12,8 +12,8 @@ set (`edge_agent.zoo_train`) and the truth of a recording
 - tombstone: a two-terminal part standing on one end: one pad bare and wetted,
   the body's end cap seen from above on the other, with its shadow;
 - insufficient_solder: one pad dull, unwetted copper with dark voids;
-- lifted_lead: one lead bent up off its pad: bright, shifted outwards, with
-  its shadow on the bare pad;
+- lifted_lead: one lead bent up off its pad: bright, shifted outwards over
+  its shadow, the pad's solder left as a bare shiny blob;
 - polarity_mark: the part placed reversed: its polarity mark (pin-1 dot,
   cathode band) at the wrong end.
 
@@ -32,7 +32,7 @@ import numpy as np
 from .synthetic import COPPER, LEAD, SOLDER, TIN, Footprint, Scene, Shape, family_of, footprint, render
 
 SOLDER_DEFECTS = ("solder_bridge", "tombstone", "insufficient_solder", "lifted_lead", "polarity_mark")
-MIN_BOX = 0.1            # crop units: about 6 pixels of a 64-pixel crop
+MIN_BOX = 0.2            # crop units: 12.8 pixels of a 64-pixel crop, so stride-8 anchors always fall inside
 _SHINE = (240, 240, 236)
 _DULL = (104, 70, 42)     # oxidised, unwetted copper
 _VOID = (34, 26, 20)
@@ -155,13 +155,17 @@ def _lifted(fp: Footprint, rng: np.random.Generator) -> tuple[Scene, Box]:
     pad = next(p for p in fp.pads if abs(lead.cx - p.cx) < p.w / 2 and abs(lead.cy - p.cy) < p.h / 2)
     # outwards: away from the body's centre along the lead's long axis
     if lead.h >= lead.w:
-        dx, dy = 0.0, (1.0 if lead.cy > 0 else -1.0) * 0.45 * lead.h
+        dx, dy = 0.0, (1.0 if lead.cy > 0 else -1.0) * 0.7 * lead.h
     else:
-        dx, dy = (1.0 if lead.cx > 0 else -1.0) * 0.45 * lead.w, 0.0
-    shadow = Shape("rect", lead.cx + dx * 0.5, lead.cy + dy * 0.5 + 0.01, lead.w, lead.h, _SHADOW)
+        dx, dy = (1.0 if lead.cx > 0 else -1.0) * 0.7 * lead.w, 0.0
+    # the pad keeps its solder, now a bare shiny blob; the lead floats outwards over its own dark shadow
+    wet = Shape("rect", pad.cx, pad.cy, pad.w * 0.8, pad.h * 0.8, SOLDER)
+    shine = Shape("circle", pad.cx, pad.cy, min(pad.w, pad.h) * 0.3, 0, _SHINE)
+    # the shadow is wider than the lead, so a fine-pitch lead still leaves a visible dark gap
+    shadow = Shape("rect", lead.cx + dx * 0.6, lead.cy + dy * 0.6, lead.w * 1.6, lead.h * 1.3, _SHADOW)
     up = Shape("rect", lead.cx + dx, lead.cy + dy, lead.w * 0.8, lead.h * 0.8, _LIFTED)
     body = fp.body[:i] + fp.body[i + 1:]
-    return Scene(fp.pads, body, (shadow, up)), _at_least(_bbox((pad, lead, up)))
+    return Scene(fp.pads, body, (wet, shine, shadow, up)), _at_least(_bbox((pad, shadow, up)))
 
 
 def _reversed(fp: Footprint, rng: np.random.Generator) -> tuple[Scene, Box]:
@@ -170,7 +174,7 @@ def _reversed(fp: Footprint, rng: np.random.Generator) -> tuple[Scene, Box]:
     mark = fp.body[i]
     moved = replace(mark, cx=-mark.cx, cy=-mark.cy if fp.family == "U" else mark.cy)
     body = fp.body[:i] + fp.body[i + 1:] + (moved,)
-    return Scene(fp.pads, body), _at_least(_bbox((moved,)), side=1.6 * MIN_BOX)
+    return Scene(fp.pads, body), _at_least(_bbox((moved,)))
 
 
 _SCENES = {"solder_bridge": _bridge, "tombstone": _tombstone, "insufficient_solder": _insufficient,

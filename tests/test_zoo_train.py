@@ -57,10 +57,16 @@ def test_the_cli_trains_and_reports(tmp_path, tiny_zoo):
 
     shutil.copytree(tiny_zoo, tmp_path / "store")
     config = write_line(tmp_path / "line", store=tmp_path / "store")
-    res = CliRunner().invoke(cli, ["zoo", "train", "--config", str(config), "--steps", "20", "--batch", "8"])
+    args = ["zoo", "train", "--config", str(config), "--steps", "20", "--batch", "8", "--detector-steps", "2"]
+    res = CliRunner().invoke(cli, args)
     assert res.exit_code == 0, res.output
     assert "torchvision/mobilenet_v3_small: 4 classifier(s), 4 component type(s), trained 20 steps" in res.output
+    assert "det-2term (ultralytics/yolov8n): 3 component type(s), trained 2 steps; held-out recall at IoU 0.5" \
+        in res.output and "false alarms on clean parts" in res.output
     store = ExpertStore(yaml.safe_load(config.read_text())["expert_store"])
     assert all(store.entry(e.id).version == 2 for e in CLASSIFIERS)   # written over the generated zoo
-    res = CliRunner().invoke(cli, ["zoo", "train", "--config", str(config), "--steps", "20", "--batch", "8"])
-    assert "kept (already trained)" in res.output
+    assert store.entry("det-ic").version == 2
+    res = CliRunner().invoke(cli, args)
+    assert res.output.count("kept (already trained)") == 3            # one classifier group, two detectors
+    res = CliRunner().invoke(cli, args[:-1] + ["-1"])
+    assert res.exit_code != 0 and "--detector-steps" in res.output and "must be 0 or more" in res.output
