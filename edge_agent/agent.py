@@ -607,7 +607,7 @@ class Agent:
                 self._inflight[flight.frame.frame_id] = flight
         now = time.time()
         frame = flight.frame
-        thumb = self._defect(flight, reason, now) if verdict == "defect" and self.thumbnails else None
+        thumb = self._defect(flight, reason, now) if verdict == "defect" and self.cfg.metrics.enabled else None
         self.writer.put_verdict({"frame_id": frame.frame_id, "verdict": verdict, "reason": reason,
                                  "decided_at": now, "latency_ms": (now - frame.received_at) * 1000.0,
                                  "chain": json.dumps(flight.chain), "versions": json.dumps(flight.versions),
@@ -618,7 +618,7 @@ class Agent:
         from .thumbnails import MIME, make_thumbnail
 
         frame = flight.frame
-        data = make_thumbnail(frame.image)
+        data = make_thumbnail(frame.image) if self.thumbnails else None
         self.status.defect(DefectEntry(frame.frame_id, frame.board_id, frame.component or "", reason, now,
                                        list(flight.steps), data is not None))
         return None if data is None else {"frame_id": frame.frame_id, "mime": MIME, "data": data, "at": now}

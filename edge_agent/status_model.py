@@ -224,7 +224,7 @@ class StatusModel:
             "latency": self._latency_stats(now),
             "executors": self._executors(now),
             "pools": self.pools(),
-            "timeline": self._copy(self._events)[-200:],
+            "timeline": self.timeline(),
             "defects": [asdict(d) for d in self._copy(self._defects)],
             "errors": self._error_counts(last),
             "llm": self._llm(samples),
@@ -307,6 +307,10 @@ class StatusModel:
                                "llm": r.expert_id in llm} for r in residents],
             })
         return out
+
+    def timeline(self, n: int = 200) -> list[dict]:
+        """The last `n` loads, evictions and admits, oldest first."""
+        return self._copy(self._events)[-n:]
 
     def _copy(self, d: deque) -> list:
         with self._lock:

@@ -143,7 +143,7 @@ class StatusServer:
             return 200, "application/json", self._model().snapshot_bytes(), {}
         if path == "/api/pools":
             model = self._model()
-            doc = {"pools": model.pools(), "timeline": model.snapshot()["timeline"]}
+            doc = {"pools": model.pools(), "timeline": model.timeline()}
             return _json(200, doc)
         if path == "/api/health":
             h = self.health()
