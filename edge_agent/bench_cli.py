@@ -39,6 +39,15 @@ from .cli import _config, _fail_clearly, line_options
               help="With --compression-ratio: threads one load decodes with, at the per-thread rate (default: the "
                    "profile's; with --decode-rate here, this machine's; else 1).  A profile's decode rate measured "
                    "on the line's own experts already counts its threads.")
+@click.option("--boxes", callback=lambda c, p, v: _boxes(v),
+              help="--sim: run on 1..N boxes, each with the profile's GPU, CPU, SSD and host tier, the front box "
+                   "reaching the others over a link (e.g. 1,2,4); reports throughput and switches per box count.")
+@click.option("--link-gbps", type=click.FloatRange(min=0, min_open=True), default=10.0, show_default=True,
+              help="With --boxes: the link's bandwidth to each other box, Gb/s.")
+@click.option("--link-ms", type=click.FloatRange(min=0), default=0.1, show_default=True,
+              help="With --boxes: the link's one-way latency, ms.")
+@click.option("--frame-bytes", type=click.IntRange(min=1),
+              help="With --boxes: bytes one frame takes on the link (default 150528: a raw 224x224 RGB crop).")
 @click.option("--out", type=click.Path(file_okay=False), help="Where the PNG goes (default: {data_dir}/bench).")
 @click.option("--json", "as_json", is_flag=True, help="Only the JSON line.")
 @line_options
@@ -46,7 +55,8 @@ from .cli import _config, _fail_clearly, line_options
 def bench(workload: str, sim: bool, profile_path: str | None, policies: str, init: str, skew: float | None,
           types: int | None, detector_share: float | None, requests: int | None, load: tuple[float, ...],
           repeats: int, compression_ratio: float | None, decode_rate: float | str | None,
-          decode_threads: int | None, out: str | None, as_json: bool, line: str, config_path: str | None) -> None:
+          decode_threads: int | None, boxes: list[int] | None, link_gbps: float, link_ms: float,
+          frame_bytes: int | None, out: str | None, as_json: bool, line: str, config_path: str | None) -> None:
     """Compare CoServe with Samba-CoE and the ablations: throughput, switches, p99, bound.
 
     \b
@@ -55,6 +65,7 @@ def bench(workload: str, sim: bool, profile_path: str | None, policies: str, ini
       coe-agent bench --sim --load 0.5,0.8 --skew 1.2 --types 120
       coe-agent bench --sim --profile var/line-A/profile.json --policies coserve,samba --json
       coe-agent bench --sim --compression-ratio 0.66 --decode-rate here --load none
+      coe-agent bench --sim --boxes 1,2,4 --types 2000 -w A2
       coe-agent bench --real
     """
     from executors.profile import Profile
@@ -86,6 +97,10 @@ def bench(workload: str, sim: bool, profile_path: str | None, policies: str, ini
     if (decode_rate is not None or decode_threads is not None) and compression_ratio is None:
         raise click.UsageError("--decode-rate and --decode-threads only apply with --compression-ratio")
     prof = Profile.load(profile_path or B.GPU_CLASS)
+    if boxes is not None:
+        _bench_boxes(B, prof, boxes, workload, policies, init, skew, types, detector_share, requests, link_gbps,
+                     link_ms, frame_bytes, as_json)
+        return
     comp = None
     if compression_ratio is not None:
         try:
@@ -138,6 +153,44 @@ def bench(workload: str, sim: bool, profile_path: str | None, policies: str, ini
     click.echo(B.dumps({"bench": "coserve", "mode": "sim", "profile": prof.source, "init": init, "loads": list(load),
                         "overrides": overrides, "decision_us_3500_queued": round(mean_decision * 1e6, 2),
                         "tasks": rows, "chart": str(png), **extra}))
+
+
+def _bench_boxes(B, prof, boxes: list[int], workload: str, policies: str, init: str, skew, types, detector_share,
+                 requests, link_gbps: float, link_ms: float, frame_bytes: int | None, as_json: bool) -> None:
+    """`bench --sim --boxes`: the same frames on 1..N simulated boxes; CoServe alone unless --policies says."""
+    from executors.links import Link
+
+    names = ["coserve"] if policies == ",".join(DEFAULT) else [p.strip() for p in policies.split(",") if p.strip()]
+    link = Link.ethernet(link_gbps, link_ms)
+    overrides = {k: v for k, v in {"skew": skew, "types": types, "detector_share": detector_share,
+                                   "requests": requests}.items() if v is not None}
+    wls = [w.strip().upper() for w in workload.split(",") if w.strip()]
+    try:
+        rows = B.run_boxes(wls, prof, boxes, names, link, overrides=overrides, frame_bytes=frame_bytes, init=init)
+    except ValueError as exc:
+        raise click.UsageError(str(exc)) from None
+    if not as_json:
+        click.echo(f"simulation (virtual clock, profiled costs, not a measurement) on profile: {prof.source}")
+        click.echo(f"link to each other box: {link.source}; frames arrive one every 4 ms / {max(boxes)} "
+                   f"(a flood for every box count)")
+        for wl, r in rows.items():
+            click.echo("")
+            click.echo(B.format_boxes(f"task {wl}" + (f" with {overrides}" if overrides else "") + ":", r))
+    click.echo(B.dumps({"bench": "boxes", "mode": "sim", "profile": prof.source, "link": {
+        "bandwidth_bps": link.bandwidth_bps, "latency_s": link.latency_s}, "overrides": overrides, "tasks": rows}))
+
+
+def _boxes(value: str | None) -> list[int] | None:
+    """--boxes: comma-separated box counts, each >= 1."""
+    if value is None:
+        return None
+    try:
+        counts = [int(v) for v in value.split(",") if v.strip()]
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated box counts like 1,2,4, got {value!r}") from None
+    if not counts or any(c < 1 for c in counts):
+        raise click.BadParameter(f"each box count must be >= 1, got {value!r}")
+    return counts
 
 
 def _echo_compression(comp, prof, compared: dict[str, list[dict]]) -> None:

@@ -8,6 +8,13 @@ load from the tier where the expert lives now), and how big a batch may be
 Architectures the profile does not cover fall back to stated estimates, so an
 agent without a profile still runs; `estimated` lists them.
 
+An executor on another box (issue 15) pays for its frames' trip: the cost
+model adds the link's per-frame transfer to K and its one-way latency to B
+(`ExecutorInfo.link`), because the batch cannot start before its frames
+arrive.  Each box reads its own SSD and has its own host tier, so an
+executor names its SSD channel and its host tier; on one box those are the
+shared defaults and nothing changes.
+
 An expert stored compressed (exponent-zstd) loads from SSD in
 `compressed_load_seconds` instead of its architecture's profiled plain load,
 once the profile knows the box's disk and decode rates (`StorageProfile`):
@@ -21,6 +28,7 @@ from dataclasses import dataclass
 
 from coe import CoEModel
 
+from .links import DEFAULT_FRAME_BYTES, Link
 from .profile import ArchProfile, Profile, StorageProfile
 
 log = logging.getLogger(__name__)
@@ -39,6 +47,10 @@ class ExecutorInfo:
     memory: int           # the executor's whole budget: experts + activations
     pool: object          # storage.pool.Pool (experts resident on this executor)
     device: str | None = None   # the profile's device name ('cpu', 'cuda:0'); default: the first of its kind
+    node: str = ""              # the box it runs on ('' = the front box); executors share a device only on one box
+    link: Link | None = None    # the link its frames cross (None: on the front box, no transfer)
+    host: object | None = None  # its box's host tier (None: the cost model's shared `host`)
+    ssd_channel: str = ""       # the SSD its switches read from: one per box
 
 
 @dataclass(frozen=True)
@@ -133,8 +145,9 @@ class ProfileCosts:
 
     def __init__(self, model: CoEModel, executors: dict[str, ExecutorInfo], profile: Profile | None = None, *,
                  host=None, default_max_batch: int = 16, ssd_inflight=None, arriving=None,
-                 stored: StoredLookup | None = None) -> None:
+                 stored: StoredLookup | None = None, frame_bytes: int = DEFAULT_FRAME_BYTES) -> None:
         self.model, self.executors, self.profile, self.host = model, executors, profile, host
+        self.frame_bytes = frame_bytes
         self._stored = stored or (lambda expert_id: None)
         self._storage = profile.storage if profile is not None else None
         if stored is not None and not (self._storage and self._storage.decode_total_bps):
@@ -165,7 +178,9 @@ class ProfileCosts:
         dev = self.device_profile(name)
         if dev is None:
             return 1.0
-        n = sum(1 for other in self.executors if self.device_profile(other) is dev)
+        node = self.executors[name].node
+        n = sum(1 for other, info in self.executors.items()
+                if info.node == node and self.device_profile(other) is dev)
         return dev.speed(n, n)
 
     def device_profile(self, name: str):
@@ -177,10 +192,23 @@ class ProfileCosts:
             return self.profile.devices[info.device]
         return next((d for d in self.profile.devices.values() if d.kind == info.device_kind), None)
 
-    def ssd_inflight(self) -> float | None:
-        """Seconds of SSD reads under way (the simulator's shared channel); None where the device is not
-        watched, and the scheduler counts the reads of the batches it handed out instead."""
-        return self._ssd_inflight() if self._ssd_inflight is not None else None
+    def ssd_inflight(self, channel: str = "") -> float | None:
+        """Seconds of SSD reads under way on `channel` (the simulator's SSD of one box); None where the
+        device is not watched, and the scheduler counts the reads of the batches it handed out instead."""
+        if self._ssd_inflight is None:
+            return None
+        return self._ssd_inflight(channel) if channel else self._ssd_inflight()
+
+    def ssd_channel(self, executor: str) -> str:
+        """The SSD `executor`'s switches read from ('' on a single box: the one shared SSD)."""
+        return self.executors[executor].ssd_channel
+
+    def transfer(self, executor: str) -> tuple[float, float]:
+        """(seconds per frame, seconds per batch) of sending frames to `executor`'s node; (0, 0) on the front box."""
+        link = self.executors[executor].link
+        if link is None:
+            return 0.0, 0.0
+        return link.per_request(self.frame_bytes), link.latency_s
 
     def arch(self, executor: str, expert_id: str) -> ArchProfile:
         return self._arch[(self.model.experts[expert_id].arch, self.executors[executor].device_kind)]
@@ -188,7 +216,8 @@ class ProfileCosts:
     def exec_cost(self, executor: str, expert_id: str) -> tuple[float, float]:
         a = self.arch(executor, expert_id)
         s = self._speed[executor]
-        return a.K / s, a.B / s
+        per_frame, per_batch = self.transfer(executor)
+        return a.K / s + per_frame, a.B / s + per_batch
 
     def tier_of(self, executor: str, expert_id: str) -> str:
         pool = self.executors[executor].pool
@@ -196,7 +225,9 @@ class ProfileCosts:
         if present(expert_id):
             return "resident"
         # only GPU pools load through the host tier; a CPU executor's pool is host memory and reads the SSD
-        if self.host is not None and self.executors[executor].device_kind == "cuda" and self.host.contains(expert_id):
+        info = self.executors[executor]
+        host = info.host if info.host is not None else self.host
+        if host is not None and info.device_kind == "cuda" and host.contains(expert_id):
             return "host"
         return "ssd"
 

@@ -17,6 +17,9 @@ same code as CoServe:
   the SSD switches of every queued group).  A makespan is at least every
   resource's backlog, so the weight of the SSD term is 1, derived, not fitted.
   A predicted SSD switch also waits behind the reads already under way.
+  With executors on several boxes (issue 15) each box has its own SSD: the
+  cost model names each executor's channel (`ssd_channel`), and the backlog
+  and the wait are per channel.  One box, one channel: the rule above.
 - work stealing (`coserve`): an executor that runs dry takes a waiting group
   that would finish sooner on it, its switch there included.
 - arranging: a request goes right behind the last queued request for the same
@@ -230,24 +233,30 @@ class Scheduler:
         # a batch running past its prediction is still running: it counts as ending now, not in the past
         return q.queued + sum(max(end - now, 0.0) for _, end, _ in q.inflight.values())
 
-    def ssd_inflight(self) -> float:
-        """SSD seconds still to read for work already handed out.
+    def channel(self, executor: str) -> str:
+        """The SSD channel `executor` reads from: its box's ('' when the cost model knows one SSD only)."""
+        f = getattr(self.costs, "ssd_channel", None)
+        return f(executor) if f is not None else ""
+
+    def ssd_inflight(self, channel: str = "") -> float:
+        """SSD seconds still to read on `channel` for work already handed out.
 
         From the cost model when it watches the device (the simulator's SSD
-        channel); otherwise from the batches handed out: a batch reads its
+        channels); otherwise from the batches handed out: a batch reads its
         expert first, so one that started at `s` with `r` seconds of SSD read
         has max(s + r - now, 0) left (0 once it is past its read).
         """
         f = getattr(self.costs, "ssd_inflight", None)
-        watched = f() if f is not None else None
+        watched = (f(channel) if channel else f()) if f is not None else None
         if watched is not None:
             return watched
         now = self._now()
-        return sum(max(start + ssd - now, 0.0) for q in self._q.values() for start, _, ssd in q.inflight.values())
+        return sum(max(start + ssd - now, 0.0) for n, q in self._q.items() if self.channel(n) == channel
+                   for start, _, ssd in q.inflight.values())
 
-    def ssd_backlog(self) -> float:
-        """Predicted SSD seconds: reads under way plus every queued group's SSD switch."""
-        return self.ssd_inflight() + sum(q.ssd for q in self._q.values())
+    def ssd_backlog(self, channel: str = "") -> float:
+        """Predicted SSD seconds on `channel`: reads under way plus the SSD switch of every group queued on it."""
+        return self.ssd_inflight(channel) + sum(q.ssd for n, q in self._q.items() if self.channel(n) == channel)
 
     def added_latency(self, executor: str, expert_id: str) -> tuple[float, float, float]:
         """(added seconds, switch seconds, SSD seconds) if a request for `expert_id` joins `executor`."""
@@ -269,7 +278,7 @@ class Scheduler:
         switch = self.costs.switch_cost(executor, expert_id)
         ssd = self._ssd_seconds(executor, expert_id) if switch else 0.0
         if ssd and self.policy.ssd_aware:
-            switch += self.ssd_inflight()
+            switch += self.ssd_inflight(self.channel(executor))
         return switch, ssd
 
     def _ssd_seconds(self, executor: str, expert_id: str) -> float:
@@ -322,14 +331,20 @@ class Scheduler:
         order = sorted(((e, n) for n, e in ests.items()), reverse=True)
         top, top_name = order[0]
         second = order[1][0] if len(order) > 1 else 0.0
-        backlog = self.ssd_backlog() if self.policy.ssd_aware else 0.0
+        backlogs: dict[str, float] = {}
+        if self.policy.ssd_aware:
+            for n in self.names:
+                ch = self.channel(n)
+                if ch not in backlogs:
+                    backlogs[ch] = self.ssd_backlog(ch)
+        top_ssd = max(backlogs.values(), default=0.0)
         cands = []
         for i, name in enumerate(self.names):
             added, switch, ssd = self.added_latency(name, expert_id)
             others = second if name == top_name else top
             objective = max(others, ests[name] + added)
-            if self.policy.ssd_aware:
-                objective = max(objective, backlog + ssd)
+            if self.policy.ssd_aware:   # every SSD's backlog is in the max; this one's grows by the switch's read
+                objective = max(objective, top_ssd, backlogs[self.channel(name)] + ssd)
             cands.append((objective, added, i, name, switch, ssd))
         floor = min(c[0] for c in cands) + self.tie_seconds
         _, _, _, name, switch, ssd = min((c for c in cands if c[0] <= floor + _EPS), key=lambda c: (c[1], c[0], c[2]))

@@ -24,6 +24,16 @@ when the classifier finishes).  Only time is simulated:
   of it, which is not lent to the next read (conservative; it only matters
   where compression does not pay), and decoding takes no CPU from compute.
 
+Several boxes (issue 15, `SimSystem.boxes`): each box has its own devices
+(its GPU's and CPU's compute are shared only by that box's executors), its
+own SSD channel and its own host tier; box 0 is the front box, where frames
+arrive.  A batch for an executor on another box first crosses that box's
+link: its frames hold the link for n x frame / bandwidth (batches to one box
+queue for it), then arrive after the one-way latency; the batch computes once
+both its expert and its frames are there.  Outputs are small and their way
+back is not modelled.  The scheduler sees the link through ProfileCosts
+(per-frame transfer in K, latency in B) and each box's SSD as its own channel.
+
 A paper-scale task (3,500 requests, 350 experts) runs in well under a second.
 """
 from __future__ import annotations
@@ -40,6 +50,7 @@ from storage.policies import make_policy
 from storage.pool import Pool, initialize
 
 from .costs import ExecutorInfo, ProfileCosts, StoredLookup, ssd_load_seconds
+from .links import DEFAULT_FRAME_BYTES, Link
 from .profile import DeviceProfile, Profile
 from .scheduler import Scheduler
 
@@ -50,6 +61,7 @@ class SimExecutor:
     device: str          # 'cuda:0' | 'cpu'
     memory: int          # whole budget of this executor
     expert_memory: int   # pool capacity (the rest is for activations)
+    box: int = 0         # the box it runs on (0: the front box, where frames arrive)
 
     @property
     def kind(self) -> str:
@@ -70,17 +82,32 @@ class SimSystem:
     host_mode: str = "inclusive"   # 'exclusive': the host tier is a victim cache of the GPU pools
     max_wait: float | None = None  # scheduler age bound (seconds); None: off
     prefetch: bool = True          # load the next group's expert while a batch computes (as the Executor does)
+    boxes: int = 1                 # boxes the executors spread over; each has its own SSD and host tier
+    link: Link | None = None       # the link from the front box to each other box (None with one box)
+    frame_bytes: int = DEFAULT_FRAME_BYTES   # bytes a frame takes on the link
+
+    def __post_init__(self) -> None:
+        if self.boxes < 1:
+            raise ValueError(f"a system needs at least one box, got boxes={self.boxes}")
+        bad = [e.name for e in self.executors if not 0 <= e.box < self.boxes]
+        if bad:
+            raise ValueError(f"executor(s) {', '.join(bad)} name a box outside 0..{self.boxes - 1}")
+        if self.boxes > 1 and self.link is None:
+            raise ValueError(f"{self.boxes} boxes need a link to price the frames' trip to the other boxes")
 
     def resources(self) -> str:
         """The memory and executors this system gets, for the bench table."""
         by_dev: dict[str, list[SimExecutor]] = {}
         for e in self.executors:
-            by_dev.setdefault(e.device, []).append(e)
+            if e.box == 0:
+                by_dev.setdefault(e.device, []).append(e)
         parts = [f"{d}: {len(ex)} exec, {sum(e.expert_memory for e in ex) / 1e9:.2f} GB experts + "
                  f"{sum(e.memory - e.expert_memory for e in ex) / 1e9:.2f} GB activations"
                  for d, ex in by_dev.items()]
         if self.host_tier:
             parts.append(f"host tier {self.host_tier / 1e9:.2f} GB ({self.host_mode})")
+        if self.boxes > 1:
+            return f"{self.boxes} boxes, each: " + "; ".join(parts) + f"; link {self.link.source}"
         return "; ".join(parts)
 
 
@@ -197,13 +224,18 @@ class _Device:
         return out
 
 
-def _device_profiles(profile: Profile, system: SimSystem) -> dict[str, DeviceProfile]:
-    """The DeviceProfile each executor's device shares; a device the profile lacks gets a flat curve."""
+def _device_profiles(profile: Profile, system: SimSystem) -> dict[tuple[int, str], DeviceProfile]:
+    """The DeviceProfile each executor's device shares, per (box, device): executors share a device only on
+    their own box; a device the profile lacks gets a flat curve."""
     out = {}
     for ex in system.executors:
-        if ex.device not in out:
-            out[ex.device] = profile.devices.get(ex.device) or DeviceProfile(ex.device, ex.kind, ex.memory)
+        if (ex.box, ex.device) not in out:
+            out[(ex.box, ex.device)] = profile.devices.get(ex.device) or DeviceProfile(ex.device, ex.kind, ex.memory)
     return out
+
+
+def _configured(system: SimSystem, key: tuple[int, str]) -> int:
+    return sum(1 for e in system.executors if (e.box, e.device) == key)
 
 
 def simulate(workload: Workload, profile: Profile, system: SimSystem, *, record_order: bool = False,
@@ -216,23 +248,30 @@ def simulate(workload: Workload, profile: Profile, system: SimSystem, *, record_
     clock = [0.0]
     box: list[Scheduler] = []
     ready: dict[tuple[str, str], float] = {}   # (executor, expert) -> when its prefetch lands
-    host = None
+    hosts: dict[int, Pool] = {}   # box -> its host tier
     if system.host_tier:
-        host = Pool("host", system.host_tier, make_policy("lru" if system.eviction == "fifo" else system.eviction),
-                    _SsdSource(model), probabilities=probs, preliminaries=prelims,
-                    on_event=lambda e: box[0].refresh(e.expert_id) if box else None,
-                    context=lambda: {"queued": above_host()})
+        for b in range(system.boxes):
+            hosts[b] = Pool("host", system.host_tier,
+                            make_policy("lru" if system.eviction == "fifo" else system.eviction),
+                            _SsdSource(model), name="host" if b == 0 else f"host@{b}", probabilities=probs,
+                            preliminaries=prelims,
+                            on_event=lambda e, b=b: [box[0].refresh(e.expert_id, n) for n in on_box[b]] if box
+                            else None,
+                            context=lambda b=b: {"queued": above_host(b)})
+    host = hosts.get(0)
+    on_box = {b: [e.name for e in system.executors if e.box == b] for b in range(system.boxes)}
 
-    def above_host() -> set[str]:
-        """Present for the host tier's policy: queued anywhere, or held by a GPU pool (see Agent._above_host)."""
-        out = {e for n in pools for e in (box[0].queued_set(n) if box else ())}
-        return out | {e for n, p in pools.items() if infos[n].device_kind == "cuda" for e in p.resident()}
+    def above_host(b: int) -> set[str]:
+        """Present for box b's host tier's policy: queued on the box, or held by one of its GPU pools."""
+        out = {e for n in on_box[b] for e in (box[0].queued_set(n) if box else ())}
+        return out | {e for n in on_box[b] if infos[n].device_kind == "cuda" for e in pools[n].resident()}
     pools, sources, infos = {}, {}, {}
     for ex in system.executors:
         gpu = ex.kind == "cuda"
+        host = hosts.get(ex.box)
         src = _TierSource(model, host, exclusive) if gpu else _SsdSource(model)
 
-        def on_event(e, name=ex.name, gpu=gpu) -> None:
+        def on_event(e, name=ex.name, gpu=gpu, host=host) -> None:
             if e.event == "evict":
                 ready.pop((name, e.expert_id), None)   # a prefetched expert evicted before its batch came
             if not box:
@@ -245,30 +284,35 @@ def simulate(workload: Workload, profile: Profile, system: SimSystem, *, record_
                               probabilities=probs, preliminaries=prelims, on_event=on_event,
                               context=(lambda n=ex.name: {"queued": box[0].queued_set(n) if box else set()}))
         sources[ex.name] = src
-        infos[ex.name] = ExecutorInfo(ex.kind, ex.memory, pools[ex.name], device=ex.device)
-    ssd_free = [0.0]
-    costs = ProfileCosts(model, infos, profile, host=host, ssd_inflight=lambda: max(ssd_free[0] - clock[0], 0.0),
-                         arriving=lambda name, e: max(ready.get((name, e), 0.0) - clock[0], 0.0), stored=stored)
+        infos[ex.name] = ExecutorInfo(ex.kind, ex.memory, pools[ex.name], device=ex.device,
+                                      node=str(ex.box) if ex.box else "", link=system.link if ex.box else None,
+                                      host=host, ssd_channel=str(ex.box) if system.boxes > 1 else "")
+    host = hosts.get(0)
+    ssd_free = [0.0] * system.boxes         # per box: when its SSD channel is free
+    link_free = [0.0] * system.boxes        # per box: when the link to it is free (box 0 has none)
+    costs = ProfileCosts(model, infos, profile, host=host,
+                         ssd_inflight=lambda channel="0": max(ssd_free[int(channel)] - clock[0], 0.0),
+                         arriving=lambda name, e: max(ready.get((name, e), 0.0) - clock[0], 0.0), stored=stored,
+                         frame_bytes=system.frame_bytes)
     sched = Scheduler([e.name for e in system.executors], system.scheduler, costs=costs,
                       tie_seconds=system.tie_seconds, now=lambda: clock[0], max_wait=system.max_wait)
 
     order = sorted(model.experts, key=lambda e: -probs[e])
-    if system.init == "warm":
+    if system.init == "warm":   # round-robin over every executor of every box, then the host tiers likewise
         initialize(list(pools.values()), order)
-        if host is not None:
-            held = {e for p in pools.values() for e in p.resident()}   # the host tier starts with the next ones
-            initialize([host], [e for e in order if e not in held])
-        for s in [*sources.values(), *([host.source] if host else [])]:
+        if hosts:
+            held = {e for p in pools.values() for e in p.resident()}   # the host tiers start with the next ones
+            initialize(list(hosts.values()), [e for e in order if e not in held])
+        for s in [*sources.values(), *(h.source for h in hosts.values())]:
             s.loads.clear()
     box.append(sched)
-    initial = {e for p in [*pools.values(), *([host] if host else [])] for e in p.resident()}
+    initial = {e for p in [*pools.values(), *hosts.values()] for e in p.resident()}
     in_pools = {e for p in pools.values() for e in p.resident()}
     init_misses = sum(p.stats().misses for p in pools.values())
 
     execs = {e.name: e for e in system.executors}
     devprofs = _device_profiles(profile, system)
-    configured = {d: sum(1 for e in system.executors if e.device == d) for d in devprofs}
-    devices = {d: _Device(p, configured[d]) for d, p in devprofs.items()}
+    devices = {d: _Device(p, _configured(system, d)) for d, p in devprofs.items()}
     events: list = []
     seq = itertools.count()
     for a in workload.arrivals:
@@ -289,11 +333,12 @@ def simulate(workload: Workload, profile: Profile, system: SimSystem, *, record_
         """Time the loads the pool just asked its source for, from `start`; returns when they are done."""
         nonlocal ssd_busy, ssd_loads, host_loads
         t = start
+        b = execs[name].box
         for expert_id, tier in loads:
             secs = costs.load_seconds(name, expert_id, tier)
             if tier == "ssd":
-                begin = max(t, ssd_free[0])
-                t = ssd_free[0] = begin + secs
+                begin = max(t, ssd_free[b])
+                t = ssd_free[b] = begin + secs
                 ssd_busy += secs
                 ssd_loads += 1
             else:
@@ -316,6 +361,10 @@ def simulate(workload: Workload, profile: Profile, system: SimSystem, *, record_
                 raise RuntimeError(f"{name}: expert {b.expert_id} cannot fit next to pinned experts")
             # a prefetch of this expert may still be reading: the batch starts when it lands
             t = max(read(name, now, src.loads[n_loads:]), ready.pop((name, b.expert_id), 0.0))
+            if ex.box:   # the frames cross the link to the executor's box; it computes once they are there
+                per_frame, latency = costs.transfer(name)
+                sent = link_free[ex.box] = max(now, link_free[ex.box]) + per_frame * len(b)
+                t = max(t, sent + latency)
             if system.prefetch:
                 prefetch(name, b.expert_id, t)
             a = costs.arch(name, b.expert_id)
@@ -354,13 +403,13 @@ def simulate(workload: Workload, profile: Profile, system: SimSystem, *, record_
             sched.submit(Request(frame, model.components[a.component].classifier))
         elif kind == "compute":
             name, b, handle, t0, work = running[data]
-            reschedule(devices[execs[name].device].change(now, add=(data, work)))
+            reschedule(devices[(execs[name].box, execs[name].device)].change(now, add=(data, work)))
         else:
             jid, version = data
             if jid not in running:
                 continue
             name, b, handle, t0, work = running[jid]
-            dev = devices[execs[name].device]
+            dev = devices[(execs[name].box, execs[name].device)]
             if dev.jobs.get(jid, (0, -1))[1] != version:
                 continue   # superseded: the device's sharing changed since this finish was predicted
             del running[jid]
@@ -427,8 +476,11 @@ def lower_bound(workload: Workload, profile: Profile, system: SimSystem, initial
         T >= sum of per-request minima / sum of device capacities, however
         requests are split across CPU and GPU.
     (c) SSD: every expert the task uses that no tier held at the start is
-        read at least once, on the one shared SSD, at its fastest load (as
-        it is stored: `stored`, see `simulate`).
+        read at least once, at its fastest load (as it is stored: `stored`,
+        see `simulate`), on the one shared SSD; with several boxes, on one of
+        their SSDs, which read at once at best: the sum over the boxes.
+    The link only adds time, so leaving it out keeps every term a bound;
+    (b) sums the devices of every box.
     """
     model = workload.model
     devs = _device_profiles(profile, system)
@@ -442,11 +494,11 @@ def lower_bound(workload: Workload, profile: Profile, system: SimSystem, initial
 
     def single(expert_id: str) -> float:
         arch = model.experts[expert_id].arch
-        return min(profile.arch(arch, k).batch_seconds(1) / max(d.speed(1, sum(
-            1 for e in system.executors if e.device == name)) for name, d in devs.items() if d.kind == k)
-            for k in kinds)
+        return min(profile.arch(arch, k).batch_seconds(1) / max(d.speed(1, _configured(system, key))
+                                                                 for key, d in devs.items() if d.kind == k)
+                   for k in kinds)
 
-    capacity = sum(d.capacity(sum(1 for e in system.executors if e.device == name)) for name, d in devs.items())
+    capacity = sum(d.capacity(_configured(system, key)) for key, d in devs.items())
     compute = sum(n * per_request(e) for e, n in n_by.items()) / capacity
     last = workload.arrivals[-1]
     cls = model.components[last.component].classifier
@@ -454,7 +506,7 @@ def lower_bound(workload: Workload, profile: Profile, system: SimSystem, initial
     chain = single(cls) + (single(nxt) if nxt else 0.0)
     form = stored or (lambda expert_id: None)
     spill = sum(min(ssd_load_seconds(profile.arch(model.experts[e].arch, k), form(e), profile.storage) for k in kinds)
-                for e in n_by if e not in initial)
+                for e in n_by if e not in initial) / system.boxes   # each box reads its own SSD, at best all at once
     return max(last.t + chain, compute, spill)
 
 

@@ -16,12 +16,18 @@ the host memory behind them.  How each spends it:
   batch, 1.05 requests a batch on the tasks, and the splitter caps them at
   what fits); its host tier is
   all the CPU memory that CoServe's CPU executor and host tier share.
+- Several boxes (`boxes`, issue 15): CoServe's executors, memory split and
+  host tier on each box, as the profile gives them for one; every box has its
+  own SSD, and the front box reaches the others over `link`.
 - Samba-CoE FIFO and Parallel, and CoServe's ablations (the paper's: none, em,
   em+ra; ours: -ssd, -steal, -exclusive, -age, -protect, each CoServe with one
   lever off), change one knob each.
 """
 from __future__ import annotations
 
+from dataclasses import replace
+
+from .links import Link
 from .profile import DeviceProfile, Profile
 from .simdevice import SimExecutor, SimSystem
 
@@ -69,7 +75,14 @@ def samba_host_tier(profile: Profile) -> int:
     return host_tier(profile) + sum(d.memory for d in profile.devices.values() if d.kind == "cpu")
 
 
-def build_system(name: str, profile: Profile, *, init: str = "warm") -> SimSystem:
+def on_boxes(executors: tuple[SimExecutor, ...], boxes: int) -> tuple[SimExecutor, ...]:
+    """The same executors on each of `boxes` boxes; box 0 keeps the names, box b's are prefixed 'b{b}/'."""
+    return tuple(replace(e, name=e.name if b == 0 else f"b{b}/{e.name}", box=b)
+                 for b in range(boxes) for e in executors)
+
+
+def build_system(name: str, profile: Profile, *, init: str = "warm", boxes: int = 1,
+                 link: Link | None = None) -> SimSystem:
     co, host = coserve_executors(profile), host_tier(profile)
     one, one_host = samba_executors(profile), samba_host_tier(profile)
     #        executors, scheduler, eviction, host tier, host mode, age bound
@@ -93,4 +106,7 @@ def build_system(name: str, profile: Profile, *, init: str = "warm") -> SimSyste
         execs, sched, evict, tier, mode, max_wait = table[name]
     except KeyError:
         raise ValueError(f"unknown system '{name}' (known: {', '.join(SYSTEMS)})") from None
-    return SimSystem(name, execs, sched, evict, host_tier=tier, init=init, host_mode=mode, max_wait=max_wait)
+    if boxes < 1:
+        raise ValueError(f"boxes must be >= 1, got {boxes}")
+    return SimSystem(name, on_boxes(execs, boxes), sched, evict, host_tier=tier, init=init, host_mode=mode,
+                     max_wait=max_wait, boxes=boxes, link=link if boxes > 1 else None)
