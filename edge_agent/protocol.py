@@ -173,9 +173,6 @@ def decode_image(header: Header, payload: bytes) -> np.ndarray:
     return arr
 
 
-_PIL_FORMAT = {"png": "PNG", "jpeg": "JPEG"}
-
-
 def _decode_compressed(encoding: str, payload: bytes, frame_id: str) -> np.ndarray:
     """PNG or JPEG -> HxWx3 uint8 RGB, the decoder's complaint in the Reject's detail.
 
@@ -183,12 +180,15 @@ def _decode_compressed(encoding: str, payload: bytes, frame_id: str) -> np.ndarr
     errors ('libpng error: IDAT: incorrect data check') straight to stderr,
     where nobody can tell which frame they belong to, while Pillow raises
     them.  The pixels are the same as OpenCV's: EXIF orientation is applied,
-    alpha is dropped, 16-bit samples keep their high byte.
+    alpha is dropped, 16-bit samples keep their high byte.  The format's own
+    image class is used, not `Image.open`, which ultralytics replaces on import
+    with one that tries to install a HEIF plugin when a file is unreadable.
     """
-    from PIL import Image, ImageOps, UnidentifiedImageError
+    from PIL import Image, ImageOps, JpegImagePlugin, PngImagePlugin, UnidentifiedImageError
 
+    kind = PngImagePlugin.PngImageFile if encoding == "png" else JpegImagePlugin.JpegImageFile
     try:
-        with Image.open(io.BytesIO(payload), formats=[_PIL_FORMAT[encoding]]) as im:
+        with kind(io.BytesIO(payload)) as im:
             im.load()
             if encoding == "jpeg":
                 im = ImageOps.exif_transpose(im)

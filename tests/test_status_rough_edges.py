@@ -53,6 +53,15 @@ def test_undecodable_images_are_rejected_with_the_decoders_words_and_nothing_on_
         check_frame([header_j, bytes(jpg)], line="T", router=router, max_payload=1 << 20)
     except P.Reject as exc:
         assert exc.reason == P.BAD_IMAGE
+    # ultralytics replaces PIL's Image.open on import with one that tries to install a HEIF plugin whenever
+    # Pillow cannot identify a file: the decoder must not go through it
+    import ultralytics.utils.patches  # noqa: F401
+
+    ihdr = b"\x00\x00\x00\x0dIHDR" + (40).to_bytes(4, "big") * 2 + b"\x08\x02\x00\x00\x00" + b"\x00\x00\x00\x00"
+    unidentifiable = b"\x89PNG\r\n\x1a\n" + ihdr + b"\x00\x00\x00\x00IEND\xaeB`\x82"
+    with pytest.raises(P.Reject) as rej:
+        check_frame([header, unidentifiable], line="T", router=router, max_payload=1 << 20)
+    assert rej.value.reason == P.BAD_IMAGE and "could not be decoded" in rej.value.detail
     out = capfd.readouterr()
     assert out.err == "" and out.out == ""
 
