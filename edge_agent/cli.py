@@ -103,15 +103,17 @@ def run(line: str, config_path: str | None) -> None:
 @click.option("--rate", type=float, default=None, help="Replay rate in frames/s (default: as fast as acked).")
 @click.option("--recording", type=click.Path(file_okay=False, exists=True), help="Replay this recording instead.")
 @click.option("--json", "as_json", is_flag=True, help="Also print the summary as one JSON line.")
-@click.option("--no-train", is_flag=True, help="Keep the zoo's generated classifiers (skip zoo train).")
+@click.option("--no-train", is_flag=True, help="Keep the zoo's generated weights (skip zoo train).")
 @_fail_clearly
 def demo(line: str, config_path: str | None, frames: int, seed: int, rate: float | None,
          recording: str | None, as_json: bool, no_train: bool) -> None:
     """Build and train the demo zoo and a recording if absent, serve, replay, and summarise.
 
-    The classifiers are trained on synthetic frames on the first run (about
-    3 minutes on 2 cores) and reused after that; the summary says how many
-    verdicts were right against the recording's truth.
+    The classifiers and the detectors are trained on synthetic frames on the
+    first run (several minutes on 2 cores) and reused after that.  The
+    recording draws 5% of the ok parts with a soldering defect for the
+    detectors to find; the summary says how many verdicts were right against
+    the recording's truth, with the recall of every defect label.
 
     \b
     Example:
