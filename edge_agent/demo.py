@@ -59,7 +59,9 @@ def stage(msg: str, quiet: bool = False) -> None:
 
 def ensure_zoo(cfg: LineConfig, model: CoEModel, *, seed: int = 0, quiet: bool = False) -> ExpertStore:
     store = ExpertStore(cfg.store_path, verify=cfg.expert_verify)
-    todo = [e for e in model.experts if not store.has(e)]
+    # missing, or stored for another architecture (the spec changed since): built again
+    todo = [eid for eid, e in model.experts.items()
+            if not store.has(eid) or (store.entry(eid).arch, store.entry(eid).kind) != (e.arch, e.kind)]
     stage(f"expert zoo: {len(model.experts) - len(todo)} of {len(model.experts)} experts present in "
           f"{cfg.store_path}" + (f", building {len(todo)}" if todo else ""), quiet)
     if todo:

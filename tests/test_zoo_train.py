@@ -70,3 +70,18 @@ def test_the_cli_trains_and_reports(tmp_path, tiny_zoo):
     assert res.output.count("kept (already trained)") == 3            # one classifier group, two detectors
     res = CliRunner().invoke(cli, args[:-1] + ["-1"])
     assert res.exit_code != 0 and "--detector-steps" in res.output and "must be 0 or more" in res.output
+
+
+def test_the_demo_rebuilds_an_expert_the_spec_now_gives_another_arch(tmp_path, tiny_zoo):
+    import shutil
+
+    from edge_agent.config import load_config
+    from edge_agent.demo import ensure_zoo
+
+    shutil.copytree(tiny_zoo, tmp_path / "store")
+    config = write_line(tmp_path / "line", store=tmp_path / "store")
+    spec = json.loads(json.dumps(TINY_SPEC))
+    spec["experts"][-1]["arch"] = "ultralytics/yolov8s"        # det-ic changed architecture since the zoo was built
+    store = ensure_zoo(load_config(config), parse_spec(spec), quiet=True)
+    assert store.entry("det-ic").arch == "ultralytics/yolov8s"
+    assert store.entry("det-2term").arch == "ultralytics/yolov8n"   # the rest is kept as it was
