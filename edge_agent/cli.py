@@ -354,6 +354,11 @@ def replay(recording: str, line: str, config_path: str | None, endpoint: str | N
             raise click.UsageError(f"{cfg.db_path} exists: give --report a fresh directory for the candidate run")
         candidate = Agent(cfg, load_spec(cfg.spec_path))
         results_db = str(cfg.db_path)
+    if baseline_db and report_dir:
+        judged_db = Path(results_db) if results_db else cfg.db_path
+        if judged_db.exists() and judged_db.samefile(baseline_db):
+            raise click.UsageError(f"--baseline {baseline_db} is the database this run writes: compare with "
+                                   f"another run's database")
     if endpoint is None:
         endpoint = endpoint_parts(cfg.ingest)[2]
     setup = None
@@ -415,7 +420,11 @@ def _judge_replay(rec, cfg, db: Path, baseline_db: str | None, report_dir: str, 
                 have = 0
             finally:
                 con.close()
-        if have >= len(ids) or time.monotonic() > until:
+        if have >= len(ids):
+            break
+        if time.monotonic() > until:
+            click.echo(f"replay report: waited {timeout:g} s and {len(ids) - have} of {len(ids)} frame(s) still have "
+                       f"no verdict; judging what is there (they count as missing)", err=True)
             break
         time.sleep(0.2)
     j = judge(load_spec(cfg.spec_path), rec, db, baseline_db=baseline_db)   # versions: what the rows name
@@ -424,7 +433,7 @@ def _judge_replay(rec, cfg, db: Path, baseline_db: str | None, report_dir: str, 
                f"errors {j.errors}" + (f"; vs baseline fixed {len(j.fixed)}, broken {len(j.broken)}, "
                                         f"changed {len(j.changed)}" if baseline_db else "") + f"; report {md}")
     click.echo(json.dumps({"replay_report": str(md), "accuracy": round(j.accuracy, 5), **{
-        k: v for k, v in j.metrics().items() if k != "accuracy"}}))
+        k: (None if v != v else v) for k, v in j.metrics().items() if k != "accuracy"}}))   # NaN: not measured
     failed = failed_conditions(j, conditions) if conditions else []
     if failed:
         click.echo("gate FAILED: " + "; ".join(failed), err=True)

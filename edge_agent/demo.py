@@ -238,16 +238,19 @@ def summarize(db_path: Path, t0: float) -> dict:
 
 def correctness(model: CoEModel, rec: Recording, db: Path) -> dict:
     """Whether the verdicts were right: accuracy against the recording's truth, recall per defect label."""
-    from .judge import judge
+    from .judge import judge, true_verdict
 
     j = judge(model, rec, db, show=5)
-    recall = {}
-    for label, counts in j.confusion_by_label.items():
+    # a defect label: one whose frames should get a defect verdict (the judge's own truth mapping)
+    defect_labels = {f.truth for f in rec
+                     if true_verdict(model, f.header.get("component") or f.truth_component, f.truth) == "defect"}
+    recall, frames = {}, {}
+    for label, counts in sorted(j.confusion_by_label.items()):
         total = sum(counts.values())
-        comp_pass = all(label in e.pass_labels for e in model.experts.values() if e.kind == "classifier")
-        if total and not comp_pass:
+        if total and label in defect_labels:
             recall[label] = round(counts.get("defect", 0) / total, 4)
-    return {"accuracy": round(j.accuracy, 4), "judged": j.judged, "recall": recall, "wrong_frames": j.wrong}
+            frames[label] = total
+    return {"accuracy": round(j.accuracy, 4), "judged": j.judged, "recall": recall, "defect_frames": frames, "wrong_frames": j.wrong}
 
 
 def format_summary(s: dict) -> str:
@@ -269,7 +272,8 @@ def format_summary(s: dict) -> str:
         ("executors", "; ".join(s["executors"]) + f" for a {s['zoo_bytes'] / 1e6:.0f} MB zoo"),
         ("verdict accuracy", f"{100 * s['accuracy']:.1f}% of {s['judged']} frames with a recorded truth"
                              if s.get("judged") else "no truth in the recording"),
-        ("recall per defect label", ", ".join(f"{k} {100 * v:.0f}%" for k, v in s.get("recall", {}).items()) or "-"),
+        ("recall per defect label", ", ".join(f"{k} {100 * v:.1f}% of {s.get('defect_frames', {}).get(k, '?')}"
+                                              for k, v in s.get("recall", {}).items()) or "-"),
         ("frames it got wrong", ", ".join(s.get("wrong_frames", [])[:5]) or "none"),
         ("errors table rows", s["errors"]),
         ("database", s["database"]),

@@ -195,11 +195,19 @@ def parse_gate(text: str) -> list[Condition]:
         if metric not in GATE_METRICS:
             raise CoEError(f"--gate: unknown metric {metric!r} in {clause!r} (metrics: {', '.join(GATE_METRICS)})")
         try:
-            out.append(Condition(metric, op, float(value)))
+            number = float(value)
         except ValueError:
             raise CoEError(f"--gate: {value!r} in {clause!r} is not a number") from None
+        if metric == "accuracy" and number > 1:
+            raise CoEError(f"--gate: accuracy is a fraction in 0..1, got {value} in {clause!r} "
+                           f"(write accuracy>={number / 100:g} for {value}%)")
+        out.append(Condition(metric, op, number))
     if not out:
         raise CoEError("--gate: no conditions given (e.g. --gate accuracy>=0.97,regressions<=0)")
+    if not any(c.metric == "missing" for c in out):
+        # a frame without a verdict is neither right nor a regression: unless the gate says how many
+        # may be missing, none may, or a candidate that drops frames would pass on the ones it kept
+        out.append(Condition("missing", "<=", 0.0))
     return out
 
 

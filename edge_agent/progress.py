@@ -13,9 +13,9 @@ def step_bars(disable: bool = False) -> Iterator[Callable[[str, int, int], None]
     bars: dict[str, tqdm] = {}
 
     def tick(name: str, step: int, total: int) -> None:
-        bar = bars.setdefault(name, tqdm(total=total, desc=f"training {name}", unit="step",
-                                         disable=disable or None))
-        bar.update(step - bar.n)
+        if name not in bars:           # not setdefault: that would build (and draw) a bar on every step
+            bars[name] = tqdm(total=total, desc=f"training {name}", unit="step", disable=disable or None)
+        bars[name].update(step - bars[name].n)
     try:
         yield tick
     finally:

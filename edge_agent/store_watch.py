@@ -1,7 +1,7 @@
 """Pick up experts promoted into the line's store while the agent runs.
 
 `coe-agent experts promote` rewrites experts with new versions through the
-store's atomic writes.  This watcher polls the manifest's mtime; when it
+store's atomic writes.  This watcher polls the manifest's stat; when it
 changes it re-reads the manifest, forgets load failures of experts that have
 a new version (a fixed expert gets another chance), and drops resident
 copies whose version is stale.  A copy a running batch holds stays until
@@ -26,14 +26,19 @@ class StoreWatcher:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="store-watch", daemon=True)
         self._mtime = self._stamp()
+        # the versions this watcher last saw, its own: the store may reload itself (a load that found a
+        # newer file), and comparing with the store's copy would then miss the change
+        self._seen = {e.id: e.version for e in store.entries()}
         self._changed: set[str] = set()  # experts with a new version some pool may still hold stale
         self.dropped = 0                # stale copies dropped (for tests and metrics)
 
-    def _stamp(self) -> float | None:
+    def _stamp(self) -> tuple | None:
+        """Inode, mtime and size: an atomic rename changes the inode even within one coarse mtime tick."""
         try:
-            return self.store.manifest_path.stat().st_mtime_ns
+            st = self.store.manifest_path.stat()
         except OSError:
             return None
+        return (st.st_ino, st.st_mtime_ns, st.st_size)
 
     def pending(self) -> set[str]:
         """Experts with a new version that some pool may still hold stale (empty: every pool is current)."""
@@ -59,13 +64,13 @@ class StoreWatcher:
         stamp = self._stamp()
         if stamp != self._mtime:
             self._mtime = stamp
-            before = {e.id: e.version for e in self.store.entries()}
             self.store.reload()
             for e in self.store.entries():
-                if before.get(e.id) != e.version:
+                if self._seen.get(e.id) != e.version:
                     self._forget(e.id)
                     self._changed.add(e.id)
-                    log.info("expert %s: version %s in the store now (was %s)", e.id, e.version, before.get(e.id))
+                    log.info("expert %s: version %s in the store now (was %s)", e.id, e.version, self._seen.get(e.id))
+                    self._seen[e.id] = e.version
         dropped, settled = 0, set()
         for eid in sorted(self._changed):
             want = self.store.entry(eid).version if self.store.has(eid) else None

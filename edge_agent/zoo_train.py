@@ -19,6 +19,7 @@ store), so the demo trains on its first run and reuses the result after.
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -33,6 +34,7 @@ from executors.backends.base import IMAGENET_MEAN, IMAGENET_STD
 
 MARKER = ".trained.json"
 DETECTOR_STEPS = 500
+EVAL_CROPS = 1024    # held-out crops per detector: about 170 per class at half clean, half defects
 SOLDER_RATE = 0.05   # the demo recording: share of ok parts drawn with a soldering defect
 
 
@@ -59,13 +61,15 @@ class DetectorResult:
     false_alarm_rate: float
     undrawable: tuple[str, ...]
     skipped: bool
+    drawn: int = 0                  # held-out defects drawn (the recall's denominator)
 
     def describe(self) -> str:
         """One line for a terminal: recall per class, false alarms, classes it never saw."""
         state = "kept (already trained)" if self.skipped else f"trained {self.steps} steps"
         by_class = ", ".join(f"{k} {100 * v:.0f}%" for k, v in self.recall_by_class.items())
         out = (f"{self.expert} ({self.arch}): {len(self.components)} component type(s), {state}; held-out recall "
-               f"at IoU 0.5 {100 * self.heldout_recall:.1f}% ({by_class}); false alarms on clean parts "
+               f"at IoU 0.5 {100 * self.heldout_recall:.1f}% of {self.drawn} drawn defects ({by_class}); "
+               f"false alarms on clean parts "
                f"{100 * self.false_alarm_rate:.1f}%")
         if self.undrawable:
             out += f"; not trained on {', '.join(self.undrawable)} (no part of it can show them)"
@@ -165,7 +169,8 @@ def train_classifiers(model: CoEModel, store: ExpertStore, *, steps: int = 300, 
     marker_path, marker = _read_marker(store)
     results = []
     for (arch, classes, size), (experts, comps) in groups.items():
-        recipe = {"steps": steps, "batch": batch, "seed": seed, "components": sorted(comps)}
+        recipe = {"steps": steps, "batch": batch, "seed": seed, "components": sorted(comps), "arch": arch,
+                  "classes": list(classes), "input_size": size}
         current = all(store.has(e.id) and marker.get(e.id, {}).get("sha256") == store.entry(e.id).sha256
                       and marker[e.id].get("recipe") == recipe for e in experts)
         if current and not force:
@@ -179,9 +184,16 @@ def train_classifiers(model: CoEModel, store: ExpertStore, *, steps: int = 300, 
             version = store.entry(e.id).version + 1 if store.has(e.id) else 1
             entry = store.write(e, tensors, version=version)
             marker[e.id] = {"sha256": entry.sha256, "recipe": recipe, "heldout_accuracy": round(acc, 4)}
-        marker_path.write_text(json.dumps(marker, indent=1, sort_keys=True) + "\n")
+        _write_marker(marker_path, marker)
         results.append(GroupResult(arch, tuple(e.id for e in experts), tuple(comps), steps, acc, False))
     return results
+
+
+def _write_marker(path: Path, marker: dict) -> None:
+    """Replace the training record atomically: a crash mid-write must not leave a record that reads as garbage."""
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(marker, indent=1, sort_keys=True) + "\n")
+    os.replace(tmp, path)
 
 
 def _read_marker(store: ExpertStore) -> tuple[Path, dict]:
@@ -207,24 +219,26 @@ def train_detectors(model: CoEModel, store: ExpertStore, *, steps: int = DETECTO
     results = []
     for plan in todo:
         e = plan.expert
-        recipe = {"steps": steps, "batch": batch, "seed": seed, "frame_size": frame_size,
-                  "pairs": sorted(map(list, plan.pairs)), "input_size": e.input_size}
+        recipe = {"steps": steps, "batch": batch, "seed": seed, "frame_size": frame_size, "arch": e.arch,
+                  "classes": list(e.classes), "pairs": sorted(map(list, plan.pairs)), "input_size": e.input_size,
+                  "crops": EVAL_CROPS}
         rec = marker.get(e.id, {})
         if (not force and store.has(e.id) and rec.get("sha256") == store.entry(e.id).sha256
                 and rec.get("recipe") == recipe):
             results.append(DetectorResult(e.arch, e.id, plan.components, steps, rec["heldout_recall"],
-                                          rec["recall_by_class"], rec["false_alarm_rate"], plan.undrawable, True))
+                                          rec["recall_by_class"], rec["false_alarm_rate"], plan.undrawable, True,
+                                          rec.get("drawn", 0)))
             continue
         tensors, _losses = train_detector(plan, steps=steps, batch=batch, seed=seed, frame_size=frame_size,
                                  progress=(lambda s, i=e.id: progress(i, s, steps)) if progress else None)
-        score = evaluate(plan, tensors, seed=seed, frame_size=frame_size)
+        score = evaluate(plan, tensors, seed=seed, frame_size=frame_size, crops=EVAL_CROPS)
         version = store.entry(e.id).version + 1 if store.has(e.id) else 1
         entry = store.write(e, tensors, version=version)
         marker[e.id] = {"sha256": entry.sha256, "recipe": recipe, "heldout_recall": round(score.recall, 4),
                         "recall_by_class": score.recall_by_class(),
-                        "false_alarm_rate": round(score.false_alarm_rate, 4)}
-        marker_path.write_text(json.dumps(marker, indent=1, sort_keys=True) + "\n")
+                        "false_alarm_rate": round(score.false_alarm_rate, 4), "drawn": sum(score.drawn.values())}
+        _write_marker(marker_path, marker)
         results.append(DetectorResult(e.arch, e.id, plan.components, steps, round(score.recall, 4),
                                       score.recall_by_class(), round(score.false_alarm_rate, 4),
-                                      plan.undrawable, False))
+                                      plan.undrawable, False, sum(score.drawn.values())))
     return results

@@ -59,12 +59,14 @@ def test_judge_counts_confusion_and_splits_baseline_changes(tmp_path, tiny_recor
     assert "accuracy" in text and "FAILED" in text and "regressions<=0 (got 1)" in text
     assert (tmp_path / "report" / "confusion.png").stat().st_size > 1000
     doc = json.loads((tmp_path / "report" / "report.json").read_text())
-    assert doc["broken"]["count"] == 1 and doc["gate_failed"] == ["regressions<=0 (got 1)"]
+    # the frame without a verdict fails the gate too, unless the gate says how many may be missing
+    assert doc["broken"]["count"] == 1 and doc["gate_failed"] == ["regressions<=0 (got 1)", "missing<=0 (got 1)"]
+    assert failed_conditions(j, parse_gate("accuracy>=0.5,missing<=1")) == []
 
 
 @pytest.mark.parametrize("gate, message", [
     ("accuracy=>0.9", "cannot read"), ("speed>=3", "unknown metric 'speed'"), ("", "no conditions"),
-    ("accuracy>=high", "cannot read"),
+    ("accuracy>=high", "cannot read"), ("accuracy>=97", "accuracy is a fraction in 0..1.*accuracy>=0.97"),
 ])
 def test_bad_gates_are_named(gate, message):
     with pytest.raises(CoEError, match=message):

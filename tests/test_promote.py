@@ -145,3 +145,20 @@ def test_the_watcher_drops_stale_copies_once_no_batch_holds_them(tmp_path, tiny_
     assert fresh.value.version == 2
     pool.release(fresh)
     assert watch.tick() == 0
+
+
+def test_the_watcher_sees_a_promotion_even_when_the_store_reloaded_itself_first(tmp_path, tiny_zoo):
+    from edge_agent.store_watch import StoreWatcher
+    from storage.policies import make_policy
+    from storage.pool import Pool
+    from storage.tiers import StoreSource
+
+    line = _copy(tiny_zoo, tmp_path / "line")
+    pool = Pool("cpu", 10**9, make_policy("lru"), StoreSource(line))
+    forgotten = []
+    watch = StoreWatcher(line, lambda: [pool], forget=forgotten.append)
+    pool.release(pool.acquire("cls-r0402"))
+    writer = ExpertStore(line.root)                                       # another process promotes
+    writer.write(MODEL.experts["cls-r0402"], writer.read("cls-r0402"), version=2)
+    line.reload()                                  # e.g. a load that found the newer file re-read the manifest
+    assert watch.tick() == 1 and forgotten == ["cls-r0402"] and not pool.contains("cls-r0402")

@@ -85,3 +85,14 @@ def test_the_demo_rebuilds_an_expert_the_spec_now_gives_another_arch(tmp_path, t
     store = ensure_zoo(load_config(config), parse_spec(spec), quiet=True)
     assert store.entry("det-ic").arch == "ultralytics/yolov8s"
     assert store.entry("det-2term").arch == "ultralytics/yolov8n"   # the rest is kept as it was
+
+
+def test_a_spec_that_reorders_the_classes_retrains_instead_of_swapping_labels(tmp_path):
+    store = ExpertStore(tmp_path)
+    assert not train_classifiers(MODEL, store, steps=3, batch=8, seed=0)[0].skipped
+    spec = json.loads(json.dumps(TINY_SPEC))
+    for e in spec["experts"]:
+        if e["kind"] == "classifier":
+            e["classes"] = list(reversed(e["classes"]))        # same labels, other output order
+    again = train_classifiers(parse_spec(spec), store, steps=3, batch=8, seed=0)
+    assert not again[0].skipped and store.entry(CLASSIFIERS[0].id).version == 2
