@@ -112,6 +112,7 @@ class ExpertStore:
         self.verify = verify
         self._lock = threading.RLock()
         self._verified: set[tuple[str, str]] = set()  # (id, sha256) whose file hashed correctly
+        self._verified_stat: dict[tuple[str, str], tuple] = {}  # ... and that file's (inode, mtime, size)
         self._layouts: dict[tuple[str, str], Layout] = {}  # (id, sha256) -> stored layout
         self._compression = "none"
         try:
@@ -319,16 +320,31 @@ class ExpertStore:
         return path
 
     def _current(self, expert_id: str) -> tuple[ManifestEntry, Path]:
-        """The entry and its file; re-reads the manifest once when the file has gone.
+        """The entry and its file; re-reads the manifest once when the file has gone or changed.
 
         `experts compress` in another process renames an expert's file
-        (.safetensors <-> .coez) while a running agent holds the old manifest.
+        (.safetensors <-> .coez) while a running agent holds the old manifest;
+        `experts promote` replaces it with a new version.  A file that is not
+        the one verified under this entry (another inode, mtime or size) means
+        the cached manifest is stale: without the re-read, a `verify: first`
+        store would serve the new bytes under the old entry's version.
         """
         entry = self.entry(expert_id)
-        if not (self.root / entry.file).is_file():
+        path = self.root / entry.file
+        if not path.is_file() or self._replaced(expert_id, entry.sha256, path):
             self.reload()
             entry = self.entry(expert_id)
         return entry, self._existing(entry)
+
+    def _replaced(self, expert_id: str, sha256: str, path: Path) -> bool:
+        """Whether `path` is no longer the file verified as (expert_id, sha256)."""
+        seen = self._verified_stat.get((expert_id, sha256))
+        return seen is not None and seen != _stat(path)
+
+    def _mark_verified(self, key: tuple[str, str], path: Path) -> None:
+        with self._lock:
+            self._verified.add(key)
+            self._verified_stat[key] = _stat(path)
 
     # -- read -----------------------------------------------------------------------
     def read(self, expert_id: str) -> dict[str, "torch.Tensor"]:
@@ -344,7 +360,8 @@ class ExpertStore:
             return self.read_flat(expert_id).tensors()
         where = str(path)
         key = (expert_id, entry.sha256)
-        if self.verify == "always" or (self.verify == "first" and key not in self._verified):
+        if self.verify == "always" or (self.verify == "first" and (key not in self._verified
+                                                                   or self._replaced(*key, path))):
             try:
                 digest = _sha256(path)
             except OSError as exc:
@@ -360,8 +377,7 @@ class ExpertStore:
         if got != entry.nbytes:
             raise ExpertLoadError(expert_id, where, f"file holds {got} tensor bytes, manifest says {entry.nbytes}")
         if self.verify == "first":
-            with self._lock:
-                self._verified.add(key)
+            self._mark_verified(key, path)
         return tensors
 
     def read_flat(self, expert_id: str, *, pin: bool = False, method: str = "read",
@@ -392,7 +408,8 @@ class ExpertStore:
 
         entry, path = self._current(expert_id)
         key = (expert_id, entry.sha256)
-        check = self.verify == "always" or (self.verify == "first" and key not in self._verified)
+        check = self.verify == "always" or (self.verify == "first" and (key not in self._verified
+                                                                        or self._replaced(*key, path)))
         expect = entry.sha256 if check else None
         from .convert import converted_layout
 
@@ -405,8 +422,7 @@ class ExpertStore:
             raise ExpertLoadError(expert_id, str(path),
                                   f"file holds {flat.nbytes} tensor bytes, manifest says {entry.nbytes}")
         if check:
-            with self._lock:
-                self._verified.add(key)
+            self._mark_verified(key, path)
         flat.version = entry.version     # the manifest entry this read used: what inference rows name
         return flat
 
@@ -568,6 +584,15 @@ def _check_id(expert_id: str) -> str:
         raise CoEError(f"expert id {expert_id!r} cannot name a store file: no path separators, "
                        "'..', leading '.', or control characters")
     return expert_id
+
+
+def _stat(path: Path) -> tuple | None:
+    """A file's identity for "is this still the file we verified": inode, mtime and size."""
+    try:
+        st = path.stat()
+    except OSError:
+        return None
+    return (st.st_ino, st.st_mtime_ns, st.st_size)
 
 
 def _sha256(path: Path) -> str:

@@ -115,16 +115,28 @@ def test_garbage_file_is_reported_as_corrupt_safetensors(tmp_path: Path) -> None
         store.read("cls-a")
 
 
-def test_verify_first_hashes_once_and_always_hashes_every_read(tmp_path: Path) -> None:
+def test_verify_first_hashes_once_and_always_hashes_every_read(tmp_path: Path, monkeypatch) -> None:
+    import storage.expert_store as es
+
+    hashed = []
+    real = es._sha256
+    monkeypatch.setattr(es, "_sha256", lambda p: hashed.append(p) or real(p))
     first = ExpertStore(tmp_path, verify="first")
     first.write(expert(), tensors())
     always = ExpertStore(tmp_path, verify="always")
-    first.read("cls-a")
+    hashed.clear()
+    for _ in range(3):
+        first.read("cls-a")
+    assert len(hashed) == 1                        # verified once in this process: not hashed again
     always.read("cls-a")
+    always.read("cls-a")
+    assert len(hashed) == 3
     flip_last_byte(tmp_path / "cls-a.safetensors")
-    first.read("cls-a")  # verified once already in this process: not hashed again
     with pytest.raises(ExpertLoadError, match="sha256"):
         always.read("cls-a")
+    # a file changed since it was verified (another inode, mtime or size) is verified again
+    with pytest.raises(ExpertLoadError, match="sha256"):
+        first.read("cls-a")
 
 
 def test_rewrite_replaces_content_and_needs_fresh_verification(tmp_path: Path) -> None:

@@ -162,3 +162,13 @@ def test_the_watcher_sees_a_promotion_even_when_the_store_reloaded_itself_first(
     writer.write(MODEL.experts["cls-r0402"], writer.read("cls-r0402"), version=2)
     line.reload()                                  # e.g. a load that found the newer file re-read the manifest
     assert watch.tick() == 1 and forgotten == ["cls-r0402"] and not pool.contains("cls-r0402")
+
+
+def test_a_verified_once_store_names_the_version_of_the_file_it_read_after_a_promotion(tmp_path, tiny_zoo):
+    line = _copy(tiny_zoo, tmp_path / "line")
+    reader = ExpertStore(line.root, verify="first")
+    assert reader.read_flat("cls-r0402").version == 1                     # verified once, manifest cached
+    writer = ExpertStore(line.root)                                       # another process promotes
+    writer.write(MODEL.experts["cls-r0402"], writer.read("cls-r0402"), version=2)
+    assert reader.entry("cls-r0402").version == 1                         # the reader has not looked yet
+    assert reader.read_flat("cls-r0402").version == 2                     # new bytes, named as such
