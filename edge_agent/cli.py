@@ -99,7 +99,8 @@ def run(line: str, config_path: str | None) -> None:
 @cli.command()
 @line_options
 @click.option("--frames", default=600, show_default=True, help="Frames in the synthetic recording.")
-@click.option("--seed", default=0, show_default=True, help="Seed for the zoo's weights and the recording.")
+@click.option("--seed", default=0, show_default=True,
+              help="Seed for the recording (and the generated weights of a zoo built now); training uses seed 0.")
 @click.option("--rate", type=float, default=None, help="Replay rate in frames/s (default: as fast as acked).")
 @click.option("--recording", type=click.Path(file_okay=False, exists=True), help="Replay this recording instead.")
 @click.option("--json", "as_json", is_flag=True, help="Also print the summary as one JSON line.")
@@ -147,7 +148,7 @@ def zoo() -> None:
 @click.option("--steps", default=300, show_default=True, help="Training steps per classifier group.")
 @click.option("--batch", default=48, show_default=True, help="Synthetic frames per classifier step.")
 @click.option("--detector-steps", default=None, type=int,
-              help="Training steps per detector (default: zoo_train.DETECTOR_STEPS); 0 leaves detectors alone.")
+              help="Training steps per detector (default: 500); 0 leaves detectors alone.")
 @click.option("--seed", default=0, show_default=True, help="Seed for the frames and the initial weights.")
 @click.option("--force", is_flag=True, help="Retrain experts that are already trained.")
 @_fail_clearly

@@ -31,7 +31,7 @@ def promote(line: ExpertStore, candidate: ExpertStore, model: CoEModel,
     Every expert is checked first (in the spec, same arch and kind as the
     spec says, present in the candidate), so a bad candidate changes nothing.
     """
-    targets = ids or [e.id for e in candidate.entries()]
+    targets = list(dict.fromkeys(ids or [e.id for e in candidate.entries()]))   # an id named twice: one version
     if not targets:
         raise CoEError(f"candidate store {candidate.root} holds no experts")
     problems = []

@@ -206,3 +206,18 @@ def test_a_model_that_does_not_fit_the_spec_fails_at_import(exports):
     module = get_backend("onnx").build(more, onnx_tensors(exports["det-2term"][1]))   # the graph does not say
     with pytest.raises(ExpertLoadError, match="outputs 6 box \\+ class channels, the spec's 3 classes need 7"):
         get_backend("onnx").check_fits(module, more)                                 # one zero image does
+
+
+def test_tensorrt_sessions_cache_their_engines_where_configured(tmp_path, monkeypatch):
+    from executors.backends.onnx_backend import providers_for, trt_cache_options
+
+    monkeypatch.setenv("COE_TRT_CACHE", str(tmp_path / "trt"))
+    opts = trt_cache_options()
+    assert opts["trt_engine_cache_enable"] and opts["trt_engine_cache_path"] == str(tmp_path / "trt")
+    assert (tmp_path / "trt").is_dir()
+    assert providers_for("cpu") == ["CPUExecutionProvider"]
+    import onnxruntime as ort
+
+    if not {"TensorrtExecutionProvider", "CUDAExecutionProvider"} & set(ort.get_available_providers()):
+        with pytest.raises(CoEError, match="device cuda:0: this onnxruntime has no CUDA or TensorRT"):
+            providers_for("cuda:0")

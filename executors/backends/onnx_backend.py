@@ -19,7 +19,9 @@ the model file.
 from __future__ import annotations
 
 import json
+import os
 import re
+import tempfile
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -116,12 +118,27 @@ def providers_for(device: str) -> list:
         return ["CPUExecutionProvider"]
     index = int(device.partition(":")[2] or 0)
     have = set(ort.get_available_providers())
-    wanted = [("TensorrtExecutionProvider", {"device_id": index}), ("CUDAExecutionProvider", {"device_id": index})]
+    trt = {"device_id": index, **trt_cache_options()}
+    wanted = [("TensorrtExecutionProvider", trt), ("CUDAExecutionProvider", {"device_id": index})]
     chosen = [p for p in wanted if p[0] in have]
     if not chosen:
         raise CoEError(f"device {device}: this onnxruntime has no CUDA or TensorRT execution provider "
                        f"(has {', '.join(sorted(have))}); install onnxruntime-gpu, or run ONNX experts on the CPU")
     return [*chosen, "CPUExecutionProvider"]
+
+
+def trt_cache_options() -> dict:
+    """TensorRT engine and timing caches on disk, so a switch (a new session) reuses a built engine.
+
+    Building a TensorRT engine takes seconds (minutes on a Jetson); without the
+    cache every session build, that is every switch to an ONNX expert, and every
+    new batch shape would pay it again.  `COE_TRT_CACHE` names the directory
+    (default: coe-edge-trt in the temp dir); engines are keyed by model and shape.
+    """
+    root = os.environ.get("COE_TRT_CACHE") or os.path.join(tempfile.gettempdir(), "coe-edge-trt")
+    os.makedirs(root, exist_ok=True)
+    return {"trt_engine_cache_enable": True, "trt_engine_cache_path": root,
+            "trt_timing_cache_enable": True, "trt_timing_cache_path": root}
 
 
 class OnnxBackend:
