@@ -126,7 +126,7 @@ class Agent:
         self.pools: dict[str, Pool] = {}
         self.executors: list[Executor] = []
         self.host_tier: Pool | None = None
-        self.gpu_pools = [s.name for s in self.slots if s.ex.device.startswith("cuda")]
+        self.gpu_pools = [s.name for s in self.slots if s.ex.device.startswith("cuda") and s.ex.node is None]
         if self.gpu_pools and not cfg.unified_memory:
             self.host_tier = self._pool("host", "host", cfg.cpu_tier,
                                         StoreSource(self.store, pin=True, method=cfg.expert_read,
@@ -134,8 +134,12 @@ class Agent:
         # exclusive: the host tier is a victim cache (GPU victims move down, promotions leave it)
         self.exclusive = self.host_tier is not None and cfg.cpu_tier_mode == "exclusive"
         infos = {}
+        self.links = None
         for slot in self.slots:
             ex = slot.ex
+            if ex.node is not None:   # on another box: a Ray actor there holds the pool (edge_agent/cluster.py)
+                infos[slot.name] = self._remote_pool(slot)
+                continue
             if ex.device == "cpu":
                 source = StoreSource(self.store, method=cfg.expert_read, dtype=source_dtype(cfg.cpu_compute_dtype))
             else:  # a GPU pool loads through the shared host tier, or straight from SSD on unified memory
@@ -152,6 +156,9 @@ class Agent:
         self.scheduler = Scheduler([s.name for s in self.slots], cfg.scheduler.policy, costs=self.costs,
                                    tie_seconds=tie, max_wait=cfg.scheduler.max_wait)
         for slot in self.slots:
+            if slot.ex.node is not None:
+                self.executors.append(self._remote_executor(slot))
+                continue
             self.executors.append(Executor(slot.name, slot.ex.device, self.pools[slot.name], self.scheduler,
                                            self.model, self._on_batch, failed=self.failed, prefetch=slot.ex.prefetch,
                                            **({"backend_for": backend_for} if backend_for else {})))
@@ -168,6 +175,34 @@ class Agent:
         self.thumbnails = cfg.metrics.thumbnails if cfg.metrics.enabled else 0
         n = len(self.slots)
         self.threads = min((s.ex.threads or max(1, (os.cpu_count() or 1) // n)) for s in self.slots)
+
+    def _remote_pool(self, slot: _Slot) -> ExecutorInfo:
+        """The front's view of a remote executor's pool, priced with the link to its node."""
+        from executors.remote import RemotePool
+
+        from .cluster import default_link, load_links
+
+        if self.links is None:
+            self.links = load_links(self.cfg)
+        node = slot.ex.node
+        self.pools[slot.name] = RemotePool(slot.name, "cpu" if slot.ex.device == "cpu" else "cuda",
+                                           slot.expert_memory, self.model, node)
+        return ExecutorInfo("cpu" if slot.ex.device == "cpu" else "cuda", slot.memory, self.pools[slot.name],
+                            device=slot.ex.device, node=node, link=self.links.get(node) or default_link(node),
+                            ssd_channel=node)
+
+    def _remote_executor(self, slot: _Slot):
+        from executors.remote import RemoteExecutor
+
+        from .cluster import remote_spec
+
+        c = self.cfg.cluster
+        spec = remote_spec(self.cfg, slot.name, slot.ex.node, slot.ex.device, slot.memory, slot.expert_memory,
+                           prefetch=slot.ex.prefetch, threads=slot.ex.threads, probabilities=self.probabilities,
+                           preliminaries=self.preliminaries)
+        return RemoteExecutor(spec, self.model, self.pools[slot.name], self.scheduler, self._on_batch,
+                              on_event=lambda e, n=slot.name: self._on_pool_event(e, n),
+                              call_timeout=c.call_timeout_s, rejoin_s=c.rejoin_s, connect_timeout=c.connect_timeout_s)
 
     def _usage_probabilities(self) -> dict[str, float]:
         """From `coe-agent probabilities` ({data_dir}/probabilities.json) when present, else from the spec."""
@@ -234,7 +269,8 @@ class Agent:
             expert, expert_why = self._expert_memory(ex, memory, share)
             log.info("%s: %d executor%s, %.0f MB experts each (of %.0f MB), %s; expert memory %s", ex.device, n,
                      "" if n == 1 else "s", expert / 1e6, memory / 1e6, why, expert_why)
-            slots += [_Slot(f"{ex.device}-{i}.{j}", ex, memory, expert) for j in range(n)]
+            where = f"{ex.node}/" if ex.node else ""
+            slots += [_Slot(f"{where}{ex.device}-{i}.{j}", ex, memory, expert) for j in range(n)]
         return slots
 
     def _device_profile(self, ex: ExecutorConfig):
@@ -312,6 +348,10 @@ class Agent:
         cv2.setNumThreads(1)
         cfg = self.cfg
         self.phase = "starting"
+        if cfg.cluster is not None:   # before anything binds: a missing node or address fails the start cleanly
+            from .cluster import connect
+
+            connect(cfg.cluster, sorted({s.ex.node for s in self.slots if s.ex.node}))
         router_sock = self._socket(zmq.ROUTER, cfg.ingest, "ingest")
         pub_sock = self._socket(zmq.PUB, cfg.publish, "publish")
         self.journal = ResultStore(cfg.db_path, synchronous="FULL")
@@ -336,9 +376,16 @@ class Agent:
             self.llm = self._start_llm()
         from .store_watch import StoreWatcher
 
-        self.store_watch = StoreWatcher(getattr(self.store, "primary", self.store), lambda: self._all_pools().values(),
+        # remote pools read their node's own store: a promotion reaches them by `experts sync` and a restart
+        self.store_watch = StoreWatcher(getattr(self.store, "primary", self.store),
+                                        lambda: [p for p in self._all_pools().values() if not getattr(p, "remote", 0)],
                                         forget=self.failed.forget,
                                         interval=cfg.store_poll_s).start()
+        self.cluster_status = None
+        if cfg.cluster is not None:
+            from .cluster import StatusFile
+
+            self.cluster_status = StatusFile(self).start()
         self.ingest.start()
         self._started = True
         self.phase = "serving"
@@ -471,6 +518,8 @@ class Agent:
         self.scheduler.close()
         for ex in self.executors:
             ex.join(timeout=10)
+        if getattr(self, "cluster_status", None) is not None:
+            self.cluster_status.stop()
         self._closing = True                  # closing GPU pools does not demote into the host tier
         for pool in self._all_pools().values():
             pool.close()                      # their evict events still reach expert_events

@@ -62,6 +62,9 @@ class ExecutorConfig(_Strict):
     expert_memory: int | None = Field(None, description="bytes of `memory` for experts (with count unset: of all "
                                                         "this entry's executors together); default: profiled "
                                                         "split, else 75% (the rest is for activations)")
+    node: str | None = Field(None, pattern=r"^[A-Za-z0-9_.-]{1,64}$",
+                             description="run these executors on another box of the `cluster` (a Ray node started "
+                                         "with the resource 'coe:<node>'); unset: on this box")
 
     _emem = field_validator("expert_memory", mode="before")(
         classmethod(lambda cls, v: None if v is None else parse_bytes(v)))
@@ -140,6 +143,18 @@ class MetricsConfig(_Strict):
                                                     "retention.days prunes them too); 0: none stored")
 
 
+class ClusterConfig(_Strict):
+    """Executors on other boxes (issue 15): the Ray cluster the line's `node:` executors run in."""
+
+    address: str = Field(description="Ray cluster address, e.g. 'ray://10.0.0.1:10001' or '10.0.0.1:6379'")
+    stores: dict[str, str] = Field(default_factory=dict, description="expert store path on each node "
+                                                                     "(default: the line's expert_store path)")
+    call_timeout_s: float = Field(60.0, gt=0, description="a batch on a remote executor that has not answered in "
+                                                          "this long counts as lost and is requeued")
+    rejoin_s: float = Field(2.0, gt=0, description="how often a lost executor's node is looked for again")
+    connect_timeout_s: float = Field(30.0, gt=0, description="how long start waits for the cluster and the actors")
+
+
 class LLMConfig(_Strict):
     """An MoE LLM served next to the vision line, its experts in the executors' pools."""
 
@@ -194,6 +209,7 @@ class LineConfig(_Strict):
     routing: RoutingConfig = Field(default_factory=RoutingConfig)
     retention: RetentionConfig = Field(default_factory=RetentionConfig)
     llm: LLMConfig | None = None
+    cluster: ClusterConfig | None = None
     source: str = Field("<config>", exclude=True)
 
     _tier = field_validator("cpu_tier", mode="before")(classmethod(lambda cls, v: parse_bytes(v)))
@@ -214,6 +230,16 @@ class LineConfig(_Strict):
             raise ValueError("publish: must be a 'pub+' endpoint")
         if not self.executors:
             raise ValueError("executors: at least one executor is required")
+        for i, ex in enumerate(self.executors):
+            if ex.node is not None and self.cluster is None:
+                raise ValueError(f"executors.{i}.node: '{ex.node}' names a box but the config has no "
+                                 "`cluster: {address: ...}` section")
+        if self.cluster is not None:
+            named = {ex.node for ex in self.executors if ex.node is not None}
+            stray = sorted(set(self.cluster.stores) - named)
+            if stray:
+                raise ValueError(f"cluster.stores: node '{stray[0]}' runs no executor (executor nodes: "
+                                 f"{', '.join(sorted(named)) or 'none'})")
         return self
 
     @property

@@ -288,3 +288,28 @@ def experts_evict(ids: tuple[str, ...], line: str, config_path: str | None) -> N
 
 
 from . import compress_cli, onnx_cli, promote_cli  # noqa: E402,F401  (register more `experts` commands; they need the helpers above)
+
+
+@experts.command("sync")
+@click.option("--node", "nodes", multiple=True, help="Only this node (repeatable; default: every node an executor "
+                                                      "names).")
+@line_options
+@_fail_clearly
+def experts_sync(nodes: tuple[str, ...], line: str, config_path: str | None) -> None:
+    """Copy this box's expert store to the expert store of each node that runs executors (`cluster:` lines).
+
+    Files are compared by sha256 on both sides and only changed ones are sent,
+    through Ray, the manifest last.  Each node's store path is `cluster.stores.NODE`
+    (default: the line's `expert_store` path).
+
+    \b
+    Example:
+      coe-agent experts sync --line A
+      coe-agent experts sync --line A --node box-2
+    """
+    from .cluster import sync_store
+
+    cfg, _ = _open(line, config_path)
+    if cfg.cluster is None:
+        raise CoEError(f"{cfg.source}: line {cfg.line} has no `cluster:` section: there is no other box to sync to")
+    sync_store(cfg, list(nodes) or None, progress=click.echo)

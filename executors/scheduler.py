@@ -485,6 +485,43 @@ class Scheduler:
                     g.switch, g.ssd = switch, ssd
                     self._set_cost(name, q, g)
 
+    # -- executors that come and go (remote executors, issue 15) -------------------------
+    def retire(self, executor: str) -> list[Request]:
+        """Take `executor` out of assignment and return its queued requests, for the caller to `submit` again.
+
+        Its batches in flight are the caller's (it still holds them); their
+        predicted time leaves the estimate here.  The last executor is never
+        retired: with nowhere else to go its requests wait on it, and [] is
+        returned.
+        """
+        with self._cond:
+            if executor not in self.names:
+                return []
+            if len(self.names) == 1:
+                return []
+            self.names.remove(executor)
+            self._rr = itertools.cycle(self.names)
+            q = self._q[executor]
+            out = [r for g in q.groups for r in g.requests]
+            self._q[executor] = _Queue()
+            self._cond.notify_all()
+            return out
+
+    def restore(self, executor: str) -> None:
+        """Put a retired `executor` back into assignment (in its original place in the order)."""
+        with self._cond:
+            if executor in self.names or executor not in self._q:
+                return
+            order = list(self._q)
+            self.names = [n for n in order if n in self.names or n == executor]
+            self._rr = itertools.cycle(self.names)
+            self._cond.notify_all()
+
+    def active(self) -> list[str]:
+        """Executors requests are assigned to now."""
+        with self._cond:
+            return list(self.names)
+
     # -- queries ------------------------------------------------------------------------
     def depth(self) -> int:
         with self._cond:

@@ -144,3 +144,21 @@ def test_bench_cli_runs_boxes_and_refuses_a_bad_count():
     assert ok.exit_code == 0, ok.output
     doc = json.loads(ok.output.strip().splitlines()[-1])
     assert doc["mode"] == "sim" and [r["boxes"] for r in doc["tasks"]["A1"]] == [1, 2]
+
+
+def test_a_retired_executor_hands_back_its_queue_and_gets_nothing_until_restored():
+    """What a lost remote executor does (executors/remote.py): its queued requests go back to the others."""
+    from coe import Frame, Request
+    from executors.scheduler import FixedCosts, Scheduler
+
+    s = Scheduler(["a", "b"], "coserve", costs=FixedCosts(resident=lambda n: {"x"} if n == "b" else set()))
+    reqs = [Request(Frame(f"f{i}", "A", "B", "C", 0.0, None), "x") for i in range(3)]
+    assert {s.submit(r) for r in reqs} == {"b"}                  # x is resident on b: its queue takes them
+    back = s.retire("b")
+    assert [r.frame.frame_id for r in back] == ["f0", "f1", "f2"] and s.active() == ["a"]
+    assert s.queued_experts("b") == [] and s.depth() == 0
+    assert {s.submit(r) for r in back} == {"a"}                  # resubmitted: only the executor left
+    assert s.retire("a") == [] and s.active() == ["a"]           # the last executor is never retired
+    s.restore("b")
+    assert s.active() == ["a", "b"]
+    assert s.submit(Request(Frame("f9", "A", "B", "C", 0.0, None), "y")) in {"a", "b"}

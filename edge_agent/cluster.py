@@ -1,0 +1,302 @@
+"""The front box's side of a line spread over several boxes (issue 15): connect, check, build, report.
+
+The agent keeps ingest, the journal, the results and the scheduler; this
+module connects it to the Ray cluster named in `cluster.address`, checks that
+every node an executor names is there (a Ray node started with the custom
+resource 'coe:<node>'), builds each remote executor's spec and its front-side
+pool view, and answers `coe-agent cluster status|profile` and `experts sync`.
+Ray is imported here lazily: a line without `cluster:` never loads it.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import socket
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from coe import CoEError
+from executors.links import DEFAULT_FRAME_BYTES, Link, Links
+from executors.remote import RESOURCE_PREFIX, RemoteSpec, node_resource
+
+if TYPE_CHECKING:
+    from .config import ClusterConfig, LineConfig
+
+log = logging.getLogger(__name__)
+
+
+def _host_port(address: str) -> tuple[str, int] | None:
+    """'ray://h:10001' or 'h:6379' -> (h, port); 'auto'/'local' -> None (nothing to pre-check)."""
+    a = address.split("://", 1)[-1]
+    if a in ("auto", "local") or ":" not in a:
+        return None
+    host, port = a.rsplit(":", 1)
+    try:
+        return host, int(port)
+    except ValueError:
+        raise CoEError(f"cluster.address: expected 'HOST:PORT' or 'ray://HOST:PORT', got '{address}'") from None
+
+
+def connect(cluster: "ClusterConfig", nodes: list[str]) -> dict[str, dict]:
+    """Join the Ray cluster and check every node in `nodes` is in it; returns the cluster's nodes by name.
+
+    Fails with one clear line: an address that cannot be reached, or a node
+    that no alive Ray node carries the resource of.
+    """
+    try:
+        import ray
+    except ImportError:
+        raise CoEError("cluster: executors on other boxes need Ray: pip install 'coe-edge[cluster]'") from None
+    hp = _host_port(cluster.address)
+    if hp is not None:
+        try:
+            socket.create_connection(hp, timeout=min(cluster.connect_timeout_s, 5.0)).close()
+        except OSError as exc:
+            raise CoEError(f"cluster.address: cannot reach {hp[0]}:{hp[1]} ({exc.strerror or exc}); is the Ray "
+                           f"head running (`ray start --head`)?") from None
+    if not ray.is_initialized():
+        ray.init(address=cluster.address, namespace="coe-edge", log_to_driver=False, ignore_reinit_error=True,
+                 logging_level=logging.WARNING)
+    known = cluster_nodes()
+    for node in nodes:
+        if node not in known or not known[node]["alive"]:
+            have = ", ".join(sorted(known)) or "none"
+            raise CoEError(f"cluster: node '{node}' (an executor's `node:`) is not in the cluster at "
+                           f"{cluster.address} (nodes with a 'coe:' resource: {have}); start it with "
+                           f"`ray start --address ... --resources '{{\"{node_resource(node)}\": 1}}'`")
+    return known
+
+
+def cluster_nodes() -> dict[str, dict]:
+    """Every Ray node that carries a 'coe:<name>' resource, by name: alive, address, CPUs, GPUs."""
+    import ray
+
+    out: dict[str, dict] = {}
+    for n in ray.nodes():
+        res = n.get("Resources", {})
+        for key in res:
+            if key.startswith(RESOURCE_PREFIX):
+                name = key[len(RESOURCE_PREFIX):]
+                if name in out and out[name]["alive"] and not n.get("Alive"):
+                    continue   # a dead incarnation does not hide the live one
+                out[name] = {"alive": bool(n.get("Alive")), "address": n.get("NodeManagerAddress"),
+                             "cpus": res.get("CPU", 0), "gpus": res.get("GPU", 0), "ray_node_id": n.get("NodeID")}
+    return out
+
+
+def remote_spec(cfg: "LineConfig", name: str, node: str, device: str, memory: int, expert_memory: int, *,
+                prefetch: bool, threads: int | None, probabilities: dict[str, float],
+                preliminaries: dict[str, tuple[str, ...]]) -> RemoteSpec:
+    """The spec a remote executor is built from: the line's settings, the node's own store."""
+    store = cfg.cluster.stores.get(node, str(cfg.store_path))
+    gpu = device.startswith("cuda")
+    return RemoteSpec(name=name, node=node, device=device, memory=memory, expert_memory=expert_memory, store=store,
+                      eviction=cfg.eviction, expert_read=cfg.expert_read, expert_verify=cfg.expert_verify,
+                      compute_dtype=cfg.gpu_compute_dtype if gpu else cfg.cpu_compute_dtype,
+                      host_tier=cfg.cpu_tier if gpu and not cfg.unified_memory else 0,
+                      exclusive=cfg.cpu_tier_mode == "exclusive", prefetch=prefetch, threads=threads,
+                      probabilities=dict(probabilities), preliminaries=dict(preliminaries))
+
+
+def load_links(cfg: "LineConfig") -> Links:
+    """The measured links ({data_dir}/links.json, `coe-agent cluster profile`), else an empty set."""
+    path = Path(cfg.data_dir) / "links.json"
+    if not path.is_file():
+        return Links(source="none measured")
+    return Links.load(path)
+
+
+def default_link(node: str) -> Link:
+    """A node with no measured link: a stated 1 Gb/s, 0.5 ms one way (a modest factory network); logged."""
+    log.warning("no measured link to node %s: scheduling with a stated 1 Gb/s, 0.5 ms (run `coe-agent cluster "
+                "profile`)", node)
+    return Link.ethernet(1.0, 0.5, "stated default: 1 Gb/s, 0.5 ms one way (not measured)")
+
+
+# -- link profile ------------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class LinkSample:
+    node: str
+    latency_s: float
+    bandwidth_bps: float
+    rounds: int
+
+
+class _Echo:
+    """A tiny actor on a node: answers pings, for the link profile and the overhead benchmark."""
+
+    def ping(self, payload=None):
+        return None if payload is None else len(payload)
+
+
+def measure_link(node: str, *, rounds: int = 50, nbytes: int = 4 * 2**20) -> LinkSample:
+    """Round trips to an actor on `node`: latency = half the median empty round trip; bandwidth from
+    `nbytes` payloads (their extra time over an empty call)."""
+    import ray
+
+    actor = ray.remote(_Echo).options(resources={node_resource(node): 0.001}, num_cpus=0).remote()
+    try:
+        ray.get(actor.ping.remote(), timeout=60)
+        empty = []
+        for _ in range(rounds):
+            t = time.perf_counter()
+            ray.get(actor.ping.remote())
+            empty.append(time.perf_counter() - t)
+        blob = b"\0" * nbytes
+        big = []
+        for _ in range(max(3, rounds // 10)):
+            t = time.perf_counter()
+            ray.get(actor.ping.remote(blob))
+            big.append(time.perf_counter() - t)
+    finally:
+        ray.kill(actor)
+    empty.sort()
+    big.sort()
+    rtt = empty[len(empty) // 2]
+    extra = max(big[len(big) // 2] - rtt, 1e-9)
+    return LinkSample(node, rtt / 2, nbytes / extra, rounds)
+
+
+def profile_links(cfg: "LineConfig", *, rounds: int = 50, frame_bytes: int = DEFAULT_FRAME_BYTES) -> Links:
+    nodes = sorted({ex.node for ex in cfg.executors if ex.node})
+    connect(cfg.cluster, nodes)
+    links = {}
+    for node in nodes:
+        s = measure_link(node, rounds=rounds)
+        links[node] = Link(s.bandwidth_bps, s.latency_s, f"measured from {socket.gethostname()} over Ray, "
+                                                         f"{s.rounds} round trips, {time.strftime('%Y-%m-%d')}")
+    return Links(links, frame_bytes=frame_bytes, source=f"coe-agent cluster profile on {socket.gethostname()}")
+
+
+# -- expert sync -------------------------------------------------------------------------------------
+
+class _StoreWriter:
+    """On a node: which store files it has (by sha256 of the bytes) and writing new ones atomically."""
+
+    def __init__(self, root: str) -> None:
+        self.root = Path(root)
+        self.root.mkdir(parents=True, exist_ok=True)
+
+    def digests(self) -> dict[str, str]:
+        out = {}
+        for p in self.root.iterdir():
+            if p.is_file() and not p.name.endswith(".part"):
+                out[p.name] = hashlib.sha256(p.read_bytes()).hexdigest()
+        return out
+
+    def put(self, name: str, data: bytes, sha256: str) -> int:
+        if "/" in name or name.startswith("."):
+            raise ValueError(f"refusing store file name {name!r}")
+        if hashlib.sha256(data).hexdigest() != sha256:
+            raise ValueError(f"{name}: bytes arrived corrupted (sha256 mismatch)")
+        tmp = self.root / (name + ".part")
+        tmp.write_bytes(data)
+        tmp.replace(self.root / name)
+        return len(data)
+
+    def where(self) -> str:
+        return socket.gethostname()
+
+
+def sync_store(cfg: "LineConfig", nodes: list[str] | None = None, *, progress=lambda m: None) -> dict[str, dict]:
+    """Copy the front box's expert store to each node's own store (`cluster.stores`), file by file.
+
+    Only files whose bytes differ are sent (sha256 on both sides); the
+    manifest goes last, so a node's store is never ahead of its files.
+    Returns per node: files sent, bytes sent, files already there.
+    """
+    import ray
+
+    want = sorted({ex.node for ex in cfg.executors if ex.node})
+    nodes = nodes or want
+    unknown = sorted(set(nodes) - set(want))
+    if unknown:
+        raise CoEError(f"experts sync: node '{unknown[0]}' runs no executor of line {cfg.line} "
+                       f"(its nodes: {', '.join(want) or 'none'})")
+    connect(cfg.cluster, nodes)
+    src = Path(cfg.store_path)
+    if not (src / "manifest.json").is_file():
+        raise CoEError(f"experts sync: {src} has no manifest.json (run `coe-agent zoo build --line {cfg.line}`)")
+    files = sorted((p for p in src.iterdir() if p.is_file() and not p.name.startswith(".")
+                    and not p.name.endswith((".part", ".tmp"))),
+                   key=lambda p: p.name == "manifest.json")
+    local = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
+    out = {}
+    for node in nodes:
+        dest = cfg.cluster.stores.get(node, str(src))
+        w = ray.remote(_StoreWriter).options(resources={node_resource(node): 0.001}, num_cpus=0).remote(dest)
+        try:
+            have = ray.get(w.digests.remote(), timeout=cfg.cluster.connect_timeout_s)
+            sent = nbytes = 0
+            for p in files:
+                if have.get(p.name) == local[p.name]:
+                    continue
+                nbytes += ray.get(w.put.remote(p.name, p.read_bytes(), local[p.name]), timeout=600)
+                sent += 1
+            out[node] = {"store": dest, "sent": sent, "bytes": nbytes, "unchanged": len(files) - sent}
+            progress(f"{node}: {sent} file(s) sent ({nbytes / 1e6:.1f} MB), {len(files) - sent} already there, "
+                     f"store {dest}")
+        finally:
+            ray.kill(w)
+    return out
+
+
+def status(agent) -> dict:
+    """Nodes, their executors, residency and health: `coe-agent cluster status` and /api/cluster."""
+    remote = [e for e in agent.executors if hasattr(e, "node")]
+    try:
+        nodes = cluster_nodes()
+    except Exception as exc:  # noqa: BLE001 - the operator view must answer even when Ray does not
+        nodes = {"?": {"alive": False, "error": str(exc)}}
+    local = [{"name": e.name, "node": "(front)", "device": e.device, "state": "up" if e.alive() else "dead",
+              "up": e.alive(), "resident": sorted(agent.pools[e.name].resident()),
+              "resident_bytes": agent.pools[e.name].stats().resident_bytes,
+              "capacity": agent.pools[e.name].capacity} for e in agent.executors if not hasattr(e, "node")]
+    return {"line": agent.cfg.line, "address": agent.cfg.cluster.address if agent.cfg.cluster else None,
+            "nodes": nodes, "executors": local + [e.status() for e in remote],
+            "scheduler_active": agent.scheduler.active()}
+
+
+class StatusFile:
+    """Writes `status(agent)` to {data_dir}/cluster-status.json every `interval` s while the agent runs, so
+    `coe-agent cluster status` (another process) shows what this agent sees: its executors' residency and state."""
+
+    def __init__(self, agent, interval: float = 1.0) -> None:
+        import threading
+
+        self.agent, self.interval = agent, interval
+        self.path = Path(agent.cfg.data_dir) / "cluster-status.json"
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, name="cluster-status", daemon=True)
+
+    def start(self) -> "StatusFile":
+        self.write()
+        self._thread.start()
+        return self
+
+    def write(self) -> None:
+        import json
+
+        doc = {**status(self.agent), "written_at": time.time()}
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = self.path.with_suffix(".tmp")
+        tmp.write_text(json.dumps(doc, indent=1, default=str))
+        tmp.replace(self.path)
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                self.write()
+            except Exception:  # noqa: BLE001 - the operator file must not take the agent down
+                log.exception("writing %s failed", self.path)
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(5)
+        try:
+            self.write()
+        except Exception:  # noqa: BLE001
+            log.exception("writing %s failed", self.path)

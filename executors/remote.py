@@ -1,0 +1,476 @@
+"""An executor on another box: a Ray actor there, driven by the front box's scheduler (issue 15, DESIGN.md §11).
+
+Two halves, one per side of the link:
+
+- `ExecutorHost` runs inside a Ray actor on the executor's node.  It builds
+  what a local executor has (a `Pool` over that node's own expert store, with
+  its host tier for a GPU, the prefetcher and the module skeletons) by
+  reusing `executors.executor.Executor` itself, and runs the batches it is
+  sent with `Executor.run_batch`.  Every answer carries the pool's residency
+  and the load/evict events since the last answer, so the front box's
+  switch costs follow what the remote pool really holds.
+- `RemoteExecutor` runs on the front box in place of a local `Executor`:
+  a thread takes batches from the `Scheduler` (the scheduler still decides
+  everything), sends each to its actor and turns the answer into the same
+  `BatchResult` a local executor gives.  `RemotePool` is the front's view
+  of the remote pool, what the cost model, the initialisation and the
+  metrics read.
+
+Failure: when an actor dies or its node goes away (a `RayError`, or no
+answer within `call_timeout`), the executor is retired from the scheduler:
+its queued requests and the batch that was in flight go back through
+`Scheduler.submit` to the executors left.  No frame is lost (the front box
+still holds every request, and outputs are applied only on the front) and
+none runs twice to a verdict (a lost batch's outputs never arrived, so
+nothing of it was written).  While retired it looks for its node every
+`rejoin_s`; when the node is back it starts a new actor, warms its pool
+again and rejoins the scheduler.
+
+Ray is imported lazily, only here and only when a remote executor is built,
+so the package works without the `[cluster]` extra.
+"""
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from coe import CoEError, CoEModel, Frame, Request
+from storage.policies import PoolState, Resident
+from storage.pool import Handle, PoolEvent, PoolStats
+
+from .executor import BatchResult, Executor
+from .scheduler import Batch, Scheduler
+
+log = logging.getLogger(__name__)
+
+RESOURCE_PREFIX = "coe:"   # a node named box-2 is a Ray node started with the custom resource 'coe:box-2'
+ACTOR_SHARE = 0.001        # of that resource per actor: many executors fit one node
+
+
+def node_resource(node: str) -> str:
+    return RESOURCE_PREFIX + node
+
+
+@dataclass(frozen=True)
+class RemoteSpec:
+    """Everything an `ExecutorHost` needs to build its executor on its node (pickled to the actor)."""
+
+    name: str
+    node: str
+    device: str
+    memory: int
+    expert_memory: int
+    store: str                     # the expert store path on that node
+    eviction: str = "coserve"
+    expert_read: str = "read"
+    expert_verify: str = "first"
+    compute_dtype: str = "float32"
+    host_tier: int = 0             # bytes of the node-local host tier behind a GPU pool (0: none)
+    exclusive: bool = True
+    prefetch: bool = True
+    threads: int | None = None
+    probabilities: dict[str, float] = field(default_factory=dict)
+    preliminaries: dict[str, tuple[str, ...]] = field(default_factory=dict)
+
+
+class _Hints:
+    """What `Executor.run_batch` asks its scheduler for: the next group's expert, sent with each batch."""
+
+    def __init__(self) -> None:
+        self.next: str | None = None
+
+    def next_expert(self, executor: str, current: str) -> str | None:
+        return self.next if self.next != current else None
+
+
+class ExecutorHost:
+    """The actor body: one local `Executor` with its pool over the node's own store.  Not thread-safe by
+    design: Ray runs one method at a time on an actor (max_concurrency 1)."""
+
+    def __init__(self, spec: RemoteSpec, model: CoEModel) -> None:
+        from storage.expert_store import ExpertStore
+        from storage.policies import make_policy
+        from storage.pool import Pool
+        from storage.tiers import StoreSource, TierSource, measured_nbytes, source_dtype
+
+        if spec.threads:
+            import torch
+
+            torch.set_num_threads(spec.threads)
+        self.spec, self.model = spec, model
+        self.store = ExpertStore(spec.store, verify=spec.expert_verify)
+        missing = [e for e in model.experts if not self.store.has(e)]
+        if missing:
+            raise CoEError(f"node {spec.node}: expert store {spec.store} lacks {len(missing)} expert(s) of the "
+                           f"spec, e.g. {', '.join(missing[:3])}; run `coe-agent experts sync`")
+        self._events: list[tuple] = []
+        dtype = source_dtype(spec.compute_dtype)
+        gpu = spec.device.startswith("cuda")
+        self.host = None
+        if gpu and spec.host_tier:
+            self.host = Pool("host", spec.host_tier, make_policy(spec.eviction),
+                             StoreSource(self.store, pin=True, method=spec.expert_read, dtype=dtype),
+                             name=f"host@{spec.node}", on_event=self._on_event,
+                             probabilities=spec.probabilities, preliminaries=spec.preliminaries,
+                             measure=measured_nbytes)
+        if gpu:
+            source = TierSource(self.host or StoreSource(self.store, pin=True, method=spec.expert_read, dtype=dtype),
+                                spec.device, exclusive=spec.exclusive and self.host is not None)
+        else:
+            source = StoreSource(self.store, method=spec.expert_read, dtype=dtype)
+        self.hints = _Hints()
+        self.pool = Pool(spec.device if not gpu else "cuda", spec.expert_memory, make_policy(spec.eviction), source,
+                         name=spec.name, on_event=self._on_event, probabilities=spec.probabilities,
+                         preliminaries=spec.preliminaries, measure=measured_nbytes,
+                         context=lambda: {"queued": {self.hints.next} - {None}})
+        self.executor = Executor(spec.name, spec.device, self.pool, self.hints, model, lambda r: None,
+                                 prefetch=spec.prefetch)
+
+    def _on_event(self, e: PoolEvent) -> None:
+        if e.event == "evict" and e.tier != "host":
+            self.executor.on_evicted(e.value)
+            if self.host is not None and self.spec.exclusive:
+                from storage.tiers import demote
+
+                demote(e, self.host)
+        self._events.append((e.expert_id, e.tier, e.event, e.nbytes, e.seconds, e.at))
+
+    def where(self) -> dict:
+        """Which node and process this actor runs in (the operator view, and the tests' proof)."""
+        import ray
+
+        return {"node": self.spec.node, "host": socket.gethostname(), "pid": os.getpid(),
+                "ray_node_id": ray.get_runtime_context().get_node_id()}
+
+    def warm(self, experts: list[str]) -> dict:
+        """Load `experts` in order (the front's initialisation by usage probability), as far as they fit."""
+        for expert_id in experts:
+            if self.pool.contains(expert_id) or self.pool.capacity - self.pool.used_bytes() < \
+                    self.model.experts[expert_id].nbytes:
+                continue
+            h = self.pool.acquire(expert_id)
+            if h is not None:
+                self.pool.release(h)
+        return self.report()
+
+    def run(self, batch_id: int, expert_id: str, frames: list[tuple[str, Any]], next_expert: str | None) -> dict:
+        """Run one batch; `frames` are (frame_id, image).  Returns the outcome and the pool's report."""
+        self.hints.next = next_expert
+        reqs = [Request(Frame(fid, "", "", "", 0.0, image), expert_id) for fid, image in frames]
+        r = self.executor.run_batch(Batch(self.spec.name, expert_id, reqs, id=batch_id))
+        return {"outputs": r.outputs, "error": r.error, "error_kind": r.error_kind, "started_at": r.started_at,
+                "seconds": r.seconds, "version": r.expert_version, "report": self.report()}
+
+    def ping(self, payload: Any = None) -> Any:
+        return payload
+
+    def report(self) -> dict:
+        """Residency, stats and the events since the last report (the front's RemotePool follows them)."""
+        st = self.pool.stats()
+        state = self.pool.state()
+        events, self._events = self._events, []
+        return {"resident": [(r.expert_id, r.nbytes) for r in state.residents], "stats": vars(st),
+                "host": self.host.stats().__dict__ if self.host is not None else None,
+                "host_resident": self.host.resident() if self.host is not None else [], "events": events}
+
+    def close(self) -> dict:
+        if self.executor.prefetcher is not None:
+            self.executor.prefetcher.close()
+        self.pool.close()
+        if self.host is not None:
+            self.host.close()
+        return self.report()
+
+
+class _SizeSource:
+    """`initialize` asks the first pool's source for sizes; a RemotePool answers from the spec."""
+
+    def __init__(self, model: CoEModel) -> None:
+        self.model = model
+
+    def size(self, expert_id: str) -> int:
+        return self.model.experts[expert_id].nbytes
+
+
+class RemotePool:
+    """The front box's view of a remote executor's pool: what the cost model, `initialize` and metrics read.
+
+    Before the actor is up, `acquire` only records the initialisation's plan
+    (`planned`), which `RemoteExecutor.start` sends as the warm-up list; after
+    that, every report from the actor replaces the view.  An expert counts as
+    present from the moment a batch for it is sent (it is loading there).
+    """
+
+    remote = True   # the store watcher leaves it alone: its node's store is synced, not watched
+
+    def __init__(self, name: str, tier: str, capacity: int, model: CoEModel, node: str) -> None:
+        self.name, self.tier, self.capacity, self.node = name, tier, capacity, node
+        self.source = _SizeSource(model)
+        self._lock = threading.Lock()
+        self._resident: dict[str, int] = {}
+        self._loading: set[str] = set()
+        self._stats = PoolStats(capacity=capacity)
+        self.host_resident: list[str] = []
+        self.planned: list[str] = []
+
+    def acquire(self, expert_id: str) -> Handle:
+        with self._lock:
+            n = self.source.size(expert_id)
+            self._resident[expert_id] = n
+            self.planned.append(expert_id)
+            return Handle(expert_id, None, n)
+
+    def release(self, handle: Handle) -> None:
+        pass
+
+    def loading(self, expert_id: str) -> None:
+        with self._lock:
+            if expert_id not in self._resident:
+                self._loading.add(expert_id)
+
+    def update(self, report: dict) -> None:
+        with self._lock:
+            self._resident = dict(report["resident"])
+            self._loading.clear()
+            self._stats = PoolStats(**report["stats"])
+            self.host_resident = list(report.get("host_resident", []))
+
+    def forget(self) -> None:
+        """The actor is gone: nothing is resident there any more."""
+        with self._lock:
+            self._resident.clear()
+            self._loading.clear()
+            self.host_resident = []
+            self._stats = PoolStats(capacity=self.capacity)
+
+    def contains(self, expert_id: str) -> bool:
+        with self._lock:
+            return expert_id in self._resident
+
+    def present(self, expert_id: str) -> bool:
+        with self._lock:
+            return expert_id in self._resident or expert_id in self._loading
+
+    def resident(self) -> list[str]:
+        with self._lock:
+            return list(self._resident)
+
+    def used_bytes(self) -> int:
+        with self._lock:
+            return sum(self._resident.values())
+
+    def stats(self) -> PoolStats:
+        with self._lock:
+            s = PoolStats(**vars(self._stats))
+            s.resident_bytes, s.capacity = sum(self._resident.values()), self.capacity
+            return s
+
+    def state(self) -> PoolState:
+        with self._lock:
+            return PoolState(self.capacity, tuple(Resident(e, n, 0, 0) for e, n in self._resident.items()))
+
+    def close(self) -> None:
+        pass
+
+
+class RemoteExecutor:
+    """The front box's stand-in for an executor on another node: same surface as `Executor`.
+
+    `on_event` gets each remote load/evict as a `PoolEvent` (for the results
+    database, the metrics and the scheduler's refresh); `on_state` is told
+    'up', 'lost: why' and 'rejoined' for the operator view.
+    """
+
+    def __init__(self, spec: RemoteSpec, model: CoEModel, pool: RemotePool, scheduler: Scheduler,
+                 on_result: Callable[[BatchResult], None], *, on_event: Callable[[PoolEvent], None] | None = None,
+                 call_timeout: float = 60.0, rejoin_s: float = 2.0, connect_timeout: float = 30.0) -> None:
+        self.spec, self.model, self.pool, self.scheduler = spec, model, pool, scheduler
+        self.name, self.device, self.node = spec.name, spec.device, spec.node
+        self._on_result = on_result
+        self._on_event = on_event or (lambda e: None)
+        self.call_timeout, self.rejoin_s, self.connect_timeout = call_timeout, rejoin_s, connect_timeout
+        self.actor = None
+        self.up = False
+        self.state = "created"
+        self.where: dict = {}
+        self.lost = 0          # times it was lost
+        self.requeued = 0      # requests handed back to the scheduler
+        self.batches = 0
+        self.rejoined = 0
+        self._contact = time.monotonic()   # last answer from the actor
+        self._thread = threading.Thread(target=self._loop, name=f"remote-{self.name}", daemon=True)
+
+    # -- the Executor surface --------------------------------------------------------
+    def start(self) -> None:
+        """Start the actor on its node and warm its pool with the initialisation's plan, then serve."""
+        self._connect(self.pool.planned)
+        self._thread.start()
+
+    def join(self, timeout: float | None = None) -> bool:
+        self._thread.join(timeout)
+        alive = self._thread.is_alive()
+        if not alive and self.actor is not None:
+            self._close_actor()
+        return not alive
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def on_evicted(self, value) -> None:
+        pass   # the skeletons live on the node
+
+    # -- actor lifecycle ---------------------------------------------------------------
+    def _connect(self, warm: list[str]) -> None:
+        import ray
+
+        cls = ray.remote(ExecutorHost)
+        gpus = 0.0
+        if self.device.startswith("cuda"):
+            gpus = ACTOR_SHARE   # placed on a node Ray counts a GPU on (Jetson: `ray start --num-gpus 1`)
+        actor = cls.options(resources={node_resource(self.node): ACTOR_SHARE}, num_cpus=0, num_gpus=gpus,
+                            max_restarts=0, max_concurrency=1, name=None).remote(self.spec, self.model)
+        try:
+            self.where = ray.get(actor.where.remote(), timeout=self.connect_timeout)
+            report = ray.get(actor.warm.remote(warm), timeout=max(self.connect_timeout, self.call_timeout))
+        except Exception as exc:  # noqa: BLE001 - any failure to come up is this node's, named
+            ray.kill(actor)
+            raise CoEError(f"executor {self.name} on node {self.node}: the actor did not come up: "
+                           f"{_short(exc)}") from None
+        self.actor = actor
+        self._apply(report)
+        self.up, self.state = True, "up"
+        self._contact = time.monotonic()
+        log.info("executor %s up on node %s (%s, pid %s)", self.name, self.node, self.where.get("host"),
+                 self.where.get("pid"))
+
+    def _close_actor(self) -> None:
+        import ray
+
+        try:
+            self._apply(ray.get(self.actor.close.remote(), timeout=10))
+        except Exception:  # noqa: BLE001 - closing a dead actor has nothing to flush
+            pass
+        try:
+            ray.kill(self.actor)
+        except Exception:  # noqa: BLE001
+            pass
+        self.actor = None
+
+    def _apply(self, report: dict) -> None:
+        self.pool.update(report)
+        for expert_id, tier, event, nbytes, seconds, at in report["events"]:
+            tier_name = f"{tier}@{self.node}"
+            self._on_event(PoolEvent(expert_id, tier_name, event, nbytes, seconds, at))
+
+    # -- serving ---------------------------------------------------------------------
+    def _loop(self) -> None:
+        while True:
+            if not self.up:
+                if self.scheduler.drained(self.name):
+                    return
+                if not self._rejoin():
+                    time.sleep(min(self.rejoin_s, 0.25) if self.scheduler.drained(self.name) else self.rejoin_s)
+                continue
+            batch = self.scheduler.next_batch(self.name, timeout=0.25)
+            if batch is None:
+                if self.scheduler.drained(self.name):
+                    return
+                if time.monotonic() - self._contact > self.rejoin_s:
+                    self._check()   # idle: a dead node is found now, not at its next batch
+                continue
+            self._serve(batch)
+
+    def _check(self) -> None:
+        import ray
+
+        try:
+            ray.get(self.actor.ping.remote(), timeout=min(self.call_timeout, 10.0))
+            self._contact = time.monotonic()
+        except Exception as exc:  # noqa: BLE001 - any failure to answer is the node's or the actor's
+            self._lose(exc, [])
+
+    def _serve(self, batch: Batch) -> None:
+        import ray
+
+        self.pool.loading(batch.expert_id)
+        nxt = self.scheduler.next_expert(self.name, batch.expert_id)
+        frames = [(r.frame.frame_id, r.frame.image) for r in batch.requests]
+        try:
+            reply = ray.get(self.actor.run.remote(batch.id, batch.expert_id, frames, nxt), timeout=self.call_timeout)
+        except Exception as exc:  # noqa: BLE001 - RayActorError, node death, timeout: the batch is lost there
+            self.scheduler.finished(batch)
+            self._lose(exc, batch.requests)
+            return
+        self._contact = time.monotonic()
+        self._apply(reply["report"])
+        result = BatchResult(batch, self.name, f"{self.device}@{self.node}", reply["started_at"], reply["seconds"],
+                             outputs=reply["outputs"], error=reply["error"], error_kind=reply["error_kind"],
+                             expert_version=reply["version"])
+        self.scheduler.finished(batch)
+        self.batches += 1
+        try:
+            self._on_result(result)
+        except Exception:  # noqa: BLE001 - as Executor: the frames still get verdicts
+            log.exception("handling the result of batch %d from %s failed", batch.id, self.name)
+            self._on_result(BatchResult(batch, self.name, self.device, result.started_at, result.seconds,
+                                        error="internal error after the batch ran", error_kind="internal"))
+
+    def _lose(self, exc: BaseException, inflight: list[Request]) -> None:
+        """Retire from the scheduler and hand every request it held back to the executors left."""
+        import ray
+
+        self.up, self.state = False, f"lost: {_short(exc)}"
+        self.lost += 1
+        log.error("executor %s on node %s lost (%s); requeueing its requests", self.name, self.node, _short(exc))
+        queued = self.scheduler.retire(self.name)
+        self.pool.forget()
+        try:
+            ray.kill(self.actor)
+        except Exception:  # noqa: BLE001 - it is already gone
+            pass
+        self.actor = None
+        again = list(inflight) + queued
+        self.requeued += len(again)
+        for r in again:
+            self.scheduler.submit(r)
+
+    def _rejoin(self) -> bool:
+        """Look for the node; when it is back, a new actor warms its pool and the executor rejoins."""
+        import ray
+
+        try:
+            if ray.cluster_resources().get(node_resource(self.node), 0) <= 0:
+                return False
+            order = sorted(self.model.experts, key=lambda e: -self.spec.probabilities.get(e, 0.0))
+            self._connect(order)
+        except Exception as exc:  # noqa: BLE001 - not back yet
+            log.info("executor %s: node %s not back yet (%s)", self.name, self.node, _short(exc))
+            return False
+        self.rejoined += 1
+        self.scheduler.restore(self.name)
+        self.state = "up (rejoined)"
+        return True
+
+    def ping(self, payload: Any = None, timeout: float = 10.0) -> Any:
+        import ray
+
+        return ray.get(self.actor.ping.remote(payload), timeout=timeout)
+
+    def status(self) -> dict:
+        """For `coe-agent cluster status` and the status page: where it runs and how it is."""
+        st = self.pool.stats()
+        return {"name": self.name, "node": self.node, "device": self.device, "state": self.state, "up": self.up,
+                "where": self.where, "resident": sorted(self.pool.resident()), "resident_bytes": st.resident_bytes,
+                "capacity": st.capacity, "switches": st.misses, "batches": self.batches, "lost": self.lost,
+                "requeued": self.requeued, "rejoined": self.rejoined}
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc).strip().splitlines()
+    return f"{type(exc).__name__}: {text[0][:160]}" if text else type(exc).__name__
