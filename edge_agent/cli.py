@@ -526,6 +526,8 @@ cli.add_command(router)
 cli.add_command(probabilities)
 from .llm_cli import llm  # noqa: E402
 cli.add_command(llm)
+from .cluster_cli import cluster  # noqa: E402
+cli.add_command(cluster)
 
 
 @cli.group()

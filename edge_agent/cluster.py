@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import hashlib
 import logging
+import os
 import socket
 import time
 from dataclasses import dataclass
@@ -57,6 +58,9 @@ def connect(cluster: "ClusterConfig", nodes: list[str]) -> dict[str, dict]:
             raise CoEError(f"cluster.address: cannot reach {hp[0]}:{hp[1]} ({exc.strerror or exc}); is the Ray "
                            f"head running (`ray start --head`)?") from None
     if not ray.is_initialized():
+        # frames are raw crops of ~150 KB: above Ray's 100 KB inline limit they would go through the object
+        # store, which costs ~6 ms a batch on loopback (bench/cluster_overhead.py); 1 MiB keeps them inline
+        os.environ.setdefault("RAY_max_direct_call_object_size", str(1 << 20))
         ray.init(address=cluster.address, namespace="coe-edge", log_to_driver=False, ignore_reinit_error=True,
                  logging_level=logging.WARNING)
     known = cluster_nodes()

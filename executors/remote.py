@@ -164,8 +164,10 @@ class ExecutorHost:
         self.hints.next = next_expert
         reqs = [Request(Frame(fid, "", "", "", 0.0, image), expert_id) for fid, image in frames]
         r = self.executor.run_batch(Batch(self.spec.name, expert_id, reqs, id=batch_id))
+        # residency changes only with a load or an eviction: without one, no report (it is most of the reply)
         return {"outputs": r.outputs, "error": r.error, "error_kind": r.error_kind, "started_at": r.started_at,
-                "seconds": r.seconds, "version": r.expert_version, "report": self.report()}
+                "seconds": r.seconds, "version": r.expert_version,
+                "report": self.report() if self._events else None}
 
     def ping(self, payload: Any = None) -> Any:
         return payload
@@ -233,6 +235,11 @@ class RemotePool:
         with self._lock:
             if expert_id not in self._resident:
                 self._loading.add(expert_id)
+
+    def settled(self, expert_id: str) -> None:
+        """A batch ran with no load or eviction: the expert was resident there all along."""
+        with self._lock:
+            self._loading.discard(expert_id)
 
     def update(self, report: dict) -> None:
         with self._lock:
@@ -408,7 +415,10 @@ class RemoteExecutor:
             self._lose(exc, batch.requests)
             return
         self._contact = time.monotonic()
-        self._apply(reply["report"])
+        if reply["report"] is not None:
+            self._apply(reply["report"])
+        else:
+            self.pool.settled(batch.expert_id)
         result = BatchResult(batch, self.name, f"{self.device}@{self.node}", reply["started_at"], reply["seconds"],
                              outputs=reply["outputs"], error=reply["error"], error_kind=reply["error_kind"],
                              expert_version=reply["version"])

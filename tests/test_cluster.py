@@ -202,3 +202,25 @@ def test_a_node_without_a_cluster_section_is_refused(tmp_path, tiny_zoo):
     path.write_text(yaml.safe_dump(raw))
     with pytest.raises(Exception, match=r"cluster.stores'?: node 'box-7' runs no executor"):
         load_config(path, env={})
+
+
+def test_cluster_commands_profile_the_links_and_show_the_nodes(cluster, tiny_zoo, tmp_path):
+    import json
+
+    from click.testing import CliRunner
+
+    from edge_agent.cli import cli
+    from executors.links import Links
+
+    path = _line(tmp_path, tiny_zoo, cluster, [LOCAL, _remote("box-2")])
+    r = CliRunner().invoke(cli, ["cluster", "profile", "--config", str(path), "--rounds", "5"])
+    assert r.exit_code == 0, r.output
+    links = Links.load(tmp_path / "line" / "data" / "links.json")
+    l2 = links.get("box-2")
+    assert l2 is not None and l2.latency_s > 0 and l2.bandwidth_bps > 0 and "measured" in l2.source
+    r = CliRunner().invoke(cli, ["cluster", "status", "--config", str(path), "--json"])
+    assert r.exit_code == 0, r.output
+    doc = json.loads(r.output.strip().splitlines()[-1])
+    assert doc["nodes"]["box-2"]["alive"] and doc["config_nodes"] == ["box-2"] and doc["agent"] is None
+    r = CliRunner().invoke(cli, ["experts", "sync", "--config", str(path), "--node", "box-7"])
+    assert r.exit_code != 0 and "node 'box-7' runs no executor" in r.output
