@@ -39,7 +39,7 @@ def row(output: str, expert_id: str) -> list[str]:
 def test_every_experts_command_has_an_example():
     from edge_agent.experts_cli import experts
 
-    assert sorted(experts.commands) == ["compress", "evict", "export-onnx", "import", "ls", "promote", "verify", "warm"]
+    assert sorted(experts.commands) == ["compress", "evict", "export-onnx", "import", "ls", "promote", "sync", "verify", "warm"]
     for name in experts.commands:
         res = CliRunner().invoke(cli, ["experts", name, "--help"])
         assert res.exit_code == 0 and "Example:" in res.output and f"coe-agent experts {name}" in res.output
@@ -47,7 +47,7 @@ def test_every_experts_command_has_an_example():
 
 def test_importing_experts_cli_first_has_no_cycle():
     code = ("import edge_agent.experts_cli as m, edge_agent.cli as c; "
-            "assert c.cli.commands['experts'] is m.experts and len(m.experts.commands) == 8")
+            "assert c.cli.commands['experts'] is m.experts and len(m.experts.commands) == 9")
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[1]),
                                                          os.environ.get("PYTHONPATH", "")])}
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=60)
