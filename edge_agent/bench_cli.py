@@ -22,6 +22,8 @@ from .cli import _config, _fail_clearly, line_options
               help="Pools filled by usage probability before the task (warm) or empty (cold), for every system.")
 @click.option("--skew", type=float, help="Zipf skew of component-type frequency (default 0.8).")
 @click.option("--types", type=int, help="Component types on the board (default: 352 / 342).")
+@click.option("--board-size", type=int, help="Component placements on the board (default 500): with many --types "
+              "give at least as many, or most types never appear.")
 @click.option("--detector-share", type=float, help="Share of types followed by a detector (default 0.5).")
 @click.option("--requests", type=int, help="Override the task's request count.")
 @click.option("--load", "load", default="0.5,0.8", show_default=True, callback=lambda c, p, v: _loads(v),
@@ -53,7 +55,8 @@ from .cli import _config, _fail_clearly, line_options
 @line_options
 @_fail_clearly
 def bench(workload: str, sim: bool, profile_path: str | None, policies: str, init: str, skew: float | None,
-          types: int | None, detector_share: float | None, requests: int | None, load: tuple[float, ...],
+          types: int | None, board_size: int | None, detector_share: float | None, requests: int | None,
+          load: tuple[float, ...],
           repeats: int, compression_ratio: float | None, decode_rate: float | str | None,
           decode_threads: int | None, boxes: list[int] | None, link_gbps: float, link_ms: float,
           frame_bytes: int | None, out: str | None, as_json: bool, line: str, config_path: str | None) -> None:
@@ -98,8 +101,8 @@ def bench(workload: str, sim: bool, profile_path: str | None, policies: str, ini
         raise click.UsageError("--decode-rate and --decode-threads only apply with --compression-ratio")
     prof = Profile.load(profile_path or B.GPU_CLASS)
     if boxes is not None:
-        _bench_boxes(B, prof, boxes, workload, policies, init, skew, types, detector_share, requests, link_gbps,
-                     link_ms, frame_bytes, as_json)
+        _bench_boxes(B, prof, boxes, workload, policies, init, skew, types, board_size, detector_share, requests,
+                     link_gbps, link_ms, frame_bytes, as_json)
         return
     comp = None
     if compression_ratio is not None:
@@ -110,7 +113,8 @@ def bench(workload: str, sim: bool, profile_path: str | None, policies: str, ini
     names = [p.strip() for p in policies.split(",") if p.strip()]
     if "samba" not in names:
         names.append("samba")
-    overrides = {k: v for k, v in {"skew": skew, "types": types, "detector_share": detector_share,
+    overrides = {k: v for k, v in {"skew": skew, "types": types, "board_size": board_size,
+                                   "detector_share": detector_share,
                                    "requests": requests}.items() if v is not None}
     wls = [w.strip().upper() for w in workload.split(",") if w.strip()]
     results = B.run_sim(wls, prof, names, init=init, overrides=overrides, loads=load)
@@ -155,14 +159,15 @@ def bench(workload: str, sim: bool, profile_path: str | None, policies: str, ini
                         "tasks": rows, "chart": str(png), **extra}))
 
 
-def _bench_boxes(B, prof, boxes: list[int], workload: str, policies: str, init: str, skew, types, detector_share,
-                 requests, link_gbps: float, link_ms: float, frame_bytes: int | None, as_json: bool) -> None:
+def _bench_boxes(B, prof, boxes: list[int], workload: str, policies: str, init: str, skew, types, board_size,
+                 detector_share, requests, link_gbps: float, link_ms: float, frame_bytes: int | None, as_json: bool) -> None:
     """`bench --sim --boxes`: the same frames on 1..N simulated boxes; CoServe alone unless --policies says."""
     from executors.links import Link
 
     names = ["coserve"] if policies == ",".join(DEFAULT) else [p.strip() for p in policies.split(",") if p.strip()]
     link = Link.ethernet(link_gbps, link_ms)
-    overrides = {k: v for k, v in {"skew": skew, "types": types, "detector_share": detector_share,
+    overrides = {k: v for k, v in {"skew": skew, "types": types, "board_size": board_size,
+                                   "detector_share": detector_share,
                                    "requests": requests}.items() if v is not None}
     wls = [w.strip().upper() for w in workload.split(",") if w.strip()]
     try:

@@ -139,11 +139,12 @@ def test_bench_cli_runs_boxes_and_refuses_a_bad_count():
 
     bad = CliRunner().invoke(main, ["bench", "--sim", "--boxes", "1,0"])
     assert bad.exit_code != 0 and "each box count must be >= 1" in bad.output
-    ok = CliRunner().invoke(main, ["bench", "--sim", "--boxes", "1,2", "--types", "60", "--requests", "150",
-                                   "-w", "A1", "--json"])
+    ok = CliRunner().invoke(main, ["bench", "--sim", "--boxes", "1,2", "--types", "60", "--board-size", "90",
+                                   "--requests", "150", "-w", "A1", "--json"])
     assert ok.exit_code == 0, ok.output
     doc = json.loads(ok.output.strip().splitlines()[-1])
     assert doc["mode"] == "sim" and [r["boxes"] for r in doc["tasks"]["A1"]] == [1, 2]
+    assert doc["overrides"] == {"types": 60, "board_size": 90, "requests": 150}
 
 
 def test_a_retired_executor_hands_back_its_queue_and_gets_nothing_until_restored():
