@@ -111,6 +111,10 @@ class StatusServer:
         self._closing = threading.Event()
         self._streams = threading.BoundedSemaphore(MAX_STREAMS)
         self.loopback_only = _is_loopback(bind)
+        if not self.loopback_only and not token:
+            # off loopback the Host check is off too: a page on the plant network could be DNS-rebound here
+            log.warning("status page and API on %s:%s without metrics.token: anyone who can reach this address "
+                        "can read every verdict and frame thumbnail; set metrics.token", bind, port)
         self._server = ThreadingHTTPServer((bind, port), self._handler())
         self._server.daemon_threads = True
         self.port: int = self._server.server_address[1]
@@ -190,8 +194,8 @@ class StatusServer:
             got = self.readers.run(lambda conn: thumbnail(conn, frame_id))
             if got is None:
                 raise HttpError(404, f"no thumbnail for frame '{frame_id[:60]}' (not a defect, or pruned)")
-            # a thumbnail never changes once written: the browser may keep it
-            return 200, got[0], got[1], {"Cache-Control": "private, max-age=86400, immutable"}
+            # a thumbnail never changes once written, but retention may delete it: cache it only briefly
+            return 200, got[0], got[1], {"Cache-Control": "private, max-age=300"}
         url = f"/api/frames/{quote(frame_id, safe='')}/thumbnail"
         doc = self.readers.run(lambda conn: frame_detail(conn, frame_id, thumbnail_url=url))
         if doc is None:

@@ -214,3 +214,20 @@ def test_health_says_why_an_agent_is_not_ready(tiny_line):
     h = agent.health()
     assert not h.ready and h.reasons == ["not started"]
     agent.stop()
+
+
+def test_a_server_off_loopback_without_a_token_warns_and_one_with_a_token_does_not(tmp_path, caplog):
+    from prometheus_client import CollectorRegistry
+
+    from edge_agent.status_server import StatusServer
+
+    db = tmp_path / "r.db"
+    sqlite3.connect(db).close()
+    with caplog.at_level("WARNING", logger="edge_agent.status_server"):
+        open_server = StatusServer("0.0.0.0", 0, registry=CollectorRegistry(), model=None, db_path=db).start()
+        guarded = StatusServer("0.0.0.0", 0, registry=CollectorRegistry(), model=None, db_path=db,
+                               token=TOKEN).start()
+    open_server.close()
+    guarded.close()
+    warned = [r.getMessage() for r in caplog.records if "without metrics.token" in r.getMessage()]
+    assert len(warned) == 1 and "0.0.0.0" in warned[0]
