@@ -29,7 +29,8 @@ from dataclasses import replace
 
 import numpy as np
 
-from .synthetic import COPPER, LEAD, SOLDER, TIN, Footprint, Scene, Shape, family_of, footprint, render
+from .synthetic import (CATHODE_BAND, COPPER, LEAD, LED_MARK, SOLDER, TIN, Footprint, Scene, Shape, family_of,
+                        footprint, render)
 
 SOLDER_DEFECTS = ("solder_bridge", "tombstone", "insufficient_solder", "lifted_lead", "polarity_mark")
 MIN_BOX = 0.2            # crop units: 12.8 pixels of a 64-pixel crop, so stride-8 anchors always fall inside
@@ -69,9 +70,9 @@ def _polarity_mark(fp: Footprint) -> int | None:
     for i, s in enumerate(fp.body):
         if fam == "U" and s.kind == "circle":
             return i
-        if fam == "D" and s.kind == "rect" and s.color == (196, 196, 200):
+        if fam == "D" and s.kind == "rect" and s.color == CATHODE_BAND:
             return i
-        if fam == "LED" and s.color == (40, 170, 60):
+        if fam == "LED" and s.color == LED_MARK:
             return i
     return None
 

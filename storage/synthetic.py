@@ -46,6 +46,8 @@ SOLDER: RGB = (188, 188, 182)
 TIN: RGB = (206, 206, 200)
 LEAD: RGB = (200, 200, 196)
 BLACK: RGB = (26, 26, 28)
+CATHODE_BAND: RGB = (196, 196, 200)  # a diode's polarity mark
+LED_MARK: RGB = (40, 170, 60)        # an LED's green cathode mark
 SILK: RGB = (226, 228, 218)  # silkscreen ink: white epoxy, a little grey
 
 
@@ -136,7 +138,7 @@ def _two_terminal(fam: str, component: str) -> Footprint:
         return _chip(l, w, (228, 222, 196), TIN, marks)
     # LED: pale translucent lens, a bright die in the middle, green cathode mark
     marks = (Shape("circle", 0, 0, 0.55 * w, 0.55 * w, (250, 210, 40)),
-             Shape("rect", -0.28 * l, 0, 0.07 * l, 0.8 * w, (40, 170, 60)))
+             Shape("rect", -0.28 * l, 0, 0.07 * l, 0.8 * w, LED_MARK))
     return _chip(l, w, (236, 232, 196), TIN, marks)
 
 
@@ -150,7 +152,7 @@ def _diode(component: str) -> Footprint:
             Shape("rect", x, 0, lead_l + 0.06, lead_w + 0.06, COPPER))
     body = (Shape("rect", -x, 0, lead_l, lead_w, LEAD), Shape("rect", x, 0, lead_l, lead_w, LEAD),
             Shape("rect", 0, 0, l, w, BLACK),
-            Shape("rect", -0.32 * l, 0, 0.13 * l, w, (196, 196, 200)))
+            Shape("rect", -0.32 * l, 0, 0.13 * l, w, CATHODE_BAND))
     return Footprint("D", pads, body)
 
 
