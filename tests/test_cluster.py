@@ -140,7 +140,7 @@ def test_killing_a_node_mid_replay_loses_and_duplicates_nothing_and_the_node_rej
         victim = next(e for e in agent.executors if getattr(e, "node", None) == "box-3")
         done = {}
         sender = threading.Thread(target=lambda: done.setdefault(
-            "r", replay(rec, agent.endpoints["ingest"], window=8, rate=20)), daemon=True)
+            "r", replay(rec, agent.endpoints["ingest"], window=8, rate=10)), daemon=True)   # 12 s: room to kill mid-replay
         sender.start()
         deadline = time.monotonic() + 60
         while victim.batches < 1 and time.monotonic() < deadline:
