@@ -18,7 +18,7 @@ set (`edge_agent.zoo_train`) and the truth of a recording
   cathode band) at the wrong end.
 
 A defect applies only where the part has what it needs (a tombstone needs two
-terminals, a lifted lead needs leads); `applicable` says which.  Boxes cover
+terminals, a lifted lead needs leads, which a QFN has not); `applicable` says which.  Boxes cover
 the defect and the pad(s) it sits on, at least `MIN_BOX` crop units a side, so
 a 64-pixel crop still gives the detector something to find.
 """
@@ -30,7 +30,7 @@ from dataclasses import replace
 import numpy as np
 
 from .synthetic import (CATHODE_BAND, COPPER, LEAD, LED_MARK, SOLDER, TIN, Footprint, Scene, Shape, family_of,
-                        footprint, render)
+                        footprint, no_leads, render)
 
 SOLDER_DEFECTS = ("solder_bridge", "tombstone", "insufficient_solder", "lifted_lead", "polarity_mark")
 MIN_BOX = 0.2            # crop units: 12.8 pixels of a 64-pixel crop, so stride-8 anchors always fall inside
@@ -83,7 +83,7 @@ def applicable(component: str) -> tuple[str, ...]:
     out = ["solder_bridge", "insufficient_solder"]
     if len(fp.pads) == 2 and family_of(component) not in ("X",):
         out.append("tombstone")
-    if _leads(fp):
+    if _leads(fp) and not no_leads(component):   # a QFN's terminals sit under its edge: nothing to lift
         out.append("lifted_lead")
     if _polarity_mark(fp) is not None:
         out.append("polarity_mark")

@@ -90,6 +90,14 @@ def _package(component: str) -> str:
     return name.lstrip("-_")
 
 
+NO_LEAD_PACKAGES = ("QFN",)
+
+
+def no_leads(component: str) -> bool:
+    """True for a no-lead package (QFN): its terminals sit under the body's edge, so no lead can lift."""
+    return family_of(component) == "U" and _package(component).startswith(NO_LEAD_PACKAGES)
+
+
 def _chip_size(code: str) -> tuple[float, float]:
     """Body (length, width) in crop units from an imperial chip code like 0402 (0.04 x 0.02 in)."""
     m = re.match(r"(\d{2})(\d{2})", code)
@@ -183,10 +191,10 @@ def _ic(component: str) -> Footprint:
     pkg = _package(component)
     pins = _pins(pkg, 8)
     quad = pkg.startswith(("QFN", "QFP", "LQFP", "TQFP"))
-    no_leads = pkg.startswith("QFN")
+    leadless = no_leads(component)
     if quad:
         per_side = max(pins // 4, 2)
-        bw = bh = 0.62 if no_leads else 0.54
+        bw = bh = 0.62 if leadless else 0.54
     else:
         per_side = max(pins // 2, 1)
         thin = pkg.startswith(("TSSOP", "MSOP", "SSOP"))
@@ -195,7 +203,7 @@ def _ic(component: str) -> Footprint:
     span = bw * 0.84
     pitch = span / per_side
     lw = 0.55 * pitch
-    lh = 0.05 if no_leads else (0.09 if quad else 0.12)
+    lh = 0.05 if leadless else (0.09 if quad else 0.12)
     body: list[Shape] = []
     pads: list[Shape] = []
     sides = ("top", "bottom", "left", "right") if quad else ("top", "bottom")
@@ -203,16 +211,16 @@ def _ic(component: str) -> Footprint:
         for i in range(per_side):
             off = -span / 2 + pitch * (i + 0.5)
             if s in ("top", "bottom"):
-                edge = bh / 2 + (lh / 2 - 0.03 if no_leads else lh / 2 - 0.01)
+                edge = bh / 2 + (lh / 2 - 0.03 if leadless else lh / 2 - 0.01)
                 y = -edge if s == "top" else edge
                 body.append(Shape("rect", off, y, lw, lh, LEAD))
                 pads.append(Shape("rect", off, y + (0.015 if y > 0 else -0.015), lw * 1.3, lh + 0.05, COPPER))
             else:
-                edge = bw / 2 + (lh / 2 - 0.03 if no_leads else lh / 2 - 0.01)
+                edge = bw / 2 + (lh / 2 - 0.03 if leadless else lh / 2 - 0.01)
                 x = -edge if s == "left" else edge
                 body.append(Shape("rect", x, off, lh, lw, LEAD))
                 pads.append(Shape("rect", x + (0.015 if x > 0 else -0.015), off, lh + 0.05, lw * 1.3, COPPER))
-    color = (52, 52, 58) if no_leads else BLACK
+    color = (52, 52, 58) if leadless else BLACK
     body.append(Shape("rect", 0, 0, bw, bh, color))
     body.append(Shape("circle", -bw / 2 + 0.07, -bh / 2 + 0.07, 0.06, 0.06, (150, 150, 150)))  # pin 1
     body.append(Shape("rect", 0.03, 0, 0.4 * bw, 0.05, (96, 96, 100)))  # laser marking

@@ -25,6 +25,9 @@ def test_each_family_gets_the_defects_it_can_show():
     assert applicable("Q-SOT23") == ("solder_bridge", "insufficient_solder", "lifted_lead")
     assert applicable("U-SOIC8") == ("solder_bridge", "insufficient_solder", "lifted_lead", "polarity_mark")
     assert "tombstone" not in applicable("X-HC49") and "lifted_lead" not in applicable("X-HC49")
+    # a QFN is a no-lead package: its terminals sit under the body's edge, so none can lift; a QFP's can
+    assert applicable("U-QFN32") == ("solder_bridge", "insufficient_solder", "polarity_mark")
+    assert "lifted_lead" in applicable("U-QFP64")
     assert set().union(*(applicable(c) for c in PARTS)) == set(SOLDER_DEFECTS)
 
 
