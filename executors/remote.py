@@ -309,8 +309,11 @@ class RemoteExecutor:
         self.lost = 0          # times it was lost
         self.requeued = 0      # requests handed back to the scheduler
         self.batches = 0
+        self.sent = 0          # batches sent to an actor (answered or not)
+        self.inflight: Batch | None = None   # the batch sent and not answered yet (the operator view, the tests)
         self.rejoined = 0
         self._contact = time.monotonic()   # last answer from the actor
+        self._ping = None                  # (ObjectRef, sent at) of the idle health check under way
         self._thread = threading.Thread(target=self._loop, name=f"remote-{self.name}", daemon=True)
 
     # -- the Executor surface --------------------------------------------------------
@@ -388,17 +391,32 @@ class RemoteExecutor:
             if batch is None:
                 if self.scheduler.drained(self.name):
                     return
-                if time.monotonic() - self._contact > self.rejoin_s:
-                    self._check()   # idle: a dead node is found now, not at its next batch
+                self._check()   # idle: a dead node is found now, not at its next batch
                 continue
             self._serve(batch)
 
     def _check(self) -> None:
+        """The idle health check, without blocking: a ping goes out once the actor has been quiet for
+        `rejoin_s`, and its answer is looked at on the next idle turns, so a batch assigned meanwhile is
+        sent at once rather than behind a ping to a node that hangs."""
         import ray
 
+        now = time.monotonic()
+        if self._ping is None:
+            if now - self._contact > self.rejoin_s:
+                self._ping = (self.actor.ping.remote(), now)
+            return
+        ref, sent = self._ping
+        ready, _ = ray.wait([ref], timeout=0)
+        if not ready:
+            if now - sent > min(self.call_timeout, 10.0):
+                self._ping = None
+                self._lose(TimeoutError(f"no answer to a ping in {now - sent:.1f} s"), [])
+            return
+        self._ping = None
         try:
-            ray.get(self.actor.ping.remote(), timeout=min(self.call_timeout, 10.0))
-            self._contact = time.monotonic()
+            ray.get(ref)
+            self._contact = now
         except Exception as exc:  # noqa: BLE001 - any failure to answer is the node's or the actor's
             self._lose(exc, [])
 
@@ -408,13 +426,18 @@ class RemoteExecutor:
         self.pool.loading(batch.expert_id)
         nxt = self.scheduler.next_expert(self.name, batch.expert_id)
         frames = [(r.frame.frame_id, r.frame.image) for r in batch.requests]
+        self.inflight = batch
+        self.sent += 1
         try:
             reply = ray.get(self.actor.run.remote(batch.id, batch.expert_id, frames, nxt), timeout=self.call_timeout)
         except Exception as exc:  # noqa: BLE001 - RayActorError, node death, timeout: the batch is lost there
             self.scheduler.finished(batch)
+            self.inflight = None
             self._lose(exc, batch.requests)
             return
+        self.inflight = None
         self._contact = time.monotonic()
+        self._ping = None   # the answer proves the actor alive; an earlier ping's answer adds nothing
         if reply["report"] is not None:
             self._apply(reply["report"])
         else:
@@ -436,6 +459,7 @@ class RemoteExecutor:
         import ray
 
         self.up, self.state = False, f"lost: {_short(exc)}"
+        self._ping = None
         self.lost += 1
         log.error("executor %s on node %s lost (%s); requeueing its requests", self.name, self.node, _short(exc))
         queued = self.scheduler.retire(self.name)

@@ -128,56 +128,94 @@ def test_a_replay_across_two_nodes_gives_one_verdict_per_frame_and_the_same_verd
     assert ex["box-2/cpu-1.0"]["node"] == "box-2" and doc["nodes"]["box-2"]["alive"]
 
 
+def _messages(rec, frames, prefix=""):
+    from edge_agent import protocol as P
+
+    out = []
+    for fr in frames:
+        header = {**fr.header, "frame_id": prefix + fr.header["frame_id"]}
+        out.append((header["frame_id"], [P.encode_header(header), rec.payload(fr)]))
+    return out
+
+
+def _until(cond, seconds, what):
+    deadline = time.monotonic() + seconds
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {seconds} s: {what}")
+        time.sleep(0.02)
+
+
 def test_killing_a_node_mid_replay_loses_and_duplicates_nothing_and_the_node_rejoins(
         cluster, tiny_zoo, tmp_path, recording):
+    """Deterministic: box-3's actor is frozen (SIGSTOP, a hung box) before the second part of the recording,
+    so the first batch sent to it after that is provably in flight when the node is killed; then the rest."""
+    import signal
+
     from edge_agent.cluster import sync_store
+    from edge_agent.replay import send_messages
 
     rec = Recording(recording)
+    frames = list(rec)
+    first, second, rest = frames[:40], frames[40:80], frames[80:]
     cfg = load_config(_line(tmp_path, tiny_zoo, cluster, [LOCAL, _remote("box-2"), _remote("box-3")]), env={})
     sync_store(cfg)
     agent = Agent(cfg).start()
+    frozen = None
     try:
         victim = next(e for e in agent.executors if getattr(e, "node", None) == "box-3")
+        ingest = agent.endpoints["ingest"]
+        assert send_messages(_messages(rec, first), ingest, window=40).accepted == len(first)
+        assert agent.wait_verdicts(len(first), timeout=120)
+        assert victim.batches >= 1, "box-3 served nothing of the first part"
+
+        # box-3 hangs: whatever is sent to it from now on stays in flight (a batch, never answered)
+        frozen = victim.where["pid"]
+        os.kill(frozen, signal.SIGSTOP)
+        sent_before = victim.sent
         done = {}
         sender = threading.Thread(target=lambda: done.setdefault(
-            "r", replay(rec, agent.endpoints["ingest"], window=8, rate=10)), daemon=True)   # 12 s: room to kill mid-replay
+            "r", send_messages(_messages(rec, second), ingest, window=40)), daemon=True)
         sender.start()
-        deadline = time.monotonic() + 60
-        while victim.batches < 1 and time.monotonic() < deadline:
-            time.sleep(0.02)
-        assert victim.batches >= 1 and "r" not in done, "box-3 got no work before the replay ended"
+        _until(lambda: victim.sent > sent_before and victim.inflight is not None, 120,
+               "box-3 was sent a batch after it hung")
+        stuck = victim.inflight
+        assert stuck is not None and len(stuck) >= 1 and victim.batches == victim.sent - 1
+        stuck_ids = {r.frame.frame_id for r in stuck.requests}
+
         cluster.remove_node(cluster.boxes.pop("box-3"), allow_graceful=False)   # kill its raylet and workers
+        os.kill(frozen, signal.SIGKILL)   # the frozen worker cannot notice its raylet is gone
+        frozen = None
+        _until(lambda: victim.lost == 1, 60, "the front noticed box-3 is gone")
+        assert not victim.up and "box-3/cpu-2.0" not in agent.scheduler.active()
+        assert victim.requeued >= len(stuck) > 0     # the batch in flight there was handed back
         sender.join(120)
-        assert done["r"].accepted == len(rec)
+        assert done["r"].accepted == len(second)
+        assert send_messages(_messages(rec, rest), ingest, window=16).accepted == len(rest)
         assert agent.wait_verdicts(len(rec), timeout=180)
-        assert victim.lost == 1 and not victim.up
+
         # exactly one verdict per frame, and every step of every frame ran to a row once
         rows = verdict_rows(cfg.db_path)
         assert sorted(r["frame_id"] for r in rows) == sorted(f.header["frame_id"] for f in rec)
         assert all(r["verdict"] in ("pass", "defect") for r in rows), Counter(r["reason"] for r in rows)
         steps = _rows(cfg.db_path, "SELECT frame_id, stage, count(*) FROM inferences GROUP BY 1, 2 HAVING count(*) > 1")
         assert steps == []
-        assert "box-3/cpu-2.0" not in agent.scheduler.active()
+        # the stuck batch's frames were run elsewhere, never on box-3
+        ran = _rows(cfg.db_path, "SELECT frame_id, executor FROM inferences WHERE batch_id = %d" % stuck.id)
+        assert ran == [] and {f for f, in _rows(cfg.db_path, "SELECT frame_id FROM inferences")} >= stuck_ids
 
         # the node comes back: the executor rejoins and serves again
         cluster.boxes["box-3"] = cluster.add_node(**NODE_ARGS, resources={"coe:box-3": 1})
-        deadline = time.monotonic() + 90
-        while not victim.up and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert victim.up and victim.rejoined == 1 and "box-3/cpu-2.0" in agent.scheduler.active()
+        _until(lambda: victim.up, 90, "box-3's executor rejoined")
+        assert victim.rejoined == 1 and "box-3/cpu-2.0" in agent.scheduler.active()
         before = victim.batches
-        more = Recording(recording)
-        from edge_agent import protocol as P
-        from edge_agent.replay import send_messages
-
-        msgs = []
-        for fr in more:
-            header = {**fr.header, "frame_id": "again-" + fr.header["frame_id"]}
-            msgs.append((header["frame_id"], [P.encode_header(header), more.payload(fr)]))
-        assert send_messages(msgs, agent.endpoints["ingest"], window=16).accepted == len(msgs)
+        msgs = _messages(rec, frames, prefix="again-")
+        assert send_messages(msgs, ingest, window=16).accepted == len(msgs)
         assert agent.wait_verdicts(2 * len(rec), timeout=180)
         assert victim.batches > before
     finally:
+        if frozen is not None:
+            os.kill(frozen, signal.SIGKILL)
         agent.stop()
 
 
