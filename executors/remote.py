@@ -22,7 +22,11 @@ its queued requests and the batch that was in flight go back through
 `Scheduler.submit` to the executors left.  No frame is lost (the front box
 still holds every request, and outputs are applied only on the front) and
 none runs twice to a verdict (a lost batch's outputs never arrived, so
-nothing of it was written).  While retired it looks for its node every
+nothing of it was written).  A request whose batch was lost
+`Scheduler.max_lost` times (3: a batch that kills every actor it reaches, or
+outlasts `call_timeout` each time) is not requeued again: its frames get an
+error result, as a failing expert's do on the front box, naming the frames,
+the expert, the node and the reason.  While retired it looks for its node every
 `rejoin_s`; when the node is back it starts a new actor, warms its pool
 again and rejoins the scheduler.
 
@@ -411,14 +415,14 @@ class RemoteExecutor:
         if not ready:
             if now - sent > min(self.call_timeout, 10.0):
                 self._ping = None
-                self._lose(TimeoutError(f"no answer to a ping in {now - sent:.1f} s"), [])
+                self._lose(TimeoutError(f"no answer to a ping in {now - sent:.1f} s"), None)
             return
         self._ping = None
         try:
             ray.get(ref)
             self._contact = now
         except Exception as exc:  # noqa: BLE001 - any failure to answer is the node's or the actor's
-            self._lose(exc, [])
+            self._lose(exc, None)
 
     def _serve(self, batch: Batch) -> None:
         import ray
@@ -431,9 +435,9 @@ class RemoteExecutor:
         try:
             reply = ray.get(self.actor.run.remote(batch.id, batch.expert_id, frames, nxt), timeout=self.call_timeout)
         except Exception as exc:  # noqa: BLE001 - RayActorError, node death, timeout: the batch is lost there
-            self.scheduler.finished(batch)
+            self.scheduler.finished(batch, lost=True)
             self.inflight = None
-            self._lose(exc, batch.requests)
+            self._lose(exc, batch)
             return
         self.inflight = None
         self._contact = time.monotonic()
@@ -454,14 +458,21 @@ class RemoteExecutor:
             self._on_result(BatchResult(batch, self.name, self.device, result.started_at, result.seconds,
                                         error="internal error after the batch ran", error_kind="internal"))
 
-    def _lose(self, exc: BaseException, inflight: list[Request]) -> None:
-        """Retire from the scheduler and hand every request it held back to the executors left."""
+    def _lose(self, exc: BaseException, batch: Batch | None) -> None:
+        """Retire from the scheduler and hand every request it held back to the executors left.
+
+        The requests of `batch` (the one in flight, already counted lost by
+        `Scheduler.finished`) that were lost `Scheduler.max_lost` times are given up
+        instead: they get an error result, as a failing expert's frames do on
+        the front box, naming the frames, the expert, the node and why.
+        """
         import ray
 
-        self.up, self.state = False, f"lost: {_short(exc)}"
+        why = _short(exc)
+        self.up, self.state = False, f"lost: {why}"
         self._ping = None
         self.lost += 1
-        log.error("executor %s on node %s lost (%s); requeueing its requests", self.name, self.node, _short(exc))
+        log.error("executor %s on node %s lost (%s); requeueing its requests", self.name, self.node, why)
         queued = self.scheduler.retire(self.name)
         self.pool.forget()
         try:
@@ -469,10 +480,20 @@ class RemoteExecutor:
         except Exception:  # noqa: BLE001 - it is already gone
             pass
         self.actor = None
-        again = list(inflight) + queued
-        self.requeued += len(again)
-        for r in again:
-            self.scheduler.submit(r)
+        again = (list(batch.requests) if batch is not None else []) + queued
+        gone = self.scheduler.requeue(again)
+        self.requeued += len(again) - len(gone)
+        if gone:
+            frames = ", ".join(r.frame.frame_id for r in gone[:8]) + (" ..." if len(gone) > 8 else "")
+            msg = (f"frame(s) {frames}: expert {batch.expert_id} given up after its batch was lost "
+                   f"{self.scheduler.max_lost} times; last on executor {self.name}, node {self.node}: {why}")
+            log.error("%s", msg)
+            try:
+                self._on_result(BatchResult(Batch(self.name, batch.expert_id, gone, id=batch.id), self.name,
+                                            f"{self.device}@{self.node}", time.time(), 0.0, error=msg,
+                                            error_kind="executor_lost"))
+            except Exception:  # noqa: BLE001 - as in _serve: this thread must go on rejoining
+                log.exception("handling the given-up batch %d from %s failed", batch.id, self.name)
 
     def _rejoin(self) -> bool:
         """Look for the node; when it is back, a new actor warms its pool and the executor rejoins."""

@@ -57,6 +57,9 @@ from coe import CoEError, Request
 
 _batch_ids = itertools.count(1)
 _EPS = 1e-9
+# a request whose batch was lost with its executor this many times is given up (an error verdict), not requeued:
+# a batch that kills every actor it reaches, or outlasts the call timeout every time, must not circle forever
+MAX_LOST = 3
 
 
 @dataclass
@@ -187,11 +190,13 @@ class Scheduler:
     def __init__(self, executors: list[str], policy: SchedulerPolicy | str = "coserve", *,
                  costs: CostModel | None = None, clock: Callable[[], float] = time.perf_counter,
                  now: Callable[[], float] = time.monotonic, tie_seconds: float = 0.0,
-                 max_wait: float | None = None) -> None:
+                 max_wait: float | None = None, max_lost: int = MAX_LOST) -> None:
         if not executors:
             raise ValueError("a scheduler needs at least one executor")
         if max_wait is not None and max_wait < 0:
             raise ValueError(f"max_wait must be >= 0 seconds (or None to disable), got {max_wait}")
+        if max_lost < 1:
+            raise ValueError(f"max_lost must be >= 1 attempts, got {max_lost}")
         self.policy = make_scheduler_policy(policy) if isinstance(policy, str) else policy
         self.costs = costs or FixedCosts()
         self.tie_seconds = tie_seconds
@@ -207,6 +212,9 @@ class Scheduler:
         self.decision_seconds = 0.0
         self.aged = 0            # batches the age bound pulled ahead of the head group
         self.stolen = 0          # groups an idle executor took over from another queue
+        self.max_lost = max_lost
+        self._lost: dict[int, int] = {}   # request id -> batches of it lost with their executor (while it lives)
+        self.given_up = 0        # requests `requeue` refused after `max_lost` losses
 
     # -- costs ----------------------------------------------------------------------
     def _cap(self, executor: str, expert_id: str) -> int:
@@ -462,10 +470,45 @@ class Scheduler:
         pick.drain = len(pick.requests)
         return pick
 
-    def finished(self, batch: Batch) -> None:
-        """The executor is done with `batch`: its predicted time leaves the queue's estimate."""
+    def finished(self, batch: Batch, *, lost: bool = False) -> None:
+        """The executor is done with `batch`: its predicted time leaves the queue's estimate.
+
+        `lost`: the batch died with its executor (remote executors) and its
+        requests are about to be handed back with `requeue`; each counts one
+        lost attempt.  A batch that ran (outputs or an error) clears its
+        requests' counts.
+        """
         with self._cond:
             self._q[batch.executor].inflight.pop(batch.id, None)
+            if lost:
+                for r in batch.requests:
+                    self._lost[r.id] = self._lost.get(r.id, 0) + 1
+            elif self._lost:
+                for r in batch.requests:
+                    self._lost.pop(r.id, None)
+
+    def requeue(self, requests: list[Request]) -> list[Request]:
+        """Hand requests back to assignment (a retired executor's queue, a lost batch); returns those given up.
+
+        A request whose batch was lost `max_lost` times is not submitted
+        again: it is returned, for the caller to turn into an error result,
+        so every frame still gets exactly one verdict.
+        """
+        gone = []
+        for r in requests:
+            with self._cond:
+                if self._lost.get(r.id, 0) >= self.max_lost:
+                    del self._lost[r.id]
+                    self.given_up += 1
+                    gone.append(r)
+                    continue
+            self.submit(r)
+        return gone
+
+    def lost_attempts(self, request: Request) -> int:
+        """How many of `request`'s batches were lost with their executor so far."""
+        with self._cond:
+            return self._lost.get(request.id, 0)
 
     def refresh(self, expert_id: str, executor: str | None = None) -> None:
         """Recompute the switch cost of queued groups for `expert_id` (on one executor, or all).

@@ -163,3 +163,31 @@ def test_a_retired_executor_hands_back_its_queue_and_gets_nothing_until_restored
     s.restore("b")
     assert s.active() == ["a", "b"]
     assert s.submit(Request(Frame("f9", "A", "B", "C", 0.0, None), "y")) in {"a", "b"}
+
+
+def test_a_request_lost_max_lost_times_is_given_up_not_requeued():
+    """A batch lost with its executor counts one attempt per request; at `max_lost` requeue hands it back."""
+    from coe import Frame, Request
+    from executors.scheduler import FixedCosts, Scheduler
+
+    s = Scheduler(["a", "b"], "coserve", costs=FixedCosts(), max_lost=2)
+    poison, good = (Request(Frame(f, "A", "B", "C", 0.0, None), "x") for f in ("p", "g"))
+    s.submit(poison)
+    for attempt in (1, 2):
+        b = next(s.next_batch(n, timeout=0) for n in s.active() if s.queued_experts(n))
+        assert b.requests == [poison]
+        s.finished(b, lost=True)
+        assert s.lost_attempts(poison) == attempt
+        gone = s.requeue(b.requests)
+        assert gone == ([] if attempt == 1 else [poison])
+    assert s.given_up == 1 and s.depth() == 0 and s.lost_attempts(poison) == 0
+    # a batch that ran clears its requests' count: a later loss starts again at 1
+    s.submit(good)
+    b = next(s.next_batch(n, timeout=0) for n in s.active() if s.queued_experts(n))
+    s.finished(b, lost=True)
+    assert s.requeue(b.requests) == [] and s.lost_attempts(good) == 1
+    b = next(s.next_batch(n, timeout=0) for n in s.active() if s.queued_experts(n))
+    s.finished(b)
+    assert s.lost_attempts(good) == 0
+    with pytest.raises(ValueError, match="max_lost must be >= 1"):
+        Scheduler(["a"], max_lost=0)

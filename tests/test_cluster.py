@@ -219,6 +219,49 @@ def test_killing_a_node_mid_replay_loses_and_duplicates_nothing_and_the_node_rej
         agent.stop()
 
 
+class _Poison:
+    """A frame image that kills whichever process unpickles it: the actor a batch holding it reaches dies,
+    every time (a real crash of the worker process; nothing of Ray is replaced)."""
+
+    def __reduce__(self):
+        return (os._exit, (13,))
+
+
+def test_a_batch_that_kills_every_actor_it_reaches_is_given_up_with_an_error_verdict(
+        cluster, tiny_zoo, tmp_path, recording):
+    from coe import Frame, Request
+    from edge_agent.cluster import sync_store
+    from edge_agent.replay import send_messages
+
+    cfg = load_config(_line(tmp_path, tiny_zoo, cluster, [_remote("box-2")]), env={})   # the only executor
+    sync_store(cfg)
+    agent = Agent(cfg).start()
+    try:
+        remote = agent.executors[0]
+        agent.scheduler.submit(Request(Frame("poison-1", "T", "B-1", "R0402", 0.0, _Poison()), "cls-r0402"))
+        assert agent.wait_verdicts(1, timeout=240)
+        assert remote.lost == agent.scheduler.max_lost == 3 and agent.scheduler.given_up == 1
+        rows = {r["frame_id"]: r for r in verdict_rows(cfg.db_path)}
+        assert list(rows) == ["poison-1"] and rows["poison-1"]["verdict"] == "error"
+        why = rows["poison-1"]["reason"]
+        for part in ("poison-1", "cls-r0402", "box-2", "lost 3 times", "ActorDiedError"):
+            assert part in why, why
+        errors = _rows(cfg.db_path, "SELECT frame_id, kind FROM errors")
+        assert errors == [("poison-1", "executor_lost")]
+        assert _rows(cfg.db_path, "SELECT count(*) FROM inferences") == [(0,)]
+
+        # the executor came back after each crash and serves the line as before
+        _until(lambda: remote.up, 90, "box-2's executor rejoined")
+        rec = Recording(recording)
+        frames = list(rec)[:20]
+        assert send_messages(_messages(rec, frames), agent.endpoints["ingest"], window=20).accepted == len(frames)
+        assert agent.wait_verdicts(1 + len(frames), timeout=180)
+        verdicts = Counter(r["verdict"] for r in verdict_rows(cfg.db_path))
+        assert verdicts["error"] == 1 and verdicts["pass"] + verdicts["defect"] == len(frames), verdicts
+    finally:
+        agent.stop()
+
+
 def test_a_node_not_in_the_cluster_and_an_unreachable_address_are_named(cluster, tiny_zoo, tmp_path):
     cfg = load_config(_line(tmp_path, tiny_zoo, cluster, [LOCAL, _remote("box-9")]), env={})
     with pytest.raises(CoEError, match="node 'box-9'.*not in the cluster"):
