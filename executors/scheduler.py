@@ -34,6 +34,13 @@ same code as CoServe:
   where no request can start within `max_wait`, it fires only for requests
   that later arrivals overtook, so it does not turn grouping into FIFO.
 
+Executors that come and go (remote executors, issue 15): `retire` takes one
+out of assignment and hands back its queue, `finished(batch, lost=True)` a
+batch lost with it, and `requeue` assigns them again with their original due
+times (so the age bound holds across a loss), giving up a request whose batch
+was lost `max_lost` times.  With every executor retired, requests wait in the
+scheduler until `restore`.
+
 Predictions follow what runs: each queued group carries its predicted cost
 (switch + K*n + B*ceil(n/cap) with the splitter's real cap), a batch handed to
 an executor stays in its queue's estimate until `finished` is called, and
@@ -45,6 +52,7 @@ the simulated device drives this same code on virtual time.
 """
 from __future__ import annotations
 
+import bisect
 import itertools
 import threading
 import time
@@ -71,6 +79,7 @@ class Batch:
     requests: list[Request]
     id: int = field(default_factory=lambda: next(_batch_ids))
     predicted: float = 0.0        # seconds the scheduler predicted for it (switch + K*n + B)
+    due: list[float] = field(default_factory=list)   # per request: when its age bound counts from (requeues keep it)
 
     def __len__(self) -> int:
         return len(self.requests)
@@ -214,6 +223,8 @@ class Scheduler:
         self.stolen = 0          # groups an idle executor took over from another queue
         self.max_lost = max_lost
         self._lost: dict[int, int] = {}   # request id -> batches of it lost with their executor (while it lives)
+        self._due: dict[int, float] = {}   # request id -> its due time, while it is handed back (retire, lost batch)
+        self._waiting: deque[tuple[Request, float]] = deque()   # (request, due) while no executor is active
         self.given_up = 0        # requests `requeue` refused after `max_lost` losses
 
     # -- costs ----------------------------------------------------------------------
@@ -299,13 +310,25 @@ class Scheduler:
         return q.groups[-1] if q.groups and q.groups[-1].expert_id == expert_id else None
 
     # -- submit ---------------------------------------------------------------------
-    def submit(self, request: Request) -> str:
-        """Assign, arrange and queue a request; returns the executor it went to."""
+    def submit(self, request: Request, *, due: float | None = None) -> str | None:
+        """Assign, arrange and queue a request; returns the executor it went to.
+
+        `due` is when the request's age bound counts from (on the `now`
+        clock): by default now plus the wait predicted on its queue; a request
+        handed back (`requeue`) keeps the one it had, so it is not made
+        younger by being lost, and it goes in front of younger requests of its
+        group.  With no executor active (every one retired) it waits in the
+        scheduler, and None is returned; `restore` assigns it.
+        """
         with self._cond:
+            if not self.names:
+                self._waiting.append((request, self._now() if due is None else due))
+                return None
             t0 = self._clock()
             name, switch, ssd = self._assign(request.expert_id)
             q = self._q[name]
-            due = self.estimate(name) if self.max_wait is not None else 0.0   # the wait predicted now
+            if due is None:
+                due = self._now() + (self.estimate(name) if self.max_wait is not None else 0.0)   # predicted wait
             x = request.expert_id
             group = self._join_target(q, x)
             if group is None:
@@ -313,8 +336,13 @@ class Scheduler:
                 q.groups.append(group)
                 q.by_expert[x] = group
                 q.ssd += ssd
-            group.requests.append(request)
-            group.times.append(self._now() + due)
+            if group.times and due < group.times[-1]:   # an older (requeued) request: in age order
+                i = bisect.bisect_right(group.times, due)
+                group.requests.insert(i, request)
+                group.times.insert(i, due)
+            else:
+                group.requests.append(request)
+                group.times.append(due)
             self._set_cost(name, q, group)
             q.counts[x] = q.counts.get(x, 0) + 1
             q.n += 1
@@ -379,8 +407,7 @@ class Scheduler:
             take = min(cap, len(group.requests))
             group.drain = max(group.drain - take, 0)
             requests = [group.requests.popleft() for _ in range(take)]
-            for _ in range(take):
-                group.times.popleft()
+            dues = [group.times.popleft() for _ in range(take)]
             K, B = self.costs.exec_cost(executor, x)
             predicted = group.switch + K * take + B
             ssd = group.ssd
@@ -395,7 +422,7 @@ class Scheduler:
                 q.groups.remove(group)
                 if q.by_expert.get(x) is group:
                     del q.by_expert[x]
-            batch = Batch(executor, x, requests, predicted=predicted)
+            batch = Batch(executor, x, requests, predicted=predicted, due=dues)
             now = self._now()
             q.inflight[batch.id] = (now, now + predicted, ssd)
             return batch
@@ -481,8 +508,10 @@ class Scheduler:
         with self._cond:
             self._q[batch.executor].inflight.pop(batch.id, None)
             if lost:
-                for r in batch.requests:
+                for i, r in enumerate(batch.requests):
                     self._lost[r.id] = self._lost.get(r.id, 0) + 1
+                    if i < len(batch.due):
+                        self._due[r.id] = batch.due[i]
             elif self._lost:
                 for r in batch.requests:
                     self._lost.pop(r.id, None)
@@ -490,19 +519,26 @@ class Scheduler:
     def requeue(self, requests: list[Request]) -> list[Request]:
         """Hand requests back to assignment (a retired executor's queue, a lost batch); returns those given up.
 
-        A request whose batch was lost `max_lost` times is not submitted
-        again: it is returned, for the caller to turn into an error result,
-        so every frame still gets exactly one verdict.
+        Each keeps its due time (its age), and they are assigned oldest
+        first, so the age bound and the order among them hold across the
+        loss.  A request whose batch was lost `max_lost` times is not
+        submitted again: it is returned, for the caller to turn into an error
+        result, so every frame still gets exactly one verdict.
         """
         gone = []
-        for r in requests:
-            with self._cond:
+        with self._cond:
+            back = []
+            for r in requests:
+                due = self._due.pop(r.id, None)
                 if self._lost.get(r.id, 0) >= self.max_lost:
                     del self._lost[r.id]
                     self.given_up += 1
                     gone.append(r)
-                    continue
-            self.submit(r)
+                else:
+                    back.append((float("-inf") if due is None else due, r, due))
+            back.sort(key=lambda t: t[0])
+            for _, r, due in back:
+                self.submit(r, due=due)
         return gone
 
     def lost_attempts(self, request: Request) -> int:
@@ -530,22 +566,25 @@ class Scheduler:
 
     # -- executors that come and go (remote executors, issue 15) -------------------------
     def retire(self, executor: str) -> list[Request]:
-        """Take `executor` out of assignment and return its queued requests, for the caller to `submit` again.
+        """Take `executor` out of assignment and return its queued requests, for the caller to `requeue`.
 
-        Its batches in flight are the caller's (it still holds them); their
-        predicted time leaves the estimate here.  The last executor is never
-        retired: with nowhere else to go its requests wait on it, and [] is
-        returned.
+        Their due times are kept for `requeue`.  Its batches in flight are
+        the caller's (it still holds them); their predicted time leaves the
+        estimate here.  The last executor is retired too: nothing is assigned
+        to a down executor; requests then wait in the scheduler until
+        `restore` brings one back.
         """
         with self._cond:
             if executor not in self.names:
                 return []
-            if len(self.names) == 1:
-                return []
             self.names.remove(executor)
             self._rr = itertools.cycle(self.names)
             q = self._q[executor]
-            out = [r for g in q.groups for r in g.requests]
+            out = []
+            for g in q.groups:
+                for r, due in zip(g.requests, g.times):
+                    self._due[r.id] = due
+                    out.append(r)
             self._q[executor] = _Queue()
             self._cond.notify_all()
             return out
@@ -558,6 +597,10 @@ class Scheduler:
             order = list(self._q)
             self.names = [n for n in order if n in self.names or n == executor]
             self._rr = itertools.cycle(self.names)
+            waiting = sorted(self._waiting, key=lambda t: t[1])   # oldest first
+            self._waiting.clear()
+            for r, due in waiting:
+                self.submit(r, due=due)
             self._cond.notify_all()
 
     def active(self) -> list[str]:
@@ -568,7 +611,12 @@ class Scheduler:
     # -- queries ------------------------------------------------------------------------
     def depth(self) -> int:
         with self._cond:
-            return sum(q.n for q in self._q.values())
+            return sum(q.n for q in self._q.values()) + len(self._waiting)
+
+    def waiting(self) -> int:
+        """Requests held in the scheduler because no executor is active."""
+        with self._cond:
+            return len(self._waiting)
 
     def queued_experts(self, executor: str) -> list[str]:
         """Experts in queue order (one entry per queued request)."""
@@ -588,9 +636,10 @@ class Scheduler:
             return None
 
     def drained(self, executor: str) -> bool:
-        """True once the scheduler is closed and `executor` has nothing left to run."""
+        """True once the scheduler is closed and `executor` has nothing left to run (nor does any request
+        wait for an executor to come back)."""
         with self._cond:
-            return self._closed and not self._q[executor].groups
+            return self._closed and not self._q[executor].groups and not self._waiting
 
     def close(self) -> None:
         """Wake every waiting executor; queued requests are still handed out."""

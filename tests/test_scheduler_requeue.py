@@ -1,0 +1,89 @@
+"""Requests handed back by a lost executor (issue 15): the last one down gets nothing, requests wait in the
+scheduler until one is restored, and requeued requests keep their age (the `max_wait` bound and the order
+among them hold across the loss).  The real Scheduler on an injected clock."""
+from coe import Frame, Request
+from executors.scheduler import FixedCosts, Scheduler
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def req(fid: str, expert: str) -> Request:
+    return Request(Frame(fid, "A", "B", "C", 0.0, None), expert)
+
+
+def ids(batch) -> list[str]:
+    return [r.frame.frame_id for r in batch.requests]
+
+
+def test_the_last_executor_down_gets_no_assignment_and_requests_wait_until_one_is_restored():
+    s = Scheduler(["a", "b"], "coserve", costs=FixedCosts())
+    assert s.requeue(s.retire("b")) == [] and s.active() == ["a"]
+    s.submit(req("f1", "x"))
+    back = s.retire("a")                                # the last one standing goes down too
+    assert [r.frame.frame_id for r in back] == ["f1"] and s.active() == []
+    assert s.requeue(back) == []
+    assert s.submit(req("f2", "x")) is None             # nowhere to go: it waits in the scheduler
+    assert s.waiting() == 2 and s.depth() == 2
+    assert s.next_batch("a", timeout=0) is None and s.next_batch("b", timeout=0) is None   # nothing handed out
+    s.close()
+    assert not s.drained("a") and not s.drained("b")    # closed, but requests still wait for an executor
+    s.restore("b")
+    assert s.active() == ["b"] and s.waiting() == 0
+    assert ids(s.next_batch("b", timeout=0)) == ["f1", "f2"]   # oldest first
+    assert s.drained("b")
+
+
+def _lose_a_with_an_old_request(requeue: bool):
+    """`old` (expert x) queued on a at t=0, a younger group of y on b at t=1; a is lost at t=9."""
+    now = Clock()
+    s = Scheduler(["a", "b"], "coserve-paper", costs=FixedCosts(K=1.0, B=0.0, load=0.0, max_batch=8),
+                  now=now, max_wait=5.0)
+    s.retire("b")
+    assert s.submit(req("old", "x")) == "a"              # due at t=0
+    s.restore("b")
+    now.t = 1.0
+    assert s.submit(req("y1", "y")) == "b"               # due at t=1, the head of b's queue
+    now.t = 9.0
+    back = s.retire("a")
+    if requeue:
+        assert s.requeue(back) == []
+    else:                                                # what a plain resubmission would do: a fresh age
+        s.submit(back[0])
+    assert s.queued_experts("b") == ["y", "x"]
+    now.t = 9.5
+    return s, s.next_batch("b", timeout=0)
+
+
+def test_requeued_requests_keep_their_age_so_the_age_bound_still_fires():
+    s, first = _lose_a_with_an_old_request(requeue=True)
+    # x's request is overdue by more than max_wait counted from t=0, not from its requeue at t=9: served first
+    assert ids(first) == ["old"] and s.aged == 1
+    s, first = _lose_a_with_an_old_request(requeue=False)   # the control: made younger, it waits behind y
+    assert ids(first) == ["y1"] and s.aged == 0
+
+
+def test_requeued_requests_go_in_front_of_younger_ones_of_their_group_and_a_lost_batch_keeps_its_age():
+    now = Clock()
+    s = Scheduler(["a", "b"], "coserve", costs=FixedCosts(max_batch=2), now=now)
+    s.retire("b")
+    s.submit(req("r0", "x"))                             # due 0
+    now.t = 3.0
+    s.submit(req("r1", "x"))                             # due 3
+    lost = s.next_batch("a", timeout=0)                  # both in flight on a
+    assert ids(lost) == ["r0", "r1"] and lost.due == [0.0, 3.0]
+    now.t = 10.0
+    s.restore("b")
+    s.submit(req("r2", "x"))                             # a younger request queued meanwhile (due 10)
+    s.finished(lost, lost=True)                          # a dies with the batch
+    back = s.retire("a")
+    assert s.requeue(list(lost.requests)[::-1] + back) == []   # handed back in any order
+    served = []
+    while (b := s.next_batch("b", timeout=0)) is not None:
+        served += list(zip(ids(b), b.due))
+    assert served == [("r0", 0.0), ("r1", 3.0), ("r2", 10.0)]
