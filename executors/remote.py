@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import logging
 import os
+import re
 import socket
 import threading
 import time
@@ -526,6 +527,34 @@ class RemoteExecutor:
                 "requeued": self.requeued, "rejoined": self.rejoined}
 
 
-def _short(exc: BaseException) -> str:
-    text = str(exc).strip().splitlines()
-    return f"{type(exc).__name__}: {text[0][:160]}" if text else type(exc).__name__
+_ANSI = re.compile(r"\x1b\[[0-9;]*m")
+_RAISED = re.compile(r"^(?:[A-Za-z_]\w*\.)*([A-Za-z_]\w*): (.*)$")   # 'coe.errors.CoEError: message' in a traceback
+
+
+def _short(exc: BaseException, limit: int = 600) -> str:
+    """One line for logs, the state and error verdicts that keeps what the remote side said.
+
+    Ray wraps a remote exception with its traceback: a task's (`RayTaskError`)
+    carries the exception itself as `cause`; an actor whose creation failed
+    (`ActorDiedError`) carries it only as text, after the traceback.  Either
+    way the remote exception's own message is kept whole (a node's "run
+    `coe-agent experts sync`" is in it), not Ray's first line.
+    """
+    name = type(exc).__name__
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, BaseException):
+        return _clip(f"{type(cause).__name__}: {cause}", limit)
+    lines = [l.rstrip() for l in _ANSI.sub("", str(exc)).strip().splitlines()]
+    if not lines:
+        return name
+    for i in range(len(lines) - 1, 0, -1):   # a traceback as text: its last unindented 'Type: message' line on
+        m = _RAISED.match(lines[i])
+        if m and not lines[i].startswith(" ") and lines[i - 1].startswith(" "):
+            head = lines[0].split(", ray::")[0].split(" ray::")[0].rstrip(",: ")
+            return _clip(f"{name}: {head}: {m.group(1)}: {' '.join([m.group(2), *lines[i + 1:]]).strip()}", limit)
+    return _clip(f"{name}: {' '.join(l.strip() for l in lines)}", limit)
+
+
+def _clip(text: str, limit: int) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= limit else text[:limit - 3] + "..."

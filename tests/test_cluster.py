@@ -273,6 +273,29 @@ def test_a_node_not_in_the_cluster_and_an_unreachable_address_are_named(cluster,
         Agent(load_config(path, env={})).start()
 
 
+def test_a_remote_failure_keeps_the_remote_exceptions_own_message_and_hint(cluster, tiny_zoo, tmp_path):
+    from edge_agent.cluster import _StoreWriter
+    from executors.remote import _short, node_resource
+
+    # box-2's own store was never synced: the actor's creation fails there, and the hint survives Ray's wrapping
+    cfg = load_config(_line(tmp_path, tiny_zoo, cluster, [LOCAL, _remote("box-2")]), env={})
+    with pytest.raises(CoEError) as err:
+        Agent(cfg).start()
+    text = str(err.value)
+    assert "executor box-2/cpu-1.0 on node box-2: the actor did not come up" in text
+    assert "CoEError: node box-2: expert store" in text and "run `coe-agent experts sync`" in text, text
+    assert "\x1b[" not in text and "\n" not in text
+    # a task that raises on a node: the remote exception itself, not Ray's 'ray::Class.method() (pid=...)' line
+    w = ray.remote(_StoreWriter).options(resources={node_resource("box-2"): 0.001}, num_cpus=0).remote(
+        str(tmp_path / "w"))
+    try:
+        with pytest.raises(ray.exceptions.RayTaskError) as err:
+            ray.get(w.put.remote("../escape", b"x", "0"), timeout=60)
+    finally:
+        ray.kill(w)
+    assert _short(err.value) == "ValueError: refusing store file name '../escape'"
+
+
 def test_a_node_without_a_cluster_section_is_refused(tmp_path, tiny_zoo):
     path = write_line(tmp_path, store=tiny_zoo, executors=[LOCAL, _remote("box-2")])
     with pytest.raises(Exception, match=r"key 'executors.1.node': 'box-2' names a box but the config has no"):
