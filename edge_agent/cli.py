@@ -145,15 +145,18 @@ def zoo() -> None:
 
 @zoo.command("train")
 @line_options
-@click.option("--steps", default=300, show_default=True, help="Training steps per classifier group.")
+@click.option("--steps", default=300, show_default=True,
+              help="Training steps per classifier group, at most: a group stops once a validation draw scores 99%.")
 @click.option("--batch", default=48, show_default=True, help="Synthetic frames per classifier step.")
 @click.option("--detector-steps", default=None, type=int,
               help="Training steps per detector (default: 500); 0 leaves detectors alone.")
 @click.option("--seed", default=0, show_default=True, help="Seed for the frames and the initial weights.")
 @click.option("--force", is_flag=True, help="Retrain experts that are already trained.")
+@click.option("--workers", default=None, type=click.IntRange(min=1),
+              help="Training processes side by side (default: one per core, at most one per job).")
 @_fail_clearly
 def zoo_train(line: str, config_path: str | None, steps: int, batch: int, detector_steps: int | None, seed: int,
-              force: bool) -> None:
+              force: bool, workers: int | None) -> None:
     """Train the spec's classifiers and detectors on synthetic frames of their component types.
 
     Classifiers sharing an architecture, classes and input size are trained
@@ -161,7 +164,8 @@ def zoo_train(line: str, config_path: str | None, steps: int, batch: int, detect
     Each detector learns the soldering defects of its classes, drawn with
     their boxes on the parts its classifiers pass to it; its held-out recall
     (IoU >= 0.5) and false alarms on clean parts are printed.  An expert
-    already trained with the same recipe is kept.
+    already trained with the same recipe is kept.  The groups and detectors
+    train side by side, one process per core.
 
     \b
     Example:
@@ -171,7 +175,7 @@ def zoo_train(line: str, config_path: str | None, steps: int, batch: int, detect
     from storage.expert_store import ExpertStore
 
     from .progress import step_bars
-    from .zoo_train import DETECTOR_STEPS, train_classifiers, train_detectors
+    from .zoo_train import DETECTOR_STEPS, train_zoo
 
     cfg = _config(line, config_path)
     model = load_spec(cfg.spec_path)
@@ -180,15 +184,12 @@ def zoo_train(line: str, config_path: str | None, steps: int, batch: int, detect
     if det_steps < 0:
         raise click.BadParameter(f"must be 0 or more, got {det_steps}", param_hint="--detector-steps")
     with step_bars() as tick:
-        results = train_classifiers(model, store, steps=steps, batch=batch, seed=seed, force=force, progress=tick)
+        results, detectors = train_zoo(model, store, steps=steps, batch=batch, det_steps=det_steps, seed=seed,
+                                       force=force, workers=workers, progress=tick)
     for r in results:
         state = "kept (already trained)" if r.skipped else f"trained {r.steps} steps"
         click.echo(f"{r.arch}: {len(r.experts)} classifier(s), {len(r.components)} component type(s), {state}; "
                    f"held-out accuracy {100 * r.heldout_accuracy:.1f}%")
-    if det_steps == 0:
-        return
-    with step_bars() as tick:
-        detectors = train_detectors(model, store, steps=det_steps, seed=seed, force=force, progress=tick)
     for d in detectors:
         click.echo(d.describe())
 

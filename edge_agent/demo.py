@@ -117,17 +117,15 @@ class DemoResult:
 def ensure_trained(cfg: LineConfig, model: CoEModel, *, quiet: bool = False) -> None:
     """Train the classifiers and detectors on synthetic frames unless the store already holds this training."""
     from .progress import step_bars
-    from .zoo_train import train_classifiers, train_detectors
+    from .zoo_train import train_zoo
 
     store = ExpertStore(cfg.store_path, verify=cfg.expert_verify)
     with step_bars(disable=quiet) as tick:
-        results = train_classifiers(model, store, progress=tick)
+        results, detectors = train_zoo(model, store, progress=tick)
     trained = [r for r in results if not r.skipped]
     stage(f"classifiers: {sum(len(r.experts) for r in results)} trained on synthetic frames"
           + (f" (this run: {', '.join(f'{r.arch} {100 * r.heldout_accuracy:.1f}% held-out' for r in trained)})"
              if trained else " (reused)"), quiet)
-    with step_bars(disable=quiet) as tick:
-        detectors = train_detectors(model, store, progress=tick)
     fresh = [d for d in detectors if not d.skipped]
     stage(f"detectors: {len(detectors)} trained on drawn soldering defects" + (" (reused)" if not fresh else ""), quiet)
     for d in fresh:
@@ -136,9 +134,9 @@ def ensure_trained(cfg: LineConfig, model: CoEModel, *, quiet: bool = False) -> 
 
 def run_demo(cfg: LineConfig, model: CoEModel, *, frames: int = 600, seed: int = 0, rate: float | None = None,
              recording: Path | None = None, quiet: bool = False, train: bool = True) -> DemoResult:
-    ensure_zoo(cfg, model, seed=seed, quiet=quiet)
-    if train:
+    if train:                  # first: what training writes, the zoo need not generate
         ensure_trained(cfg, model, quiet=quiet)
+    ensure_zoo(cfg, model, seed=seed, quiet=quiet)
     rec_dir = recording or ensure_recording(cfg, model, frames, seed, quiet=quiet)
     rec = Recording(rec_dir)
     demo_db = demo_db_path(cfg)

@@ -5,9 +5,11 @@ missing, misaligned, wrong_part), so the same drawing code is a labelled
 training set.  Classifiers that share an architecture, classes and input
 size share one network: it is trained once on all of their component types
 (a label looks alike across types: bare pads, a shifted body, another
-family's body), and each of those experts is written with it.  Per-expert
-fine-tuning of that base is the next step and not built yet.  Detectors are
-trained one by one on soldering defects (`edge_agent.detector_train`).
+family's body), and each of those experts is written with it; a group stops
+early once a validation draw says it has learned the labels.  Per-expert
+fine-tuning of that base is not built.  Detectors are trained on soldering
+defects (`edge_agent.detector_train`).  The groups and the detectors train
+side by side in worker processes, a core each (`edge_agent.train_jobs`).
 
 Training runs a fixed number of steps from a seeded generator, so a run is
 reproducible; BatchNorm statistics are recomputed at the end with the
@@ -32,8 +34,18 @@ from storage.synthetic import LABELS, draw_component
 
 from executors.backends.base import IMAGENET_MEAN, IMAGENET_STD
 
+from .train_jobs import Job, Progress, from_numpy, run_jobs, to_numpy
+
 MARKER = ".trained.json"
-DETECTOR_STEPS = 500
+# seconds per training step at one thread on this 2-core box (batch 48 classifiers, batch 16 detectors):
+# only the order the jobs start in depends on them, longest first
+_STEP_SECONDS = {"torchvision/resnet18": 0.6, "torchvision/shufflenet_v2_x1_0": 0.2,
+                 "torchvision/mobilenet_v3_small": 0.15, "detector": 0.11}
+CLASSIFIER_STEPS = 300   # at most: with CLASSIFIER_UNTIL a group stops once its validation draw is that good
+CLASSIFIER_UNTIL = 0.99
+CHECK_EVERY = 50
+DETECTOR_STEPS = 500     # at most: with DETECTOR_UNTIL a detector stops once its validation recall is that good
+DETECTOR_UNTIL = 0.97    # (and false alarms at most detector_train.MAX_FALSE_ALARMS), checked from step 300
 EVAL_CROPS = 1024    # held-out crops per detector: about 170 per class at half clean, half defects
 SOLDER_RATE = 0.05   # the demo recording: share of ok parts drawn with a soldering defect
 
@@ -106,12 +118,20 @@ def _batch(rng: np.random.Generator, comps: list[str], classes: tuple[str, ...],
 
 
 def train_group(arch: str, classes: tuple[str, ...], size: int, comps: list[str], *, steps: int, batch: int,
-                seed: int, progress: Callable[[int], None] | None = None):
-    """A trained torchvision network and its accuracy on held-out draws (another seed).
+                seed: int, until: float | None = None, check_every: int = CHECK_EVERY,
+                progress: Callable[[int], None] | None = None):
+    """A trained torchvision network, its accuracy on held-out draws (another seed), and the steps it ran.
 
-    It trains in channels-last memory format: on a CPU that makes
+    With `until`, it stops early once a BatchNorm-recalibrated copy classifies
+    a validation draw (a third seed, not the held-out one the result reports)
+    at least that well, checked every `check_every` steps: resnet18 is there
+    in 50 steps, where mobilenet needs a few hundred.  The checks draw from
+    their own generator, so the training batches are the same with or without
+    them.  It trains in channels-last memory format: on a CPU that makes
     mobilenet_v3_small's step about twice as fast and the others no slower.
     """
+    import copy
+
     import torch
     import torchvision
 
@@ -120,11 +140,18 @@ def train_group(arch: str, classes: tuple[str, ...], size: int, comps: list[str]
     net = net.to(memory_format=torch.channels_last)
     opt = torch.optim.AdamW(net.parameters(), lr=2e-3, weight_decay=1e-4)
     rng = np.random.default_rng(seed)
+    check_rng = np.random.default_rng([seed, 20_000])
 
-    def draw(n: int):
-        x, y = _batch(rng, comps, classes, n, size)
+    def draw(n: int, gen: np.random.Generator = rng):
+        x, y = _batch(gen, comps, classes, n, size)
         return x.contiguous(memory_format=torch.channels_last), y
 
+    def accuracy(model, x, y) -> float:
+        with torch.no_grad():
+            return float((model(x.contiguous(memory_format=torch.channels_last)).argmax(1) == y).float().mean())
+
+    val = draw(256, check_rng) if until is not None else None
+    ran = steps
     net.train()
     for step in range(steps):
         x, y = draw(batch)
@@ -134,12 +161,20 @@ def train_group(arch: str, classes: tuple[str, ...], size: int, comps: list[str]
         opt.step()
         if progress is not None:
             progress(step + 1)
+        if val is not None and (step + 1) % check_every == 0 and step + 1 < steps:
+            with torch.random.fork_rng(devices=[]):      # the probe's dropout must not move the training's RNG
+                probe = copy.deepcopy(net)
+                recalibrate_batchnorm(probe, lambda: draw(batch, check_rng)[0])
+                good = accuracy(probe, *val) >= until
+            if good:
+                ran = step + 1
+                if progress is not None:
+                    progress(steps)            # the bar ends full: the rest is not needed
+                break
     recalibrate_batchnorm(net, lambda: draw(batch)[0])
     held = np.random.default_rng(seed + 10_000)
-    with torch.no_grad():
-        x, y = _batch(held, comps, classes, 256, size)
-        acc = float((net(x.contiguous(memory_format=torch.channels_last)).argmax(1) == y).float().mean())
-    return net, acc
+    acc = accuracy(net, *_batch(held, comps, classes, 256, size))
+    return net, acc, ran
 
 
 def recalibrate_batchnorm(net, batches: Callable[[], object], rounds: int = 8) -> None:
@@ -161,32 +196,130 @@ def recalibrate_batchnorm(net, batches: Callable[[], object], rounds: int = 8) -
     net.eval()
 
 
-def train_classifiers(model: CoEModel, store: ExpertStore, *, steps: int = 300, batch: int = 48, seed: int = 0,
-                      force: bool = False, progress: Callable[[str, int, int], None] | None = None
-                      ) -> list[GroupResult]:
+def train_classifiers(model: CoEModel, store: ExpertStore, *, steps: int = CLASSIFIER_STEPS, batch: int = 48,
+                      seed: int = 0, until: float | None = CLASSIFIER_UNTIL, force: bool = False,
+                      workers: int | None = None, progress: Progress | None = None) -> list[GroupResult]:
     """Train every torchvision classifier group of `model` and write its experts into `store`."""
-    groups = _groups(model)               # a spec the frames cannot teach fails before anything is touched
+    return train_zoo(model, store, steps=steps, batch=batch, seed=seed, until=until, force=force, workers=workers,
+                     progress=progress, detectors=False)[0]
+
+
+def train_detectors(model: CoEModel, store: ExpertStore, *, steps: int = DETECTOR_STEPS, batch: int = 16,
+                    seed: int = 0, until: float | None = DETECTOR_UNTIL, force: bool = False, frame_size: int = 64,
+                    workers: int | None = None, progress: Progress | None = None) -> list[DetectorResult]:
+    """Train every ultralytics detector the classifiers hand ok parts to, and write it into `store`.
+
+    Each is scored on held-out crops through the serving backend; a detector
+    whose stored bytes are still what the last training wrote is skipped.
+    """
+    return train_zoo(model, store, det_steps=steps, det_batch=batch, det_until=until, seed=seed, force=force,
+                     frame_size=frame_size, workers=workers, progress=progress, classifiers=False)[1]
+
+
+def train_zoo(model: CoEModel, store: ExpertStore, *, steps: int = CLASSIFIER_STEPS, batch: int = 48,
+              until: float | None = CLASSIFIER_UNTIL, det_steps: int = DETECTOR_STEPS, det_batch: int = 16,
+              det_until: float | None = DETECTOR_UNTIL,
+              seed: int = 0, force: bool = False, frame_size: int = 64, workers: int | None = None,
+              progress: Progress | None = None, classifiers: bool = True, detectors: bool = True
+              ) -> tuple[list[GroupResult], list[DetectorResult]]:
+    """Train the classifier groups and the detectors of `model` side by side (`train_jobs`), into `store`.
+
+    Everything the spec asks for is checked before anything trains.  What the
+    store still holds from the same recipe is kept.  Each job's experts are
+    written, and the training record replaced, as soon as that job ends, so an
+    interrupted run keeps what it finished.
+    """
+    from .detector_train import plans
+
+    groups = _groups(model) if classifiers else {}   # a spec the frames cannot teach fails before anything is touched
+    todo_det = plans(model) if detectors and det_steps > 0 else []
     marker_path, marker = _read_marker(store)
-    results = []
+    groups_out: list[GroupResult | None] = []
+    dets_out: list[DetectorResult | None] = []
+    jobs: list[Job] = []
+    finish: list[Callable[[object], None]] = []
+
     for (arch, classes, size), (experts, comps) in groups.items():
         recipe = {"steps": steps, "batch": batch, "seed": seed, "components": sorted(comps), "arch": arch,
-                  "classes": list(classes), "input_size": size}
+                  "classes": list(classes), "input_size": size, "until": until, "check_every": CHECK_EVERY}
         current = all(store.has(e.id) and marker.get(e.id, {}).get("sha256") == store.entry(e.id).sha256
                       and marker[e.id].get("recipe") == recipe for e in experts)
         if current and not force:
-            results.append(GroupResult(arch, tuple(e.id for e in experts), tuple(comps), steps,
-                                       marker[experts[0].id]["heldout_accuracy"], True))
+            rec = marker[experts[0].id]
+            groups_out.append(GroupResult(arch, tuple(e.id for e in experts), tuple(comps),
+                                          rec.get("steps_run", steps), rec["heldout_accuracy"], True))
             continue
-        net, acc = train_group(arch, classes, size, comps, steps=steps, batch=batch, seed=seed,
-                               progress=(lambda s, a=arch: progress(a, s, steps)) if progress else None)
-        tensors = {k: v.detach().contiguous() for k, v in net.state_dict().items()}
-        for e in experts:
+        slot = len(groups_out)
+        groups_out.append(None)
+        jobs.append(Job(arch, _classifier_job, (arch, classes, size, comps, steps, batch, seed, until),
+                        total=steps, cost=steps * _STEP_SECONDS.get(arch, 0.2) * (0.5 if until else 1.0)))
+
+        def done_group(out, slot=slot, arch=arch, experts=experts, comps=comps, recipe=recipe) -> None:
+            arrays, acc, ran = out
+            tensors = from_numpy(arrays)
+            for e in experts:
+                version = store.entry(e.id).version + 1 if store.has(e.id) else 1
+                entry = store.write(e, tensors, version=version)
+                marker[e.id] = {"sha256": entry.sha256, "recipe": recipe, "heldout_accuracy": round(acc, 4),
+                                "steps_run": ran}
+            _write_marker(marker_path, marker)
+            groups_out[slot] = GroupResult(arch, tuple(e.id for e in experts), tuple(comps), ran, acc, False)
+        finish.append(done_group)
+
+    for plan in todo_det:
+        e = plan.expert
+        recipe = {"steps": det_steps, "batch": det_batch, "seed": seed, "frame_size": frame_size, "arch": e.arch,
+                  "classes": list(e.classes), "pairs": sorted(map(list, plan.pairs)), "input_size": e.input_size,
+                  "crops": EVAL_CROPS, "until": det_until}
+        rec = marker.get(e.id, {})
+        if (not force and store.has(e.id) and rec.get("sha256") == store.entry(e.id).sha256
+                and rec.get("recipe") == recipe):
+            dets_out.append(DetectorResult(e.arch, e.id, plan.components, rec.get("steps_run", det_steps),
+                                           rec["heldout_recall"],
+                                           rec["recall_by_class"], rec["false_alarm_rate"], plan.undrawable, True,
+                                           rec.get("drawn", 0)))
+            continue
+        slot = len(dets_out)
+        dets_out.append(None)
+        jobs.append(Job(e.id, _detector_job, (plan, det_steps, det_batch, seed, frame_size, det_until), total=det_steps,
+                        cost=det_steps * _STEP_SECONDS["detector"]))
+
+        def done_detector(out, slot=slot, plan=plan, recipe=recipe) -> None:
+            arrays, score, ran = out
+            e = plan.expert
             version = store.entry(e.id).version + 1 if store.has(e.id) else 1
-            entry = store.write(e, tensors, version=version)
-            marker[e.id] = {"sha256": entry.sha256, "recipe": recipe, "heldout_accuracy": round(acc, 4)}
-        _write_marker(marker_path, marker)
-        results.append(GroupResult(arch, tuple(e.id for e in experts), tuple(comps), steps, acc, False))
-    return results
+            entry = store.write(e, from_numpy(arrays), version=version)
+            marker[e.id] = {"sha256": entry.sha256, "recipe": recipe, "heldout_recall": round(score.recall, 4),
+                            "recall_by_class": score.recall_by_class(),
+                            "false_alarm_rate": round(score.false_alarm_rate, 4), "drawn": sum(score.drawn.values()),
+                            "steps_run": ran}
+            _write_marker(marker_path, marker)
+            dets_out[slot] = DetectorResult(e.arch, e.id, plan.components, ran, round(score.recall, 4),
+                                            score.recall_by_class(), round(score.false_alarm_rate, 4),
+                                            plan.undrawable, False, sum(score.drawn.values()))
+        finish.append(done_detector)
+
+    run_jobs(jobs, workers=workers, progress=progress, on_result=lambda i, out: finish[i](out))
+    return groups_out, dets_out           # type: ignore[return-value]  (every slot is filled by now)
+
+
+def _classifier_job(arch: str, classes: tuple[str, ...], size: int, comps: list[str], steps: int, batch: int,
+                    seed: int, until: float | None, progress: Callable[[int], None] | None = None):
+    """In a worker: (state dict as numpy arrays, held-out accuracy, steps run)."""
+    net, acc, ran = train_group(arch, classes, size, comps, steps=steps, batch=batch, seed=seed, until=until,
+                                progress=progress)
+    return to_numpy(net.state_dict()), acc, ran
+
+
+def _detector_job(plan, steps: int, batch: int, seed: int, frame_size: int, until: float | None,
+                  progress: Callable[[int], None] | None = None):
+    """In a worker: (state dict as numpy arrays, held-out score through the serving backend, steps run)."""
+    from .detector_train import evaluate, train_detector
+
+    tensors, losses = train_detector(plan, steps=steps, batch=batch, seed=seed, frame_size=frame_size,
+                                     until=until, progress=progress)
+    return (to_numpy(tensors), evaluate(plan, tensors, seed=seed, frame_size=frame_size, crops=EVAL_CROPS),
+            len(losses))
 
 
 def _write_marker(path: Path, marker: dict) -> None:
@@ -202,43 +335,3 @@ def _read_marker(store: ExpertStore) -> tuple[Path, dict]:
         return marker_path, (json.loads(marker_path.read_text()) if marker_path.is_file() else {})
     except (OSError, ValueError) as exc:
         raise CoEError(f"{marker_path}: unreadable training record ({exc}); delete it to retrain") from None
-
-
-def train_detectors(model: CoEModel, store: ExpertStore, *, steps: int = DETECTOR_STEPS, batch: int = 16,
-                    seed: int = 0, force: bool = False, frame_size: int = 64,
-                    progress: Callable[[str, int, int], None] | None = None) -> list[DetectorResult]:
-    """Train every ultralytics detector the classifiers hand ok parts to, and write it into `store`.
-
-    Each is scored on held-out crops through the serving backend; a detector
-    whose stored bytes are still what the last training wrote is skipped.
-    """
-    from .detector_train import evaluate, plans, train_detector
-
-    todo = plans(model)                   # a class that cannot be drawn fails before anything is touched
-    marker_path, marker = _read_marker(store)
-    results = []
-    for plan in todo:
-        e = plan.expert
-        recipe = {"steps": steps, "batch": batch, "seed": seed, "frame_size": frame_size, "arch": e.arch,
-                  "classes": list(e.classes), "pairs": sorted(map(list, plan.pairs)), "input_size": e.input_size,
-                  "crops": EVAL_CROPS}
-        rec = marker.get(e.id, {})
-        if (not force and store.has(e.id) and rec.get("sha256") == store.entry(e.id).sha256
-                and rec.get("recipe") == recipe):
-            results.append(DetectorResult(e.arch, e.id, plan.components, steps, rec["heldout_recall"],
-                                          rec["recall_by_class"], rec["false_alarm_rate"], plan.undrawable, True,
-                                          rec.get("drawn", 0)))
-            continue
-        tensors, _losses = train_detector(plan, steps=steps, batch=batch, seed=seed, frame_size=frame_size,
-                                 progress=(lambda s, i=e.id: progress(i, s, steps)) if progress else None)
-        score = evaluate(plan, tensors, seed=seed, frame_size=frame_size, crops=EVAL_CROPS)
-        version = store.entry(e.id).version + 1 if store.has(e.id) else 1
-        entry = store.write(e, tensors, version=version)
-        marker[e.id] = {"sha256": entry.sha256, "recipe": recipe, "heldout_recall": round(score.recall, 4),
-                        "recall_by_class": score.recall_by_class(),
-                        "false_alarm_rate": round(score.false_alarm_rate, 4), "drawn": sum(score.drawn.values())}
-        _write_marker(marker_path, marker)
-        results.append(DetectorResult(e.arch, e.id, plan.components, steps, round(score.recall, 4),
-                                      score.recall_by_class(), round(score.false_alarm_rate, 4),
-                                      plan.undrawable, False, sum(score.drawn.values())))
-    return results

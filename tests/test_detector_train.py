@@ -87,3 +87,15 @@ def test_train_detectors_writes_scores_and_keeps_a_current_training(tmp_path):
     assert all(r.skipped for r in again) and [r.heldout_recall for r in again] == [r.heldout_recall for r in first]
     other = train_detectors(MODEL, store, steps=3, batch=4, seed=0)
     assert not any(r.skipped for r in other) and store.entry("det-ic").version == 2
+
+
+def test_a_detector_stops_early_only_once_validation_says_so(monkeypatch):
+    import edge_agent.detector_train as dt
+
+    monkeypatch.setattr(dt, "CHECK_CROPS", 16)
+    monkeypatch.setattr(dt, "MAX_FALSE_ALARMS", 1.0)       # a barely trained detector may box clean parts
+    plan = _plan("det-ic")
+    _, losses = train_detector(plan, steps=8, batch=4, seed=0, until=0.0, check_from=4, check_every=2)
+    assert len(losses) == 4                                  # recall >= 0 holds at the first check
+    _, losses = train_detector(plan, steps=8, batch=4, seed=0, until=1.01, check_from=4, check_every=2)
+    assert len(losses) == 8                                  # never good enough: every step runs

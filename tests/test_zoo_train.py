@@ -96,3 +96,18 @@ def test_a_spec_that_reorders_the_classes_retrains_instead_of_swapping_labels(tm
             e["classes"] = list(reversed(e["classes"]))        # same labels, other output order
     again = train_classifiers(parse_spec(spec), store, steps=3, batch=8, seed=0)
     assert not again[0].skipped and store.entry(CLASSIFIERS[0].id).version == 2
+
+
+def test_a_group_stops_once_its_validation_draw_is_good_enough_without_changing_its_batches():
+    from edge_agent.zoo_train import train_group
+
+    e = CLASSIFIERS[0]
+    comps = [c.name for c in MODEL.components.values() if c.classifier in {x.id for x in CLASSIFIERS}]
+    args = (e.arch, e.classes, e.input_size, comps)
+    _, _, ran = train_group(*args, steps=6, batch=8, seed=0, until=0.0, check_every=2)
+    assert ran == 2                                                  # any accuracy is >= 0: the first check stops it
+    never, _, ran = train_group(*args, steps=6, batch=8, seed=0, until=1.01, check_every=2)
+    plain, _, plain_ran = train_group(*args, steps=6, batch=8, seed=0)
+    assert ran == plain_ran == 6
+    # the checks draw and run on their own generators: the trained weights are those of a run without them
+    assert all(torch.equal(a, b) for a, b in zip(never.state_dict().values(), plain.state_dict().values()))

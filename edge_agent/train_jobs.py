@@ -1,0 +1,125 @@
+"""Run training jobs side by side in worker processes, with their progress shown by the parent.
+
+Why processes: the demo's networks are small and their inputs 64 pixels, so
+torch's intra-op threads scale poorly on them, and drawing a synthetic batch
+is single-threaded numpy.  One job per process, with the cores shared out
+between the processes, keeps every core busy: while one job draws its batch,
+another computes.  Jobs are started longest first (their `cost`), so the last
+one to finish is not a long one started late.
+
+A job is a module-level function called as `fn(*args, progress=tick)`; it must
+return something picklable (state dicts go back as numpy arrays, see
+`to_numpy`/`from_numpy`).  Each is seeded by its own arguments, so its
+result does not depend on which worker ran it or when.  One worker (or one
+job) runs in this process, with no pool at all: the same code, fewer moving
+parts.  A job that raises stops the run and its error is raised here, as the
+job raised it.
+"""
+from __future__ import annotations
+
+import os
+import queue as queue_mod
+from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
+from dataclasses import dataclass, field
+
+Progress = Callable[[str, int, int], None]
+
+_QUEUE = None          # in a worker: where its jobs' progress goes
+
+
+@dataclass(frozen=True)
+class Job:
+    """One unit of training: `fn(*args, progress=...)`, shown as `name` with `total` steps."""
+
+    name: str
+    fn: Callable
+    args: tuple = ()
+    total: int = 0
+    cost: float = 1.0               # expected core-seconds: only the start order depends on it
+    kwargs: Mapping = field(default_factory=dict)
+
+
+def plan_workers(jobs: int, cores: int | None = None) -> tuple[int, int]:
+    """(worker processes, torch threads per worker) for `jobs` jobs on `cores` cores."""
+    cores = max(1, cores or os.cpu_count() or 1)
+    workers = max(1, min(cores, jobs))
+    return workers, max(1, cores // workers)
+
+
+def run_jobs(jobs: Sequence[Job], *, workers: int | None = None, progress: Progress | None = None,
+             on_result: Callable[[int, object], None] | None = None) -> list:
+    """Every job's result, in the order of `jobs`; `on_result(index, result)` runs here as each job ends."""
+    if not jobs:
+        return []
+    n, threads = plan_workers(len(jobs)) if workers is None else (max(1, workers), None)
+    results: list = [None] * len(jobs)
+
+    def finished(i: int, out) -> None:
+        results[i] = out
+        if on_result is not None:
+            on_result(i, out)
+    if n == 1 or len(jobs) == 1:
+        for i, job in enumerate(jobs):
+            finished(i, _call(job, progress))
+        return results
+    if threads is None:
+        threads = max(1, (os.cpu_count() or 1) // n)
+    import multiprocessing as mp
+
+    ctx = mp.get_context("spawn")     # not fork: a forked child of a process that ran OpenMP threads can hang
+    q = ctx.Queue()
+    order = sorted(range(len(jobs)), key=lambda i: -jobs[i].cost)
+    with ProcessPoolExecutor(n, mp_context=ctx, initializer=_init_worker, initargs=(q, threads)) as pool:
+        pending = {pool.submit(_run_in_worker, jobs[i].name, jobs[i].total, jobs[i].fn, jobs[i].args,
+                               dict(jobs[i].kwargs)): i for i in order}
+        try:
+            while pending:
+                done, _ = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
+                _drain(q, progress)
+                for fut in done:
+                    finished(pending.pop(fut), fut.result())     # a job's error is raised here, as it raised it
+        except BaseException:
+            for fut in pending:
+                fut.cancel()
+            raise
+        _drain(q, progress)
+    return results
+
+
+def _call(job: Job, progress: Progress | None):
+    tick = (lambda step: progress(job.name, step, job.total)) if progress else None
+    return job.fn(*job.args, progress=tick, **job.kwargs)
+
+
+def _drain(q, progress: Progress | None) -> None:
+    while True:
+        try:
+            name, step, total = q.get_nowait()
+        except queue_mod.Empty:
+            return
+        if progress is not None:
+            progress(name, step, total)
+
+
+def _init_worker(q, threads: int) -> None:
+    global _QUEUE
+    _QUEUE = q
+    import torch
+
+    torch.set_num_threads(threads)
+
+
+def _run_in_worker(name: str, total: int, fn: Callable, args: tuple, kwargs: dict):
+    return fn(*args, progress=lambda step: _QUEUE.put((name, step, total)), **kwargs)
+
+
+def to_numpy(tensors: Mapping) -> dict:
+    """A state dict as numpy arrays: they cross a process boundary as plain bytes (no shared-memory handles)."""
+    return {k: v.detach().cpu().contiguous().numpy() for k, v in tensors.items()}
+
+
+def from_numpy(arrays: Mapping) -> dict:
+    import torch
+
+    return {k: torch.from_numpy(v) for k, v in arrays.items()}

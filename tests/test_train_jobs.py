@@ -1,0 +1,66 @@
+"""Training jobs side by side in real worker processes: results in order, progress forwarded, errors raised."""
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from coe import CoEError
+from edge_agent.train_jobs import Job, from_numpy, plan_workers, run_jobs, to_numpy
+
+
+def _count(n: int, progress=None):
+    """A job: ticks n steps and says which process ran it and with how many torch threads."""
+    for i in range(n):
+        if progress is not None:
+            progress(i + 1)
+    return n * n, os.getpid(), torch.get_num_threads()
+
+
+def _fail(name: str, progress=None):
+    raise CoEError(f"expert '{name}': cannot train")
+
+
+def test_plan_gives_each_worker_its_share_of_the_cores():
+    assert plan_workers(6, cores=2) == (2, 1)
+    assert plan_workers(1, cores=16) == (1, 16)       # one job: one process with every core
+    assert plan_workers(6, cores=16) == (6, 2)
+    assert plan_workers(0, cores=4) == (1, 4)
+
+
+def test_jobs_run_in_other_processes_and_come_back_in_order_with_their_progress():
+    seen: list[tuple[str, int, int]] = []
+    finished: list[int] = []
+    jobs = [Job(f"job{n}", _count, (n,), total=n, cost=n) for n in (3, 5, 2, 4)]
+    out = run_jobs(jobs, workers=2, progress=lambda *a: seen.append(a), on_result=lambda i, _r: finished.append(i))
+    assert [r[0] for r in out] == [9, 25, 4, 16]                  # the order of `jobs`, not of completion
+    assert {r[1] for r in out} - {os.getpid()} == {r[1] for r in out}   # none ran in this process
+    assert all(r[2] == max(1, (os.cpu_count() or 1) // 2) for r in out)
+    assert sorted(finished) == [0, 1, 2, 3]
+    for job in jobs:                                            # every step of every job reached the parent
+        assert [s for name, s, _ in seen if name == job.name] == list(range(1, job.total + 1))
+
+
+def test_one_worker_runs_the_jobs_here():
+    seen = []
+    out = run_jobs([Job("a", _count, (2,), total=2), Job("b", _count, (1,), total=1)], workers=1,
+                   progress=lambda *a: seen.append(a))
+    assert [r[0] for r in out] == [4, 1] and {r[1] for r in out} == {os.getpid()}
+    assert seen == [("a", 1, 2), ("a", 2, 2), ("b", 1, 1)]
+
+
+def test_a_failing_job_raises_its_own_error_here():
+    jobs = [Job("ok", _count, (2,)), Job("bad", _fail, ("det-ic",))]
+    with pytest.raises(CoEError, match="expert 'det-ic': cannot train"):
+        run_jobs(jobs, workers=2)
+
+
+def test_state_dicts_cross_as_numpy_and_come_back_equal():
+    net = torch.nn.Sequential(torch.nn.Conv2d(3, 4, 3), torch.nn.BatchNorm2d(4))
+    state = net.state_dict()
+    arrays = to_numpy(state)
+    assert all(isinstance(a, np.ndarray) for a in arrays.values())
+    back = from_numpy(arrays)
+    assert set(back) == set(state) and all(torch.equal(back[k], state[k]) for k in state)
