@@ -74,6 +74,13 @@ class CoEModel:
         experts = {k: replace(e, nbytes=int(sizes.get(k, e.nbytes))) for k, e in self.experts.items()}
         return replace(self, experts=experts)
 
+    def with_experts(self, replacements: Mapping[str, Expert]) -> "CoEModel":
+        """A copy in which the experts named in `replacements` are swapped for those (same ids, same chain)."""
+        unknown = sorted(set(replacements) - set(self.experts))
+        if unknown or any(e.id != k for k, e in replacements.items()):
+            raise ValueError(f"with_experts replaces experts by id; unknown or renamed: {unknown or list(replacements)}")
+        return replace(self, experts={k: replacements.get(k, e) for k, e in self.experts.items()})
+
 
 # -- loading -------------------------------------------------------------------
 

@@ -95,6 +95,13 @@ class Agent:
             raise FileNotFoundError(
                 f"expert store {cfg.store_path} lacks {len(missing)} expert(s) of the spec, e.g. "
                 f"{', '.join(missing[:3])}; run `coe-agent zoo build --line {cfg.line}`")
+        from .runtime_select import apply_runtime
+
+        self.model, self.store, self.runtime = apply_runtime(
+            cfg.runtime, self.model, self.store, cfg.data_dir, gpu=any(ex.device.startswith("cuda")
+                                                                        for ex in cfg.executors))
+        if cfg.runtime != "torch":
+            log.info("%s", self.runtime.describe())
         self.model = self.model.with_sizes({e.id: e.nbytes for e in self.store.entries()})
         self.llm_layout = self._llm_store() if cfg.llm is not None else None
         self.llm: "LLMService | None" = None

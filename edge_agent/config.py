@@ -201,6 +201,10 @@ class LineConfig(_Strict):
     store_poll_s: float = Field(0.5, gt=0, description="how often the agent looks for experts promoted into its "
                                                       "store (coe-agent experts promote)")
     unified_memory: bool = Field(False, description="Jetson-style: GPU and CPU share DRAM, no separate host tier")
+    runtime: Literal["torch", "onnx", "auto"] = Field(
+        "torch", description="what runs torchvision and ultralytics experts: torch; onnx (ONNX Runtime, through an "
+                             "export of each expert kept beside the store); auto (per architecture, whichever "
+                             "measured faster on this box's CPU, kept in {data_dir}/runtimes.json)")
     executors: list[ExecutorConfig] = Field(default_factory=lambda: [ExecutorConfig()])
     scheduler: SchedulerConfig = Field(default_factory=SchedulerConfig)
     writer: WriterConfig = Field(default_factory=WriterConfig)
@@ -240,6 +244,10 @@ class LineConfig(_Strict):
             if stray:
                 raise ValueError(f"cluster.stores: node '{stray[0]}' runs no executor (executor nodes: "
                                  f"{', '.join(sorted(named)) or 'none'})")
+        if self.runtime != "torch" and any(ex.node is not None for ex in self.executors):
+            raise ValueError(f"runtime: '{self.runtime}' needs each expert's ONNX export beside the store, which "
+                             "`coe-agent experts sync` does not copy to other boxes yet; use runtime: torch with "
+                             "node executors")
         return self
 
     @property

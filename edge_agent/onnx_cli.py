@@ -13,27 +13,10 @@ import click
 
 from coe import CoEError
 
+from executors.onnx_export import max_output_difference
+
 from .cli import _fail_clearly, line_options
 from .experts_cli import _MB, _open, _store, experts
-
-
-def max_output_difference(expert, tensors, blob: bytes, batch: int = 4, seed: int = 0) -> float:
-    """Max |torch - onnxruntime| over the raw outputs of one random batch, both in fp32 on the CPU."""
-    import numpy as np
-    import onnxruntime as ort
-    import torch
-
-    from executors.backends import get_backend
-
-    fp32 = {k: v.float() if v.is_floating_point() else v for k, v in tensors.items()}
-    module = get_backend(expert.arch).build(expert, fp32, "cpu")
-    x = torch.rand(batch, 3, expert.input_size, expert.input_size, generator=torch.Generator().manual_seed(seed))
-    with torch.inference_mode():
-        want = module(x)
-    want = (want[0] if isinstance(want, (tuple, list)) else want).float().numpy()
-    session = ort.InferenceSession(blob, providers=["CPUExecutionProvider"])
-    got = session.run(None, {session.get_inputs()[0].name: x.numpy()})[0]
-    return float(np.abs(got - want).max())
 
 
 @experts.command("export-onnx")

@@ -70,6 +70,23 @@ def onnx_tensors(blob: bytes) -> dict[str, "torch.Tensor"]:
     return {MODEL_KEY: torch.frombuffer(bytearray(blob), dtype=torch.uint8)}
 
 
+def max_output_difference(expert, tensors, blob: bytes, batch: int = 4, seed: int = 0) -> float:
+    """Max |torch - onnxruntime| over the raw outputs of one random batch, both in fp32 on the CPU."""
+    import numpy as np
+    import onnxruntime as ort
+    import torch
+
+    fp32 = {k: v.float() if v.is_floating_point() else v for k, v in tensors.items()}
+    module = get_backend(expert.arch).build(expert, fp32, "cpu")
+    x = torch.rand(batch, 3, expert.input_size, expert.input_size, generator=torch.Generator().manual_seed(seed))
+    with torch.inference_mode():
+        want = module(x)
+    want = (want[0] if isinstance(want, (tuple, list)) else want).float().numpy()
+    session = ort.InferenceSession(blob, providers=["CPUExecutionProvider"])
+    got = session.run(None, {session.get_inputs()[0].name: x.numpy()})[0]
+    return float(np.abs(got - want).max())
+
+
 class _FirstOutput:
     """Wraps a module whose eval forward returns (predictions, extras): export the predictions only."""
 

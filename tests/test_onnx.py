@@ -14,7 +14,7 @@ from click.testing import CliRunner
 
 from coe import CoEError, ExpertLoadError, parse_spec
 from edge_agent.cli import cli
-from edge_agent.onnx_cli import max_output_difference
+from executors.onnx_export import max_output_difference
 from executors.backends import get_backend
 from executors.backends.onnx_backend import MODEL_KEY, OnnxModule
 from executors.onnx_export import export_onnx, onnx_expert, onnx_tensors

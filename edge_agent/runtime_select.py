@@ -1,0 +1,120 @@
+"""The line's `runtime` key: which experts run on ONNX Runtime, and the twins that serve them.
+
+`torch` (the default) changes nothing.  `onnx` serves every torchvision and
+ultralytics expert through its ONNX twin (`executors.onnx_twins`).  `auto`
+decides per architecture and input size, from measurements of this box
+(`executors.runtime_probe.measure_arch`: both runtimes side by side at
+batches 1, 8 and 16, same threads), taken once and kept in
+`{data_dir}/runtimes.json`; they are taken again when the thread count
+changes.  The measurement runs on the CPU: on a box with GPU executors it
+is the CPU's verdict, and the log says so.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+from collections.abc import Callable, Iterable, Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from coe import CoEError, CoEModel, Expert
+
+log = logging.getLogger(__name__)
+
+RUNTIMES_FILE = "runtimes.json"
+EXPORTABLE = ("torchvision", "ultralytics")
+
+
+def runtime_key(expert: Expert) -> str:
+    """What a measurement holds for: the architecture at its input size."""
+    return f"{expert.arch}@{expert.input_size}"
+
+
+def onnx_experts(model: CoEModel, runtime: str, choices: Mapping[str, str]) -> list[str]:
+    """The ids of the experts to serve on ONNX Runtime (pure: `choices` maps runtime_key to 'onnx'|'torch')."""
+    if runtime == "torch":
+        return []
+    exportable = [e for e in model.experts.values() if e.family in EXPORTABLE]
+    if runtime == "onnx":
+        return [e.id for e in exportable]
+    if runtime != "auto":
+        raise ValueError(f"runtime must be torch, onnx or auto, got {runtime!r}")
+    return [e.id for e in exportable if choices.get(runtime_key(e)) == "onnx"]
+
+
+def measured_choices(path: Path, experts: Iterable[Expert], *, threads: int,
+                     measure: Callable[[Expert], dict] | None = None,
+                     progress: Callable[[str], None] | None = None) -> dict[str, str]:
+    """runtime_key -> 'onnx'|'torch' for `experts`, measuring the keys `path` does not hold for `threads`."""
+    if measure is None:
+        from executors.runtime_probe import measure_arch
+
+        def measure(e: Expert) -> dict:
+            return measure_arch(e, switches=False)
+    kept: dict = {}
+    if path.is_file():
+        try:
+            doc = json.loads(path.read_text())
+            if not isinstance(doc, dict) or not isinstance(doc.get("archs", {}), dict):
+                raise ValueError("expected {'threads': N, 'archs': {...}}")
+        except (OSError, ValueError) as exc:
+            raise CoEError(f"{path}: unreadable runtime measurements ({exc}); delete it to measure again") from None
+        if doc.get("threads") == threads:
+            kept = doc.get("archs", {})
+    firsts: dict[str, Expert] = {}
+    for e in experts:
+        firsts.setdefault(runtime_key(e), e)
+    todo = [k for k in firsts if not isinstance(kept.get(k), dict) or kept[k].get("auto") not in ("onnx", "torch")]
+    for key in todo:
+        if progress is not None:
+            progress(key)
+        kept[key] = measure(firsts[key])
+    if todo:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_text(json.dumps({"threads": threads, "archs": kept}, indent=1, sort_keys=True) + "\n")
+        os.replace(tmp, path)
+    return {k: kept[k]["auto"] for k in firsts}
+
+
+@dataclass
+class RuntimePlan:
+    """What the line serves on which runtime, and why some experts stayed on torch."""
+
+    runtime: str
+    onnx: list[str] = field(default_factory=list)
+    refused: dict[str, str] = field(default_factory=dict)
+    choices: dict[str, str] = field(default_factory=dict)
+
+    def describe(self) -> str:
+        if self.runtime == "torch":
+            return "runtime torch"
+        on = f"{len(self.onnx)} expert(s) on ONNX Runtime"
+        if self.choices:
+            on += " (" + ", ".join(f"{k} {v}" for k, v in sorted(self.choices.items())) + ")"
+        return f"runtime {self.runtime}: {on}" + (f"; {len(self.refused)} kept on torch" if self.refused else "")
+
+
+def apply_runtime(runtime: str, model: CoEModel, store, data_dir: str | Path, *, gpu: bool = False,
+                  measure: Callable[[Expert], dict] | None = None):
+    """(model, store, RuntimePlan): `model` and `store` as the agent serves them under `runtime`."""
+    plan = RuntimePlan(runtime)
+    if runtime == "torch":
+        return model, store, plan
+    if runtime == "auto":
+        import torch
+
+        if gpu:
+            log.warning("runtime auto: measured on this box's CPU; GPU executors follow the CPU's choice")
+        plan.choices = measured_choices(Path(data_dir) / RUNTIMES_FILE,
+                                        [e for e in model.experts.values() if e.family in EXPORTABLE],
+                                        threads=torch.get_num_threads(), measure=measure,
+                                        progress=lambda k: log.info("runtime auto: measuring %s", k))
+    wanted = onnx_experts(model, runtime, plan.choices)
+    from executors.onnx_twins import serve_with_twins
+
+    served, store, plan.refused = serve_with_twins(
+        model, store, wanted, progress=lambda eid: log.info("runtime %s: exporting %s to ONNX", runtime, eid))
+    plan.onnx = [eid for eid in wanted if eid not in plan.refused]
+    return served, store, plan

@@ -1,0 +1,161 @@
+"""Run a line's torch experts through ONNX Runtime: each gets an ONNX twin, kept beside the line's store.
+
+With `runtime: onnx` (or `auto` choosing ONNX for an architecture), an expert
+is served by its twin: the same id, classes and thresholds, arch
+`onnx/<model>`, the bytes an ONNX export of the stored weights
+(`onnx_export.export_onnx`).  Twins live in their own store under the line's
+(`<expert_store>/.onnx`), with the version of the weights they were exported
+from, so every inference row still names the expert's own version.  The
+pools hold the twin's bytes like any expert's, and a switch builds a session
+from them.
+
+A twin is exported when missing, and again when its expert's stored bytes
+change (a promotion): each read checks the source's sha256 against the one
+the twin was made from, so a promoted expert never runs on a stale twin.  An
+export whose outputs differ from torch's by more than `TOLERANCE` is refused:
+the expert then stays on torch, and the reason is logged and kept.
+"""
+from __future__ import annotations
+
+import json
+import logging
+import os
+import threading
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+from coe import CoEError, CoEModel, Expert
+from storage.expert_store import ExpertStore
+from storage.store_union import StoreUnion
+
+log = logging.getLogger(__name__)
+
+TWIN_DIR = ".onnx"
+SOURCES = "sources.json"
+TOLERANCE = 1e-4
+EXPORTABLE = ("torchvision", "ultralytics")
+
+
+def twin_root(store_root: str | os.PathLike[str]) -> Path:
+    return Path(store_root) / TWIN_DIR
+
+
+class OnnxTwins:
+    """The twin store of one line: exports on demand, and knows which source bytes each twin came from."""
+
+    def __init__(self, base: ExpertStore, *, verify: str = "first") -> None:
+        self.base = base
+        self.root = twin_root(base.root)
+        self.root.mkdir(parents=True, exist_ok=True)
+        self.store = ExpertStore(self.root, verify=verify)
+        self._sources_path = self.root / SOURCES
+        self._sources: dict[str, str] = self._read_sources()
+        self._lock = threading.Lock()
+        self.exported: list[str] = []         # ids exported by this process (tests, logs)
+        self.refused: dict[str, str] = {}     # id -> why it stays on torch
+
+    def _read_sources(self) -> dict[str, str]:
+        try:
+            return json.loads(self._sources_path.read_text()) if self._sources_path.is_file() else {}
+        except (OSError, ValueError) as exc:
+            raise CoEError(f"{self._sources_path}: unreadable ({exc}); delete {self.root} to export again") from None
+
+    def current(self, expert_id: str) -> bool:
+        """True when the twin exists and was exported from the bytes the line's store holds now."""
+        return (self.store.has(expert_id) and self.base.has(expert_id)
+                and self._sources.get(expert_id) == self.base.entry(expert_id).sha256)
+
+    def ensure(self, expert: Expert) -> bool:
+        """Export `expert`'s twin unless current; False (and `refused[id]`) when its export is not faithful."""
+        with self._lock:
+            if self.current(expert.id):
+                return True
+            return self._export(expert)
+
+    def _export(self, expert: Expert) -> bool:
+        from .onnx_export import export_onnx, max_output_difference, onnx_expert, onnx_tensors
+
+        source = self.base.entry(expert.id)
+        tensors = self.base.read(expert.id)
+        blob = export_onnx(expert, tensors)
+        diff = max_output_difference(expert, tensors, blob)
+        if not diff <= TOLERANCE:
+            self.refused[expert.id] = (f"its ONNX export differs from torch by {diff:.2e} "
+                                       f"(tolerance {TOLERANCE:.0e}); it runs on torch")
+            log.warning("expert '%s': %s", expert.id, self.refused[expert.id])
+            return False
+        twin = onnx_expert(expert, expert.id)
+        self.store.write(twin, onnx_tensors(blob), version=source.version)
+        self._sources[expert.id] = source.sha256
+        tmp = self._sources_path.with_name(SOURCES + ".tmp")
+        tmp.write_text(json.dumps(self._sources, indent=1, sort_keys=True) + "\n")
+        os.replace(tmp, self._sources_path)
+        self.exported.append(expert.id)
+        return True
+
+
+class TwinOverlay(StoreUnion):
+    """The line's store, with the experts that run on ONNX read from their twins.
+
+    Writes, the manifest the store watcher follows and every other expert
+    stay with the line's store (`primary`).  Reading a twin first makes sure
+    it is current, so a promotion re-exports before the new version loads.
+    """
+
+    def __init__(self, base: ExpertStore, twins: OnnxTwins, source: CoEModel, ids: set[str]) -> None:
+        self.twins, self._source, self._ids = twins, source, set(ids)   # source: the spec's torch experts
+        super().__init__(base, twins.store)
+
+    def _index(self) -> dict[str, ExpertStore]:
+        owner = {e.id: self.primary for e in self.primary.entries()}
+        for eid in self._ids:
+            if eid in owner and self.twins.store.has(eid):
+                owner[eid] = self.twins.store
+        return owner
+
+    def _of(self, expert_id: str) -> ExpertStore:
+        if expert_id in self._ids and not self.twins.current(expert_id):
+            self.twins.ensure(self._source.experts[expert_id])
+        return super()._of(expert_id)
+
+    def entries(self):
+        return [self.entry(e.id) for e in self.primary.entries()]
+
+    def reload(self) -> None:
+        self.primary.reload()
+        self.twins.store.reload()
+        self._owner = self._index()
+
+
+def serve_with_twins(model: CoEModel, store: ExpertStore, onnx_ids: Iterable[str], *,
+                     progress: Callable[[str], None] | None = None
+                     ) -> tuple[CoEModel, "ExpertStore | TwinOverlay", dict[str, str]]:
+    """(model, store, refused): the experts `onnx_ids` served by their twins, exported first where needed.
+
+    `refused` maps the experts kept on torch to the reason (an export that is
+    not faithful, or a family ONNX cannot export).
+    """
+    refused: dict[str, str] = {}
+    want = []
+    for eid in onnx_ids:
+        e = model.experts[eid]
+        if e.family not in EXPORTABLE:
+            refused[eid] = f"a {e.arch} expert cannot be exported to ONNX; it runs on its own backend"
+        else:
+            want.append(e)
+    if not want:
+        return model, store, refused
+    twins = OnnxTwins(store, verify=store.verify)
+    done = set()
+    for e in want:
+        if progress is not None and not twins.current(e.id):
+            progress(e.id)
+        if twins.ensure(e):
+            done.add(e.id)
+    refused.update(twins.refused)
+    if not done:
+        return model, store, refused
+    from .onnx_export import onnx_expert
+
+    served = model.with_experts({eid: onnx_expert(model.experts[eid], eid) for eid in done})
+    return served, TwinOverlay(store, twins, model, done), refused
