@@ -221,3 +221,18 @@ def test_tensorrt_sessions_cache_their_engines_where_configured(tmp_path, monkey
     if not {"TensorrtExecutionProvider", "CUDAExecutionProvider"} & set(ort.get_available_providers()):
         with pytest.raises(CoEError, match="device cuda:0: this onnxruntime has no CUDA or TensorRT"):
             providers_for("cuda:0")
+
+
+def test_a_trained_classifier_exports_within_1e4():
+    """Parity on weights that training moved (not only the generated, near-constant nets above)."""
+    from edge_agent.zoo_train import train_group
+
+    e = MODEL.experts["cls-r0402"]
+    comps = [c.name for c in MODEL.components.values() if MODEL.experts[c.classifier].arch == e.arch]
+    net, _, _ = train_group(e.arch, e.classes, e.input_size, comps, steps=30, batch=16, seed=0)
+    tensors = {k: v.detach() for k, v in net.state_dict().items()}
+    start = get_backend(e.arch).init_weights(e, 0)
+    moved = max(float((tensors[k].float() - start[k].float()).abs().max()) for k in start
+                if start[k].is_floating_point() and "running" not in k)
+    assert moved > 1e-2                                  # the weights really are trained ones
+    assert max_output_difference(e, tensors, export_onnx(e, tensors), batch=8) <= 1e-4
