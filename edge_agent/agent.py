@@ -157,8 +157,11 @@ class Agent:
             self.pools[slot.name] = pool
             infos[slot.name] = ExecutorInfo("cpu" if ex.device == "cpu" else "cuda", slot.memory, pool,
                                             device=ex.device)
+        # remote executors are priced at the frame size their links were measured with ({data_dir}/links.json)
+        link_frames = {"frame_bytes": self.links.frame_bytes} if self.links is not None else {}
         self.costs = ProfileCosts(self.model, infos, self.profile, host=self.host_tier,
-                                  default_max_batch=cfg.scheduler.max_batch, stored=store_forms(self.store))
+                                  default_max_batch=cfg.scheduler.max_batch, stored=store_forms(self.store),
+                                  **link_frames)
         tie = cfg.scheduler.tie_seconds
         self.scheduler = Scheduler([s.name for s in self.slots], cfg.scheduler.policy, costs=self.costs,
                                    tie_seconds=tie, max_wait=cfg.scheduler.max_wait)

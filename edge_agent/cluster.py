@@ -105,8 +105,8 @@ def remote_spec(cfg: "LineConfig", name: str, node: str, device: str, memory: in
 
 
 def load_links(cfg: "LineConfig") -> Links:
-    """The measured links ({data_dir}/links.json, `coe-agent cluster profile`), else an empty set."""
-    path = Path(cfg.data_dir) / "links.json"
+    """The measured links ({data_dir}/links.json, `coe-agent profile`), else an empty set."""
+    path = links_path(cfg)
     if not path.is_file():
         return Links(source="none measured")
     return Links.load(path)
@@ -114,19 +114,28 @@ def load_links(cfg: "LineConfig") -> Links:
 
 def default_link(node: str) -> Link:
     """A node with no measured link: a stated 1 Gb/s, 0.5 ms one way (a modest factory network); logged."""
-    log.warning("no measured link to node %s: scheduling with a stated 1 Gb/s, 0.5 ms (run `coe-agent cluster "
-                "profile`)", node)
+    log.warning("no measured link to node %s: scheduling with a stated 1 Gb/s, 0.5 ms (run `coe-agent profile` "
+                "or `coe-agent cluster profile`)", node)
     return Link.ethernet(1.0, 0.5, "stated default: 1 Gb/s, 0.5 ms one way (not measured)")
 
 
 # -- link profile ------------------------------------------------------------------------------------
 
+INLINE_BYTES = 1 << 20   # frames stay inline in Ray calls up to this (connect() raises Ray's limit to it)
+PROBE_WORK_S = 0.005     # what the probe's 'real' call spends on the node, as a batch of a small expert does
+
+
 @dataclass(frozen=True)
 class LinkSample:
+    """One node's link as measured: medians of real round trips through Ray to an actor there."""
+
     node: str
-    latency_s: float
-    bandwidth_bps: float
+    latency_s: float          # what a batch call adds beyond its frames' transfer and its work: a round trip
+    bandwidth_bps: float      # frame bytes per second, from frame-sized payloads
     rounds: int
+    empty_rtt_s: float        # an empty call's round trip (for the record: a real call costs more)
+    frames_per_probe: int
+    frame_bytes: int
 
 
 class _Echo:
@@ -135,44 +144,83 @@ class _Echo:
     def ping(self, payload=None):
         return None if payload is None else len(payload)
 
+    def work(self, payload, seconds: float):
+        """A stand-in for a batch: takes the frames, spends `seconds`, answers small."""
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            time.sleep(max(0.0, min(end - time.perf_counter(), 0.001)))
+        return len(payload)
 
-def measure_link(node: str, *, rounds: int = 50, nbytes: int = 4 * 2**20) -> LinkSample:
-    """Round trips to an actor on `node`: latency = half the median empty round trip; bandwidth from
-    `nbytes` payloads (their extra time over an empty call)."""
+
+def _median_rtt(call, rounds: int) -> float:
+    import ray
+
+    times = []
+    for _ in range(rounds):
+        t = time.perf_counter()
+        ray.get(call())
+        times.append(time.perf_counter() - t)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def measure_link(node: str, *, rounds: int = 50, frame_bytes: int = DEFAULT_FRAME_BYTES,
+                 work_s: float = PROBE_WORK_S) -> LinkSample:
+    """Real round trips through Ray to an actor on `node`, with payloads the size real calls carry.
+
+    - bandwidth: messages of k frame-sized payloads (as many as stay under the
+      1 MiB inline limit real batches use, at least one) against empty calls:
+      k x frame_bytes / (their extra round-trip time);
+    - latency: a call that carries one frame and keeps the node busy `work_s`
+      (as a batch does) takes a round trip of work + transfer + this: what a
+      remote batch adds per call, which is what the cost model charges per
+      batch.  (Half an empty call, the old figure, is ~10x too cheap: Ray's
+      reply to a call that waits costs more than an empty echo's.)
+    """
     import ray
 
     actor = ray.remote(_Echo).options(resources={node_resource(node): 0.001}, num_cpus=0).remote()
+    k = max(1, min(8, (INLINE_BYTES - 4096) // max(frame_bytes, 1)))
+    frames = [b"\0" * frame_bytes for _ in range(k)]
+    one = frames[:1]
     try:
         ray.get(actor.ping.remote(), timeout=60)
-        empty = []
-        for _ in range(rounds):
-            t = time.perf_counter()
-            ray.get(actor.ping.remote())
-            empty.append(time.perf_counter() - t)
-        blob = b"\0" * nbytes
-        big = []
-        for _ in range(max(3, rounds // 10)):
-            t = time.perf_counter()
-            ray.get(actor.ping.remote(blob))
-            big.append(time.perf_counter() - t)
+        ray.get(actor.ping.remote(frames), timeout=60)   # warm both paths
+        empty = _median_rtt(lambda: actor.ping.remote(), rounds)
+        loaded = _median_rtt(lambda: actor.ping.remote(frames), rounds)
+        real = _median_rtt(lambda: actor.work.remote(one, work_s), rounds)
     finally:
         ray.kill(actor)
-    empty.sort()
-    big.sort()
-    rtt = empty[len(empty) // 2]
-    extra = max(big[len(big) // 2] - rtt, 1e-9)
-    return LinkSample(node, rtt / 2, nbytes / extra, rounds)
+    transfer = max(loaded - empty, 1e-7)
+    bandwidth = k * frame_bytes / transfer
+    latency = max(real - work_s - frame_bytes / bandwidth, empty)
+    return LinkSample(node, latency, bandwidth, rounds, empty, k, frame_bytes)
 
 
-def profile_links(cfg: "LineConfig", *, rounds: int = 50, frame_bytes: int = DEFAULT_FRAME_BYTES) -> Links:
+def profile_links(cfg: "LineConfig", *, rounds: int = 50, frame_bytes: int = DEFAULT_FRAME_BYTES,
+                  command: str = "coe-agent cluster profile") -> Links:
     nodes = sorted({ex.node for ex in cfg.executors if ex.node})
     connect(cfg.cluster, nodes)
     links = {}
     for node in nodes:
-        s = measure_link(node, rounds=rounds)
-        links[node] = Link(s.bandwidth_bps, s.latency_s, f"measured from {socket.gethostname()} over Ray, "
-                                                         f"{s.rounds} round trips, {time.strftime('%Y-%m-%d')}")
-    return Links(links, frame_bytes=frame_bytes, source=f"coe-agent cluster profile on {socket.gethostname()}")
+        s = measure_link(node, rounds=rounds, frame_bytes=frame_bytes)
+        links[node] = Link(s.bandwidth_bps, s.latency_s,
+                           f"measured from {socket.gethostname()} over Ray, {s.rounds} round trips each: a call "
+                           f"with a {s.frame_bytes} B frame and {PROBE_WORK_S * 1e3:g} ms of work, {s.frames_per_probe}-"
+                           f"frame messages vs empty ones (empty round trip {s.empty_rtt_s * 1e3:.3f} ms), "
+                           f"{time.strftime('%Y-%m-%d')}")
+    return Links(links, frame_bytes=frame_bytes, source=f"{command} on {socket.gethostname()}")
+
+
+def links_path(cfg: "LineConfig") -> Path:
+    return Path(cfg.data_dir) / "links.json"
+
+
+def describe_links(links: Links) -> list[str]:
+    """One line per node, for the commands that measure them."""
+    return [f"{node}: {l.latency_s * 1e3:.3f} ms per call, {l.bandwidth_bps * 8 / 1e9:.2f} Gb/s; a frame of "
+            f"{links.frame_bytes} B costs {l.per_request(links.frame_bytes) * 1e3:.3f} ms on the link "
+            f"({l.source})" for node, l in sorted(links.links.items())]
 
 
 # -- expert sync -------------------------------------------------------------------------------------

@@ -76,16 +76,18 @@ def cluster_status(as_json: bool, line: str, config_path: str | None) -> None:
 
 @cluster.command("profile")
 @click.option("--rounds", default=50, show_default=True, type=click.IntRange(5, 10_000),
-              help="Empty round trips per node (and a tenth as many 4 MiB ones).")
+              help="Round trips per node for each probe (empty, frame-sized payloads, a call with work).")
 @click.option("--frame-bytes", type=click.IntRange(min=1), help="Bytes a frame takes on the link "
                                                                 "(default: a raw 224x224 RGB crop, 150528).")
 @line_options
 @_fail_clearly
 def cluster_profile(rounds: int, frame_bytes: int | None, line: str, config_path: str | None) -> None:
-    """Measure the link from this box to each executor node (latency, bandwidth) into {data_dir}/links.json.
+    """Measure the link from this box to each executor node (per-call latency, bandwidth) into
+    {data_dir}/links.json.  `coe-agent profile` does the same for a line with a `cluster:` section.
 
     The cost model then charges a remote executor a frame's transfer per request
-    and the latency per batch.  Real round trips through Ray to an actor on each node.
+    and the per-call latency per batch.  Real round trips through Ray to an actor
+    on each node, with frame-sized payloads.
 
     \b
     Example:
@@ -93,14 +95,13 @@ def cluster_profile(rounds: int, frame_bytes: int | None, line: str, config_path
     """
     from executors.links import DEFAULT_FRAME_BYTES
 
-    from .cluster import profile_links
+    from .cluster import describe_links, links_path, profile_links
 
     cfg = _config(line, config_path)
     if cfg.cluster is None:
         raise CoEError(f"{cfg.source}: line {cfg.line} has no `cluster:` section: no links to measure")
     links = profile_links(cfg, rounds=rounds, frame_bytes=frame_bytes or DEFAULT_FRAME_BYTES)
-    path = links.save(Path(cfg.data_dir) / "links.json")
-    for node, l in sorted(links.links.items()):
-        click.echo(f"{node}: latency {l.latency_s * 1e3:.3f} ms one way, {l.bandwidth_bps * 8 / 1e9:.2f} Gb/s "
-                   f"({l.source}); a frame of {links.frame_bytes} B costs {l.per_request(links.frame_bytes) * 1e3:.3f} ms")
+    path = links.save(links_path(cfg))
+    for row in describe_links(links):
+        click.echo(row)
     click.echo(f"wrote {path}")

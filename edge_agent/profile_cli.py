@@ -44,8 +44,10 @@ def _batch_sizes(ctx: click.Context, param: click.Parameter, value: str) -> tupl
 @click.option("--concurrency-seconds", default=0.5, show_default=True, type=click.FloatRange(min=0, min_open=True),
               help="How long k executors run together for each point of a device's concurrency curve.")
 @click.option("--plots/--no-plots", default=True, show_default=True, help="Write PNG plots next to the profile.")
+@click.option("--link-rounds", default=50, show_default=True, type=click.IntRange(5, 10_000),
+              help="With a `cluster:` section: round trips per node for each link probe.")
 def profile(line: str, config_path: str | None, out: str | None, batch_sizes: tuple[int, ...], repeats: int,
-            concurrency_seconds: float, plots: bool) -> None:
+            concurrency_seconds: float, plots: bool, link_rounds: int) -> None:
     """Microbenchmark the line's experts on this machine and write profile.json.
 
     Each (architecture, device) of the line is profiled once, with one of its
@@ -61,7 +63,10 @@ def profile(line: str, config_path: str | None, out: str | None, batch_sizes: tu
     does when decoding is faster than the disk), with the figures.  Then the memory-split and
     executor-count searches run where they are available, and the profile
     keeps their outcome (executors and expert memory per device).  The
-    scheduler and the simulated device read the result.
+    scheduler and the simulated device read the result.  A line with a
+    `cluster:` section also has the link to each executor node measured
+    (as `coe-agent cluster profile` does) into {data_dir}/links.json, which
+    prices the frames a remote executor is sent.
 
     \b
     Example:
@@ -105,6 +110,7 @@ def profile(line: str, config_path: str | None, out: str | None, batch_sizes: tu
         prof = tune(prof, model, cfg)
 
     prof.save(path)
+    links = _profile_links(cfg, link_rounds) if cfg.cluster is not None else []
     written = plot_profile(prof, path.parent) if plots else []
     click.echo("")
     for row in format_table(prof):
@@ -116,8 +122,24 @@ def profile(line: str, config_path: str | None, out: str | None, batch_sizes: tu
     for note in prof.notes:
         click.echo(f"note: {note}")
     click.echo(f"profile: {path}")
+    for row in links:
+        click.echo(row)
     for p in written:
         click.echo(f"plot:    {p}")
+
+
+def _profile_links(cfg, rounds: int) -> list[str]:
+    """The links to the line's executor nodes into {data_dir}/links.json, at the frame size already chosen there
+    (`coe-agent cluster profile --frame-bytes`), else a raw 224x224 crop's."""
+    from executors.links import DEFAULT_FRAME_BYTES, Links
+
+    from .cluster import describe_links, links_path, profile_links
+
+    path = links_path(cfg)
+    frame_bytes = Links.load(path).frame_bytes if path.is_file() else DEFAULT_FRAME_BYTES
+    click.echo(f"measuring the link to each executor node ({rounds} round trips per probe) ...")
+    links = profile_links(cfg, rounds=rounds, frame_bytes=frame_bytes, command="coe-agent profile")
+    return [*(f"link {row}" for row in describe_links(links)), f"links:   {links.save(path)}"]
 
 
 def _tuner():

@@ -4,8 +4,8 @@ A remote executor's requests cross a link before they compute: the frame goes
 to the executor's node and the output comes back.  The scheduler must see
 that, or it would rank a remote executor as if the frame were already there.
 `Link` is the cost of one link (bytes per second plus a one-way latency);
-`Links` is the set measured against each node (`coe-agent cluster profile`
-writes `{data_dir}/links.json`) or stated for a simulation (`bench --sim
+`Links` is the set measured against each node (`coe-agent profile` and
+`coe-agent cluster profile` write `{data_dir}/links.json`) or stated for a simulation (`bench --sim
 --boxes`).  The front box itself has no link: its executors read frames from
 the ingest's memory.
 
@@ -26,9 +26,13 @@ DEFAULT_FRAME_BYTES = 224 * 224 * 3
 
 @dataclass(frozen=True)
 class Link:
-    """One link's cost: `bandwidth_bps` bytes/s once data flows, plus `latency_s` one way per message.
+    """One link's cost: `bandwidth_bps` bytes/s once data flows, plus `latency_s` per message.
 
-    A batch of n frames sent in one message costs latency + n x frame / bandwidth;
+    `latency_s` is what one batch call adds besides its frames' transfer: a
+    measured link's is a real call's round trip through Ray (a call that
+    waits for work on the node, not an empty echo); a stated one's is the
+    network's one-way latency.  A batch of n frames sent in one message costs
+    latency + n x frame / bandwidth;
     the bandwidth part holds the link (the next batch to the same node waits for
     it), the latency does not.
     """
@@ -89,6 +93,6 @@ class Links:
                      for n, v in raw.get("links", {}).items()}
             return cls(links, int(raw.get("frame_bytes", DEFAULT_FRAME_BYTES)), str(raw.get("source", "")))
         except FileNotFoundError:
-            raise CoEError(f"{path}: no link profile (run `coe-agent cluster profile`)") from None
+            raise CoEError(f"{path}: no link profile (run `coe-agent profile` or `coe-agent cluster profile`)") from None
         except (ValueError, KeyError, TypeError) as exc:
             raise CoEError(f"{path}: malformed link profile: {exc}") from None

@@ -317,14 +317,59 @@ def test_cluster_commands_profile_the_links_and_show_the_nodes(cluster, tiny_zoo
     from executors.links import Links
 
     path = _line(tmp_path, tiny_zoo, cluster, [LOCAL, _remote("box-2")])
-    r = CliRunner().invoke(cli, ["cluster", "profile", "--config", str(path), "--rounds", "5"])
+    r = CliRunner().invoke(cli, ["cluster", "profile", "--config", str(path), "--rounds", "5", "--frame-bytes",
+                                 "100000"])
     assert r.exit_code == 0, r.output
     links = Links.load(tmp_path / "line" / "data" / "links.json")
     l2 = links.get("box-2")
     assert l2 is not None and l2.latency_s > 0 and l2.bandwidth_bps > 0 and "measured" in l2.source
+    assert links.frame_bytes == 100000 and "100000 B frame" in l2.source
     r = CliRunner().invoke(cli, ["cluster", "status", "--config", str(path), "--json"])
     assert r.exit_code == 0, r.output
     doc = json.loads(r.output.strip().splitlines()[-1])
     assert doc["nodes"]["box-2"]["alive"] and doc["config_nodes"] == ["box-2"] and doc["agent"] is None
     r = CliRunner().invoke(cli, ["experts", "sync", "--config", str(path), "--node", "box-7"])
     assert r.exit_code != 0 and "node 'box-7' runs no executor" in r.output
+
+
+def test_the_link_probe_prices_a_real_call_not_half_an_empty_one(cluster):
+    """Frame-sized payloads (inline, as real batches are) and a round trip of a call that waits for work."""
+    from edge_agent.cluster import INLINE_BYTES, measure_link
+
+    s = measure_link("box-2", rounds=10, frame_bytes=150528)
+    assert s.frames_per_probe == 6 and 6 * 150528 < INLINE_BYTES          # a message of frames, still inline
+    assert s.latency_s >= s.empty_rtt_s > 0                               # at least a whole round trip
+    assert s.bandwidth_bps > 0 and s.frame_bytes == 150528
+    big = measure_link("box-2", rounds=5, frame_bytes=3 << 20)           # a frame above the limit: one per message
+    assert big.frames_per_probe == 1
+
+
+def test_coe_agent_profile_measures_the_links_of_a_cluster_line(cluster, tiny_zoo, tmp_path):
+    from click.testing import CliRunner
+
+    from edge_agent.cli import cli
+    from executors.links import Links
+
+    path = _line(tmp_path, tiny_zoo, cluster, [LOCAL, _remote("box-2")])
+    r = CliRunner().invoke(cli, ["profile", "--config", str(path), "--batch-sizes", "1,2", "--repeats", "1",
+                                 "--concurrency-seconds", "0.05", "--no-plots", "--link-rounds", "5"])
+    assert r.exit_code == 0, r.output
+    links = Links.load(tmp_path / "line" / "data" / "links.json")
+    assert set(links.links) == {"box-2"} and links.source.startswith("coe-agent profile on ")
+    assert "link box-2:" in r.output and "links:" in r.output
+
+
+def test_the_agent_prices_remote_frames_at_the_measured_frame_size(tiny_zoo, tmp_path):
+    """links.json's frame size and link reach the agent's cost model (no Ray needed to build the agent)."""
+    from executors.links import Link, Links
+
+    path = write_line(tmp_path / "line", store=tiny_zoo, executors=[LOCAL, _remote("box-2")],
+                      cluster={"address": "127.0.0.1:1"})
+    Links({"box-2": Link(1e6, 0.004, "test")}, frame_bytes=50_000).save(tmp_path / "line" / "data" / "links.json")
+    agent = Agent(load_config(path, env={}))
+    assert agent.costs.frame_bytes == 50_000
+    assert agent.costs.transfer("box-2/cpu-1.0") == pytest.approx((0.05, 0.004))
+    assert agent.costs.transfer("cpu-0.0") == (0.0, 0.0)
+    K_local, B_local = agent.costs.exec_cost("cpu-0.0", "cls-r0402")
+    K_remote, B_remote = agent.costs.exec_cost("box-2/cpu-1.0", "cls-r0402")
+    assert (K_remote - K_local, B_remote - B_local) == pytest.approx((0.05, 0.004))
