@@ -2,7 +2,7 @@
 
 The export is checked before it is written: the ONNX model and the torch
 expert run the same random batch and the largest difference of their raw
-outputs (logits, or YOLO head output) is printed; above `--tolerance` the
+outputs (logits; or YOLO scores, and boxes as fractions of the input) is printed; above `--tolerance` the
 command fails and writes nothing.
 """
 from __future__ import annotations

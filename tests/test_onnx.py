@@ -236,3 +236,31 @@ def test_a_trained_classifier_exports_within_1e4():
                 if start[k].is_floating_point() and "running" not in k)
     assert moved > 1e-2                                  # the weights really are trained ones
     assert max_output_difference(e, tensors, export_onnx(e, tensors), batch=8) <= 1e-4
+
+
+
+def _shifted(blob: bytes, row: int, delta: float, rows: int) -> bytes:
+    """The exported model with `delta` added to one row of its raw output (all anchors, every image)."""
+    import onnx
+    from onnx import helper, numpy_helper
+
+    m = onnx.load_from_string(blob)
+    out = m.graph.output[0].name
+    for node in m.graph.node:
+        node.output[:] = ["raw" if o == out else o for o in node.output]
+    shift = np.zeros((1, rows, 1), dtype=np.float32)
+    shift[0, row, 0] = delta
+    m.graph.initializer.append(numpy_helper.from_array(shift, "shift"))
+    m.graph.node.append(helper.make_node("Add", ["raw", "shift"], [out]))
+    return m.SerializeToString()
+
+
+def test_a_detectors_boxes_are_compared_as_fractions_of_its_input(exports):
+    """A YOLO box is in pixels: 3e-3 px at 64 px is 5e-5 of the crop, within a logit's 1e-4; a score is not."""
+    e = MODEL.experts["det-2term"]
+    tensors, blob = exports["det-2term"]
+    rows = 4 + len(e.classes)
+    assert max_output_difference(e, tensors, blob) <= 1e-4
+    assert max_output_difference(e, tensors, _shifted(blob, 0, 3e-3, rows)) == pytest.approx(3e-3 / e.input_size,
+                                                                                             rel=0.05)
+    assert max_output_difference(e, tensors, _shifted(blob, 4, 3e-3, rows)) == pytest.approx(3e-3, rel=0.05)
