@@ -179,12 +179,20 @@ class Agent:
             line=cfg.line, registry=self.metrics.registry, pools=self._all_pools, queue_depths=self._queue_depths,
             executors={s.name: s.ex.device for s in self.slots}, health=self.health,
             llm_experts=frozenset(self.llm_layout.ids()) if self.llm_layout is not None else None,
-            llm_model=self.llm_layout.model if self.llm_layout is not None else None))
+            llm_model=self.llm_layout.model if self.llm_layout is not None else None,
+            cluster=self._cluster_view if cfg.cluster is not None else None))
         self.status_server: "StatusServer | None" = None
         # thumbnails exist for the status page and /api/frames; none are kept without it
         self.thumbnails = cfg.metrics.thumbnails if cfg.metrics.enabled else 0
         n = len(self.slots)
         self.threads = min((s.ex.threads or max(1, (os.cpu_count() or 1) // n)) for s in self.slots)
+
+    def _cluster_view(self) -> dict:
+        """The status page's cluster view: what the cluster status file last wrote, else asked now."""
+        from .cluster import status
+
+        written = getattr(getattr(self, "cluster_status", None), "last", None)
+        return written if written is not None else status(self)
 
     def _remote_pool(self, slot: _Slot) -> ExecutorInfo:
         """The front's view of a remote executor's pool, priced with the link to its node."""

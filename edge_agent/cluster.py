@@ -321,6 +321,7 @@ class StatusFile:
 
         self.agent, self.interval = agent, interval
         self.path = Path(agent.cfg.data_dir) / "cluster-status.json"
+        self.last: dict | None = None   # the document last written (the status page reads it, not Ray again)
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="cluster-status", daemon=True)
 
@@ -333,6 +334,7 @@ class StatusFile:
         import json
 
         doc = {**status(self.agent), "written_at": time.time()}
+        self.last = json.loads(json.dumps(doc, default=str))   # JSON-safe, as the file holds it
         self.path.parent.mkdir(parents=True, exist_ok=True)
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps(doc, indent=1, default=str))

@@ -61,6 +61,9 @@ class StatusSources:
     health: Callable[[], Health]
     llm_experts: frozenset[str] | None = None              # the LLM's expert ids, when an llm: section is set
     llm_model: str | None = None
+    # a line with executors on other boxes: the nodes, their executors, residency and health, as
+    # `coe-agent cluster status` shows them (edge_agent.cluster.status); None on one box
+    cluster: Callable[[], dict | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -228,7 +231,13 @@ class StatusModel:
             "defects": [asdict(d) for d in self._copy(self._defects)],
             "errors": self._error_counts(last),
             "llm": self._llm(samples),
+            "cluster": self.cluster(),
         }
+
+    def cluster(self) -> dict | None:
+        """The line's boxes (None on one box): nodes with their health, and every executor with its node,
+        state, residency and losses, from the agent's live view."""
+        return self.src.cluster() if self.src.cluster is not None else None
 
     def _flow(self, samples: list[_Sample], last: dict[str, float], inflight: int) -> dict:
         rate = lambda key: _rate(samples, key)  # noqa: E731

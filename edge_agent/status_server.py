@@ -16,6 +16,7 @@ three).  Routes (GET and HEAD only; every other method is 405):
     /api/frames/<id>/thumbnail   the defect thumbnail itself (while retention keeps it)
     /api/pools               memory tiers: residents, bytes against capacity, hits, recent loads and evictions
     /api/health              ready or not, and why (200 when ready, 503 when not)
+    /api/cluster             a line on several boxes: nodes, their executors, residency, health (404 on one box)
 
 Security: it binds where metrics bind (127.0.0.1 by default).  It never writes:
 the database is opened read-only and no route changes anything.  With
@@ -148,6 +149,11 @@ class StatusServer:
         if path == "/api/pools":
             model = self._model()
             doc = {"pools": model.pools(), "timeline": model.timeline()}
+            return _json(200, doc)
+        if path == "/api/cluster":
+            doc = self._model().cluster()
+            if doc is None:
+                raise HttpError(404, "this line runs on one box: no cluster: section")
             return _json(200, doc)
         if path == "/api/health":
             h = self.health()

@@ -4,6 +4,7 @@ node (its own raylet and worker processes) started by ray.cluster_utils.Cluster,
 """
 from __future__ import annotations
 
+import json
 import os
 import sqlite3
 import threading
@@ -111,6 +112,27 @@ def test_a_replay_across_two_nodes_gives_one_verdict_per_frame_and_the_same_verd
         assert (report.accepted, report.unacked) == (len(rec), [])
         assert agent.wait_verdicts(len(rec), timeout=180)
         status = agent.cluster_status.path
+        # the status page's cluster view: the same nodes, executors and residency, from the agent's live state
+        import urllib.request
+
+        base = f"http://127.0.0.1:{agent.metrics_port}"
+        with urllib.request.urlopen(base + "/api/cluster", timeout=10) as r:
+            api = json.loads(r.read())
+        with urllib.request.urlopen(base + "/api/status", timeout=10) as r:
+            page = json.loads(r.read())["cluster"]
+        for doc in (api, page):
+            assert doc["nodes"]["box-2"]["alive"] and doc["nodes"]["box-2"]["ray_node_id"] == \
+                cluster.boxes["box-2"].node_id
+            views = {e["name"]: e for e in doc["executors"]}
+            assert views["box-2/cpu-1.0"]["node"] == "box-2" and views["box-2/cpu-1.0"]["up"]
+            assert views["cpu-0.0"]["node"] == "(front)"
+        assert views["box-2/cpu-1.0"]["resident"] and set(views["box-2/cpu-1.0"]["resident"]) <= set(agent.model.experts)
+
+        def fresh():
+            with urllib.request.urlopen(base + "/api/cluster", timeout=10) as r:
+                view = {e["name"]: e for e in json.loads(r.read())["executors"]}["box-2/cpu-1.0"]
+            return view["resident"] == sorted(remote.pool.resident()) and view["batches"] == remote.batches
+        _until(fresh, 15, "the cluster view follows the remote pool's residency")   # rewritten every second
     finally:
         agent.stop()
     rows = verdict_rows(cfg.db_path)
@@ -121,8 +143,6 @@ def test_a_replay_across_two_nodes_gives_one_verdict_per_frame_and_the_same_verd
     # the remote pool's loads came back as events of that node's tier
     tiers = dict(_rows(cfg.db_path, "SELECT tier, count(*) FROM expert_events WHERE event='load' GROUP BY tier"))
     assert tiers.get("cpu@box-2", 0) > 0, tiers
-    import json
-
     doc = json.loads(status.read_text())
     ex = {e["name"]: e for e in doc["executors"]}
     assert ex["box-2/cpu-1.0"]["node"] == "box-2" and doc["nodes"]["box-2"]["alive"]

@@ -172,6 +172,46 @@
     }
   }
 
+  // -- boxes (a line whose executors run on other boxes too) ----------------------------------
+  function renderCluster(doc) {
+    const c = doc.cluster;
+    $("p-cluster").hidden = !c;
+    if (!c) return;
+    $("cluster-address").textContent = c.address ? "ray " + c.address : "";
+    const nodes = $("cluster-nodes").tBodies[0];
+    nodes.replaceChildren();
+    for (const [name, n] of Object.entries(c.nodes || {}).sort()) {
+      const tr = el("tr", n.alive ? "up" : "down");
+      tr.dataset.node = name;
+      tr.appendChild(el("td", "name", name));
+      tr.appendChild(el("td", "health", n.alive ? "alive" : "dead"));
+      tr.appendChild(el("td", "mono", n.address || "–"));
+      tr.appendChild(el("td", null, n.cpus === undefined ? "–" : String(n.cpus)));
+      tr.appendChild(el("td", null, n.gpus === undefined ? "–" : String(n.gpus)));
+      nodes.appendChild(tr);
+    }
+    const execs = $("cluster-executors").tBodies[0];
+    execs.replaceChildren();
+    for (const e of c.executors || []) {
+      const tr = el("tr", e.up ? "up" : "down");
+      tr.dataset.executor = e.name;
+      tr.appendChild(el("td", "name", e.name));
+      tr.appendChild(el("td", null, e.node));
+      tr.appendChild(el("td", null, e.device));
+      tr.appendChild(el("td", "state", String(e.state)));
+      tr.appendChild(el("td", null, fmtBytes(e.resident_bytes) + " of " + fmtBytes(e.capacity)));
+      tr.appendChild(el("td", null, e.batches === undefined ? "–" : fmtInt(e.batches)));
+      tr.appendChild(el("td", null, e.lost === undefined ? "–" : fmtInt(e.lost)));
+      tr.appendChild(el("td", null, e.requeued === undefined ? "–" : fmtInt(e.requeued)));
+      const holds = el("td", "holds");
+      const shown = (e.resident || []).slice(0, 12);
+      for (const x of shown) holds.appendChild(el("span", "chip resident", x));
+      if ((e.resident || []).length > shown.length) holds.appendChild(el("span", "chip more", "+" + (e.resident.length - shown.length) + " more"));
+      tr.appendChild(holds);
+      execs.appendChild(tr);
+    }
+  }
+
   // -- memory tiers ---------------------------------------------------------------------------
   function renderPools(doc) {
     const box = $("pools");
@@ -321,6 +361,7 @@
     renderErrors(doc);
     renderPools(doc);
     renderTimeline(doc);
+    renderCluster(doc);
     renderDefects(doc);
     setConn("live", "live");
   }
