@@ -5,8 +5,9 @@ store's atomic writes.  This watcher polls the manifest's stat; when it
 changes it re-reads the manifest, forgets load failures of experts that have
 a new version (a fixed expert gets another chance), and drops resident
 copies whose version is stale.  A copy a running batch holds stays until
-that batch releases it (the batch finishes on the bytes it started with) and
-is dropped at a later tick; the next batch loads the new version.
+that batch releases it (the batch finishes on the bytes it started with):
+that release drops it, so the next batch loads the new version even while
+batches of a hot expert follow one another without a gap.
 """
 from __future__ import annotations
 
@@ -82,10 +83,11 @@ class StoreWatcher:
                 if value is None:                  # still loading: which version is not known yet
                     done = False
                 elif getattr(value, "version", want) != want:
-                    if pool.discard(eid):
+                    if pool.discard(eid, when_free=True):
                         dropped += 1
                     else:
-                        done = False               # a batch holds it and finishes on these bytes: next tick
+                        done = False               # a batch holds it and finishes on these bytes; its release
+                        #                            drops the copy, and the next batch loads the new version
             if done:
                 settled.add(eid)
         self._changed -= settled

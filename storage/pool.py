@@ -86,6 +86,7 @@ class _Entry:
     used_seq: int
     pins: int = 0
     loading: bool = False
+    drop_on_release: bool = False   # stale (a promotion): evicted by the release that leaves it unpinned
 
 
 class PoolFullError(CoEError):
@@ -299,27 +300,39 @@ class Pool:
                    make=lambda reuse: produce(reuse) if produce is not None else None)
         return True
 
-    def discard(self, expert_id: str) -> bool:
+    def discard(self, expert_id: str, *, when_free: bool = False) -> bool:
         """Evict `expert_id` if it is resident and nobody holds it; False otherwise.  Never raises.
 
         For an exclusive tier whose expert was just promoted to the tier below:
-        if another holder still pins it, the copy simply stays.
+        if another holder still pins it, the copy simply stays.  With
+        `when_free` (a stale version after a promotion), a held copy is marked
+        instead and the release that leaves it unpinned evicts it, so the next
+        batch loads the new version even when batches of a hot expert follow
+        one another with no gap for a later check to find.
         """
         with self._cond:
             entry = self._entries.get(expert_id)
-            if entry is None or entry.pins or entry.loading:
+            if entry is None or entry.loading:
+                return False
+            if entry.pins:
+                entry.drop_on_release = entry.drop_on_release or when_free
                 return False
             ev = self._evict_locked(expert_id)
         self._on_event(ev)
         return True
 
     def release(self, handle: Handle) -> None:
+        ev = None
         with self._cond:
             entry = self._entries.get(handle.expert_id)
             if entry is None or entry.pins <= 0 or entry.loading:
                 raise CoEError(f"release of '{handle.expert_id}' which is not acquired in the {self.tier} pool")
             entry.pins -= 1
+            if entry.pins == 0 and entry.drop_on_release:
+                ev = self._evict_locked(handle.expert_id)
             self._cond.notify_all()
+        if ev is not None:
+            self._on_event(ev)
 
     def evict(self, expert_id: str) -> bool:
         """Evict an unpinned resident expert; False if it was not resident."""

@@ -292,6 +292,19 @@ def test_discard_evicts_only_an_unpinned_resident_and_never_raises():
     assert p.discard("b") and p.resident() == []
 
 
+def test_a_stale_copy_marked_while_held_goes_with_the_release_that_frees_it():
+    events = []
+    p = pool(events=events)
+    a1, a2 = p.acquire("a"), p.hold("a")
+    assert not p.discard("a", when_free=True) and p.contains("a")      # two holders: both finish on it
+    p.release(a1)
+    assert p.contains("a")                                              # one still holds it
+    p.release(a2)
+    assert not p.present("a") and events[-1].event == "evict" and events[-1].expert_id == "a"
+    b = p.acquire("b")
+    assert not p.discard("b") and (p.release(b) or p.contains("b"))    # unmarked: a release keeps it
+
+
 def test_hold_pins_only_a_resident_expert_and_never_loads():
     p = pool()
     assert p.hold("a") is None and p.source.loads == [] and p.stats().misses == 0
