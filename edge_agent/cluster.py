@@ -144,6 +144,12 @@ class _Echo:
     def ping(self, payload=None):
         return None if payload is None else len(payload)
 
+    def devices(self) -> tuple[str | None, list[str]]:
+        """What this worker sees: CUDA_VISIBLE_DEVICES and the GPU ids Ray assigned it (a GPU node's check)."""
+        import ray
+
+        return os.environ.get("CUDA_VISIBLE_DEVICES"), [str(g) for g in ray.get_gpu_ids()]
+
     def work(self, payload, seconds: float):
         """A stand-in for a batch: takes the frames, spends `seconds`, answers small."""
         end = time.perf_counter() + seconds

@@ -84,6 +84,53 @@ class RemoteSpec:
     preliminaries: dict[str, tuple[str, ...]] = field(default_factory=dict)
 
 
+NOSET_CUDA = "RAY_EXPERIMENTAL_NOSET_CUDA_VISIBLE_DEVICES"
+
+
+def actor_options(node: str, device: str) -> dict:
+    """How an executor's actor is placed: on `node` (its 'coe:' resource), and for a GPU on a node Ray counts
+    a GPU on (Jetson: `ray start --num-gpus 1`).  Ray would narrow a GPU actor's CUDA_VISIBLE_DEVICES to the
+    one GPU it picked, whatever the config's `cuda:N` says; it is told not to, so N means the node's GPU N, as
+    for a local executor (`local_device` maps N if a Ray version narrows it anyway)."""
+    opts = {"resources": {node_resource(node): ACTOR_SHARE}, "num_cpus": 0, "num_gpus": 0.0, "max_restarts": 0,
+            "max_concurrency": 1, "name": None}
+    if device.startswith("cuda"):
+        opts["num_gpus"] = ACTOR_SHARE
+        opts["runtime_env"] = {"env_vars": {NOSET_CUDA: "1"}}
+    return opts
+
+
+def _assigned_gpus() -> list[str]:
+    try:
+        import ray
+
+        return [str(g) for g in ray.get_gpu_ids()] if ray.is_initialized() else []
+    except Exception:  # noqa: BLE001 - outside a Ray worker: nothing was assigned
+        return []
+
+
+def local_device(device: str, visible: str | None, assigned: list[str]) -> str:
+    """The torch device for the configured `device` ('cuda:N', N as the node numbers its GPUs) in a process
+    whose CUDA_VISIBLE_DEVICES is `visible`, given the GPU ids Ray `assigned` to it.
+
+    Only when Ray itself narrowed the visible set (it equals the assigned
+    ids) is N mapped: to its position in that set, or refused, naming both,
+    if Ray gave this process other GPUs.  A set the node's operator chose
+    (or none) is left alone: N is then what torch numbers on that node.
+    """
+    if not device.startswith("cuda"):
+        return device
+    index = device.split(":", 1)[1] if ":" in device else "0"
+    ids = [v.strip() for v in (visible or "").split(",") if v.strip()]
+    if not ids or not assigned or ids != [str(a) for a in assigned]:
+        return device
+    if index not in ids:
+        raise CoEError(f"executor device {device}: Ray gave this actor GPU(s) {','.join(ids)} only "
+                       f"(CUDA_VISIBLE_DEVICES={visible}); start the actor with {NOSET_CUDA}=1 (the agent does) "
+                       f"or name one of those GPUs")
+    return f"cuda:{ids.index(index)}"
+
+
 class _Hints:
     """What `Executor.run_batch` asks its scheduler for: the next group's expert, sent with each batch."""
 
@@ -117,6 +164,10 @@ class ExecutorHost:
         self._events: list[tuple] = []
         dtype = source_dtype(spec.compute_dtype)
         gpu = spec.device.startswith("cuda")
+        # the configured index names the node's GPU; this process may see a narrower set (Ray's assignment)
+        device = local_device(spec.device, os.environ.get("CUDA_VISIBLE_DEVICES"), _assigned_gpus()) if gpu \
+            else spec.device
+        self.device = device
         self.host = None
         if gpu and spec.host_tier:
             self.host = Pool("host", spec.host_tier, make_policy(spec.eviction),
@@ -126,7 +177,7 @@ class ExecutorHost:
                              measure=measured_nbytes)
         if gpu:
             source = TierSource(self.host or StoreSource(self.store, pin=True, method=spec.expert_read, dtype=dtype),
-                                spec.device, exclusive=spec.exclusive and self.host is not None)
+                                device, exclusive=spec.exclusive and self.host is not None)
         else:
             source = StoreSource(self.store, method=spec.expert_read, dtype=dtype)
         self.hints = _Hints()
@@ -134,7 +185,7 @@ class ExecutorHost:
                          name=spec.name, on_event=self._on_event, probabilities=spec.probabilities,
                          preliminaries=spec.preliminaries, measure=measured_nbytes,
                          context=lambda: {"queued": {self.hints.next} - {None}})
-        self.executor = Executor(spec.name, spec.device, self.pool, self.hints, model, lambda r: None,
+        self.executor = Executor(spec.name, device, self.pool, self.hints, model, lambda r: None,
                                  prefetch=spec.prefetch)
 
     def _on_event(self, e: PoolEvent) -> None:
@@ -151,7 +202,8 @@ class ExecutorHost:
         import ray
 
         return {"node": self.spec.node, "host": socket.gethostname(), "pid": os.getpid(),
-                "ray_node_id": ray.get_runtime_context().get_node_id()}
+                "ray_node_id": ray.get_runtime_context().get_node_id(), "device": self.device,
+                "cuda_visible": os.environ.get("CUDA_VISIBLE_DEVICES")}
 
     def warm(self, experts: list[str]) -> dict:
         """Load `experts` in order (the front's initialisation by usage probability), as far as they fit."""
@@ -345,11 +397,7 @@ class RemoteExecutor:
         import ray
 
         cls = ray.remote(ExecutorHost)
-        gpus = 0.0
-        if self.device.startswith("cuda"):
-            gpus = ACTOR_SHARE   # placed on a node Ray counts a GPU on (Jetson: `ray start --num-gpus 1`)
-        actor = cls.options(resources={node_resource(self.node): ACTOR_SHARE}, num_cpus=0, num_gpus=gpus,
-                            max_restarts=0, max_concurrency=1, name=None).remote(self.spec, self.model)
+        actor = cls.options(**actor_options(self.node, self.device)).remote(self.spec, self.model)
         try:
             self.where = ray.get(actor.where.remote(), timeout=self.connect_timeout)
             report = ray.get(actor.warm.remote(warm), timeout=max(self.connect_timeout, self.call_timeout))

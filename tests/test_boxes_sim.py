@@ -190,3 +190,19 @@ def test_a_request_lost_max_lost_times_is_given_up_not_requeued():
     assert s.lost_attempts(good) == 0
     with pytest.raises(ValueError, match="max_lost must be >= 1"):
         Scheduler(["a"], max_lost=0)
+
+
+def test_local_device_maps_the_configured_gpu_through_what_ray_assigned():
+    """CUDA_VISIBLE_DEVICES as a Ray worker would have it (a fake env: no GPU needed)."""
+    from coe import CoEError
+    from executors.remote import local_device
+
+    assert local_device("cuda:1", "1", ["1"]) == "cuda:0"            # Ray narrowed the view to GPU 1
+    assert local_device("cuda:3", "1,3", ["1", "3"]) == "cuda:1"
+    assert local_device("cuda", "0,1", ["0", "1"]) == "cuda:0"       # 'cuda' is GPU 0
+    with pytest.raises(CoEError, match=r"cuda:1: Ray gave this actor GPU\(s\) 0 only"):
+        local_device("cuda:1", "0", ["0"])
+    assert local_device("cuda:1", None, ["0"]) == "cuda:1"           # Ray told not to narrow: the node's numbering
+    assert local_device("cuda:1", "2,3", ["0"]) == "cuda:1"          # the operator's set: torch numbers it so
+    assert local_device("cuda:1", "1", []) == "cuda:1"               # not a Ray worker
+    assert local_device("cpu", "0", ["0"]) == "cpu"

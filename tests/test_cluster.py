@@ -316,6 +316,34 @@ def test_a_remote_failure_keeps_the_remote_exceptions_own_message_and_hint(clust
     assert _short(err.value) == "ValueError: refusing store file name '../escape'"
 
 
+def test_a_gpu_actor_sees_the_nodes_gpus_so_cuda_1_means_the_nodes_gpu_1(cluster):
+    """A node declaring 2 GPUs (Ray counts what it is told; no GPU needed): placed as an executor's actor is,
+    the worker's view is not narrowed to Ray's pick, so `cuda:1` stays the node's GPU 1; placed without that,
+    Ray narrows it to the GPU it picked and `local_device` maps or refuses the configured index."""
+    from edge_agent.cluster import _Echo
+    from executors.remote import actor_options, local_device
+
+    node = cluster.add_node(num_cpus=1, num_gpus=2, include_dashboard=False, resources={"coe:box-g": 1})
+    try:
+        ours = ray.remote(_Echo).options(**actor_options("box-g", "cuda:1")).remote()
+        visible, assigned = ray.get(ours.devices.remote(), timeout=120)
+        assert assigned and visible is None                       # Ray assigned one, and left the view alone
+        assert local_device("cuda:1", visible, assigned) == "cuda:1"
+        opts = {k: v for k, v in actor_options("box-g", "cuda:1").items() if k != "runtime_env"}
+        plain = ray.remote(_Echo).options(**opts).remote()
+        visible, assigned = ray.get(plain.devices.remote(), timeout=120)
+        assert visible == ",".join(assigned) and len(assigned) == 1   # Ray narrowed it to its pick
+        mine = f"cuda:{assigned[0]}"
+        assert local_device(mine, visible, assigned) == "cuda:0"
+        other = "cuda:1" if assigned[0] == "0" else "cuda:0"
+        with pytest.raises(CoEError, match=r"Ray gave this actor GPU\(s\) " + assigned[0]):
+            local_device(other, visible, assigned)
+        ray.kill(ours)
+        ray.kill(plain)
+    finally:
+        cluster.remove_node(node)
+
+
 def test_a_node_without_a_cluster_section_is_refused(tmp_path, tiny_zoo):
     path = write_line(tmp_path, store=tiny_zoo, executors=[LOCAL, _remote("box-2")])
     with pytest.raises(Exception, match=r"key 'executors.1.node': 'box-2' names a box but the config has no"):
