@@ -11,7 +11,14 @@ Target: added p50 <= 2 ms on loopback.  Frames: the tiny spec's 32 px crop, and
 a raw 224 x 224 RGB crop (150 KB, over Ray's 100 KB inline limit: it goes
 through the object store).
 
-Usage:  python bench/cluster_overhead.py [--requests 400] [--dir var/bench/cluster] [--json-only]
+`--breakdown` adds where the hop's time goes, every variant alternating in the
+same run against the same actor on box-2: an empty call; calls that keep the
+node busy 1 and 5 ms (sleeping, or spinning on the CPU) waited for with
+`ray.get`, or by polling `ray.wait(timeout=0)` on the front; the same from an
+async actor; and a Ray compiled graph (`experimental_compile`).  Each figure is
+the round trip less the work it asked for.
+
+Usage:  python bench/cluster_overhead.py [--requests 400] [--dir var/bench/cluster] [--json-only] [--breakdown]
 Prints a table and one JSON line.
 """
 from __future__ import annotations
@@ -37,6 +44,76 @@ SPEC = {
 }
 
 
+class Probe:
+    """The breakdown's actor: calls that take a known time on the node, no model."""
+
+    def ping(self):
+        return None
+
+    def sleep(self, s: float):
+        time.sleep(s)
+        return 1
+
+    def spin(self, s: float):
+        end = time.perf_counter() + s
+        while time.perf_counter() < end:
+            pass
+        return 1
+
+
+class AsyncProbe:
+    async def sleep(self, s: float):
+        import asyncio
+
+        await asyncio.sleep(s)
+        return 1
+
+
+def breakdown(node_resource, rounds: int) -> list[dict]:
+    """Round trip less the asked-for work, per way of calling, interleaved so that load hits them alike."""
+    import ray
+    from ray.dag import InputNode
+
+    opts = {"resources": {node_resource("box-2"): 0.001}, "num_cpus": 0}
+    a = ray.remote(Probe).options(**opts).remote()
+    g = ray.remote(Probe).options(**opts).remote()
+    b = ray.remote(AsyncProbe).options(**opts).remote()
+    ray.get([a.ping.remote(), g.ping.remote(), b.sleep.remote(0.0)], timeout=120)
+    with InputNode() as inp:
+        dag = g.sleep.bind(inp)
+    compiled = dag.experimental_compile()
+
+    def poll(ref):
+        while not ray.wait([ref], timeout=0)[0]:
+            pass
+        return ray.get(ref)
+
+    ways = {"empty call, ray.get": (0.0, lambda: ray.get(a.ping.remote()))}
+    for s in (0.001, 0.005):
+        ms = f"{s * 1e3:g} ms"
+        ways.update({
+            f"{ms} sleeping, ray.get": (s, lambda s=s: ray.get(a.sleep.remote(s))),
+            f"{ms} spinning, ray.get": (s, lambda s=s: ray.get(a.spin.remote(s))),
+            f"{ms} sleeping, front polls ray.wait": (s, lambda s=s: poll(a.sleep.remote(s))),
+            f"{ms} spinning, front polls ray.wait": (s, lambda s=s: poll(a.spin.remote(s))),
+            f"{ms} async actor, ray.get": (s, lambda s=s: ray.get(b.sleep.remote(s))),
+            f"{ms} compiled graph": (s, lambda s=s: ray.get(compiled.execute(s))),
+        })
+    times: dict[str, list[float]] = {k: [] for k in ways}
+    try:
+        for i in range(rounds + 10):
+            for name, (work, call) in ways.items():
+                t = time.perf_counter()
+                call()
+                if i >= 10:
+                    times[name].append(time.perf_counter() - t - work)
+    finally:
+        compiled.teardown()
+        for actor in (a, g, b):
+            ray.kill(actor)
+    return [{"way": k, "p50_ms": 1e3 * statistics.median(v), "p99_ms": 1e3 * pct(v, 0.99)} for k, v in times.items()]
+
+
 def pct(xs: list[float], q: float) -> float:
     s = sorted(xs)
     return s[min(len(s) - 1, int(q * len(s)))]
@@ -47,6 +124,7 @@ def main() -> int:
     ap.add_argument("--requests", type=int, default=400)
     ap.add_argument("--dir", default="var/bench/cluster")
     ap.add_argument("--json-only", action="store_true")
+    ap.add_argument("--breakdown", action="store_true", help="also: where the hop's time goes (see above)")
     args = ap.parse_args()
 
     # as edge_agent.cluster.connect does for the agent: raw frames stay inline in the call (not the object store)
@@ -111,6 +189,7 @@ def main() -> int:
                          "run_local_p50_ms": 1e3 * statistics.median(loc_in),
                          "run_remote_p50_ms": 1e3 * statistics.median(rem_in),
                          "same_output": same})
+        parts = breakdown(node_resource, max(50, args.requests // 4)) if args.breakdown else []
         t = time.perf_counter()
         pings = []
         for _ in range(args.requests):
@@ -123,7 +202,7 @@ def main() -> int:
     doc = {"bench": "cluster_overhead", "mode": "real", "machine": f"{platform.node()} ({os.cpu_count()} cores)",
            "link": "loopback: a local Ray cluster, head + node box-2 on this host", "ray": ray.__version__,
            "remote_pid_differs": where["pid"] != os.getpid(), "empty_call_p50_ms": 1e3 * statistics.median(pings),
-           "empty_call_p99_ms": 1e3 * pct(pings, 0.99), "rows": rows,
+           "empty_call_p99_ms": 1e3 * pct(pings, 0.99), "rows": rows, "breakdown": parts,
            "target": "added p50 <= 2 ms", "met": all(r["added_p50_ms"] <= 2.0 for r in rows)}
     if not args.json_only:
         print(f"real run on {doc['machine']}, Ray {ray.__version__}, {doc['link']}; one-frame batches of a resident "
@@ -136,11 +215,15 @@ def main() -> int:
                   f"{r['hop_p99_ms']:7.2f} {r['run_local_p50_ms']:8.2f} / {r['run_remote_p50_ms']:.2f}")
         print("added: remote - local end to end; hop: the same less each side's batch run time (what the link and "
               "Ray add, without the two 'boxes' competing for this machine's 2 cores)")
+        if parts:
+            print("where the hop goes (round trip less the work asked for, all interleaved in this run):")
+            for r in parts:
+                print(f"  {r['way']:42} p50 {r['p50_ms']:6.2f}  p99 {r['p99_ms']:7.2f} ms")
         print(f"empty actor call: p50 {doc['empty_call_p50_ms']:.2f} ms, p99 {doc['empty_call_p99_ms']:.2f} ms; "
               f"target added p50 <= 2 ms: {'met' if doc['met'] else 'NOT met'}")
     print(json.dumps({k: (round(v, 3) if isinstance(v, float) else v) for k, v in doc.items()}
-                     | {"rows": [{k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()}
-                                 for r in rows]}, sort_keys=True))
+                     | {key: [{k: (round(v, 3) if isinstance(v, float) else v) for k, v in r.items()}
+                            for r in doc[key]] for key in ("rows", "breakdown")}, sort_keys=True))
     return 0
 
 
