@@ -187,7 +187,7 @@ def zoo_train(line: str, config_path: str | None, steps: int, batch: int, detect
         results, detectors = train_zoo(model, store, steps=steps, batch=batch, det_steps=det_steps, seed=seed,
                                        force=force, workers=workers, progress=tick)
     for r in results:
-        state = "kept (already trained)" if r.skipped else f"trained {r.steps} steps"
+        state = "kept (already trained)" if r.skipped else f"trained {r.steps} steps in {r.seconds:.0f} s"
         click.echo(f"{r.arch}: {len(r.experts)} classifier(s), {len(r.components)} component type(s), {state}; "
                    f"held-out accuracy {100 * r.heldout_accuracy:.1f}%")
     for d in detectors:

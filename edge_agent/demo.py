@@ -122,10 +122,10 @@ def ensure_trained(cfg: LineConfig, model: CoEModel, *, quiet: bool = False) -> 
     store = ExpertStore(cfg.store_path, verify=cfg.expert_verify)
     with step_bars(disable=quiet) as tick:
         results, detectors = train_zoo(model, store, progress=tick)
-    trained = [r for r in results if not r.skipped]
+    trained = [f"{r.arch} {100 * r.heldout_accuracy:.1f}% held-out, {r.steps} steps in {r.seconds:.0f} s"
+               for r in results if not r.skipped]
     stage(f"classifiers: {sum(len(r.experts) for r in results)} trained on synthetic frames"
-          + (f" (this run: {', '.join(f'{r.arch} {100 * r.heldout_accuracy:.1f}% held-out' for r in trained)})"
-             if trained else " (reused)"), quiet)
+          + (f" (this run: {'; '.join(trained)})" if trained else " (reused)"), quiet)
     fresh = [d for d in detectors if not d.skipped]
     stage(f"detectors: {len(detectors)} trained on drawn soldering defects" + (" (reused)" if not fresh else ""), quiet)
     for d in fresh:

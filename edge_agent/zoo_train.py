@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -58,6 +59,7 @@ class GroupResult:
     steps: int
     heldout_accuracy: float
     skipped: bool
+    seconds: float = 0.0            # the job's wall time in its worker (0 when kept)
 
 
 @dataclass(frozen=True)
@@ -74,10 +76,11 @@ class DetectorResult:
     undrawable: tuple[str, ...]
     skipped: bool
     drawn: int = 0                  # held-out defects drawn (the recall's denominator)
+    seconds: float = 0.0            # the job's wall time in its worker (0 when kept)
 
     def describe(self) -> str:
         """One line for a terminal: recall per class, false alarms, classes it never saw."""
-        state = "kept (already trained)" if self.skipped else f"trained {self.steps} steps"
+        state = "kept (already trained)" if self.skipped else f"trained {self.steps} steps in {self.seconds:.0f} s"
         by_class = ", ".join(f"{k} {100 * v:.0f}%" for k, v in self.recall_by_class.items())
         out = (f"{self.expert} ({self.arch}): {len(self.components)} component type(s), {state}; held-out recall "
                f"at IoU 0.5 {100 * self.heldout_recall:.1f}% of {self.drawn} drawn defects ({by_class}); "
@@ -255,7 +258,7 @@ def train_zoo(model: CoEModel, store: ExpertStore, *, steps: int = CLASSIFIER_ST
                         total=steps, cost=steps * _STEP_SECONDS.get(arch, 0.2) * (0.5 if until else 1.0)))
 
         def done_group(out, slot=slot, arch=arch, experts=experts, comps=comps, recipe=recipe) -> None:
-            arrays, acc, ran = out
+            arrays, acc, ran, seconds = out
             tensors = from_numpy(arrays)
             for e in experts:
                 version = store.entry(e.id).version + 1 if store.has(e.id) else 1
@@ -263,7 +266,8 @@ def train_zoo(model: CoEModel, store: ExpertStore, *, steps: int = CLASSIFIER_ST
                 marker[e.id] = {"sha256": entry.sha256, "recipe": recipe, "heldout_accuracy": round(acc, 4),
                                 "steps_run": ran}
             _write_marker(marker_path, marker)
-            groups_out[slot] = GroupResult(arch, tuple(e.id for e in experts), tuple(comps), ran, acc, False)
+            groups_out[slot] = GroupResult(arch, tuple(e.id for e in experts), tuple(comps), ran, acc, False,
+                                           seconds)
         finish.append(done_group)
 
     for plan in todo_det:
@@ -285,7 +289,7 @@ def train_zoo(model: CoEModel, store: ExpertStore, *, steps: int = CLASSIFIER_ST
                         cost=det_steps * _STEP_SECONDS["detector"]))
 
         def done_detector(out, slot=slot, plan=plan, recipe=recipe) -> None:
-            arrays, score, ran = out
+            arrays, score, ran, seconds = out
             e = plan.expert
             version = store.entry(e.id).version + 1 if store.has(e.id) else 1
             entry = store.write(e, from_numpy(arrays), version=version)
@@ -296,7 +300,7 @@ def train_zoo(model: CoEModel, store: ExpertStore, *, steps: int = CLASSIFIER_ST
             _write_marker(marker_path, marker)
             dets_out[slot] = DetectorResult(e.arch, e.id, plan.components, ran, round(score.recall, 4),
                                             score.recall_by_class(), round(score.false_alarm_rate, 4),
-                                            plan.undrawable, False, sum(score.drawn.values()))
+                                            plan.undrawable, False, sum(score.drawn.values()), seconds)
         finish.append(done_detector)
 
     run_jobs(jobs, workers=workers, progress=progress, on_result=lambda i, out: finish[i](out))
@@ -305,21 +309,23 @@ def train_zoo(model: CoEModel, store: ExpertStore, *, steps: int = CLASSIFIER_ST
 
 def _classifier_job(arch: str, classes: tuple[str, ...], size: int, comps: list[str], steps: int, batch: int,
                     seed: int, until: float | None, progress: Callable[[int], None] | None = None):
-    """In a worker: (state dict as numpy arrays, held-out accuracy, steps run)."""
+    """In a worker: (state dict as numpy arrays, held-out accuracy, steps run, seconds)."""
+    t0 = time.perf_counter()
     net, acc, ran = train_group(arch, classes, size, comps, steps=steps, batch=batch, seed=seed, until=until,
                                 progress=progress)
-    return to_numpy(net.state_dict()), acc, ran
+    return to_numpy(net.state_dict()), acc, ran, time.perf_counter() - t0
 
 
 def _detector_job(plan, steps: int, batch: int, seed: int, frame_size: int, until: float | None,
                   progress: Callable[[int], None] | None = None):
-    """In a worker: (state dict as numpy arrays, held-out score through the serving backend, steps run)."""
+    """In a worker: (state dict as numpy arrays, held-out score through the serving backend, steps run, seconds)."""
     from .detector_train import evaluate, train_detector
 
+    t0 = time.perf_counter()
     tensors, losses = train_detector(plan, steps=steps, batch=batch, seed=seed, frame_size=frame_size,
                                      until=until, progress=progress)
-    return (to_numpy(tensors), evaluate(plan, tensors, seed=seed, frame_size=frame_size, crops=EVAL_CROPS),
-            len(losses))
+    score = evaluate(plan, tensors, seed=seed, frame_size=frame_size, crops=EVAL_CROPS)
+    return to_numpy(tensors), score, len(losses), time.perf_counter() - t0
 
 
 def _write_marker(path: Path, marker: dict) -> None:
