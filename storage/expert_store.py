@@ -33,7 +33,7 @@ import shutil
 import tempfile
 import threading
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -189,6 +189,36 @@ class ExpertStore:
     # -- write --------------------------------------------------------------------
     def write(self, expert: Expert, tensors: Mapping[str, "torch.Tensor"], version: int = 1) -> ManifestEntry:
         """Store `tensors` as `expert`, replacing any previous version atomically."""
+        return self._install_many([self._prepare(expert, tensors, version, expert.id + SUFFIX)])[0]
+
+    def write_many(self, items: "Sequence[tuple[Expert, Mapping[str, torch.Tensor], int]]") -> list[ManifestEntry]:
+        """Store several (expert, tensors, version) as one change: all the new versions, or none.
+
+        Each new version goes to a file of its own name first, beside the live
+        one; one manifest write then switches every expert, and only after it
+        do the old files go.  A reader sees the old set or the new set, never
+        a mix (a promotion of a classifier and its detector lands together),
+        and a failure before the switch leaves the store as it was.
+        """
+        ids = [e.id for e, _, _ in items]
+        twice = sorted({i for i in ids if ids.count(i) > 1})
+        if twice:
+            raise CoEError(f"write_many: an expert named twice in one change: {', '.join(twice)}")
+        prepared: list[tuple[ManifestEntry, Path]] = []
+        try:
+            for expert, tensors, version in items:
+                prepared.append(self._prepare(expert, tensors, version,
+                                              f"{expert.id}.v{int(version)}-{uuid.uuid4().hex[:6]}{SUFFIX}"))
+        except BaseException:
+            for _, tmp in prepared:
+                with contextlib.suppress(FileNotFoundError):
+                    tmp.unlink()
+            raise
+        return self._install_many(prepared)
+
+    def _prepare(self, expert: Expert, tensors: Mapping[str, "torch.Tensor"], version: int,
+                 file: str) -> tuple[ManifestEntry, Path]:
+        """Serialise (and compress, per the store) `tensors` to a temp file; the entry it will have as `file`."""
         import torch
         from safetensors.torch import save_file
 
@@ -206,7 +236,6 @@ class ExpertStore:
         nbytes = sum(by_dtype.values())
         dtype = max(by_dtype.items(), key=lambda kv: kv[1])[0]
 
-        file = expert.id + SUFFIX
         tmp = self._tmp(file)
         # one metadata key: safetensors stores metadata in a hash map, so several keys would be
         # written in a random order and the same tensors would hash differently on every write
@@ -222,11 +251,15 @@ class ExpertStore:
                                   nbytes=nbytes, dtype=dtype, version=int(version),
                                   stored_nbytes=tmp.stat().st_size, plain_nbytes=tmp.stat().st_size)
             if self._compression != "none":
-                return self._install(self._compressed(entry, tmp))
-            return self._install(entry, tmp)
-        finally:
+                zfile = file[:-len(SUFFIX)] if file.endswith(SUFFIX) else file
+                compressed = self._compressed(entry, tmp, zfile)
+                tmp.unlink()
+                return compressed
+            return entry, tmp
+        except BaseException:
             with contextlib.suppress(FileNotFoundError):
                 tmp.unlink()
+            raise
 
     def set_compression(self, mode: str) -> None:
         """Make `mode` the store's compression for experts written from now on (see `recompress`)."""
@@ -264,14 +297,15 @@ class ExpertStore:
             with contextlib.suppress(FileNotFoundError):
                 tmp.unlink()
 
-    def _compressed(self, plain: ManifestEntry, plain_file: Path) -> tuple[ManifestEntry, Path]:
-        """Compress `plain_file` to a temp file; the entry it would have."""
+    def _compressed(self, plain: ManifestEntry, plain_file: Path, base: str | None = None
+                    ) -> tuple[ManifestEntry, Path]:
+        """Compress `plain_file` to a temp file; the entry it would have (file `base` + the compressed suffix)."""
         import numpy as np
 
         from .compressed import SUFFIX as ZSUFFIX
         from .compressed import compress_file, decode_to, read_header
 
-        file = plain.id + ZSUFFIX
+        file = (base or plain.id) + ZSUFFIX
         tmp = self._tmp(file)
         try:
             stats = compress_file(plain_file, tmp, plain.id)
@@ -291,24 +325,35 @@ class ExpertStore:
         if isinstance(entry, tuple):
             entry, tmp = entry
         assert tmp is not None
+        return self._install_many([(entry, tmp)])[0]
+
+    def _install_many(self, prepared: "Sequence[tuple[ManifestEntry, Path]]") -> list[ManifestEntry]:
+        """Move every temp file into place, record them all in one manifest write, then drop the old files."""
         try:
-            _fsync_file(tmp)
+            for _, tmp in prepared:
+                _fsync_file(tmp)
             with self._lock, self._process_lock():
-                os.replace(tmp, self.root / entry.file)
+                for entry, tmp in prepared:
+                    os.replace(tmp, self.root / entry.file)
                 _fsync_dir(self.root)
                 entries = self._load_manifest()  # pick up what other processes wrote meanwhile
-                old = entries.get(entry.id)
-                entries[entry.id] = entry
+                old = {entry.id: entries.get(entry.id) for entry, _ in prepared}
+                for entry, _ in prepared:
+                    entries[entry.id] = entry
                 self._write_manifest(entries)
                 self._entries = entries
-                self._verified = {v for v in self._verified if v[0] != entry.id}
-                if old is not None and old.file != entry.file:
-                    with contextlib.suppress(FileNotFoundError):
-                        (self.root / old.file).unlink()   # readers that mapped it keep the inode
+                changed = set(old)
+                self._verified = {v for v in self._verified if v[0] not in changed}
+                for entry, _ in prepared:
+                    was = old[entry.id]
+                    if was is not None and was.file != entry.file:
+                        with contextlib.suppress(FileNotFoundError):
+                            (self.root / was.file).unlink()   # readers that mapped it keep the inode
         finally:
-            with contextlib.suppress(FileNotFoundError):
-                tmp.unlink()
-        return entry
+            for _, tmp in prepared:
+                with contextlib.suppress(FileNotFoundError):
+                    tmp.unlink()
+        return [entry for entry, _ in prepared]
 
     def _tmp(self, file: str) -> Path:
         return self.root / f".{file}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"

@@ -1,8 +1,9 @@
-"""Promote a candidate expert set into the line's store, expert by expert, while the line runs.
+"""Promote a candidate expert set into the line's store, all at once, while the line runs.
 
-Each expert is written through `ExpertStore.write` (temp file, fsync, atomic
-rename, manifest update) with the next version number, so a running agent
-sees either the old or the new version of every expert, never half of one.
+The experts are written through `ExpertStore.write_many` with the next
+version numbers: every new file lands beside the live one, then one manifest
+write switches the whole set, so a running agent sees either every old
+version or every new one, never half of a set (nor half of one expert).
 The agent notices the manifest change (`StoreWatcher` in the agent) and drops
 resident copies whose version is stale once no batch holds them: a batch
 that is running finishes on the bytes it started with, the next one loads
@@ -46,10 +47,6 @@ def promote(line: ExpertStore, candidate: ExpertStore, model: CoEModel,
             problems.append(f"'{eid}' is a {e.arch} {e.kind} in the candidate, the spec says {spec.arch} {spec.kind}")
     if problems:
         raise CoEError("cannot promote: " + "; ".join(problems))
-    out = []
-    for eid in targets:
-        tensors = candidate.read(eid)
-        old = line.entry(eid).version if line.has(eid) else None
-        entry = line.write(model.experts[eid], tensors, version=(old or 0) + 1)
-        out.append(Promotion(eid, old, entry.version))
-    return out
+    olds = {eid: (line.entry(eid).version if line.has(eid) else None) for eid in targets}
+    entries = line.write_many([(model.experts[eid], candidate.read(eid), (olds[eid] or 0) + 1) for eid in targets])
+    return [Promotion(e.id, olds[e.id], e.version) for e in entries]

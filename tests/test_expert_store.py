@@ -228,3 +228,38 @@ def test_same_tensors_give_the_same_file(tmp_path: Path) -> None:
     shas = {store.write(expert(), tensors(0)).sha256 for _ in range(5)}
     assert len(shas) == 1
     assert store.write(expert(), tensors(1)).sha256 not in shas
+
+
+@pytest.mark.parametrize("compression", ["none", "exponent-zstd"])
+def test_write_many_switches_a_set_of_experts_in_one_manifest_write(tmp_path: Path, compression: str) -> None:
+    store = ExpertStore(tmp_path)
+    if compression != "none":
+        store.set_compression(compression)
+    for eid in ("cls-a", "det-b"):
+        store.write(expert(eid), tensors(0), version=1)
+    reader = ExpertStore(tmp_path)                        # another process's view, loaded before the change
+    before = {eid: reader.read(eid)["fc.weight"].clone() for eid in ("cls-a", "det-b")}
+    old_files = {e.file for e in store.entries()}
+    out = store.write_many([(expert("cls-a"), tensors(1), 2), (expert("det-b"), tensors(2), 2)])
+    assert [e.version for e in out] == [2, 2]
+    assert not any((tmp_path / f).exists() for f in old_files)          # the old files went after the switch
+    assert not list(tmp_path.glob(".*.tmp"))
+    fresh = ExpertStore(tmp_path)
+    assert {e.id: e.version for e in fresh.entries()} == {"cls-a": 2, "det-b": 2}
+    assert torch.equal(fresh.read("cls-a")["fc.weight"], tensors(1)["fc.weight"])
+    # the stale reader finds its file gone, re-reads the manifest and gets the new set, labelled as such
+    assert torch.equal(reader.read("det-b")["fc.weight"], tensors(2)["fc.weight"])
+    assert reader.entry("det-b").version == 2 and reader.entry("cls-a").version == 2
+    assert not torch.equal(before["det-b"], tensors(2)["fc.weight"])
+
+
+def test_a_write_many_that_fails_part_way_changes_nothing(tmp_path: Path) -> None:
+    store = ExpertStore(tmp_path)
+    store.write(expert("cls-a"), tensors(0), version=1)
+    manifest = store.manifest_path.read_bytes()
+    with pytest.raises(CoEError, match="refusing to store an expert with no tensors"):
+        store.write_many([(expert("cls-a"), tensors(1), 2), (expert("det-b"), {}, 1)])
+    assert store.manifest_path.read_bytes() == manifest and not list(tmp_path.glob(".*.tmp"))
+    assert sorted(p.name for p in tmp_path.glob("*.safetensors")) == ["cls-a.safetensors"]
+    with pytest.raises(CoEError, match="named twice in one change: cls-a"):
+        store.write_many([(expert("cls-a"), tensors(1), 2), (expert("cls-a"), tensors(2), 3)])
