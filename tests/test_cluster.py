@@ -59,7 +59,7 @@ def recording(tmp_path_factory):
     return out
 
 
-def _line(tmp_path, tiny_zoo, cluster, executors, **extra):
+def _line(tmp_path, tiny_zoo, cluster, executors, call_timeout_s=60, **extra):
     import shutil
 
     store = tmp_path / "front-experts"
@@ -67,7 +67,7 @@ def _line(tmp_path, tiny_zoo, cluster, executors, **extra):
     stores = {n: str(tmp_path / f"{n}-experts") for n in {e["node"] for e in executors if e.get("node")}}
     return write_line(tmp_path / "line", store=store, executors=executors,
                       cluster={"address": cluster.address, "stores": stores, "rejoin_s": 0.5,
-                               "connect_timeout_s": 60, "call_timeout_s": 60}, **extra)
+                               "connect_timeout_s": 60, "call_timeout_s": call_timeout_s}, **extra)
 
 
 def _rows(db, sql):
@@ -291,6 +291,34 @@ def test_a_node_not_in_the_cluster_and_an_unreachable_address_are_named(cluster,
                cluster={"address": "127.0.0.1:1"})
     with pytest.raises(CoEError, match=r"cluster.address: cannot reach 127.0.0.1:1"):
         Agent(load_config(path, env={})).start()
+
+
+class _Stall:
+    """A frame image whose unpickling on the node blocks for 10 minutes: its batch outlasts any call timeout."""
+
+    def __reduce__(self):
+        return (time.sleep, (600,))
+
+
+def test_a_batch_that_outlasts_the_call_timeout_every_time_is_given_up(cluster, tiny_zoo, tmp_path):
+    from coe import Frame, Request
+    from edge_agent.cluster import sync_store
+
+    cfg = load_config(_line(tmp_path, tiny_zoo, cluster, [_remote("box-2")], call_timeout_s=2), env={})
+    sync_store(cfg)
+    agent = Agent(cfg).start()
+    try:
+        remote = agent.executors[0]
+        agent.scheduler.submit(Request(Frame("stall-1", "T", "B-1", "R0402", 0.0, _Stall()), "cls-r0402"))
+        assert agent.wait_verdicts(1, timeout=240)
+        assert remote.lost == 3 and agent.scheduler.given_up == 1
+        (row,) = verdict_rows(cfg.db_path)
+        assert row["frame_id"] == "stall-1" and row["verdict"] == "error"
+        for part in ("stall-1", "cls-r0402", "box-2", "lost 3 times", "GetTimeoutError"):
+            assert part in row["reason"], row["reason"]
+        _until(lambda: remote.up, 90, "box-2's executor rejoined")   # each hung actor was killed, a new one serves
+    finally:
+        agent.stop()
 
 
 def test_a_remote_failure_keeps_the_remote_exceptions_own_message_and_hint(cluster, tiny_zoo, tmp_path):
