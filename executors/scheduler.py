@@ -38,8 +38,10 @@ Executors that come and go (remote executors, issue 15): `retire` takes one
 out of assignment and hands back its queue, `finished(batch, lost=True)` a
 batch lost with it, and `requeue` assigns them again with their original due
 times (so the age bound holds across a loss), giving up a request whose batch
-was lost `max_lost` times.  With every executor retired, requests wait in the
-scheduler until `restore`.
+was lost `max_lost` times.  A request lost once runs alone from then on (a
+batch of one), so only the frame that kills its executor is given up, not its
+batch mates.  With every executor retired, requests wait in the scheduler
+until `restore`.
 
 Predictions follow what runs: each queued group carries its predicted cost
 (switch + K*n + B*ceil(n/cap) with the splitter's real cap), a batch handed to
@@ -405,6 +407,10 @@ class Scheduler:
             x = group.expert_id
             cap = self._cap(executor, x)
             take = min(cap, len(group.requests))
+            if self._lost and group.requests[0].id in self._lost:
+                # a request already lost with an executor runs alone: a batch that kills whatever runs it is
+                # narrowed to the frame that does, and the others of that batch are not given up with it
+                take = 1
             group.drain = max(group.drain - take, 0)
             requests = [group.requests.popleft() for _ in range(take)]
             dues = [group.times.popleft() for _ in range(take)]

@@ -258,26 +258,36 @@ def test_a_batch_that_kills_every_actor_it_reaches_is_given_up_with_an_error_ver
     agent = Agent(cfg).start()
     try:
         remote = agent.executors[0]
-        agent.scheduler.submit(Request(Frame("poison-1", "T", "B-1", "R0402", 0.0, _Poison()), "cls-r0402"))
-        assert agent.wait_verdicts(1, timeout=240)
+        import numpy as np
+
+        with agent.scheduler._cond:   # all three queued before the executor takes any: one batch of three
+            for fid, image in (("poison-1", _Poison()), ("mate-1", np.zeros((48, 48, 3), np.uint8)),
+                               ("mate-2", np.full((48, 48, 3), 200, np.uint8))):
+                agent.scheduler.submit(Request(Frame(fid, "T", "B-1", "R0402", 0.0, image), "cls-r0402"))
+        assert agent.wait_verdicts(3, timeout=240)
         assert remote.lost == agent.scheduler.max_lost == 3 and agent.scheduler.given_up == 1
         rows = {r["frame_id"]: r for r in verdict_rows(cfg.db_path)}
-        assert list(rows) == ["poison-1"] and rows["poison-1"]["verdict"] == "error"
+        assert sorted(rows) == ["mate-1", "mate-2", "poison-1"] and rows["poison-1"]["verdict"] == "error"
         why = rows["poison-1"]["reason"]
         for part in ("poison-1", "cls-r0402", "box-2", "lost 3 times", "ActorDiedError"):
             assert part in why, why
+        assert "mate-" not in why
+        # its batch mates ran alone once it had been lost, and got their verdicts; nothing ran twice
+        assert {rows[m]["verdict"] for m in ("mate-1", "mate-2")} <= {"pass", "defect"}
         errors = _rows(cfg.db_path, "SELECT frame_id, kind FROM errors")
         assert errors == [("poison-1", "executor_lost")]
-        assert _rows(cfg.db_path, "SELECT count(*) FROM inferences") == [(0,)]
+        assert _rows(cfg.db_path, "SELECT frame_id, stage, count(*) FROM inferences GROUP BY 1, 2 "
+                                  "HAVING count(*) > 1") == []
+        assert {f for f, in _rows(cfg.db_path, "SELECT frame_id FROM inferences")} == {"mate-1", "mate-2"}
 
         # the executor came back after each crash and serves the line as before
         _until(lambda: remote.up, 90, "box-2's executor rejoined")
         rec = Recording(recording)
         frames = list(rec)[:20]
         assert send_messages(_messages(rec, frames), agent.endpoints["ingest"], window=20).accepted == len(frames)
-        assert agent.wait_verdicts(1 + len(frames), timeout=180)
+        assert agent.wait_verdicts(3 + len(frames), timeout=180)
         verdicts = Counter(r["verdict"] for r in verdict_rows(cfg.db_path))
-        assert verdicts["error"] == 1 and verdicts["pass"] + verdicts["defect"] == len(frames), verdicts
+        assert verdicts["error"] == 1 and verdicts["pass"] + verdicts["defect"] == 2 + len(frames), verdicts
     finally:
         agent.stop()
 

@@ -87,3 +87,28 @@ def test_requeued_requests_go_in_front_of_younger_ones_of_their_group_and_a_lost
     while (b := s.next_batch("b", timeout=0)) is not None:
         served += list(zip(ids(b), b.due))
     assert served == [("r0", 0.0), ("r1", 3.0), ("r2", 10.0)]
+
+
+def test_requests_of_a_lost_batch_run_alone_so_only_the_poison_is_given_up():
+    """A batch of three is lost (its executor died): each then runs as a batch of one, the frame that kills
+    every executor is given up after `max_lost`, its batch mates run once and are done."""
+    now = Clock()
+    s = Scheduler(["a"], "coserve", costs=FixedCosts(max_batch=8), now=now, max_lost=2)
+    poison, g1, g2 = req("p", "x"), req("g1", "x"), req("g2", "x")
+    for r in (poison, g1, g2):
+        s.submit(r)
+    b = s.next_batch("a", timeout=0)
+    assert ids(b) == ["p", "g1", "g2"]
+    s.finished(b, lost=True)
+    assert s.requeue(b.requests) == []
+    s.submit(req("g3", "x"))                              # fresh requests of the same expert
+    s.submit(req("g4", "x"))
+    first = s.next_batch("a", timeout=0)
+    assert ids(first) == ["p"]                            # alone
+    s.finished(first, lost=True)
+    assert s.requeue(first.requests) == [poison] and s.given_up == 1   # second loss: given up
+    second = s.next_batch("a", timeout=0)
+    assert ids(second) == ["g1"]                          # alone too (lost once), and it runs
+    s.finished(second)
+    assert ids(s.next_batch("a", timeout=0)) == ["g2"]
+    assert ids(s.next_batch("a", timeout=0)) == ["g3", "g4"]   # never lost: batched as usual
