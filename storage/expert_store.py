@@ -33,10 +33,10 @@ import shutil
 import tempfile
 import threading
 import uuid
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, fields
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, TypeVar
 
 from coe import CoEError, Expert, ExpertLoadError
 
@@ -57,6 +57,7 @@ MANIFEST_FORMAT = "coe-edge/expert-store"
 MANIFEST_VERSION = 2          # 2 adds compression; version 1 manifests read as uncompressed stores
 READ_VERSIONS = (1, 2)
 SUFFIX = ".safetensors"
+_T = TypeVar("_T")
 VERIFY_POLICIES = ("first", "always", "never")
 COMPRESSIONS = ("none", "exponent-zstd")
 _CHUNK = 1 << 20
@@ -159,6 +160,9 @@ class ExpertStore:
 
     def layout(self, expert_id: str) -> Layout:
         """Where each tensor sits in the expert's plain data section (cached per content)."""
+        return self._retried(expert_id, lambda: self._layout(expert_id))
+
+    def _layout(self, expert_id: str) -> Layout:
         from .compressed import read_header
 
         entry = self.entry(expert_id)
@@ -396,8 +400,12 @@ class ExpertStore:
         """The expert's tensors on the CPU, verified per the store's policy.
 
         A plain file is memory-mapped (page-cache backed); a compressed one is
-        decoded into one private buffer.
+        decoded into one private buffer.  A read that raced a promotion is
+        retried once on the new entry.
         """
+        return self._retried(expert_id, lambda: self._read(expert_id))
+
+    def _read(self, expert_id: str) -> dict[str, "torch.Tensor"]:
         from safetensors.torch import load_file
 
         entry, path = self._current(expert_id)
@@ -427,17 +435,28 @@ class ExpertStore:
 
     def read_flat(self, expert_id: str, *, pin: bool = False, method: str = "read",
                   out: "FlatWeights | None" = None, dtype: str | None = None) -> "FlatWeights":
-        """See `_read_flat`; a sha256 mismatch from a file another process just replaced is retried once."""
+        """See `_read_flat`; a read that raced a promotion is retried once on the new entry."""
+        return self._retried(expert_id, lambda: self._read_flat(expert_id, pin=pin, method=method, out=out,
+                                                                dtype=dtype))
+
+    def _retried(self, expert_id: str, attempt: Callable[[], _T]) -> _T:
+        """`attempt()`, and once more if it failed because the expert changed under it.
+
+        `experts promote` may replace a file (same name: a sha256 mismatch) or
+        install a new one and remove the old (`write_many`: the file vanishes
+        between the manifest read and the open) after this process read the
+        manifest.  If the manifest, read again, names other bytes, the error was
+        the race and the new entry is read; otherwise the error stands.
+        """
+        before = self.entry(expert_id) if self.has(expert_id) else None
         try:
-            return self._read_flat(expert_id, pin=pin, method=method, out=out, dtype=dtype)
-        except ExpertLoadError as exc:
-            if "sha256" not in str(exc):
+            return attempt()
+        except (ExpertLoadError, FileNotFoundError):
+            self.reload()
+            after = self.entry(expert_id) if self.has(expert_id) else None
+            if before is None or after is None or (after.sha256, after.file) == (before.sha256, before.file):
                 raise
-            before = self.entry(expert_id).sha256
-            self.reload()                 # `experts promote` may have rewritten it after we read the manifest
-            if not self.has(expert_id) or self.entry(expert_id).sha256 == before:
-                raise
-            return self._read_flat(expert_id, pin=pin, method=method, out=out, dtype=dtype)
+            return attempt()
 
     def _read_flat(self, expert_id: str, *, pin: bool = False, method: str = "read",
                    out: "FlatWeights | None" = None, dtype: str | None = None) -> "FlatWeights":
