@@ -40,11 +40,15 @@ class Job:
     kwargs: Mapping = field(default_factory=dict)
 
 
-def plan_workers(jobs: int, cores: int | None = None) -> tuple[int, int]:
-    """(worker processes, torch threads per worker) for `jobs` jobs on `cores` cores."""
+def plan_workers(jobs: int, cores: int | None = None, workers: int | None = None) -> tuple[int, int]:
+    """(worker processes, torch threads per worker) for `jobs` jobs on `cores` cores.
+
+    `workers` asks for a number of processes; never more than there are jobs, so the cores are
+    shared among the processes that have work.
+    """
     cores = max(1, cores or os.cpu_count() or 1)
-    workers = max(1, min(cores, jobs))
-    return workers, max(1, cores // workers)
+    n = max(1, min(workers if workers is not None else cores, jobs))
+    return n, max(1, cores // n)
 
 
 def run_jobs(jobs: Sequence[Job], *, workers: int | None = None, progress: Progress | None = None,
@@ -52,39 +56,50 @@ def run_jobs(jobs: Sequence[Job], *, workers: int | None = None, progress: Progr
     """Every job's result, in the order of `jobs`; `on_result(index, result)` runs here as each job ends."""
     if not jobs:
         return []
-    n, threads = plan_workers(len(jobs)) if workers is None else (max(1, workers), None)
+    n, threads = plan_workers(len(jobs), workers=workers)
     results: list = [None] * len(jobs)
 
     def finished(i: int, out) -> None:
         results[i] = out
         if on_result is not None:
             on_result(i, out)
-    if n == 1 or len(jobs) == 1:
+    if n == 1:
         for i, job in enumerate(jobs):
             finished(i, _call(job, progress))
         return results
-    if threads is None:
-        threads = max(1, (os.cpu_count() or 1) // n)
     import multiprocessing as mp
 
     ctx = mp.get_context("spawn")     # not fork: a forked child of a process that ran OpenMP threads can hang
     q = ctx.Queue()
     order = sorted(range(len(jobs)), key=lambda i: -jobs[i].cost)
-    with ProcessPoolExecutor(n, mp_context=ctx, initializer=_init_worker, initargs=(q, threads)) as pool:
+    pool = ProcessPoolExecutor(n, mp_context=ctx, initializer=_init_worker, initargs=(q, threads))
+    try:
         pending = {pool.submit(_run_in_worker, jobs[i].name, jobs[i].total, jobs[i].fn, jobs[i].args,
                                dict(jobs[i].kwargs)): i for i in order}
-        try:
-            while pending:
-                done, _ = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
-                _drain(q, progress)
-                for fut in done:
-                    finished(pending.pop(fut), fut.result())     # a job's error is raised here, as it raised it
-        except BaseException:
-            for fut in pending:
-                fut.cancel()
-            raise
+        while pending:
+            done, _ = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
+            _drain(q, progress)
+            for fut in done:
+                finished(pending.pop(fut), fut.result())     # a job's error is raised here, as it raised it
         _drain(q, progress)
+    except BaseException:
+        # a failed job (or Ctrl-C) ends the run now: the other jobs' work is lost anyway, so their
+        # workers are stopped rather than waited for
+        _stop(pool)
+        raise
+    pool.shutdown(wait=True)
     return results
+
+
+def _stop(pool: ProcessPoolExecutor) -> None:
+    """Cancel what has not started and terminate the workers (what runs would otherwise be waited for)."""
+    procs = list(getattr(pool, "_processes", {}).values())   # the executor has no public way to stop a job
+    pool.shutdown(wait=False, cancel_futures=True)
+    for proc in procs:
+        if proc.is_alive():
+            proc.terminate()
+    for proc in procs:
+        proc.join(timeout=5)
 
 
 def _call(job: Job, progress: Progress | None):
@@ -105,6 +120,7 @@ def _drain(q, progress: Progress | None) -> None:
 def _init_worker(q, threads: int) -> None:
     global _QUEUE
     _QUEUE = q
+    q.cancel_join_thread()     # unread progress must never keep a worker from exiting
     import torch
 
     torch.set_num_threads(threads)

@@ -23,11 +23,30 @@ def _fail(name: str, progress=None):
     raise CoEError(f"expert '{name}': cannot train")
 
 
+def _chatty_then_slow(marker: str, progress=None):
+    """Floods the progress queue (more than a pipe holds), then works long: it must be stopped, not awaited."""
+    import time
+
+    for i in range(5000):
+        progress(i + 1)
+    time.sleep(60)
+    open(marker, "w").close()
+
+
+def _fail_later(name: str, progress=None):
+    import time
+
+    time.sleep(1.0)
+    raise CoEError(f"expert '{name}': cannot train")
+
+
 def test_plan_gives_each_worker_its_share_of_the_cores():
     assert plan_workers(6, cores=2) == (2, 1)
     assert plan_workers(1, cores=16) == (1, 16)       # one job: one process with every core
     assert plan_workers(6, cores=16) == (6, 2)
     assert plan_workers(0, cores=4) == (1, 4)
+    assert plan_workers(2, cores=16, workers=8) == (2, 8)     # no more processes than jobs
+    assert plan_workers(6, cores=2, workers=1) == (1, 2)
 
 
 def test_jobs_run_in_other_processes_and_come_back_in_order_with_their_progress():
@@ -55,6 +74,14 @@ def test_a_failing_job_raises_its_own_error_here():
     jobs = [Job("ok", _count, (2,)), Job("bad", _fail, ("det-ic",))]
     with pytest.raises(CoEError, match="expert 'det-ic': cannot train"):
         run_jobs(jobs, workers=2)
+
+
+def test_a_failure_stops_the_other_workers_instead_of_waiting_for_them(tmp_path):
+    marker = tmp_path / "finished"
+    jobs = [Job("chatty", _chatty_then_slow, (str(marker),), total=5000, cost=2), Job("bad", _fail_later, ("x",))]
+    with pytest.raises(CoEError, match="expert 'x': cannot train"):
+        run_jobs(jobs, workers=2)               # 5,000 ticks: more than the pipe holds once nobody reads
+    assert not marker.exists()                  # the long job was stopped, not run to its end
 
 
 def test_state_dicts_cross_as_numpy_and_come_back_equal():
