@@ -95,13 +95,6 @@ class Agent:
             raise FileNotFoundError(
                 f"expert store {cfg.store_path} lacks {len(missing)} expert(s) of the spec, e.g. "
                 f"{', '.join(missing[:3])}; run `coe-agent zoo build --line {cfg.line}`")
-        from .runtime_select import apply_runtime
-
-        self.model, self.store, self.runtime = apply_runtime(
-            cfg.runtime, self.model, self.store, cfg.data_dir, gpu=any(ex.device.startswith("cuda")
-                                                                        for ex in cfg.executors))
-        if cfg.runtime != "torch":
-            log.info("%s", self.runtime.describe())
         self.model = self.model.with_sizes({e.id: e.nbytes for e in self.store.entries()})
         self.llm_layout = self._llm_store() if cfg.llm is not None else None
         self.llm: "LLMService | None" = None
@@ -124,6 +117,17 @@ class Agent:
 
         self.profile = Profile.load(cfg.scheduler.profile) if Path(cfg.scheduler.profile).is_file() else None
         self.slots = self._plan_executors()
+        n = len(self.slots)
+        self.threads = min((s.ex.threads or max(1, (os.cpu_count() or 1) // n)) for s in self.slots)
+        from .runtime_select import apply_runtime
+
+        # before any pool reads the store: ONNX twins, measured (auto) at the threads executors will run with
+        self.model, self.store, self.runtime = apply_runtime(
+            cfg.runtime, self.model, self.store, cfg.data_dir, threads=self.threads,
+            gpu=any(ex.device.startswith("cuda") for ex in cfg.executors))
+        if cfg.runtime != "torch":
+            log.info("%s", self.runtime.describe())
+            self.model = self.model.with_sizes({e.id: e.nbytes for e in self.store.entries()})
         self.llm_slot = self._llm_slot() if cfg.llm is not None else None
         self.probabilities = self._usage_probabilities()
         if self.llm_layout is not None:
@@ -184,8 +188,6 @@ class Agent:
         self.status_server: "StatusServer | None" = None
         # thumbnails exist for the status page and /api/frames; none are kept without it
         self.thumbnails = cfg.metrics.thumbnails if cfg.metrics.enabled else 0
-        n = len(self.slots)
-        self.threads = min((s.ex.threads or max(1, (os.cpu_count() or 1) // n)) for s in self.slots)
 
     def _cluster_view(self) -> dict:
         """The status page's cluster view: what the cluster status file last wrote, else asked now."""
@@ -395,7 +397,10 @@ class Agent:
         from .store_watch import StoreWatcher
 
         # remote pools read their node's own store: a promotion reaches them by `experts sync` and a restart
-        self.store_watch = StoreWatcher(getattr(self.store, "primary", self.store),
+        base = self.store
+        while hasattr(base, "primary"):     # an LLM store union, ONNX twins: the line's own store is underneath
+            base = base.primary
+        self.store_watch = StoreWatcher(base,
                                         lambda: [p for p in self._all_pools().values() if not getattr(p, "remote", 0)],
                                         forget=self.failed.forget,
                                         interval=cfg.store_poll_s).start()
@@ -710,8 +715,8 @@ class Agent:
         `Pool.acquire`), so the demotion copy reads the victim's own bytes.
         """
         if e.event == "evict" and executor is not None:
-            if self.exclusive and executor in self.gpu_pools and not self._closing:
-                demote(e, self.host_tier)
+            if self.exclusive and executor in self.gpu_pools and not self._closing and not e.stale:
+                demote(e, self.host_tier)    # a promotion's stale copy is dropped, not kept in the host tier
             self._by_name[executor].on_evicted(e.value)
         scheduler = getattr(self, "scheduler", None)
         if scheduler is not None:   # where the expert lives changed: queued groups' switch costs follow

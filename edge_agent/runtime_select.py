@@ -96,9 +96,12 @@ class RuntimePlan:
         return f"runtime {self.runtime}: {on}" + (f"; {len(self.refused)} kept on torch" if self.refused else "")
 
 
-def apply_runtime(runtime: str, model: CoEModel, store, data_dir: str | Path, *, gpu: bool = False,
-                  measure: Callable[[Expert], dict] | None = None):
-    """(model, store, RuntimePlan): `model` and `store` as the agent serves them under `runtime`."""
+def apply_runtime(runtime: str, model: CoEModel, store, data_dir: str | Path, *, threads: int | None = None,
+                  gpu: bool = False, measure: Callable[[Expert], dict] | None = None):
+    """(model, store, RuntimePlan): `model` and `store` as the agent serves them under `runtime`.
+
+    `threads`: what the executors will compute with; `auto` measures with exactly that many.
+    """
     plan = RuntimePlan(runtime)
     if runtime == "torch":
         return model, store, plan
@@ -107,10 +110,16 @@ def apply_runtime(runtime: str, model: CoEModel, store, data_dir: str | Path, *,
 
         if gpu:
             log.warning("runtime auto: measured on this box's CPU; GPU executors follow the CPU's choice")
-        plan.choices = measured_choices(Path(data_dir) / RUNTIMES_FILE,
-                                        [e for e in model.experts.values() if e.family in EXPORTABLE],
-                                        threads=torch.get_num_threads(), measure=measure,
-                                        progress=lambda k: log.info("runtime auto: measuring %s", k))
+        threads = threads or torch.get_num_threads()
+        before = torch.get_num_threads()
+        torch.set_num_threads(threads)      # onnxruntime's intra-op pool is set to match in the probe
+        try:
+            plan.choices = measured_choices(Path(data_dir) / RUNTIMES_FILE,
+                                            [e for e in model.experts.values() if e.family in EXPORTABLE],
+                                            threads=threads, measure=measure,
+                                            progress=lambda k: log.info("runtime auto: measuring %s", k))
+        finally:
+            torch.set_num_threads(before)
     wanted = onnx_experts(model, runtime, plan.choices)
     from executors.onnx_twins import serve_with_twins
 

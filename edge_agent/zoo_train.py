@@ -35,6 +35,8 @@ from storage.synthetic import LABELS, draw_component
 
 from executors.backends.base import IMAGENET_MEAN, IMAGENET_STD
 
+from .detector_train import CHECK_CROPS, CHECK_FROM, MAX_FALSE_ALARMS
+from .detector_train import CHECK_EVERY as DET_CHECK_EVERY
 from .train_jobs import Job, Progress, from_numpy, run_jobs, to_numpy
 
 MARKER = ".trained.json"
@@ -274,7 +276,8 @@ def train_zoo(model: CoEModel, store: ExpertStore, *, steps: int = CLASSIFIER_ST
         e = plan.expert
         recipe = {"steps": det_steps, "batch": det_batch, "seed": seed, "frame_size": frame_size, "arch": e.arch,
                   "classes": list(e.classes), "pairs": sorted(map(list, plan.pairs)), "input_size": e.input_size,
-                  "crops": EVAL_CROPS, "until": det_until}
+                  "crops": EVAL_CROPS, "until": det_until,
+                  "checks": [CHECK_FROM, DET_CHECK_EVERY, CHECK_CROPS, MAX_FALSE_ALARMS]}
         rec = marker.get(e.id, {})
         if (not force and store.has(e.id) and rec.get("sha256") == store.entry(e.id).sha256
                 and rec.get("recipe") == recipe):

@@ -24,7 +24,7 @@ import threading
 from collections.abc import Callable, Iterable
 from pathlib import Path
 
-from coe import CoEError, CoEModel, Expert
+from coe import CoEError, CoEModel, Expert, ExpertLoadError
 from storage.expert_store import ExpertStore
 from storage.store_union import StoreUnion
 
@@ -46,17 +46,26 @@ class OnnxTwins:
     def __init__(self, base: ExpertStore, *, verify: str = "first") -> None:
         self.base = base
         self.root = twin_root(base.root)
-        self.root.mkdir(parents=True, exist_ok=True)
+        try:
+            self.root.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise CoEError(f"{self.root}: cannot create the ONNX twins' store ({exc.strerror or exc}); the line's "
+                           "store must be writable for runtime onnx/auto") from None
         self.store = ExpertStore(self.root, verify=verify)
         self._sources_path = self.root / SOURCES
         self._sources: dict[str, str] = self._read_sources()
         self._lock = threading.Lock()
         self.exported: list[str] = []         # ids exported by this process (tests, logs)
+        self.attempts = 0                     # exports tried, refused ones included
         self.refused: dict[str, str] = {}     # id -> why it stays on torch
+        self._refused_sha: dict[str, str] = {}  # id -> the source sha256 whose export was refused (not retried)
 
     def _read_sources(self) -> dict[str, str]:
         try:
-            return json.loads(self._sources_path.read_text()) if self._sources_path.is_file() else {}
+            doc = json.loads(self._sources_path.read_text()) if self._sources_path.is_file() else {}
+            if not isinstance(doc, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in doc.items()):
+                raise ValueError("expected an object of expert id -> source sha256")
+            return doc
         except (OSError, ValueError) as exc:
             raise CoEError(f"{self._sources_path}: unreadable ({exc}); delete {self.root} to export again") from None
 
@@ -70,11 +79,14 @@ class OnnxTwins:
         with self._lock:
             if self.current(expert.id):
                 return True
+            if self._refused_sha.get(expert.id) == self.base.entry(expert.id).sha256:
+                return False                  # these bytes were refused already: not exported again
             return self._export(expert)
 
     def _export(self, expert: Expert) -> bool:
         from .onnx_export import export_onnx, max_output_difference, onnx_expert, onnx_tensors
 
+        self.attempts += 1
         source = self.base.entry(expert.id)
         tensors = self.base.read(expert.id)
         blob = export_onnx(expert, tensors)
@@ -83,6 +95,7 @@ class OnnxTwins:
             self.refused[expert.id] = (f"its ONNX export differs from torch by {diff:.2e} "
                                        f"(tolerance {TOLERANCE:.0e}); it runs on torch")
             log.warning("expert '%s': %s", expert.id, self.refused[expert.id])
+            self._refused_sha[expert.id] = source.sha256
             return False
         twin = onnx_expert(expert, expert.id)
         self.store.write(twin, onnx_tensors(blob), version=source.version)
@@ -113,10 +126,35 @@ class TwinOverlay(StoreUnion):
                 owner[eid] = self.twins.store
         return owner
 
-    def _of(self, expert_id: str) -> ExpertStore:
+    def _fresh(self, expert_id: str) -> ExpertStore:
+        """The store to load `expert_id` from, its twin exported again first if the source changed.
+
+        Only loads come here: the scheduler's and the status page's look-ups
+        (`entry`, `has`) never wait for an export.  A promoted expert whose
+        export is refused cannot be served from its old twin: its load fails
+        with the reason, and the expert is marked failed like any unloadable one.
+        """
         if expert_id in self._ids and not self.twins.current(expert_id):
-            self.twins.ensure(self._source.experts[expert_id])
-        return super()._of(expert_id)
+            if not self.twins.ensure(self._source.experts[expert_id]):
+                raise ExpertLoadError(expert_id, str(self.twins.root),
+                                      self.twins.refused.get(expert_id, "its ONNX export is not current"))
+        return self._of(expert_id)
+
+    def read(self, expert_id: str):
+        return self._fresh(expert_id).read(expert_id)
+
+    def read_flat(self, expert_id: str, **kw):
+        return self._fresh(expert_id).read_flat(expert_id, **kw)
+
+    def layout(self, expert_id: str):
+        return self._fresh(expert_id).layout(expert_id)
+
+    def loaded_nbytes(self, expert_id: str, dtype: str | None = None) -> int:
+        return self._fresh(expert_id).loaded_nbytes(expert_id, dtype)
+
+    @property
+    def manifest_path(self):
+        return self.primary.manifest_path
 
     def entries(self):
         return [self.entry(e.id) for e in self.primary.entries()]

@@ -29,6 +29,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 import threading
@@ -58,6 +59,7 @@ MANIFEST_VERSION = 2          # 2 adds compression; version 1 manifests read as 
 READ_VERSIONS = (1, 2)
 SUFFIX = ".safetensors"
 _T = TypeVar("_T")
+_SET_FILE = re.compile(r".+\.v\d+-[0-9a-f]{6}\.(safetensors|coez)$")   # write_many's file names
 VERIFY_POLICIES = ("first", "always", "never")
 COMPRESSIONS = ("none", "exponent-zstd")
 _CHUNK = 1 << 20
@@ -121,6 +123,21 @@ class ExpertStore:
         except OSError as exc:
             raise CoEError(f"expert store: cannot create {self.root}: {exc.strerror or exc}") from None
         self._entries: dict[str, ManifestEntry] = self._load_manifest()
+        if any(_SET_FILE.match(p.name) for p in self.root.iterdir()):
+            self._sweep_unrecorded()
+
+    def _sweep_unrecorded(self) -> None:
+        """Remove `write_many` files no manifest names: a crash between their renames and the manifest write.
+
+        Installs rename and record under the process lock, so under it a file
+        of that pattern that the manifest does not name is no one's.
+        """
+        with self._lock, self._process_lock():
+            named = {e.file for e in self._load_manifest().values()}
+            for p in self.root.iterdir():
+                if _SET_FILE.match(p.name) and p.name not in named:
+                    with contextlib.suppress(FileNotFoundError):
+                        p.unlink()
 
     # -- queries ----------------------------------------------------------------
     @property

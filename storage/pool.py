@@ -51,6 +51,7 @@ class PoolEvent:
     at: float
     value: Any = field(default=None, repr=False, compare=False)  # the evicted value, for whoever points into it
     incoming: str | None = None   # evict: the expert the room was made for (None: evicted on request)
+    stale: bool = False           # evict: a version a promotion replaced (not worth keeping in a tier below)
 
 
 @dataclass
@@ -259,7 +260,7 @@ class Pool:
         with self._cond:
             while (entry := self._entries.get(expert_id)) is not None and entry.loading:
                 self._cond.wait()
-            if entry is None:
+            if entry is None or entry.drop_on_release:   # a stale version is not handed up a tier
                 return None
             self._seq += 1
             entry.pins += 1
@@ -317,7 +318,7 @@ class Pool:
             if entry.pins:
                 entry.drop_on_release = entry.drop_on_release or when_free
                 return False
-            ev = self._evict_locked(expert_id)
+            ev = self._evict_locked(expert_id, stale=when_free)
         self._on_event(ev)
         return True
 
@@ -392,13 +393,14 @@ class Pool:
             self._probabilities, self._preliminaries, frozenset(ctx.get("queued", ())), ctx.get("future", ()),
             incoming, ctx.get("counts", {}), ctx.get("gate_scores", {}))
 
-    def _evict_locked(self, expert_id: str, incoming: str | None = None) -> PoolEvent:
+    def _evict_locked(self, expert_id: str, incoming: str | None = None, *, stale: bool = False) -> PoolEvent:
         entry = self._entries.get(expert_id)
         if entry is None or entry.pins or entry.loading:
             raise CoEError(f"policy {self.policy.name} chose '{expert_id}', which is pinned or absent, as a victim")
         del self._entries[expert_id]
         self._stats.evictions += 1
-        return PoolEvent(expert_id, self.tier, "evict", entry.nbytes, 0.0, time.time(), entry.value, incoming)
+        return PoolEvent(expert_id, self.tier, "evict", entry.nbytes, 0.0, time.time(), entry.value, incoming,
+                         stale=stale or entry.drop_on_release)
 
 
 def initialize(pools: list[Pool], order: list[str]) -> dict[str, list[str]]:

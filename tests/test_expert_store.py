@@ -290,3 +290,14 @@ def test_a_write_many_that_fails_part_way_changes_nothing(tmp_path: Path) -> Non
     assert sorted(p.name for p in tmp_path.glob("*.safetensors")) == ["cls-a.safetensors"]
     with pytest.raises(CoEError, match="named twice in one change: cls-a"):
         store.write_many([(expert("cls-a"), tensors(1), 2), (expert("cls-a"), tensors(2), 3)])
+
+
+def test_files_a_crashed_write_many_left_unrecorded_are_swept_on_open(tmp_path: Path) -> None:
+    store = ExpertStore(tmp_path)
+    kept = store.write_many([(expert("cls-a"), tensors(0), 1)])[0].file
+    orphan = tmp_path / "det-b.v2-0a1b2c.safetensors"          # renamed into place, manifest never written
+    orphan.write_bytes(b"x")
+    mine = tmp_path / "notes.v1-000000.txt"                    # not the store's pattern: left alone
+    mine.write_bytes(b"y")
+    ExpertStore(tmp_path)
+    assert not orphan.exists() and (tmp_path / kept).exists() and mine.exists()

@@ -301,6 +301,11 @@ def test_a_stale_copy_marked_while_held_goes_with_the_release_that_frees_it():
     assert p.contains("a")                                              # one still holds it
     p.release(a2)
     assert not p.present("a") and events[-1].event == "evict" and events[-1].expert_id == "a"
+    assert events[-1].stale                                             # not to be demoted into a tier below
+    c = p.acquire("c")
+    assert not p.discard("c", when_free=True) and p.hold("c") is None   # a marked copy is not handed up a tier
+    p.release(c)
+    assert not p.present("c")
     b = p.acquire("b")
     assert not p.discard("b") and (p.release(b) or p.contains("b"))    # unmarked: a release keeps it
 

@@ -71,15 +71,19 @@ def test_a_candidate_runs_in_its_own_agent_and_the_gate_catches_it(tmp_path, tin
     assert again.exit_code != 0 and "fresh directory" in again.output
 
 
-def test_promotion_under_a_running_replay_loses_and_duplicates_nothing(tmp_path, tiny_zoo, tiny_recording):
-    """Frames keep flowing while the candidate is promoted; the frames sent after it run on version 2."""
+@pytest.mark.parametrize("runtime", ["torch", "onnx"])
+def test_promotion_under_a_running_replay_loses_and_duplicates_nothing(tmp_path, tiny_zoo, tiny_recording, runtime):
+    """Frames keep flowing while the candidate is promoted; the frames sent after it run on version 2.
+
+    With `runtime: onnx` the line serves ONNX twins: the promotion is exported again before version 2 runs.
+    """
     from edge_agent.agent import Agent
     from edge_agent.config import load_config
     from edge_agent.replay import recording_messages, send_messages
     from storage.recording import Recording
 
     store = _copy(tiny_zoo, tmp_path / "store")
-    config = write_line(tmp_path / "line", store=store.root, store_poll_s=0.05)
+    config = write_line(tmp_path / "line", store=store.root, store_poll_s=0.05, runtime=runtime)
     cand = _copy(tiny_zoo, tmp_path / "cand")                                # the same weights, new versions
     rec = Recording(tiny_recording)
     messages = list(recording_messages(rec))
@@ -96,7 +100,7 @@ def test_promotion_under_a_running_replay_loses_and_duplicates_nothing(tmp_path,
         sender.join(60)
         assert agent.wait_verdicts(len(first), timeout=120)
         deadline = time.monotonic() + 10
-        while (agent.store.entry("cls-r0402").version != 2 or agent.store_watch.pending()) \
+        while (agent.store_watch.store.entry("cls-r0402").version != 2 or agent.store_watch.pending()) \
                 and time.monotonic() < deadline:
             time.sleep(0.02)                         # the watcher has seen the promotion and settled every pool
         later = send_messages(second, agent.endpoints["ingest"], window=8)
@@ -116,6 +120,8 @@ def test_promotion_under_a_running_replay_loses_and_duplicates_nothing(tmp_path,
     assert all(v[1] in ("pass", "defect") for v in verdicts)               # no errors from the swap
     assert late == [(2,)]                                                   # after the promotion: version 2
     assert all(json.loads(v[2]) for v in verdicts)
+    if runtime == "onnx":
+        assert agent.store.twins.current("cls-r0402") and agent.store.entry("cls-r0402").arch.startswith("onnx/")
 
 
 def test_the_watcher_drops_stale_copies_once_no_batch_holds_them(tmp_path, tiny_zoo):

@@ -132,3 +132,32 @@ def test_runtime_onnx_with_executors_on_other_boxes_is_refused_by_name(tmp_path,
                      executors=[{"device": "cpu", "memory": "20MB", "node": "box-2"}])
     with pytest.raises(SpecError, match="key 'runtime': 'onnx' needs each expert's ONNX export"):
         load_config(cfg, env={})
+
+
+def test_a_promotion_whose_export_is_refused_fails_its_load_instead_of_serving_the_old_twin(tmp_path, tiny_zoo,
+                                                                                           monkeypatch):
+    from coe import ExpertLoadError
+    import executors.onnx_twins as ot
+
+    shutil.copytree(tiny_zoo, tmp_path / "experts")
+    base = ExpertStore(tmp_path / "experts")
+    _, store, plan = apply_runtime("onnx", MODEL, base, tmp_path / "data")
+    assert "cls-r0402" in plan.onnx
+    e = MODEL.experts["cls-r0402"]
+    base.write(e, {k: (v + 0.01 if v.is_floating_point() else v) for k, v in base.read(e.id).items()}, version=2)
+    monkeypatch.setattr(ot, "TOLERANCE", -1.0)                 # this export, and any, is now refused
+    tried = store.twins.attempts
+    assert store.entry("cls-r0402").version == 1               # a look-up never exports (the scheduler's path)
+    assert store.twins.attempts == tried
+    for _ in range(2):
+        with pytest.raises(ExpertLoadError, match="differs from torch by"):
+            store.read_flat("cls-r0402")
+    assert store.twins.attempts == tried + 1                   # refused once, not exported again on every load
+
+
+def test_the_twins_record_must_be_an_object_of_ids(tmp_path, tiny_zoo):
+    shutil.copytree(tiny_zoo, tmp_path / "experts")
+    (tmp_path / "experts" / TWIN_DIR).mkdir()
+    (tmp_path / "experts" / TWIN_DIR / "sources.json").write_text("[1, 2]")
+    with pytest.raises(CoEError, match="sources.json: unreadable .*expected an object"):
+        OnnxTwins(ExpertStore(tmp_path / "experts"))
