@@ -449,13 +449,21 @@ class RemoteExecutor:
                 if not self._rejoin():
                     time.sleep(min(self.rejoin_s, 0.25) if self.scheduler.drained(self.name) else self.rejoin_s)
                 continue
-            batch = self.scheduler.next_batch(self.name, timeout=0.25)
-            if batch is None:
-                if self.scheduler.drained(self.name):
-                    return
-                self._check()   # idle: a dead node is found now, not at its next batch
-                continue
-            self._serve(batch)
+            try:
+                batch = self.scheduler.next_batch(self.name, timeout=0.25)
+                if batch is None:
+                    if self.scheduler.drained(self.name):
+                        return
+                    self._check()   # idle: a dead node is found now, not at its next batch
+                    continue
+                self._serve(batch)
+            except Exception as exc:  # noqa: BLE001 - a dead serving thread would strand every request it holds
+                log.exception("executor %s on node %s: serving failed", self.name, self.node)
+                held, self.inflight = self.inflight, None
+                if held is not None:
+                    self.scheduler.finished(held, lost=True)
+                if self.up:
+                    self._lose(exc, held)
 
     def _check(self) -> None:
         """The idle health check, without blocking: a ping goes out once the actor has been quiet for
@@ -485,20 +493,28 @@ class RemoteExecutor:
     def _serve(self, batch: Batch) -> None:
         import ray
 
+        self.inflight = batch
         self.pool.loading(batch.expert_id)
         nxt = self.scheduler.next_expert(self.name, batch.expert_id)
         frames = [(r.frame.frame_id, r.frame.image) for r in batch.requests]
-        self.inflight = batch
-        self.sent += 1
         try:
             blob = pickle.dumps((batch.id, batch.expert_id, frames, nxt), protocol=5)
-            reply = pickle.loads(ray.get(self.actor.run_packed.remote(blob), timeout=self.call_timeout))
+        except Exception as exc:  # noqa: BLE001 - this box's fault, not the node's: an error result, no loss
+            self._front_error(batch, f"cannot send the batch to node {self.node}: {_short(exc)}")
+            return
+        self.sent += 1
+        try:
+            raw = ray.get(self.actor.run_packed.remote(blob), timeout=self.call_timeout)
         except Exception as exc:  # noqa: BLE001 - RayActorError, node death, timeout: the batch is lost there
             self.scheduler.finished(batch, lost=True)
             self.inflight = None
             self._lose(exc, batch)
             return
-        self.inflight = None
+        try:
+            reply = pickle.loads(raw)
+        except Exception as exc:  # noqa: BLE001 - an answer this box cannot read: the batch ran, its result is lost
+            self._front_error(batch, f"cannot read node {self.node}'s answer: {_short(exc)}")
+            return
         self._contact = time.monotonic()
         self._ping = None   # the answer proves the actor alive; an earlier ping's answer adds nothing
         if reply["report"] is not None:
@@ -508,13 +524,26 @@ class RemoteExecutor:
         result = BatchResult(batch, self.name, f"{self.device}@{self.node}", reply["started_at"], reply["seconds"],
                              outputs=reply["outputs"], error=reply["error"], error_kind=reply["error_kind"],
                              expert_version=reply["version"])
+        self.inflight = None      # from here the result is delivered whatever happens (`_deliver`)
         self.scheduler.finished(batch)
         self.batches += 1
+        self._deliver(result)
+
+    def _front_error(self, batch: Batch, msg: str) -> None:
+        """The batch's frames get an error result for a fault on this box (not a node loss, not retried)."""
+        self.inflight = None
+        self.pool.settled(batch.expert_id)
+        self.scheduler.finished(batch)
+        self._deliver(BatchResult(batch, self.name, f"{self.device}@{self.node}", time.time(), 0.0,
+                                  error=msg, error_kind="expert_run"))
+
+    def _deliver(self, result: BatchResult) -> None:
+        """Hand a result to the agent; if that fails, an error result for the same frames, so none is lost."""
         try:
             self._on_result(result)
         except Exception:  # noqa: BLE001 - as Executor: the frames still get verdicts
-            log.exception("handling the result of batch %d from %s failed", batch.id, self.name)
-            self._on_result(BatchResult(batch, self.name, self.device, result.started_at, result.seconds,
+            log.exception("handling the result of batch %d from %s failed", result.batch.id, self.name)
+            self._on_result(BatchResult(result.batch, self.name, self.device, result.started_at, result.seconds,
                                         error="internal error after the batch ran", error_kind="internal"))
 
     def _lose(self, exc: BaseException, batch: Batch | None) -> None:
@@ -548,10 +577,10 @@ class RemoteExecutor:
                    f"{self.scheduler.max_lost} times; last on executor {self.name}, node {self.node}: {why}")
             log.error("%s", msg)
             try:
-                self._on_result(BatchResult(Batch(self.name, batch.expert_id, gone, id=batch.id), self.name,
-                                            f"{self.device}@{self.node}", time.time(), 0.0, error=msg,
-                                            error_kind="executor_lost"))
-            except Exception:  # noqa: BLE001 - as in _serve: this thread must go on rejoining
+                self._deliver(BatchResult(Batch(self.name, batch.expert_id, gone, id=batch.id), self.name,
+                                          f"{self.device}@{self.node}", time.time(), 0.0, error=msg,
+                                          error_kind="executor_lost"))
+            except Exception:  # noqa: BLE001 - even the fallback failed: this thread must go on rejoining
                 log.exception("handling the given-up batch %d from %s failed", batch.id, self.name)
 
     def _rejoin(self) -> bool:

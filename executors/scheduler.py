@@ -407,10 +407,13 @@ class Scheduler:
             x = group.expert_id
             cap = self._cap(executor, x)
             take = min(cap, len(group.requests))
-            if self._lost and group.requests[0].id in self._lost:
+            if self._lost:
                 # a request already lost with an executor runs alone: a batch that kills whatever runs it is
                 # narrowed to the frame that does, and the others of that batch are not given up with it
-                take = 1
+                if group.requests[0].id in self._lost:
+                    take = 1
+                else:                          # ... and it joins no younger request's batch either
+                    take = next((i for i in range(1, take) if group.requests[i].id in self._lost), take)
             group.drain = max(group.drain - take, 0)
             requests = [group.requests.popleft() for _ in range(take)]
             dues = [group.times.popleft() for _ in range(take)]

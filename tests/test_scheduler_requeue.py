@@ -112,3 +112,27 @@ def test_requests_of_a_lost_batch_run_alone_so_only_the_poison_is_given_up():
     s.finished(second)
     assert ids(s.next_batch("a", timeout=0)) == ["g2"]
     assert ids(s.next_batch("a", timeout=0)) == ["g3", "g4"]   # never lost: batched as usual
+
+
+def test_a_request_lost_once_joins_no_batch_of_younger_requests_either():
+    """Its kept due time can sit behind a fresh request's: then the fresh ones go without it, and it alone."""
+    now = Clock()
+    s = Scheduler(["a", "b"], "coserve", costs=FixedCosts(max_batch=8), now=now)
+    s.retire("b")
+    now.t = 5.0
+    s.submit(req("p", "x"))                               # due at 5
+    b = s.next_batch("a", timeout=0)
+    s.finished(b, lost=True)
+    s.restore("b")
+    s.retire("a")
+    now.t = 6.0
+    s.submit(req("g", "x"))                               # queued on b before p comes back
+    now.t = 0.0
+    s.submit(req("h", "x"))
+    assert s.requeue(b.requests) == []
+    batches = []
+    while (nb := s.next_batch("b", timeout=0)) is not None:
+        batches.append(ids(nb))
+        s.finished(nb)
+    assert sorted(sum(batches, [])) == ["g", "h", "p"]
+    assert ["p"] in batches                               # never batched with the others
