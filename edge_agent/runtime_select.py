@@ -19,11 +19,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from coe import CoEError, CoEModel, Expert
+from executors.onnx_twins import EXPORTABLE
 
 log = logging.getLogger(__name__)
 
 RUNTIMES_FILE = "runtimes.json"
-EXPORTABLE = ("torchvision", "ultralytics")
 
 
 def runtime_key(expert: Expert) -> str:
