@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 
 from coe import CoEError
 from executors.links import DEFAULT_FRAME_BYTES, Link, Links
-from executors.remote import RESOURCE_PREFIX, RemoteSpec, node_resource
+from executors.remote import RESOURCE_PREFIX, RemoteSpec, node_resource, short_error
 
 if TYPE_CHECKING:
     from .config import ClusterConfig, LineConfig
@@ -164,7 +164,7 @@ def _median_rtt(call, rounds: int) -> float:
     times = []
     for _ in range(rounds):
         t = time.perf_counter()
-        ray.get(call())
+        ray.get(call(), timeout=60)       # a hung node fails the probe rather than hanging the command
         times.append(time.perf_counter() - t)
     times.sort()
     return times[len(times) // 2]
@@ -195,6 +195,8 @@ def measure_link(node: str, *, rounds: int = 50, frame_bytes: int = DEFAULT_FRAM
         empty = _median_rtt(lambda: actor.ping.remote(), rounds)
         loaded = _median_rtt(lambda: actor.ping.remote(frames), rounds)
         real = _median_rtt(lambda: actor.work.remote(one, work_s), rounds)
+    except ray.exceptions.RayError as exc:
+        raise CoEError(f"node {node}: the link probe failed: {short_error(exc)}") from None
     finally:
         ray.kill(actor)
     transfer = max(loaded - empty, 1e-7)
@@ -297,6 +299,8 @@ def sync_store(cfg: "LineConfig", nodes: list[str] | None = None, *, progress=la
             out[node] = {"store": dest, "sent": sent, "bytes": nbytes, "unchanged": len(files) - sent}
             progress(f"{node}: {sent} file(s) sent ({nbytes / 1e6:.1f} MB), {len(files) - sent} already there, "
                      f"store {dest}")
+        except ray.exceptions.RayError as exc:
+            raise CoEError(f"experts sync: node {node} (store {dest}): {short_error(exc)}") from None
         finally:
             ray.kill(w)
     return out

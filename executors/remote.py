@@ -413,7 +413,7 @@ class RemoteExecutor:
         except Exception as exc:  # noqa: BLE001 - any failure to come up is this node's, named
             ray.kill(actor)
             raise CoEError(f"executor {self.name} on node {self.node}: the actor did not come up: "
-                           f"{_short(exc)}") from None
+                           f"{short_error(exc)}") from None
         self.actor = actor
         self._apply(report)
         self.up, self.state = True, "up"
@@ -500,7 +500,7 @@ class RemoteExecutor:
         try:
             blob = pickle.dumps((batch.id, batch.expert_id, frames, nxt), protocol=5)
         except Exception as exc:  # noqa: BLE001 - this box's fault, not the node's: an error result, no loss
-            self._front_error(batch, f"cannot send the batch to node {self.node}: {_short(exc)}")
+            self._front_error(batch, f"cannot send the batch to node {self.node}: {short_error(exc)}")
             return
         self.sent += 1
         try:
@@ -513,7 +513,7 @@ class RemoteExecutor:
         try:
             reply = pickle.loads(raw)
         except Exception as exc:  # noqa: BLE001 - an answer this box cannot read: the batch ran, its result is lost
-            self._front_error(batch, f"cannot read node {self.node}'s answer: {_short(exc)}")
+            self._front_error(batch, f"cannot read node {self.node}'s answer: {short_error(exc)}")
             return
         self._contact = time.monotonic()
         self._ping = None   # the answer proves the actor alive; an earlier ping's answer adds nothing
@@ -521,8 +521,11 @@ class RemoteExecutor:
             self._apply(reply["report"])
         else:
             self.pool.settled(batch.expert_id)
+        error = reply["error"]
+        if error is not None and not error.startswith("node "):
+            error = f"node {self.node} ({self.name}): {error}"   # a node's own store fault reads as that node's
         result = BatchResult(batch, self.name, f"{self.device}@{self.node}", reply["started_at"], reply["seconds"],
-                             outputs=reply["outputs"], error=reply["error"], error_kind=reply["error_kind"],
+                             outputs=reply["outputs"], error=error, error_kind=reply["error_kind"],
                              expert_version=reply["version"])
         self.inflight = None      # from here the result is delivered whatever happens (`_deliver`)
         self.scheduler.finished(batch)
@@ -556,7 +559,7 @@ class RemoteExecutor:
         """
         import ray
 
-        why = _short(exc)
+        why = short_error(exc)
         self.up, self.state = False, f"lost: {why}"
         self._ping = None
         self.lost += 1
@@ -593,7 +596,7 @@ class RemoteExecutor:
             order = sorted(self.model.experts, key=lambda e: -self.spec.probabilities.get(e, 0.0))
             self._connect(order)
         except Exception as exc:  # noqa: BLE001 - not back yet
-            log.info("executor %s: node %s not back yet (%s)", self.name, self.node, _short(exc))
+            log.info("executor %s: node %s not back yet (%s)", self.name, self.node, short_error(exc))
             return False
         self.rejoined += 1
         self.scheduler.restore(self.name)
@@ -618,7 +621,7 @@ _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 _RAISED = re.compile(r"^(?:[A-Za-z_]\w*\.)*([A-Za-z_]\w*): (.*)$")   # 'coe.errors.CoEError: message' in a traceback
 
 
-def _short(exc: BaseException, limit: int = 600) -> str:
+def short_error(exc: BaseException, limit: int = 600) -> str:
     """One line for logs, the state and error verdicts that keeps what the remote side said.
 
     Ray wraps a remote exception with its traceback: a task's (`RayTaskError`)

@@ -333,7 +333,7 @@ def test_a_batch_that_outlasts_the_call_timeout_every_time_is_given_up(cluster, 
 
 def test_a_remote_failure_keeps_the_remote_exceptions_own_message_and_hint(cluster, tiny_zoo, tmp_path):
     from edge_agent.cluster import _StoreWriter
-    from executors.remote import _short, node_resource
+    from executors.remote import node_resource, short_error
 
     # box-2's own store was never synced: the actor's creation fails there, and the hint survives Ray's wrapping
     cfg = load_config(_line(tmp_path, tiny_zoo, cluster, [LOCAL, _remote("box-2")]), env={})
@@ -351,7 +351,7 @@ def test_a_remote_failure_keeps_the_remote_exceptions_own_message_and_hint(clust
             ray.get(w.put.remote("../escape", b"x", "0"), timeout=60)
     finally:
         ray.kill(w)
-    assert _short(err.value) == "ValueError: refusing store file name '../escape'"
+    assert short_error(err.value) == "ValueError: refusing store file name '../escape'"
 
 
 def test_a_gpu_actor_sees_the_nodes_gpus_so_cuda_1_means_the_nodes_gpu_1(cluster):
