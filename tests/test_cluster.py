@@ -292,6 +292,37 @@ def test_a_batch_that_kills_every_actor_it_reaches_is_given_up_with_an_error_ver
         agent.stop()
 
 
+def test_an_expert_that_fails_on_a_node_gives_error_verdicts_that_name_the_node(cluster, tiny_zoo, tmp_path,
+                                                                                 recording):
+    """box-2's own copy of one expert is corrupt (the front box's is fine): its frames get error verdicts whose
+    reason says which node failed, and every frame still gets exactly one verdict."""
+    from pathlib import Path
+
+    from edge_agent.cluster import sync_store
+    from storage.expert_store import ExpertStore
+
+    rec = Recording(recording)
+    cfg = load_config(_line(tmp_path, tiny_zoo, cluster, [_remote("box-2")]), env={})
+    sync_store(cfg)
+    node_store = ExpertStore(cfg.cluster.stores["box-2"])
+    bad = node_store.path("cls-r0402")
+    data = bytearray(Path(bad).read_bytes())
+    data[-1] ^= 0xFF                                                  # a disk error on that box only
+    Path(bad).write_bytes(bytes(data))
+    agent = Agent(cfg).start()
+    try:
+        assert replay(rec, agent.endpoints["ingest"], window=16).accepted == len(rec)
+        assert agent.wait_verdicts(len(rec), timeout=180)
+    finally:
+        agent.stop()
+    rows = verdict_rows(cfg.db_path)
+    assert Counter(r["frame_id"] for r in rows) == Counter(f.header["frame_id"] for f in rec)
+    errors = [r for r in rows if r["verdict"] == "error"]
+    assert errors, Counter(r["verdict"] for r in rows)              # the tiny recording holds R0402 parts
+    assert all("node box-2 (box-2/cpu-0.0)" in r["reason"] and "cls-r0402" in r["reason"] for r in errors), \
+        errors[0]["reason"]
+
+
 def test_a_node_not_in_the_cluster_and_an_unreachable_address_are_named(cluster, tiny_zoo, tmp_path):
     cfg = load_config(_line(tmp_path, tiny_zoo, cluster, [LOCAL, _remote("box-9")]), env={})
     with pytest.raises(CoEError, match="node 'box-9'.*not in the cluster"):
