@@ -540,7 +540,9 @@ class Agent:
         drained = self.wait_idle(timeout)
         self.scheduler.close()
         for ex in self.executors:
-            ex.join(timeout=10)
+            # a remote executor may be waiting on its node for up to call_timeout_s: its answer (or its
+            # hand-back) must reach the writer before the writer stops
+            ex.join(timeout=max(10.0, getattr(ex, "call_timeout", 0.0) + 5.0))
         if getattr(self, "cluster_status", None) is not None:
             self.cluster_status.stop()
         self._closing = True                  # closing GPU pools does not demote into the host tier
