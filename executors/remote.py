@@ -238,6 +238,15 @@ class ExecutorHost:
     def ping(self, payload: Any = None) -> Any:
         return payload
 
+    def heartbeat(self) -> dict | None:
+        """The idle health check's answer: the pool's report when it changed since the last one (a prefetch
+        that landed after the last batch's reply, say), else None."""
+        return self.report() if self._events else None
+
+    def resident(self) -> list[str]:
+        """What the pool holds now (read-only: no events are consumed)."""
+        return sorted(self.pool.resident())
+
     def report(self) -> dict:
         """Residency, stats and the events since the last report (the front's RemotePool follows them)."""
         st = self.pool.stats()
@@ -474,7 +483,7 @@ class RemoteExecutor:
         now = time.monotonic()
         if self._ping is None:
             if now - self._contact > self.rejoin_s:
-                self._ping = (self.actor.ping.remote(), now)
+                self._ping = (self.actor.heartbeat.remote(), now)
             return
         ref, sent = self._ping
         ready, _ = ray.wait([ref], timeout=0)
@@ -485,10 +494,13 @@ class RemoteExecutor:
             return
         self._ping = None
         try:
-            ray.get(ref)
+            report = ray.get(ref)
             self._contact = now
         except Exception as exc:  # noqa: BLE001 - any failure to answer is the node's or the actor's
             self._lose(exc, None)
+            return
+        if report is not None:
+            self._apply(report)     # residency changed while idle: the front's switch costs follow
 
     def _serve(self, batch: Batch) -> None:
         import ray

@@ -133,6 +133,10 @@ def test_a_replay_across_two_nodes_gives_one_verdict_per_frame_and_the_same_verd
                 view = {e["name"]: e for e in json.loads(r.read())["executors"]}["box-2/cpu-1.0"]
             return view["resident"] == sorted(remote.pool.resident()) and view["batches"] == remote.batches
         _until(fresh, 15, "the cluster view follows the remote pool's residency")   # rewritten every second
+        # idle, the heartbeat carries what changed since the last batch (a prefetch landing after its reply):
+        # the front's view of the remote pool comes to equal what the actor's pool really holds
+        _until(lambda: sorted(remote.pool.resident()) == ray.get(remote.actor.resident.remote(), timeout=10),
+               15, "the front's view of the remote pool equals the actor's own residency")
     finally:
         agent.stop()
     rows = verdict_rows(cfg.db_path)
