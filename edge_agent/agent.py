@@ -402,7 +402,7 @@ class Agent:
             base = base.primary
         self.store_watch = StoreWatcher(base,
                                         lambda: [p for p in self._all_pools().values() if not getattr(p, "remote", 0)],
-                                        forget=self.failed.forget,
+                                        forget=self.failed.forget, prepare=getattr(self.store, "prepare", None),
                                         interval=cfg.store_poll_s).start()
         self.cluster_status = None
         if cfg.cluster is not None:

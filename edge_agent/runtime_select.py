@@ -13,12 +13,12 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from coe import CoEError, CoEModel, Expert
+from coe.files import write_json_atomic
 from executors.onnx_twins import EXPORTABLE
 
 log = logging.getLogger(__name__)
@@ -71,10 +71,7 @@ def measured_choices(path: Path, experts: Iterable[Expert], *, threads: int,
             progress(key)
         kept[key] = measure(firsts[key])
     if todo:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_name(path.name + ".tmp")
-        tmp.write_text(json.dumps({"threads": threads, "archs": kept}, indent=1, sort_keys=True) + "\n")
-        os.replace(tmp, path)
+        write_json_atomic(path, {"threads": threads, "archs": kept})
     return {k: kept[k]["auto"] for k in firsts}
 
 

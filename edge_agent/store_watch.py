@@ -22,8 +22,11 @@ class StoreWatcher:
     """A daemon thread comparing each pool's resident versions with the store's manifest."""
 
     def __init__(self, store, pools: Callable[[], Iterable], *, forget: Callable[[str], None],
-                 interval: float = 0.5) -> None:
+                 interval: float = 0.5, prepare: Callable[[str], None] | None = None) -> None:
         self.store, self._pools, self._forget, self.interval = store, pools, forget, interval
+        # run on this thread for each expert with a new version, before its stale copies go (ONNX twins:
+        # the export happens here, not on a load that sizes it under a pool's lock)
+        self._prepare = prepare
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="store-watch", daemon=True)
         self._mtime = self._stamp()
@@ -69,6 +72,11 @@ class StoreWatcher:
             for e in self.store.entries():
                 if self._seen.get(e.id) != e.version:
                     self._forget(e.id)
+                    if self._prepare is not None:
+                        try:
+                            self._prepare(e.id)
+                        except Exception:  # noqa: BLE001 - the load path prepares it again and reports why
+                            log.exception("expert %s: preparing version %s failed", e.id, e.version)
                     self._changed.add(e.id)
                     log.info("expert %s: version %s in the store now (was %s)", e.id, e.version, self._seen.get(e.id))
                     self._seen[e.id] = e.version

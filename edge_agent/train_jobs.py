@@ -21,7 +21,7 @@ import os
 import queue as queue_mod
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 Progress = Callable[[str, int, int], None]
 
@@ -37,7 +37,6 @@ class Job:
     args: tuple = ()
     total: int = 0
     cost: float = 1.0               # expected core-seconds: only the start order depends on it
-    kwargs: Mapping = field(default_factory=dict)
 
 
 def plan_workers(jobs: int, cores: int | None = None, workers: int | None = None) -> tuple[int, int]:
@@ -74,8 +73,8 @@ def run_jobs(jobs: Sequence[Job], *, workers: int | None = None, progress: Progr
     order = sorted(range(len(jobs)), key=lambda i: -jobs[i].cost)
     pool = ProcessPoolExecutor(n, mp_context=ctx, initializer=_init_worker, initargs=(q, threads))
     try:
-        pending = {pool.submit(_run_in_worker, jobs[i].name, jobs[i].total, jobs[i].fn, jobs[i].args,
-                               dict(jobs[i].kwargs)): i for i in order}
+        pending = {pool.submit(_run_in_worker, jobs[i].name, jobs[i].total, jobs[i].fn, jobs[i].args): i
+                   for i in order}
         while pending:
             done, _ = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
             _drain(q, progress)
@@ -104,7 +103,7 @@ def _stop(pool: ProcessPoolExecutor) -> None:
 
 def _call(job: Job, progress: Progress | None):
     tick = (lambda step: progress(job.name, step, job.total)) if progress else None
-    return job.fn(*job.args, progress=tick, **job.kwargs)
+    return job.fn(*job.args, progress=tick)
 
 
 def _drain(q, progress: Progress | None) -> None:
@@ -126,8 +125,8 @@ def _init_worker(q, threads: int) -> None:
     torch.set_num_threads(threads)
 
 
-def _run_in_worker(name: str, total: int, fn: Callable, args: tuple, kwargs: dict):
-    return fn(*args, progress=lambda step: _QUEUE.put((name, step, total)), **kwargs)
+def _run_in_worker(name: str, total: int, fn: Callable, args: tuple):
+    return fn(*args, progress=lambda step: _QUEUE.put((name, step, total)))
 
 
 def to_numpy(tensors: Mapping) -> dict:

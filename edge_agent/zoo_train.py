@@ -21,7 +21,6 @@ store), so the demo trains on its first run and reuses the result after.
 from __future__ import annotations
 
 import json
-import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -30,6 +29,7 @@ from pathlib import Path
 import numpy as np
 
 from coe import CoEError, CoEModel, Expert
+from coe.files import write_json_atomic
 from storage.expert_store import ExpertStore
 from storage.synthetic import LABELS, draw_component
 
@@ -333,9 +333,7 @@ def _detector_job(plan, steps: int, batch: int, seed: int, frame_size: int, unti
 
 def _write_marker(path: Path, marker: dict) -> None:
     """Replace the training record atomically: a crash mid-write must not leave a record that reads as garbage."""
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_text(json.dumps(marker, indent=1, sort_keys=True) + "\n")
-    os.replace(tmp, path)
+    write_json_atomic(path, marker)
 
 
 def _read_marker(store: ExpertStore) -> tuple[Path, dict]:

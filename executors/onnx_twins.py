@@ -25,6 +25,7 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 from coe import CoEError, CoEModel, Expert, ExpertLoadError
+from coe.files import write_json_atomic
 from storage.expert_store import ExpertStore
 from storage.store_union import StoreUnion
 
@@ -100,9 +101,7 @@ class OnnxTwins:
         twin = onnx_expert(expert, expert.id)
         self.store.write(twin, onnx_tensors(blob), version=source.version)
         self._sources[expert.id] = source.sha256
-        tmp = self._sources_path.with_name(SOURCES + ".tmp")
-        tmp.write_text(json.dumps(self._sources, indent=1, sort_keys=True) + "\n")
-        os.replace(tmp, self._sources_path)
+        write_json_atomic(self._sources_path, self._sources)
         self.exported.append(expert.id)
         return True
 
@@ -129,8 +128,11 @@ class TwinOverlay(StoreUnion):
     def _fresh(self, expert_id: str) -> ExpertStore:
         """The store to load `expert_id` from, its twin exported again first if the source changed.
 
-        Only loads come here: the scheduler's and the status page's look-ups
-        (`entry`, `has`) never wait for an export.  A promoted expert whose
+        Only reads come here, which a pool runs outside its lock: look-ups
+        (`entry`, `has`, sizes, layouts; the scheduler's, the status page's, a
+        pool's `size` under its lock) never wait for an export.  The store
+        watcher exports a promoted expert first (`prepare`); a load that races
+        it is sized by the old twin (a few KB apart) and exported here.  A promoted expert whose
         export is refused cannot be served from its old twin: its load fails
         with the reason, and the expert is marked failed like any unloadable one.
         """
@@ -140,17 +142,17 @@ class TwinOverlay(StoreUnion):
                                       self.twins.refused.get(expert_id, "its ONNX export is not current"))
         return self._of(expert_id)
 
+    def prepare(self, expert_id: str) -> None:
+        """Export `expert_id`'s twin again now if its source changed (the store watcher calls it on a
+        promotion, off the load path, so the next load is sized by the new twin)."""
+        if expert_id in self._ids and not self.twins.current(expert_id):
+            self.twins.ensure(self._source.experts[expert_id])
+
     def read(self, expert_id: str):
         return self._fresh(expert_id).read(expert_id)
 
     def read_flat(self, expert_id: str, **kw):
         return self._fresh(expert_id).read_flat(expert_id, **kw)
-
-    def layout(self, expert_id: str):
-        return self._fresh(expert_id).layout(expert_id)
-
-    def loaded_nbytes(self, expert_id: str, dtype: str | None = None) -> int:
-        return self._fresh(expert_id).loaded_nbytes(expert_id, dtype)
 
     @property
     def manifest_path(self):

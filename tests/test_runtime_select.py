@@ -161,3 +161,22 @@ def test_the_twins_record_must_be_an_object_of_ids(tmp_path, tiny_zoo):
     (tmp_path / "experts" / TWIN_DIR / "sources.json").write_text("[1, 2]")
     with pytest.raises(CoEError, match="sources.json: unreadable .*expected an object"):
         OnnxTwins(ExpertStore(tmp_path / "experts"))
+
+
+def test_the_store_watcher_exports_a_promoted_expert_before_any_load_needs_it(tmp_path, tiny_zoo):
+    import time
+
+    from edge_agent.store_watch import StoreWatcher
+
+    shutil.copytree(tiny_zoo, tmp_path / "experts")
+    base = ExpertStore(tmp_path / "experts")
+    _, store, _ = apply_runtime("onnx", MODEL, base, tmp_path / "data")
+    watch = StoreWatcher(base, lambda: [], forget=lambda _eid: None, prepare=store.prepare)
+    e = MODEL.experts["det-2term"]
+    time.sleep(0.01)
+    ExpertStore(base.root).write(e, {k: (v + 0.01 if v.is_floating_point() else v)
+                                     for k, v in base.read(e.id).items()}, version=2)   # another process promotes
+    tried = store.twins.attempts
+    watch.tick()
+    assert store.twins.attempts == tried + 1 and store.twins.current("det-2term")       # exported on the tick
+    assert store.entry("det-2term").version == 2                                         # no load was needed
