@@ -107,6 +107,11 @@ class Agent:
         self.ctx = zmq.Context()
         self._lock = threading.Condition()
         self._inflight: dict[str, _InFlight] = {}
+        from .frame_gate import FrameGate
+
+        # closed by the store watcher while a promotion's frames in flight finish on their versions
+        self.gate: FrameGate[Accepted] = FrameGate(self._lock, self._inflight, self._schedule_accepted,
+                                                  lambda a: a.frame.frame_id)
         self.accepted_total = 0
         self.verdicts_total = 0
         self.endpoints: dict[str, str] = {}
@@ -329,8 +334,6 @@ class Agent:
 
     def _pool(self, name: str, tier: str, capacity: int, source, executor: str | None) -> Pool:
         """A tier pool with the line's eviction policy and the scheduler's live knowledge."""
-        model = self.model
-
         def context() -> dict:
             if executor:
                 return {"queued": self.scheduler.queued_set(executor)}
@@ -400,10 +403,12 @@ class Agent:
         base = self.store
         while hasattr(base, "primary"):     # an LLM store union, ONNX twins: the line's own store is underneath
             base = base.primary
+        self._line_store = base
+        base.register_reader()   # a promotion keeps the old versions' files until this agent has switched
         self.store_watch = StoreWatcher(base,
                                         lambda: [p for p in self._all_pools().values() if not getattr(p, "remote", 0)],
                                         forget=self.failed.forget, prepare=getattr(self.store, "prepare", None),
-                                        interval=cfg.store_poll_s).start()
+                                        interval=cfg.store_poll_s, gate=self.gate).start()
         self.cluster_status = None
         if cfg.cluster is not None:
             from .cluster import StatusFile
@@ -535,6 +540,7 @@ class Agent:
         self.ingest.stop()
         if getattr(self, "store_watch", None) is not None:
             self.store_watch.stop()
+            self.gate.open()        # frames held for a switch run on the versions this agent serves now
         if self.llm is not None:
             self.llm.stop()
         drained = self.wait_idle(timeout)
@@ -550,6 +556,8 @@ class Agent:
             pool.close()                      # their evict events still reach expert_events
         self.writer.stop()
         self.journal.close()
+        if getattr(self, "_line_store", None) is not None:
+            self._line_store.close_reader()
         if self.status_server is not None:
             self.status_server.close()
         self.status.stop()
@@ -613,6 +621,10 @@ class Agent:
             for a in accepted:
                 self._inflight[a.frame.frame_id] = _InFlight(a.frame)
             self.accepted_total += len(accepted)
+            now = self.gate.admit(accepted)   # none while a promotion's frames in flight finish
+        self._schedule_accepted(now)
+
+    def _schedule_accepted(self, accepted) -> None:
         for a in accepted:
             self.scheduler.submit(Request(a.frame, a.expert_id))
 

@@ -1,18 +1,29 @@
 """Pick up experts promoted into the line's store while the agent runs.
 
 `coe-agent experts promote` rewrites experts with new versions through the
-store's atomic writes.  This watcher polls the manifest's stat; when it
-changes it re-reads the manifest, forgets load failures of experts that have
-a new version (a fixed expert gets another chance), and drops resident
-copies whose version is stale.  A copy a running batch holds stays until
-that batch releases it (the batch finishes on the bytes it started with):
-that release drops it, so the next batch loads the new version even while
-batches of a hot expert follow one another without a gap.
+store's atomic writes.  This watcher polls the manifest's stat.  When a new
+manifest changes some expert's version, and the agent gave it a `FrameGate`:
+
+1. the gate closes: frames accepted from now on are held;
+2. the frames already in flight finish on the old versions (the store keeps
+   serving its old manifest, and the promotion kept the old files for this
+   live reader);
+3. once they have committed (or after `drain_timeout` s, logged), the store
+   switches to the new manifest, load failures of experts with a new version
+   are forgotten (a fixed expert gets another chance), their ONNX twins are
+   exported again, the retired files go, and the gate opens.
+
+So every frame runs wholly on the expert set that was live when it was
+accepted.  Without a gate the switch happens at once (each batch is still
+consistent).  After a switch, resident copies whose version is stale are
+dropped; a copy a running batch holds stays until that batch releases it, and
+that release drops it.
 """
 from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Iterable
 
 log = logging.getLogger(__name__)
@@ -22,8 +33,12 @@ class StoreWatcher:
     """A daemon thread comparing each pool's resident versions with the store's manifest."""
 
     def __init__(self, store, pools: Callable[[], Iterable], *, forget: Callable[[str], None],
-                 interval: float = 0.5, prepare: Callable[[str], None] | None = None) -> None:
+                 interval: float = 0.5, prepare: Callable[[str], None] | None = None, gate=None,
+                 drain_timeout: float = 60.0) -> None:
         self.store, self._pools, self._forget, self.interval = store, pools, forget, interval
+        self._gate, self.drain_timeout = gate, drain_timeout
+        self._closed_at: float | None = None   # when the gate closed for a pending switch
+        self.switches: list[dict] = []          # one per switch: versions, frames drained and held, seconds
         # run on this thread for each expert with a new version, before its stale copies go (ONNX twins:
         # the export happens here, not on a load that sizes it under a pool's lock)
         self._prepare = prepare
@@ -56,30 +71,85 @@ class StoreWatcher:
         self._stop.set()
         self._thread.join(timeout=5)
 
+    @property
+    def switching(self) -> bool:
+        """True while new frames are held for a switch (frames in flight still finishing)."""
+        return self._closed_at is not None
+
     def _run(self) -> None:
-        while not self._stop.wait(self.interval):
+        while not self._stop.wait(0 if self.switching else self.interval):
             try:
-                self.tick()
+                self.tick(wait=self.interval)
             except Exception:  # noqa: BLE001 - a watcher that dies would silently keep stale experts
                 log.exception("store watcher: checking for promoted experts failed; retrying")
 
-    def tick(self) -> int:
-        """One check: re-read a changed manifest and drop stale unpinned copies; returns how many were dropped."""
+    def tick(self, wait: float = 0.0) -> int:
+        """One check: follow a changed manifest and drop stale unpinned copies; returns how many were dropped.
+
+        While a switch waits for frames in flight, `wait` is how long this call
+        may block for them (the watcher's thread passes its interval).
+        """
         stamp = self._stamp()
         if stamp != self._mtime:
             self._mtime = stamp
-            self.store.reload()
-            for e in self.store.entries():
-                if self._seen.get(e.id) != e.version:
-                    self._forget(e.id)
-                    if self._prepare is not None:
-                        try:
-                            self._prepare(e.id)
-                        except Exception:  # noqa: BLE001 - the load path prepares it again and reports why
-                            log.exception("expert %s: preparing version %s failed", e.id, e.version)
-                    self._changed.add(e.id)
-                    log.info("expert %s: version %s in the store now (was %s)", e.id, e.version, self._seen.get(e.id))
-                    self._seen[e.id] = e.version
+            if self._gate is None:
+                self._switch()
+            elif self._closed_at is None and self._new_versions():
+                drain = self._gate.close()
+                self._closed_at = time.monotonic()
+                log.info("new expert versions in the store: holding new frames until %d in flight finish on "
+                         "the versions they started with", drain)
+            elif self._closed_at is None:
+                self.store.reload()         # the same versions (a retired file went, a file was compressed)
+        if self._closed_at is not None:
+            drained = self._gate.wait_drained(wait)
+            waited = time.monotonic() - self._closed_at
+            if drained or waited >= self.drain_timeout:
+                left = 0 if drained else self._gate.in_flight()
+                if left:
+                    log.warning("expert switch: %d frame(s) still in flight after %.0f s; switching anyway, their "
+                                "remaining steps run on the new versions (their verdicts' versions say which)",
+                                left, waited)
+                changed = self._switch()
+                held = self._gate.open()
+                self._closed_at = None
+                self.switches.append({"experts": changed, "held": held, "late": left, "seconds": waited})
+                log.info("expert switch done in %.2f s: %s; %d held frame(s) released", waited,
+                         ", ".join(f"{e} v{v}" for e, v in changed.items()) or "no version change", held)
+        return self._drop_stale()
+
+    def _new_versions(self) -> bool:
+        """Whether the manifest on disk gives some expert another version than this watcher last saw."""
+        on_disk = self.store.read_manifest()
+        return any(self._seen.get(eid) != e.version for eid, e in on_disk.items())
+
+    def _switch(self) -> dict[str, int]:
+        """Follow the manifest on disk now; returns the experts whose version changed (id -> new version)."""
+        self.store.reload()
+        changed: dict[str, int] = {}
+        for e in self.store.entries():
+            if self._seen.get(e.id) != e.version:
+                self._forget(e.id)
+                if self._prepare is not None:
+                    try:
+                        self._prepare(e.id)
+                    except Exception:  # noqa: BLE001 - the load path prepares it again and reports why
+                        log.exception("expert %s: preparing version %s failed", e.id, e.version)
+                self._changed.add(e.id)
+                log.info("expert %s: version %s in the store now (was %s)", e.id, e.version, self._seen.get(e.id))
+                self._seen[e.id] = e.version
+                changed[e.id] = e.version
+        release = getattr(self.store, "release_retired", None)
+        if changed and release is not None:
+            try:
+                gone = release()
+                if gone:
+                    log.info("removed %d file(s) of replaced expert versions", gone)
+            except OSError:
+                log.exception("removing the replaced versions' files failed; they are retried at the next switch")
+        return changed
+
+    def _drop_stale(self) -> int:
         dropped, settled = 0, set()
         for eid in sorted(self._changed):
             want = self.store.entry(eid).version if self.store.has(eid) else None

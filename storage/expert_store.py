@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, TypeVar
 from coe import CoEError, Expert, ExpertLoadError
 
 from .flat import Layout, read_layout
+from .store_readers import ReaderLock, others_reading
 
 try:  # advisory locking between processes; absent on Windows, where the in-process lock still holds
     import fcntl
@@ -118,22 +119,29 @@ class ExpertStore:
         self._verified_stat: dict[tuple[str, str], tuple] = {}  # ... and that file's (inode, mtime, size)
         self._layouts: dict[tuple[str, str], Layout] = {}  # (id, sha256) -> stored layout
         self._compression = "none"
+        self._retired: list[str] = []   # old versions' files a live reader may still need (see `release_retired`)
+        self._reader: ReaderLock | None = None
         try:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise CoEError(f"expert store: cannot create {self.root}: {exc.strerror or exc}") from None
         self._entries: dict[str, ManifestEntry] = self._load_manifest()
-        if any(_SET_FILE.match(p.name) for p in self.root.iterdir()):
+        if self._retired or any(_SET_FILE.match(p.name) for p in self.root.iterdir()):
             self._sweep_unrecorded()
 
     def _sweep_unrecorded(self) -> None:
         """Remove `write_many` files no manifest names: a crash between their renames and the manifest write.
 
         Installs rename and record under the process lock, so under it a file
-        of that pattern that the manifest does not name is no one's.
+        of that pattern that the manifest does not name is no one's.  Retired
+        files are named too; they go here only when no live process reads the
+        store (an agent that was killed mid-switch left them).
         """
         with self._lock, self._process_lock():
-            named = {e.file for e in self._load_manifest().values()}
+            entries = self._load_manifest()
+            if self._retired and not others_reading(self.root, self._reader_name()):
+                self._drop_retired(entries, keep=set())
+            named = {e.file for e in entries.values()} | set(self._retired)
             for p in self.root.iterdir():
                 if _SET_FILE.match(p.name) and p.name not in named:
                     with contextlib.suppress(FileNotFoundError):
@@ -206,6 +214,60 @@ class ExpertStore:
         entries = self._load_manifest()
         with self._lock:
             self._entries = entries
+
+    def read_manifest(self) -> dict[str, ManifestEntry]:
+        """The manifest on disk now, without switching this store to it (a watcher decides when)."""
+        with self._lock:
+            return self._load_manifest()
+
+    # -- readers and retired files --------------------------------------------------
+    def register_reader(self) -> None:
+        """Mark this process as a live reader: promotions keep the files it reads until `release_retired`.
+
+        An agent calls it at start: frames in flight finish on the versions they
+        started with, whose files a promotion in another process would
+        otherwise remove under them.  `close_reader` (or the process's end)
+        undoes it.
+        """
+        if self._reader is None:
+            self._reader = ReaderLock(self.root)
+
+    def close_reader(self) -> None:
+        if self._reader is not None:
+            self._reader.close()
+            self._reader = None
+
+    def _reader_name(self) -> str | None:
+        return self._reader.name if self._reader is not None else None
+
+    @property
+    def retired(self) -> list[str]:
+        """Files of replaced versions kept for a live reader (as of the last manifest read)."""
+        return list(self._retired)
+
+    def release_retired(self) -> int:
+        """Remove retired files this store no longer reads, unless another live process reads the store.
+
+        A reader calls it once it has switched to the manifest that retired
+        them.  Files its own current entries name stay (a later promotion may
+        have retired the versions it still serves).  Returns how many went.
+        """
+        with self._lock, self._process_lock():
+            entries = self._load_manifest()
+            if not self._retired or others_reading(self.root, self._reader_name()):
+                return 0
+            return self._drop_retired(entries, keep={e.file for e in self._entries.values()})
+
+    def _drop_retired(self, entries: Mapping[str, ManifestEntry], keep: set[str]) -> int:
+        """Under both locks: unlink retired files no entry names and `keep` lacks; record the rest."""
+        named = {e.file for e in entries.values()} | keep
+        gone = [f for f in self._retired if f not in named]
+        for f in gone:
+            with contextlib.suppress(FileNotFoundError):
+                (self.root / f).unlink()
+        self._retired = [f for f in self._retired if f in named and f not in {e.file for e in entries.values()}]
+        self._write_manifest(entries)
+        return len(gone)
 
     # -- write --------------------------------------------------------------------
     def write(self, expert: Expert, tensors: Mapping[str, "torch.Tensor"], version: int = 1) -> ManifestEntry:
@@ -361,15 +423,20 @@ class ExpertStore:
                 old = {entry.id: entries.get(entry.id) for entry, _ in prepared}
                 for entry, _ in prepared:
                     entries[entry.id] = entry
+                # a running agent may still need the old versions (frames it accepted before the switch):
+                # keep their files, listed as retired, until it has switched; with no reader they go now
+                replaced = [was.file for was in old.values() if was is not None
+                            and was.file not in {e.file for e in entries.values()}]
+                keep = others_reading(self.root, self._reader_name())
+                if keep:
+                    self._retired = sorted(set(self._retired) | set(replaced))
                 self._write_manifest(entries)
                 self._entries = entries
                 changed = set(old)
                 self._verified = {v for v in self._verified if v[0] not in changed}
-                for entry, _ in prepared:
-                    was = old[entry.id]
-                    if was is not None and was.file != entry.file:
-                        with contextlib.suppress(FileNotFoundError):
-                            (self.root / was.file).unlink()   # readers that mapped it keep the inode
+                for file in ([] if keep else replaced):
+                    with contextlib.suppress(FileNotFoundError):
+                        (self.root / file).unlink()   # readers that mapped it keep the inode
         finally:
             for _, tmp in prepared:
                 with contextlib.suppress(FileNotFoundError):
@@ -580,6 +647,12 @@ class ExpertStore:
         items = raw.get("experts")
         if not isinstance(items, list):
             raise CoEError(f"{src}: malformed expert store manifest: 'experts' must be a list")
+        retired = raw.get("retired", [])
+        if not isinstance(retired, list) or not all(isinstance(f, str) for f in retired):
+            raise CoEError(f"{src}: retired: malformed expert store manifest: must be a list of file names")
+        for i, f in enumerate(retired):
+            self._check_inside(f, f"{src}: retired[{i}]")
+        self._retired = list(retired)
         entries: dict[str, ManifestEntry] = {}
         for i, item in enumerate(items):
             entry = self._parse_entry(item, f"{src}: experts[{i}]")
@@ -631,6 +704,8 @@ class ExpertStore:
         doc = {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION if compressed else 1,
                "compression": self._compression,
                "experts": [asdict(entries[k]) for k in sorted(entries)]}
+        if self._retired:   # only when some are kept: older builds ignore the key
+            doc["retired"] = sorted(self._retired)
         fd, tmp = tempfile.mkstemp(prefix=f".{MANIFEST}.", suffix=".tmp", dir=self.root)
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as fh:

@@ -301,3 +301,88 @@ def test_files_a_crashed_write_many_left_unrecorded_are_swept_on_open(tmp_path: 
     mine.write_bytes(b"y")
     ExpertStore(tmp_path)
     assert not orphan.exists() and (tmp_path / kept).exists() and mine.exists()
+
+
+def test_a_promotion_keeps_the_old_files_a_live_reader_needs_until_it_has_switched(tmp_path: Path) -> None:
+    """An agent (a registered reader) finishes frames in flight on the old versions after the manifest switched."""
+    store = ExpertStore(tmp_path)
+    for eid in ("cls-a", "det-b"):
+        store.write(expert(eid), tensors(0), version=1)
+    agent = ExpertStore(tmp_path)
+    agent.register_reader()
+    old = {e.id: e.file for e in agent.entries()}
+    store.write_many([(expert("cls-a"), tensors(1), 2), (expert("det-b"), tensors(2), 2)])
+    assert all((tmp_path / f).is_file() for f in old.values())            # kept: a live reader may need them
+    assert sorted(json.loads(store.manifest_path.read_text())["retired"]) == sorted(old.values())
+    # the agent has not switched: it still reads version 1, from the kept files, with no reload behind its back
+    assert torch.equal(agent.read("det-b")["fc.weight"], tensors(0)["fc.weight"])
+    assert agent.read_flat("cls-a").version == 1 and agent.entry("det-b").version == 1
+    assert agent.release_retired() == 0                                  # its own entries still name them...
+    assert all((tmp_path / f).is_file() for f in old.values())            # ...so they stay
+    agent.reload()                                                        # the switch
+    assert agent.release_retired() == 2
+    assert not any((tmp_path / f).exists() for f in old.values())
+    assert "retired" not in json.loads(store.manifest_path.read_text())
+    assert torch.equal(agent.read("det-b")["fc.weight"], tensors(2)["fc.weight"])
+    agent.close_reader()
+    assert not list((tmp_path / ".readers").iterdir())
+
+
+def test_retired_files_stay_while_another_reader_lives_and_go_with_no_reader(tmp_path: Path) -> None:
+    store = ExpertStore(tmp_path)
+    store.write(expert("cls-a"), tensors(0), version=1)
+    a, b = ExpertStore(tmp_path), ExpertStore(tmp_path)
+    a.register_reader()
+    b.register_reader()
+    first = store.entry("cls-a").file
+    store.write_many([(expert("cls-a"), tensors(1), 2)])
+    a.reload()
+    assert a.release_retired() == 0 and (tmp_path / first).is_file()     # b has not switched yet
+    b.close_reader()                                                      # b stopped
+    assert a.release_retired() == 1 and not (tmp_path / first).exists()
+    a.close_reader()
+    second = store.entry("cls-a").file
+    store.write_many([(expert("cls-a"), tensors(2), 3)])                  # no reader: the old file goes at once
+    assert not (tmp_path / second).exists() and "retired" not in json.loads(store.manifest_path.read_text())
+
+
+def test_a_killed_reader_does_not_keep_old_files(tmp_path: Path) -> None:
+    import signal
+    import subprocess
+    import sys
+
+    store = ExpertStore(tmp_path)
+    store.write(expert("cls-a"), tensors(0), version=1)
+    code = ("import sys, time; sys.path.insert(0, %r); from storage.expert_store import ExpertStore; "
+            "s = ExpertStore(%r); s.register_reader(); print('up', flush=True); time.sleep(60)"
+            % (str(Path(__file__).resolve().parents[1]), str(tmp_path)))
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "up"
+        first = store.entry("cls-a").file
+        store.write_many([(expert("cls-a"), tensors(1), 2)])
+        assert (tmp_path / first).is_file()                               # a live reader: kept
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        ExpertStore(tmp_path)                                             # the next open finds no live reader
+        assert not (tmp_path / first).exists()
+        assert not list((tmp_path / ".readers").glob("*.lock"))           # the dead reader's lock file went too
+        assert "retired" not in json.loads(store.manifest_path.read_text())
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
+@pytest.mark.parametrize("retired, error", [
+    ("x.safetensors", "retired: malformed expert store manifest: must be a list of file names"),
+    ([3], "retired: malformed expert store manifest: must be a list of file names"),
+    (["../x.safetensors"], r"retired\[0\]\.file: '../x.safetensors' is not a file directly inside"),
+])
+def test_a_malformed_retired_list_is_a_clear_error(tmp_path: Path, retired, error: str) -> None:
+    store = ExpertStore(tmp_path)
+    store.write(expert("cls-a"), tensors(0), version=1)
+    doc = json.loads(store.manifest_path.read_text())
+    doc["retired"] = retired
+    store.manifest_path.write_text(json.dumps(doc))
+    with pytest.raises(CoEError, match=error):
+        ExpertStore(tmp_path)

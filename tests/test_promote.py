@@ -108,6 +108,8 @@ def test_promotion_under_a_running_replay_loses_and_duplicates_nothing(tmp_path,
         assert agent.wait_verdicts(len(rec), timeout=120)
     finally:
         agent.stop()
+    switches = agent.store_watch.switches
+    store.reload()
     con = sqlite3.connect(load_config(config, env={}).db_path)
     try:
         verdicts = con.execute("SELECT frame_id, verdict, versions FROM verdicts").fetchall()
@@ -120,6 +122,11 @@ def test_promotion_under_a_running_replay_loses_and_duplicates_nothing(tmp_path,
     assert all(v[1] in ("pass", "defect") for v in verdicts)               # no errors from the swap
     assert late == [(2,)]                                                   # after the promotion: version 2
     assert all(json.loads(v[2]) for v in verdicts)
+    # every frame ran its whole chain on one version of the set: the one live when it was accepted
+    mixed = [(v[0], v[2]) for v in verdicts if len(set(json.loads(v[2]).values())) != 1]
+    assert not mixed, mixed
+    assert len(switches) == 1 and switches[0]["late"] == 0 and set(switches[0]["experts"].values()) == {2}
+    assert not [f for f in store.root.glob("*.safetensors") if f.name not in {e.file for e in store.entries()}]
     if runtime == "onnx":
         assert agent.store.twins.current("cls-r0402") and agent.store.entry("cls-r0402").arch.startswith("onnx/")
 
