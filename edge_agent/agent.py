@@ -227,7 +227,8 @@ class Agent:
                            preliminaries=self.preliminaries)
         return RemoteExecutor(spec, self.model, self.pools[slot.name], self.scheduler, self._on_batch,
                               on_event=lambda e, n=slot.name: self._on_pool_event(e, n),
-                              call_timeout=c.call_timeout_s, rejoin_s=c.rejoin_s, connect_timeout=c.connect_timeout_s)
+                              call_timeout=c.call_timeout_s, rejoin_s=c.rejoin_s, connect_timeout=c.connect_timeout_s,
+                              channel=c.channel)
 
     def _usage_probabilities(self) -> dict[str, float]:
         """From `coe-agent probabilities` ({data_dir}/probabilities.json) when present, else from the spec."""

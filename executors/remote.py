@@ -16,6 +16,12 @@ Two halves, one per side of the link:
   of the remote pool, what the cost model, the initialisation and the
   metrics read.
 
+Batches travel on a ZeroMQ channel the actor binds on its node
+(`remote_channel`; `cluster.channel: zmq`, the default): a Ray call that waits
+on compute costs ~1.5 ms more on loopback.  Ray still places, warms and
+health-checks the actor, and says when it died; `channel: ray` sends batches
+as Ray calls.
+
 Failure: when an actor dies or its node goes away (a `RayError`, or no
 answer within `call_timeout`), the executor is retired from the scheduler:
 its queued requests and the batch that was in flight go back through
@@ -143,8 +149,12 @@ class _Hints:
 
 
 class ExecutorHost:
-    """The actor body: one local `Executor` with its pool over the node's own store.  Not thread-safe by
-    design: Ray runs one method at a time on an actor (max_concurrency 1)."""
+    """The actor body: one local `Executor` with its pool over the node's own store.
+
+    Ray runs one method at a time on an actor (max_concurrency 1); batches may
+    also come over the batch channel's thread (`open_channel`), so running,
+    warming and reporting take one lock.
+    """
 
     def __init__(self, spec: RemoteSpec, model: CoEModel) -> None:
         from storage.expert_store import ExpertStore
@@ -188,6 +198,8 @@ class ExecutorHost:
                          context=lambda: {"queued": {self.hints.next} - {None}})
         self.executor = Executor(spec.name, device, self.pool, self.hints, model, lambda r: None,
                                  prefetch=spec.prefetch)
+        self._lock = threading.RLock()
+        self._channel = None
 
     def _on_event(self, e: PoolEvent) -> None:
         if e.event == "evict" and e.tier != "host":
@@ -206,8 +218,22 @@ class ExecutorHost:
                 "ray_node_id": ray.get_runtime_context().get_node_id(), "device": self.device,
                 "cuda_visible": os.environ.get("CUDA_VISIBLE_DEVICES")}
 
+    def open_channel(self) -> str:
+        """Start answering batches over ZeroMQ on this node's address (`remote_channel`); returns the endpoint."""
+        import ray
+
+        from .remote_channel import ChannelServer
+
+        if self._channel is None:
+            self._channel = ChannelServer(self.run_packed, ray.util.get_node_ip_address())
+        return self._channel.endpoint
+
     def warm(self, experts: list[str]) -> dict:
         """Load `experts` in order (the front's initialisation by usage probability), as far as they fit."""
+        with self._lock:
+            return self._warm(experts)
+
+    def _warm(self, experts: list[str]) -> dict:
         for expert_id in experts:
             if self.pool.contains(expert_id) or self.pool.capacity - self.pool.used_bytes() < \
                     self.model.experts[expert_id].nbytes:
@@ -219,13 +245,14 @@ class ExecutorHost:
 
     def run(self, batch_id: int, expert_id: str, frames: list[tuple[str, Any]], next_expert: str | None) -> dict:
         """Run one batch; `frames` are (frame_id, image).  Returns the outcome and the pool's report."""
-        self.hints.next = next_expert
-        reqs = [Request(Frame(fid, "", "", "", 0.0, image), expert_id) for fid, image in frames]
-        r = self.executor.run_batch(Batch(self.spec.name, expert_id, reqs, id=batch_id))
-        # residency changes only with a load or an eviction: without one, no report (it is most of the reply)
-        return {"outputs": r.outputs, "error": r.error, "error_kind": r.error_kind, "started_at": r.started_at,
-                "seconds": r.seconds, "version": r.expert_version,
-                "report": self.report() if self._events else None}
+        with self._lock:
+            self.hints.next = next_expert
+            reqs = [Request(Frame(fid, "", "", "", 0.0, image), expert_id) for fid, image in frames]
+            r = self.executor.run_batch(Batch(self.spec.name, expert_id, reqs, id=batch_id))
+            # residency changes only with a load or an eviction: without one, no report (it is most of the reply)
+            return {"outputs": r.outputs, "error": r.error, "error_kind": r.error_kind,
+                    "started_at": r.started_at, "seconds": r.seconds, "version": r.expert_version,
+                    "report": self.report() if self._events else None}
 
     def run_packed(self, blob: bytes) -> bytes:
         """`run` with its arguments and its answer each as one pickle (protocol 5): what the front calls.
@@ -241,7 +268,8 @@ class ExecutorHost:
     def heartbeat(self) -> dict | None:
         """The idle health check's answer: the pool's report when it changed since the last one (a prefetch
         that landed after the last batch's reply, say), else None."""
-        return self.report() if self._events else None
+        with self._lock:
+            return self.report() if self._events else None
 
     def resident(self) -> list[str]:
         """What the pool holds now (read-only: no events are consumed)."""
@@ -249,6 +277,10 @@ class ExecutorHost:
 
     def report(self) -> dict:
         """Residency, stats and the events since the last report (the front's RemotePool follows them)."""
+        with self._lock:
+            return self._report()
+
+    def _report(self) -> dict:
         st = self.pool.stats()
         state = self.pool.state()
         events, self._events = self._events, []
@@ -257,6 +289,9 @@ class ExecutorHost:
                 "host_resident": self.host.resident() if self.host is not None else [], "events": events}
 
     def close(self) -> dict:
+        if self._channel is not None:
+            self._channel.close()
+            self._channel = None
         if self.executor.prefetcher is not None:
             self.executor.prefetcher.close()
         self.pool.close()
@@ -361,6 +396,9 @@ class RemotePool:
         pass
 
 
+CHANNELS = ("zmq", "ray")   # how batches reach the actor: the ZeroMQ batch channel, or Ray calls
+
+
 class RemoteExecutor:
     """The front box's stand-in for an executor on another node: same surface as `Executor`.
 
@@ -371,8 +409,14 @@ class RemoteExecutor:
 
     def __init__(self, spec: RemoteSpec, model: CoEModel, pool: RemotePool, scheduler: Scheduler,
                  on_result: Callable[[BatchResult], None], *, on_event: Callable[[PoolEvent], None] | None = None,
-                 call_timeout: float = 60.0, rejoin_s: float = 2.0, connect_timeout: float = 30.0) -> None:
+                 call_timeout: float = 60.0, rejoin_s: float = 2.0, connect_timeout: float = 30.0,
+                 channel: str = "zmq") -> None:
+        if channel not in CHANNELS:
+            raise CoEError(f"executor {spec.name}: channel must be one of {', '.join(CHANNELS)}, got {channel!r}")
         self.spec, self.model, self.pool, self.scheduler = spec, model, pool, scheduler
+        self.channel = channel
+        self._client = None                # the batch channel to the actor (`remote_channel`), when zmq
+        self._probe = None                 # a liveness ping through Ray while a batch is out on the channel
         self.name, self.device, self.node = spec.name, spec.device, spec.node
         self._on_result = on_result
         self._on_event = on_event or (lambda e: None)
@@ -419,10 +463,17 @@ class RemoteExecutor:
         try:
             self.where = ray.get(actor.where.remote(), timeout=self.connect_timeout)
             report = ray.get(actor.warm.remote(warm), timeout=max(self.connect_timeout, self.call_timeout))
+            endpoint = ray.get(actor.open_channel.remote(), timeout=self.connect_timeout) \
+                if self.channel == "zmq" else None
         except Exception as exc:  # noqa: BLE001 - any failure to come up is this node's, named
             ray.kill(actor)
             raise CoEError(f"executor {self.name} on node {self.node}: the actor did not come up: "
                            f"{short_error(exc)}") from None
+        if endpoint is not None:
+            from .remote_channel import ChannelClient
+
+            self._client = ChannelClient(endpoint)
+            self.where["channel"] = endpoint
         self.actor = actor
         self._apply(report)
         self.up, self.state = True, "up"
@@ -430,9 +481,28 @@ class RemoteExecutor:
         log.info("executor %s up on node %s (%s, pid %s)", self.name, self.node, self.where.get("host"),
                  self.where.get("pid"))
 
+    def _close_channel(self) -> None:
+        self._probe = None
+        if self._client is not None:
+            self._client.close()
+            self._client = None
+
+    def _alive(self) -> None:
+        """While a batch is out on the channel: raise if Ray says the actor or its node died."""
+        import ray
+
+        if self._probe is None:
+            self._probe = self.actor.ping.remote()
+            return
+        ready, _ = ray.wait([self._probe], timeout=0)
+        if ready:
+            ref, self._probe = self._probe, None
+            ray.get(ref)
+
     def _close_actor(self) -> None:
         import ray
 
+        self._close_channel()
         try:
             self._apply(ray.get(self.actor.close.remote(), timeout=10))
         except Exception:  # noqa: BLE001 - closing a dead actor has nothing to flush
@@ -516,7 +586,11 @@ class RemoteExecutor:
             return
         self.sent += 1
         try:
-            raw = ray.get(self.actor.run_packed.remote(blob), timeout=self.call_timeout)
+            if self._client is not None:
+                raw = self._client.call(blob, timeout=self.call_timeout, alive=self._alive)
+                self._probe = None
+            else:
+                raw = ray.get(self.actor.run_packed.remote(blob), timeout=self.call_timeout)
         except Exception as exc:  # noqa: BLE001 - RayActorError, node death, timeout: the batch is lost there
             self.scheduler.finished(batch, lost=True)
             self.inflight = None
@@ -578,6 +652,7 @@ class RemoteExecutor:
         log.error("executor %s on node %s lost (%s); requeueing its requests", self.name, self.node, why)
         queued = self.scheduler.retire(self.name)
         self.pool.forget()
+        self._close_channel()
         try:
             ray.kill(self.actor)
         except Exception:  # noqa: BLE001 - it is already gone

@@ -59,7 +59,7 @@ def recording(tmp_path_factory):
     return out
 
 
-def _line(tmp_path, tiny_zoo, cluster, executors, call_timeout_s=60, **extra):
+def _line(tmp_path, tiny_zoo, cluster, executors, call_timeout_s=60, channel="zmq", **extra):
     import shutil
 
     store = tmp_path / "front-experts"
@@ -67,7 +67,8 @@ def _line(tmp_path, tiny_zoo, cluster, executors, call_timeout_s=60, **extra):
     stores = {n: str(tmp_path / f"{n}-experts") for n in {e["node"] for e in executors if e.get("node")}}
     return write_line(tmp_path / "line", store=store, executors=executors,
                       cluster={"address": cluster.address, "stores": stores, "rejoin_s": 0.5,
-                               "connect_timeout_s": 60, "call_timeout_s": call_timeout_s}, **extra)
+                               "connect_timeout_s": 60, "call_timeout_s": call_timeout_s, "channel": channel},
+                      **extra)
 
 
 def _rows(db, sql):
@@ -345,11 +346,14 @@ class _Stall:
         return (time.sleep, (600,))
 
 
-def test_a_batch_that_outlasts_the_call_timeout_every_time_is_given_up(cluster, tiny_zoo, tmp_path):
+@pytest.mark.parametrize("channel, says", [("zmq", "no answer from tcp://"), ("ray", "GetTimeoutError")])
+def test_a_batch_that_outlasts_the_call_timeout_every_time_is_given_up(cluster, tiny_zoo, tmp_path, channel, says):
+    """On either way of sending batches: the ZeroMQ batch channel (default) or Ray calls."""
     from coe import Frame, Request
     from edge_agent.cluster import sync_store
 
-    cfg = load_config(_line(tmp_path, tiny_zoo, cluster, [_remote("box-2")], call_timeout_s=2), env={})
+    cfg = load_config(_line(tmp_path, tiny_zoo, cluster, [_remote("box-2")], call_timeout_s=2, channel=channel),
+                      env={})
     sync_store(cfg)
     agent = Agent(cfg).start()
     try:
@@ -359,7 +363,7 @@ def test_a_batch_that_outlasts_the_call_timeout_every_time_is_given_up(cluster, 
         assert remote.lost == 3 and agent.scheduler.given_up == 1
         (row,) = verdict_rows(cfg.db_path)
         assert row["frame_id"] == "stall-1" and row["verdict"] == "error"
-        for part in ("stall-1", "cls-r0402", "box-2", "lost 3 times", "GetTimeoutError"):
+        for part in ("stall-1", "cls-r0402", "box-2", "lost 3 times", says, "in 2 s" if channel == "zmq" else ""):
             assert part in row["reason"], row["reason"]
         _until(lambda: remote.up, 90, "box-2's executor rejoined")   # each hung actor was killed, a new one serves
     finally:
