@@ -450,3 +450,61 @@ def prefill_batching(store: Path, prompt_ids: list[int], *, share: float = 0.25)
                      "gib_read": st.bytes_in / 2**30}
     out["speedup"] = out["batched"]["tokens_per_second"] / out["token-by-token"]["tokens_per_second"]
     return out
+
+
+# (e): issue 11 items 3 and 4 on a GPU box; each row is a (decode split, prefill) setting of the same pool
+GPU_ROWS = ((False, "batched"), ("fiddler", "batched"), (False, "balance"), ("fiddler", "balance"))
+
+
+def gpu_split_bench(store: Path, prompt_ids: list[int], decode_tokens: int, *, device: str = "cuda",
+                    share: float = 0.25, host_share: float = 0.5, rows=GPU_ROWS,
+                    progress: Callable[[str], None] | None = None) -> list[dict]:
+    """Prefill and decode tokens/s with the Fiddler split and the prefill balance on and off, same budgets.
+
+    The device pool holds `share` of the experts behind a host tier of
+    `host_share` (pinned on CUDA), filled by the first run's loads as a
+    server's would be; page cache as it is (the host tier and the page cache
+    are the in-place path's sources).  `rows` names the settings; on a CPU
+    device only 'batched' prefills can run (the balance needs a GPU).
+    """
+    import time
+
+    import torch
+
+    from coe.moe import MoELayout
+    from executors.moe_model import load_pooled
+
+    layout = MoELayout.load(store)
+    ids = torch.tensor([prompt_ids])
+    out = []
+    for split, prefill in rows:
+        if progress:
+            progress(f"split {split or 'off'}, prefill {prefill}")
+        pm = load_pooled(store, memory=int(layout.expert_bytes * share), policy="gate-score", device=device,
+                         split=split, prefill=prefill, host_memory=int(layout.expert_bytes * host_share))
+        try:
+            with torch.no_grad():
+                pm.generate(ids, 2)                                 # warm: kernels, the host tier, the costs
+                sync = torch.cuda.synchronize if pm.device.type == "cuda" else (lambda: None)
+                sync()
+                t0 = time.perf_counter()
+                pm.model(input_ids=ids.to(pm.device))
+                sync()
+                prefill_s = time.perf_counter() - t0
+            _, st = pm.generate(ids, decode_tokens)
+            row = {"split": split or "off", "prefill": prefill, "prefill_tokens_per_second": len(prompt_ids) / prefill_s,
+                   "decode_tokens_per_second": st.tokens_per_second, "hit_rate": st.hit_rate,
+                   "gib_read": st.bytes_in / 2**30}
+            if pm.split is not None:
+                reads = pm.in_place.weights.reads
+                row.update(in_place=pm.split.stats.in_place, loaded=pm.split.stats.loaded,
+                           from_host=reads.from_host, from_file=reads.from_file,
+                           c_load_ms=pm.split.stats.load_seconds * 1e3, c_cpu_ms=pm.split.stats.compute_seconds * 1e3)
+            if pm.prefill is not None:
+                pf = pm.prefill.stats
+                row.update(prefill_gpu_resident=pf.resident, prefill_streamed=pf.streamed, prefill_cpu=pf.cpu,
+                           prefill_costs=pm.prefill.costs.source)
+            out.append(row)
+        finally:
+            pm.close()
+    return out

@@ -111,7 +111,9 @@ _POLICY = click.Choice(["lru", "lfu", "gate-score", "probability", "fifo"])
 @click.option("--max-new-tokens", "-n", default=64, show_default=True, type=click.IntRange(1, 100_000))
 @click.option("--memory", default=None, help="Expert pool budget: a size (2GB, 512MiB) or a share of all "
               "experts (25%).  Default: every expert fits.")
-@click.option("--policy", default="lru", show_default=True, type=_POLICY, help="Eviction policy.")
+@click.option("--policy", default="gate-score", show_default=True, type=_POLICY,
+              help="Eviction policy (gate-score: the router's windowed score; lru is the mixtral-offloading "
+                   "baseline).")
 @click.option("--quota", default="shared", show_default=True, type=click.Choice(["shared", "per-layer"]),
               help="One pool for all layers, or an equal share per layer.")
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda[:N] (a CUDA pool behind pinned host).")
@@ -124,10 +126,20 @@ _POLICY = click.Choice(["lru", "lfu", "gate-score", "probability", "fifo"])
 @click.option("--prefetch", default="none", show_default=True, type=click.Choice(["none", "next-layer"]),
               help="Load the next layer's predicted experts in the background.")
 @click.option("--split/--no-split", default=False, show_default=True,
-              help="Compute low-score missing experts in place from the file's memory map instead of loading them.")
+              help="Decode: compute low-score missing experts where their weights are instead of loading them "
+                   "(how many from measured costs).  CPU: from the file's memory map.  CUDA (Fiddler): on a CPU "
+                   "thread from the host tier's copy or the memory map while the loads proceed.")
+@click.option("--host-memory", default=None,
+              help="A host tier in front of the pool (a size or a share of the experts) that keeps a copy of each "
+                   "load, pinned on CUDA; --split computes on its copies.  Default: none (a staging buffer).")
+@click.option("--prefill", default="batched", show_default=True, type=click.Choice(["batched", "balance"]),
+              help="batched: every expert of the prompt runs through the pool on all its tokens at once.  "
+                   "balance (CUDA only): each expert goes to the GPU when T_CPU(n) > T_GPU(n) + T_load "
+                   "(costs profiled at load), else the CPU computes it; loads stream through two staging buffers.")
 @_fail_clearly
 def llm_generate(model: str, prompt: str, max_new_tokens: int, memory: str | None, policy: str, quota: str,
-                 device: str, trace_path: str | None, window: int, alpha: float, prefetch: str, split: bool) -> None:
+                 device: str, trace_path: str | None, window: int, alpha: float, prefetch: str, split: bool,
+                 host_memory: str | None, prefill: str) -> None:
     """Generate text greedily, streaming tokens, with experts paged SSD -> memory under a budget.
 
     Ends with the offload stats: hit rate, bytes read, load seconds, tokens/s.
@@ -135,6 +147,8 @@ def llm_generate(model: str, prompt: str, max_new_tokens: int, memory: str | Non
     \b
     Example:
       coe-agent llm generate --model var/llm/qwen-moe --prompt "def fib(n):" --memory 2GB --policy lfu
+      coe-agent llm generate -m var/llm/qwen-moe -p "def fib(n):" --memory 25% --device cuda \\
+          --host-memory 50% --split --prefill balance
     """
     _need_transformers()
     import torch
@@ -147,7 +161,8 @@ def llm_generate(model: str, prompt: str, max_new_tokens: int, memory: str | Non
     layout = MoELayout.load(root)
     popularity = Trace.load(trace_path).popularity() if trace_path else None
     pm = load_pooled(root, memory=_memory(memory, layout), policy=policy, quota=quota, device=device,
-                     popularity=popularity, window=window, alpha=alpha, prefetch=prefetch, split=split)
+                     popularity=popularity, window=window, alpha=alpha, prefetch=prefetch, split=split,
+                     host_memory=_memory(host_memory, layout) if host_memory else 0, prefill=prefill)
     tok = pm.tokenizer()
     ids = torch.tensor([tok.encode(prompt)], dtype=torch.long)
     if ids.shape[1] == 0:
@@ -173,8 +188,14 @@ def llm_generate(model: str, prompt: str, max_new_tokens: int, memory: str | Non
         click.echo(f"next-layer prefetch: precision {st.precision:.2f}, recall {st.recall:.2f}, {st.issued} loads "
                    f"issued, {st.dropped} dropped for lack of room", err=True)
     if pm.split is not None:
-        sp = pm.split.stats
-        click.echo(f"load/compute split: {sp.in_place} misses computed in place, {sp.loaded} loaded", err=True)
+        sp, reads = pm.split.stats, pm.in_place.weights.reads
+        where = "on a CPU thread (Fiddler)" if pm.in_place.threaded else "from the memory map"
+        click.echo(f"load/compute split: {sp.in_place} misses computed in place {where} ({reads.from_host} from the "
+                   f"host tier, {reads.from_file} from the file), {sp.loaded} loaded", err=True)
+    if pm.prefill is not None:
+        pf = pm.prefill.stats
+        click.echo(f"prefill balance ({pm.prefill.costs.source}): {pf.resident} experts on the GPU from the pool, "
+                   f"{pf.streamed} streamed ({pf.bytes_streamed / 2**20:.1f} MiB), {pf.cpu} on the CPU", err=True)
     if alpha > 0:
         click.echo(f"substitution (alpha {alpha}): {pm.tap.substituted} experts replaced by resident ones, "
                    f"{pm.tap.missing_low} missing low-score experts seen (approximate generation)", err=True)
@@ -282,7 +303,7 @@ def llm_make_model(kind: str | None, out: str, seconds: float, expert_gb: float,
               help="Where the models, stores and traces are made (reused when present).")
 @click.option("--part", "parts", default="a,b,c,d", show_default=True,
               help="Which parts: a (trace replay), b (trace-driven real decode), c (end to end), d (issue 11 "
-                   "ablation).")
+                   "ablation), e (GPU only: the Fiddler split and the prefill balance; not in the default).")
 @click.option("--prompts", default=40, show_default=True, type=click.IntRange(4, 10_000),
               help="Held-out prompts to trace on the trained model (half profile, half replay).")
 @click.option("--decode", default=32, show_default=True, type=click.IntRange(1, 10_000),
@@ -315,12 +336,15 @@ def llm_bench(work: str, parts: str, prompts: int, decode: int, train_seconds: f
         in its own process; plus the SSD-bound limit at the measured disk speed.
     (d) Ablation as (b): gate-score eviction, then substitution, then
         token-wise prefetch, each on top of the one before.
+    (e) GPU box only: prefill and decode tokens/s on the generated model
+        with the Fiddler split and the prefill balance, each on and off.
     Prints tables and one JSON line.
 
     \b
     Example:
       coe-agent llm bench --work var/llm                # all parts: ~25 min on 2 cores, first run trains
       coe-agent llm bench --part a --prompts 20
+      coe-agent llm bench --part e                      # on a GPU box
     """
     _need_transformers()
     import json
@@ -335,8 +359,13 @@ def llm_bench(work: str, parts: str, prompts: int, decode: int, train_seconds: f
     from .llm_models import generated_model
 
     want = {p.strip() for p in parts.split(",") if p.strip()}
-    if not want or want - {"a", "b", "c", "d"}:
-        raise CoEError(f"--part {parts!r}: give a comma-separated subset of a, b, c, d")
+    if not want or want - {"a", "b", "c", "d", "e"}:
+        raise CoEError(f"--part {parts!r}: give a comma-separated subset of a, b, c, d, e")
+    if "e" in want:
+        import torch
+
+        if not torch.cuda.is_available():
+            raise CoEError("--part e measures the Fiddler split and the prefill balance on a GPU: no CUDA device here")
     work_dir = Path(work)
     doc: dict = {"bench": "llm"}
     if want & {"a", "b", "d"}:
@@ -368,7 +397,7 @@ def llm_bench(work: str, parts: str, prompts: int, decode: int, train_seconds: f
                 click.echo(f"  quotas on {kind} at 25%: one shared budget {sh:.1%} vs per-layer {pl:.1%} (best "
                            f"realisable policy each): {'shared' if sh >= pl else 'per-layer'} is better")
         doc["a"] = {"summary": summ, "rows": lb.as_json(rows)}
-    if want & {"b", "c", "d"}:
+    if want & {"b", "c", "d", "e"}:
         big_hf, big = work_dir / "big-hf", work_dir / "big"
         if not (big_hf / "config.json").is_file():
             click.echo(f"generating a {expert_gb} GB model -> {big_hf}", err=True)
@@ -472,7 +501,27 @@ def llm_bench(work: str, parts: str, prompts: int, decode: int, train_seconds: f
                    f"({pf['token-by-token']['gib_read']:.2f} GiB): {pf['speedup']:.1f}x")
         doc["d"] = arows
         doc["prefill"] = pf
+    if "e" in want:
+        rows = lb.gpu_split_bench(big, list(range(40, 168)), min(decode_tokens, 64), device="cuda",
+                                  progress=lambda what: click.echo(f"(e) {what}", err=True))
+        click.echo(f"(e) on {torch_device_name()}: the Fiddler split (decode) and the prefill balance, pool 25%, "
+                   "pinned host tier 50%, 128-token prompt")
+        click.echo(f"{'split':8} {'prefill':8} {'prefill tok/s':>13} {'decode tok/s':>12} {'hit rate':>9}  notes")
+        for r in rows:
+            note = (f"{r['in_place']} in place ({r['from_host']} host, {r['from_file']} file), {r['loaded']} loaded, "
+                    f"C_load {r['c_load_ms']:.1f} ms C_cpu {r['c_cpu_ms']:.1f} ms" if "in_place" in r else "") + (
+                f"; prefill {r['prefill_gpu_resident']} resident, {r['prefill_streamed']} streamed, "
+                f"{r['prefill_cpu']} CPU" if "prefill_streamed" in r else "")
+            click.echo(f"{r['split']:8} {r['prefill']:8} {r['prefill_tokens_per_second']:>13.1f} "
+                       f"{r['decode_tokens_per_second']:>12.2f} {r['hit_rate']:>9.1%}  {note}")
+        doc["e"] = rows
     click.echo(json.dumps(doc))
+
+
+def torch_device_name() -> str:
+    import torch
+
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
 
 
 def _trained_trace(work_dir: Path, prompts: int, decode: int, train_seconds: float) -> Path:

@@ -8,7 +8,13 @@ so the process holds the budget plus the non-expert weights.
 
 Budgets.  `quota='shared'` gives all layers one pool (ranked together by the
 policy); `quota='per-layer'` gives each MoE layer an equal share.  On CUDA the
-device pool loads through a pinned host staging buffer (`TierSource`).
+device pool loads through a pinned host staging buffer (`TierSource`), or
+through a host tier of `host_memory` bytes that keeps a copy (inclusive).
+
+Where a missing expert may be computed instead of loaded (`split`): on a CPU
+pool from the file's memory map, on a CUDA pool on a CPU thread from the host
+tier's copy (Fiddler), see `moe_split` (the rule) and `moe_fiddler` (the
+mechanism).  Prefill's GPU/CPU placement (`prefill='balance'`) is `moe_prefill`.
 """
 from __future__ import annotations
 
@@ -29,9 +35,12 @@ from storage.policies import make_policy
 from storage.pool import Pool, PoolStats
 from storage.tiers import StoreSource, TierSource
 
+from .moe_prefill import PrefillCosts
 from .pooled_experts import PooledExperts
 
 QUOTAS = ("shared", "per-layer")
+SPLITS = ("mapped", "fiddler")      # in place from the memory map on the calling thread; on a CPU thread
+PREFILLS = ("batched", "balance")
 LLM_POLICIES = ("lru", "lfu", "gate-score", "probability", "fifo", "belady")
 
 
@@ -71,7 +80,10 @@ class PooledModel:
     root: Path
     owns_pools: bool = True
     prefetcher: object | None = None
-    split: object | None = None
+    split: object | None = None         # LoadComputeSplit: the decode split's rule and measured costs
+    in_place: object | None = None      # moe_fiddler.MappedInPlace / ThreadInPlace: where in-place misses run
+    prefill: object | None = None       # moe_prefill.PrefillBalance
+    host: Pool | None = None            # the host tier this model built (host_memory), if any
     _pool_by_layer: dict[int, Pool] = field(default_factory=dict)
 
     def pool_of(self, eid: str) -> Pool:
@@ -128,15 +140,22 @@ class PooledModel:
         self.tap.detach()
         if self.prefetcher is not None:
             self.prefetcher.close()
+        if self.in_place is not None:
+            self.in_place.close()
+        if self.prefill is not None:
+            self.prefill.cpu.close()
         for p in self.pools if self.owns_pools else ():
             p.close()
+        if self.host is not None:
+            self.host.close()
 
 
 def load_pooled(root: str | Path, *, memory: int, policy: str = "lru", quota: str = "shared", device: str = "cpu",
                 window: int = 8, popularity: dict[str, float] | None = None, verify: str = "first",
                 context: Callable[[], dict] | None = None, drop_after_read: bool = False,
                 shared_pool: Pool | None = None, alpha: float = 0.0, prefetch: str | None = None,
-                predictor=None, split: bool = False) -> PooledModel:
+                predictor=None, split: bool | str = False, host_memory: int = 0,
+                prefill: str | PrefillCosts | None = None) -> PooledModel:
     """The imported model at `root` with `memory` bytes of expert pool; see the module docstring.
 
     `popularity` (expert id -> per-layer share, e.g. `Trace.popularity()`)
@@ -151,8 +170,20 @@ def load_pooled(root: str | Path, *, memory: int, policy: str = "lru", quota: st
     approximate; 0 keeps logits exact.  `prefetch='next-layer'` loads the next
     layer's predicted experts in the background, `prefetch='token'` the next
     token's (from `predictor`, a `TokenPredictor` or its file); both exact.
-    `split` computes low-score misses in place from the expert file's memory
-    map instead of loading them (`moe_split`); exact.
+    `split` computes a decode step's low-score misses in place instead of
+    loading them (`moe_split` decides how many, `moe_fiddler` runs them):
+    True picks 'fiddler' on a CUDA pool (a CPU thread computes them from the
+    host tier's copy or the memory map while the loads proceed; the result
+    is copied to the GPU) and 'mapped' on a CPU pool (the matmul from the
+    memory map on the calling thread); either may be named, 'fiddler' on a
+    CPU pool runs the same thread with the CPU playing the device.  Exact on
+    the CPU; on CUDA the CPU's parts round as the CPU does.
+    `host_memory` > 0 puts a host tier of that many bytes (pinned on CUDA)
+    between the store and the device pools; it keeps a copy of each load.
+    `prefill='balance'` (CUDA) places each expert of a prefill pass on the
+    GPU or the CPU by `moe_prefill`'s rule from costs profiled at load;
+    a `PrefillCosts` gives the costs instead (any device).  'batched' (the
+    default) runs every expert through the pool.
     """
     if prefetch not in (None, "none", "next-layer", "token"):
         raise CoEError(f"prefetch must be 'next-layer', 'token' or none, got {prefetch!r}")
@@ -180,7 +211,17 @@ def load_pooled(root: str | Path, *, memory: int, policy: str = "lru", quota: st
         raise CoEError(f"device {device!r}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     if dev.type not in ("cpu", "cuda"):
         raise CoEError(f"device {device!r}: expected 'cpu' or 'cuda[:N]'")
+    split_mode = _split_mode(split, dev)
+    if prefill not in (None, *PREFILLS) and not isinstance(prefill, PrefillCosts):
+        raise CoEError(f"prefill must be one of {', '.join(PREFILLS)}, got {prefill!r}")
+    if prefill == "balance" and dev.type != "cuda":
+        raise CoEError("prefill 'balance' places experts between a GPU and the CPU; on a CPU box the prefill split "
+                       "reduces to batching a prompt's tokens per expert, which 'batched' (the default) does")
     biggest = max(l.expert_nbytes for l in layout.layers)
+    if host_memory and shared_pool is not None:
+        raise CoEError("host_memory builds a host tier; a shared pool brings its own")
+    if host_memory and host_memory < biggest:
+        raise CoEError(f"host memory {host_memory} bytes cannot hold one expert ({biggest} bytes)")
     need = layout.top_k * biggest
     if quota == "shared":
         if memory < need:
@@ -207,10 +248,17 @@ def load_pooled(root: str | Path, *, memory: int, policy: str = "lru", quota: st
 
     pmodel = PooledModel(model, layout, store, [], tap, dev, root, owns_pools=shared_pool is None)
     pools = {None: shared_pool} if shared_pool is not None else {}
+    if host_memory:
+        pmodel.host = Pool("cpu", host_memory, make_policy(policy), StoreSource(
+            store, pin=dev.type == "cuda", drop_after_read=drop_after_read), probabilities=popularity or {},
+            context=ctx, name=f"{layout.model}:host")
     for key, cap in caps.items() if shared_pool is None else ():
-        source = StoreSource(store, pin=dev.type == "cuda", drop_after_read=drop_after_read)
-        if dev.type == "cuda":
-            source = TierSource(source, str(dev))
+        if pmodel.host is not None:
+            source = TierSource(pmodel.host, str(dev))
+        else:
+            source = StoreSource(store, pin=dev.type == "cuda", drop_after_read=drop_after_read)
+            if dev.type == "cuda":
+                source = TierSource(source, str(dev))
         pools[key] = Pool(dev.type, cap, make_policy(policy), source, probabilities=popularity or {}, context=ctx,
                           name=f"{layout.model}:{'all' if key is None else f'L{key:02d}'}")
     pmodel.pools = list(pools.values())
@@ -247,13 +295,8 @@ def load_pooled(root: str | Path, *, memory: int, policy: str = "lru", quota: st
         pmodel.prefetcher = TokenPrefetcher(pred, {l.layer: layout.ids(l.layer) for l in layout.layers},
                                             pmodel.pool_of)
         tap.listen(pmodel.prefetcher.on_router)
-    if split:
-        from .moe_split import LoadComputeSplit
-
-        pmodel.split = LoadComputeSplit()
-        for m in model.modules():
-            if isinstance(m, PooledExperts):
-                m.split, m.in_place = pmodel.split, store.read
+    if split_mode is not None or prefill not in (None, "batched"):
+        _split_and_prefill(pmodel, split_mode, prefill)
     if alpha:
         from routing.substitution import WeightRule
 
@@ -264,6 +307,48 @@ def load_pooled(root: str | Path, *, memory: int, policy: str = "lru", quota: st
                                               scale=float(layout.extra.get("routed_scaling_factor", 1.0))),
                             resident_of)
     return pmodel
+
+
+def _split_mode(split: bool | str | None, dev: torch.device) -> str | None:
+    if split in (False, None, "none"):
+        return None
+    if split is True or split == "auto":
+        return "fiddler" if dev.type == "cuda" else "mapped"
+    if split not in SPLITS:
+        raise CoEError(f"split must be one of {', '.join(SPLITS)} (or True: fiddler on CUDA, mapped on a CPU), "
+                       f"got {split!r}")
+    if split == "mapped" and dev.type == "cuda":
+        raise CoEError("split 'mapped' computes on the calling thread from the memory map, which a CUDA pool's "
+                       "layer cannot use; use 'fiddler'")
+    return split
+
+
+def _split_and_prefill(pm: PooledModel, split_mode: str | None, prefill) -> None:
+    """Wire the decode split (`moe_split` + `moe_fiddler`) and the prefill balance (`moe_prefill`) into the layers."""
+    from .moe_fiddler import HostWeights, MappedInPlace, ThreadInPlace, host_tier_of
+    from .moe_split import LoadComputeSplit
+
+    layers = [m for m in pm.model.modules() if isinstance(m, PooledExperts)]
+    weights = HostWeights(pm.store, pm.host if pm.host is not None else host_tier_of(pm.pools[0]))
+    if split_mode is not None:
+        pm.split = LoadComputeSplit()
+        pm.in_place = (ThreadInPlace if split_mode == "fiddler" else MappedInPlace)(weights, pm.split)
+        for m in layers:
+            m.split, m.in_place = pm.split, pm.in_place
+    if prefill in (None, "batched"):
+        return
+    from .moe_prefill import PrefillBalance, profile_costs
+
+    if prefill == "balance":
+        first = pm.layout.ids(pm.layout.layers[0].layer)[0]
+        costs = profile_costs(StoreSource(pm.store).load(first).tensors(), layers[0].act_fn, pm.device)
+    else:
+        costs = prefill
+    # its own thread and measured costs: prefill's token counts would skew the decode split's C_other
+    pm.prefill = PrefillBalance(costs, weights, ThreadInPlace(weights, LoadComputeSplit()),
+                                StoreSource(pm.store, pin=pm.device.type == "cuda"), pm.device)
+    for m in layers:
+        m.prefill = pm.prefill
 
 
 def _load_resident(model: torch.nn.Module, path: Path, layout: MoELayout, verify: str) -> None:

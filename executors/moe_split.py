@@ -1,4 +1,4 @@
-"""Load versus compute for missing experts (importance paper Alg. 2; Fiddler), the CPU path.
+"""Load versus compute for missing experts (importance paper Alg. 2; Fiddler): the split rule.
 
 Each missing expert is either loaded into the pool (it may be reused) or
 computed where its weights already are, without entering the pool: on a CPU
@@ -6,13 +6,16 @@ box, straight from the expert file's memory map (the page cache), with no
 copy and no eviction.  The split sorts a layer's misses by gate score and
 chooses how many to load so that max(n_load·C_load, n_other·C_other) is
 smallest, from the recent measured cost of one load and of one in-place
-computation (the two run at once: loads on the loader threads, in-place
-matmuls on this one).  High-score misses are loaded, low-score ones computed
-in place.
+computation (on a GPU box the two run at once: loads on the loader threads,
+in-place matmuls on a CPU thread; on a CPU box the in-place matmuls run
+before the loads start, and the rule then only weighs them).  High-score
+misses are loaded, low-score ones computed in place.
 
-(On a GPU box the in-place path is Fiddler's: the CPU computes on the host
-tier's copy while the loads proceed.  That path needs a CUDA pool and is not
-built here yet.)
+This module is the rule and its measured costs; where the in-place experts
+run is `moe_fiddler`: on a CPU pool the matmul from the memory map on the
+calling thread, on a CUDA pool (Fiddler) a CPU thread computing from the host
+tier's copy or the memory map while the loads proceed, its result copied to
+the GPU.
 """
 from __future__ import annotations
 

@@ -34,6 +34,7 @@ from coe import CoEError
 from storage.pool import Handle, Pool
 
 WAIT_SECONDS = 60.0
+DECODE_TOKENS = 4   # a pass over at most this many tokens is decode (the split's case); more is a prefill
 LOADERS = 4         # concurrent expert loads: a cold read at queue depth 2-4 moves ~1.4x the bytes of one at a time
 
 _loader: ThreadPoolExecutor | None = None
@@ -147,38 +148,41 @@ class PooledExperts(nn.Module):
         self.device = torch.device(device)
         self._pool_of = pool_of
         self.prefetcher = None      # a NextLayerPrefetcher, set by the model builder when prefetch is on
-        self.split = None           # a LoadComputeSplit, with `in_place(expert_id) -> tensors` (memory-mapped)
+        self.split = None           # a LoadComputeSplit (the rule), with `in_place` (moe_fiddler: where misses run)
         self.in_place = None
+        self.prefill = None         # a PrefillBalance (moe_prefill): prefill's GPU/CPU placement, set on a GPU box
         self._after_loads = None
 
     def extra_repr(self) -> str:
         return f"layer={self.layer}, experts={self.num_experts}, pooled"
 
-    def _split_misses(self, hits: list[int], hidden_states, expert_mask, top_k_weights, out: dict) -> list[int]:
-        """Load the high-score misses; compute the low-score ones in place (into `out`). Returns what to acquire."""
+    def _split_misses(self, hits: list[int], hidden_states, expert_mask, top_k_weights):
+        """Load the high-score misses; start the low-score ones in place.  Returns (to acquire, in-place parts)."""
         misses = [e for e in hits if not self._pool_of(self.ids[e]).present(self.ids[e])]
         if not misses:
-            return hits
+            return hits, None
         score = {}
         for e in misses:
             pos, tok = torch.where(expert_mask[e])
             score[e] = float(top_k_weights[tok, pos].sum())
         _, in_place = self.split.split(sorted(misses, key=lambda e: -score[e]))
-        for e in in_place:
-            t0 = time.perf_counter()
-            out[e] = self._expert(e, self.in_place(self.ids[e]), hidden_states, expert_mask, top_k_weights)
-            self.split.measured(compute=time.perf_counter() - t0)
+        parts = self.in_place.start(self._expert, [(e, self.ids[e]) for e in in_place], hidden_states, expert_mask,
+                                    top_k_weights) if in_place else None
         if len(in_place) < len(misses):
             pool = self._pool_of(self.ids[misses[0]])
             before = pool.stats()
             self._after_loads = (pool, before)
-        return [e for e in hits if e not in set(in_place)]
+        return [e for e in hits if e not in set(in_place)], parts
 
     def _expert(self, e: int, weights: dict, hidden_states: torch.Tensor, expert_mask: torch.Tensor,
-                top_k_weights: torch.Tensor) -> tuple:
-        """Expert e's weighted output for its tokens: transformers' eager arithmetic, op for op."""
+                top_k_weights: torch.Tensor, where: tuple | None = None) -> tuple:
+        """Expert e's weighted output for its tokens: transformers' eager arithmetic, op for op.
+
+        `where` is `torch.where(expert_mask[e])` computed beforehand (on CUDA
+        it synchronises, which a pipeline of launches must not do per expert).
+        """
         gate_up_proj, down_proj = weights["gate_up_proj"], weights["down_proj"]
-        top_k_pos, token_idx = torch.where(expert_mask[e])
+        top_k_pos, token_idx = where if where is not None else torch.where(expert_mask[e])
         current_state = hidden_states[token_idx]
         gate, up = nn.functional.linear(current_state, gate_up_proj).chunk(2, dim=-1)
         current_hidden_states = self.act_fn(gate) * up
@@ -207,9 +211,12 @@ class PooledExperts(nn.Module):
         if prefetch is not None:
             prefetch.observe(self.layer, hits)
         out: dict[int, tuple] = {}
-        pending = hits
-        if self.split is not None and len(hidden_states) <= 4:       # decode: some misses may stay out
-            pending = self._split_misses(hits, hidden_states, expert_mask, top_k_weights, out)
+        pending, in_place = hits, None
+        if self.prefill is not None and len(hidden_states) > DECODE_TOKENS:     # prefill on a GPU box
+            out = self.prefill.run(self, hits, hidden_states, expert_mask, top_k_weights)
+            pending = []
+        elif self.split is not None and len(hidden_states) <= DECODE_TOKENS:   # decode: some misses may stay out
+            pending, in_place = self._split_misses(hits, hidden_states, expert_mask, top_k_weights)
         while pending:
             with PinnedWave(self._pool_of, [self.ids[e] for e in pending]) as wave:
                 experts = pending[:len(wave)]
@@ -223,7 +230,13 @@ class PooledExperts(nn.Module):
                     if prefetch is not None and n == wave.ready:
                         prefetch.predict(self.layer, self._partial(hidden_states, out))
                         prefetch = None
+                if self.device.type == "cuda":
+                    # the kernels just launched read the wave's buffers: they must be done before the wave
+                    # releases its pins, or a later load's copy (on the tier's side stream) may refill one under them
+                    torch.cuda.current_stream(self.device).synchronize()
             pending = pending[len(experts):]
+        if in_place is not None:        # the CPU's parts (Fiddler: computed meanwhile on its own thread)
+            out.update(in_place.results())
         if self._after_loads is not None:        # what this layer's loads cost, for the next split
             pool, before = self._after_loads
             self._after_loads = None

@@ -1,0 +1,162 @@
+"""Where a missing expert is computed in place: the memory map on a CPU box, a CPU thread on a GPU box (Fiddler).
+
+Issue 11 item 3 (importance paper Alg. 2; Fiddler, Kamahori et al. 2024).
+`moe_split` decides how many of a layer's misses to load (`choose_loads`, a
+pure rule over measured costs); this module is the mechanism that computes
+the others where their weights already are, without entering the pool and
+without evicting anything.
+
+- `HostWeights` finds an expert's weights in host memory: the host tier's
+  copy when the host tier holds it (pinned there until the computation is
+  done, so a host-tier load cannot refill that buffer under the matmul),
+  else the expert file's memory map (the page cache).
+- `MappedInPlace` (a CPU pool): the matmul runs on the calling thread
+  before the layer's loads start, as the CPU split always did.
+- `ThreadInPlace` (a CUDA pool, Fiddler): the matmul runs on a CPU thread of
+  its own, started before the layer's loads, so it overlaps the loader
+  threads' host-to-GPU copies and the GPU's computation of the loaded
+  experts.  Its inputs are the layer's hidden states copied to the host
+  once; its result (a few tokens' rows) is copied to the device and added
+  in ascending expert order with the other parts, as the eager loop adds
+  them.  With a CPU pool the same code runs with the CPU playing the
+  device, which is how the tests check it bit for bit.
+
+The costs the split rule reads are measured here and by the pool: C_other is
+the in-place computation of one expert for the layer's tokens (timed on the
+thread that runs it), C_load the device pool's mean time per load (host to
+GPU, plus the SSD read when no host copy exists).
+"""
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from storage.pool import Handle, Pool
+
+if TYPE_CHECKING:
+    import torch
+
+    from storage.expert_store import ExpertStore
+
+    from .moe_split import LoadComputeSplit
+
+# expert index, its weights, hidden states, expert mask, top-k weights -> (top-k positions, token rows, contribution)
+ExpertFn = Callable[[int, dict, "torch.Tensor", "torch.Tensor", "torch.Tensor"], tuple]
+
+
+def host_tier_of(pool: Pool) -> Pool | None:
+    """The host-tier pool a device pool loads through (`TierSource` over a `Pool`), or None."""
+    from storage.tiers import TierSource
+
+    source = pool.source
+    return source.parent if isinstance(source, TierSource) and isinstance(source.parent, Pool) else None
+
+
+@dataclass
+class HostReads:
+    from_host: int = 0      # computed on the host tier's copy
+    from_file: int = 0      # computed on the file's memory map (the host tier did not hold it)
+
+
+class HostWeights:
+    """An expert's weights in host memory, taken without loading it into any pool."""
+
+    def __init__(self, store: "ExpertStore", host: Pool | None = None) -> None:
+        self.store, self.host = store, host
+        self.reads = HostReads()
+        self._lock = threading.Lock()
+
+    def open(self, expert_id: str) -> tuple[dict, Handle | None]:
+        """(tensors, handle): the handle pins the host tier's copy until `close`; None for a memory map."""
+        handle = self.host.hold(expert_id) if self.host is not None else None
+        with self._lock:
+            if handle is not None:
+                self.reads.from_host += 1
+            else:
+                self.reads.from_file += 1
+        if handle is not None:
+            return handle.value.tensors(), handle
+        return self.store.read(expert_id), None
+
+    def close(self, handle: Handle | None) -> None:
+        if handle is not None:
+            self.host.release(handle)
+
+
+class InPlaceParts:
+    """The in-place parts of one layer: started before its loads, collected after its loaded experts."""
+
+    def __init__(self, parts: dict[int, "Future | tuple"], device: "torch.device") -> None:
+        self._parts, self._device = parts, device
+
+    def __len__(self) -> int:
+        return len(self._parts)
+
+    def results(self) -> dict[int, tuple]:
+        """{expert: (top-k positions, token rows, contribution)} on the layer's device; raises a job's error."""
+        out = {}
+        for e, part in self._parts.items():
+            pos, tok, contrib = part.result() if isinstance(part, Future) else part
+            if contrib.device != self._device:
+                pos, tok, contrib = pos.to(self._device), tok.to(self._device), contrib.to(self._device)
+            out[e] = (pos, tok, contrib)
+        return out
+
+
+class MappedInPlace:
+    """A CPU pool: each in-place expert computed on the calling thread, from host memory, before the loads."""
+
+    threaded = False
+
+    def __init__(self, weights: HostWeights, split: "LoadComputeSplit") -> None:
+        self.weights, self.split = weights, split
+
+    def _one(self, compute: ExpertFn, e: int, expert_id: str, hidden_states, expert_mask, top_k_weights) -> tuple:
+        tensors, handle = self.weights.open(expert_id)
+        try:
+            t0 = time.perf_counter()
+            part = compute(e, tensors, hidden_states, expert_mask, top_k_weights)
+            self.split.measured(compute=time.perf_counter() - t0)
+            return part
+        finally:
+            self.weights.close(handle)
+
+    def start(self, compute: ExpertFn, experts: Sequence[tuple[int, str]], hidden_states, expert_mask,
+              top_k_weights) -> InPlaceParts:
+        parts = {e: self._one(compute, e, eid, hidden_states, expert_mask, top_k_weights) for e, eid in experts}
+        return InPlaceParts(parts, hidden_states.device)
+
+    def close(self) -> None:
+        pass
+
+
+class ThreadInPlace(MappedInPlace):
+    """Fiddler: in-place experts computed on a CPU thread while the device pool's loads proceed.
+
+    One thread by default: it shares the cores with torch's own intra-op
+    threads, and a decode step's in-place experts are few (`choose_loads`
+    balances their count against the loads').
+    """
+
+    threaded = True
+
+    def __init__(self, weights: HostWeights, split: "LoadComputeSplit", *, threads: int = 1) -> None:
+        super().__init__(weights, split)
+        self._pool = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="coe-inplace-cpu")
+
+    def start(self, compute: ExpertFn, experts: Sequence[tuple[int, str]], hidden_states, expert_mask,
+              top_k_weights) -> InPlaceParts:
+        import torch
+
+        cpu = torch.device("cpu")
+        # one device-to-host copy per layer: the hidden rows, the routing mask and the gate weights
+        h, mask, w = (t.to(cpu) for t in (hidden_states, expert_mask, top_k_weights))
+        parts = {e: self._pool.submit(self._one, compute, e, eid, h, mask, w) for e, eid in experts}
+        return InPlaceParts(parts, hidden_states.device)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)

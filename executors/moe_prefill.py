@@ -1,0 +1,285 @@
+"""The prefill split on a GPU box: each expert to the GPU or the CPU by profiled costs (issue 11 item 4).
+
+A prefill pass gives expert e some n tokens at once.  GPU-NDP's balance rule
+(also SMoE's prefill) sends it to the GPU when
+
+    T_CPU(e, n) > T_GPU(e, n) + T_load(e) * [e not resident on the GPU]
+
+and computes it on the CPU otherwise (a tie stays on the CPU: the load is not
+worth it).  `goes_to_gpu` and `place` are that rule, pure; the costs are
+`PrefillCosts`, linear fits K*n + B of timings (`profile_costs` measures one
+expert of the model on this box at a few token counts; `fit_linear` fits).
+
+`PrefillBalance` is the mechanism, run by `PooledExperts` on a pass over more
+than a decode step's tokens:
+
+- resident experts are pinned where they are (`Pool.hold`: never a load);
+- the CPU's experts run on the in-place thread (`moe_fiddler`), from the
+  host tier's copy or the file's memory map, started first so they overlap
+  everything else;
+- the GPU's other experts stream through two staging buffers, not the pool
+  (a prefill touching every expert would otherwise evict decode's working
+  set): expert i+1 is read into a pinned host buffer and copied on a side
+  stream into one device buffer while the GPU computes expert i from the
+  other.  Events order the reuse: a copy into a buffer waits for the
+  computation that last read it; a computation waits for its copy.
+
+The parts are added in ascending expert order by the caller, as the eager
+loop adds them.  With the CPU playing the device (a CPU pool) the same code
+runs with plain copies and no streams; the tests check it there bit for bit.
+On a CPU box the rule itself has nothing to choose (the "GPU" is the CPU), and
+the prefill split reduces to batching a prompt's tokens per expert, which
+every pooled forward already does (`llm_bench.prefill_batching` measures it).
+"""
+from __future__ import annotations
+
+import time
+from collections.abc import Collection, Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
+
+    from storage.tiers import StoreSource
+
+    from .moe_fiddler import HostWeights, ThreadInPlace
+    from .pooled_experts import PooledExperts
+
+
+@dataclass(frozen=True)
+class LinearCost:
+    """Seconds for n tokens: per_token * n + fixed."""
+
+    per_token: float
+    fixed: float
+
+    def __call__(self, n: int) -> float:
+        return self.per_token * n + self.fixed
+
+
+@dataclass(frozen=True)
+class PrefillCosts:
+    """T_CPU(e, n), T_GPU(e, n) and T_load(e) for one expert, and where the figures came from."""
+
+    cpu: LinearCost
+    gpu: LinearCost
+    load: float
+    source: str = "given"
+
+
+def goes_to_gpu(n: int, resident: bool, costs: PrefillCosts) -> bool:
+    """The balance rule: T_CPU(n) > T_GPU(n) + T_load·[not resident]; a tie stays on the CPU."""
+    if n < 1:
+        raise ValueError(f"an expert with {n} tokens has nothing to place")
+    return costs.cpu(n) > costs.gpu(n) + (0.0 if resident else costs.load)
+
+
+def place(tokens: Mapping[int, int], resident: Collection[int], costs: PrefillCosts) -> tuple[list[int], list[int]]:
+    """(to the GPU, to the CPU), each in ascending expert order, for `tokens` = {expert: its token count}."""
+    gpu = [e for e in sorted(tokens) if goes_to_gpu(tokens[e], e in resident, costs)]
+    chosen = set(gpu)
+    return gpu, [e for e in sorted(tokens) if e not in chosen]
+
+
+def fit_linear(points: Sequence[tuple[int, float]]) -> LinearCost:
+    """Least-squares K·n + B through (n, seconds) points; needs two distinct n."""
+    ns = {n for n, _ in points}
+    if len(ns) < 2:
+        raise ValueError(f"a linear fit needs timings at two token counts or more, got {sorted(ns)}")
+    m = len(points)
+    mx = sum(n for n, _ in points) / m
+    my = sum(t for _, t in points) / m
+    k = sum((n - mx) * (t - my) for n, t in points) / sum((n - mx) ** 2 for n, _ in points)
+    return LinearCost(k, my - k * mx)
+
+
+@dataclass
+class PrefillStats:
+    resident: int = 0       # computed on the device from the pool's copy
+    streamed: int = 0       # copied through a staging buffer and computed on the device
+    cpu: int = 0            # computed on the CPU thread
+    bytes_streamed: int = 0
+
+
+@dataclass
+class _Slot:
+    """One staging buffer: host bytes, device bytes, and the events that order their reuse."""
+
+    own: object | None = None           # our pinned host FlatWeights, refilled by each read into this slot
+    held: object | None = None          # the host tier's Handle while its copy is the one being copied from
+    layout: object | None = None        # the layout of the bytes now in `device`
+    device: "torch.Tensor | None" = None
+    copied: object | None = None        # CUDA event: the host-to-device copy into `device` is done
+    computed: object | None = None      # CUDA event: the computation that last read `device` is done
+
+
+class PrefillBalance:
+    """Prefill's placement and the two-buffer stream (see the module docstring); one forward at a time."""
+
+    def __init__(self, costs: PrefillCosts, weights: "HostWeights", cpu: "ThreadInPlace", source: "StoreSource",
+                 device: "torch.device") -> None:
+        import torch
+
+        self.costs, self.weights, self.cpu, self.source = costs, weights, cpu, source
+        self.device = torch.device(device)
+        self.stats = PrefillStats()
+        self._slots = [_Slot(), _Slot()]
+        self._cuda = self.device.type == "cuda"
+        self._copy_stream = torch.cuda.Stream(self.device) if self._cuda else None
+
+    @property
+    def staging_bytes(self) -> int:
+        """Device memory the two staging buffers hold, outside the pool's budget."""
+        return sum(s.device.numel() for s in self._slots if s.device is not None)
+
+    def run(self, layer: "PooledExperts", hits: list[int], hidden_states, expert_mask, top_k_weights) -> dict:
+        """{expert: (top-k positions, token rows, contribution)} for every expert in `hits`."""
+        import torch
+
+        where = {e: torch.where(expert_mask[e]) for e in hits}       # the syncs happen here, before any launch
+        tokens = {e: int(where[e][1].numel()) for e in hits}
+        resident = {e for e in hits if layer._pool_of(layer.ids[e]).contains(layer.ids[e])}
+        gpu, cpu = place(tokens, resident, self.costs)
+        parts = self.cpu.start(layer._expert, [(e, layer.ids[e]) for e in cpu], hidden_states, expert_mask,
+                               top_k_weights) if cpu else None
+        out: dict[int, tuple] = {}
+        holds = []
+        try:
+            stream = []
+            for e in gpu:
+                eid = layer.ids[e]
+                h = layer._pool_of(eid).hold(eid) if e in resident else None
+                if h is None:       # not resident, or evicted since by another request: stream it
+                    stream.append(e)
+                    continue
+                holds.append(h)
+                out[e] = layer._expert(e, h.value.tensors(), hidden_states, expert_mask, top_k_weights, where[e])
+                self.stats.resident += 1
+            self._stream(layer, stream, hidden_states, expert_mask, top_k_weights, where, out)
+            if self._cuda:
+                torch.cuda.current_stream(self.device).synchronize()    # before the pins and the buffers go
+        finally:
+            for h in holds:
+                layer._pool_of(h.expert_id).release(h)
+            for slot in self._slots:
+                self._let_go(slot)
+        if parts is not None:
+            out.update(parts.results())
+            self.stats.cpu += len(parts)
+        return out
+
+    def _stream(self, layer, experts: list[int], hidden_states, expert_mask, top_k_weights, where, out) -> None:
+        """Expert i computed from one staging buffer while expert i+1 is read and copied into the other."""
+        import torch
+
+        from storage.flat import FlatWeights
+
+        if not experts:
+            return
+        self._load(layer.ids[experts[0]], self._slots[0])
+        for i, e in enumerate(experts):
+            slot = self._slots[i % 2]
+            current = torch.cuda.current_stream(self.device) if self._cuda else None
+            if current is not None:
+                current.wait_event(slot.copied)
+            tensors = FlatWeights(slot.layout, slot.device).tensors()
+            out[e] = layer._expert(e, tensors, hidden_states, expert_mask, top_k_weights, where[e])
+            if current is not None:
+                slot.computed = current.record_event()
+            self.stats.streamed += 1
+            if i + 1 < len(experts):       # launched: the device computes expert i while i+1 is read and copied
+                self._load(layer.ids[experts[i + 1]], self._slots[(i + 1) % 2])
+
+    def _load(self, expert_id: str, slot: _Slot) -> None:
+        """Fill `slot`: host bytes (the host tier's copy, else a read into our pinned buffer), then the device copy."""
+        import torch
+
+        self._let_go(slot)          # the previous copy out of this slot's host bytes is done; a held copy goes
+        held = self.weights.host.hold(expert_id) if self.weights.host is not None else None
+        if held is not None:
+            slot.held, src = held, held.value
+        else:
+            src = slot.own = self.source.load(expert_id, reuse=[slot.own] if slot.own is not None else [])
+        if slot.device is None or slot.device.numel() != src.nbytes:
+            if slot.computed is not None:
+                slot.computed.synchronize()
+            slot.device = torch.empty(src.nbytes, dtype=torch.uint8, device=self.device)
+            if self._cuda:      # fresh memory may be the current stream's just-freed memory: order after it
+                self._copy_stream.wait_stream(torch.cuda.current_stream(self.device))
+        slot.layout = src.layout
+        if not self._cuda:
+            slot.device.copy_(src.buffer)
+        else:
+            with torch.cuda.stream(self._copy_stream):
+                if slot.computed is not None:
+                    self._copy_stream.wait_event(slot.computed)     # the computation that last read it is done
+                slot.device.copy_(src.buffer, non_blocking=src.buffer.is_pinned())
+                slot.copied = self._copy_stream.record_event()
+        self.stats.bytes_streamed += src.nbytes
+
+    def _let_go(self, slot: _Slot) -> None:
+        """Wait for the slot's copy out of its host bytes, then unpin a host-tier copy it was reading."""
+        if slot.copied is not None:
+            slot.copied.synchronize()
+        if slot.held is not None:
+            self.weights.host.release(slot.held)
+            slot.held = None
+
+
+def profile_costs(weights: dict, act_fn, device: "torch.device", *, ns: Sequence[int] = (1, 8, 32, 128),
+                  repeats: int = 3) -> PrefillCosts:
+    """T_CPU, T_GPU (linear fits over `ns` token counts) and T_load of one expert's `weights`, timed on this box.
+
+    T_load is one host-to-device copy of the expert's bytes from pinned memory
+    (the staging path; an SSD read on top is not counted: the rule compares
+    computing against moving bytes that are in host memory or the page cache).
+    """
+    import torch
+
+    from torch import nn
+
+    device = torch.device(device)
+    cpu = torch.device("cpu")
+    gate_up, down = weights["gate_up_proj"], weights["down_proj"]
+    hidden = gate_up.shape[1]
+
+    def run(gu, dn, x):
+        gate, up = nn.functional.linear(x, gu).chunk(2, dim=-1)
+        return nn.functional.linear(act_fn(gate) * up, dn)
+
+    def timed(dev) -> list[tuple[int, float]]:
+        gu, dn = gate_up.to(dev), down.to(dev)
+        points = []
+        for n in ns:
+            x = torch.randn(n, hidden, dtype=gu.dtype, device=dev)
+            run(gu, dn, x)          # warm-up
+            for _ in range(repeats):
+                if dev.type == "cuda":
+                    torch.cuda.synchronize(dev)
+                t0 = time.perf_counter()
+                run(gu, dn, x)
+                if dev.type == "cuda":
+                    torch.cuda.synchronize(dev)
+                points.append((n, time.perf_counter() - t0))
+        return points
+
+    with torch.no_grad():
+        cpu_cost, dev_cost = fit_linear(timed(cpu)), fit_linear(timed(device))
+        nbytes = sum(t.numel() * t.element_size() for t in (gate_up, down))
+        src = torch.empty(nbytes, dtype=torch.uint8, pin_memory=device.type == "cuda")
+        dst = torch.empty(nbytes, dtype=torch.uint8, device=device)
+        loads = []
+        for _ in range(repeats + 1):
+            t0 = time.perf_counter()
+            dst.copy_(src, non_blocking=src.is_pinned())
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            loads.append(time.perf_counter() - t0)
+    # noisy tiny timings can fit a negative slope or intercept: a cost is never below zero
+    cpu_cost = LinearCost(max(cpu_cost.per_token, 0.0), max(cpu_cost.fixed, 0.0))
+    dev_cost = LinearCost(max(dev_cost.per_token, 0.0), max(dev_cost.fixed, 0.0))
+    load = min(loads[1:])
+    where = f"profiled on this box ({device.type}, {nbytes / 2**20:.1f} MiB expert, n in {list(ns)})"
+    return PrefillCosts(cpu_cost, dev_cost, load, where)
+

@@ -1,0 +1,176 @@
+"""The prefill balance rule and its two-buffer mechanism (issue 11 item 4).
+
+The rule is pure and tested on exact cases (the boundary of the inequality,
+resident or not, ties).  The mechanism runs on a CPU pool with the CPU
+playing the GPU (plain copies instead of streams), so placement, the
+staging buffers, the host tier's copies and the CPU thread are checked bit
+for bit against transformers' eager model; on CUDA, within a tolerance.
+"""
+from __future__ import annotations
+
+import pytest
+
+from executors.moe_prefill import LinearCost, PrefillCosts, fit_linear, goes_to_gpu, place
+
+COSTS = PrefillCosts(cpu=LinearCost(2.0, 1.0), gpu=LinearCost(1.0, 0.0), load=3.0)
+
+
+def test_the_rule_at_its_boundary_a_tie_stays_on_the_cpu():
+    # T_CPU(n) = 2n + 1, T_GPU(n) = n, T_load = 3
+    assert not goes_to_gpu(2, False, COSTS)      # 5 > 2 + 3 is false: the tie stays on the CPU
+    assert goes_to_gpu(3, False, COSTS)          # 7 > 3 + 3
+    assert not goes_to_gpu(1, False, COSTS)      # 3 > 1 + 3 is false
+    assert goes_to_gpu(1, True, COSTS)           # resident: no load to pay, 3 > 1
+    even = PrefillCosts(cpu=LinearCost(1.0, 0.5), gpu=LinearCost(1.0, 0.5), load=0.0)
+    assert not goes_to_gpu(7, True, even)        # equal costs, resident: still a tie, still the CPU
+    with pytest.raises(ValueError):
+        goes_to_gpu(0, True, COSTS)
+
+
+def test_place_splits_in_ascending_order_and_only_residency_changes_the_answer():
+    tokens = {7: 2, 5: 1, 2: 3, 0: 2}
+    assert place(tokens, resident={5}, costs=COSTS) == ([2, 5], [0, 7])
+    assert place(tokens, resident={0, 5, 7}, costs=COSTS) == ([0, 2, 5, 7], [])
+    assert place(tokens, resident=set(), costs=COSTS) == ([2], [0, 5, 7])
+    assert place({}, resident=set(), costs=COSTS) == ([], [])
+
+
+def test_fit_linear_recovers_a_line_and_needs_two_token_counts():
+    got = fit_linear([(1, 3.0), (3, 7.0), (5, 11.0)])
+    assert got.per_token == pytest.approx(2.0) and got.fixed == pytest.approx(1.0) and got(10) == pytest.approx(21.0)
+    noisy = fit_linear([(2, 1.0), (2, 3.0), (4, 4.0), (4, 6.0)])      # means (2, 2) and (4, 5)
+    assert noisy.per_token == pytest.approx(1.5) and noisy.fixed == pytest.approx(-1.0)
+    with pytest.raises(ValueError, match="two token counts"):
+        fit_linear([(8, 1.0), (8, 2.0)])
+
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+from moe_models import VOCAB, build  # noqa: E402
+
+from coe import CoEError  # noqa: E402
+from executors.moe_model import load_pooled  # noqa: E402
+
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    from storage.llm_import import import_checkpoint
+
+    root = tmp_path_factory.mktemp("qwen3")
+    ref = build("qwen3_moe", root / "hf")
+    layout = import_checkpoint(root / "hf", root / "store")
+    return ref, layout, root / "store"
+
+
+def _prompt(seed, n=12):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (1, n), generator=g)
+
+
+# resident: always the "GPU" (n > 0); not resident: streamed when n > 3.5, on the CPU thread when n <= 3
+MIXED = PrefillCosts(cpu=LinearCost(1.0, 0.0), gpu=LinearCost(0.0, 0.0), load=3.5, source="test")
+
+
+@pytest.mark.parametrize("host", [False, True])
+def test_prefill_balance_on_a_cpu_pool_is_bit_exact_and_streams_around_the_pool(qwen3, host):
+    ref, layout, store = qwen3
+    per = layout.layers[0].expert_nbytes
+    pm = load_pooled(store, memory=per * (layout.top_k + 2), policy="lru", prefill=MIXED,
+                     host_memory=layout.expert_bytes if host else 0)
+    with torch.no_grad():
+        for seed in range(3):                       # decode-sized passes fill the pool (and the host tier)
+            x = _prompt(100 + seed, 2)
+            assert torch.equal(pm.model(x).logits, ref(x).logits)
+        before = pm.stats()
+        resident = sorted(pm.pools[0].resident())
+        host_hits = pm.host.stats().hits if host else 0
+        for seed in range(3):
+            x = _prompt(seed)
+            assert torch.equal(pm.model(x).logits, ref(x).logits), f"prompt {seed}: logits differ"
+    st = pm.prefill.stats
+    assert st.resident > 0 and st.streamed > 0 and st.cpu > 0
+    after = pm.stats()
+    assert after.misses == before.misses and sorted(pm.pools[0].resident()) == resident    # nothing entered
+    assert st.bytes_streamed == st.streamed * per and pm.prefill.staging_bytes == 2 * per  # two buffers, no more
+    if host:        # what the host tier held was streamed or computed from its copy, not read again
+        assert pm.host.stats().hits > host_hits and pm.prefill.weights.reads.from_host > 0
+    pm.close()
+
+
+def test_a_wrong_buffer_is_caught(qwen3):
+    """The check can fail: computing expert i+1 from expert i's buffer changes the logits."""
+    from executors import moe_prefill as mp
+
+    ref, layout, store = qwen3
+    pm = load_pooled(store, memory=layout.layers[0].expert_nbytes * (layout.top_k + 2), policy="lru",
+                     prefill=MIXED)
+    x = _prompt(0)
+    orig = mp.PrefillBalance._load
+
+    def stale(self, expert_id, slot):          # the computation finds the other slot's (the previous expert's) bytes
+        orig(self, expert_id, slot)
+        other = self._slots[1] if slot is self._slots[0] else self._slots[0]
+        if other.device is not None:
+            slot.device.copy_(other.device)
+    mp.PrefillBalance._load = stale
+    try:
+        with torch.no_grad():
+            assert not torch.equal(pm.model(x).logits, ref(x).logits)
+    finally:
+        mp.PrefillBalance._load = orig
+    pm.close()
+
+
+def test_balance_on_a_cpu_box_says_it_reduces_to_batching(qwen3):
+    _, layout, store = qwen3
+    with pytest.raises(CoEError, match="batching"):
+        load_pooled(store, memory=layout.expert_bytes, prefill="balance")
+    with pytest.raises(CoEError, match="prefill must be"):
+        load_pooled(store, memory=layout.expert_bytes, prefill="greedy")
+
+
+def test_profile_costs_times_this_box():
+    from torch import nn
+
+    from executors.moe_prefill import profile_costs
+
+    w = {"gate_up_proj": torch.randn(64, 32), "down_proj": torch.randn(32, 32)}
+    c = profile_costs(w, nn.SiLU(), torch.device("cpu"), ns=(1, 64), repeats=2)
+    assert c.load > 0 and c.cpu(64) > 0 and c.gpu(64) > 0
+    assert c.cpu.per_token >= 0 and c.cpu.fixed >= 0 and "profiled" in c.source
+
+
+def test_generate_help_documents_the_new_options():
+    from click.testing import CliRunner
+
+    from edge_agent.cli import cli
+
+    res = CliRunner().invoke(cli, ["llm", "generate", "--help"])
+    assert res.exit_code == 0
+    for text in ("--prefill", "balance", "T_CPU(n) > T_GPU(n) + T_load", "--host-memory", "Fiddler"):
+        assert text in res.output
+
+
+@pytest.mark.gpu
+@cuda
+@pytest.mark.parametrize("costs", ["balance", MIXED])
+def test_prefill_balance_on_cuda_matches_the_reference_within_tolerance(qwen3, costs):
+    ref, layout, store = qwen3
+    per = layout.layers[0].expert_nbytes
+    pm = load_pooled(store, memory=per * (layout.top_k + 2), policy="lru", device="cuda", prefill=costs,
+                     host_memory=layout.expert_bytes // 2)
+    with torch.no_grad():
+        for seed in range(3):
+            x = _prompt(100 + seed, 2)
+            torch.testing.assert_close(pm.model(x.cuda()).logits.cpu(), ref(x).logits, rtol=1e-4, atol=1e-4)
+        for seed in range(3):
+            x = _prompt(seed)
+            torch.testing.assert_close(pm.model(x.cuda()).logits.cpu(), ref(x).logits, rtol=1e-4, atol=1e-4)
+    st = pm.prefill.stats
+    assert st.resident + st.streamed + st.cpu > 0
+    if costs is MIXED:
+        assert st.streamed > 0 and st.cpu > 0
+    pm.close()
