@@ -20,6 +20,12 @@ same code as CoServe:
   With executors on several boxes (issue 15) each box has its own SSD: the
   cost model names each executor's channel (`ssd_channel`), and the backlog
   and the wait are per channel.  One box, one channel: the rule above.
+- work awareness (`coserve`): the min-max is blind to work added below the
+  maximum, so a request whose group waits on the busiest queue went to a
+  switch elsewhere to save K on the max, paying a whole load.  Every queued
+  second is run by some executor (and stealing spreads the tail), so each
+  candidate's objective also carries what it adds to the executors' mean
+  time: added / n executors.  The weight 1/n is that mean's, not fitted.
 - work stealing (`coserve`): an executor that runs dry takes a waiting group
   that would finish sooner on it, its switch there included.
 - arranging: a request goes right behind the last queued request for the same
@@ -95,14 +101,16 @@ class SchedulerPolicy:
     split: bool
     ssd_aware: bool = False   # the shared SSD is a resource in the assignment objective
     steal: bool = False       # an idle executor takes a waiting group that would finish sooner on it
+    work_aware: bool = False  # the objective also charges what a choice adds to the executors' mean time
 
 
 POLICIES = {
-    "coserve": SchedulerPolicy("coserve", "cost", True, True, ssd_aware=True, steal=True),
+    "coserve": SchedulerPolicy("coserve", "cost", True, True, ssd_aware=True, steal=True, work_aware=True),
     "coserve-paper": SchedulerPolicy("coserve-paper", "cost", True, True),   # the paper's rule, exactly
     # one lever of ours off at a time (bench ablations)
-    "coserve-nossd": SchedulerPolicy("coserve-nossd", "cost", True, True, steal=True),
-    "coserve-nosteal": SchedulerPolicy("coserve-nosteal", "cost", True, True, ssd_aware=True),
+    "coserve-nossd": SchedulerPolicy("coserve-nossd", "cost", True, True, steal=True, work_aware=True),
+    "coserve-nosteal": SchedulerPolicy("coserve-nosteal", "cost", True, True, ssd_aware=True, work_aware=True),
+    "coserve-nowork": SchedulerPolicy("coserve-nowork", "cost", True, True, ssd_aware=True, steal=True),
     "em+ra": SchedulerPolicy("em+ra", "round-robin", True, True),      # ablation: no cost-based assigning
     "em": SchedulerPolicy("em", "round-robin", False, True),           # ablation: expert management only
     "none": SchedulerPolicy("none", "round-robin", False, True),
@@ -383,6 +391,12 @@ class Scheduler:
             objective = max(others, ests[name] + added)
             if self.policy.ssd_aware:   # every SSD's backlog is in the max; this one's grows by the switch's read
                 objective = max(objective, top_ssd, backlogs[self.channel(name)] + ssd)
+            if self.policy.work_aware:
+                # the max alone is blind to work added below it: joining the top queue's group (+K) loses to a
+                # switch on another queue (+load+K+B) by K, though the switch costs far more.  Every queued
+                # second is run by some executor, and stealing spreads the tail, so a choice also moves the
+                # executors' mean time by added / n: that is its weight, derived, not fitted.
+                objective += added / len(self.names)
             cands.append((objective, added, i, name, switch, ssd))
         floor = min(c[0] for c in cands) + self.tie_seconds
         _, _, _, name, switch, ssd = min((c for c in cands if c[0] <= floor + _EPS), key=lambda c: (c[1], c[0], c[2]))

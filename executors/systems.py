@@ -32,7 +32,7 @@ from .profile import DeviceProfile, Profile
 from .simdevice import SimExecutor, SimSystem
 
 SYSTEMS = ("coserve", "coserve-paper", "samba", "samba-fifo", "samba-parallel", "none", "em", "em+ra",
-           "-ssd", "-steal", "-exclusive", "-age", "-protect")
+           "-ssd", "-steal", "-exclusive", "-age", "-protect", "-work")
 DEFAULT = SYSTEMS
 MAX_WAIT = 2.0   # seconds: CoServe's age bound in the benchmark (the agent's default, scheduler.max_wait)
 
@@ -98,6 +98,7 @@ def build_system(name: str, profile: Profile, *, init: str = "warm", boxes: int 
         # CoServe with one of our levers off, to attribute the gain over coserve-paper
         "-ssd": (co, "coserve-nossd", "coserve", host, "exclusive", MAX_WAIT),
         "-steal": (co, "coserve-nosteal", "coserve", host, "exclusive", MAX_WAIT),
+        "-work": (co, "coserve-nowork", "coserve", host, "exclusive", MAX_WAIT),
         "-exclusive": (co, "coserve", "coserve", host, "inclusive", MAX_WAIT),
         "-age": (co, "coserve", "coserve", host, "exclusive", None),
         "-protect": (co, "coserve", "coserve-paper", host, "exclusive", MAX_WAIT),

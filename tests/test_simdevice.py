@@ -3,7 +3,6 @@ estimates that follow what runs, the shared-SSD term, and the baselines' memory 
 from __future__ import annotations
 
 import math
-from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -258,10 +257,24 @@ def test_ssd_aware_assignment_avoids_a_switch_when_the_ssd_is_the_bottleneck():
         costs.inflight = 30.0               # then 30 s of SSD reads queue up elsewhere
         assert s.estimate("q1") == pytest.approx(5.0) and s.estimate("q2") == 0.0
         assert s.submit(req("a", 5)) == want, policy
-    quiet = Scheduler(["q1", "q2"], "coserve", costs=FixedCosts(K=1.0, B=0.0, load=2.0))
+    quiet = Scheduler(["q1", "q2"], "coserve-nowork", costs=FixedCosts(K=1.0, B=0.0, load=2.0))
     _place_a_on(quiet, "q1")
     quiet._q["q1"].queued += 2.0
     assert quiet.submit(req("a", 6)) == "q2"   # an idle SSD: the same choice as the paper's rule
+
+
+def test_work_aware_assignment_joins_the_busiest_queues_group_rather_than_pay_a_load_to_save_k():
+    """q1 (5 s) is the busiest queue and holds a group of 'a'; q2 has 1 s.  Joining q1 adds K = 0.1 s to the
+    maximum; starting 'a' on q2 adds a 2 s load + K there but leaves the maximum at 5.  The paper's min-max
+    takes q2 (5 < 5.1), a whole load to save 0.1 s; charged at their effect on the mean (added / 2), q1 costs
+    5.1 + 0.05 and q2 5 + 1.05, so CoServe joins q1."""
+    for policy, want in (("coserve-paper", "q2"), ("coserve-nowork", "q2"), ("coserve", "q1")):
+        s = Scheduler(["q1", "q2"], policy, costs=FixedCosts(K=0.1, B=0.0, load=2.0))
+        assert _place_a_on(s, "q1") == "q1"
+        s._q["q1"].queued += 5.0 - s.estimate("q1")
+        s._q["q2"].queued += 1.0
+        assert s.estimate("q1") == pytest.approx(5.0) and s.estimate("q2") == pytest.approx(1.0)
+        assert s.submit(req("a", 7)) == want, policy
 
 
 def _place_a_on(s: Scheduler, name: str) -> str:
