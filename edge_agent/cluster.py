@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import pickle
 import socket
 import time
 from dataclasses import dataclass
@@ -157,22 +158,37 @@ class _Echo:
             time.sleep(max(0.0, min(end - time.perf_counter(), 0.001)))
         return len(payload)
 
+    def open_channel(self) -> str:
+        """Answer `ping`/`work` on a ZeroMQ batch channel too, as a remote executor's actor does batches."""
+        import ray
+
+        from executors.remote_channel import ChannelServer
+
+        self._channel = ChannelServer(self._answer, ray.util.get_node_ip_address())
+        return self._channel.endpoint
+
+    def _answer(self, blob) -> bytes:
+        payload, seconds = pickle.loads(blob)
+        return pickle.dumps(self.work(payload, seconds) if seconds else self.ping(payload))
+
 
 def _median_rtt(call, rounds: int) -> float:
-    import ray
-
+    """Median seconds of `call()`, which blocks for one round trip (and times out rather than hang)."""
     times = []
     for _ in range(rounds):
         t = time.perf_counter()
-        ray.get(call(), timeout=60)       # a hung node fails the probe rather than hanging the command
+        call()
         times.append(time.perf_counter() - t)
     times.sort()
     return times[len(times) // 2]
 
 
 def measure_link(node: str, *, rounds: int = 50, frame_bytes: int = DEFAULT_FRAME_BYTES,
-                 work_s: float = PROBE_WORK_S) -> LinkSample:
-    """Real round trips through Ray to an actor on `node`, with payloads the size real calls carry.
+                 work_s: float = PROBE_WORK_S, channel: str = "zmq") -> LinkSample:
+    """Real round trips to an actor on `node`, the way batches go, with payloads the size real calls carry.
+
+    `channel` is the line's `cluster.channel`: 'zmq' times the ZeroMQ batch
+    channel remote executors send batches on, 'ray' Ray actor calls.
 
     - bandwidth: messages of k frame-sized payloads (as many as stay under the
       1 MiB inline limit real batches use, at least one) against empty calls:
@@ -185,19 +201,34 @@ def measure_link(node: str, *, rounds: int = 50, frame_bytes: int = DEFAULT_FRAM
     """
     import ray
 
+    from executors.remote_channel import ChannelClient, ChannelError
+
     actor = ray.remote(_Echo).options(resources={node_resource(node): 0.001}, num_cpus=0).remote()
     k = max(1, min(8, (INLINE_BYTES - 4096) // max(frame_bytes, 1)))
     frames = [b"\0" * frame_bytes for _ in range(k)]
     one = frames[:1]
+    client = None
     try:
         ray.get(actor.ping.remote(), timeout=60)
-        ray.get(actor.ping.remote(frames), timeout=60)   # warm both paths
-        empty = _median_rtt(lambda: actor.ping.remote(), rounds)
-        loaded = _median_rtt(lambda: actor.ping.remote(frames), rounds)
-        real = _median_rtt(lambda: actor.work.remote(one, work_s), rounds)
-    except ray.exceptions.RayError as exc:
+        if channel == "zmq":
+            client = ChannelClient(ray.get(actor.open_channel.remote(), timeout=60))
+
+            def call(payload=None, seconds=0.0):
+                blob = pickle.dumps((payload, seconds), protocol=5)
+                return lambda: client.call(blob, timeout=60, alive=lambda: None)
+        else:
+            def call(payload=None, seconds=0.0):
+                return (lambda: ray.get(actor.work.remote(payload, seconds), timeout=60)) if seconds else \
+                    (lambda: ray.get(actor.ping.remote(payload), timeout=60))
+        call(frames)()                     # warm the path
+        empty = _median_rtt(call(), rounds)
+        loaded = _median_rtt(call(frames), rounds)
+        real = _median_rtt(call(one, work_s), rounds)
+    except (ray.exceptions.RayError, ChannelError, TimeoutError) as exc:
         raise CoEError(f"node {node}: the link probe failed: {short_error(exc)}") from None
     finally:
+        if client is not None:
+            client.close()
         ray.kill(actor)
     transfer = max(loaded - empty, 1e-7)
     bandwidth = k * frame_bytes / transfer
@@ -210,10 +241,12 @@ def profile_links(cfg: "LineConfig", *, rounds: int = 50, frame_bytes: int = DEF
     nodes = sorted({ex.node for ex in cfg.executors if ex.node})
     connect(cfg.cluster, nodes)
     links = {}
+    channel = cfg.cluster.channel
     for node in nodes:
-        s = measure_link(node, rounds=rounds, frame_bytes=frame_bytes)
+        s = measure_link(node, rounds=rounds, frame_bytes=frame_bytes, channel=channel)
         links[node] = Link(s.bandwidth_bps, s.latency_s,
-                           f"measured from {socket.gethostname()} over Ray, {s.rounds} round trips each: a call "
+                           f"measured from {socket.gethostname()} over the {channel} channel, {s.rounds} round trips "
+                           f"each: a call "
                            f"with a {s.frame_bytes} B frame and {PROBE_WORK_S * 1e3:g} ms of work, {s.frames_per_probe}-"
                            f"frame messages vs empty ones (empty round trip {s.empty_rtt_s * 1e3:.3f} ms), "
                            f"{time.strftime('%Y-%m-%d')}")

@@ -457,15 +457,17 @@ def test_cluster_commands_profile_the_links_and_show_the_nodes(cluster, tiny_zoo
     assert r.exit_code != 0 and "node 'box-7' runs no executor" in r.output
 
 
-def test_the_link_probe_prices_a_real_call_not_half_an_empty_one(cluster):
-    """Frame-sized payloads (inline, as real batches are) and a round trip of a call that waits for work."""
+@pytest.mark.parametrize("channel", ["zmq", "ray"])
+def test_the_link_probe_prices_a_real_call_not_half_an_empty_one(cluster, channel):
+    """Frame-sized payloads (inline, as real batches are) and a round trip of a call that waits for work, on the
+    path batches take (the ZeroMQ batch channel, or Ray calls)."""
     from edge_agent.cluster import INLINE_BYTES, measure_link
 
-    s = measure_link("box-2", rounds=10, frame_bytes=150528)
+    s = measure_link("box-2", rounds=10, frame_bytes=150528, channel=channel)
     assert s.frames_per_probe == 6 and 6 * 150528 < INLINE_BYTES          # a message of frames, still inline
     assert s.latency_s >= s.empty_rtt_s > 0                               # at least a whole round trip
     assert s.bandwidth_bps > 0 and s.frame_bytes == 150528
-    big = measure_link("box-2", rounds=5, frame_bytes=3 << 20)           # a frame above the limit: one per message
+    big = measure_link("box-2", rounds=5, frame_bytes=3 << 20, channel=channel)   # above the limit: one per message
     assert big.frames_per_probe == 1
 
 
