@@ -680,7 +680,10 @@ class RemoteExecutor:
         try:
             if ray.cluster_resources().get(node_resource(self.node), 0) <= 0:
                 return False
-            order = sorted(self.model.experts, key=lambda e: -self.spec.probabilities.get(e, 0.0))
+            # the start's plan again (its share of the initialisation across executors), not the most probable
+            # experts overall, which the other executors hold already
+            order = self.pool.planned or sorted(self.model.experts,
+                                                key=lambda e: -self.spec.probabilities.get(e, 0.0))
             self._connect(order)
         except Exception as exc:  # noqa: BLE001 - not back yet
             log.info("executor %s: node %s not back yet (%s)", self.name, self.node, short_error(exc))

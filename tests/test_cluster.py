@@ -233,6 +233,9 @@ def test_killing_a_node_mid_replay_loses_and_duplicates_nothing_and_the_node_rej
         cluster.boxes["box-3"] = cluster.add_node(**NODE_ARGS, resources={"coe:box-3": 1})
         _until(lambda: victim.up, 90, "box-3's executor rejoined")
         assert victim.rejoined == 1 and "box-3/cpu-2.0" in agent.scheduler.active()
+        # warmed with its share of the start's plan again, not with what the other executors hold
+        assert victim.pool.planned and set(victim.pool.resident()) <= set(victim.pool.planned), \
+            (victim.pool.resident(), victim.pool.planned)
         before = victim.batches
         msgs = _messages(rec, frames, prefix="again-")
         assert send_messages(msgs, ingest, window=16).accepted == len(msgs)
