@@ -228,7 +228,12 @@ class Agent:
         return RemoteExecutor(spec, self.model, self.pools[slot.name], self.scheduler, self._on_batch,
                               on_event=lambda e, n=slot.name: self._on_pool_event(e, n),
                               call_timeout=c.call_timeout_s, rejoin_s=c.rejoin_s, connect_timeout=c.connect_timeout_s,
-                              channel=c.channel)
+                              channel=c.channel, sync=lambda node=slot.ex.node: self._sync_node(node))
+
+    def _sync_node(self, node: str) -> None:
+        from .cluster import sync_store
+
+        sync_store(self.cfg, [node])
 
     def _usage_probabilities(self) -> dict[str, float]:
         """From `coe-agent probabilities` ({data_dir}/probabilities.json) when present, else from the spec."""
@@ -409,7 +414,8 @@ class Agent:
         self.store_watch = StoreWatcher(base,
                                         lambda: [p for p in self._all_pools().values() if not getattr(p, "remote", 0)],
                                         forget=self.failed.forget, prepare=getattr(self.store, "prepare", None),
-                                        interval=cfg.store_poll_s, gate=self.gate).start()
+                                        interval=cfg.store_poll_s, gate=self.gate,
+                                        on_switch=self._promote_remote if cfg.cluster is not None else None).start()
         self.cluster_status = None
         if cfg.cluster is not None:
             from .cluster import StatusFile
@@ -422,6 +428,22 @@ class Agent:
                  self.endpoints["ingest"], self.endpoints["publish"], len(self.executors),
                  self.metrics_port or "off")
         return self
+
+    def _promote_remote(self, changed: dict[str, int]) -> None:
+        """A promotion switched the line's store (frames in flight drained): sync it to every node that runs an
+        executor and have their actors follow, before the held frames run.  A node that is down gets the
+        sync when its executor rejoins."""
+        from .cluster import sync_store
+
+        remote = [e for e in self.executors if hasattr(e, "reload_store")]
+        nodes = sorted({e.node for e in remote if e.up})
+        if not nodes:
+            return
+        t = time.monotonic()
+        sync_store(self.cfg, nodes)
+        for ex in remote:
+            ex.reload_store(list(changed))
+        log.info("promotion carried to node(s) %s in %.1f s", ", ".join(nodes), time.monotonic() - t)
 
     def _serve_status(self) -> int:
         """/metrics, the status page and the read-only API on the metrics port; returns the bound port."""

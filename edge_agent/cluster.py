@@ -313,8 +313,14 @@ def sync_store(cfg: "LineConfig", nodes: list[str] | None = None, *, progress=la
     src = Path(cfg.store_path)
     if not (src / "manifest.json").is_file():
         raise CoEError(f"experts sync: {src} has no manifest.json (run `coe-agent zoo build --line {cfg.line}`)")
+    import json
+
+    try:   # replaced versions a running agent still serves are the front's business, not the nodes'
+        retired = set(json.loads((src / "manifest.json").read_text()).get("retired", []))
+    except (OSError, ValueError, AttributeError):
+        retired = set()
     files = sorted((p for p in src.iterdir() if p.is_file() and not p.name.startswith(".")
-                    and not p.name.endswith((".part", ".tmp"))),
+                    and not p.name.endswith((".part", ".tmp")) and p.name not in retired),
                    key=lambda p: p.name == "manifest.json")
     local = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
     out = {}

@@ -11,7 +11,8 @@ manifest changes some expert's version, and the agent gave it a `FrameGate`:
 3. once they have committed (or after `drain_timeout` s, logged), the store
    switches to the new manifest, load failures of experts with a new version
    are forgotten (a fixed expert gets another chance), their ONNX twins are
-   exported again, the retired files go, and the gate opens.
+   exported again, other boxes' stores are synced and their actors follow
+   (`on_switch`), the retired files go, and the gate opens.
 
 So every frame runs wholly on the expert set that was live when it was
 accepted.  Without a gate the switch happens at once (each batch is still
@@ -34,9 +35,11 @@ class StoreWatcher:
 
     def __init__(self, store, pools: Callable[[], Iterable], *, forget: Callable[[str], None],
                  interval: float = 0.5, prepare: Callable[[str], None] | None = None, gate=None,
-                 drain_timeout: float = 60.0) -> None:
+                 drain_timeout: float = 60.0, on_switch: Callable[[dict[str, int]], None] | None = None) -> None:
         self.store, self._pools, self._forget, self.interval = store, pools, forget, interval
         self._gate, self.drain_timeout = gate, drain_timeout
+        # after the store switched and before held frames run: carry the change to other boxes' stores
+        self._on_switch = on_switch
         self._closed_at: float | None = None   # when the gate closed for a pending switch
         self.switches: list[dict] = []          # one per switch: versions, frames drained and held, seconds
         # run on this thread for each expert with a new version, before its stale copies go (ONNX twins:
@@ -139,6 +142,12 @@ class StoreWatcher:
                 log.info("expert %s: version %s in the store now (was %s)", e.id, e.version, self._seen.get(e.id))
                 self._seen[e.id] = e.version
                 changed[e.id] = e.version
+        if changed and self._on_switch is not None:
+            try:
+                self._on_switch(changed)
+            except Exception:  # noqa: BLE001 - the line goes on; the log names what did not follow
+                log.exception("carrying the new versions to other boxes failed; they serve the old ones until "
+                              "their executors rejoin or `coe-agent experts sync`")
         release = getattr(self.store, "release_retired", None)
         if changed and release is not None:
             try:

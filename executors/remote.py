@@ -262,6 +262,26 @@ class ExecutorHost:
         ~0.5 ms a call cheaper on loopback (bench/cluster_overhead.py, 'packed')."""
         return pickle.dumps(self.run(*pickle.loads(blob)), protocol=5)
 
+    def reload_store(self, changed: list[str]) -> dict:
+        """The node's store was synced with a promotion: follow its manifest, forget failures of the `changed`
+        experts (a fixed expert gets another chance) and drop their stale copies once no batch holds them."""
+        with self._lock:
+            self.store.reload()
+            for expert_id in changed:
+                self.executor.failed.forget(expert_id)
+                for pool in (self.pool, self.host):
+                    if pool is None or not pool.present(expert_id):
+                        continue
+                    value = pool.peek(expert_id)
+                    want = self.store.entry(expert_id).version if self.store.has(expert_id) else None
+                    if value is not None and getattr(value, "version", want) != want:
+                        pool.discard(expert_id, when_free=True)
+            return self.report()
+
+    def versions(self) -> dict[str, int]:
+        """The version of every expert in the node's store, as this actor reads it."""
+        return {e.id: e.version for e in self.store.entries()}
+
     def ping(self, payload: Any = None) -> Any:
         return payload
 
@@ -410,11 +430,12 @@ class RemoteExecutor:
     def __init__(self, spec: RemoteSpec, model: CoEModel, pool: RemotePool, scheduler: Scheduler,
                  on_result: Callable[[BatchResult], None], *, on_event: Callable[[PoolEvent], None] | None = None,
                  call_timeout: float = 60.0, rejoin_s: float = 2.0, connect_timeout: float = 30.0,
-                 channel: str = "zmq") -> None:
+                 channel: str = "zmq", sync: Callable[[], None] | None = None) -> None:
         if channel not in CHANNELS:
             raise CoEError(f"executor {spec.name}: channel must be one of {', '.join(CHANNELS)}, got {channel!r}")
         self.spec, self.model, self.pool, self.scheduler = spec, model, pool, scheduler
         self.channel = channel
+        self._sync = sync                  # copies the front's store to the node's (before a rejoin)
         self._client = None                # the batch channel to the actor (`remote_channel`), when zmq
         self._probe = None                 # a liveness ping through Ray while a batch is out on the channel
         self.name, self.device, self.node = spec.name, spec.device, spec.node
@@ -680,6 +701,8 @@ class RemoteExecutor:
         try:
             if ray.cluster_resources().get(node_resource(self.node), 0) <= 0:
                 return False
+            if self._sync is not None:
+                self._sync()        # a promotion made while the node was away reaches its store first
             # the start's plan again (its share of the initialisation across executors), not the most probable
             # experts overall, which the other executors hold already
             order = self.pool.planned or sorted(self.model.experts,
@@ -692,6 +715,14 @@ class RemoteExecutor:
         self.scheduler.restore(self.name)
         self.state = "up (rejoined)"
         return True
+
+    def reload_store(self, changed: list[str], timeout: float = 60.0) -> None:
+        """After the node's store was synced with a promotion: the actor follows it (see `ExecutorHost`)."""
+        import ray
+
+        if not self.up or self.actor is None:
+            return                  # a retired executor syncs and starts a new actor when it rejoins
+        self._apply(ray.get(self.actor.reload_store.remote(sorted(changed)), timeout=timeout))
 
     def ping(self, payload: Any = None, timeout: float = 10.0) -> Any:
         import ray

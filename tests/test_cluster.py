@@ -303,14 +303,18 @@ def test_a_batch_that_kills_every_actor_it_reaches_is_given_up_with_an_error_ver
 def test_an_expert_that_fails_on_a_node_gives_error_verdicts_that_name_the_node(cluster, tiny_zoo, tmp_path,
                                                                                  recording):
     """box-2's own copy of one expert is corrupt (the front box's is fine): its frames get error verdicts whose
-    reason says which node failed, and every frame still gets exactly one verdict."""
+    reason says which node failed, and every frame still gets exactly one verdict.  Then a promotion on the
+    front box, live, reaches box-2: its frames run the new version there, the failure forgotten."""
+    import shutil
     from pathlib import Path
 
     from edge_agent.cluster import sync_store
+    from edge_agent.replay import send_messages
     from storage.expert_store import ExpertStore
 
     rec = Recording(recording)
-    cfg = load_config(_line(tmp_path, tiny_zoo, cluster, [_remote("box-2")]), env={})
+    path = _line(tmp_path, tiny_zoo, cluster, [_remote("box-2")], store_poll_s=0.1)
+    cfg = load_config(path, env={})
     sync_store(cfg)
     node_store = ExpertStore(cfg.cluster.stores["box-2"])
     bad = node_store.path("cls-r0402")
@@ -321,14 +325,36 @@ def test_an_expert_that_fails_on_a_node_gives_error_verdicts_that_name_the_node(
     try:
         assert replay(rec, agent.endpoints["ingest"], window=16).accepted == len(rec)
         assert agent.wait_verdicts(len(rec), timeout=180)
+        rows = verdict_rows(cfg.db_path)
+        assert Counter(r["frame_id"] for r in rows) == Counter(f.header["frame_id"] for f in rec)
+        errors = [r for r in rows if r["verdict"] == "error"]
+        assert errors, Counter(r["verdict"] for r in rows)          # the tiny recording holds R0402 parts
+        assert all("node box-2 (box-2/cpu-0.0)" in r["reason"] and "cls-r0402" in r["reason"] for r in errors), \
+            errors[0]["reason"]
+
+        # a fixed expert set is promoted on the front box while the agent runs: the watcher syncs box-2's store
+        # and its actor follows (new manifest, the failure forgotten), before the frames held meanwhile run
+        from click.testing import CliRunner
+
+        from edge_agent.cli import cli
+
+        fixed = tmp_path / "fixed"
+        shutil.copytree(tiny_zoo, fixed)
+        res = CliRunner().invoke(cli, ["experts", "promote", str(fixed), "--config", str(path)])
+        assert res.exit_code == 0, res.output
+        _until(lambda: agent.store_watch.switches, 60, "the agent switched to the promoted set")
+        assert node_store.read_manifest()["cls-r0402"].version == 2            # box-2's own store
+        again = _messages(rec, list(rec), prefix="again-")
+        assert send_messages(again, agent.endpoints["ingest"], window=16).accepted == len(again)
+        assert agent.wait_verdicts(2 * len(rec), timeout=180)
     finally:
         agent.stop()
-    rows = verdict_rows(cfg.db_path)
-    assert Counter(r["frame_id"] for r in rows) == Counter(f.header["frame_id"] for f in rec)
-    errors = [r for r in rows if r["verdict"] == "error"]
-    assert errors, Counter(r["verdict"] for r in rows)              # the tiny recording holds R0402 parts
-    assert all("node box-2 (box-2/cpu-0.0)" in r["reason"] and "cls-r0402" in r["reason"] for r in errors), \
-        errors[0]["reason"]
+    later = [r for r in verdict_rows(cfg.db_path) if r["frame_id"].startswith("again-")]
+    assert len(later) == len(rec) and {r["verdict"] for r in later} <= {"pass", "defect"}, \
+        Counter(r["reason"] for r in later)
+    ran = _rows(cfg.db_path, "SELECT DISTINCT expert_id, expert_version, executor FROM inferences "
+                             "WHERE frame_id LIKE 'again-%' AND expert_id = 'cls-r0402'")
+    assert ran == [("cls-r0402", 2, "box-2/cpu-0.0")], ran
 
 
 def test_a_node_not_in_the_cluster_and_an_unreachable_address_are_named(cluster, tiny_zoo, tmp_path):
