@@ -51,28 +51,33 @@ class ChannelServer:
         self._thread.start()
 
     def _run(self) -> None:
+        """Serve until `close`; the socket is this thread's alone, so it is closed here, after the last answer
+        (a handler still running when `close` gives up waiting finishes first, and its answer is dropped)."""
         poller = zmq.Poller()
         poller.register(self._sock, zmq.POLLIN)
-        while not self._stop.is_set():
-            if not poller.poll(200):
-                continue
-            parts = self._sock.recv_multipart(copy=False)
-            if len(parts) != 3:
-                log.warning("batch channel: dropped a malformed request of %d part(s)", len(parts))
-                continue
-            ident, rid, payload = parts
-            try:
-                status, out = OK, self._handler(payload.buffer)
-            except Exception as exc:  # noqa: BLE001 - the front must hear why, not wait for a timeout
-                log.exception("batch channel: the request failed")
-                status, out = ERROR, f"{type(exc).__name__}: {exc}".encode()
-            self._sock.send_multipart([ident, rid, status, out], copy=False)
+        try:
+            while not self._stop.is_set():
+                if not poller.poll(200):
+                    continue
+                parts = self._sock.recv_multipart(copy=False)
+                if len(parts) != 3:
+                    log.warning("batch channel: dropped a malformed request of %d part(s)", len(parts))
+                    continue
+                ident, rid, payload = parts
+                try:
+                    status, out = OK, self._handler(payload.buffer)
+                except Exception as exc:  # noqa: BLE001 - the front must hear why, not wait for a timeout
+                    log.exception("batch channel: the request failed")
+                    status, out = ERROR, f"{type(exc).__name__}: {exc}".encode()
+                if not self._stop.is_set():
+                    self._sock.send_multipart([ident, rid, status, out], copy=False)
+        finally:
+            self._sock.close(0)
+            self._ctx.term()
 
     def close(self) -> None:
         self._stop.set()
         self._thread.join(timeout=2)
-        self._sock.close(0)
-        self._ctx.term()
 
 
 class ChannelClient:
