@@ -26,6 +26,9 @@ same code as CoServe:
   second is run by some executor (and stealing spreads the tail), so each
   candidate's objective also carries what it adds to the executors' mean
   time: added / n executors.  The weight 1/n is that mean's, not fitted.
+  With several boxes, each with its own SSD, the SSD max is blind the same
+  way to a read on a less busy box's SSD, so an SSD read also carries
+  ssd / n SSDs (with one SSD the max is the mean, and nothing is added).
 - work stealing (`coserve`): an executor that runs dry takes a waiting group
   that would finish sooner on it, its switch there included.
 - arranging: a request goes right behind the last queued request for the same
@@ -397,6 +400,10 @@ class Scheduler:
                 # second is run by some executor, and stealing spreads the tail, so a choice also moves the
                 # executors' mean time by added / n: that is its weight, derived, not fitted.
                 objective += added / len(self.names)
+                # with several SSDs (boxes), the SSD max is blind the same way to a read on an SSD below the
+                # busiest: charge it at its effect on the SSDs' mean.  With one SSD its max is its mean.
+                if self.policy.ssd_aware and ssd and len(backlogs) > 1:
+                    objective += ssd / len(backlogs)
             cands.append((objective, added, i, name, switch, ssd))
         floor = min(c[0] for c in cands) + self.tie_seconds
         _, _, _, name, switch, ssd = min((c for c in cands if c[0] <= floor + _EPS), key=lambda c: (c[1], c[0], c[2]))

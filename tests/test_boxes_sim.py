@@ -118,9 +118,9 @@ def test_the_lower_bound_holds_on_several_boxes(boxes):
 
 def test_a_2000_type_board_scales_over_boxes_and_switches_per_frame_stay_near_the_floor():
     """The issue's targets on the GPU-class profile, simulated in the documented configuration: 2,000 types on
-    2,000 placements (every type appears), cold pools.  >= 1.8x on 2 boxes and >= 3.4x on 4 are met.  "Switches
-    per frame do not rise" is not: they rise by about 1% and 3%, because every used expert loads at least once
-    and more boxes split a type's frames over more pools; the test bounds that rise instead of hiding it."""
+    2,000 placements (every type appears), cold pools.  >= 1.8x on 2 boxes and >= 3.4x on 4.  Switches per frame
+    stay within 1% of one box's (863, 864, 858: the floor, every used expert loaded once, is 848); without the
+    scheduler's work terms they rose by 0.8% and 3.1% (905, 912, 933), which '-work' shows."""
     from edge_agent.bench import run_boxes
 
     prof = Profile.load(GPU_CLASS)
@@ -128,8 +128,8 @@ def test_a_2000_type_board_scales_over_boxes_and_switches_per_frame_stay_near_th
                      overrides={"types": 2000, "board_size": 2000}, init="cold")["A2"]
     by = {r["boxes"]: r for r in rows}
     assert by[2]["speedup"] >= 1.8 and by[4]["speedup"] >= 3.4
-    assert by[2]["switches_per_frame"] <= 1.05 * by[1]["switches_per_frame"]
-    assert by[4]["switches_per_frame"] <= 1.05 * by[1]["switches_per_frame"]
+    assert by[2]["switches_per_frame"] <= 1.01 * by[1]["switches_per_frame"]
+    assert by[4]["switches_per_frame"] <= 1.01 * by[1]["switches_per_frame"]
     assert all(r["lower_bound"] <= r["makespan"] + 1e-9 for r in rows)
 
 

@@ -277,6 +277,29 @@ def test_work_aware_assignment_joins_the_busiest_queues_group_rather_than_pay_a_
         assert s.submit(req("a", 7)) == want, policy
 
 
+def test_with_several_ssds_a_read_on_a_less_busy_box_is_charged_at_its_share_of_the_ssds_mean():
+    """Two executors on two boxes, each box its own SSD.  q1 (5 s, box 0) is the busiest and holds a group of 'a';
+    q2 (box 1) is idle.  Joining q1 adds K = 1.5 to the maximum: 6.5 + 1.5/2.  Starting 'a' on q2 reads it from
+    box 1's SSD (2 s), which no max sees (box 1's SSD is idle): 5 + 3.5/2 without the SSDs' mean, so the
+    executors' work term alone replicates 'a' on q2; with the read charged at 2 / 2 SSDs, q1 wins."""
+    class TwoBoxes(FixedCosts):
+        def ssd_channel(self, executor):
+            return "0" if executor == "q1" else "1"
+
+        def ssd_inflight(self, channel: str = "") -> float:
+            return 0.0
+
+    def place(policy: str, boxes: bool) -> str:
+        s = Scheduler(["q1", "q2"], policy, costs=(TwoBoxes if boxes else FixedCosts)(K=1.5, B=0.0, load=2.0))
+        assert _place_a_on(s, "q1") == "q1"
+        s._q["q1"].queued += 5.0 - s.estimate("q1")
+        return s.submit(req("a", 8))
+
+    assert place("coserve", boxes=True) == "q1"
+    assert place("coserve", boxes=False) == "q2"       # one SSD: its max is its mean, nothing added
+    assert place("coserve-nowork", boxes=True) == "q2"
+
+
 def _place_a_on(s: Scheduler, name: str) -> str:
     """Queue one 'a' on `name` by making every other queue look very long for a moment."""
     saved = {n: s._q[n].queued for n in s.names}
