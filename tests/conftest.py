@@ -120,3 +120,18 @@ def load_json_lines(text: str) -> list[dict]:
 
 
 __all__ = ["TINY_SPEC", "free_port", "write_line", "verdict_rows", "load_spec", "load_json_lines"]
+
+
+@pytest.fixture(scope="module")
+def qwen3(tmp_path_factory):
+    """A tiny Qwen3-MoE (k = 4 of 8 experts: a wrong summation order changes the floats), saved with
+    save_pretrained and imported into an expert store: (reference model, layout, store path)."""
+    pytest.importorskip("transformers")
+    from moe_models import build
+
+    from storage.llm_import import import_checkpoint
+
+    root = tmp_path_factory.mktemp("qwen3")
+    ref = build("qwen3_moe", root / "hf")
+    layout = import_checkpoint(root / "hf", root / "store")
+    return ref, layout, root / "store"

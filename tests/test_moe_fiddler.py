@@ -21,7 +21,6 @@ from coe import CoEError  # noqa: E402
 from executors.moe_fiddler import HostWeights, MappedInPlace, ThreadInPlace  # noqa: E402
 from executors.moe_model import _split_mode, load_pooled  # noqa: E402
 from storage.expert_store import ExpertStore  # noqa: E402
-from storage.llm_import import import_checkpoint  # noqa: E402
 from storage.policies import make_policy  # noqa: E402
 from storage.pool import Pool  # noqa: E402
 from storage.tiers import StoreSource  # noqa: E402
@@ -29,13 +28,6 @@ from storage.tiers import StoreSource  # noqa: E402
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-@pytest.fixture(scope="module")
-def qwen3(tmp_path_factory):
-    """Qwen3-MoE routes to k = 4 of 8 experts: a wrong summation order changes the floats."""
-    root = tmp_path_factory.mktemp("qwen3")
-    ref = build("qwen3_moe", root / "hf")
-    layout = import_checkpoint(root / "hf", root / "store")
-    return ref, layout, root / "store"
 
 
 def _decode_batch(seed):

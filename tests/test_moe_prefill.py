@@ -47,7 +47,7 @@ def test_fit_linear_recovers_a_line_and_needs_two_token_counts():
 torch = pytest.importorskip("torch")
 pytest.importorskip("transformers")
 
-from moe_models import VOCAB, build  # noqa: E402
+from moe_models import VOCAB  # noqa: E402
 
 from coe import CoEError  # noqa: E402
 from executors.moe_model import load_pooled  # noqa: E402
@@ -55,14 +55,6 @@ from executors.moe_model import load_pooled  # noqa: E402
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 
 
-@pytest.fixture(scope="module")
-def qwen3(tmp_path_factory):
-    from storage.llm_import import import_checkpoint
-
-    root = tmp_path_factory.mktemp("qwen3")
-    ref = build("qwen3_moe", root / "hf")
-    layout = import_checkpoint(root / "hf", root / "store")
-    return ref, layout, root / "store"
 
 
 def _prompt(seed, n=12):
