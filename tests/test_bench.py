@@ -47,3 +47,28 @@ def test_the_sustained_rate_is_sustained_and_below_the_flood():
     assert 0 < rate <= flood
     assert sustains(spec, prof, system, rate)
     assert not sustains(spec, prof, system, 2 * flood)   # twice what it does flat out cannot drain
+
+
+def _report(system: str, throughput: float, switches: int, floor: int = 0):
+    from executors.simdevice import SimReport
+    return SimReport(system=system, frames=100, makespan=100 / throughput, throughput=throughput, switches=switches,
+                     ssd_loads=switches, host_loads=0, p50_ms=1.0, p99_ms=2.0, batches=10, mean_batch=10.0,
+                     lower_bound=1.0, efficiency=0.5, decision_us=1.0, busy_fraction=0.5, switch_floor=floor)
+
+
+def test_the_tables_and_summary_survive_a_baseline_that_never_switched():
+    # a board that fits Samba-CoE's pool: 0 switches, so there is no reduction to divide by
+    from edge_agent.bench import format_table, summary, table
+    rows = table([_report("coserve", 20.0, 0), _report("samba", 10.0, 0)])
+    assert rows[0]["switch_reduction"] is None and rows[0]["speedup"] == 2.0
+    text = format_table("t", rows)
+    assert text.splitlines()[2].split()[:2] == ["coserve", "20.00"]
+    line = summary([rows[0]])[0]
+    assert "2.00x to 2.00x" in line and "no switch" in line
+
+
+def test_the_summary_floor_is_against_the_baselines_switches():
+    from edge_agent.bench import summary, table
+    rows = table([_report("coserve", 20.0, 30, floor=10), _report("samba", 10.0, 200)])
+    line = summary([rows[0]])[0]
+    assert "switches -85.0% to -85.0%" in line and "would be -95.0% to -95.0%" in line   # 1 - 10/200
