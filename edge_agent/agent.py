@@ -31,7 +31,7 @@ from storage.expert_store import ExpertStore
 from storage.policies import make_policy
 from storage.pool import Pool, PoolEvent, initialize, initialize_tier
 from storage.results import ResultStore
-from storage.tiers import StoreSource, TierSource, demote, measured_nbytes, source_dtype
+from storage.tiers import HostReadSource, StoreSource, TierSource, demote, measured_nbytes, source_dtype
 
 from . import protocol as P
 from .config import ExecutorConfig, LineConfig, endpoint_parts
@@ -156,8 +156,12 @@ class Agent:
             if ex.node is not None:   # on another box: a Ray actor there holds the pool (edge_agent/cluster.py)
                 infos[slot.name] = self._remote_pool(slot)
                 continue
+            reads = False
             if ex.device == "cpu":
                 source = StoreSource(self.store, method=cfg.expert_read, dtype=source_dtype(cfg.cpu_compute_dtype))
+                if self.host_tier is not None and cfg.cpu_reads_host_tier:   # RAM copies instead of SSD reads
+                    source = HostReadSource(self.host_tier, source)
+                    reads = source.compatible
             else:  # a GPU pool loads through the shared host tier, or straight from SSD on unified memory
                 source = TierSource(self.host_tier or StoreSource(self.store, pin=True, method=cfg.expert_read,
                                                                   dtype=source_dtype(cfg.gpu_compute_dtype)),
@@ -165,7 +169,7 @@ class Agent:
             pool = self._pool(slot.name, ex.device, slot.expert_memory, source, slot.name)
             self.pools[slot.name] = pool
             infos[slot.name] = ExecutorInfo("cpu" if ex.device == "cpu" else "cuda", slot.memory, pool,
-                                            device=ex.device)
+                                            device=ex.device, host_reads=reads)
         # remote executors are priced at the frame size their links were measured with ({data_dir}/links.json)
         link_frames = {"frame_bytes": self.links.frame_bytes} if self.links is not None else {}
         self.costs = ProfileCosts(self.model, infos, self.profile, host=self.host_tier,

@@ -23,7 +23,7 @@ from executors.costs import StoredLookup, uniform_forms
 from executors.links import Link
 from executors.profile import Profile, StorageProfile
 from executors.simdevice import SimExecutor, SimReport, SimSystem, decision_overhead, simulate
-from executors.systems import DEFAULT, MAX_WAIT, build_system
+from executors.systems import MAX_WAIT, build_system
 
 REPO = Path(__file__).resolve().parent.parent
 GPU_CLASS = REPO / "configs" / "profiles" / "gpu-class.json"

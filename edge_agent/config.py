@@ -192,6 +192,9 @@ class LineConfig(_Strict):
         "exclusive", description="exclusive: the host tier is a victim cache of the GPU pools (GPU victims move "
                                  "down into it, promoted experts leave it); inclusive: every GPU load goes "
                                  "through it and it keeps a copy (the paper's reading)")
+    cpu_reads_host_tier: bool = Field(
+        True, description="CPU executors copy an expert the host tier holds (a RAM copy) instead of reading the "
+                          "SSD, where both hold the same dtype; the host tier keeps its copy")
     expert_read: Literal["read", "mmap"] = Field("read", description="how tiers read expert files (bench/expert_load.py)")
     cpu_compute_dtype: Literal["float32", "bfloat16", "float16", "stored"] = Field(
         "float32", description="dtype CPU executors compute in: experts stored in another floating dtype are "

@@ -51,6 +51,9 @@ class ExecutorInfo:
     link: Link | None = None    # the link its frames cross (None: on the front box, no transfer)
     host: object | None = None  # its box's host tier (None: the cost model's shared `host`)
     ssd_channel: str = ""       # the SSD its switches read from: one per box
+    # a CPU executor that copies what the host tier holds (storage.tiers.HostReadSource; GPUs always do): True,
+    # or a predicate on the expert id (the source's `compatible`: only where both tiers hold the same dtype)
+    host_reads: "bool | Callable[[str], bool]" = False
 
 
 @dataclass(frozen=True)
@@ -224,10 +227,15 @@ class ProfileCosts:
         present = getattr(pool, "present", pool.contains)   # loading counts as arriving, not absent
         if present(expert_id):
             return "resident"
-        # only GPU pools load through the host tier; a CPU executor's pool is host memory and reads the SSD
+        # GPU pools load through the host tier; a CPU executor copies from it only with `host_reads`, else it
+        # reads the SSD
         info = self.executors[executor]
         host = info.host if info.host is not None else self.host
-        if host is not None and info.device_kind == "cuda" and host.contains(expert_id):
+        if host is None or not host.contains(expert_id):
+            return "ssd"
+        reads = info.device_kind == "cuda" or (info.host_reads(expert_id) if callable(info.host_reads)
+                                               else info.host_reads)
+        if reads:
             return "host"
         return "ssd"
 

@@ -85,6 +85,7 @@ class SimSystem:
     boxes: int = 1                 # boxes the executors spread over; each has its own SSD and host tier
     link: Link | None = None       # the link from the front box to each other box (None with one box)
     frame_bytes: int = DEFAULT_FRAME_BYTES   # bytes a frame takes on the link
+    cpu_host_reads: bool = False   # CPU executors copy what their box's host tier holds instead of reading the SSD
 
     def __post_init__(self) -> None:
         if self.boxes < 1:
@@ -105,7 +106,9 @@ class SimSystem:
                  f"{sum(e.memory - e.expert_memory for e in ex) / 1e9:.2f} GB activations"
                  for d, ex in by_dev.items()]
         if self.host_tier:
-            parts.append(f"host tier {self.host_tier / 1e9:.2f} GB ({self.host_mode})")
+            reads = "; CPU executors copy from it" if self.cpu_host_reads and any(
+                e.kind == "cpu" for e in self.executors) else ""
+            parts.append(f"host tier {self.host_tier / 1e9:.2f} GB ({self.host_mode}{reads})")
         if self.boxes > 1:
             return f"{self.boxes} boxes, each: " + "; ".join(parts) + f"; link {self.link.source}"
         return "; ".join(parts)
@@ -195,6 +198,23 @@ class _TierSource:
         return _SimWeights(self.size(expert_id), tier)
 
 
+class _HostReadSource(_SsdSource):
+    """A CPU pool's source (storage.tiers.HostReadSource): a RAM copy of the host tier's copy, which stays
+    there, when it holds the expert; else an SSD read."""
+
+    def __init__(self, model: CoEModel, host: Pool) -> None:
+        super().__init__(model)
+        self.host = host
+
+    def load(self, expert_id: str) -> _SimWeights:
+        h = self.host.hold(expert_id)   # a hit keeps the host tier's recency state honest; a miss goes around it
+        if h is None:
+            return super().load(expert_id)
+        self.host.release(h)
+        self.loads.append((expert_id, "host"))
+        return _SimWeights(self.size(expert_id), "host")
+
+
 class _Device:
     """Processor sharing of one device's compute among its busy executors (the concurrency curve)."""
 
@@ -269,7 +289,12 @@ def simulate(workload: Workload, profile: Profile, system: SimSystem, *, record_
     for ex in system.executors:
         gpu = ex.kind == "cuda"
         host = hosts.get(ex.box)
-        src = _TierSource(model, host, exclusive) if gpu else _SsdSource(model)
+        if gpu:
+            src = _TierSource(model, host, exclusive)
+        elif system.cpu_host_reads and host is not None:
+            src = _HostReadSource(model, host)
+        else:
+            src = _SsdSource(model)
 
         def on_event(e, name=ex.name, gpu=gpu, host=host) -> None:
             if e.event == "evict":
@@ -286,7 +311,8 @@ def simulate(workload: Workload, profile: Profile, system: SimSystem, *, record_
         sources[ex.name] = src
         infos[ex.name] = ExecutorInfo(ex.kind, ex.memory, pools[ex.name], device=ex.device,
                                       node=str(ex.box) if ex.box else "", link=system.link if ex.box else None,
-                                      host=host, ssd_channel=str(ex.box) if system.boxes > 1 else "")
+                                      host=host, ssd_channel=str(ex.box) if system.boxes > 1 else "",
+                                      host_reads=not gpu and system.cpu_host_reads and host is not None)
     host = hosts.get(0)
     ssd_free = [0.0] * system.boxes         # per box: when its SSD channel is free
     link_free = [0.0] * system.boxes        # per box: when the link to it is free (box 0 has none)

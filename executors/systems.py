@@ -32,7 +32,7 @@ from .profile import DeviceProfile, Profile
 from .simdevice import SimExecutor, SimSystem
 
 SYSTEMS = ("coserve", "coserve-paper", "samba", "samba-fifo", "samba-parallel", "none", "em", "em+ra",
-           "-ssd", "-steal", "-exclusive", "-age", "-protect", "-work")
+           "-ssd", "-steal", "-exclusive", "-age", "-protect", "-work", "-hostread")
 DEFAULT = SYSTEMS
 MAX_WAIT = 2.0   # seconds: CoServe's age bound in the benchmark (the agent's default, scheduler.max_wait)
 
@@ -102,7 +102,10 @@ def build_system(name: str, profile: Profile, *, init: str = "warm", boxes: int 
         "-exclusive": (co, "coserve", "coserve", host, "inclusive", MAX_WAIT),
         "-age": (co, "coserve", "coserve", host, "exclusive", None),
         "-protect": (co, "coserve", "coserve-paper", host, "exclusive", MAX_WAIT),
+        "-hostread": (co, "coserve", "coserve", host, "exclusive", MAX_WAIT),
     }
+    # CPU executors copy from the host tier: CoServe and every ablation but the one that turns it off
+    host_reads = name == "coserve" or (name.startswith("-") and name != "-hostread")
     try:
         execs, sched, evict, tier, mode, max_wait = table[name]
     except KeyError:
@@ -110,4 +113,4 @@ def build_system(name: str, profile: Profile, *, init: str = "warm", boxes: int 
     if boxes < 1:
         raise ValueError(f"boxes must be >= 1, got {boxes}")
     return SimSystem(name, on_boxes(execs, boxes), sched, evict, host_tier=tier, init=init, host_mode=mode,
-                     max_wait=max_wait, boxes=boxes, link=link if boxes > 1 else None)
+                     max_wait=max_wait, boxes=boxes, link=link if boxes > 1 else None, cpu_host_reads=host_reads)

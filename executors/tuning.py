@@ -95,11 +95,12 @@ def weak_rule(dev: DeviceProfile, executors: int, reserve: int) -> bool:
 
 
 def _system(dev: DeviceProfile, count: int, expert_memory: int) -> SimSystem:
-    """The system the agent runs (exclusive host tier, age bound), on this device's executors."""
+    """The system the agent runs (exclusive host tier that CPU executors copy from, age bound), on this
+    device's executors."""
     ex = tuple(SimExecutor(f"{dev.name}#{i}", dev.name, dev.memory // count, expert_memory // count)
                for i in range(count))
     return SimSystem("tune", ex, "coserve", "coserve", host_tier=dev.host_tier, host_mode="exclusive",
-                     max_wait=MAX_WAIT)
+                     max_wait=MAX_WAIT, cpu_host_reads=True)
 
 
 class _Sampler:
@@ -220,7 +221,7 @@ def _joint(sample: Workload, profile: Profile, devices: dict[str, DeviceProfile]
                                   int(p.expert_memory) // p.executors)
                       for n, p in zip(names, combo) for i in range(p.executors))
         rep = simulate(sample, profile, SimSystem("tune", execs, "coserve", "coserve", host_tier=host,
-                                                  host_mode="exclusive", max_wait=MAX_WAIT))
+                                                  host_mode="exclusive", max_wait=MAX_WAIT, cpu_host_reads=True))
         results.append((round(rep.throughput, 3), -sum(p.executors for p in combo), combo))
     tp, _, combo = max(results, key=lambda r: (r[0], r[1]))
     out = dict(devices)

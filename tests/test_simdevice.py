@@ -447,3 +447,46 @@ def test_the_next_groups_expert_loads_while_a_batch_computes():
         ends[prefetch] = {expert: end for _, expert, _, _, end in rep.order}
     assert ends[False] == pytest.approx({"e0": 3.0, "e1": 5.0})   # read 1 + 2 s, then read 1 + 1 s
     assert ends[True] == pytest.approx({"e0": 3.0, "e1": 4.0})    # e1's read ran during e0's batch
+
+
+@pytest.mark.parametrize("reads", [True, False])
+def test_cpu_executors_copy_what_the_host_tier_holds_instead_of_reading_the_ssd(reads):
+    """One CPU executor with room for one expert (e0 at start); the warm host tier holds the other three.
+    Requests e0 e1 e2 e3 e0 e1: copying from the host tier turns every switch into a RAM copy but e0's (a CPU
+    victim does not move down, so only the SSD has it); without it each switch reads the SSD."""
+    model = one_arch_model(4)
+    dev = DeviceProfile("cpu", "cpu", 10_000, executors=1, concurrency=(1.0,))
+    prof = toy_profile({"cpu": dev}, {"cpu": (0.1, 0.0, 4)}, load=1.0)
+    execs = (SimExecutor("cpu#0", "cpu", 9000, 1000),)
+    w = Workload(task("A1", requests=6), model,
+                 tuple(Arrival(3.0 * i, f"f{i}", f"c{i % 4}", False) for i in range(6)))
+    system = SimSystem("t", execs, "coserve", "coserve", host_tier=3000, init="warm", host_mode="exclusive",
+                       cpu_host_reads=reads)
+    rep = simulate(w, prof, system)
+    assert rep.switches == 5
+    if reads:
+        assert rep.ssd_loads == 1 and rep.host_loads == 4   # e1 twice: the host tier kept the copy it lent
+        assert "CPU executors copy from it" in system.resources()
+    else:
+        assert rep.ssd_loads == rep.switches and rep.host_loads == 0
+
+
+def test_the_cost_model_prices_a_cpu_switch_from_the_host_tier_only_where_the_executor_reads_it():
+    from executors.costs import ExecutorInfo, ProfileCosts
+    from storage.policies import make_policy
+    from storage.pool import Pool
+    from storage.tracesim import SizeSource
+
+    model = one_arch_model(2)
+    sizes = {e: 1000 for e in model.experts}
+    host = Pool("host", 2000, make_policy("lru"), SizeSource(sizes))
+    host.release(host.acquire("e0"))
+    prof = toy_profile({"cpu": DeviceProfile("cpu", "cpu", 10_000, executors=3)}, {"cpu": (0.1, 0.0, 4)}, load=1.0)
+    infos = {name: ExecutorInfo("cpu", 5000, Pool(name, 1000, make_policy("lru"), SizeSource(sizes)),
+                                host_reads=reads)
+             for name, reads in (("plain", False), ("reads", True), ("only-e1", lambda e: e == "e1"))}
+    costs = ProfileCosts(model, infos, prof, host=host)
+    assert costs.tier_of("plain", "e0") == "ssd" and costs.switch_cost("plain", "e0") == 1.0
+    assert costs.tier_of("reads", "e0") == "host" and costs.switch_cost("reads", "e0") == pytest.approx(0.1)
+    assert costs.tier_of("reads", "e1") == "ssd"                     # not in the host tier
+    assert costs.tier_of("only-e1", "e0") == "ssd"                   # the host tier's dtype is not this executor's

@@ -19,7 +19,6 @@ from executors.backends import get_backend
 from executors.prefetch import Prefetcher
 from executors.skeletons import Skeletons
 from storage.expert_store import ExpertStore
-from storage.flat import read_flat
 from storage.policies import make_policy
 from storage.pool import Pool
 from storage.recording import Recording
@@ -173,3 +172,31 @@ def test_corrupt_expert_gives_error_verdicts_and_the_rest_is_served(tmp_path, ti
     assert all(v in ("pass", "defect") for _, v, _ in good)
     assert errors == len(bad)
     assert "cls-c0402" in agent.failed.all()
+
+
+def test_a_cpu_pool_copies_what_the_host_tier_holds_instead_of_reading_the_ssd(tiny_zoo, monkeypatch):
+    from storage.tiers import HostReadSource
+
+    store = ExpertStore(tiny_zoo)
+    host = Pool("host", 64 * 2**20, make_policy("lru"), StoreSource(store))
+    host.release(host.acquire("det-2term"))
+    src = HostReadSource(host, StoreSource(store))
+    cpu = Pool("cpu", 40 * 2**20, make_policy("lru"), src)
+    reads = []
+    real = store.read_flat
+    monkeypatch.setattr(store, "read_flat", lambda eid, **kw: reads.append(eid) or real(eid, **kw))
+    a = cpu.acquire("det-2term")
+    assert reads == [] and (src.from_host, src.from_ssd) == (1, 0)           # no SSD read: a RAM copy
+    b = host.acquire("det-2term")
+    assert torch.equal(a.value.buffer, b.value.buffer) and a.value.buffer.data_ptr() != b.value.buffer.data_ptr()
+    assert not a.value.buffer.is_pinned() and a.value.version == b.value.version
+    assert "det-2term" in host.resident()                                   # the host tier keeps its copy
+    cpu.release(a), host.release(b)
+    cpu.release(cpu.acquire("cls-r0402"))                                   # not in the host tier: the SSD
+    assert reads == ["cls-r0402"] and src.from_ssd == 1 and "cls-r0402" not in host.resident()
+    # a CPU executor computing in another dtype than the host tier holds reads the SSD, cast as it loads
+    half = HostReadSource(host, StoreSource(store, dtype="float16"))
+    assert not half.compatible("det-2term")
+    value = half.load("det-2term")
+    assert half.from_ssd == 1 and reads[-1] == "det-2term"
+    assert {t.dtype for t in value.tensors().values() if t.is_floating_point()} == {torch.float16}
