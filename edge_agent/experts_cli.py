@@ -1,6 +1,6 @@
 """`coe-agent experts ...`: inspect, verify, import, compress, warm and evict the line's expert store.
 
-A thin layer over `storage.expert_store`, `storage.importer` and
+A thin layer over `storage.expert_store`, `executors.expert_import` and
 `storage.pagecache`.  The group object is created before `.cli` is imported:
 `cli.py` imports this module at its end to register the group, and defining
 `experts` first keeps that working whichever of the two modules is imported
@@ -220,7 +220,7 @@ def experts_import(expert_id: str, src: str, line: str, config_path: str | None,
       coe-agent experts import --line A cls-r0402 trained/r0402.safetensors --dtype bf16
       coe-agent experts import --line A cls-r0402-onnx r0402.onnx
     """
-    from storage.importer import import_expert
+    from executors.expert_import import import_expert
 
     cfg, model = _open(line, config_path)
     expert = model.experts.get(expert_id)

@@ -13,7 +13,7 @@ import torch
 from coe import CoEError, ExpertLoadError, parse_spec
 from executors.backends import get_backend
 from storage.expert_store import ExpertStore
-from storage.importer import import_expert
+from executors.expert_import import import_expert
 
 from conftest import TINY_SPEC
 

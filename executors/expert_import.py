@@ -12,6 +12,9 @@ before anything is written, so a file for the wrong architecture or class count
 fails here, naming the expert and the file, and leaves the store unchanged.
 With `dtype` the floating-point weights are cast first (`storage.dtypes`), so
 the check builds the expert exactly as it will be stored.
+
+It lives in `executors` because the check needs the backends; `storage` only
+stores (it imports nothing above `coe`).
 """
 from __future__ import annotations
 
@@ -24,8 +27,10 @@ from typing import TYPE_CHECKING, Any
 
 from coe import CoEError, Expert
 
-from .dtypes import cast_floating, parse_dtype
-from .expert_store import ExpertStore, ManifestEntry
+from storage.dtypes import cast_floating, parse_dtype
+from storage.expert_store import ExpertStore, ManifestEntry
+
+from .backends import get_backend
 
 if TYPE_CHECKING:
     import torch
@@ -47,8 +52,6 @@ def import_expert(store: ExpertStore, expert: Expert, src: str | Path, *, trust:
     ExpertLoadError (naming the expert and `src`) when the weights do not fit
     the expert's arch.
     """
-    from executors.backends import get_backend
-
     want = parse_dtype(dtype, where="dtype") if dtype is not None else None
     src = Path(src)
     # resolve the backend first: an unknown arch fails before the file is opened, and the
