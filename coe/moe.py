@@ -17,6 +17,7 @@ from pathlib import Path
 
 from .errors import CoEError
 from .expert import Expert
+from .files import write_json_atomic
 
 LAYOUT_FILE = "llm.json"
 LAYOUT_FORMAT = "coe-edge/moe-layout"
@@ -97,10 +98,7 @@ class MoELayout:
     def save(self, root: str | os.PathLike) -> Path:
         path = Path(root) / LAYOUT_FILE
         doc = {"format": LAYOUT_FORMAT, "version": LAYOUT_VERSION, **asdict(self)}
-        tmp = path.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(doc, indent=1) + "\n", encoding="utf-8")
-        os.replace(tmp, path)
-        return path
+        return write_json_atomic(path, doc, sort_keys=False)
 
     @classmethod
     def load(cls, root: str | os.PathLike) -> "MoELayout":

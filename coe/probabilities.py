@@ -17,11 +17,11 @@ from __future__ import annotations
 import json
 import math
 import os
-import tempfile
 from collections.abc import Mapping
 from pathlib import Path
 
 from .errors import CoEError
+from .files import write_json_atomic
 from .spec import CoEModel
 
 FORMAT = "coe-edge/usage-probabilities"
@@ -53,19 +53,8 @@ def compare(a: Mapping[str, float], b: Mapping[str, float]) -> float:
 def save(probs: Mapping[str, float], path: str | os.PathLike[str], source: str) -> Path:
     """Write `probs` atomically as JSON, with `source` saying where they came from."""
     clean = _validated(probs, str(path))
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
     doc = {"format": FORMAT, "source": str(source), "probabilities": {k: clean[k] for k in sorted(clean)}}
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(doc, fh, indent=1)
-            fh.write("\n")
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-    return path
+    return write_json_atomic(path, doc, sort_keys=False)
 
 
 def load(path: str | os.PathLike[str]) -> dict[str, float]:

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from coe import CoEError
+from coe.files import write_json_atomic
 
 # a component crop as the AOI sends it raw: 224 x 224 x 3 bytes (a JPEG is 10-20x smaller: this is the worst case)
 DEFAULT_FRAME_BYTES = 224 * 224 * 3
@@ -77,12 +78,7 @@ class Links:
                 "links": {n: asdict(l) for n, l in self.links.items()}}
 
     def save(self, path: str | Path) -> Path:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.to_json(), indent=1))
-        tmp.replace(path)
-        return path
+        return write_json_atomic(path, self.to_json(), sort_keys=False)
 
     @classmethod
     def load(cls, path: str | Path) -> "Links":

@@ -18,6 +18,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from coe import CoEError
+from coe.files import write_json_atomic
 
 TIERS = ("ssd", "host")
 
@@ -194,12 +195,7 @@ class Profile:
                 **({"storage": self.storage.to_json()} if self.storage is not None else {})}
 
     def save(self, path: str | Path) -> Path:
-        path = Path(path)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(path.suffix + ".tmp")
-        tmp.write_text(json.dumps(self.to_json(), indent=1))
-        tmp.replace(path)
-        return path
+        return write_json_atomic(path, self.to_json(), sort_keys=False)
 
     @classmethod
     def from_json(cls, raw: dict, src: str = "<profile>") -> "Profile":
