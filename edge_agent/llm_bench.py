@@ -373,13 +373,18 @@ def import_peak(hf: Path) -> dict:
 ABLATION = (("lru", "LRU (baseline)", {}),
             ("gate-score", "eviction by windowed gate score", {}),
             ("gate-score", "+ substitution (alpha 0.3)", {"alpha": 0.3}),
-            ("gate-score", "+ token-wise prefetch", {"alpha": 0.3, "prefetch": "token"}),
-            ("gate-score", "+ load/compute split", {"alpha": 0.3, "prefetch": "token", "split": True}))
+            ("gate-score", "+ token-wise prefetch, every top-k guess",
+             {"alpha": 0.3, "prefetch": "token", "prefetch_min_prob": 0.0}),
+            ("gate-score", "+ token-wise prefetch, guesses with p >= 0.5",
+             {"alpha": 0.3, "prefetch": "token", "prefetch_min_prob": 0.5}),
+            ("gate-score", "+ load/compute split", {"alpha": 0.3, "prefetch": "token", "prefetch_min_prob": 0.5,
+                                                   "split": True}))
 
 
 def run_ablation(store: Path, profile: Trace, trace: Trace, *, share: float = 0.25,
                  progress: Callable[[str], None] | None = None) -> list[dict]:
-    """Issue 11's ablation on trace-driven decode: each row on top of the one before.
+    """Issue 11's ablation on trace-driven decode: each row on top of the one before (the two prefetch rows
+    are alternatives: every guess, or only confident ones; the split goes on top of the second).
 
     Every miss is read from SSD (page cache dropped after each read).  The
     token-wise predictor is trained on `profile` (other prompts than `trace`).
@@ -410,7 +415,10 @@ def run_ablation(store: Path, profile: Trace, trace: Trace, *, share: float = 0.
             st = pm.prefetcher.stats
             row.update(prefetch_precision=st.precision, prefetch_recall=st.recall, prefetch_issued=st.issued)
         if pm.split is not None:
-            row.update(in_place=pm.split.stats.in_place, loaded=pm.split.stats.loaded)
+            # an in-place expert is read from its file (dropped from the page cache after): disk bytes too
+            in_place = pm.in_place.weights.reads.file_bytes / 2**30
+            row.update(in_place=pm.split.stats.in_place, loaded=pm.split.stats.loaded, gib_in_place=in_place,
+                       gib_read=row["gib_read"] + in_place)
         rows.append(row)
     return rows
 

@@ -484,14 +484,16 @@ def llm_bench(work: str, parts: str, prompts: int, decode: int, train_seconds: f
         trace = lb.decode_only(rep, decode_tokens)
         with tqdm(total=len(lb.ABLATION), desc="(d) ablation", disable=None) as bar:
             arows = lb.run_ablation(big, profile, trace, progress=lambda _: bar.update(1))
-        click.echo(f"(d) ablation, each row on top of the one before: trace-driven real decode as (b), {res}")
-        click.echo(f"{'row':36} {'tokens/s':>9} {'hit rate':>9} {'GiB read':>9} {'x LRU':>6}  notes")
+        click.echo(f"(d) ablation, each row on top of the one before (the two prefetch rows are alternatives): "
+                   f"trace-driven real decode as (b), {res}")
+        click.echo(f"{'row':46} {'tokens/s':>9} {'hit rate':>9} {'GiB read':>9} {'x LRU':>6}  notes")
         for r in arows:
             note = (f"{r['substituted']} substituted" if r.get("alpha") else "") + (
-                f"; {r['in_place']} computed in place, {r['loaded']} loaded" if "in_place" in r else "") + (
+                f"; {r['in_place']} computed in place ({r['gib_in_place']:.2f} GiB read from their files), "
+                f"{r['loaded']} loaded" if "in_place" in r else "") + (
                 f"; prefetch precision {r['prefetch_precision']:.2f} recall {r['prefetch_recall']:.2f}"
                 if "prefetch_precision" in r else "")
-            click.echo(f"{r['row']:36} {r['tokens_per_second']:>9.2f} {r['hit_rate']:>9.1%} {r['gib_read']:>9.2f} "
+            click.echo(f"{r['row']:46} {r['tokens_per_second']:>9.2f} {r['hit_rate']:>9.1%} {r['gib_read']:>9.2f} "
                        f"{r['tokens_per_second'] / arows[0]['tokens_per_second']:>6.2f}  {note}")
         click.echo("    not a row: next-layer prefetch (needs real hidden states; see llm generate --prefetch)")
         pf = lb.prefill_batching(big, list(range(40, 168)))

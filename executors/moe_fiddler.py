@@ -60,13 +60,17 @@ def host_tier_of(pool: Pool) -> Pool | None:
 class HostReads:
     from_host: int = 0      # computed on the host tier's copy
     from_file: int = 0      # computed on the file's memory map (the host tier did not hold it)
+    file_bytes: int = 0     # bytes of the experts computed from their files (read from disk when cold)
 
 
 class HostWeights:
     """An expert's weights in host memory, taken without loading it into any pool."""
 
-    def __init__(self, store: "ExpertStore", host: Pool | None = None) -> None:
+    def __init__(self, store: "ExpertStore", host: Pool | None = None, *, drop_after_read: bool = False) -> None:
         self.store, self.host = store, host
+        # as the pools' `drop_after_read`: a box whose RAM is the budget has no page cache to keep the files
+        # in, so an in-place expert is dropped from it once computed and the next one reads the disk again
+        self.drop_after_read = drop_after_read
         self.reads = HostReads()
         self._lock = threading.Lock()
 
@@ -78,13 +82,19 @@ class HostWeights:
                 self.reads.from_host += 1
             else:
                 self.reads.from_file += 1
+                self.reads.file_bytes += self.store.nbytes(expert_id)
         if handle is not None:
             return handle.value.tensors(), handle
         return self.store.read(expert_id), None
 
-    def close(self, handle: Handle | None) -> None:
+    def close(self, handle: Handle | None, expert_id: str | None = None) -> None:
+        """Unpin the host tier's copy; a memory-mapped file leaves the page cache with `drop_after_read`."""
         if handle is not None:
             self.host.release(handle)
+        elif self.drop_after_read and expert_id is not None:
+            from storage.pagecache import drop_from_page_cache
+
+            drop_from_page_cache(self.store.path(expert_id))
 
 
 class InPlaceParts:
@@ -123,7 +133,8 @@ class MappedInPlace:
             self.split.measured(compute=time.perf_counter() - t0)
             return part
         finally:
-            self.weights.close(handle)
+            del tensors   # the views into the memory map go before its pages are dropped
+            self.weights.close(handle, expert_id)
 
     def start(self, compute: ExpertFn, experts: Sequence[tuple[int, str]], hidden_states, expert_mask,
               top_k_weights) -> InPlaceParts:

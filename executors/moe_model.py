@@ -155,7 +155,7 @@ def load_pooled(root: str | Path, *, memory: int, policy: str = "lru", quota: st
                 context: Callable[[], dict] | None = None, drop_after_read: bool = False,
                 shared_pool: Pool | None = None, alpha: float = 0.0, prefetch: str | None = None,
                 predictor=None, split: bool | str = False, host_memory: int = 0,
-                prefill: str | PrefillCosts | None = None) -> PooledModel:
+                prefill: str | PrefillCosts | None = None, prefetch_min_prob: float | None = None) -> PooledModel:
     """The imported model at `root` with `memory` bytes of expert pool; see the module docstring.
 
     `popularity` (expert id -> per-layer share, e.g. `Trace.popularity()`)
@@ -170,6 +170,8 @@ def load_pooled(root: str | Path, *, memory: int, policy: str = "lru", quota: st
     approximate; 0 keeps logits exact.  `prefetch='next-layer'` loads the next
     layer's predicted experts in the background, `prefetch='token'` the next
     token's (from `predictor`, a `TokenPredictor` or its file); both exact.
+    `prefetch_min_prob` is the token-wise prefetch's confidence gate (default
+    `TokenPrefetcher.MIN_PROB`, the break-even 0.5; 0 loads every top-m guess).
     `split` computes a decode step's low-score misses in place instead of
     loading them (`moe_split` decides how many, `moe_fiddler` runs them):
     True picks 'fiddler' on a CUDA pool (a CPU thread computes them from the
@@ -292,11 +294,12 @@ def load_pooled(root: str | Path, *, memory: int, policy: str = "lru", quota: st
         if pred.layers != tuple(l.layer for l in layout.layers) or pred.W.shape[1] != layout.layers[0].num_experts:
             raise CoEError(f"the token predictor (layers {pred.layers}, {pred.W.shape[1]} experts) does not fit "
                            f"model '{layout.model}'")
+        gate = {} if prefetch_min_prob is None else {"min_prob": prefetch_min_prob}
         pmodel.prefetcher = TokenPrefetcher(pred, {l.layer: layout.ids(l.layer) for l in layout.layers},
-                                            pmodel.pool_of)
+                                            pmodel.pool_of, **gate)
         tap.listen(pmodel.prefetcher.on_router)
     if split_mode is not None or prefill not in (None, "batched"):
-        _split_and_prefill(pmodel, split_mode, prefill)
+        _split_and_prefill(pmodel, split_mode, prefill, drop_after_read=drop_after_read)
     if alpha:
         from routing.substitution import WeightRule
 
@@ -323,13 +326,14 @@ def _split_mode(split: bool | str | None, dev: torch.device) -> str | None:
     return split
 
 
-def _split_and_prefill(pm: PooledModel, split_mode: str | None, prefill) -> None:
+def _split_and_prefill(pm: PooledModel, split_mode: str | None, prefill, *, drop_after_read: bool = False) -> None:
     """Wire the decode split (`moe_split` + `moe_fiddler`) and the prefill balance (`moe_prefill`) into the layers."""
     from .moe_fiddler import HostWeights, MappedInPlace, ThreadInPlace, host_tier_of
     from .moe_split import LoadComputeSplit
 
     layers = [m for m in pm.model.modules() if isinstance(m, PooledExperts)]
-    weights = HostWeights(pm.store, pm.host if pm.host is not None else host_tier_of(pm.pools[0]))
+    weights = HostWeights(pm.store, pm.host if pm.host is not None else host_tier_of(pm.pools[0]),
+                          drop_after_read=drop_after_read)
     if split_mode is not None:
         pm.split = LoadComputeSplit()
         pm.in_place = (ThreadInPlace if split_mode == "fiddler" else MappedInPlace)(weights, pm.split)

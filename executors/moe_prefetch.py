@@ -120,12 +120,20 @@ class TokenPrefetcher(_Prefetcher):
     (its top-m); they have the rest of token t to load.  Like the next-layer
     prefetch, loads run on their own thread, a guess that finds no room is
     dropped, and a loaded guess is unpinned at once.
+
+    Only guesses the predictor gives at least `min_prob` are loaded.  A right
+    guess saves one read's stall; a wrong one spends one read of the disk the
+    real misses queue for (and evicts a resident to make room).  Both cost
+    about one expert's read, so a guess pays when p > 1 - p: the default 0.5
+    is that break-even, derived, not fitted.  0 loads every top-m guess.
     """
 
+    MIN_PROB = 0.5
+
     def __init__(self, predictor, ids: dict[int, list[str]], pool_of: Callable[[str], Pool], *,
-                 m: int | None = None) -> None:
+                 m: int | None = None, min_prob: float = MIN_PROB) -> None:
         super().__init__(ids, pool_of)
-        self._pred, self._m = predictor, m or predictor.top_k
+        self._pred, self._m, self.min_prob = predictor, m or predictor.top_k, min_prob
         self._index = {layer: j for j, layer in enumerate(predictor.layers)}
 
     def on_router(self, layer: int, probs, chosen) -> None:
@@ -133,8 +141,7 @@ class TokenPrefetcher(_Prefetcher):
         if layer not in self._index or len(probs) > 4:
             return
         self._score(layer, {int(e) for e in chosen.reshape(-1)})
-        guess = self._pred.predict(self._index[layer], probs[-1:], self._m)
-        self._issue(layer, {int(e) for e in guess.reshape(-1)})
+        self._issue(layer, set(self._pred.confident(self._index[layer], probs[-1:], self._m, self.min_prob)))
 
 
 def _unpin(pool: Pool):

@@ -68,6 +68,16 @@ class TokenPredictor:
         m = m or self.top_k
         return np.argsort(-self.scores(j, probs), axis=-1)[..., :m]
 
+    def probabilities(self, j: int, probs: np.ndarray) -> np.ndarray:
+        """[T, E] the model's probability that the next token asks layer index j for each expert."""
+        return 1 / (1 + np.exp(-self.scores(j, probs)))
+
+    def confident(self, j: int, probs: np.ndarray, m: int | None = None, min_prob: float = 0.0) -> list[int]:
+        """The top-m guesses for the last token of `probs` whose probability is at least `min_prob`."""
+        p = self.probabilities(j, probs[-1:])[0]
+        top = np.argsort(-p)[: m or self.top_k]
+        return [int(e) for e in top if p[e] >= min_prob]
+
     def evaluate(self, trace: Trace, m: int | None = None) -> dict:
         """Precision and recall of the top-m guesses against `trace`'s next tokens (all layers)."""
         if trace.layers != self.layers or trace.num_experts != self.W.shape[1]:

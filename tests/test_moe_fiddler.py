@@ -200,3 +200,28 @@ def test_llm_generate_split_with_a_host_tier_and_prefill_balance_refused_on_a_cp
     assert "computed in place from the memory map" in res.output and "from the host tier" in res.output
     res = run(cli, ["llm", "generate", "-m", str(store), "-p", "def ", "-n", "2", "--prefill", "balance"])
     assert res.exit_code != 0 and "reduces to batching" in res.output
+
+
+def test_an_in_place_expert_leaves_the_page_cache_when_the_box_has_none_to_spare(qwen3):
+    """The bench's `drop_after_read`: an in-place expert's file is read from disk each time, not kept in the
+    page cache beyond the pool's budget (which would make the split look free); its bytes are counted."""
+    from executors.moe_split import LoadComputeSplit
+    from storage.pagecache import resident_fraction
+
+    _, layout, store_root = qwen3
+    store = ExpertStore(store_root)
+    a = layout.ids(0)[0]
+    path = store.path(a)
+    h = torch.zeros(1, 64)
+
+    def compute(e, tensors, *rest):
+        return (torch.zeros(1, dtype=torch.long), torch.zeros(1, dtype=torch.long), tensors["down_proj"].sum())
+    for drop in (False, True):
+        store.read(a)                                  # warm: the file is in the page cache
+        weights = HostWeights(store, drop_after_read=drop)
+        MappedInPlace(weights, LoadComputeSplit()).start(compute, [(0, a)], h, None, None)
+        after = resident_fraction(path)
+        if after is None:
+            pytest.skip("mincore is not available here")
+        assert weights.reads.from_file == 1 and weights.reads.file_bytes == store.nbytes(a)
+        assert (after == 0.0) if drop else (after > 0.5)

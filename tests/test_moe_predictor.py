@@ -49,3 +49,32 @@ def test_cli_trains_and_reports_held_out_recall(tmp_path):
     assert res.exit_code == 0, res.output
     assert "top-2 guesses: precision" in res.output and "top-4 guesses" in res.output
     assert TokenPredictor.load(tmp_path / "p").layers == (0, 1, 2)
+
+
+def test_only_confident_guesses_are_prefetched():
+    from executors.moe_prefetch import TokenPrefetcher
+    from storage.policies import make_policy
+    from storage.pool import Pool
+    from storage.tracesim import SizeSource
+
+    trace = synthetic(POP, tokens=600, top_k=2, locality=0.8, seed=1)
+    pred = TokenPredictor.train(trace)
+    x = trace.probs[10:11, 0, :].astype(np.float64)
+    p = pred.probabilities(0, x)[0]
+    top = [int(e) for e in np.argsort(-p)[:4]]
+    assert pred.confident(0, x, 4, 0.0) == top                            # no gate: the top-m, best first
+    assert pred.confident(0, x, 4, 1.0) == []
+    mid = float(np.sort(p)[-2])                                           # the second best's probability
+    assert pred.confident(0, x, 4, mid) == top[:2] and all(p[e] >= mid for e in top[:2])
+
+    ids = {layer: [f"m.L{layer:02d}.E{e:03d}" for e in range(trace.num_experts)] for layer in trace.layers}
+    issued = {}
+    for gate in (0.0, 1.0):
+        pool = Pool("p", 100, make_policy("lru"), SizeSource({e: 1 for v in ids.values() for e in v}))
+        tp = TokenPrefetcher(pred, ids, lambda _: pool, m=2, min_prob=gate)
+        tp.on_router(trace.layers[0], x, np.array([[0, 1]]))
+        tp.close()
+        issued[gate] = (tp.stats.issued, set(pool.resident()))
+    assert issued[0.0][0] == 2 and issued[0.0][1] == {ids[trace.layers[0]][e] for e in top[:2]}
+    assert issued[1.0] == (0, set())                                      # nothing is sure enough: nothing read
+    assert TokenPrefetcher.MIN_PROB == 0.5
