@@ -22,8 +22,8 @@ from routing.moe_replay import FutureView, replay
 from routing.moe_trace import Trace, load_popularity, synthetic
 
 SIZES = (0.125, 0.25, 0.5)
-POLICIES = ("lru", "fifo", "lfu", "gate-score", "probability", "belady")
-REALISABLE = ("lfu", "gate-score", "probability", "fifo")
+POLICIES = ("lru", "fifo", "lfu", "gate-score", "predicted", "probability", "belady")
+REALISABLE = ("lfu", "gate-score", "predicted", "probability", "fifo")
 MIXTRAL_EXPERT_BYTES = 3 * 4096 * 14336 * 2      # one Mixtral-8x7B expert in bf16: w1, w3 [14336, 4096], w2
 QUOTAS = ("shared", "per-layer")
 
@@ -60,7 +60,10 @@ def mixtral_traces(data_dir: Path, tokens: int = 256, seed: int = 0) -> tuple[Tr
 
 def run_replays(kind: str, profile: Trace, trace: Trace, *, expert_nbytes: int = 1,
                 progress: Callable[[str], None] | None = None) -> list[Row]:
+    from routing.moe_predictor import TokenPredictor
+
     popularity = profile.popularity()
+    predictor = TokenPredictor.train(profile)   # for 'predicted': learnt on the profile, never on the replay
     total = len(trace.layers) * trace.num_experts
     rows = []
     for size in SIZES:
@@ -71,7 +74,7 @@ def run_replays(kind: str, profile: Trace, trace: Trace, *, expert_nbytes: int =
                     progress(f"{kind} {size:.1%} {quota} {policy}")
                 try:
                     r = replay(trace, policy=policy, capacity=experts * expert_nbytes, expert_nbytes=expert_nbytes,
-                               quota=quota, popularity=popularity)
+                               quota=quota, popularity=popularity, predictor=predictor)
                 except Exception as exc:  # a per-layer share below top-k experts: reported, not fatal
                     if "cannot hold" not in str(exc):
                         raise
@@ -118,7 +121,7 @@ def as_json(rows: list[Row]) -> list[dict]:
 
 
 # -- (b) trace-driven real decode and (c) end to end ------------------------------------------------------------
-DECODE_POLICIES = ("lru", "fifo", "lfu", "gate-score", "probability", "belady")
+DECODE_POLICIES = ("lru", "fifo", "lfu", "gate-score", "predicted", "probability", "belady")
 E2E_POLICIES = ("lru", "fifo", "lfu", "gate-score")
 ACCELERATE_SHARES = (1.0, 0.75, 0.5, 0.25, 0.0)
 
@@ -194,9 +197,12 @@ def run_decode(store: Path, profile: Trace, trace: Trace, *, share: float = 0.25
     from executors.moe_decode import future_accesses, remap, trace_decode
     from executors.moe_model import load_pooled
 
+    from routing.moe_predictor import TokenPredictor
+
     layout = MoELayout.load(store)
     trace, profile = remap(trace, layout.model), remap(profile, layout.model)
     flat = future_accesses(trace, prefill=False)
+    predictor = TokenPredictor.train(profile)   # for 'predicted': learnt on other prompts than the decoded ones
     rows = []
     for policy in DECODE_POLICIES:
         if progress:
@@ -205,7 +211,8 @@ def run_decode(store: Path, profile: Trace, trace: Trace, *, share: float = 0.25
         ctx = (lambda: {"future": FutureView(flat, pos[0])}) if policy == "belady" else None
         drop_store(store)
         pm = load_pooled(store, memory=int(layout.expert_bytes * share), policy=policy,
-                         popularity=profile.popularity(), context=ctx, drop_after_read=True)
+                         popularity=profile.popularity(), context=ctx, drop_after_read=True,
+                         predictor=predictor if policy == "predicted" else None)
         r = trace_decode(pm, trace, position=pos, prefill=False)
         pm.close()
         rows.append(DecodeRow(policy, r.tokens, r.seconds, r.tokens_per_second, r.stats.hit_rate,

@@ -101,7 +101,7 @@ def llm_import(model_dir: str, out: str, name: str | None, dtype: str | None) ->
                f" + {layout.resident_nbytes / 2**20:.1f} MiB resident, in {time.perf_counter() - t0:.1f} s -> {out}")
 
 
-_POLICY = click.Choice(["lru", "lfu", "gate-score", "probability", "fifo"])
+_POLICY = click.Choice(["lru", "lfu", "gate-score", "predicted", "probability", "fifo"])
 
 
 @llm.command("generate")
@@ -112,8 +112,8 @@ _POLICY = click.Choice(["lru", "lfu", "gate-score", "probability", "fifo"])
 @click.option("--memory", default=None, help="Expert pool budget: a size (2GB, 512MiB) or a share of all "
               "experts (25%).  Default: every expert fits.")
 @click.option("--policy", default="gate-score", show_default=True, type=_POLICY,
-              help="Eviction policy (gate-score: the router's windowed score; lru is the mixtral-offloading "
-                   "baseline).")
+              help="Eviction policy (gate-score: the router's windowed score; predicted: a token predictor's "
+                   "next-token probability, needs --predictor; lru is the mixtral-offloading baseline).")
 @click.option("--quota", default="shared", show_default=True, type=click.Choice(["shared", "per-layer"]),
               help="One pool for all layers, or an equal share per layer.")
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda[:N] (a CUDA pool behind pinned host).")
@@ -121,6 +121,8 @@ _POLICY = click.Choice(["lru", "lfu", "gate-score", "probability", "fifo"])
               help="A trace (coe-agent llm trace) whose per-layer popularity ranks experts for --policy probability.")
 @click.option("--window", default=8, show_default=True, type=click.IntRange(1, 10_000),
               help="Decode steps the gate-score policy averages over.")
+@click.option("--predictor", "predictor_path", default=None, type=click.Path(exists=True, dir_okay=False),
+              help="A token predictor (coe-agent llm train-predictor) for --policy predicted.")
 @click.option("--alpha", default=0.0, show_default=True, type=click.FloatRange(0, 1, max_open=True),
               help="Importance-driven substitution threshold; 0 is exact, > 0 is approximate.")
 @click.option("--prefetch", default="none", show_default=True, type=click.Choice(["none", "next-layer"]),
@@ -138,8 +140,8 @@ _POLICY = click.Choice(["lru", "lfu", "gate-score", "probability", "fifo"])
                    "(costs profiled at load), else the CPU computes it; loads stream through two staging buffers.")
 @_fail_clearly
 def llm_generate(model: str, prompt: str, max_new_tokens: int, memory: str | None, policy: str, quota: str,
-                 device: str, trace_path: str | None, window: int, alpha: float, prefetch: str, split: bool,
-                 host_memory: str | None, prefill: str) -> None:
+                 device: str, trace_path: str | None, window: int, predictor_path: str | None, alpha: float,
+                 prefetch: str, split: bool, host_memory: str | None, prefill: str) -> None:
     """Generate text greedily, streaming tokens, with experts paged SSD -> memory under a budget.
 
     Ends with the offload stats: hit rate, bytes read, load seconds, tokens/s.
@@ -147,6 +149,8 @@ def llm_generate(model: str, prompt: str, max_new_tokens: int, memory: str | Non
     \b
     Example:
       coe-agent llm generate --model var/llm/qwen-moe --prompt "def fib(n):" --memory 2GB --policy lfu
+      coe-agent llm generate -m var/llm/qwen-moe -p "def fib(n):" --memory 25% --policy predicted \\
+          --predictor var/llm/qwen.predictor
       coe-agent llm generate -m var/llm/qwen-moe -p "def fib(n):" --memory 25% --device cuda \\
           --host-memory 50% --split --prefill balance
     """
@@ -162,7 +166,8 @@ def llm_generate(model: str, prompt: str, max_new_tokens: int, memory: str | Non
     popularity = Trace.load(trace_path).popularity() if trace_path else None
     pm = load_pooled(root, memory=_memory(memory, layout), policy=policy, quota=quota, device=device,
                      popularity=popularity, window=window, alpha=alpha, prefetch=prefetch, split=split,
-                     host_memory=_memory(host_memory, layout) if host_memory else 0, prefill=prefill)
+                     host_memory=_memory(host_memory, layout) if host_memory else 0, prefill=prefill,
+                     predictor=predictor_path)
     tok = pm.tokenizer()
     ids = torch.tensor([tok.encode(prompt)], dtype=torch.long)
     if ids.shape[1] == 0:

@@ -170,6 +170,8 @@ def load_pooled(root: str | Path, *, memory: int, policy: str = "lru", quota: st
     approximate; 0 keeps logits exact.  `prefetch='next-layer'` loads the next
     layer's predicted experts in the background, `prefetch='token'` the next
     token's (from `predictor`, a `TokenPredictor` or its file); both exact.
+    `policy='predicted'` evicts the experts `predictor` finds least likely for
+    the next token (`routing.moe_predictor.NextTokenScores`).
     `prefetch_min_prob` is the token-wise prefetch's confidence gate (default
     `TokenPrefetcher.MIN_PROB`, the break-even 0.5; 0 loads every top-m guess).
     `split` computes a decode step's low-score misses in place instead of
@@ -191,6 +193,8 @@ def load_pooled(root: str | Path, *, memory: int, policy: str = "lru", quota: st
         raise CoEError(f"prefetch must be 'next-layer', 'token' or none, got {prefetch!r}")
     if prefetch == "token" and predictor is None:
         raise CoEError("prefetch 'token' needs a token predictor (coe-agent llm train-predictor)")
+    if policy == "predicted" and predictor is None:
+        raise CoEError("eviction policy 'predicted' needs a token predictor (coe-agent llm train-predictor)")
     root = Path(root)
     layout = MoELayout.load(root)
     if quota not in QUOTAS:
@@ -285,15 +289,15 @@ def load_pooled(root: str | Path, *, memory: int, policy: str = "lru", quota: st
         for m in model.modules():
             if isinstance(m, PooledExperts):
                 m.prefetcher = pmodel.prefetcher
-    if prefetch == "token":
-        from routing.moe_predictor import TokenPredictor
+    if policy == "predicted":
+        from routing.moe_predictor import NextTokenScores
 
+        tap.predict_with(NextTokenScores(_predictor(predictor, layout),
+                                         {l.layer: layout.ids(l.layer) for l in layout.layers}))
+    if prefetch == "token":
         from .moe_prefetch import TokenPrefetcher
 
-        pred = predictor if isinstance(predictor, TokenPredictor) else TokenPredictor.load(predictor)
-        if pred.layers != tuple(l.layer for l in layout.layers) or pred.W.shape[1] != layout.layers[0].num_experts:
-            raise CoEError(f"the token predictor (layers {pred.layers}, {pred.W.shape[1]} experts) does not fit "
-                           f"model '{layout.model}'")
+        pred = _predictor(predictor, layout)
         gate = {} if prefetch_min_prob is None else {"min_prob": prefetch_min_prob}
         pmodel.prefetcher = TokenPrefetcher(pred, {l.layer: layout.ids(l.layer) for l in layout.layers},
                                             pmodel.pool_of, **gate)
@@ -310,6 +314,15 @@ def load_pooled(root: str | Path, *, memory: int, policy: str = "lru", quota: st
                                               scale=float(layout.extra.get("routed_scaling_factor", 1.0))),
                             resident_of)
     return pmodel
+
+
+def _predictor(predictor, layout: MoELayout):
+    """A `TokenPredictor` (given, or loaded from its file) checked against the model's layers."""
+    from routing.moe_predictor import TokenPredictor
+
+    pred = predictor if isinstance(predictor, TokenPredictor) else TokenPredictor.load(predictor)
+    pred.fits(tuple(l.layer for l in layout.layers), layout.layers[0].num_experts, layout.model)
+    return pred
 
 
 def _split_mode(split: bool | str | None, dev: torch.device) -> str | None:

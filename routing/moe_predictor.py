@@ -95,6 +95,12 @@ class TokenPredictor:
         return {"m": m or self.top_k, "precision": tp / guessed if guessed else 0.0,
                 "recall": tp / actual if actual else 0.0, "pairs": actual // max(self.top_k, 1)}
 
+    def fits(self, layers: tuple[int, ...], num_experts: int, model: str) -> None:
+        """Raise CoEError unless this predictor was trained for `layers` x `num_experts` (model `model`)."""
+        if tuple(self.layers) != tuple(layers) or self.W.shape[1] != num_experts:
+            raise CoEError(f"the token predictor (layers {self.layers}, {self.W.shape[1]} experts) does not fit "
+                           f"model '{model}'")
+
     # -- file -------------------------------------------------------------------------
     def save(self, path: str | Path, info: dict | None = None) -> Path:
         from safetensors.numpy import save_file
@@ -123,3 +129,24 @@ class TokenPredictor:
         if W.ndim != 3 or W.shape[0] != len(layers) or W.shape[1] != W.shape[2] or b.shape != W.shape[:2]:
             raise CoEError(f"{src}: W {list(W.shape)} and b {list(b.shape)} do not fit {len(layers)} layers")
         return cls(layers, int(meta.get("top_k", 1)), W.astype(np.float64), b.astype(np.float64))
+
+
+class NextTokenScores:
+    """Live `predicted` scores for the `predicted` eviction policy: after each decode router call of a layer,
+    every expert of that layer gets the predictor's probability that the next token asks for it.
+
+    A listener of `routing.moe_router.RouterTap` (`RouterTap.predict_with`); a
+    prefill pass (more than a few tokens) is not a next-token question and
+    leaves the scores as they are.
+    """
+
+    def __init__(self, predictor: TokenPredictor, ids: dict[int, list[str]], *, max_tokens: int = 4) -> None:
+        self.predictor, self._ids, self._max_tokens = predictor, ids, max_tokens
+        self._index = {layer: j for j, layer in enumerate(predictor.layers)}
+        self.scores: dict[str, float] = {}
+
+    def on_router(self, layer: int, probs, chosen) -> None:
+        if layer not in self._index or len(probs) > self._max_tokens:
+            return
+        p = self.predictor.probabilities(self._index[layer], np.asarray(probs)[-1:])[0]
+        self.scores.update(zip(self._ids[layer], p.tolist()))

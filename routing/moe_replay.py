@@ -9,6 +9,8 @@ policies see is built from the trace as the router tap builds it live:
 - `gate_scores`: each expert's gate score averaged over the last `window` passes;
 - `probabilities`: per-layer popularity from a *different* trace (a profile),
   never from the trace being replayed;
+- `predicted`: a token predictor's probability that the next token asks for
+  each expert (`predicted` policy; the predictor is trained on the profile);
 - `future`: the remaining accesses, for the Belady oracle only.
 """
 from __future__ import annotations
@@ -61,12 +63,14 @@ class FutureView:
 
 
 def replay(trace: Trace, *, policy: str, capacity: int, expert_nbytes: int, quota: str = "shared",
-           popularity: Mapping[str, float] | None = None, window: int = 8) -> ReplayResult:
+           popularity: Mapping[str, float] | None = None, window: int = 8, predictor=None) -> ReplayResult:
     """Replay `trace` with `capacity` bytes of pool (split per layer with quota='per-layer')."""
     if quota not in ("shared", "per-layer"):
         raise CoEError(f"quota must be 'shared' or 'per-layer', got {quota!r}")
     if policy == "probability" and not popularity:
         raise CoEError("policy 'probability' needs a popularity profile (from another trace)")
+    if policy == "predicted" and predictor is None:
+        raise CoEError("policy 'predicted' needs a token predictor (trained on another trace)")
     accesses = list(trace.accesses())
     flat = [eid for _, _, ids, _ in accesses for eid in ids]
     counts: dict[str, float] = {}
@@ -75,8 +79,19 @@ def replay(trace: Trace, *, policy: str, capacity: int, expert_nbytes: int, quot
     pos = [0]
     oracle = policy == "belady"
 
+    predicted: dict[str, float] = {}
+    scorer = None
+    if policy == "predicted":
+        from .moe_predictor import NextTokenScores
+
+        predictor.fits(trace.layers, trace.num_experts, trace.model)
+        scorer = NextTokenScores(predictor, {l: [expert_id(trace.model, l, e) for e in range(trace.num_experts)]
+                                             for l in trace.layers})
+        predicted = scorer.scores
+
     def context() -> dict:
-        return {"counts": counts, "gate_scores": scores, "future": FutureView(flat, pos[0]) if oracle else ()}
+        return {"counts": counts, "gate_scores": scores, "predicted": predicted,
+                "future": FutureView(flat, pos[0]) if oracle else ()}
 
     per = capacity // len(trace.layers) if quota == "per-layer" else capacity
     if per < trace.top_k * expert_nbytes:
@@ -92,6 +107,8 @@ def replay(trace: Trace, *, policy: str, capacity: int, expert_nbytes: int, quot
         for e, n in zip(*np.unique(trace.chosen[rows, j, :], return_counts=True)):
             key = expert_id(trace.model, layer, int(e))
             counts[key] = counts.get(key, 0.0) + float(n)
+        if scorer is not None:   # as the live router tap: the layer's router call comes before its loads
+            scorer.on_router(layer, trace.probs[rows, j, :], trace.chosen[rows, j, :])
         recent[layer].append(mean_scores)
         mean = np.mean(np.stack(recent[layer]), axis=0)
         scores.update((expert_id(trace.model, layer, e), float(v)) for e, v in enumerate(mean))

@@ -6,9 +6,11 @@ structure, `storage.moe_structure`) and keeps, per expert id:
 - `counts`: how many tokens chose it so far (LFU; the prompt's prefill seeds it);
 - `gate_scores`: its gate score averaged over the last `window` router calls,
   for every expert, chosen or not (the importance paper's Eq. 3);
+- `predicted` (with `predict_with`): a token-wise predictor's probability
+  that the next token asks for each expert;
 and, while recording, every token's full router probabilities and chosen
-experts, which become a `Trace`.  Pools read the first two through
-`context()`; they never see the model.
+experts, which become a `Trace`.  Pools read these through `context()`;
+they never see the model.
 """
 from __future__ import annotations
 
@@ -52,6 +54,7 @@ class RouterTap:
         self.substituted = 0
         self.missing_low = 0
         self._listeners: list = []
+        self._predicted: dict[str, float] = {}
 
     # -- hooking ------------------------------------------------------------------
     def attach(self, model: "nn.Module", routers: dict[int, str]) -> "RouterTap":
@@ -119,6 +122,11 @@ class RouterTap:
         self.alpha, self._rule, self._resident_of = alpha, rule, resident_of
         warn_approximate(alpha)
 
+    def predict_with(self, scorer) -> None:
+        """Feed a `routing.moe_predictor.NextTokenScores` every router call; pools then see its `predicted`."""
+        self.listen(scorer.on_router)
+        self._predicted = scorer.scores
+
     def listen(self, fn) -> None:
         """Call `fn(layer, probs, chosen)` on every router call (a token-wise prefetcher)."""
         self._listeners.append(fn)
@@ -151,7 +159,7 @@ class RouterTap:
         return self._scores
 
     def context(self) -> dict:
-        return {"counts": self.counts, "gate_scores": self.gate_scores()}
+        return {"counts": self.counts, "gate_scores": self.gate_scores(), "predicted": self._predicted}
 
     # -- recording -------------------------------------------------------------------
     @property

@@ -37,6 +37,8 @@ class PoolState:
     `counts` (uses so far, LFU) and `gate_scores` (an MoE router's recent mean
     gate score per expert, inactive experts included) come from the router
     hook of an MoE model (`routing.moe_router`); vision pools leave them empty.
+    `predicted` is a token-wise predictor's probability that the next token
+    asks for each expert (`routing.moe_predictor.NextTokenScores`).
     """
 
     capacity: int
@@ -48,6 +50,7 @@ class PoolState:
     incoming: str | None = None
     counts: Mapping[str, float] = field(default_factory=dict)
     gate_scores: Mapping[str, float] = field(default_factory=dict)
+    predicted: Mapping[str, float] = field(default_factory=dict)
 
     @property
     def used(self) -> int:
@@ -141,6 +144,24 @@ class GateScore:
             state.residents, key=lambda r: (state.gate_scores.get(r.expert_id, 0.0), r.used_seq, r.expert_id)))
 
 
+class Predicted:
+    """Least likely to be asked for by the next token first (`state.predicted`), then as `gate-score`.
+
+    The probabilities come from a token-wise predictor trained on other
+    traces (SMoE); an expert it has no score for yet (its layer has not run
+    since the model started) counts as 0.  Among equal probabilities the
+    recent gate score decides, then recency.  It looks one token ahead, which
+    is where most of an MoE decode's reuse is; Belady looks all the way.
+    """
+
+    name = "predicted"
+
+    def choose_victims(self, state: PoolState, need_bytes: int) -> list[str] | None:
+        return _evict_in_order(state, need_bytes, sorted(
+            state.residents, key=lambda r: (state.predicted.get(r.expert_id, 0.0),
+                                            state.gate_scores.get(r.expert_id, 0.0), r.used_seq, r.expert_id)))
+
+
 def present(state: PoolState) -> frozenset[str]:
     """Experts that count as present when deciding orphanhood: resident, incoming, or queued.
 
@@ -229,7 +250,7 @@ class Belady:
         return _evict_in_order(state, need_bytes, order)
 
 
-POLICIES = {p.name: p for p in (LRU, FIFO, LFU, GateScore, Probability, CoServe, CoServePaper, Belady)}
+POLICIES = {p.name: p for p in (LRU, FIFO, LFU, GateScore, Predicted, Probability, CoServe, CoServePaper, Belady)}
 
 
 def make_policy(name: str) -> EvictionPolicy:

@@ -109,7 +109,8 @@ class Pool:
         self._on_event = on_event or (lambda e: None)
         self._probabilities = dict(probabilities or {})
         self._preliminaries = dict(preliminaries or {})
-        # live knowledge: {'queued': set, 'future': tuple} from a scheduler; {'counts', 'gate_scores'} from an MoE router
+        # live knowledge: {'queued': set, 'future': tuple} from a scheduler; {'counts', 'gate_scores', 'predicted'}
+        # from an MoE router
         self._context = context or dict
         self._measure = measure
         self._reuses = bool(getattr(source, "reuses_memory", False))
@@ -391,7 +392,7 @@ class Pool:
             Resident(k, e.nbytes, e.loaded_seq, e.used_seq, e.pins > 0 or e.loading or k in keep)
             for k, e in self._entries.items()),
             self._probabilities, self._preliminaries, frozenset(ctx.get("queued", ())), ctx.get("future", ()),
-            incoming, ctx.get("counts", {}), ctx.get("gate_scores", {}))
+            incoming, ctx.get("counts", {}), ctx.get("gate_scores", {}), ctx.get("predicted", {}))
 
     def _evict_locked(self, expert_id: str, incoming: str | None = None, *, stale: bool = False) -> PoolEvent:
         entry = self._entries.get(expert_id)

@@ -120,10 +120,10 @@ def test_bench_part_a_prints_a_table_and_one_json_line(hf_model, tmp_path):
     assert doc["bench"] == "llm" and set(doc["a"]["summary"]) == {"trained", "mixtral"} and "b" not in doc
     for s in doc["a"]["summary"].values():
         assert 0 <= s["lru_hit_rate"] <= s["belady_hit_rate"] <= 1      # the oracle is never beaten
-        assert s["best"] in ("lru", "fifo", "lfu", "gate-score", "probability")     # never the oracle
+        assert s["best"] in ("lru", "fifo", "lfu", "gate-score", "predicted", "probability")   # never the oracle
         assert s["best_gib_moved"] > 0 and s["lru_gib_moved"] > 0                  # real expert sizes, not 1 byte
     rows = doc["a"]["rows"]
-    assert {r["policy"] for r in rows} == {"lru", "fifo", "lfu", "gate-score", "probability", "belady"}
+    assert {r["policy"] for r in rows} == {"lru", "fifo", "lfu", "gate-score", "predicted", "probability", "belady"}
     # mixtral: 32 layers x 8 experts, so a per-layer share of 12.5% (one expert) cannot hold top-2: n/a, not a crash
     assert all(r["hit_rate"] is None for r in rows if r["trace"] == "mixtral" and r["size"] == 0.125
                and r["quota"] == "per-layer")

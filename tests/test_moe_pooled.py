@@ -330,3 +330,23 @@ def test_prefill_batching_reads_each_expert_once_per_pass(imported):
     batched, single = got["batched"], got["token-by-token"]
     assert batched["gib_read"] <= layout.expert_bytes / 2**30 + 1e-12       # at most every expert once
     assert single["gib_read"] > batched["gib_read"] and got["speedup"] > 0
+
+
+def test_the_predicted_policy_is_exact_and_needs_a_predictor(imported):
+    from executors.moe_model import record_trace
+    from routing.moe_predictor import TokenPredictor
+
+    ref, layout, store = imported("mixtral")
+    full = load_pooled(store, memory=layout.expert_bytes, policy="lru")
+    trace = record_trace(full, [_inputs(s)[0] for s in (10, 11, 12)], 6)
+    full.close()
+    x = _inputs(13)[:1]
+    want = ref.generate(x, max_new_tokens=6, min_new_tokens=6, do_sample=False)[0, x.shape[1]:].tolist()
+    mem = layout.layers[0].expert_nbytes * (layout.top_k + 1)        # tight: evictions every layer
+    pm = load_pooled(store, memory=mem, policy="predicted", predictor=TokenPredictor.train(trace))
+    got, _ = pm.generate(x, 6)
+    pm.close()
+    assert got == want[:len(got)] and len(got) == 6
+    assert pm.tap.context()["predicted"] and pm.pools[0].stats().misses > 0   # scored, and it had to evict
+    with pytest.raises(CoEError, match="needs a token predictor"):
+        load_pooled(store, memory=mem, policy="predicted")

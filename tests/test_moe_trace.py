@@ -380,3 +380,80 @@ def test_pinned_experts_block(policy):
     assert policy.choose_victims(s, 16) is None
     all_pinned = _state([("a", 1, True), ("b", 2, True)], counts={"a": 0}, scores={"a": 0})
     assert policy.choose_victims(all_pinned, 1) is None
+
+
+def test_predicted_evicts_the_least_likely_for_the_next_token_ties_by_gate_score_then_lru():
+    from storage.policies import Predicted
+
+    spec = [("a", 1, False), ("b", 7, False), ("c", 3, False), ("d", 4, True), ("e", 5, False)]
+    pred = {"a": 0.9, "b": 0.1, "c": 0.1, "d": 0.0, "e": 0.4}
+    s = PoolState(50, tuple(Resident(e, 10, i, used, pinned) for i, (e, used, pinned) in enumerate(spec)),
+                  gate_scores={"b": 0.2, "c": 0.3}, predicted=pred)
+    p = make_policy("predicted")
+    assert isinstance(p, Predicted)
+    assert p.choose_victims(s, 10) == ["b"]                          # b and c tie on p; b's gate score is lower
+    assert p.choose_victims(s, 30) == ["b", "c", "e"]                # never d, the pinned least likely
+    assert p.choose_victims(s, 50) is None
+    # the gate score does not override the prediction: a low-score expert the next token needs stays
+    s2 = PoolState(20, (Resident("x", 10, 0, 1), Resident("y", 10, 1, 2)), gate_scores={"x": 0.0, "y": 0.9},
+                   predicted={"x": 0.8, "y": 0.1})
+    assert p.choose_victims(s2, 10) == ["y"]
+    # no prediction yet (its layer has not run): 0, then gate score, then recency
+    s3 = PoolState(20, (Resident("x", 10, 0, 5), Resident("y", 10, 1, 2)), predicted={"x": 0.3})
+    assert p.choose_victims(s3, 10) == ["y"]
+
+
+def test_the_router_tap_feeds_next_token_probabilities_to_the_pools_predicted_policy():
+    from coe.moe import expert_id
+    from routing.moe_predictor import NextTokenScores, TokenPredictor
+    from routing.moe_router import RouterTap
+    from storage.pool import Pool
+    from storage.tracesim import SizeSource
+
+    pop = [[5, 4, 3, 2, 1, 1, 1, 1]] * 3
+    trace = synthetic(pop, tokens=200, top_k=2, locality=0.8, seed=1)
+    E = trace.num_experts
+    # a predictor that ignores its input: the next token asks for expert e with probability sigmoid(b[e])
+    b = np.tile(np.linspace(3, -3, E), (len(trace.layers), 1))
+    pred = TokenPredictor(trace.layers, 2, np.zeros((len(trace.layers), E, E)), b)
+    layout = _layout_of(trace)
+    tap = RouterTap(layout)
+    ids = {l: [expert_id(layout.model, l, e) for e in range(E)] for l in trace.layers}
+    tap.predict_with(NextTokenScores(pred, ids))
+    layer = trace.layers[0]
+    uniform = np.full((1, E), 1 / E, dtype=np.float32)
+    tap.observe(layer, np.full((8, E), 1 / E, dtype=np.float32), np.zeros((8, 2), dtype=np.int64))
+    assert tap.context()["predicted"] == {}                          # a prefill pass is not a next-token question
+    tap.observe(layer, uniform, np.array([[0, 1]]))
+    got = tap.context()["predicted"]
+    assert set(got) == set(ids[layer]) and got[ids[layer][0]] == pytest.approx(1 / (1 + np.exp(-3)))
+    # a pool evicting by it keeps the likely expert although it was used longest ago
+    pool = Pool("t", 3, make_policy("predicted"), SizeSource(dict.fromkeys(ids[layer], 1)), context=tap.context)
+    for e in (0, 5, 6):
+        pool.release(pool.acquire(ids[layer][e]))
+    pool.release(pool.acquire(ids[layer][7]))
+    assert set(pool.resident()) == {ids[layer][0], ids[layer][5], ids[layer][7]}   # 6 was the least likely
+
+
+def test_replay_with_the_predicted_policy_needs_a_fitting_predictor():
+    from routing.moe_predictor import TokenPredictor
+    from routing.moe_replay import replay
+
+    pop = [[5, 4, 3, 2, 1, 1, 1, 1]] * 3
+    held = synthetic(pop, tokens=100, top_k=2, locality=0.8, seed=2)
+    pred = TokenPredictor.train(synthetic(pop, tokens=300, top_k=2, locality=0.8, seed=1))
+    got = replay(held, policy="predicted", capacity=6, expert_nbytes=1, predictor=pred)
+    assert got.accesses == replay(held, policy="lru", capacity=6, expert_nbytes=1).accesses and got.loads > 0
+    with pytest.raises(CoEError, match="needs a token predictor"):
+        replay(held, policy="predicted", capacity=6, expert_nbytes=1)
+    other = TokenPredictor.train(synthetic([[1] * 4] * 3, tokens=200, top_k=2, seed=3))
+    with pytest.raises(CoEError, match="does not fit"):
+        replay(held, policy="predicted", capacity=6, expert_nbytes=1, predictor=other)
+
+
+def _layout_of(trace):
+    from coe.moe import MoELayout, MoELayer
+    return MoELayout(model=trace.model, model_type="mixtral", top_k=trace.top_k, dtype="float32",
+                     layers=tuple(MoELayer(layer=l, module=f"model.layers.{l}.mlp.experts",
+                                           num_experts=trace.num_experts, hidden=8, intermediate=8, expert_nbytes=1)
+                                  for l in trace.layers))
