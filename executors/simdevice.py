@@ -85,7 +85,9 @@ class SimSystem:
     boxes: int = 1                 # boxes the executors spread over; each has its own SSD and host tier
     link: Link | None = None       # the link from the front box to each other box (None with one box)
     frame_bytes: int = DEFAULT_FRAME_BYTES   # bytes a frame takes on the link
-    cpu_host_reads: bool = False   # CPU executors copy what their box's host tier holds instead of reading the SSD
+    cpu_host_reads: bool = False   # CPU executors on the front box copy what the host tier holds instead of reading
+    #                                the SSD (storage.tiers.HostReadSource; assumes both hold one dtype); a remote
+    #                                box's CPU executors read its SSD, as executors/remote.py does
 
     def __post_init__(self) -> None:
         if self.boxes < 1:
@@ -291,7 +293,7 @@ def simulate(workload: Workload, profile: Profile, system: SimSystem, *, record_
         host = hosts.get(ex.box)
         if gpu:
             src = _TierSource(model, host, exclusive)
-        elif system.cpu_host_reads and host is not None:
+        elif system.cpu_host_reads and host is not None and ex.box == 0:   # as the agent: remote CPUs read SSD
             src = _HostReadSource(model, host)
         else:
             src = _SsdSource(model)
@@ -312,7 +314,7 @@ def simulate(workload: Workload, profile: Profile, system: SimSystem, *, record_
         infos[ex.name] = ExecutorInfo(ex.kind, ex.memory, pools[ex.name], device=ex.device,
                                       node=str(ex.box) if ex.box else "", link=system.link if ex.box else None,
                                       host=host, ssd_channel=str(ex.box) if system.boxes > 1 else "",
-                                      host_reads=not gpu and system.cpu_host_reads and host is not None)
+                                      host_reads=isinstance(src, _HostReadSource))
     host = hosts.get(0)
     ssd_free = [0.0] * system.boxes         # per box: when its SSD channel is free
     link_free = [0.0] * system.boxes        # per box: when the link to it is free (box 0 has none)

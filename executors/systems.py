@@ -5,7 +5,9 @@ the host memory behind them.  How each spends it:
 
 - CoServe: the executors and memory split of the profile's searches; each
   executor reserves activation memory for its max batch and the rest holds
-  experts; the host tier is an exclusive victim cache of the GPU pools.
+  experts; the host tier is an exclusive victim cache of the GPU pools,
+  and the front box's CPU executors copy what it holds instead of reading
+  the SSD.
 - coserve-paper: the same executors with the paper's rules read exactly
   (exact assignment ties, stage 2 strictly by probability, no SSD term,
   no age bound) and an inclusive host tier (it keeps a copy of what it
@@ -20,8 +22,8 @@ the host memory behind them.  How each spends it:
   host tier on each box, as the profile gives them for one; every box has its
   own SSD, and the front box reaches the others over `link`.
 - Samba-CoE FIFO and Parallel, and CoServe's ablations (the paper's: none, em,
-  em+ra; ours: -ssd, -steal, -exclusive, -age, -protect, each CoServe with one
-  lever off), change one knob each.
+  em+ra; ours: -ssd, -steal, -exclusive, -age, -protect, -work, -hostread,
+  each CoServe with one lever off), change one knob each.
 """
 from __future__ import annotations
 

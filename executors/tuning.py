@@ -94,26 +94,27 @@ def weak_rule(dev: DeviceProfile, executors: int, reserve: int) -> bool:
     return executors * reserve <= WEAK_RULE_SHARE * dev.memory
 
 
-def _system(dev: DeviceProfile, count: int, expert_memory: int) -> SimSystem:
-    """The system the agent runs (exclusive host tier that CPU executors copy from, age bound), on this
-    device's executors."""
+def _system(dev: DeviceProfile, count: int, expert_memory: int, host_reads: bool = True) -> SimSystem:
+    """The system the agent runs (exclusive host tier that CPU executors copy from unless the line turns
+    that off, age bound), on this device's executors."""
     ex = tuple(SimExecutor(f"{dev.name}#{i}", dev.name, dev.memory // count, expert_memory // count)
                for i in range(count))
     return SimSystem("tune", ex, "coserve", "coserve", host_tier=dev.host_tier, host_mode="exclusive",
-                     max_wait=MAX_WAIT, cpu_host_reads=True)
+                     max_wait=MAX_WAIT, cpu_host_reads=host_reads)
 
 
 class _Sampler:
     """Simulated sample runs of one device, cached by (executors, expert memory)."""
 
-    def __init__(self, sample: Workload, profile: Profile, dev: DeviceProfile) -> None:
-        self.sample, self.profile, self.dev = sample, profile, dev
+    def __init__(self, sample: Workload, profile: Profile, dev: DeviceProfile, host_reads: bool = True) -> None:
+        self.sample, self.profile, self.dev, self.host_reads = sample, profile, dev, host_reads
         self.cache: dict[tuple[int, int], float] = {}
 
     def __call__(self, executors: int, expert_memory: int) -> float:
         key = (executors, int(expert_memory))
         if key not in self.cache:
-            rep = simulate(self.sample, self.profile, _system(self.dev, executors, int(expert_memory)))
+            rep = simulate(self.sample, self.profile,
+                           _system(self.dev, executors, int(expert_memory), self.host_reads))
             self.cache[key] = round(rep.throughput, 3)
         return self.cache[key]
 
@@ -158,8 +159,10 @@ def tune(profile: Profile, model: CoEModel, cfg=None, *, requests: int = SAMPLE_
 
     `profile` is passed to the simulator as it is: its device entries carry
     the concurrency curves and `profiled_executors` the simulator scales the
-    measured K and B by.  `cfg` is accepted for the CLI's call and not read.
+    measured K and B by.  `cfg` (the line's config, when there is one) says
+    whether CPU executors read the host tier (`cpu_reads_host_tier`, default on).
     """
+    host_reads = bool(getattr(cfg, "cpu_reads_host_tier", True))
     sample = from_model(model, requests)
     probs = model.usage_probabilities()
     ranked = sorted(model.experts, key=lambda e: (-probs[e], e))
@@ -174,7 +177,7 @@ def tune(profile: Profile, model: CoEModel, cfg=None, *, requests: int = SAMPLE_
                          f"{', '.join(missing)}; executors and expert memory left as they were")
             continue
         reserve, by = activation_reserve(profile, model, dev.kind)
-        run = _Sampler(sample, profile, dev)
+        run = _Sampler(sample, profile, dev, host_reads)
         sizes = [model.experts[e].nbytes for e in ranked]
         plans = [plan_count(run, dev, n, reserve, sizes, window=window, margin=margin, fit_points=fit_points)
                  for n in range(1, max_executors + 1)]
@@ -190,7 +193,7 @@ def tune(profile: Profile, model: CoEModel, cfg=None, *, requests: int = SAMPLE_
         notes.append(NOTE_PREFIX + _device_note(name, dev, best, plans, by))
         searched[name] = feasible
     if len(searched) > 1:
-        devices, joint = _joint(sample, profile, devices, searched)
+        devices, joint = _joint(sample, profile, devices, searched, host_reads)
         notes.append(NOTE_PREFIX + joint)
     notes.append(f"{NOTE_PREFIX}each device's executors and expert_memory above are the searches' outcome: a "
                  f"simulated sample of {requests} frames of the line's spec per point; executor count = best "
@@ -201,7 +204,7 @@ def tune(profile: Profile, model: CoEModel, cfg=None, *, requests: int = SAMPLE_
 
 
 def _joint(sample: Workload, profile: Profile, devices: dict[str, DeviceProfile],
-           searched: dict[str, list[CountPlan]]) -> tuple[dict[str, DeviceProfile], str]:
+           searched: dict[str, list[CountPlan]], host_reads: bool = True) -> tuple[dict[str, DeviceProfile], str]:
     """Choose the executor counts of all devices together, each count at its own split.
 
     Searched alone, a device's best count ignores that the others share the
@@ -221,7 +224,8 @@ def _joint(sample: Workload, profile: Profile, devices: dict[str, DeviceProfile]
                                   int(p.expert_memory) // p.executors)
                       for n, p in zip(names, combo) for i in range(p.executors))
         rep = simulate(sample, profile, SimSystem("tune", execs, "coserve", "coserve", host_tier=host,
-                                                  host_mode="exclusive", max_wait=MAX_WAIT, cpu_host_reads=True))
+                                                  host_mode="exclusive", max_wait=MAX_WAIT,
+                                                  cpu_host_reads=host_reads))
         results.append((round(rep.throughput, 3), -sum(p.executors for p in combo), combo))
     tp, _, combo = max(results, key=lambda r: (r[0], r[1]))
     out = dict(devices)

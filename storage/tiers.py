@@ -209,7 +209,10 @@ class HostReadSource:
     counted in its own budget.  Only when both sources would produce the same
     bytes: the host tier holds the expert in the dtype the GPU computes in,
     and a CPU executor that computes in another reads the SSD (`compatible`).
-    A stale version is never handed over (`Pool.hold` refuses one).
+    The copy must also be of the store's current version and of the size the
+    CPU pool reserved: between a promotion's store switch and the eviction of
+    the replaced copies the host tier may still hold the old version (in
+    another dtype, even), and such a copy is read around, from the SSD.
     """
 
     reuses_memory = True
@@ -230,6 +233,9 @@ class HostReadSource:
     def load(self, expert_id: str, reuse=None) -> FlatWeights:
         reuse = reuse if reuse is not None else []
         handle = self.host.hold(expert_id) if self.compatible(expert_id) else None
+        if handle is not None and not self._current(expert_id, handle.value):
+            self.host.release(handle)
+            handle = None
         if handle is None:
             self.from_ssd += 1
             return self.fallback.load(expert_id, reuse)
@@ -239,6 +245,12 @@ class HostReadSource:
             self.host.release(handle)
         self.from_host += 1
         return out
+
+    def _current(self, expert_id: str, value) -> bool:
+        """True if the host tier's `value` is the store's current version, at the size this pool reserved."""
+        version = getattr(value, "version", None)
+        return (version is not None and version == self.fallback.store.entry(expert_id).version
+                and value.nbytes == self.fallback.size(expert_id))
 
 
 def host_copy(src: FlatWeights, reuse: list, *, pin: bool) -> FlatWeights:

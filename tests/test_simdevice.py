@@ -490,3 +490,25 @@ def test_the_cost_model_prices_a_cpu_switch_from_the_host_tier_only_where_the_ex
     assert costs.tier_of("reads", "e0") == "host" and costs.switch_cost("reads", "e0") == pytest.approx(0.1)
     assert costs.tier_of("reads", "e1") == "ssd"                     # not in the host tier
     assert costs.tier_of("only-e1", "e0") == "ssd"                   # the host tier's dtype is not this executor's
+
+
+def test_only_coserve_and_its_other_ablations_copy_from_the_host_tier():
+    prof = Profile.load(GPU_CLASS)
+    on = {s for s in ("coserve", "coserve-paper", "samba", "em", "-hostread", "-work", "-ssd")
+          if build_system(s, prof).cpu_host_reads}
+    assert on == {"coserve", "-work", "-ssd"}
+
+
+def test_a_remote_boxs_cpu_executors_read_its_ssd_as_the_agent_does():
+    """Remote CPU executors (executors/remote.py) have no host tier to copy from: only box 0's read it."""
+    model = one_arch_model(4)
+    dev = DeviceProfile("cpu", "cpu", 10_000, executors=1, concurrency=(1.0,))
+    prof = toy_profile({"cpu": dev}, {"cpu": (0.1, 0.0, 4)}, load=1.0)
+    from executors.links import Link
+    execs = (SimExecutor("b1/cpu#0", "cpu", 9000, 1000, box=1),)      # the only executor sits on box 1
+    w = Workload(task("A1", requests=6), model,
+                 tuple(Arrival(3.0 * i, f"f{i}", f"c{i % 4}", False) for i in range(6)))
+    system = SimSystem("t", execs, "coserve", "coserve", host_tier=3000, init="warm", host_mode="exclusive",
+                       cpu_host_reads=True, boxes=2, link=Link(1e9, 0.0, "test"))
+    rep = simulate(w, prof, system)
+    assert rep.switches == 5 and rep.ssd_loads == 5 and rep.host_loads == 0

@@ -200,3 +200,24 @@ def test_a_cpu_pool_copies_what_the_host_tier_holds_instead_of_reading_the_ssd(t
     value = half.load("det-2term")
     assert half.from_ssd == 1 and reads[-1] == "det-2term"
     assert {t.dtype for t in value.tensors().values() if t.is_floating_point()} == {torch.float16}
+
+
+def test_a_cpu_pool_never_copies_a_stale_or_other_dtype_host_copy(tmp_path):
+    """Between a promotion's store switch and the eviction of the replaced copies, the host tier may still
+    hold v1 (stored fp16); a CPU executor computing fp32 must read v2 from the SSD, not copy v1 (review)."""
+    from coe import Expert
+    from storage.tiers import HostReadSource, source_dtype
+
+    store = ExpertStore(tmp_path)
+    e = Expert("x", "mlp", "classifier", ("ok", "defect"), 8)
+    store.write(e, {"w": torch.ones(64, 64, dtype=torch.float16)}, version=1)
+    host = Pool("host", 1 << 24, make_policy("lru"), StoreSource(store, dtype=source_dtype("stored")))
+    host.release(host.acquire("x"))
+    store.write(e, {"w": torch.full((64, 64), 2.0)}, version=2)          # promoted in fp32
+    store.reload()
+    src = HostReadSource(host, StoreSource(store, dtype="float32"))
+    assert src.compatible("x")                                           # by the manifest's dtype, yes...
+    value = Pool("cpu", 1 << 24, make_policy("lru"), src).acquire("x").value
+    assert (src.from_host, src.from_ssd) == (0, 1)                       # ...but the held copy is v1: the SSD
+    assert value.version == 2 and value.tensors()["w"].dtype == torch.float32
+    assert float(value.tensors()["w"][0, 0]) == 2.0 and value.nbytes == src.size("x")

@@ -271,3 +271,20 @@ def test_count_search_takes_its_speedup_from_the_concurrency_curve(gpu_class, bo
     p, f = dict(perfect.devices["cpu"].count_points), dict(flat.devices["cpu"].count_points)
     assert p[4] > 1.5 * p[1] and perfect.devices["cpu"].executors >= 3
     assert f[4] < 1.2 * f[1]
+
+
+def test_the_searches_simulate_host_reads_as_the_line_sets_them(gpu_class, board_a, monkeypatch):
+    import types
+
+    import executors.tuning as tuning
+
+    seen = []
+    real = tuning.simulate
+    monkeypatch.setattr(tuning, "simulate", lambda w, p, system, **kw: seen.append(system.cpu_host_reads)
+                        or real(w, p, system, **kw))
+    small = only(gpu_class, "cuda:0", memory=12 * GB)
+    tune(small, board_a, types.SimpleNamespace(cpu_reads_host_tier=False), requests=100, max_executors=1)
+    assert seen and not any(seen)
+    seen.clear()
+    tune(small, board_a, None, requests=100, max_executors=1)                 # no line config: the default, on
+    assert seen and all(seen)
