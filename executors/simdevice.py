@@ -108,8 +108,8 @@ class SimSystem:
                  f"{sum(e.memory - e.expert_memory for e in ex) / 1e9:.2f} GB activations"
                  for d, ex in by_dev.items()]
         if self.host_tier:
-            reads = "; CPU executors copy from it" if self.cpu_host_reads and any(
-                e.kind == "cpu" for e in self.executors) else ""
+            reads = ("; CPU executors copy from it" + (" on the front box" if self.boxes > 1 else "")
+                     if self.cpu_host_reads and any(e.kind == "cpu" and e.box == 0 for e in self.executors) else "")
             parts.append(f"host tier {self.host_tier / 1e9:.2f} GB ({self.host_mode}{reads})")
         if self.boxes > 1:
             return f"{self.boxes} boxes, each: " + "; ".join(parts) + f"; link {self.link.source}"
