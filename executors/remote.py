@@ -446,7 +446,7 @@ class RemoteExecutor:
         self.up = False
         self.state = "created"
         self.where: dict = {}
-        self.lost = 0          # times it was lost
+        self.lost = 0          # times it was lost (counted once its requests are back with the scheduler)
         self.requeued = 0      # requests handed back to the scheduler
         self.batches = 0
         self.sent = 0          # batches sent to an actor (answered or not)
@@ -669,7 +669,6 @@ class RemoteExecutor:
         why = short_error(exc)
         self.up, self.state = False, f"lost: {why}"
         self._ping = None
-        self.lost += 1
         log.error("executor %s on node %s lost (%s); requeueing its requests", self.name, self.node, why)
         queued = self.scheduler.retire(self.name)
         self.pool.forget()
@@ -682,6 +681,7 @@ class RemoteExecutor:
         again = (list(batch.requests) if batch is not None else []) + queued
         gone = self.scheduler.requeue(again)
         self.requeued += len(again) - len(gone)
+        self.lost += 1   # counted once its requests are back with the scheduler: `lost` says the loss is handled
         if gone:
             frames = ", ".join(r.frame.frame_id for r in gone[:8]) + (" ..." if len(gone) > 8 else "")
             msg = (f"frame(s) {frames}: expert {batch.expert_id} given up after its batch was lost "
