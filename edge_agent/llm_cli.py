@@ -161,6 +161,8 @@ def llm_generate(model: str, prompt: str, max_new_tokens: int, memory: str | Non
     from executors.moe_model import load_pooled
     from routing.moe_trace import Trace
 
+    if predictor_path and policy != "predicted":
+        raise click.UsageError(f"--predictor is for --policy predicted (got --policy {policy})")
     root = _store(model)
     layout = MoELayout.load(root)
     popularity = Trace.load(trace_path).popularity() if trace_path else None

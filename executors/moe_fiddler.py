@@ -94,7 +94,10 @@ class HostWeights:
         elif self.drop_after_read and expert_id is not None:
             from storage.pagecache import drop_from_page_cache
 
-            drop_from_page_cache(self.store.path(expert_id))
+            try:
+                drop_from_page_cache(self.store.path(expert_id))
+            except OSError:   # a promotion removed the file meanwhile: nothing of it is left to drop
+                pass
 
 
 class InPlaceParts:

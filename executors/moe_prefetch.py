@@ -122,10 +122,12 @@ class TokenPrefetcher(_Prefetcher):
     dropped, and a loaded guess is unpinned at once.
 
     Only guesses the predictor gives at least `min_prob` are loaded.  A right
-    guess saves one read's stall; a wrong one spends one read of the disk the
-    real misses queue for (and evicts a resident to make room).  Both cost
-    about one expert's read, so a guess pays when p > 1 - p: the default 0.5
-    is that break-even, derived, not fitted.  0 loads every top-m guess.
+    guess takes at most one read's stall off the critical path; a wrong one
+    spends one read of the disk the real misses queue for and also evicts a
+    resident to make room.  Counting the reads alone, a guess pays when
+    p > 1 - p, so the default 0.5 is a lower bound on the break-even (the
+    eviction makes the true one higher), not a fitted value.  0 loads every
+    top-m guess.
     """
 
     MIN_PROB = 0.5

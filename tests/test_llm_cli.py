@@ -146,3 +146,9 @@ def test_tune_alpha_measures_each_alpha_and_plots(hf_model, tmp_path):
     bad = CliRunner().invoke(cli, ["llm", "tune-alpha", "--model", str(store), "--budget-ms", "5", "--text",
                                    str(text), "--alphas", "0.1,0.2"])
     assert bad.exit_code != 0 and "must start at 0" in bad.output
+
+
+def test_generate_refuses_a_predictor_without_the_predicted_policy(tmp_path):
+    (tmp_path / "p.predictor").write_bytes(b"x")
+    res = _run("llm", "generate", "-m", str(tmp_path), "-p", "hi", "--predictor", str(tmp_path / "p.predictor"))
+    assert res.exit_code == 2 and "--predictor is for --policy predicted (got --policy gate-score)" in res.output

@@ -347,6 +347,6 @@ def test_the_predicted_policy_is_exact_and_needs_a_predictor(imported):
     got, _ = pm.generate(x, 6)
     pm.close()
     assert got == want[:len(got)] and len(got) == 6
-    assert pm.tap.context()["predicted"] and pm.pools[0].stats().misses > 0   # scored, and it had to evict
+    assert pm.tap.context()["predicted"] and pm.pools[0].stats().evictions > 0   # scored, and it had to evict
     with pytest.raises(CoEError, match="needs a token predictor"):
         load_pooled(store, memory=mem, policy="predicted")

@@ -444,6 +444,19 @@ def test_replay_with_the_predicted_policy_needs_a_fitting_predictor():
     pred = TokenPredictor.train(synthetic(pop, tokens=300, top_k=2, locality=0.8, seed=1))
     got = replay(held, policy="predicted", capacity=6, expert_nbytes=1, predictor=pred)
     assert got.accesses == replay(held, policy="lru", capacity=6, expert_nbytes=1).accesses and got.loads > 0
+    # a predictor that ignores its input ranks every layer's experts the same way at every token: the replay
+    # must then evict exactly as the 'probability' policy with that ranking does, which it only can if the
+    # scores reach the pool before each layer's loads (without them it would evict as gate-score)
+    E, L = held.num_experts, len(held.layers)
+    order = np.array([[e * L + j for e in range(E)] for j in range(L)], dtype=float)   # distinct across layers
+    fixed = TokenPredictor(held.layers, 2, np.zeros((L, E, E)), 3 - 6 * order / (E * L))
+    from coe.moe import expert_id
+    ranking = {expert_id(held.model, l, e): float(E * L - order[j, e]) for j, l in enumerate(held.layers)
+               for e in range(E)}
+    by_pred = replay(held, policy="predicted", capacity=6, expert_nbytes=1, predictor=fixed)
+    by_prob = replay(held, policy="probability", capacity=6, expert_nbytes=1, popularity=ranking)
+    by_gate = replay(held, policy="gate-score", capacity=6, expert_nbytes=1)
+    assert by_pred.loads == by_prob.loads != by_gate.loads
     with pytest.raises(CoEError, match="needs a token predictor"):
         replay(held, policy="predicted", capacity=6, expert_nbytes=1)
     other = TokenPredictor.train(synthetic([[1] * 4] * 3, tokens=200, top_k=2, seed=3))
