@@ -20,6 +20,7 @@ import torch
 from coe import CoEError
 
 from .moe_model import OffloadStats, PooledModel
+from .moe_threads import loader_friendly_threads
 from .pooled_experts import PooledExperts
 
 
@@ -62,7 +63,7 @@ def trace_decode(pm: PooledModel, trace, *, position: list[int] | None = None, s
     before = pm.stats()
     tokens, pos = 0, 0
     start = time.perf_counter()
-    with torch.no_grad():
+    with torch.no_grad(), loader_friendly_threads(pm.device.type):
         for _, step, rows in trace.passes():
             states = x.expand(len(rows), hidden).contiguous()
             for j, layer in enumerate(trace.layers):

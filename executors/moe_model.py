@@ -36,6 +36,7 @@ from storage.pool import Pool, PoolStats
 from storage.tiers import StoreSource, TierSource
 
 from .moe_prefill import PrefillCosts
+from .moe_threads import loader_friendly_threads
 from .pooled_experts import PooledExperts
 
 QUOTAS = ("shared", "per-layer")
@@ -120,16 +121,17 @@ class PooledModel:
         past = None
         nxt = ids
         eos = _eos_ids(self.model)
-        for _ in range(max_new_tokens):
-            res = self.model(input_ids=nxt, past_key_values=past, use_cache=True)
-            past = res.past_key_values
-            tok = int(res.logits[0, -1].argmax())
-            out.append(tok)
-            if on_token is not None:
-                on_token(tok)
-            if tok in eos:
-                break
-            nxt = torch.tensor([[tok]], device=self.device)
+        with loader_friendly_threads(self.device.type):     # one core left to the expert loads (moe_threads)
+            for _ in range(max_new_tokens):
+                res = self.model(input_ids=nxt, past_key_values=past, use_cache=True)
+                past = res.past_key_values
+                tok = int(res.logits[0, -1].argmax())
+                out.append(tok)
+                if on_token is not None:
+                    on_token(tok)
+                if tok in eos:
+                    break
+                nxt = torch.tensor([[tok]], device=self.device)
         after = self.stats()
         delta = OffloadStats(after.hits - before.hits, after.misses - before.misses, after.bytes_in - before.bytes_in,
                              after.load_seconds - before.load_seconds, len(out), time.perf_counter() - start,
