@@ -293,13 +293,16 @@ def record(line: str, config_path: str | None, synthetic: bool, frames: int, out
               help="CURVE: the agent's public certificate.")
 @click.option("--json", "as_json", is_flag=True, help="Print the counts as one JSON line.")
 @click.option("--report", "report_dir", type=click.Path(file_okay=False),
-              help="Judge the verdicts against the recording's truth; write report.md, confusion.png, report.json.")
+              help="Judge the verdicts against the recording's truth; write report.md, confusion.png, latency.png, "
+                   "report.json.")
 @click.option("--results", "results_db", type=click.Path(dir_okay=False),
               help="The results database the verdicts land in (default: the line config's).")
 @click.option("--baseline", "baseline_db", type=click.Path(dir_okay=False, exists=True),
-              help="Another run's results database: report the frames whose verdict changed.")
+              help="Another run's results database of the same recording: report the frames whose verdict "
+                   "changed. Regressions, fixed and changed count only when it covers every frame with a verdict.")
 @click.option("--gate", default=None, help="Conditions on the report, e.g. accuracy>=0.97,regressions<=0; "
-                                          "exit 3 when one fails.")
+                                          "exit 3 when one fails. Metrics: accuracy, regressions, fixed, changed, "
+                                          "compared (frames the baseline covers), errors, missing, p99_ms.")
 @click.option("--candidate", "candidate_dir", type=click.Path(file_okay=False, exists=True),
               help="Run the recording against this expert store instead, in an agent of its own started here "
                    "(own results database in --report, loopback ports): the line is not touched.")

@@ -9,6 +9,12 @@ baseline run's database, the frames whose verdict changed: `fixed` (now
 right, was wrong), `broken` (now wrong, was right) and `changed` (different,
 both wrong or no truth).  `--gate` conditions turn the report into an exit
 code, so a script can refuse to deploy an expert set that got worse.
+
+A baseline only says "no regressions" about the frames it has verdicts for:
+one from another recording, or one that lost frames, would compare nothing and
+pass `regressions<=0`.  So the baseline metrics (regressions, fixed, changed)
+count only when the baseline covers every frame this run has a verdict for;
+otherwise they are not measured, and fail every gate condition on them.
 """
 from __future__ import annotations
 
@@ -23,7 +29,8 @@ from coe import CoEError, CoEModel
 
 from storage.recording import Recording
 
-GATE_METRICS = ("accuracy", "regressions", "fixed", "changed", "errors", "missing", "p99_ms")
+GATE_METRICS = ("accuracy", "regressions", "fixed", "changed", "compared", "errors", "missing", "p99_ms")
+BASELINE_METRICS = ("regressions", "fixed", "changed")   # measured only when the baseline covers every frame
 _GATE = re.compile(r"^\s*([a-z0-9_]+)\s*(>=|<=|==|>|<)\s*([0-9.eE+-]+)\s*$")
 
 
@@ -43,7 +50,23 @@ class Judgement:
     broken: list = field(default_factory=list)
     changed: list = field(default_factory=list)
     baseline: str | None = None
+    compared: int = 0                        # frames with a verdict here and in the baseline
     expert_versions: dict = field(default_factory=dict)
+    latencies_ms: list = field(default_factory=list, repr=False)  # per frame, for the latency figure
+
+    @property
+    def with_verdict(self) -> int:
+        """The frames a baseline should cover: those this run has a verdict for (the rest are `missing`)."""
+        return self.frames - self.missing
+
+    @property
+    def baseline_complete(self) -> bool:
+        """A baseline was given and has a verdict for every frame this run has one for (at least one)."""
+        return self.baseline is not None and 0 < self.with_verdict == self.compared
+
+    def coverage(self) -> str:
+        """'compared N of M frames', for the report and the gate's reason."""
+        return f"compared {self.compared} of {self.with_verdict} frames"
 
     @property
     def accuracy(self) -> float:
@@ -52,15 +75,28 @@ class Judgement:
     def metrics(self) -> dict[str, float]:
         """The gate's metrics; a metric that was not measured is NaN, which fails every condition."""
         nan = float("nan")
-        compared = self.baseline is not None
+        full = self.baseline_complete
         return {"accuracy": self.accuracy if self.judged else nan,
-                "regressions": len(self.broken) if compared else nan, "fixed": len(self.fixed) if compared else nan,
-                "changed": len(self.changed) if compared else nan, "errors": self.errors, "missing": self.missing,
+                "regressions": len(self.broken) if full else nan, "fixed": len(self.fixed) if full else nan,
+                "changed": len(self.changed) if full else nan,
+                "compared": self.compared if self.baseline is not None else nan,
+                "errors": self.errors, "missing": self.missing,
                 "p99_ms": self.p99_ms if self.p99_ms is not None else nan}
+
+    def not_measured(self, metric: str) -> str:
+        """Why `metric` is NaN, for the gate's failing line."""
+        if metric in BASELINE_METRICS or metric == "compared":
+            if self.baseline is None:
+                return "no --baseline"
+            return f"baseline covers {self.compared} of {self.with_verdict} frames"
+        return {"accuracy": "no frame with a truth", "p99_ms": "no latencies"}.get(metric, "no data")
 
     def to_json(self) -> dict:
         out = asdict(self)
+        del out["latencies_ms"]                  # in latency.png; hundreds of numbers do not belong in one line
         out["accuracy"] = round(self.accuracy, 5)
+        out["with_verdict"] = self.with_verdict
+        out["baseline_coverage"] = self.coverage() if self.baseline is not None else None
         for k in ("fixed", "broken", "changed"):
             out[k] = {"count": len(getattr(self, k)), "frames": getattr(self, k)[:20]}
         return out
@@ -116,6 +152,17 @@ def versions_that_ran(db: str | Path, frames: set[str] | None = None) -> dict[st
     return {k: dict(v) for k, v in sorted(out.items())}
 
 
+def _change(before: str, now: str, want: str | None) -> str | None:
+    """How a frame's verdict moved against the baseline: fixed, broken, changed, or None when it held."""
+    if before == now:
+        return None
+    if want is not None and now == want:
+        return "fixed"
+    if want is not None and before == want:
+        return "broken"
+    return "changed"                     # both wrong, or no truth to say which is right
+
+
 def judge(model: CoEModel, recording: Recording, results_db: str | Path, *, baseline_db: str | Path | None = None,
           expert_versions: dict | None = None, show: int = 10) -> Judgement:
     """The report of one replay's verdicts (in `results_db`) against the recording's truth.
@@ -130,7 +177,7 @@ def judge(model: CoEModel, recording: Recording, results_db: str | Path, *, base
     base = _verdicts(Path(baseline_db)) if baseline_db is not None else None
     by_comp: dict = defaultdict(lambda: defaultdict(Counter))
     by_label: dict = defaultdict(Counter)
-    judged = correct = missing = errors = 0
+    judged = correct = missing = errors = compared = 0
     wrong, fixed, broken, changed, lat = [], [], [], [], []
     for frame in recording:
         fid = frame.header["frame_id"]
@@ -150,22 +197,19 @@ def judge(model: CoEModel, recording: Recording, results_db: str | Path, *, base
                 wrong.append(fid)
             by_comp[comp][want][verdict] += 1
             by_label[frame.truth][verdict] += 1
-        if base is not None and fid in base and base[fid][0] != verdict:
-            before = base[fid][0]
-            if want is not None and verdict == want:
-                fixed.append(fid)
-            elif want is not None and before == want:
-                broken.append(fid)
-            else:
-                changed.append(fid)
+        if base is not None and fid in base:
+            compared += 1
+            change = _change(base[fid][0], verdict, want)
+            if change is not None:
+                {"fixed": fixed, "broken": broken, "changed": changed}[change].append(fid)
     p = (lambda q: round(float(np.percentile(lat, q)), 2)) if lat else (lambda q: None)
     return Judgement(frames=len(recording), judged=judged, correct=correct, missing=missing, errors=errors,
                      p50_ms=p(50), p99_ms=p(99),
                      confusion_by_component={c: {t: dict(v) for t, v in d.items()} for c, d in sorted(by_comp.items())},
                      confusion_by_label={k: dict(v) for k, v in sorted(by_label.items())}, wrong=wrong,
                      fixed=fixed, broken=broken, changed=changed,
-                     baseline=str(baseline_db) if baseline_db is not None else None,
-                     expert_versions=dict(expert_versions or {}))
+                     baseline=str(baseline_db) if baseline_db is not None else None, compared=compared,
+                     expert_versions=dict(expert_versions or {}), latencies_ms=lat)
 
 
 @dataclass(frozen=True)
@@ -212,15 +256,14 @@ def parse_gate(text: str) -> list[Condition]:
 
 
 def failed_conditions(j: Judgement, gate: list[Condition]) -> list[str]:
+    """The conditions that fail, each with the value it got or why that metric was not measured."""
     metrics = j.metrics()
-    why = {"regressions": "no --baseline", "fixed": "no --baseline", "changed": "no --baseline",
-           "accuracy": "no frame with a truth", "p99_ms": "no latencies"}
     return [f"{c} (got {metrics[c.metric]:g})" if metrics[c.metric] == metrics[c.metric]
-            else f"{c} (not measured: {why.get(c.metric, 'no data')})" for c in gate if not c.holds(metrics)]
+            else f"{c} (not measured: {j.not_measured(c.metric)})" for c in gate if not c.holds(metrics)]
 
 
 def write_report(j: Judgement, out: str | Path, gate: list[Condition] | None = None) -> Path:
-    """report.md, confusion.png and report.json in `out`; returns the Markdown path."""
+    """report.md, confusion.png, latency.png and report.json in `out`; returns the Markdown path."""
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)
     failed = failed_conditions(j, gate) if gate else []
@@ -229,8 +272,11 @@ def write_report(j: Judgement, out: str | Path, gate: list[Condition] | None = N
              f"- **accuracy: {100 * j.accuracy:.2f}%** ({j.correct} of {j.judged}); error verdicts: {j.errors}",
              f"- latency p50 / p99: {j.p50_ms} / {j.p99_ms} ms"]
     if j.baseline:
-        lines.append(f"- against baseline {j.baseline}: fixed {len(j.fixed)}, broken {len(j.broken)}, "
-                     f"changed {len(j.changed)}")
+        lines.append(f"- against baseline {j.baseline}: {j.coverage()}; fixed {len(j.fixed)}, "
+                     f"broken {len(j.broken)}, changed {len(j.changed)}")
+        if not j.baseline_complete:
+            lines.append(f"- **the baseline does not cover this run** ({j.coverage()}): regressions, fixed and "
+                         f"changed are not measured, and fail any gate on them")
     if gate:
         lines.append(f"- gate {', '.join(map(str, gate))}: " + ("**FAILED**: " + "; ".join(failed) if failed
                                                                  else "passed"))
@@ -252,9 +298,12 @@ def write_report(j: Judgement, out: str | Path, gate: list[Condition] | None = N
             return ", ".join(f"v{ver} ({n} inferences)" for ver, n in v.items()) if isinstance(v, dict) else f"v{v}"
         lines += ["", "## Expert versions that ran", "",
                   *(f"- {k}: {fmt(v)}" for k, v in sorted(j.expert_versions.items()))]
+    lines += ["", "## Figures", "", "![verdicts by truth label](confusion.png)", "",
+              "![latency per frame, p50 and p99 marked](latency.png)"]
     md = out / "report.md"
     md.write_text("\n".join(lines) + "\n", encoding="utf-8")
     _plot(j, out / "confusion.png")
+    _plot_latency(j, out / "latency.png")
     (out / "report.json").write_text(json.dumps({**j.to_json(), "gate_failed": failed}) + "\n", encoding="utf-8")
     return md
 
@@ -276,6 +325,29 @@ def _plot(j: Judgement, path: Path) -> None:
     ax.set_xlabel("frames")
     ax.set_title(f"verdicts by truth label (accuracy {100 * j.accuracy:.1f}%)")
     ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+def _plot_latency(j: Judgement, path: Path) -> None:
+    """A histogram of per-frame latency with p50 and p99 marked: the tail a percentile pair hides."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.2))
+    if j.latencies_ms:
+        ax.hist(j.latencies_ms, bins=min(50, max(5, len(j.latencies_ms) // 10)), color="#5b7db1")
+        for q, value, style in (("p50", j.p50_ms, "--"), ("p99", j.p99_ms, ":")):
+            ax.axvline(value, color="#c0392b", linestyle=style, label=f"{q} {value:g} ms")
+        ax.legend(loc="upper right", fontsize=8)
+    else:                                # still a figure, so report.md never links a missing file
+        ax.text(0.5, 0.5, "no latencies recorded", ha="center", va="center", transform=ax.transAxes)
+    ax.set_xlabel("latency per frame (ms)")
+    ax.set_ylabel("frames")
+    ax.set_title(f"latency of {len(j.latencies_ms)} frames")
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)

@@ -171,3 +171,62 @@ def test_gates_on_what_was_not_measured_fail(tmp_path, tiny_recording):
     j = judge(MODEL, rec, _db(tmp_path / "v.db", {f.header["frame_id"]: "pass" for f in rec}))
     failed = failed_conditions(j, parse_gate("regressions<=0,accuracy>=0"))
     assert failed == ["regressions<=0 (not measured: no --baseline)"]
+
+
+def _truths(rec: Recording) -> dict[str, str]:
+    return {f.header["frame_id"]: true_verdict(MODEL, f.header.get("component") or f.truth_component, f.truth)
+            for f in rec}
+
+
+def test_a_baseline_that_does_not_cover_the_run_fails_every_gate_on_the_baseline(tmp_path, tiny_recording):
+    """A baseline of another recording (or one that lost frames) compared nothing: it must not pass regressions<=0."""
+    rec = Recording(tiny_recording)
+    truth = _truths(rec)
+    n = len(truth)
+    now = _db(tmp_path / "now.db", truth)
+    other = judge(MODEL, rec, now, baseline_db=_db(tmp_path / "other.db", {f"other-{f}": v for f, v in truth.items()}))
+    assert failed_conditions(other, parse_gate("regressions<=0,fixed>=0,changed<=0")) == [
+        f"{m} (not measured: baseline covers 0 of {n} frames)" for m in ("regressions<=0", "fixed>=0", "changed<=0")]
+    assert other.compared == 0 and other.metrics()["compared"] == 0
+    assert failed_conditions(other, parse_gate("compared>=0")) == []
+    md = write_report(other, tmp_path / "r-other", parse_gate("regressions<=0"))
+    assert f"compared 0 of {n} frames" in md.read_text() and "does not cover this run" in md.read_text()
+    doc = json.loads((tmp_path / "r-other" / "report.json").read_text())
+    assert (doc["compared"], doc["with_verdict"], doc["baseline_coverage"]) == (0, n, f"compared 0 of {n} frames")
+    assert doc["gate_failed"] == [f"regressions<=0 (not measured: baseline covers 0 of {n} frames)"]
+
+    first = next(iter(truth))
+    partial = judge(MODEL, rec, now, baseline_db=_db(tmp_path / "part.db", {f: v for f, v in truth.items()
+                                                                             if f != first}))
+    assert partial.compared == n - 1
+    assert failed_conditions(partial, parse_gate("regressions<=0,compared>=" + str(n))) == [
+        f"regressions<=0 (not measured: baseline covers {n - 1} of {n} frames)", f"compared>={n} (got {n - 1})"]
+
+    full = judge(MODEL, rec, now, baseline_db=_db(tmp_path / "full.db", truth))
+    assert full.compared == n and failed_conditions(full, parse_gate(f"regressions<=0,compared>={n}")) == []
+    assert f"compared {n} of {n} frames" in write_report(full, tmp_path / "r-full").read_text()
+
+
+def test_the_report_draws_latency_with_its_percentiles(tmp_path, tiny_recording):
+    from PIL import Image
+
+    rec = Recording(tiny_recording)
+    j = judge(MODEL, rec, _db(tmp_path / "v.db", _truths(rec)))
+    md = write_report(j, tmp_path / "r")
+    png = tmp_path / "r" / "latency.png"
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 1000
+    with Image.open(png) as im:
+        im.verify()
+        assert im.format == "PNG" and im.size[0] > 100
+    assert "](latency.png)" in md.read_text() and "](confusion.png)" in md.read_text()
+    assert len(j.latencies_ms) == len(rec)
+    assert "latencies_ms" not in json.loads((tmp_path / "r" / "report.json").read_text())   # in the figure only
+
+
+def test_the_gate_help_names_every_metric():
+    from edge_agent.cli import cli
+    from edge_agent.judge import GATE_METRICS
+
+    text = " ".join(CliRunner().invoke(cli, ["replay", "--help"]).output.split())
+    gate_help = text[text.index("--gate TEXT"):text.index("--candidate DIRECTORY")]
+    assert [m for m in GATE_METRICS if m not in gate_help] == []

@@ -159,20 +159,39 @@ def test_auto_picks_onnx_only_when_it_is_clearly_faster():
         choose_runtime({1: (0.0, 1.0)})
 
 
-def test_the_profiler_measures_an_onnx_experts_switch(tmp_path, tiny_zoo):
-    """The switch of an ONNX expert (a session build) goes into the profile the scheduler reads."""
+def test_the_profiler_measures_an_onnx_experts_switch(tmp_path, tiny_zoo, monkeypatch):
+    """The switch of an ONNX expert (a session build) goes into the profile the scheduler reads.
+
+    Every session build is slowed by a known delay and counted: a timed switch
+    that skipped the build (a cached session, a bind that only reads the file)
+    would measure a load well under that delay, and build fewer sessions.
+    """
     import json
+    import time
+
+    from executors.backends.onnx_backend import OnnxBackend
 
     config = _onnx_line(tmp_path, tiny_zoo)
     store = ExpertStore(yaml.safe_load(config.read_text())["expert_store"])
     twin = onnx_expert(MODEL.experts["det-2term"], "det-2term")
     store.write(twin, onnx_tensors(export_onnx(MODEL.experts["det-2term"], store.read("det-2term"))), version=2)
-    res = CliRunner().invoke(cli, ["profile", "--config", str(config), "--batch-sizes", "1,2", "--repeats", "1",
-                                   "--out", str(tmp_path / "p.json")])
+    delay, repeats, builds = 0.25, 2, []
+    real_build = OnnxBackend.build
+
+    def slow_build(self, expert, tensors, device="cpu"):
+        time.sleep(delay)
+        builds.append(expert.id)
+        return real_build(self, expert, tensors, device)
+
+    monkeypatch.setattr(OnnxBackend, "build", slow_build)
+    res = CliRunner().invoke(cli, ["profile", "--config", str(config), "--batch-sizes", "1,2",
+                                   "--repeats", str(repeats), "--out", str(tmp_path / "p.json")])
     assert res.exit_code == 0, res.output
     archs = json.loads((tmp_path / "p.json").read_text())["archs"]
     onnx = next(a for a in (archs.values() if isinstance(archs, dict) else archs) if a["arch"] == "onnx/yolov8n")
-    assert onnx["load_seconds"]["host"] > 0 and onnx["load_seconds"]["ssd"] > 0
+    # one untimed build, then a session per timed switch: `repeats` from ssd and `repeats` from host
+    assert builds.count("det-2term") >= 1 + 2 * repeats, builds
+    assert onnx["load_seconds"]["host"] >= delay and onnx["load_seconds"]["ssd"] >= delay
     assert onnx["weight_bytes"] == store.nbytes("det-2term")      # the pool holds the model file's bytes
 
 
