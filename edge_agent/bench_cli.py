@@ -68,7 +68,7 @@ def bench(workload: str, sim: bool, profile_path: str | None, policies: str, ini
       coe-agent bench --sim --load 0.5,0.8 --skew 1.2 --types 120
       coe-agent bench --sim --profile var/line-A/profile.json --policies coserve,samba --json
       coe-agent bench --sim --compression-ratio 0.66 --decode-rate here --load none
-      coe-agent bench --sim --boxes 1,2,4 --types 2000 -w A2
+      coe-agent bench --sim --boxes 1,2,4 --types 2000 --board-size 2000 -w A2 --init cold
       coe-agent bench --real
     """
     from executors.profile import Profile

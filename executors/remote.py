@@ -419,6 +419,28 @@ class RemotePool:
 CHANNELS = ("zmq", "ray")   # how batches reach the actor: the ZeroMQ batch channel, or Ray calls
 
 
+def channel_handshake(endpoint: str, *, name: str, node: str, timeout: float):
+    """The front's end of an actor's batch channel, once one echo went over it within `timeout`.
+
+    A ZeroMQ connect never fails (it retries in the background), so without
+    this a port the front cannot reach would show only as batches lost 3
+    times.  Returns (client, the echo's round trip in seconds); raises a
+    `CoEError` naming the executor, the node, its address and the port.
+    """
+    from .remote_channel import ChannelClient
+
+    client = ChannelClient(endpoint)
+    try:
+        return client, client.echo(timeout)
+    except Exception as exc:  # noqa: BLE001 - no answer, or a wrong one: this channel cannot carry batches
+        client.close()
+        address, _, port = endpoint.removeprefix("tcp://").rpartition(":")
+        raise CoEError(f"executor {name} on node {node}: its batch channel at address {address}, port {port} "
+                       f"({endpoint}) did not answer an echo from this box: {exc}.  The actor binds a random port "
+                       f"(49152-65535) on its node's address: let this box reach the node's TCP ports there (a "
+                       f"firewall between the boxes?), or set cluster.channel: ray") from None
+
+
 class RemoteExecutor:
     """The front box's stand-in for an executor on another node: same surface as `Executor`.
 
@@ -491,10 +513,14 @@ class RemoteExecutor:
             raise CoEError(f"executor {self.name} on node {self.node}: the actor did not come up: "
                            f"{short_error(exc)}") from None
         if endpoint is not None:
-            from .remote_channel import ChannelClient
-
-            self._client = ChannelClient(endpoint)
+            try:
+                self._client, rtt = channel_handshake(endpoint, name=self.name, node=self.node,
+                                                      timeout=self.connect_timeout)
+            except CoEError:
+                ray.kill(actor)
+                raise
             self.where["channel"] = endpoint
+            self.where["channel_echo_ms"] = round(rtt * 1e3, 3)
         self.actor = actor
         self._apply(report)
         self.up, self.state = True, "up"

@@ -8,6 +8,14 @@ executor's added latency (bench/cluster_overhead.py).  So the actor binds a
 ZeroMQ ROUTER on its node's address, and the front sends each batch there as
 one pickle and gets one pickle back: a request id, then the bytes.
 
+Framing (the DEALER's parts; the ROUTER sees the peer's identity first):
+a batch is `[id, payload]`, answered `[id, status, bytes]`; an echo is
+`[id, ECHO, bytes]`, answered `[id, OK, the same bytes]` by the server's
+thread itself, without the handler.  A ZeroMQ connect never fails (it
+retries in the background), so the front echoes once when it connects
+(`ChannelClient.echo`): a port the front cannot reach is named at start,
+not found later as batches lost.
+
 Failure stays Ray's to tell: while a batch is out, the client asks the actor
 for a ping through Ray every `check_s`; a dead actor or node fails that ping
 (ActorDiedError, node removed), which the caller treats as the batch lost, as
@@ -20,6 +28,7 @@ cluster on the line's private network.
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections.abc import Callable
@@ -30,6 +39,7 @@ log = logging.getLogger(__name__)
 
 ERROR = b"E"    # reply status: the handler raised; the payload is the message
 OK = b"K"
+ECHO = b"echo"  # a request's middle part: answer the payload as it came (the connect handshake)
 
 
 class ChannelError(RuntimeError):
@@ -60,6 +70,10 @@ class ChannelServer:
                 if not poller.poll(200):
                     continue
                 parts = self._sock.recv_multipart(copy=False)
+                if len(parts) == 4 and parts[2].bytes == ECHO:
+                    ident, rid, _, payload = parts
+                    self._sock.send_multipart([ident, rid, OK, payload], copy=False)
+                    continue
                 if len(parts) != 3:
                     log.warning("batch channel: dropped a malformed request of %d part(s)", len(parts))
                     continue
@@ -91,6 +105,32 @@ class ChannelClient:
         self._sock.connect(endpoint)
         self._next = 0
         self.stale = 0          # replies dropped because their request had been given up
+
+    def echo(self, timeout: float) -> float:
+        """One echo over the channel (the handshake when connecting): the round trip's seconds.
+
+        Raises `TimeoutError` naming the endpoint when no answer comes within
+        `timeout` (nothing listens there, or the port is blocked between the
+        boxes: a ZeroMQ connect never says so), `ChannelError` when what comes
+        back is not the echo.
+        """
+        self._next += 1
+        rid = self._next.to_bytes(8, "big")
+        nonce = os.urandom(8)
+        start = time.monotonic()
+        self._sock.send_multipart([rid, ECHO, nonce])
+        while True:
+            left = timeout - (time.monotonic() - start)
+            if left <= 0 or not self._sock.poll(max(1, int(1000 * left)), zmq.POLLIN):
+                raise TimeoutError(f"no answer from {self.endpoint} to an echo in {timeout:g} s")
+            parts = self._sock.recv_multipart()
+            if len(parts) != 3 or parts[0] != rid:
+                self.stale += 1
+                continue
+            if parts[1] != OK or parts[2] != nonce:
+                raise ChannelError(f"{self.endpoint} answered the echo with something else "
+                                   f"(status {parts[1]!r}, {len(parts[2])} B)")
+            return time.monotonic() - start
 
     def call(self, payload: bytes, *, timeout: float, alive: Callable[[], None], check_s: float = 1.0) -> bytes:
         """Send `payload`, return the reply's bytes.

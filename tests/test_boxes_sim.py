@@ -116,20 +116,28 @@ def test_the_lower_bound_holds_on_several_boxes(boxes):
         assert lower_bound(w, prof, system, set()) <= cold.makespan + 1e-9
 
 
-def test_a_2000_type_board_scales_over_boxes_and_switches_per_frame_stay_near_the_floor():
+@pytest.mark.parametrize("wl", ["A1", "A2", "B1", "B2"])
+def test_a_2000_type_board_scales_over_boxes_and_switches_per_frame_stay_near_the_floor(wl):
     """The issue's targets on the GPU-class profile, simulated in the documented configuration: 2,000 types on
-    2,000 placements (every type appears), cold pools.  >= 1.8x on 2 boxes and >= 3.4x on 4.  Switches per frame
-    stay within 1% of one box's (863, 864, 858: the floor, every used expert loaded once, is 848); without the
-    scheduler's work terms they rose by 0.8% and 3.1% (905, 912, 933), which '-work' shows."""
+    2,000 placements (every type appears), cold pools, each task.  >= 1.8x on 2 boxes and >= 3.4x on 4.
+
+    Switches: measured on seeds 0..4 of all four tasks (docs/cluster.md), CoServe's switches on 1, 2 and 4 boxes
+    stayed within 2.8% of the floor (every expert the frames use loaded once; the hard lower bound) and within
+    2.5% of one box's.  Without the scheduler's work terms ('-work') the worst box count of every task and seed
+    was 5.7-12% above the floor, so the 3% bound on the floor is what tells the two apart; the bound on one
+    box's keeps the rise with boxes small.  One seed (0) here: ~3 s a task."""
     from edge_agent.bench import run_boxes
 
     prof = Profile.load(GPU_CLASS)
-    rows = run_boxes(["A2"], prof, [1, 2, 4], ["coserve"], Link.ethernet(10, 0.1),
-                     overrides={"types": 2000, "board_size": 2000}, init="cold")["A2"]
+    rows = run_boxes([wl], prof, [1, 2, 4], ["coserve"], Link.ethernet(10, 0.1),
+                     overrides={"types": 2000, "board_size": 2000}, init="cold")[wl]
     by = {r["boxes"]: r for r in rows}
     assert by[2]["speedup"] >= 1.8 and by[4]["speedup"] >= 3.4
-    assert by[2]["switches_per_frame"] <= 1.01 * by[1]["switches_per_frame"]
-    assert by[4]["switches_per_frame"] <= 1.01 * by[1]["switches_per_frame"]
+    for n in (1, 2, 4):
+        assert by[n]["floor"] == by[1]["floor"] > 0                            # the same frames, the same floor
+        assert by[n]["switches"] <= 1.03 * by[n]["floor"], (n, by[n]["switches"], by[n]["floor"])
+        assert by[n]["switches_per_frame"] <= 1.025 * by[1]["switches_per_frame"], \
+            (n, by[n]["switches_per_frame"], by[1]["switches_per_frame"])
     assert all(r["lower_bound"] <= r["makespan"] + 1e-9 for r in rows)
 
 

@@ -174,7 +174,9 @@ def _until(cond, seconds, what):
 def test_killing_a_node_mid_replay_loses_and_duplicates_nothing_and_the_node_rejoins(
         cluster, tiny_zoo, tmp_path, recording):
     """Deterministic: box-3's actor is frozen (SIGSTOP, a hung box) before the second part of the recording,
-    so the first batch sent to it after that is provably in flight when the node is killed; then the rest."""
+    so the first batch sent to it after that is provably in flight when the node is killed; then the rest.
+    The call timeout (600 s) is far above the wait for the loss (60 s): only Ray's liveness ping, sent while
+    the batch is out on the ZeroMQ channel, can end that wait."""
     import signal
 
     from edge_agent.cluster import sync_store
@@ -183,12 +185,15 @@ def test_killing_a_node_mid_replay_loses_and_duplicates_nothing_and_the_node_rej
     rec = Recording(recording)
     frames = list(rec)
     first, second, rest = frames[:40], frames[40:80], frames[80:]
-    cfg = load_config(_line(tmp_path, tiny_zoo, cluster, [LOCAL, _remote("box-2"), _remote("box-3")]), env={})
+    cfg = load_config(_line(tmp_path, tiny_zoo, cluster, [LOCAL, _remote("box-2"), _remote("box-3")],
+                            call_timeout_s=600), env={})
     sync_store(cfg)
     agent = Agent(cfg).start()
     frozen = None
     try:
         victim = next(e for e in agent.executors if getattr(e, "node", None) == "box-3")
+        assert victim.call_timeout == 600 and victim.channel == "zmq"
+        assert victim.where["channel"].startswith("tcp://") and victim.where["channel_echo_ms"] > 0   # handshake
         ingest = agent.endpoints["ingest"]
         assert send_messages(_messages(rec, first), ingest, window=40).accepted == len(first)
         assert agent.wait_verdicts(len(first), timeout=120)
@@ -207,12 +212,23 @@ def test_killing_a_node_mid_replay_loses_and_duplicates_nothing_and_the_node_rej
         stuck = victim.inflight
         assert stuck is not None and len(stuck) >= 1 and victim.batches == victim.sent - 1
         stuck_ids = {r.frame.frame_id for r in stuck.requests}
+        # the batch is out on the ZeroMQ channel, and the channel's wait has sent its liveness ping through Ray
+        # (every second; the frozen actor does not answer it)
+        assert victim._client is not None
+        _until(lambda: victim._probe is not None, 10, "the channel's wait pinged box-3's actor through Ray")
 
         cluster.remove_node(cluster.boxes.pop("box-3"), allow_graceful=False)   # kill its raylet and workers
         os.kill(frozen, signal.SIGKILL)   # the frozen worker cannot notice its raylet is gone
         frozen = None
+        killed = time.monotonic()
         _until(lambda: victim.lost == 1, 60, "the front noticed box-3 is gone")
+        noticed = time.monotonic() - killed
+        state = victim.state
         assert not victim.up and "box-3/cpu-2.0" not in agent.scheduler.active()
+        # Ray said the actor died (the ping failed): not the call timeout, which is 10x the wait
+        assert state.startswith("lost: ") and "TimeoutError" not in state and "no answer" not in state, state
+        assert "ActorDiedError" in state, state
+        assert noticed < 60 < victim.call_timeout, noticed
         assert victim.requeued >= len(stuck) > 0     # the batch in flight there was handed back
         sender.join(120)
         assert done["r"].accepted == len(second)
@@ -487,15 +503,27 @@ def test_cluster_commands_profile_the_links_and_show_the_nodes(cluster, tiny_zoo
 
 
 @pytest.mark.parametrize("channel", ["zmq", "ray"])
-def test_the_link_probe_prices_a_real_call_not_half_an_empty_one(cluster, channel):
+def test_the_link_probe_prices_a_real_call_not_half_an_empty_one(cluster, channel, monkeypatch):
     """Frame-sized payloads (inline, as real batches are) and a round trip of a call that waits for work, on the
     path batches take (the ZeroMQ batch channel, or Ray calls)."""
+    import edge_agent.cluster as C
     from edge_agent.cluster import INLINE_BYTES, measure_link
 
+    medians = []                     # the raw samples: each median round trip measure_link takes, in its order
+    median = C._median_rtt
+    monkeypatch.setattr(C, "_median_rtt", lambda call, rounds: medians.append(median(call, rounds)) or medians[-1])
     s = measure_link("box-2", rounds=10, frame_bytes=150528, channel=channel)
+    monkeypatch.undo()
     assert s.frames_per_probe == 6 and 6 * 150528 < INLINE_BYTES          # a message of frames, still inline
-    assert s.latency_s >= s.empty_rtt_s > 0                               # at least a whole round trip
     assert s.bandwidth_bps > 0 and s.frame_bytes == 150528
+    empty, loaded, real = medians                                          # empty calls, 6-frame messages, work
+    assert s.empty_rtt_s == empty > 0
+    assert loaded > empty                                                  # the frames really travelled
+    assert real >= C.PROBE_WORK_S                                          # that call waited on the node's work
+    assert s.bandwidth_bps == pytest.approx(6 * 150528 / (loaded - empty))
+    # the latency is that real call's round trip less its work and its frame's transfer (floored at an empty
+    # round trip), not half an empty echo nor the round trip with the work left in
+    assert s.latency_s == pytest.approx(max(real - C.PROBE_WORK_S - 150528 / s.bandwidth_bps, empty))
     big = measure_link("box-2", rounds=5, frame_bytes=3 << 20, channel=channel)   # above the limit: one per message
     assert big.frames_per_probe == 1
 

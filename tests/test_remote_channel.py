@@ -80,7 +80,7 @@ def test_a_dead_actor_ends_the_wait_through_the_liveness_check():
         server.close()
 
 
-@pytest.mark.parametrize("parts", [[b"only-one"], [b"id", b"x", b"y", b"z"]])
+@pytest.mark.parametrize("parts", [[b"only-one"], [b"id", b"x", b"y", b"z"], [b"id", b"not-echo", b"x"]])
 def test_a_malformed_request_is_dropped_and_the_server_keeps_answering(parts):
     server = ChannelServer(lambda b: b"ok", "127.0.0.1")
     ctx = zmq.Context()
@@ -96,4 +96,70 @@ def test_a_malformed_request_is_dropped_and_the_server_keeps_answering(parts):
         raw.close(0)
         ctx.term()
         client.close()
+        server.close()
+
+
+def _free_port() -> int:
+    """A loopback port nothing listens on (bound, then released)."""
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def test_an_echo_is_answered_by_the_server_itself_not_the_handler():
+    seen = []
+    server = ChannelServer(lambda b: seen.append(bytes(b)) or b"ran", "127.0.0.1")
+    client = ChannelClient(server.endpoint)
+    try:
+        assert 0 < client.echo(5) < 5
+        assert seen == []                                # the handler (a batch) never saw it
+        assert client.call(b"x", timeout=5, alive=_never_dead) == b"ran" and seen == [b"x"]
+        assert client.echo(5) > 0 and client.stale == 0
+    finally:
+        client.close()
+        server.close()
+
+
+def test_an_echo_nobody_answers_times_out_naming_the_endpoint():
+    """Nothing listens on the port (a ZeroMQ connect does not fail: it retries), and a TCP port that accepts
+    but never speaks (a blocked or wrong service): both end within the timeout, naming the endpoint."""
+    import socket
+
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(1)
+    for port in (_free_port(), silent.getsockname()[1]):
+        client = ChannelClient(f"tcp://127.0.0.1:{port}")
+        try:
+            t0 = time.monotonic()
+            with pytest.raises(TimeoutError, match=rf"no answer from tcp://127\.0\.0\.1:{port} to an echo in 0.3 s"):
+                client.echo(0.3)
+            assert 0.25 < time.monotonic() - t0 < 3
+        finally:
+            client.close()
+    silent.close()
+
+
+def test_the_connect_handshake_names_the_executor_node_address_and_port():
+    """What `RemoteExecutor._connect` does with the actor's endpoint (executors/remote.py, no Ray needed)."""
+    from coe import CoEError
+    from executors.remote import channel_handshake
+
+    port = _free_port()
+    t0 = time.monotonic()
+    with pytest.raises(CoEError) as err:
+        channel_handshake(f"tcp://127.0.0.1:{port}", name="box-2/cpu-1.0", node="box-2", timeout=0.3)
+    assert time.monotonic() - t0 < 3
+    msg = str(err.value)
+    for part in ("executor box-2/cpu-1.0 on node box-2", "address 127.0.0.1", f"port {port}",
+                 "did not answer an echo", "cluster.channel: ray"):
+        assert part in msg, msg
+    server = ChannelServer(lambda b: b"", "127.0.0.1")
+    try:
+        client, rtt = channel_handshake(server.endpoint, name="x", node="box-2", timeout=5)
+        assert rtt > 0 and client.call(b"", timeout=5, alive=_never_dead) == b""
+        client.close()
+    finally:
         server.close()
