@@ -507,6 +507,9 @@ def lower_bound(workload: Workload, profile: Profile, system: SimSystem, initial
         read at least once, at its fastest load (as it is stored: `stored`,
         see `simulate`), on the one shared SSD; with several boxes, on one of
         their SSDs, which read at once at best: the sum over the boxes.
+    (d) SSD under a memory limit (`memory_limited_reads`): at any time t the
+        tiers hold at most their capacity, so of the experts still needed
+        after t some must be read after t; the best case over t.
     The link only adds time, so leaving it out keeps every term a bound;
     (b) sums the devices of every box.
     """
@@ -535,7 +538,78 @@ def lower_bound(workload: Workload, profile: Profile, system: SimSystem, initial
     form = stored or (lambda expert_id: None)
     spill = sum(min(ssd_load_seconds(profile.arch(model.experts[e].arch, k), form(e), profile.storage) for k in kinds)
                 for e in n_by if e not in initial) / system.boxes   # each box reads its own SSD, at best all at once
-    return max(last.t + chain, compute, spill)
+    read = {e: min(ssd_load_seconds(profile.arch(model.experts[e].arch, k), form(e), profile.storage) for k in kinds)
+            for e in n_by}
+    limited = memory_limited_reads(workload, system, read)
+    return max(last.t + chain, compute, spill, limited)
+
+
+def last_needed(workload: Workload) -> dict[str, float]:
+    """Per expert the task uses: the latest arrival of a frame that needs it (its classifier, or its
+    detector when the frame is ok); the expert is served at or after that time."""
+    model = workload.model
+    out: dict[str, float] = {}
+    for a in workload.arrivals:
+        cls = model.components[a.component].classifier
+        out[cls] = max(out.get(cls, a.t), a.t)
+        nxt = model.experts[cls].next.get("ok") if a.ok else None
+        if nxt:
+            out[nxt] = max(out.get(nxt, a.t), a.t)
+    return out
+
+
+def memory_limited_reads(workload: Workload, system: SimSystem, read: dict[str, float]) -> float:
+    """Lower bound (d): max over t of t + (SSD seconds that must start after t) / boxes.
+
+    Claim: for every time t, makespan >= t + (sum of r_x over N_t minus
+    FK(N_t, C)) / boxes, where N_t are the experts some frame arriving at or
+    after t needs (`last_needed` >= t), r_x the fastest read of x (`read`),
+    C the bytes of every executor pool and host tier of the system, and
+    FK(N, C) the fractional knapsack: the most read seconds a set of N's
+    experts of at most C bytes can carry, items taken by r_x / bytes,
+    the last one in part.
+
+    Proof.  Each x in N_t is needed by a request served at or after t (a
+    request is served after its frame arrives; a detector's after its
+    classifier's), so x is resident in that executor's pool then.  Let H be
+    the experts held (resident or loading) in any pool or tier at time t.
+    Every pool holds at most its capacity, loading entries included, so the
+    distinct experts of H take at most C bytes.  An expert enters a tier only
+    by an SSD read, or by a copy from a tier that holds it (host tier to GPU,
+    host tier to a CPU executor, a GPU victim moved down), so an x in N_t
+    that is not in H is read from SSD by a read issued at or after t, hence
+    started at or after t.  Those reads are distinct (one expert each), each
+    takes at least r_x, and one box's SSD reads one at a time, so with b
+    boxes the last of them ends no earlier than t + sum over N_t minus H of
+    r_x, over b.  That sum is at least sum over N_t of r_x minus the read
+    seconds of N_t's experts in H, which fit in C bytes: at most the 0/1
+    knapsack of N_t into C, and that is at most its fractional relaxation
+    FK.  A schedule ends after its last read, so its makespan is at least
+    the right-hand side, for every t.  (At t = 0 term (c) is the same
+    argument with H known: the experts held at the start.)
+
+    Only t equal to some expert's last-needed time need be tried: between
+    two of them N_t does not change and the bound grows with t.
+    """
+    model = workload.model
+    last = last_needed(workload)
+    capacity = sum(e.expert_memory for e in system.executors) + system.host_tier * system.boxes
+    # densest first: the fractional knapsack keeps the most read seconds per byte
+    items = sorted(((read[e] / max(model.experts[e].nbytes, 1), model.experts[e].nbytes, read[e], last[e])
+                    for e in last if read.get(e, 0.0) > 0), reverse=True)
+    best = 0.0
+    for t in sorted({t for *_, t in items}):
+        room, kept, total = float(capacity), 0.0, 0.0
+        for density, nbytes, r, needed in items:
+            if needed < t:
+                continue
+            total += r
+            if room > 0:
+                take = min(float(nbytes), room)
+                kept += density * take
+                room -= take
+        best = max(best, t + max(total - kept, 0.0) / system.boxes)
+    return best
 
 
 def decision_overhead(workload: Workload, profile: Profile, system: SimSystem, queued: int = 3500) -> float:

@@ -10,9 +10,10 @@ from hypothesis import strategies as st
 
 from coe import CoEModel, Component, Expert, Frame, Request
 from coe.workload import Arrival, Workload, make_workload, task
+from executors.links import Link
 from executors.profile import ArchProfile, DeviceProfile, Profile
 from executors.scheduler import FixedCosts, Scheduler
-from executors.simdevice import SimExecutor, SimSystem, lower_bound, simulate
+from executors.simdevice import SimExecutor, SimSystem, last_needed, lower_bound, memory_limited_reads, simulate
 from executors.systems import activation_reserve, build_system, samba_host_tier
 
 GPU_CLASS = "configs/profiles/gpu-class.json"
@@ -129,6 +130,84 @@ def test_no_system_beats_the_lower_bound(seed, skew, share, system):
     w = make_workload(task("A1", requests=150, types=40, skew=skew, detector_share=share, seed=seed))
     rep = simulate(w, prof, build_system(system, prof))
     assert rep.lower_bound <= rep.makespan + 1e-9 and rep.frames == 150
+
+
+def _twice_three(model: CoEModel, gap: float) -> Workload:
+    """c0 c1 c2 at t=0, then c0 c1 c2 again at t=gap."""
+    comps = ["c0", "c1", "c2"] * 2
+    return Workload(task("A1", requests=6), model,
+                    tuple(Arrival(0.0 if i < 3 else gap, f"f{i}", c, False) for i, c in enumerate(comps)))
+
+
+@pytest.mark.parametrize("host, expected", [(0, 5.0 + 1.0), (1000, 5.0 + 0.5), (2000, 5.0)])
+def test_memory_limited_reads_counts_what_cannot_stay_resident_past_t(host, expected):
+    """Three experts needed again at t=5, room for 1 in the GPU pool (+ host tier): the 2 (1, 0) that no tier
+    can hold at t=5 are read after it, 0.5 s each; the bound is t + those reads, and no schedule beats it."""
+    model = one_arch_model(3)
+    dev = DeviceProfile("cuda:0", "cuda", 10_000, executors=1, concurrency=(1.0,))
+    prof = toy_profile({"cuda:0": dev}, {"cuda": (0.01, 0.0, 4)}, load=0.5)
+    execs = (SimExecutor("cuda:0#0", "cuda:0", 9000, 1000),)   # room for 1 expert of 1000 bytes
+    w = _twice_three(model, 5.0)
+    assert last_needed(w) == {"e0": 5.0, "e1": 5.0, "e2": 5.0}
+    for policy, mode in (("coserve", "exclusive"), ("coserve-paper", "inclusive"), ("fcfs", "inclusive")):
+        system = SimSystem("t", execs, policy, "coserve", host_tier=host, host_mode=mode)
+        assert memory_limited_reads(w, system, {e: 0.5 for e in model.experts}) == pytest.approx(expected)
+        rep = simulate(w, prof, system)
+        assert rep.lower_bound == pytest.approx(max(expected, 5.0 + 0.01))   # (a): the last arrival's own pass
+        assert rep.lower_bound <= rep.makespan + 1e-9, (policy, mode)
+
+
+def test_memory_limited_reads_keeps_the_densest_reads_fractionally():
+    """Read seconds per byte decide what the best case keeps: big cheap experts are left to read, and a part of
+    one counts.  e0: 1000 B, 1 s; e1: 2000 B, 1 s; e2: 4000 B, 1 s; room 3000 B: the best case keeps e0 and e1
+    (2 s), so 1 s is read after t; with room 2500 B it keeps e0 and 1500 of e1's 2000 B (1.75 s), so 1.25 s."""
+    experts = {f"e{i}": Expert(f"e{i}", ARCH, "classifier", ("ok", "defect"), 64, nbytes=b)
+               for i, b in enumerate((1000, 2000, 4000))}
+    model = CoEModel("toy", experts, {f"c{i}": Component(f"c{i}", f"e{i}", 1.0) for i in range(3)})
+    w = _twice_three(model, 3.0)
+    for room, expected in ((3000, 3.0 + 1.0), (2500, 3.0 + 1.25), (7000, 3.0)):
+        system = SimSystem("t", (SimExecutor("cuda:0#0", "cuda:0", 9000, room),), "coserve", "coserve")
+        assert memory_limited_reads(w, system, {"e0": 1.0, "e1": 1.0, "e2": 1.0}) == pytest.approx(expected)
+    # several boxes read on their own SSDs at once: the reads after t (1 s: 3000 B of room in all) spread over them
+    two = SimSystem("t", (SimExecutor("cuda:0#0", "cuda:0", 9000, 1500),
+                          SimExecutor("b1/cuda:0#0", "cuda:0", 9000, 1500, box=1)), "coserve", "coserve",
+                    boxes=2, link=Link(1e9, 0.0))
+    assert memory_limited_reads(w, two, {"e0": 1.0, "e1": 1.0, "e2": 1.0}) == pytest.approx(3.0 + 1.0 / 2)
+
+
+def test_memory_limited_reads_only_counts_frames_that_arrive_after_t():
+    """An expert whose last frame arrived before t is not needed after t: at t=5 only e2 is, and it fits."""
+    model = one_arch_model(3)
+    w = Workload(task("A1", requests=4), model, (Arrival(0.0, "f0", "c0", False), Arrival(0.0, "f1", "c1", False),
+                                                 Arrival(1.0, "f2", "c1", False), Arrival(5.0, "f3", "c2", False)))
+    system = SimSystem("t", (SimExecutor("cuda:0#0", "cuda:0", 9000, 1000),), "coserve", "coserve")
+    # 1 s reads -- t=0: 3 needed, 1 fits: 0 + 2; t=1: e1, e2 needed: 1 + 1; t=5: e2 fits: 5 + 0
+    assert memory_limited_reads(w, system, {e: 1.0 for e in model.experts}) == pytest.approx(5.0)
+    # 3 s reads -- t=0: 0 + 6; t=1: 1 + 3; t=5: 5
+    assert memory_limited_reads(w, system, {e: 3.0 for e in model.experts}) == pytest.approx(6.0)
+    # an expert's last frame decides: e0 again at t=5 is needed until then, e1 only until t=1
+    late = Workload(w.spec, model, w.arrivals[:3] + (Arrival(5.0, "f3", "c0", False),))
+    assert last_needed(late) == {"e0": 5.0, "e1": 1.0}
+
+
+@settings(max_examples=10, deadline=None)
+@given(seed=st.integers(0, 10_000), skew=st.floats(0.3, 1.6), share=st.floats(0.0, 1.0),
+       interval=st.sampled_from([0.004, 0.05, 0.3]), gpu=st.integers(1, 6), cpu=st.integers(1, 3),
+       host=st.integers(0, 6), policy=st.sampled_from(["coserve", "coserve-paper", "fcfs", "em+ra"]),
+       mode=st.sampled_from(["exclusive", "inclusive"]))
+def test_no_schedule_beats_the_memory_limited_bound(seed, skew, share, interval, gpu, cpu, host, policy, mode):
+    """Small pools (a few experts each) and a working set well past them, at several arrival rates: the
+    bound, with its memory-limited term, stays below every simulated schedule."""
+    prof = Profile.load(GPU_CLASS)
+    cls = 175_000_000   # the largest expert (a yolov8l detector): every pool fits any one expert
+    execs = (SimExecutor("cuda:0#0", "cuda:0", 12_000_000_000, gpu * cls),
+             SimExecutor("cpu#0", "cpu", 2_000_000_000, cpu * cls), SimExecutor("cpu#1", "cpu", 2_000_000_000, cls))
+    system = SimSystem("t", execs, policy, "coserve", host_tier=host * cls, host_mode=mode,
+                       max_wait=2.0 if policy == "coserve" else None, cpu_host_reads=policy == "coserve")
+    w = make_workload(task("A1", requests=150, types=40, skew=skew, detector_share=share, seed=seed,
+                           interval=interval))
+    rep = simulate(w, prof, system)
+    assert rep.lower_bound <= rep.makespan + 1e-9
 
 
 # -- the scheduler's predictions ------------------------------------------------------------------
