@@ -89,9 +89,13 @@ class Agent:
     def __init__(self, cfg: LineConfig, model: CoEModel | None = None, *, backend_for=None) -> None:
         self.cfg = cfg
         self.model = model or load_spec(cfg.spec_path)
-        self.store = ExpertStore(cfg.store_path, verify=cfg.expert_verify)
+        # a reader from its first manifest read on: a promotion keeps the files of the versions this agent
+        # serves (pools filled at start, journaled frames re-run) until it has switched past them
+        self.store = ExpertStore(cfg.store_path, verify=cfg.expert_verify, reader=True)
+        self._line_store = self.store
         missing = [e for e in self.model.experts if not self.store.has(e)]  # the router is not a spec expert
         if missing:
+            self._line_store.close_reader()
             raise FileNotFoundError(
                 f"expert store {cfg.store_path} lacks {len(missing)} expert(s) of the spec, e.g. "
                 f"{', '.join(missing[:3])}; run `coe-agent zoo build --line {cfg.line}`")
@@ -413,8 +417,6 @@ class Agent:
         base = self.store
         while hasattr(base, "primary"):     # an LLM store union, ONNX twins: the line's own store is underneath
             base = base.primary
-        self._line_store = base
-        base.register_reader()   # a promotion keeps the old versions' files until this agent has switched
         self.store_watch = StoreWatcher(base,
                                         lambda: [p for p in self._all_pools().values() if not getattr(p, "remote", 0)],
                                         forget=self.failed.forget, prepare=getattr(self.store, "prepare", None),
@@ -560,6 +562,7 @@ class Agent:
     def stop(self, timeout: float = 60.0) -> bool:
         """Stop taking frames, finish every accepted one, flush, close.  True if fully drained."""
         if not self._started:
+            self._line_store.close_reader()
             self.ctx.term()
             return True
         self._started = False

@@ -47,7 +47,9 @@ class StoreWatcher:
         self._prepare = prepare
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="store-watch", daemon=True)
-        self._mtime = self._stamp()
+        # the stamp of the manifest the store's entries came from, not of the file now: a promotion between
+        # the store's read (the agent's start) and this line is then a change like any other
+        self._mtime = store.manifest_stamp if hasattr(store, "manifest_stamp") else self._stamp()
         # the versions this watcher last saw, its own: the store may reload itself (a load that found a
         # newer file), and comparing with the store's copy would then miss the change
         self._seen = {e.id: e.version for e in store.entries()}

@@ -44,7 +44,7 @@ UNSAFE_FALLBACK_FAMILIES = ("ultralytics",)
 
 def import_expert(store: ExpertStore, expert: Expert, src: str | Path, *, trust: bool = False,
                   dtype: str | None = None) -> ManifestEntry:
-    """Convert `src` into the store as `expert` (version = previous + 1, or 1); return its manifest entry.
+    """Convert `src` into the store as `expert` (version = the stored one + 1, or 1); return its manifest entry.
 
     `dtype` (fp32, fp16, bf16 or a torch name) is the stored dtype of the
     floating-point weights; without it they keep the file's dtype.  Raises
@@ -83,8 +83,7 @@ def import_expert(store: ExpertStore, expert: Expert, src: str | Path, *, trust:
     # build on the backend's skeleton: missing, unexpected or mis-shaped keys raise ExpertLoadError naming src
     module = backend.build(dataclasses.replace(expert, uri=str(src)), tensors)
     del module
-    version = store.entry(expert.id).version + 1 if store.has(expert.id) else 1
-    return store.write(expert, tensors, version=version)
+    return store.write(expert, tensors, version=_next_version(store, expert.id))
 
 
 def _import_onnx(store: ExpertStore, expert: Expert, src: Path, backend, want: str | None) -> ManifestEntry:
@@ -102,8 +101,20 @@ def _import_onnx(store: ExpertStore, expert: Expert, src: Path, backend, want: s
     module = backend.build(named, tensors)                   # ExpertLoadError names src
     backend.check_fits(module, named)                        # output channels too, by one zero image
     del module
-    version = store.entry(expert.id).version + 1 if store.has(expert.id) else 1
-    return store.write(expert, tensors, version=version)
+    return store.write(expert, tensors, version=_next_version(store, expert.id))
+
+
+def _next_version(store: ExpertStore, expert_id: str) -> int:
+    """The version an import writes: the one on disk now + 1, or 1.
+
+    The manifest on disk, not this process's view of it: another process may
+    have promoted the expert since the store was opened, and the import must
+    not write a second file under a version that already ran.  `store.write`
+    puts a held expert's new version in a file of its own, so a running agent
+    finishes its frames on the old one.
+    """
+    found = store.read_manifest().get(expert_id)
+    return found.version + 1 if found is not None else 1
 
 
 def _read_safetensors(expert: Expert, src: Path) -> dict[str, "torch.Tensor"]:

@@ -13,10 +13,18 @@ across processes (two zoo builds on one store) by an advisory file lock where
 the platform has one.
 
 `read` memory-maps the file: the tensors are backed by the page cache, not by
-private memory, and stay valid while the file is replaced because `os.replace`
-leaves the old inode to its readers.  Nothing here rewrites a file in place (a
-truncation under a live mapping would SIGBUS the reader).  A pool that must own
-its bytes (pinned memory, a GPU copy) copies them itself.
+private memory, and stay valid while the file is removed because the inode
+stays with its readers.  Nothing here rewrites a file in place (a truncation
+under a live mapping would SIGBUS the reader), and a new version of an expert
+never takes the name of a file the manifest names: it gets a file of its own,
+so a reader that still serves the old manifest (an agent finishing frames on
+the old versions) is never handed the new bytes under the old entry.  A pool
+that must own its bytes (pinned memory, a GPU copy) copies them itself.
+
+Every manifest write counts its `generation` up by one.  A live reader
+(`storage/store_readers.py`) records the generation it serves; a replaced
+file is *retired* with the generation that replaced it and removed once every
+live reader serves that generation or a later one.
 
 Hash checking costs a full read of the file, which is exactly what a cold load
 is trying to avoid, so `verify` chooses: 'first' (once per expert and content per
@@ -42,7 +50,7 @@ from typing import TYPE_CHECKING, TypeVar
 from coe import CoEError, Expert, ExpertLoadError
 
 from .flat import Layout, read_layout
-from .store_readers import ReaderLock, others_reading
+from .store_readers import ReaderLock, reader_generations
 
 try:  # advisory locking between processes; absent on Windows, where the in-process lock still holds
     import fcntl
@@ -107,9 +115,13 @@ class ExpertStore:
     `read` returns a dict of CPU tensors memory-mapped from the file; `write`
     replaces an expert atomically.  Ids are file names, so an id with a path
     separator or '..' is refused, and no manifest entry may point outside `root`.
+
+    With `reader=True` the store registers as a live reader before it reads its
+    first manifest (see `register_reader`), and from then on it follows a new
+    manifest only through `reload()`: the switch is its owner's to make.
     """
 
-    def __init__(self, root: str | os.PathLike[str], verify: str = "first") -> None:
+    def __init__(self, root: str | os.PathLike[str], verify: str = "first", *, reader: bool = False) -> None:
         if verify not in VERIFY_POLICIES:
             raise CoEError(f"expert store: verify must be one of {', '.join(VERIFY_POLICIES)}, got {verify!r}")
         self.root = Path(root)
@@ -119,13 +131,22 @@ class ExpertStore:
         self._verified_stat: dict[tuple[str, str], tuple] = {}  # ... and that file's (inode, mtime, size)
         self._layouts: dict[tuple[str, str], Layout] = {}  # (id, sha256) -> stored layout
         self._compression = "none"
-        self._retired: list[str] = []   # old versions' files a live reader may still need (see `release_retired`)
+        # old versions' files a live reader may still need -> the manifest generation that retired them
+        self._retired: dict[str, int] = {}
         self._reader: ReaderLock | None = None
+        self._disk_generation = 0                 # of the manifest last read or written
+        self._disk_stamp: tuple | None = None     # ... and its file's (inode, mtime, size)
+        self._generation = 0                      # of the manifest `_entries` came from
+        self._stamp: tuple | None = None
+        self._entries: dict[str, ManifestEntry] = {}
         try:
             self.root.mkdir(parents=True, exist_ok=True)
         except OSError as exc:
             raise CoEError(f"expert store: cannot create {self.root}: {exc.strerror or exc}") from None
-        self._entries: dict[str, ManifestEntry] = self._load_manifest()
+        if reader:
+            self.register_reader()
+        else:
+            self._adopt(self._load_manifest())
         if self._retired or any(_SET_FILE.match(p.name) for p in self.root.iterdir()):
             self._sweep_unrecorded()
 
@@ -134,13 +155,13 @@ class ExpertStore:
 
         Installs rename and record under the process lock, so under it a file
         of that pattern that the manifest does not name is no one's.  Retired
-        files are named too; they go here only when no live process reads the
-        store (an agent that was killed mid-switch left them).
+        files are named too; they go here once every live reader has switched
+        past them (an agent that was killed mid-switch left them).
         """
         with self._lock, self._process_lock():
             entries = self._load_manifest()
-            if self._retired and not others_reading(self.root, self._reader_name()):
-                self._drop_retired(entries, keep=set())
+            if self._retired:
+                self._drop_retired(entries, keep=set(), readers=reader_generations(self.root, self._reader_name()))
             named = {e.file for e in entries.values()} | set(self._retired)
             for p in self.root.iterdir():
                 if _SET_FILE.match(p.name) and p.name not in named:
@@ -185,12 +206,12 @@ class ExpertStore:
 
     def layout(self, expert_id: str) -> Layout:
         """Where each tensor sits in the expert's plain data section (cached per content)."""
-        return self._retried(expert_id, lambda: self._layout(expert_id))
+        return self._retried(expert_id, lambda entry: self._layout(expert_id, entry))
 
-    def _layout(self, expert_id: str) -> Layout:
+    def _layout(self, expert_id: str, entry: ManifestEntry | None = None) -> Layout:
         from .compressed import read_header
 
-        entry = self.entry(expert_id)
+        entry = entry or self.entry(expert_id)
         key = (expert_id, entry.sha256)
         found = self._layouts.get(key)
         if found is None:
@@ -210,27 +231,59 @@ class ExpertStore:
         return converted_layout(self.layout(expert_id), dtype).nbytes
 
     def reload(self) -> None:
-        """Re-read the manifest from disk (another process may have written experts)."""
-        entries = self._load_manifest()
-        with self._lock:
-            self._entries = entries
+        """Switch to the manifest on disk now (another process may have written experts).
+
+        A reader records the generation it switched to, under the manifest
+        lock where writers read it (`release_retired`).
+        """
+        with self._lock, (self._process_lock() if self._reader is not None else contextlib.nullcontext()):
+            self._adopt(self._load_manifest())
 
     def read_manifest(self) -> dict[str, ManifestEntry]:
         """The manifest on disk now, without switching this store to it (a watcher decides when)."""
         with self._lock:
             return self._load_manifest()
 
+    @property
+    def manifest_stamp(self) -> tuple | None:
+        """(inode, mtime_ns, size) of the manifest file the served entries came from; None: there was none.
+
+        A watcher starts from it, so a promotion between this store's read and
+        the watcher's start is still seen as a change.
+        """
+        return self._stamp
+
+    @property
+    def generation(self) -> int:
+        """The generation of the manifest the served entries came from (0: none, or written by an older build)."""
+        return self._generation
+
+    def _adopt(self, entries: dict[str, ManifestEntry]) -> None:
+        """Serve `entries`, the manifest last read or written; a reader records its generation.
+
+        A reader's caller holds the manifest lock, where removers read records.
+        """
+        with self._lock:
+            self._entries = entries
+            self._generation, self._stamp = self._disk_generation, self._disk_stamp
+            if self._reader is not None:
+                self._reader.record(self._generation)
+
     # -- readers and retired files --------------------------------------------------
     def register_reader(self) -> None:
-        """Mark this process as a live reader: promotions keep the files it reads until `release_retired`.
+        """Mark this process as a live reader: promotions keep the files it reads until it has switched past them.
 
-        An agent calls it at start: frames in flight finish on the versions they
-        started with, whose files a promotion in another process would
-        otherwise remove under them.  `close_reader` (or the process's end)
-        undoes it.
+        An agent opens its store as one (`reader=True`): frames in flight finish
+        on the versions they started with, whose files a promotion in another
+        process would otherwise remove under them.  The manifest is read again
+        under the same lock as the registration, so the generation recorded is
+        one no promotion has yet removed a file of.  `close_reader` (or the
+        process's end) undoes it.
         """
-        if self._reader is None:
-            self._reader = ReaderLock(self.root)
+        with self._lock, self._process_lock():
+            if self._reader is None:
+                self._reader = ReaderLock(self.root)
+            self._adopt(self._load_manifest())
 
     def close_reader(self) -> None:
         if self._reader is not None:
@@ -243,36 +296,72 @@ class ExpertStore:
     @property
     def retired(self) -> list[str]:
         """Files of replaced versions kept for a live reader (as of the last manifest read)."""
-        return list(self._retired)
+        return sorted(self._retired)
 
     def release_retired(self) -> int:
-        """Remove retired files this store no longer reads, unless another live process reads the store.
+        """Remove the retired files every live reader has switched past; returns how many went.
 
-        A reader calls it once it has switched to the manifest that retired
-        them.  Files its own current entries name stay (a later promotion may
-        have retired the versions it still serves).  Returns how many went.
+        A reader calls it once it has switched (its watcher, after `reload`).
+        A file retired in generation G goes when every other live reader
+        records G or later; a dead reader needs nothing.  Files this store's
+        own entries name stay (a later promotion may have retired the versions
+        it still serves).  Of several agents on one store, the last to switch
+        removes the file.
         """
         with self._lock, self._process_lock():
             entries = self._load_manifest()
-            if not self._retired or others_reading(self.root, self._reader_name()):
+            if not self._retired:
                 return 0
-            return self._drop_retired(entries, keep={e.file for e in self._entries.values()})
+            return self._drop_retired(entries, keep={e.file for e in self._entries.values()},
+                                      readers=reader_generations(self.root, self._reader_name()))
 
-    def _drop_retired(self, entries: Mapping[str, ManifestEntry], keep: set[str]) -> int:
-        """Under both locks: unlink retired files no entry names and `keep` lacks; record the rest."""
-        named = {e.file for e in entries.values()} | keep
-        gone = [f for f in self._retired if f not in named]
-        for f in gone:
-            with contextlib.suppress(FileNotFoundError):
-                (self.root / f).unlink()
-        self._retired = [f for f in self._retired if f in named and f not in {e.file for e in entries.values()}]
-        self._write_manifest(entries)
+    def _drop_retired(self, entries: Mapping[str, ManifestEntry], keep: set[str], readers: Sequence[int]) -> int:
+        """Under both locks: unlink the retired files no live reader needs (see `_passed`); record the rest."""
+        before = len(self._retired)
+        gone = self._passed(entries, keep, readers)
+        _unlink(self.root, gone)
+        if len(self._retired) != before:
+            self._write_manifest(entries)
         return len(gone)
+
+    def _passed(self, entries: Mapping[str, ManifestEntry], keep: set[str], readers: Sequence[int]) -> list[str]:
+        """Under both locks: take the retired files that may go off the list and return them.
+
+        A file may go when no entry and not `keep` names it and every live
+        reader (`readers`: the generations they serve) is at or past the
+        generation that retired it.  Names the manifest serves again leave the
+        list without going.
+        """
+        named = {e.file for e in entries.values()}
+        floor = min(readers, default=None)
+        gone = sorted(f for f, at in self._retired.items()
+                      if f not in named and f not in keep and (floor is None or floor >= at))
+        self._retired = {f: at for f, at in self._retired.items() if f not in named and f not in gone}
+        return gone
 
     # -- write --------------------------------------------------------------------
     def write(self, expert: Expert, tensors: Mapping[str, "torch.Tensor"], version: int = 1) -> ManifestEntry:
-        """Store `tensors` as `expert`, replacing any previous version atomically."""
+        """Store `tensors` as `expert`, replacing any previous version atomically.
+
+        A new expert gets the plain `<id>.safetensors`.  One the store holds
+        already (on disk, whatever this process last read) goes through
+        `write_many`: a file of its own beside the live one, one manifest
+        switch, and the old file retired while a reader lives.  Overwriting the
+        live name would hand a reader still on the old manifest the new bytes
+        under the old version, and leave nothing to finish its frames on.
+        """
+        _check_id(expert.id)
+        if self._holds(expert.id):
+            return self.write_many([(expert, tensors, version)])[0]
         return self._install_many([self._prepare(expert, tensors, version, expert.id + SUFFIX)])[0]
+
+    def _holds(self, expert_id: str) -> bool:
+        """Whether `expert_id` is in this store's view or the manifest on disk, or a file has its plain name."""
+        from .compressed import SUFFIX as ZSUFFIX
+
+        if self.has(expert_id) or expert_id in self.read_manifest():
+            return True
+        return any((self.root / (expert_id + suffix)).exists() for suffix in (SUFFIX, ZSUFFIX))
 
     def write_many(self, items: "Sequence[tuple[Expert, Mapping[str, torch.Tensor], int]]") -> list[ManifestEntry]:
         """Store several (expert, tensors, version) as one change: all the new versions, or none.
@@ -352,7 +441,7 @@ class ExpertStore:
             entries = self._load_manifest()
             self._compression = mode
             self._write_manifest(entries)
-            self._entries = entries
+            self._adopt(entries)
 
     def recompress(self, expert_id: str) -> ManifestEntry:
         """Rewrite one expert in the store's compression; its sha256 (of the plain bytes) stays."""
@@ -362,7 +451,8 @@ class ExpertStore:
         if entry.compression == self._compression:
             return entry
         src = self._existing(entry)
-        tmp = self._tmp(expert_id + SUFFIX)
+        base = self._free_base(entry)
+        tmp = self._tmp(base + SUFFIX)
         try:
             if entry.compression != "none":
                 decompress_file(src, tmp, expert_id)
@@ -371,14 +461,26 @@ class ExpertStore:
             if _sha256(tmp) != entry.sha256:
                 raise ExpertLoadError(expert_id, str(src), "sha256 mismatch: refusing to rewrite a corrupt expert")
             size = tmp.stat().st_size
-            plain = dataclasses.replace(entry, file=expert_id + SUFFIX, compression="none", stored_nbytes=size,
+            plain = dataclasses.replace(entry, file=base + SUFFIX, compression="none", stored_nbytes=size,
                                         plain_nbytes=size, bound_nbytes=0)
             if self._compression != "none":
-                return self._install(self._compressed(plain, tmp))
+                return self._install(self._compressed(plain, tmp, base))
             return self._install(plain, tmp)
         finally:
             with contextlib.suppress(FileNotFoundError):
                 tmp.unlink()
+
+    def _free_base(self, entry: ManifestEntry) -> str:
+        """The file name stem for rewriting `entry` in the store's compression: its id while that name is free.
+
+        A retired file may hold the name, and a reader may still read it: then
+        the rewrite gets a name of its own.
+        """
+        from .compressed import SUFFIX as ZSUFFIX
+
+        if (self.root / (entry.id + (SUFFIX if self._compression == "none" else ZSUFFIX))).exists():
+            return f"{entry.id}.v{entry.version}-{uuid.uuid4().hex[:6]}"
+        return entry.id
 
     def _compressed(self, plain: ManifestEntry, plain_file: Path, base: str | None = None
                     ) -> tuple[ManifestEntry, Path]:
@@ -423,20 +525,19 @@ class ExpertStore:
                 old = {entry.id: entries.get(entry.id) for entry, _ in prepared}
                 for entry, _ in prepared:
                     entries[entry.id] = entry
-                # a running agent may still need the old versions (frames it accepted before the switch):
-                # keep their files, listed as retired, until it has switched; with no reader they go now
-                replaced = [was.file for was in old.values() if was is not None
-                            and was.file not in {e.file for e in entries.values()}]
-                keep = others_reading(self.root, self._reader_name())
-                if keep:
-                    self._retired = sorted(set(self._retired) | set(replaced))
+                # a running agent may still need the old versions (frames it accepted before the switch): their
+                # files are retired by this manifest's generation and go once every live reader has switched
+                # past it (with no reader, now); older retired files every reader has passed go too
+                live = {e.file for e in entries.values()}
+                for was in old.values():
+                    if was is not None and was.file not in live:
+                        self._retired[was.file] = self._disk_generation + 1
+                gone = self._passed(entries, set(), reader_generations(self.root, self._reader_name()))
                 self._write_manifest(entries)
-                self._entries = entries
+                self._adopt(entries)
                 changed = set(old)
                 self._verified = {v for v in self._verified if v[0] not in changed}
-                for file in ([] if keep else replaced):
-                    with contextlib.suppress(FileNotFoundError):
-                        (self.root / file).unlink()   # readers that mapped it keep the inode
+                _unlink(self.root, gone)   # after the switch; readers that mapped them keep the inodes
         finally:
             for _, tmp in prepared:
                 with contextlib.suppress(FileNotFoundError):
@@ -452,22 +553,39 @@ class ExpertStore:
             raise ExpertLoadError(entry.id, str(path), "file missing from the expert store")
         return path
 
-    def _current(self, expert_id: str) -> tuple[ManifestEntry, Path]:
-        """The entry and its file; re-reads the manifest once when the file has gone or changed.
+    def _current(self, expert_id: str, entry: ManifestEntry | None = None) -> tuple[ManifestEntry, Path]:
+        """The entry (this store's, or `entry`) and its file; the manifest is read again if the file went or changed.
 
         `experts compress` in another process renames an expert's file
         (.safetensors <-> .coez) while a running agent holds the old manifest;
-        `experts promote` replaces it with a new version.  A file that is not
-        the one verified under this entry (another inode, mtime or size) means
-        the cached manifest is stale: without the re-read, a `verify: first`
-        store would serve the new bytes under the old entry's version.
+        an older build's `experts promote` replaced it with a new version.  A
+        file that is not the one verified under this entry (another inode,
+        mtime or size) means the cached manifest is stale: without the re-read,
+        a `verify: first` store would serve the new bytes under the old entry's
+        version.  A reader reads the new entry for this read only (`_fresh_entry`).
         """
-        entry = self.entry(expert_id)
+        entry = entry or self.entry(expert_id)
         path = self.root / entry.file
         if not path.is_file() or self._replaced(expert_id, entry.sha256, path):
-            self.reload()
-            entry = self.entry(expert_id)
+            entry = self._fresh_entry(expert_id)
         return entry, self._existing(entry)
+
+    def _fresh_entry(self, expert_id: str) -> ManifestEntry:
+        """The expert's entry in the manifest on disk now, for a read whose file has gone or changed.
+
+        A store that is not a reader switches to that manifest.  A reader does
+        not: its watcher switches it between frames, after the frames in flight
+        finish on the set they started with, so a silent switch here would run
+        the rest of their chains on new versions.  Only this read uses the new
+        entry (its row names that version); every other expert stays put.
+        """
+        if self._reader is None:
+            self.reload()
+            return self.entry(expert_id)
+        found = self.read_manifest().get(expert_id)
+        if found is None:
+            raise ExpertLoadError(expert_id, str(self.manifest_path), "not in the expert store manifest")
+        return found
 
     def _replaced(self, expert_id: str, sha256: str, path: Path) -> bool:
         """Whether `path` is no longer the file verified as (expert_id, sha256)."""
@@ -487,14 +605,14 @@ class ExpertStore:
         decoded into one private buffer.  A read that raced a promotion is
         retried once on the new entry.
         """
-        return self._retried(expert_id, lambda: self._read(expert_id))
+        return self._retried(expert_id, lambda entry: self._read(expert_id, entry))
 
-    def _read(self, expert_id: str) -> dict[str, "torch.Tensor"]:
+    def _read(self, expert_id: str, entry: ManifestEntry | None = None) -> dict[str, "torch.Tensor"]:
         from safetensors.torch import load_file
 
-        entry, path = self._current(expert_id)
+        entry, path = self._current(expert_id, entry)
         if entry.compression != "none":
-            return self.read_flat(expert_id).tensors()
+            return self._read_flat(expert_id, entry=entry).tensors()
         where = str(path)
         key = (expert_id, entry.sha256)
         if self.verify == "always" or (self.verify == "first" and (key not in self._verified
@@ -520,53 +638,58 @@ class ExpertStore:
     def read_flat(self, expert_id: str, *, pin: bool = False, method: str = "read",
                   out: "FlatWeights | None" = None, dtype: str | None = None) -> "FlatWeights":
         """See `_read_flat`; a read that raced a promotion is retried once on the new entry."""
-        return self._retried(expert_id, lambda: self._read_flat(expert_id, pin=pin, method=method, out=out,
-                                                                dtype=dtype))
+        return self._retried(expert_id, lambda entry: self._read_flat(expert_id, pin=pin, method=method, out=out,
+                                                                     dtype=dtype, entry=entry))
 
-    def _retried(self, expert_id: str, attempt: Callable[[], _T]) -> _T:
-        """`attempt()`, and once more if it failed because the expert changed under it.
+    def _retried(self, expert_id: str, attempt: Callable[[ManifestEntry | None], _T]) -> _T:
+        """`attempt(None)` (this store's entry), and once more if it failed because the expert changed under it.
 
-        `experts promote` may replace a file (same name: a sha256 mismatch) or
-        install a new one and remove the old (`write_many`: the file vanishes
-        between the manifest read and the open) after this process read the
-        manifest.  If the manifest, read again, names other bytes, the error was
-        the race and the new entry is read; otherwise the error stands.
+        An older build's `experts promote` replaced a file under its name (a
+        sha256 mismatch); a promotion with no live reader installs a new file
+        and removes the old (the file vanishes between the manifest read and
+        the open).  If the manifest, read again, names other bytes, the error
+        was the race and `attempt(new entry)` reads them (a reader does not
+        switch for it, see `_fresh_entry`); otherwise the error stands.
         """
         before = self.entry(expert_id) if self.has(expert_id) else None
         try:
-            return attempt()
+            return attempt(None)
         except (ExpertLoadError, FileNotFoundError):
-            self.reload()
-            after = self.entry(expert_id) if self.has(expert_id) else None
+            try:
+                after = self._fresh_entry(expert_id)
+            except ExpertLoadError:
+                after = None
             if before is None or after is None or (after.sha256, after.file) == (before.sha256, before.file):
                 raise
-            return attempt()
+            return attempt(after)
 
     def _read_flat(self, expert_id: str, *, pin: bool = False, method: str = "read",
-                   out: "FlatWeights | None" = None, dtype: str | None = None) -> "FlatWeights":
+                   out: "FlatWeights | None" = None, dtype: str | None = None,
+                   entry: ManifestEntry | None = None) -> "FlatWeights":
         """The expert as one private buffer read sequentially (the tiers' format).
 
         Verification per the store's policy happens while the bytes stream in,
         so a checked cold load still reads the disk once.  A compressed expert
         decodes chunk by chunk into the buffer; with `dtype` its floating
         tensors are cast on the way in (see `storage.convert`).  `out` lends
-        its buffer when it has exactly the loaded size.
+        its buffer when it has exactly the loaded size.  `entry` overrides this
+        store's entry (a reader's read retried on the manifest on disk).
         """
         from .flat import read_flat
 
-        entry, path = self._current(expert_id)
+        entry, path = self._current(expert_id, entry)
         key = (expert_id, entry.sha256)
         check = self.verify == "always" or (self.verify == "first" and (key not in self._verified
                                                                         or self._replaced(*key, path)))
         expect = entry.sha256 if check else None
         from .convert import converted_layout
 
-        stored = self.layout(expert_id)
+        stored = self._layout(expert_id, entry)
         if entry.compression == "none" and converted_layout(stored, dtype) is stored:
             flat = read_flat(path, expert_id, pin=pin, expect_sha256=expect, method=method, out=out)
         else:
             flat = self._stream_flat(entry, path, pin=pin, out=out, dtype=dtype, expect_sha256=expect)
-        if flat.nbytes != self.loaded_nbytes(expert_id, dtype):
+        if flat.nbytes != (entry.nbytes if dtype is None else converted_layout(stored, dtype).nbytes):
             raise ExpertLoadError(expert_id, str(path),
                                   f"file holds {flat.nbytes} tensor bytes, manifest says {entry.nbytes}")
         if check:
@@ -622,11 +745,15 @@ class ExpertStore:
 
     # -- manifest ---------------------------------------------------------------------
     def _load_manifest(self) -> dict[str, ManifestEntry]:
+        """The manifest on disk; notes its generation, stamp, compression and retired files as the disk's."""
         path = self.manifest_path
         src = str(path)
         try:
-            text = path.read_text(encoding="utf-8")
+            with open(path, "rb") as fh:          # the stamp of the very file read, not of a later one
+                st = os.fstat(fh.fileno())
+                text = fh.read().decode("utf-8")
         except FileNotFoundError:
+            self._disk_generation, self._disk_stamp, self._retired = 0, None, {}
             return {}
         except (OSError, UnicodeDecodeError) as exc:
             raise CoEError(f"{src}: cannot read the expert store manifest: {exc}") from None
@@ -647,12 +774,21 @@ class ExpertStore:
         items = raw.get("experts")
         if not isinstance(items, list):
             raise CoEError(f"{src}: malformed expert store manifest: 'experts' must be a list")
+        generation = raw.get("generation", 0)    # absent: written before generations, or by an older build
+        if not isinstance(generation, int) or isinstance(generation, bool) or generation < 0:
+            raise CoEError(f"{src}: generation: malformed expert store manifest: must be a non-negative integer")
         retired = raw.get("retired", [])
         if not isinstance(retired, list) or not all(isinstance(f, str) for f in retired):
             raise CoEError(f"{src}: retired: malformed expert store manifest: must be a list of file names")
         for i, f in enumerate(retired):
             self._check_inside(f, f"{src}: retired[{i}]")
-        self._retired = list(retired)
+        retired_in = raw.get("retired_in", {})
+        if not isinstance(retired_in, dict) or not all(isinstance(v, int) and not isinstance(v, bool)
+                                                       for v in retired_in.values()):
+            raise CoEError(f"{src}: retired_in: malformed expert store manifest: must map file names to generations")
+        # a file listed without its generation (an older build retired it) counts as retired by this one
+        self._retired = {f: retired_in.get(f, generation) for f in retired}
+        self._disk_generation, self._disk_stamp = generation, (st.st_ino, st.st_mtime_ns, st.st_size)
         entries: dict[str, ManifestEntry] = {}
         for i, item in enumerate(items):
             entry = self._parse_entry(item, f"{src}: experts[{i}]")
@@ -699,13 +835,16 @@ class ExpertStore:
             raise CoEError(f"{where}.file: '{file}' is not a file directly inside the store root {self.root}")
 
     def _write_manifest(self, entries: Mapping[str, ManifestEntry]) -> None:
+        """Under the process lock, after `_load_manifest`: write the next generation of the manifest."""
         compressed = self._compression != "none" or any(e.compression != "none" for e in entries.values())
+        generation = self._disk_generation + 1
         # version 1 while nothing is compressed: older builds ignore the new fields and keep reading the store
         doc = {"format": MANIFEST_FORMAT, "version": MANIFEST_VERSION if compressed else 1,
-               "compression": self._compression,
+               "compression": self._compression, "generation": generation,
                "experts": [asdict(entries[k]) for k in sorted(entries)]}
-        if self._retired:   # only when some are kept: older builds ignore the key
+        if self._retired:   # only when some are kept: older builds ignore the keys
             doc["retired"] = sorted(self._retired)
+            doc["retired_in"] = {f: self._retired[f] for f in sorted(self._retired)}
         fd, tmp = tempfile.mkstemp(prefix=f".{MANIFEST}.", suffix=".tmp", dir=self.root)
         try:
             with os.fdopen(fd, "w", encoding="utf-8") as fh:
@@ -713,8 +852,10 @@ class ExpertStore:
                 fh.write("\n")
                 fh.flush()
                 os.fsync(fh.fileno())
+                st = os.fstat(fh.fileno())
             os.replace(tmp, self.manifest_path)
             _fsync_dir(self.root)
+            self._disk_generation, self._disk_stamp = generation, (st.st_ino, st.st_mtime_ns, st.st_size)
         finally:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(tmp)
@@ -740,6 +881,13 @@ def _check_id(expert_id: str) -> str:
         raise CoEError(f"expert id {expert_id!r} cannot name a store file: no path separators, "
                        "'..', leading '.', or control characters")
     return expert_id
+
+
+def _unlink(root: Path, files: Sequence[str]) -> None:
+    """Remove `files` from the store root; one already gone is fine (another reader removed it)."""
+    for f in files:
+        with contextlib.suppress(FileNotFoundError):
+            (root / f).unlink()
 
 
 def _stat(path: Path) -> tuple | None:

@@ -4,10 +4,18 @@ A running agent finishes every frame it accepted on the expert versions it
 accepted it under (`edge_agent/frame_gate.py`), so after `experts promote`
 switched the manifest it may still read the old versions' files for a while.
 It registers as a reader: a file `.readers/<name>.lock` in the store that it
-holds an exclusive `flock` on for as long as it runs.  A writer that replaces
-experts asks `others_reading()`: if a live reader exists the old files are
-*retired* (kept, listed in the manifest) instead of removed, and the reader
-removes them once it has switched past them.
+holds an exclusive `flock` on for as long as it runs, and in which it records
+the manifest *generation* it serves (each manifest write counts one up).  A
+writer that replaces experts *retires* the old files (kept, listed in the
+manifest with the generation that retired them) instead of removing them while
+a live reader exists.  A retired file goes once every live reader serves that
+generation or a later one (`reader_generations()`), so with several agents on
+one store the last one to switch removes it, and files never pile up.
+
+Records are written and read under the store's manifest lock
+(`ExpertStore._process_lock`), so no one reads half a record.  A reader that
+has recorded nothing yet (it is reading its first manifest), or one of an
+older build, reads as generation 0: it keeps every retired file.
 
 A lock, not a pid file: the kernel drops it when the process dies however it
 dies, so a killed agent never keeps old files forever.  A reader's file is
@@ -20,6 +28,7 @@ import contextlib
 import os
 import uuid
 from pathlib import Path
+from typing import BinaryIO
 
 try:
     import fcntl
@@ -42,6 +51,15 @@ class ReaderLock:
             fcntl.flock(self._fh.fileno(), fcntl.LOCK_EX)
         os.replace(tmp, self.dir / self.name)
 
+    def record(self, generation: int) -> None:
+        """Write the manifest generation this reader serves now; the caller holds the store's manifest lock."""
+        if self._fh.closed:
+            return
+        self._fh.seek(0)
+        self._fh.truncate()
+        self._fh.write(b"%d\n" % generation)
+        self._fh.flush()
+
     def close(self) -> None:
         if self._fh.closed:
             return
@@ -51,19 +69,25 @@ class ReaderLock:
 
 
 def others_reading(root: Path, mine: str | None = None) -> bool:
-    """Whether a live process other than the holder of `mine` reads the store at `root`.
+    """Whether a live process other than the holder of `mine` reads the store at `root`."""
+    return bool(reader_generations(root, mine))
+
+
+def reader_generations(root: Path, mine: str | None = None) -> list[int]:
+    """The manifest generation each live reader of the store at `root` serves, the holder of `mine` left out.
 
     Files whose lock can be taken belong to dead processes and are removed on
-    the way.  Without `flock` there is no way to tell, and the answer is no.
+    the way: a dead reader needs no file.  Without `flock` there is no way to
+    tell, and no reader is live.
     """
     if fcntl is None:
-        return False
+        return []
     folder = Path(root) / READERS
     try:
         names = [p for p in folder.iterdir() if p.suffix == ".lock" and p.name != mine]
     except FileNotFoundError:
-        return False
-    live = False
+        return []
+    live: list[int] = []
     for path in names:
         try:
             fh = open(path, "rb")
@@ -73,9 +97,15 @@ def others_reading(root: Path, mine: str | None = None) -> bool:
             try:
                 fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
             except BlockingIOError:
-                live = True               # held: a running reader (this process's other stores included)
+                live.append(_recorded(fh))  # held: a running reader (this process's other stores included)
                 continue
             with contextlib.suppress(FileNotFoundError):
                 path.unlink()             # its process is gone
             fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
     return live
+
+
+def _recorded(fh: BinaryIO) -> int:
+    """The generation a live reader's file records; 0 (keeps every retired file) when it records none."""
+    text = fh.read(32).strip()
+    return int(text) if text.isdigit() else 0

@@ -145,8 +145,9 @@ def test_rewrite_replaces_content_and_needs_fresh_verification(tmp_path: Path) -
     store.read("cls-a")
     entry = store.write(expert(), tensors(1), version=2)
     assert entry.version == 2 and store.entry("cls-a") == entry
+    assert entry.file != "cls-a.safetensors" and not (tmp_path / "cls-a.safetensors").exists()  # a file of its own
     assert torch.equal(store.read("cls-a")["fc.bias"], tensors(1)["fc.bias"])
-    flip_last_byte(tmp_path / "cls-a.safetensors")
+    flip_last_byte(store.path("cls-a"))
     store2 = ExpertStore(tmp_path)
     with pytest.raises(ExpertLoadError, match="sha256"):
         store2.read("cls-a")
@@ -262,11 +263,11 @@ def test_a_read_that_loses_the_race_with_a_promotion_is_retried_on_the_new_entry
     real = reader._current
     calls = []
 
-    def checked_then_unlinked(eid):          # the file was there when checked, gone when opened
+    def checked_then_unlinked(eid, entry=None):   # the file was there when checked, gone when opened
         calls.append(eid)
         if len(calls) == 1:
             return stale, tmp_path / stale.file
-        return real(eid)
+        return real(eid, entry)
     reader._current = checked_then_unlinked
     reader._existing = lambda entry: tmp_path / entry.file
     store.write_many([(expert("cls-a"), tensors(1), 2)])
@@ -386,3 +387,122 @@ def test_a_malformed_retired_list_is_a_clear_error(tmp_path: Path, retired, erro
     store.manifest_path.write_text(json.dumps(doc))
     with pytest.raises(CoEError, match=error):
         ExpertStore(tmp_path)
+
+
+@pytest.mark.parametrize("verify", ["first", "never"])
+def test_write_of_a_held_expert_leaves_the_live_file_to_a_reader_and_retires_it(tmp_path: Path, verify: str) -> None:
+    """`write` (imports, zoo rebuilds, twins) of a new version never replaces the file a live reader serves."""
+    ExpertStore(tmp_path).write(expert("cls-a"), tensors(0), version=1)
+    agent = ExpertStore(tmp_path, verify=verify, reader=True)
+    assert agent.read_flat("cls-a").version == 1
+    first = agent.entry("cls-a").file
+    writer = ExpertStore(tmp_path)
+    second = writer.write(expert("cls-a"), tensors(1), version=2)
+    # the agent has not switched: version 1's bytes, named version 1 (never version 2's bytes under v1)
+    flat = agent.read_flat("cls-a")
+    assert flat.version == 1 and torch.equal(flat.tensors()["fc.weight"], tensors(0)["fc.weight"])
+    assert torch.equal(agent.read("cls-a")["fc.weight"], tensors(0)["fc.weight"])
+    assert second.file != first and (tmp_path / first).is_file() and writer.retired == [first]
+    agent.reload()                                                        # its switch
+    assert agent.release_retired() == 1 and not (tmp_path / first).exists()
+    assert agent.read_flat("cls-a").version == 2
+    third = writer.write(expert("cls-a"), tensors(2), version=3)          # and again: never a reused name
+    assert len({first, second.file, third.file}) == 3
+    agent.close_reader()
+
+
+def test_a_reader_whose_file_went_reads_the_new_entry_without_switching_the_set(tmp_path: Path) -> None:
+    """A reader follows a new manifest only through `reload` (its watcher's switch), not behind a failed read."""
+    store = ExpertStore(tmp_path)
+    for eid in ("cls-a", "det-b"):
+        store.write(expert(eid), tensors(0), version=1)
+    agent = ExpertStore(tmp_path, reader=True)
+    old = agent.entry("cls-a").file
+    store.write_many([(expert("cls-a"), tensors(1), 2), (expert("det-b"), tensors(2), 2)])
+    (tmp_path / old).unlink()                     # gone anyway (an older build's promote did not keep it)
+    got = agent.read_flat("cls-a")
+    assert got.version == 2 and torch.equal(got.tensors()["fc.weight"], tensors(1)["fc.weight"])  # named as what ran
+    assert torch.equal(agent.read("cls-a")["fc.weight"], tensors(1)["fc.weight"])
+    assert agent.entry("cls-a").version == 1 and agent.entry("det-b").version == 1      # the set has not switched
+    assert agent.read_flat("det-b").version == 1                          # its frames in flight stay on v1
+    agent.reload()
+    assert agent.entry("det-b").version == 2 and agent.read_flat("det-b").version == 2
+    agent.close_reader()
+
+
+def _files(root: Path) -> set[str]:
+    return {p.name for p in root.glob("*.safetensors")}
+
+
+def test_retired_files_go_once_every_live_reader_has_switched_past_them(tmp_path: Path) -> None:
+    """Two agents on one store, several promotions: the last to switch removes the files; none pile up."""
+    store = ExpertStore(tmp_path)
+    store.write(expert("cls-a"), tensors(0), version=1)
+    a, b = ExpertStore(tmp_path, reader=True), ExpertStore(tmp_path, reader=True)
+    for version in (2, 3, 4):
+        before = store.entry("cls-a").file
+        store.write_many([(expert("cls-a"), tensors(version), version)])
+        a.reload()                                                        # a switches first
+        assert a.release_retired() == 0 and (tmp_path / before).is_file()  # b still serves the old version
+        assert b.read_flat("cls-a").version == version - 1
+        b.reload()
+        assert b.release_retired() == 1 and not (tmp_path / before).exists()
+        assert _files(tmp_path) == {store.entry("cls-a").file} and ExpertStore(tmp_path).retired == []
+    # no one releases: the next promotion removes what every live reader has passed, and keeps what it retires
+    a.reload(), b.reload()
+    kept = store.entry("cls-a").file
+    store.write_many([(expert("cls-a"), tensors(5), 5)])
+    a.reload(), b.reload()
+    last = store.entry("cls-a").file
+    store.write_many([(expert("cls-a"), tensors(6), 6)])
+    assert not (tmp_path / kept).exists() and (tmp_path / last).is_file() and store.retired == [last]
+    a.close_reader(), b.close_reader()
+
+
+def test_a_dead_reader_counts_as_switched(tmp_path: Path) -> None:
+    """A reader's lock file whose lock is free (its process died) holds back nothing, and goes too."""
+    store = ExpertStore(tmp_path)
+    store.write(expert("cls-a"), tensors(0), version=1)
+    a = ExpertStore(tmp_path, reader=True)
+    readers = tmp_path / ".readers"
+    (readers / "4242-deadbeef.lock").write_text("0\n")       # what a SIGKILLed reader on generation 0 leaves
+    first = store.entry("cls-a").file
+    store.write_many([(expert("cls-a"), tensors(1), 2)])
+    assert (tmp_path / first).is_file()                      # a is live and has not switched
+    a.reload()
+    assert a.release_retired() == 1 and not (tmp_path / first).exists()
+    assert [p.name for p in readers.glob("*.lock")] == [a._reader.name]
+    a.close_reader()
+
+
+def test_a_reader_records_the_generation_it_serves(tmp_path: Path) -> None:
+    store = ExpertStore(tmp_path)
+    store.write(expert("cls-a"), tensors(0), version=1)
+    agent = ExpertStore(tmp_path, reader=True)
+    lock = tmp_path / ".readers" / agent._reader.name
+    assert agent.generation == json.loads(store.manifest_path.read_text())["generation"] == 1
+    assert lock.read_text() == "1\n"
+    store.write_many([(expert("cls-a"), tensors(1), 2)])
+    doc = json.loads(store.manifest_path.read_text())
+    assert doc["generation"] == 2 and doc["retired_in"] == {doc["retired"][0]: 2}
+    assert lock.read_text() == "1\n"                          # not switched yet
+    agent.reload()
+    assert lock.read_text() == "2\n" and agent.generation == 2
+    agent.close_reader()
+
+
+@pytest.mark.parametrize("key, value, error", [
+    ("generation", -1, "generation: malformed expert store manifest: must be a non-negative integer"),
+    ("generation", "2", "generation: malformed expert store manifest"),
+    ("retired_in", ["x"], "retired_in: malformed expert store manifest: must map file names to generations"),
+    ("retired_in", {"x": "2"}, "retired_in: malformed expert store manifest"),
+])
+def test_a_malformed_generation_is_a_clear_error(tmp_path: Path, key: str, value, error: str) -> None:
+    store = ExpertStore(tmp_path)
+    store.write(expert("cls-a"), tensors(0), version=1)
+    doc = json.loads(store.manifest_path.read_text())
+    doc[key] = value
+    store.manifest_path.write_text(json.dumps(doc))
+    with pytest.raises(CoEError, match=error) as err:
+        ExpertStore(tmp_path)
+    assert "manifest.json" in str(err.value)
