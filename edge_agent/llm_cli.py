@@ -601,7 +601,8 @@ def llm_train_predictor(trace_path: str, eval_path: str | None, out: str) -> Non
     for s in scores:
         click.echo(f"held-out, top-{s['m']} guesses: precision {s['precision']:.2f}, recall {s['recall']:.2f} "
                    f"({s['pairs']} next-token pairs)")
-    click.echo(f"predictor for {len(pred.layers)} layers x {pred.W.shape[1]} experts -> {out}")
+    click.echo(f"predictor for {len(pred.layers)} layers x {pred.num_experts} experts ({pred.features} inputs) -> "
+               f"{out}")
 
 
 @llm.command("tune-alpha")

@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
+from routing.moe_predictor import LiveInputs
 from storage.pool import Pool
 
 
@@ -137,13 +138,15 @@ class TokenPrefetcher(_Prefetcher):
         super().__init__(ids, pool_of)
         self._pred, self._m, self.min_prob = predictor, m or predictor.top_k, min_prob
         self._index = {layer: j for j, layer in enumerate(predictor.layers)}
+        self._live = LiveInputs(predictor)
 
     def on_router(self, layer: int, probs, chosen) -> None:
         """Called with each router call's scores [T, E] and choices [T, k] (decode: T is 1)."""
-        if layer not in self._index or len(probs) > 4:
+        x = self._live.observe(layer, probs)        # every call, a prefill's too: the next step's previous token
+        if x is None or len(probs) > 4:
             return
         self._score(layer, {int(e) for e in chosen.reshape(-1)})
-        self._issue(layer, set(self._pred.confident(self._index[layer], probs[-1:], self._m, self.min_prob)))
+        self._issue(layer, set(self._pred.confident(self._index[layer], x, self._m, self.min_prob)))
 
 
 def _unpin(pool: Pool):

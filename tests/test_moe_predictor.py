@@ -7,7 +7,7 @@ from click.testing import CliRunner
 
 from coe import CoEError
 from edge_agent.cli import cli
-from routing.moe_predictor import TokenPredictor
+from routing.moe_predictor import LiveInputs, TokenPredictor, inputs
 from routing.moe_trace import Trace, synthetic
 
 POP = [[5, 4, 3, 2, 1, 1, 1, 1]] * 3
@@ -59,7 +59,8 @@ def test_only_confident_guesses_are_prefetched():
 
     trace = synthetic(POP, tokens=600, top_k=2, locality=0.8, seed=1)
     pred = TokenPredictor.train(trace)
-    x = trace.probs[10:11, 0, :].astype(np.float64)
+    scores = trace.probs[10:11, 0, :].astype(np.float64)
+    x = LiveInputs(pred).observe(trace.layers[0], scores)         # what a live prefetcher sees after this call
     p = pred.probabilities(0, x)[0]
     top = [int(e) for e in np.argsort(-p)[:4]]
     assert pred.confident(0, x, 4, 0.0) == top                            # no gate: the top-m, best first
@@ -72,9 +73,81 @@ def test_only_confident_guesses_are_prefetched():
     for gate in (0.0, 1.0):
         pool = Pool("p", 100, make_policy("lru"), SizeSource({e: 1 for v in ids.values() for e in v}))
         tp = TokenPrefetcher(pred, ids, lambda _: pool, m=2, min_prob=gate)
-        tp.on_router(trace.layers[0], x, np.array([[0, 1]]))
+        tp.on_router(trace.layers[0], scores, np.array([[0, 1]]))
         tp.close()
         issued[gate] = (tp.stats.issued, set(pool.resident()))
     assert issued[0.0][0] == 2 and issued[0.0][1] == {ids[trace.layers[0]][e] for e in top[:2]}
     assert issued[1.0] == (0, set())                                      # nothing is sure enough: nothing read
     assert TokenPrefetcher.MIN_PROB == 0.5
+
+
+def _decode_trace(tokens: int, locality: float, seed: int, cross: bool) -> Trace:
+    """A synthetic decode trace of prompts of 50 tokens; with `cross`, layer 1's next experts are layer 0's now.
+
+    The cross-layer rule is what 'freshest' inputs can see and 'same-layer' inputs cannot: token t+1 asks layer 1
+    for the experts token t asked layer 0 for.
+    """
+    t = synthetic(POP, tokens=tokens, top_k=2, locality=locality, seed=seed)
+    probs, chosen = t.probs.copy(), t.chosen.copy()
+    if cross:
+        probs[1:, 1, :], chosen[1:, 1, :] = t.probs[:-1, 0, :], t.chosen[:-1, 0, :]
+    return Trace(t.model, t.layers, t.top_k, t.scoring, probs, chosen,
+                 (np.arange(t.tokens) // 50).astype(np.int32), (np.arange(t.tokens) % 50).astype(np.int32))
+
+
+def test_freshest_inputs_see_what_other_layers_said_and_same_layer_inputs_do_not():
+    train, held = _decode_trace(800, 0.0, 1, cross=True), _decode_trace(400, 0.0, 2, cross=True)
+    fresh = TokenPredictor.train(train, features="freshest")
+    same = TokenPredictor.train(train, features="same-layer")
+    assert fresh.features == "freshest" and fresh.W.shape == (3, 3 * 8, 8) and same.W.shape == (3, 8, 8)
+    # layer index 1 of token t+1 repeats layer 0 of token t: only an input that holds layer 0 can know it
+    x, y = (np.asarray(a) for a in __import__("routing.moe_predictor", fromlist=["pairs"]).pairs(held, 1, "freshest"))
+    hit_fresh = np.take_along_axis(y, fresh.predict(1, x), axis=1).sum() / y.sum()
+    xs, ys = __import__("routing.moe_predictor", fromlist=["pairs"]).pairs(held, 1, "same-layer")
+    hit_same = np.take_along_axis(ys, same.predict(1, xs), axis=1).sum() / ys.sum()
+    assert hit_fresh > 0.9 and hit_same < 0.6, (hit_fresh, hit_same)
+    assert fresh.evaluate(held)["recall"] > same.evaluate(held)["recall"]
+
+
+def test_live_inputs_match_the_training_inputs_of_the_same_tokens():
+    trace = _decode_trace(120, 0.5, 3, cross=False)
+    pred = TokenPredictor.train(trace, features="freshest")
+    live = LiveInputs(pred)
+    for row in range(0, 50):                    # one prompt, token by token, every layer in order
+        for j, layer in enumerate(trace.layers):
+            got = live.observe(layer, trace.probs[row:row + 1, j, :])
+            want = inputs(trace, np.array([row]), j, "freshest")
+            assert np.allclose(got, want), (row, j)
+    assert live.observe(99, trace.probs[0:1, 0, :]) is None          # a layer the predictor does not know
+
+
+def test_an_older_same_layer_file_still_loads_and_predicts(tmp_path):
+    from safetensors.numpy import save_file
+
+    pred = TokenPredictor.train(synthetic(POP, tokens=200, top_k=2, locality=0.6, seed=0), features="same-layer")
+    meta = {"coe": __import__("json").dumps({"format": "coe-edge/moe-token-predictor", "layers": [0, 1, 2],
+                                              "top_k": 2})}
+    W = np.stack([pred.W[j] / pred.sd[j][:, None] for j in range(3)])      # fold the standardisation in
+    b = np.stack([pred.b[j] - (pred.mu[j] / pred.sd[j]) @ pred.W[j] for j in range(3)])
+    save_file({"W": W.astype(np.float32), "b": b.astype(np.float32)}, str(tmp_path / "old"), metadata=meta)
+    old = TokenPredictor.load(tmp_path / "old")
+    assert old.features == "same-layer" and old.mu is None
+    x = inputs(synthetic(POP, tokens=20, top_k=2, seed=5), np.arange(10), 0, "same-layer")
+    assert np.allclose(old.scores(0, x), pred.scores(0, x), atol=1e-3)
+    bad = {"W": np.zeros((3, 5, 8), np.float32), "b": np.zeros((3, 8), np.float32)}
+    save_file(bad, str(tmp_path / "bad"), metadata=meta)
+    with pytest.raises(CoEError, match="need 8 rows per layer"):
+        TokenPredictor.load(tmp_path / "bad")
+
+
+def test_training_picks_the_inputs_that_validate_better():
+    from routing.moe_predictor import choose_features, validation_split
+
+    cross = _decode_trace(800, 0.0, 1, cross=True)            # layers tell about each other: freshest wins
+    assert choose_features(cross) == "freshest" and TokenPredictor.train(cross).features == "freshest"
+    alone = synthetic(POP, tokens=600, top_k=2, locality=0.8, seed=1)   # independent layers: the extra is noise
+    assert choose_features(alone) == "same-layer"
+    fit, val = validation_split(cross)
+    assert set(np.unique(fit.seq)).isdisjoint(np.unique(val.seq)) and len(fit.seq) + len(val.seq) == len(cross.seq)
+    fit1, val1 = validation_split(alone)                        # one prompt: split by position
+    assert fit1.step.max() < val1.step.min()
