@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import sqlite3
 import threading
 import time
@@ -227,7 +228,8 @@ def test_killing_a_node_mid_replay_loses_and_duplicates_nothing_and_the_node_rej
         assert not victim.up and "box-3/cpu-2.0" not in agent.scheduler.active()
         # Ray said the actor died (the ping failed): not the call timeout, which is 10x the wait
         assert state.startswith("lost: ") and "TimeoutError" not in state and "no answer" not in state, state
-        assert "ActorDiedError" in state, state
+        # ActorDiedError, or ActorUnavailableError when the connection reset comes first (seen under load)
+        assert re.search(r"Actor(Died|Unavailable)Error", state), state
         assert noticed < 60 < victim.call_timeout, noticed
         assert victim.requeued >= len(stuck) > 0     # the batch in flight there was handed back
         sender.join(120)
@@ -293,8 +295,9 @@ def test_a_batch_that_kills_every_actor_it_reaches_is_given_up_with_an_error_ver
         rows = {r["frame_id"]: r for r in verdict_rows(cfg.db_path)}
         assert sorted(rows) == ["mate-1", "mate-2", "poison-1"] and rows["poison-1"]["verdict"] == "error"
         why = rows["poison-1"]["reason"]
-        for part in ("poison-1", "cls-r0402", "box-2", "lost 3 times", "ActorDiedError"):
+        for part in ("poison-1", "cls-r0402", "box-2", "lost 3 times"):
             assert part in why, why
+        assert re.search(r"Actor(Died|Unavailable)Error", why), why      # Ray found the death, whichever way
         assert "mate-" not in why
         # its batch mates ran alone once it had been lost, and got their verdicts; nothing ran twice
         assert {rows[m]["verdict"] for m in ("mate-1", "mate-2")} <= {"pass", "defect"}
