@@ -420,7 +420,8 @@ def run_ablation(store: Path, profile: Trace, trace: Trace, *, share: float = 0.
                "substituted": pm.tap.substituted}
         if pm.prefetcher is not None:
             st = pm.prefetcher.stats
-            row.update(prefetch_precision=st.precision, prefetch_recall=st.recall, prefetch_issued=st.issued)
+            row.update(prefetch_precision=st.precision, prefetch_recall=st.recall, prefetch_issued=st.issued,
+                       prefetch_useful=st.useful)
         if pm.split is not None:
             # an in-place expert is read from its file (dropped from the page cache after): disk bytes too
             in_place = pm.in_place.weights.reads.file_bytes / 2**30

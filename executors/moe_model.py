@@ -252,7 +252,10 @@ def load_pooled(root: str | Path, *, memory: int, policy: str = "lru", quota: st
     extra = context or dict
 
     def ctx() -> dict:
-        return {**tap.context(), **extra()}
+        out = {**tap.context(), **extra()}
+        if pmodel.prefetcher is not None:        # guesses awaiting their use are evicted last (moe_prefetch)
+            out["expected"] = pmodel.prefetcher.expected()
+        return out
 
     pmodel = PooledModel(model, layout, store, [], tap, dev, root, owns_pools=shared_pool is None)
     pools = {None: shared_pool} if shared_pool is not None else {}

@@ -35,6 +35,7 @@ class PrefetchStats:
     true_positive: int = 0      # predicted and then asked for
     actual: int = 0             # experts the predicted-for layers asked for
     issued: int = 0             # loads started (predicted and not in memory)
+    useful: int = 0             # of those, asked for by the layer they were loaded for (a read saved)
     dropped: int = 0            # no room at the time: not loaded
 
     @property
@@ -52,12 +53,26 @@ class _Prefetcher:
     def __init__(self, ids: dict[int, list[str]], pool_of: Callable[[str], Pool]) -> None:
         self._ids, self._pool_of = ids, pool_of
         self._pending: dict[int, set[int]] = {}
+        self._expected: dict[int, frozenset[str]] = {}   # per layer: the guesses awaiting their use
+        self._loaded: dict[int, set[int]] = {}             # per layer: the guesses this prefetcher read in
         self._lock = threading.Lock()
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="coe-expert-prefetch")
         self.stats = PrefetchStats()
 
+    def expected(self) -> frozenset[str]:
+        """Experts guessed for a layer that has not run since: every eviction policy keeps them last.
+
+        Without this a guess is an ordinary resident the moment it is in, and
+        the next load evicts it by recency or score before its use comes
+        (measured: hit rate fell from 84% to 77% with prefetch on).
+        """
+        with self._lock:
+            return frozenset().union(*self._expected.values()) if self._expected else frozenset()
+
     def _score(self, layer: int, actual: set[int]) -> None:
         with self._lock:
+            self._expected.pop(layer, None)      # the layer is running: its guesses were used or were wrong
+            self.stats.useful += len(self._loaded.pop(layer, set()) & actual)
             pred = self._pending.pop(layer, None)
             if pred is None:
                 return
@@ -69,6 +84,7 @@ class _Prefetcher:
         """Remember the guess for scoring; load its experts that are not in memory, unpinning each when in."""
         with self._lock:
             self._pending[layer] = guess
+            self._expected[layer] = frozenset(self._ids[layer][e] for e in guess)
         for e in sorted(guess):
             eid = self._ids[layer][e]
             pool = self._pool_of(eid)
@@ -79,6 +95,8 @@ class _Prefetcher:
                 self.stats.dropped += 1
                 continue
             self.stats.issued += 1
+            with self._lock:
+                self._loaded.setdefault(layer, set()).add(e)
             fut.add_done_callback(_unpin(pool))
 
     def close(self) -> None:

@@ -39,6 +39,10 @@ class PoolState:
     hook of an MoE model (`routing.moe_router`); vision pools leave them empty.
     `predicted` is a token-wise predictor's probability that the next token
     asks for each expert (`routing.moe_predictor.NextTokenScores`).
+    `expected` holds the experts a prefetcher loaded (or found resident) for a
+    use it expects next (`executors.moe_prefetch`): every policy evicts them
+    last, or a prefetch is undone by the next load before its use comes.
+    Vision pools leave it empty.
     """
 
     capacity: int
@@ -51,6 +55,7 @@ class PoolState:
     counts: Mapping[str, float] = field(default_factory=dict)
     gate_scores: Mapping[str, float] = field(default_factory=dict)
     predicted: Mapping[str, float] = field(default_factory=dict)
+    expected: frozenset[str] = frozenset()
 
     @property
     def used(self) -> int:
@@ -69,6 +74,9 @@ class EvictionPolicy(Protocol):
 
 
 def _evict_in_order(state: PoolState, need_bytes: int, order: list[Resident]) -> list[str] | None:
+    """Evict along `order` until `need_bytes` fit, pinned experts skipped and `expected` ones last (stable)."""
+    if state.expected:
+        order = sorted(order, key=lambda r: r.expert_id in state.expected)
     free = state.free
     if free >= need_bytes:
         return []

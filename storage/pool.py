@@ -392,7 +392,8 @@ class Pool:
             Resident(k, e.nbytes, e.loaded_seq, e.used_seq, e.pins > 0 or e.loading or k in keep)
             for k, e in self._entries.items()),
             self._probabilities, self._preliminaries, frozenset(ctx.get("queued", ())), ctx.get("future", ()),
-            incoming, ctx.get("counts", {}), ctx.get("gate_scores", {}), ctx.get("predicted", {}))
+            incoming, ctx.get("counts", {}), ctx.get("gate_scores", {}), ctx.get("predicted", {}),
+            frozenset(ctx.get("expected", ())))
 
     def _evict_locked(self, expert_id: str, incoming: str | None = None, *, stale: bool = False) -> PoolEvent:
         entry = self._entries.get(expert_id)

@@ -151,3 +151,34 @@ def test_training_picks_the_inputs_that_validate_better():
     assert set(np.unique(fit.seq)).isdisjoint(np.unique(val.seq)) and len(fit.seq) + len(val.seq) == len(cross.seq)
     fit1, val1 = validation_split(alone)                        # one prompt: split by position
     assert fit1.step.max() < val1.step.min()
+
+
+def test_guesses_awaiting_their_use_are_evicted_last_and_scored_when_their_layer_runs():
+    """A prefetched guess is not undone by the next load before its token comes (moe_prefetch.expected)."""
+    from executors.moe_prefetch import TokenPrefetcher
+    from storage.policies import PoolState, Resident, make_policy
+    from storage.pool import Pool
+    from storage.tracesim import SizeSource
+
+    residents = tuple(Resident(f"e{i}", 1, i, i) for i in range(4))        # e0 is the oldest and least used
+    for name in ("lru", "fifo", "lfu", "gate-score", "probability", "predicted"):
+        plain = make_policy(name).choose_victims(PoolState(4, residents), 1)
+        kept = make_policy(name).choose_victims(PoolState(4, residents, expected=frozenset(plain)), 1)
+        assert kept and kept != plain and not set(kept) & set(plain), name     # the guess stays, another goes
+        everything = frozenset(r.expert_id for r in residents)
+        assert make_policy(name).choose_victims(PoolState(4, residents, expected=everything), 1) == plain
+
+    trace = synthetic(POP, tokens=600, top_k=2, locality=0.8, seed=1)
+    pred = TokenPredictor.train(trace, features="same-layer")
+    ids = {layer: [f"m.L{layer:02d}.E{e:03d}" for e in range(trace.num_experts)] for layer in trace.layers}
+    pool = Pool("p", 100, make_policy("lru"), SizeSource({e: 1 for v in ids.values() for e in v}))
+    tp = TokenPrefetcher(pred, ids, lambda _: pool, m=2, min_prob=0.0)
+    layer = trace.layers[0]
+    scores = trace.probs[10:11, 0, :]
+    tp.on_router(layer, scores, np.array([[0, 1]]))
+    tp.close()
+    guessed = set(tp.expected())
+    assert len(guessed) == 2 and guessed <= set(ids[layer]) and guessed == set(pool.resident())
+    loaded = sorted(int(g[-3:]) for g in guessed)
+    tp._score(layer, {loaded[0]})                    # the next token's layer runs and asks for one of the two
+    assert tp.expected() == frozenset() and tp.stats.useful == 1 and tp.stats.issued == 2
