@@ -155,6 +155,9 @@ class Agent:
         self.exclusive = self.host_tier is not None and cfg.cpu_tier_mode == "exclusive"
         infos = {}
         self.links = None
+        # CPU pools whose victims move down into an exclusive host tier (cpu_victims_to_host_tier): pool name ->
+        # its HostReadSource, which checks the victim's dtype and version (only the front box's CPU pools)
+        self.cpu_demoters: dict[str, HostReadSource] = {}
         for slot in self.slots:
             ex = slot.ex
             if ex.node is not None:   # on another box: a Ray actor there holds the pool (edge_agent/cluster.py)
@@ -166,6 +169,8 @@ class Agent:
                 if self.host_tier is not None and cfg.cpu_reads_host_tier:   # RAM copies instead of SSD reads
                     source = HostReadSource(self.host_tier, source)
                     reads = source.compatible
+                    if self.exclusive and cfg.cpu_victims_to_host_tier:
+                        self.cpu_demoters[slot.name] = source
             else:  # a GPU pool loads through the shared host tier, or straight from SSD on unified memory
                 source = TierSource(self.host_tier or StoreSource(self.store, pin=True, method=cfg.expert_read,
                                                                   dtype=source_dtype(cfg.gpu_compute_dtype)),
@@ -523,14 +528,16 @@ class Agent:
         The host tier is filled last, with the most probable experts that no
         GPU pool holds: exclusive, so it starts as the next tier of the same
         ranking rather than a copy of the GPU pools (inclusive, it also keeps
-        the copies the GPU loads left in it).
+        the copies the GPU loads left in it).  It is the victim cache of the
+        CPU pools whose victims move down into it too (`cpu_demoters`), so
+        it holds none of theirs either, as the simulator starts it.
         """
         failed = self.failed.all()
         order = [e for e in sorted(self.model.experts, key=lambda e: -self.probabilities[e]) if e not in failed]
         loaded = initialize(list(self.pools.values()), order)
         if self.host_tier is not None:
-            loaded[self.host_tier.name] = initialize_tier(self.host_tier, [self.pools[n] for n in self.gpu_pools],
-                                                          order)
+            above = [self.pools[n] for n in [*self.gpu_pools, *self.cpu_demoters]]
+            loaded[self.host_tier.name] = initialize_tier(self.host_tier, above, order)
         return loaded
 
     def _socket(self, kind: int, endpoint: str, name: str) -> zmq.Socket:
@@ -753,14 +760,19 @@ class Agent:
         self.status.committed([v["frame_id"] for v in verdicts if v["verdict"] == "defect"], stored)
 
     def _on_pool_event(self, e: PoolEvent, executor: str | None) -> None:
-        """A pool loaded, evicted or admitted an expert: demote GPU victims, unbind, refresh costs, record.
+        """A pool loaded, evicted or admitted an expert: demote GPU and CPU victims, unbind, refresh costs, record.
 
         Runs before the evicting pool reuses the victim's buffer (see
         `Pool.acquire`), so the demotion copy reads the victim's own bytes.
+        The host tier's admit (and its own evictions) come back here with no
+        executor, so the scheduler's switch costs follow a demotion.
         """
         if e.event == "evict" and executor is not None:
-            if self.exclusive and executor in self.gpu_pools and not self._closing and not e.stale:
-                demote(e, self.host_tier)    # a promotion's stale copy is dropped, not kept in the host tier
+            if self.exclusive and not self._closing and not e.stale:   # a promotion's stale copy is dropped
+                if executor in self.gpu_pools:
+                    demote(e, self.host_tier)
+                elif executor in self.cpu_demoters:   # same dtype and current version only (HostReadSource)
+                    self.cpu_demoters[executor].demote(e)
             self._by_name[executor].on_evicted(e.value)
         scheduler = getattr(self, "scheduler", None)
         if scheduler is not None:   # where the expert lives changed: queued groups' switch costs follow

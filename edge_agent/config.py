@@ -195,6 +195,12 @@ class LineConfig(_Strict):
     cpu_reads_host_tier: bool = Field(
         True, description="CPU executors copy an expert the host tier holds (a RAM copy) instead of reading the "
                           "SSD, where both hold the same dtype; the host tier keeps its copy")
+    cpu_victims_to_host_tier: bool = Field(
+        False, description="with an exclusive host tier and cpu_reads_host_tier: a CPU executor's victim moves "
+                           "down into the host tier (a RAM copy), as a GPU victim does, where both hold the same "
+                           "dtype and it is the store's current version; false (the default): it is dropped and "
+                           "re-read from SSD.  Off by default: in simulation it gains on SSD-bound boards and loses "
+                           "3-5% on a compute-bound one (bench policy '+cpudemote')")
     expert_read: Literal["read", "mmap"] = Field("read", description="how tiers read expert files (bench/expert_load.py)")
     cpu_compute_dtype: Literal["float32", "bfloat16", "float16", "stored"] = Field(
         "float32", description="dtype CPU executors compute in: experts stored in another floating dtype are "

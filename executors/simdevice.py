@@ -12,7 +12,10 @@ when the classifier finishes).  Only time is simulated:
   run at c(m)/m of solo speed (processor sharing by the device's concurrency
   curve), a CPU's executors each own cores/n threads (c(n)/n);
 - with an exclusive host tier, GPU victims move down into it and promotions
-  leave it;
+  leave it; with `cpu_demote`, so do the victims of the CPU executors that
+  read it (storage.tiers.HostReadSource.demote), each charged one host copy
+  on the evicting executor's load (the agent copies RAM to RAM on that
+  executor's loader thread before its load);
 - as the real executor's Prefetcher does, once a batch's expert is in, the
   next group's expert starts loading while the batch computes (`prefetch`).
   Host-to-GPU copies and demotion copies do not contend with each other or
@@ -88,6 +91,8 @@ class SimSystem:
     cpu_host_reads: bool = False   # CPU executors on the front box copy what the host tier holds instead of reading
     #                                the SSD (storage.tiers.HostReadSource; assumes both hold one dtype); a remote
     #                                box's CPU executors read its SSD, as executors/remote.py does
+    cpu_demote: bool = False       # exclusive host tier: those CPU executors' victims move down into it, as GPU
+    #                                victims do (the agent's cpu_victims_to_host_tier)
 
     def __post_init__(self) -> None:
         if self.boxes < 1:
@@ -109,6 +114,8 @@ class SimSystem:
                  for d, ex in by_dev.items()]
         if self.host_tier:
             reads = ("; CPU executors copy from it" + (" on the front box" if self.boxes > 1 else "")
+                     + ("; their victims move down into it" if self.cpu_demote and self.host_mode == "exclusive"
+                        else "")
                      if self.cpu_host_reads and any(e.kind == "cpu" and e.box == 0 for e in self.executors) else "")
             parts.append(f"host tier {self.host_tier / 1e9:.2f} GB ({self.host_mode}{reads})")
         if self.boxes > 1:
@@ -140,6 +147,7 @@ class SimReport:
     switch_floor: int = 0         # experts the task uses that no executor pool held at the start: >= 1 load each
     aged: int = 0                 # batches the scheduler's age bound pulled forward
     stolen: int = 0               # groups an idle executor took over from another queue
+    cpu_demotions: int = 0        # CPU executors' victims moved down into the host tier (`cpu_demote`)
     resources: str = ""           # memory and executors of the system
     sustained_rate: float = 0.0   # highest steady arrival rate it sustains (bench --load), 0: not measured
     latency: dict = field(default_factory=dict)        # F -> p50/p99 at F x the sustained rate (bench --load)
@@ -298,13 +306,19 @@ def simulate(workload: Workload, profile: Profile, system: SimSystem, *, record_
         else:
             src = _SsdSource(model)
 
-        def on_event(e, name=ex.name, gpu=gpu, host=host) -> None:
+        # a CPU executor that reads the host tier moves its victims down into it too (HostReadSource.demote)
+        cpu_demote = system.cpu_demote and exclusive and isinstance(src, _HostReadSource)
+
+        def on_event(e, name=ex.name, gpu=gpu, host=host, src=src, cpu_demote=cpu_demote) -> None:
             if e.event == "evict":
                 ready.pop((name, e.expert_id), None)   # a prefetched expert evicted before its batch came
             if not box:
                 return
-            if gpu and exclusive and host is not None and e.event == "evict":
-                host.admit(e.expert_id, keep=(e.incoming,))   # a GPU victim moves down into the host tier
+            if exclusive and host is not None and e.event == "evict" and not e.stale:
+                if gpu:
+                    host.admit(e.expert_id, keep=(e.incoming,))   # a GPU victim moves down into the host tier
+                elif cpu_demote and host.admit(e.expert_id, keep=(e.incoming,)):
+                    src.loads.append((e.expert_id, "demote"))     # the RAM copy, timed on this executor's load
             box[0].refresh(e.expert_id, name)
 
         pools[ex.name] = Pool(ex.kind, ex.expert_memory, make_policy(system.eviction), src, name=ex.name,
@@ -352,17 +366,21 @@ def simulate(workload: Workload, profile: Profile, system: SimSystem, *, record_
     busy_time = {n: 0.0 for n in execs}
     running: dict[int, tuple] = {}   # job id -> (executor, batch, handle, dispatched at, work)
     ssd_busy = 0.0
-    ssd_loads = host_loads = batches = batched = 0
+    ssd_loads = host_loads = batches = batched = demotions = 0
     record: list[tuple] = []
     jobs = itertools.count()
     now = 0.0
 
     def read(name: str, start: float, loads: list[tuple[str, str]]) -> float:
         """Time the loads the pool just asked its source for, from `start`; returns when they are done."""
-        nonlocal ssd_busy, ssd_loads, host_loads
+        nonlocal ssd_busy, ssd_loads, host_loads, demotions
         t = start
         b = execs[name].box
         for expert_id, tier in loads:
+            if tier == "demote":   # a CPU victim copied down into the host tier: one host copy, not a load
+                t += costs.load_seconds(name, expert_id, "host")
+                demotions += 1
+                continue
             secs = costs.load_seconds(name, expert_id, tier)
             if tier == "ssd":
                 begin = max(t, ssd_free[b])
@@ -473,7 +491,7 @@ def simulate(workload: Workload, profile: Profile, system: SimSystem, *, record_
         busy_fraction=sum(busy_time.values()) / (makespan * len(execs)) if makespan else 0.0, order=record,
         sched_share=sched.decision_seconds / (makespan * len(execs)) if makespan else 0.0,
         manage_share=sum(p.stats().manage_seconds for p in pools.values()) / (makespan * len(execs))
-        if makespan else 0.0, ssd_busy=ssd_busy, aged=sched.aged, stolen=sched.stolen,
+        if makespan else 0.0, ssd_busy=ssd_busy, aged=sched.aged, stolen=sched.stolen, cpu_demotions=demotions,
         resources=system.resources(),
         switch_floor=sum(1 for e in uses(workload) if e not in in_pools))
 
@@ -576,7 +594,7 @@ def memory_limited_reads(workload: Workload, system: SimSystem, read: dict[str, 
     Every pool holds at most its capacity, loading entries included, so the
     distinct experts of H take at most C bytes.  An expert enters a tier only
     by an SSD read, or by a copy from a tier that holds it (host tier to GPU,
-    host tier to a CPU executor, a GPU victim moved down), so an x in N_t
+    host tier to a CPU executor, a GPU or CPU victim moved down), so an x in N_t
     that is not in H is read from SSD by a read issued at or after t, hence
     started at or after t.  Those reads are distinct (one expert each), each
     takes at least r_x, and one box's SSD reads one at a time, so with b

@@ -23,7 +23,13 @@ the host memory behind them.  How each spends it:
   own SSD, and the front box reaches the others over `link`.
 - Samba-CoE FIFO and Parallel, and CoServe's ablations (the paper's: none, em,
   em+ra; ours: -ssd, -steal, -exclusive, -age, -protect, -work, -hostread,
-  each CoServe with one lever off), change one knob each.
+  each CoServe with one lever off), change one knob each.  `+cpudemote` is
+  CoServe with a lever that is off by default turned on: the front box's CPU
+  executors' victims move down into the exclusive host tier too (the agent's
+  cpu_victims_to_host_tier; it needs their host reads, whose HostReadSource
+  checks the victim's dtype and version).  Off by default because it lost
+  3-5% in simulation on `-w A2 --types 250 --skew 1.0 --requests 4000`
+  (seeds 0-5) while gaining 0-19% on A1 A2 B1 B2 and three other boards.
 """
 from __future__ import annotations
 
@@ -34,7 +40,7 @@ from .profile import DeviceProfile, Profile
 from .simdevice import SimExecutor, SimSystem
 
 SYSTEMS = ("coserve", "coserve-paper", "samba", "samba-fifo", "samba-parallel", "none", "em", "em+ra",
-           "-ssd", "-steal", "-exclusive", "-age", "-protect", "-work", "-hostread")
+           "-ssd", "-steal", "-exclusive", "-age", "-protect", "-work", "-hostread", "+cpudemote")
 DEFAULT = SYSTEMS
 MAX_WAIT = 2.0   # seconds: CoServe's age bound in the benchmark (the agent's default, scheduler.max_wait)
 
@@ -105,9 +111,12 @@ def build_system(name: str, profile: Profile, *, init: str = "warm", boxes: int 
         "-age": (co, "coserve", "coserve", host, "exclusive", None),
         "-protect": (co, "coserve", "coserve-paper", host, "exclusive", MAX_WAIT),
         "-hostread": (co, "coserve", "coserve", host, "exclusive", MAX_WAIT),
+        "+cpudemote": (co, "coserve", "coserve", host, "exclusive", MAX_WAIT),
     }
     # CPU executors copy from the host tier: CoServe and every ablation but the one that turns it off
-    host_reads = name == "coserve" or (name.startswith("-") and name != "-hostread")
+    host_reads = name in ("coserve", "+cpudemote") or (name.startswith("-") and name != "-hostread")
+    # their victims move down into the exclusive host tier: only where that lever is turned on (off by default)
+    cpu_demote = name == "+cpudemote"
     try:
         execs, sched, evict, tier, mode, max_wait = table[name]
     except KeyError:
@@ -115,4 +124,5 @@ def build_system(name: str, profile: Profile, *, init: str = "warm", boxes: int 
     if boxes < 1:
         raise ValueError(f"boxes must be >= 1, got {boxes}")
     return SimSystem(name, on_boxes(execs, boxes), sched, evict, host_tier=tier, init=init, host_mode=mode,
-                     max_wait=max_wait, boxes=boxes, link=link if boxes > 1 else None, cpu_host_reads=host_reads)
+                     max_wait=max_wait, boxes=boxes, link=link if boxes > 1 else None, cpu_host_reads=host_reads,
+                     cpu_demote=cpu_demote)

@@ -19,7 +19,11 @@ copy into a pinned buffer, an evicted one of the same size when there is one).
 GPU and host memory together then hold more distinct experts.
 
 CPU executors read through the host tier too (`HostReadSource`): an expert
-the host tier holds is copied from RAM, not read from the shared SSD.
+the host tier holds is copied from RAM, not read from the shared SSD.  With
+an exclusive host tier a CPU executor's victim moves down into it as a GPU
+victim does (`HostReadSource.demote`, a RAM-to-RAM copy, pinned when the host
+tier pins): its next use, on a CPU executor or a GPU, is then a host copy
+instead of an SSD read.
 """
 from __future__ import annotations
 
@@ -221,6 +225,7 @@ class HostReadSource:
         self.host, self.fallback = host, fallback
         self.from_host = 0     # loads served by a copy of the host tier's copy
         self.from_ssd = 0      # loads read from the store
+        self.demoted = 0       # this CPU pool's victims moved down into the host tier (`demote`)
 
     def compatible(self, expert_id: str) -> bool:
         """True if the host tier's copy of `expert_id` has the bytes this CPU executor computes with."""
@@ -245,6 +250,33 @@ class HostReadSource:
             self.host.release(handle)
         self.from_host += 1
         return out
+
+    def demote(self, event: PoolEvent) -> bool:
+        """Move this CPU pool's victim (its evict `event`) down into the host tier; True if it was admitted.
+
+        The CPU pool's copy is a copy of what the host tier would hold only
+        where the dtypes agree (`compatible`), it is the store's current
+        version, at the host tier's size for it, and it is not a copy a
+        promotion replaced (`event.stale`); any other victim is dropped, as
+        before.  The copy is pinned when the host tier's own reads pin (a GPU
+        then promotes it with an asynchronous copy).  As `demote`, it never
+        raises: a victim cache may always decline.
+        """
+        value = event.value
+        if event.stale or getattr(value, "buffer", None) is None:
+            return False
+        try:
+            src = self.host.source
+            if not (self.compatible(event.expert_id) and self._current(event.expert_id, value)
+                    and value.nbytes == src.size(event.expert_id)):
+                return False
+        except Exception as exc:  # noqa: BLE001 - an expert the store no longer lists: dropped, as before
+            log.debug("not demoting '%s' from a CPU pool (%s: %s)", event.expert_id, type(exc).__name__, exc)
+            return False
+        if demote(event, self.host, pin=bool(getattr(src, "pin", False))):
+            self.demoted += 1
+            return True
+        return False
 
     def _current(self, expert_id: str, value) -> bool:
         """True if the host tier's `value` is the store's current version, at the size this pool reserved."""

@@ -591,3 +591,75 @@ def test_a_remote_boxs_cpu_executors_read_its_ssd_as_the_agent_does():
                        cpu_host_reads=True, boxes=2, link=Link(1e9, 0.0, "test"))
     rep = simulate(w, prof, system)
     assert rep.switches == 5 and rep.ssd_loads == 5 and rep.host_loads == 0
+
+
+# -- CPU victims move down into the exclusive host tier (cpu_victims_to_host_tier, `+cpudemote`) ------------
+
+@pytest.mark.parametrize("demote", [True, False])
+def test_a_cpu_victim_moves_down_into_the_host_tier_and_comes_back_without_an_ssd_read(demote):
+    """The toy above with a host tier one expert larger (e1 e2 e3 and room for one): e0, the CPU pool's first
+    victim, moves down, so its next use is a host copy; each admitted victim costs one host copy on the load
+    that evicted it.  Without the lever e0 is dropped and read from the SSD again."""
+    model = one_arch_model(4)
+    dev = DeviceProfile("cpu", "cpu", 10_000, executors=1, concurrency=(1.0,))
+    prof = toy_profile({"cpu": dev}, {"cpu": (0.1, 0.0, 4)}, load=1.0)
+    execs = (SimExecutor("cpu#0", "cpu", 9000, 1000),)
+    w = Workload(task("A1", requests=6), model,
+                 tuple(Arrival(3.0 * i, f"f{i}", f"c{i % 4}", False) for i in range(6)))
+    system = SimSystem("t", execs, "coserve", "coserve", host_tier=4000, init="warm", host_mode="exclusive",
+                       cpu_host_reads=True, cpu_demote=demote)
+    rep = simulate(w, prof, system, record_order=True)
+    ends = [round(end - 3.0 * i, 6) for i, (_, _, _, _, end) in enumerate(rep.order)]
+    assert rep.switches == 5
+    if demote:
+        # e1..e3 were in the host tier already (it keeps what it lends): only e0 is admitted
+        assert rep.cpu_demotions == 1 and rep.ssd_loads == 0 and rep.host_loads == 5
+        assert ends == [0.1, 0.3, 0.2, 0.2, 0.2, 0.2]   # e1's load also copied e0 down (0.1 s)
+        assert "their victims move down into it" in system.resources()
+    else:
+        assert rep.cpu_demotions == 0 and rep.ssd_loads == 1 and rep.host_loads == 4
+        assert ends == [0.1, 0.2, 0.2, 0.2, 1.1, 0.2]   # e0 read from the SSD again (1 s)
+        assert "victims" not in system.resources()
+
+
+def test_cpu_demotion_needs_an_exclusive_host_tier_the_cpu_executors_read():
+    model = one_arch_model(4)
+    dev = DeviceProfile("cpu", "cpu", 10_000, executors=1, concurrency=(1.0,))
+    prof = toy_profile({"cpu": dev}, {"cpu": (0.1, 0.0, 4)}, load=1.0)
+    w = Workload(task("A1", requests=6), model,
+                 tuple(Arrival(3.0 * i, f"f{i}", f"c{i % 4}", False) for i in range(6)))
+    for mode, reads in (("inclusive", True), ("exclusive", False)):
+        system = SimSystem("t", (SimExecutor("cpu#0", "cpu", 9000, 1000),), "coserve", "coserve", host_tier=4000,
+                           host_mode=mode, cpu_host_reads=reads, cpu_demote=True)
+        rep = simulate(w, prof, system)
+        assert rep.cpu_demotions == 0 and rep.ssd_loads == (1 if reads else 5)
+
+
+def test_only_the_cpudemote_system_moves_cpu_victims_down():
+    """Off by default (it lost 3-5% on a compute-bound board): only `+cpudemote`, which is CoServe otherwise."""
+    prof = Profile.load(GPU_CLASS)
+    on = {s for s in ("coserve", "coserve-paper", "samba", "samba-parallel", "em", "em+ra", "-hostread",
+                      "+cpudemote", "-work", "-ssd", "-exclusive")
+          if build_system(s, prof).cpu_demote and build_system(s, prof).host_mode == "exclusive"}
+    assert on == {"+cpudemote"}
+    from dataclasses import replace
+
+    assert replace(build_system("+cpudemote", prof), name="coserve", cpu_demote=False) == build_system("coserve", prof)
+
+
+def test_without_cpu_demotion_the_simulator_reproduces_the_numbers_from_before_the_lever():
+    """`coserve` (the lever off) is CoServe as it ran before CPU victims could move down: the same report, batch
+    for batch, as `+cpudemote` with the flag off, and the figures the simulator gave on this task before the
+    lever existed (measured on commit 09d1787; a change to the scheduler or pools moves them, the lever must
+    not)."""
+    from dataclasses import replace
+
+    prof = Profile.load(GPU_CLASS)
+    w = make_workload(task("A1", requests=600))
+    off = simulate(w, prof, build_system("coserve", prof), record_order=True)
+    flag = simulate(w, prof, replace(build_system("+cpudemote", prof), cpu_demote=False), record_order=True)
+    assert off.order == flag.order and off.makespan == flag.makespan and off.cpu_demotions == 0
+    assert (off.switches, off.ssd_loads, off.host_loads) == (142, 82, 60)
+    assert off.makespan == pytest.approx(27.4962, abs=1e-6) and off.p99_ms == pytest.approx(25387.2, abs=1e-3)
+    on = simulate(w, prof, build_system("+cpudemote", prof))
+    assert on.cpu_demotions > 0 and on.ssd_loads < off.ssd_loads   # the lever does move victims, and saves reads

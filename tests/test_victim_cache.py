@@ -208,6 +208,99 @@ def test_exclusive_init_puts_no_expert_in_both_tiers(store):
     assert t.ssd.reads == ["a", "b", "c", "d", "e", "X", "f"]            # each read once, none for both tiers
 
 
+# -- CPU victims move down too (cpu_victims_to_host_tier) --------------------------------------------------
+
+class CpuTiers:
+    """SSD -> host tier, and a CPU pool reading through it (HostReadSource) whose victims move down into it."""
+
+    def __init__(self, store, *, cpu_bytes: int, host_bytes: int, demote: bool = True, cpu_dtype="uniform") -> None:
+        self.host_ssd, self.cpu_ssd = CountingSource(store), CountingSource(store)
+        self.cpu_ssd.dtype = cpu_dtype
+        self.host = Pool("host", host_bytes, make_policy("lru"), self.host_ssd)
+        self.reader = tiers.HostReadSource(self.host, self.cpu_ssd)
+        self.demote = demote
+        self.demoted: list[tuple[str, bool]] = []
+        self.cpu = Pool("cpu", cpu_bytes, make_policy("lru"), self.reader, name="cpu", on_event=self._on_event)
+
+    def _on_event(self, e) -> None:
+        if e.event == "evict" and self.demote:
+            self.demoted.append((e.expert_id, self.reader.demote(e)))
+
+    def use(self, expert_id: str):
+        h = self.cpu.acquire(expert_id)
+        assert h is not None
+        assert torch.all(h.value.buffer.view(torch.float32) == FILL[expert_id])
+        self.cpu.release(h)
+        return h.value
+
+
+def test_a_cpu_victim_moves_down_and_its_next_cpu_load_is_a_host_copy(store):
+    t = CpuTiers(store, cpu_bytes=SMALL, host_bytes=2 * SMALL)
+    t.use("a")
+    t.use("b")                                                          # evicts a: it moves down
+    assert t.demoted == [("a", True)] and t.host.resident() == ["a"] and t.reader.demoted == 1
+    assert t.host.stats().admits == 1 and t.host.stats().misses == 0 and t.host_ssd.reads == []
+    a_host = held_value(t.host, "a")
+    assert torch.equal(a_host.buffer, store.read_flat("a").buffer) and a_host.version == store.entry("a").version
+    assert not a_host.buffer.is_pinned()                                # the host tier's reads do not pin here
+    assert t.cpu_ssd.reads == ["a", "b"]
+    t.use("a")                                                          # a host copy, not an SSD read
+    assert t.cpu_ssd.reads == ["a", "b"] and (t.reader.from_host, t.reader.from_ssd) == (1, 2)
+    assert "a" in t.host.resident() and sorted(t.host.resident()) == ["a", "b"]   # kept; b moved down too
+    # without the lever the victim is dropped and re-read from the SSD
+    off = CpuTiers(store, cpu_bytes=SMALL, host_bytes=2 * SMALL, demote=False)
+    for e in "aba":
+        off.use(e)
+    assert off.host.resident() == [] and off.cpu_ssd.reads == ["a", "b", "a"] and off.reader.from_host == 0
+
+
+def test_a_cpu_victim_is_pinned_when_the_host_tier_pins(store, monkeypatch):
+    t = CpuTiers(store, cpu_bytes=SMALL, host_bytes=2 * SMALL)
+    t.host_ssd.pin = True
+    seen = []
+    real = tiers.host_copy
+    monkeypatch.setattr(tiers, "host_copy", lambda src, reuse, *, pin: seen.append(pin) or real(src, reuse, pin=False))
+    t.use("a")
+    t.use("b")
+    assert seen == [True] and t.host.resident() == ["a"]
+
+
+def test_a_stale_or_other_dtype_cpu_victim_is_never_demoted(store, tmp_path):
+    # a promotion's replaced copy (its evict event is stale) is dropped, not kept in the host tier
+    t = CpuTiers(store, cpu_bytes=2 * SMALL, host_bytes=2 * SMALL)
+    t.use("a")
+    assert t.cpu.discard("a", when_free=True)
+    assert t.demoted == [("a", False)] and t.host.resident() == [] and t.host.stats().admits == 0
+    # a CPU executor computing in another dtype than the host tier holds: its copy is not the host's bytes
+    half = CpuTiers(store, cpu_bytes=SMALL // 2, host_bytes=4 * SMALL, cpu_dtype="float16")   # fp16: half the bytes
+    half.cpu.release(half.cpu.acquire("a"))
+    half.cpu.release(half.cpu.acquire("b"))
+    assert half.demoted == [("a", False)] and half.host.resident() == []
+    # the store's version changed since the CPU pool loaded it (a promotion not yet swept): dropped
+    own = ExpertStore(tmp_path / "own")
+    for eid in "ab":
+        own.write(Expert(eid, "torchvision/none", "classifier", ("a",), 32), {"w": torch.full((SMALL // 4,), FILL[eid])})
+    v = CpuTiers(own, cpu_bytes=SMALL, host_bytes=2 * SMALL)
+    v.use("a")
+    own.write(Expert("a", "torchvision/none", "classifier", ("a",), 32), {"w": torch.full((SMALL // 4,), 9.0)},
+              version=2)
+    own.reload()
+    v.cpu.release(v.cpu.acquire("b"))                                   # evicts a's v1
+    assert v.demoted == [("a", False)] and v.host.resident() == [] and v.host.stats().admits == 0
+    h = v.cpu.acquire("a")                                               # so the next load reads v2 from the SSD
+    assert h.value.version == 2 and float(h.value.buffer.view(torch.float32)[0]) == 9.0
+    assert v.reader.from_host == 0
+
+
+def test_a_cpu_victim_never_pushes_out_the_expert_the_cpu_pool_is_loading(store):
+    t = CpuTiers(store, cpu_bytes=SMALL, host_bytes=SMALL)
+    t.host.release(t.host.acquire("b"))                                 # the host holds b, the CPU pool a
+    t.use("a")
+    t.use("b")                                                          # a only fits by evicting b, coming up
+    assert t.demoted == [("a", False)] and t.host.resident() == ["b"]
+    assert t.reader.from_host == 1 and t.cpu_ssd.reads == ["a"]         # b was still copied from the host tier
+
+
 # -- the agent's wiring, with the GPU swapped for 'cpu' -------------------------------------------------
 
 class _Writer:
@@ -240,12 +333,12 @@ def cpu_gpu_agent(tmp_path, tiny_zoo, monkeypatch):
 
     made = []
 
-    def make(mode: str, cpu_tier: str):
-        store = tmp_path / f"experts-{mode}"
+    def make(mode: str, cpu_tier: str, executors: list | None = None, tag: str = "", **extra):
+        store = tmp_path / f"experts-{mode}{tag}"
         shutil.copytree(tiny_zoo, store)
-        path = write_line(tmp_path / mode, store=store, cpu_tier=cpu_tier, cpu_tier_mode=mode,
-                          executors=[{"device": "cuda:0", "count": 1, "memory": "40MB", "expert_memory": "30MB",
-                                      "prefetch": False}])
+        path = write_line(tmp_path / f"{mode}{tag}", store=store, cpu_tier=cpu_tier, cpu_tier_mode=mode,
+                          executors=executors or [{"device": "cuda:0", "count": 1, "memory": "40MB",
+                                                   "expert_memory": "30MB", "prefetch": False}], **extra)
         agent = agent_mod.Agent(load_config(path, env={}))
         agent.writer = _Writer()           # pool events are recorded without starting the writer thread
         made.append(agent)
@@ -286,3 +379,43 @@ def test_agent_inclusive_mode_keeps_the_paper_tier(cpu_gpu_agent):
     agent._initialize()
     assert set(gpu.resident()) <= set(host.resident())                   # every GPU load left a copy
     assert host.stats().admits == 0
+
+
+GPU_AND_CPU = [{"device": "cuda:0", "count": 1, "memory": "40MB", "expert_memory": "30MB", "prefetch": False},
+               {"device": "cpu", "count": 1, "memory": "20MB", "expert_memory": "13MB", "prefetch": False,
+                "threads": 1}]
+
+
+@pytest.mark.parametrize("lever", [True, False])
+def test_agent_moves_cpu_victims_into_the_host_tier_and_the_scheduler_sees_it(cpu_gpu_agent, lever):
+    agent = cpu_gpu_agent("exclusive", "20MB", executors=GPU_AND_CPU, tag=str(lever),
+                          cpu_victims_to_host_tier=lever)
+    cpu_name = next(n for n in agent.pools if n.startswith("cpu"))
+    cpu, host = agent.pools[cpu_name], agent.host_tier
+    assert (cpu_name in agent.cpu_demoters) is lever
+    agent._initialize()
+    refreshed = []
+    real_refresh = agent.scheduler.refresh
+    agent.scheduler.refresh = lambda eid, ex=None: refreshed.append((eid, ex)) or real_refresh(eid, ex)
+    on_cpu, in_host = set(cpu.resident()), set(host.resident())
+    missing = next(e for e in sorted(agent.model.experts, key=lambda e: -agent.probabilities[e])
+                   if e not in on_cpu and e not in in_host and agent.store.nbytes(e) <= cpu.capacity)
+    agent.writer.events.clear()
+    cpu.release(cpu.acquire(missing))                                   # evicts CPU victims
+    victims = [r["expert_id"] for r in agent.writer.events if r["tier"] == "cpu" and r["event"] == "evict"]
+    admitted = [r["expert_id"] for r in agent.writer.events if r["tier"] == "host" and r["event"] == "admit"]
+    assert victims
+    if not lever:   # today's rule: a CPU victim is dropped (the host tier may hold it from its start)
+        assert admitted == [] and host.stats().admits == 0
+        return
+    assert not on_cpu & in_host                                         # it started with none of the CPU pool's
+    assert admitted and set(admitted) <= set(victims) and agent.cpu_demoters[cpu_name].demoted == len(admitted)
+    assert host.used_bytes() <= host.capacity
+    back = next(v for v in admitted if v in host.resident())
+    assert (back, None) in refreshed                                    # every executor's switch cost follows
+    assert agent.costs.tier_of(cpu_name, back) == "host"                # priced as a host copy, not an SSD read
+    reader = agent.cpu_demoters[cpu_name]
+    ssd_before, host_before = reader.from_ssd, reader.from_host
+    cpu.release(cpu.acquire(back))
+    assert (reader.from_ssd, reader.from_host) == (ssd_before, host_before + 1)
+    assert back in host.resident()                                      # a CPU read leaves the host copy
