@@ -528,17 +528,23 @@ def test_the_next_groups_expert_loads_while_a_batch_computes():
     assert ends[True] == pytest.approx({"e0": 3.0, "e1": 4.0})    # e1's read ran during e0's batch
 
 
-@pytest.mark.parametrize("reads", [True, False])
-def test_cpu_executors_copy_what_the_host_tier_holds_instead_of_reading_the_ssd(reads):
-    """One CPU executor with room for one expert (e0 at start); the warm host tier holds the other three.
-    Requests e0 e1 e2 e3 e0 e1: copying from the host tier turns every switch into a RAM copy but e0's (a CPU
-    victim does not move down, so only the SSD has it); without it each switch reads the SSD."""
+def _one_cpu_executor_toy():
+    """One CPU executor with room for one of 4 one-arch experts; requests e0 e1 e2 e3 e0 e1, 3 s apart."""
     model = one_arch_model(4)
     dev = DeviceProfile("cpu", "cpu", 10_000, executors=1, concurrency=(1.0,))
     prof = toy_profile({"cpu": dev}, {"cpu": (0.1, 0.0, 4)}, load=1.0)
     execs = (SimExecutor("cpu#0", "cpu", 9000, 1000),)
     w = Workload(task("A1", requests=6), model,
                  tuple(Arrival(3.0 * i, f"f{i}", f"c{i % 4}", False) for i in range(6)))
+    return prof, execs, w
+
+
+@pytest.mark.parametrize("reads", [True, False])
+def test_cpu_executors_copy_what_the_host_tier_holds_instead_of_reading_the_ssd(reads):
+    """One CPU executor with room for one expert (e0 at start); the warm host tier holds the other three.
+    Requests e0 e1 e2 e3 e0 e1: copying from the host tier turns every switch into a RAM copy but e0's (a CPU
+    victim does not move down, so only the SSD has it); without it each switch reads the SSD."""
+    prof, execs, w = _one_cpu_executor_toy()
     system = SimSystem("t", execs, "coserve", "coserve", host_tier=3000, init="warm", host_mode="exclusive",
                        cpu_host_reads=reads)
     rep = simulate(w, prof, system)
@@ -600,12 +606,7 @@ def test_a_cpu_victim_moves_down_into_the_host_tier_and_comes_back_without_an_ss
     """The toy above with a host tier one expert larger (e1 e2 e3 and room for one): e0, the CPU pool's first
     victim, moves down, so its next use is a host copy; each admitted victim costs one host copy on the load
     that evicted it.  Without the lever e0 is dropped and read from the SSD again."""
-    model = one_arch_model(4)
-    dev = DeviceProfile("cpu", "cpu", 10_000, executors=1, concurrency=(1.0,))
-    prof = toy_profile({"cpu": dev}, {"cpu": (0.1, 0.0, 4)}, load=1.0)
-    execs = (SimExecutor("cpu#0", "cpu", 9000, 1000),)
-    w = Workload(task("A1", requests=6), model,
-                 tuple(Arrival(3.0 * i, f"f{i}", f"c{i % 4}", False) for i in range(6)))
+    prof, execs, w = _one_cpu_executor_toy()
     system = SimSystem("t", execs, "coserve", "coserve", host_tier=4000, init="warm", host_mode="exclusive",
                        cpu_host_reads=True, cpu_demote=demote)
     rep = simulate(w, prof, system, record_order=True)
