@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -121,7 +122,9 @@ class PooledModel:
         past = None
         nxt = ids
         eos = _eos_ids(self.model)
-        with loader_friendly_threads(self.device.type):     # one core left to the expert loads (moe_threads)
+        # one core left to the expert loads (moe_threads); not in the line agent (shared pools), whose vision
+        # executors' threads would take the lower count as their default
+        with loader_friendly_threads(self.device.type) if self.owns_pools else nullcontext():
             for _ in range(max_new_tokens):
                 res = self.model(input_ids=nxt, past_key_values=past, use_cache=True)
                 past = res.past_key_values

@@ -30,17 +30,30 @@ def compute_threads(cores: int, device_type: str, current: int) -> int:
     return max(1, min(current, cores - 1))
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity), not the host's count: a container pinned to 2 CPUs of
+    a 64-core host has 2."""
+    try:
+        return len(os.sched_getaffinity(0)) or 1
+    except (AttributeError, OSError):
+        return os.cpu_count() or 1
+
+
 @contextmanager
 def loader_friendly_threads(device_type: str) -> Iterator[int]:
     """Run the block with `compute_threads` intra-op threads on this thread; the previous count comes back after.
 
-    torch's setting is per calling thread under OpenMP (and the default of
-    threads started meanwhile), so the block's own thread is the one to set.
+    torch's setting is the calling thread's under OpenMP, but it is also the
+    default a thread takes at its first torch call, so a thread that starts
+    computing during the block keeps the lower count.  Use it only where the
+    process computes for this model alone (`generate` of a model that owns
+    its pools, a benchmark's trace decode), never inside the line agent,
+    whose executors' threads must keep the agent's count.
     """
     import torch
 
     before = torch.get_num_threads()
-    n = compute_threads(os.cpu_count() or 1, device_type, before)
+    n = compute_threads(usable_cores(), device_type, before)
     if n != before:
         torch.set_num_threads(n)
     try:

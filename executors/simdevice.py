@@ -20,6 +20,12 @@ when the classifier finishes).  Only time is simulated:
   next group's expert starts loading while the batch computes (`prefetch`).
   Host-to-GPU copies and demotion copies do not contend with each other or
   with compute (PCIe is not modelled), and a demotion takes no time;
+- a pool and the host tier change when a load is issued, while its SSD read
+  may still be queued: a copy from the host tier (to a GPU, or a CPU
+  executor's host read) starts no earlier than the host tier's copy is there:
+  the end of the SSD read that filled it (inclusive), or, for a victim moved
+  down, when the victim's own copy had landed (a GPU victim at once; a CPU
+  victim once its RAM copy is made).  The copying executor waits for it;
 - an expert stored compressed (`stored`) takes `ProfileCosts.load_seconds`
   from SSD: max(stored bytes / disk, decoded bytes / decode) plus the
   profiled rest of the load.  It holds the SSD channel for all of that, as a
@@ -278,6 +284,11 @@ def simulate(workload: Workload, profile: Profile, system: SimSystem, *, record_
     clock = [0.0]
     box: list[Scheduler] = []
     ready: dict[tuple[str, str], float] = {}   # (executor, expert) -> when its prefetch lands
+    # (box, expert) -> when the host tier's copy is there to copy from: the end of the SSD read that filled it,
+    # or when a victim moved down landed (a pool and the host tier change when a load is issued, its read may
+    # still be queued on the SSD); absent: there from the start
+    avail: dict[tuple[int, str], float] = {}
+    demoting: dict[tuple[str, str], float] = {}   # (executor, CPU victim moving down) -> when its own copy landed
     hosts: dict[int, Pool] = {}   # box -> its host tier
     if system.host_tier:
         for b in range(system.boxes):
@@ -309,16 +320,19 @@ def simulate(workload: Workload, profile: Profile, system: SimSystem, *, record_
         # a CPU executor that reads the host tier moves its victims down into it too (HostReadSource.demote)
         cpu_demote = system.cpu_demote and exclusive and isinstance(src, _HostReadSource)
 
-        def on_event(e, name=ex.name, gpu=gpu, host=host, src=src, cpu_demote=cpu_demote) -> None:
-            if e.event == "evict":
-                ready.pop((name, e.expert_id), None)   # a prefetched expert evicted before its batch came
+        def on_event(e, name=ex.name, gpu=gpu, host=host, src=src, cpu_demote=cpu_demote, b=ex.box) -> None:
+            landed = 0.0
+            if e.event == "evict":   # a prefetched expert evicted before its batch came: when its copy lands
+                landed = ready.pop((name, e.expert_id), 0.0)
             if not box:
                 return
             if exclusive and host is not None and e.event == "evict" and not e.stale:
                 if gpu:
-                    host.admit(e.expert_id, keep=(e.incoming,))   # a GPU victim moves down into the host tier
+                    if host.admit(e.expert_id, keep=(e.incoming,)):   # a GPU victim moves down into the host tier
+                        avail[(b, e.expert_id)] = max(clock[0], landed)   # no time, once the GPU's copy is in
                 elif cpu_demote and host.admit(e.expert_id, keep=(e.incoming,)):
                     src.loads.append((e.expert_id, "demote"))     # the RAM copy, timed on this executor's load
+                    demoting[(name, e.expert_id)] = landed
             box[0].refresh(e.expert_id, name)
 
         pools[ex.name] = Pool(ex.kind, ex.expert_memory, make_policy(system.eviction), src, name=ex.name,
@@ -372,13 +386,19 @@ def simulate(workload: Workload, profile: Profile, system: SimSystem, *, record_
     now = 0.0
 
     def read(name: str, start: float, loads: list[tuple[str, str]]) -> float:
-        """Time the loads the pool just asked its source for, from `start`; returns when they are done."""
+        """Time the loads the pool just asked its source for, from `start`; returns when they are done.
+
+        A copy from the host tier starts no earlier than the host tier's copy is there (`avail`); an SSD read
+        into an inclusive host tier makes its copy available when the read ends."""
         nonlocal ssd_busy, ssd_loads, host_loads, demotions
         t = start
         b = execs[name].box
+        src = sources[name]
+        fills_host = isinstance(src, _TierSource) and src.host is not None and not src.exclusive
         for expert_id, tier in loads:
             if tier == "demote":   # a CPU victim copied down into the host tier: one host copy, not a load
-                t += costs.load_seconds(name, expert_id, "host")
+                t = max(t, demoting.pop((name, expert_id), 0.0)) + costs.load_seconds(name, expert_id, "host")
+                avail[(b, expert_id)] = t
                 demotions += 1
                 continue
             secs = costs.load_seconds(name, expert_id, tier)
@@ -387,8 +407,10 @@ def simulate(workload: Workload, profile: Profile, system: SimSystem, *, record_
                 t = ssd_free[b] = begin + secs
                 ssd_busy += secs
                 ssd_loads += 1
+                if fills_host:
+                    avail[(b, expert_id)] = t
             else:
-                t += secs
+                t = max(t, avail.get((b, expert_id), 0.0)) + secs
                 host_loads += 1
         return t
 
@@ -613,7 +635,9 @@ def memory_limited_reads(workload: Workload, system: SimSystem, read: dict[str, 
     last = last_needed(workload)
     capacity = sum(e.expert_memory for e in system.executors) + system.host_tier * system.boxes
     # densest first: the fractional knapsack keeps the most read seconds per byte
-    items = sorted(((read[e] / max(model.experts[e].nbytes, 1), model.experts[e].nbytes, read[e], last[e])
+    # (an expert of no bytes takes no room: any set keeps it, so it comes first and is kept whole)
+    items = sorted(((read[e] / model.experts[e].nbytes if model.experts[e].nbytes > 0 else float("inf"),
+                     model.experts[e].nbytes, read[e], last[e])
                     for e in last if read.get(e, 0.0) > 0), reverse=True)
     best = 0.0
     for t in sorted({t for *_, t in items}):
@@ -622,7 +646,9 @@ def memory_limited_reads(workload: Workload, system: SimSystem, read: dict[str, 
             if needed < t:
                 continue
             total += r
-            if room > 0:
+            if nbytes <= 0:
+                kept += r
+            elif room > 0:
                 take = min(float(nbytes), room)
                 kept += density * take
                 room -= take

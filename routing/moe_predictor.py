@@ -12,9 +12,10 @@ the latest router scores of every layer, which are token t's for layers <= j
 and token t-1's for the layers after j.  That is all a decode step knows at
 that moment, so the prediction still has the rest of token t to load in.
 On the trained model's held-out trace it found 0.71 of the next token's
-experts in its top-k against 0.65 for `same-layer` (token t's scores at layer
+experts in its top-k against 0.69 for `same-layer` (token t's scores at layer
 j alone, SMoE's input and this predictor's first form, still read from older
-files).  Training picks one of the two by validation on a fifth of its prompts
+files) trained the same way, and 0.65 for the first form's unstandardised
+training.  Training picks one of the two by validation on a fifth of its prompts
 (`choose_features`).  Inputs are standardised by the training set's mean and
 deviation.
 
@@ -53,7 +54,10 @@ def inputs(trace: Trace, rows: np.ndarray, j: int, features: str) -> np.ndarray:
     if features != "freshest":
         raise CoEError(f"predictor features must be one of {', '.join(FEATURES)}, got {features!r}")
     rows = np.asarray(rows)
-    has_prev = (rows > 0) & (trace.seq[np.maximum(rows - 1, 0)] == trace.seq[rows])
+    # a prompt token's later layers have not run when its layer j routes (the prefill runs layer by layer over
+    # the whole prompt): uniform there, as a live prefill leaves them (`LiveInputs`); a decode token's are the
+    # previous token's
+    has_prev = (rows > 0) & (trace.seq[np.maximum(rows - 1, 0)] == trace.seq[rows]) & (trace.step[rows] > 0)
     prev = np.where(has_prev[:, None, None], probs[np.maximum(rows - 1, 0)], 1.0)   # none yet: uniform
     return np.concatenate([probs[rows, :j + 1], prev[:, j + 1:]], axis=1).reshape(len(rows), -1)
 
@@ -71,7 +75,7 @@ def validation_split(trace: Trace, share: float = 0.2) -> tuple[Trace, Trace]:
     """(fit, validation): the last `share` of the prompts, or of the tokens when the trace is one prompt."""
     seqs = np.unique(trace.seq)
     if len(seqs) >= 2:
-        cut = seqs[max(1, int(round(len(seqs) * (1 - share)))) - 1]
+        cut = seqs[min(len(seqs) - 1, max(1, int(round(len(seqs) * (1 - share))))) - 1]   # both parts non-empty
         fit = trace.seq <= cut
     else:
         fit = np.arange(len(trace.seq)) < int(len(trace.seq) * (1 - share))
@@ -102,12 +106,19 @@ class LiveInputs:
         self._latest = np.full((len(predictor.layers), E), float(E) / E)       # uniform x E = 1
 
     def observe(self, layer: int, probs) -> np.ndarray | None:
-        """[1, F] for a prediction at `layer` after this call; None for a layer the predictor does not know."""
+        """[1, F] for a prediction at `layer` after this call; None for a layer the predictor does not know.
+
+        A call of several tokens is a prefill: the layers after it have not
+        seen this prompt yet, so they read as uniform (what training gives a
+        prompt token), not as the previous prompt's last token.
+        """
         j = self._index.get(layer)
         if j is None:
             return None
-        row = np.asarray(probs, dtype=np.float64).reshape(-1, self._latest.shape[1])[-1]
-        self._latest[j] = row * self._latest.shape[1]
+        rows = np.asarray(probs, dtype=np.float64).reshape(-1, self._latest.shape[1])
+        if len(rows) > 1:
+            self._latest[j + 1:] = 1.0
+        self._latest[j] = rows[-1] * self._latest.shape[1]
         if self.features == "same-layer":
             return self._latest[j][None, :]
         return self._latest.reshape(1, -1).copy()      # layers <= j: this token's; after j: the previous token's
@@ -228,6 +239,8 @@ class TokenPredictor:
                 meta = json.loads((f.metadata() or {}).get("coe", "{}"))
                 W, b = f.get_tensor("W"), f.get_tensor("b")
                 names = set(f.keys())
+                if len(names & {"mu", "sd"}) == 1:
+                    raise ValueError("it holds one of mu and sd without the other")
                 mu, sd = (f.get_tensor("mu"), f.get_tensor("sd")) if {"mu", "sd"} <= names else (None, None)
         except FileNotFoundError:
             raise CoEError(f"{src}: predictor not found") from None

@@ -182,3 +182,26 @@ def test_guesses_awaiting_their_use_are_evicted_last_and_scored_when_their_layer
     loaded = sorted(int(g[-3:]) for g in guessed)
     tp._score(layer, {loaded[0]})                    # the next token's layer runs and asks for one of the two
     assert tp.expected() == frozenset() and tp.stats.useful == 1 and tp.stats.issued == 2
+
+
+def test_a_prefill_leaves_the_later_layers_uniform_as_training_does_and_two_prompts_still_validate(tmp_path):
+    from routing.moe_predictor import choose_features, validation_split
+
+    trace = _decode_trace(120, 0.5, 3, cross=False)                   # prompts of 50 tokens: step 0 is the prompt
+    pred = TokenPredictor.train(trace, features="freshest")
+    live = LiveInputs(pred)
+    for j, layer in enumerate(trace.layers):                          # a previous prompt's decode left its scores
+        live.observe(layer, trace.probs[70:71, j, :])
+    prompt = np.flatnonzero(trace.step == 0)[:1]                      # a one-token prompt, as a prefill of 2 rows
+    got = live.observe(trace.layers[0], np.repeat(trace.probs[prompt, 0, :], 2, axis=0))
+    assert np.allclose(got, inputs(trace, prompt, 0, "freshest"))    # layers after 0: uniform, not the old prompt
+    two = trace.rows(np.flatnonzero(trace.seq <= 1))                   # two prompts: each part gets one
+    fit, val = validation_split(two)
+    assert len(np.unique(fit.seq)) == 1 and len(np.unique(val.seq)) == 1
+    assert choose_features(two) in ("freshest", "same-layer")
+    from safetensors.numpy import save_file
+    half = {"W": pred.W.astype(np.float32), "b": pred.b.astype(np.float32), "mu": pred.mu.astype(np.float32)}
+    save_file(half, str(tmp_path / "half"), metadata={"coe": __import__("json").dumps(
+        {"format": "coe-edge/moe-token-predictor", "layers": list(pred.layers), "top_k": 2, "features": "freshest"})})
+    with pytest.raises(CoEError, match="one of mu and sd"):
+        TokenPredictor.load(tmp_path / "half")

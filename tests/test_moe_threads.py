@@ -27,7 +27,7 @@ def test_generate_computes_with_fewer_threads_and_gives_them_back(monkeypatch, t
     from executors.moe_model import load_pooled
     from storage.llm_import import import_checkpoint
 
-    monkeypatch.setattr(moe_threads.os, "cpu_count", lambda: 3)
+    monkeypatch.setattr(moe_threads, "usable_cores", lambda: 3)
     build("mixtral", tmp_path / "hf")
     layout = import_checkpoint(tmp_path / "hf", tmp_path / "store")
     pm = load_pooled(tmp_path / "store", memory=layout.layers[0].expert_nbytes * (layout.top_k + 1), policy="lru")
@@ -40,6 +40,13 @@ def test_generate_computes_with_fewer_threads_and_gives_them_back(monkeypatch, t
         assert len(tokens) >= 1
         assert seen and set(seen) == {2}           # 3 cores: two compute, one for the loads
         assert torch.get_num_threads() == 3        # and the caller's setting is back afterwards
+        # a model on the line agent's shared pools leaves the agent's thread count alone (its executors'
+        # threads would take a lowered count as their default)
+        pm.owns_pools = False
+        seen.clear()
+        pm.generate(torch.tensor([[5, 6, 7]]), 2)
+        assert seen and set(seen) == {3}
     finally:
+        pm.owns_pools = True
         torch.set_num_threads(before)
         pm.close()
