@@ -210,6 +210,73 @@ def test_no_schedule_beats_the_memory_limited_bound(seed, skew, share, interval,
     assert rep.lower_bound <= rep.makespan + 1e-9
 
 
+def _two_gpus_and_a_cpu(gpu: int, cpu: int, host: int, mode: str, policy: str = "coserve", init: str = "cold",
+                        cpu_demote: bool = False) -> SimSystem:
+    cls = 175_000_000   # the largest expert: every pool fits any one expert
+    execs = (SimExecutor("cuda:0#0", "cuda:0", 12_000_000_000, gpu * cls),
+             SimExecutor("cuda:0#1", "cuda:0", 12_000_000_000, gpu * cls),
+             SimExecutor("cpu#0", "cpu", 2_000_000_000, cpu * cls))
+    return SimSystem("t", execs, policy, "coserve", host_tier=host * cls, host_mode=mode, init=init,
+                     max_wait=2.0 if policy == "coserve" else None, cpu_host_reads=policy == "coserve",
+                     cpu_demote=cpu_demote)
+
+
+def test_a_host_copy_waits_for_the_ssd_read_that_fills_the_host_tier():
+    """The reviewer's case: with an inclusive host tier, cuda:0#1 prefetches det-0 at 3.53, its SSD read
+    queued behind the others (4.602 -> 4.798); the host tier held det-0 from 3.53 on, and cuda:0#0 copied it
+    from there at 4.03, before its bytes existed, so the task ended at 4.7325, under the bound 4.798 (term
+    (c): every SSD read, back to back).  The copy must wait for the read."""
+    prof = Profile.load(GPU_CLASS)
+    system = _two_gpus_and_a_cpu(3, 1, 6, "inclusive")
+    w = make_workload(task("A1", requests=60, types=10, skew=1.151147116920415,
+                           detector_share=0.9147129390125314, seed=135776, interval=0.004))
+    rep = simulate(w, prof, system, record_order=True)
+    assert rep.lower_bound == pytest.approx(4.798)
+    assert rep.makespan >= rep.lower_bound - 1e-9
+    det0 = [end for _, expert, _, _, end in rep.order if expert == "det-0"]
+    assert det0 and min(det0) >= 4.798 - 1e-9   # det-0's only SSD read ends at 4.798: no batch has it before
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 10_000), skew=st.floats(0.3, 1.6), share=st.floats(0.3, 1.0),
+       interval=st.sampled_from([0.004, 0.05]), gpu=st.integers(1, 4), host=st.integers(1, 8),
+       policy=st.sampled_from(["coserve", "coserve-paper"]), mode=st.sampled_from(["exclusive", "inclusive"]),
+       init=st.sampled_from(["cold", "warm"]), cpu_demote=st.booleans())
+def test_no_schedule_on_two_gpu_executors_and_a_cpu_beats_the_bound(seed, skew, share, interval, gpu, host,
+                                                                    policy, mode, init, cpu_demote):
+    """Two GPU executors and a CPU executor share a host tier (inclusive or exclusive, GPU and CPU victims
+    moving down): one executor may copy from the host tier what another's queued read put there, which must
+    not make the schedule beat the bound."""
+    prof = Profile.load(GPU_CLASS)
+    system = _two_gpus_and_a_cpu(gpu, 1, host, mode, policy, init, cpu_demote)
+    w = make_workload(task("A1", requests=60, types=10, skew=skew, detector_share=share, seed=seed,
+                           interval=interval))
+    rep = simulate(w, prof, system)
+    assert rep.lower_bound <= rep.makespan + 1e-9
+
+
+@pytest.mark.parametrize("seed", [135776, 1, 2, 3])
+@pytest.mark.parametrize("mode", ["inclusive", "exclusive"])
+def test_no_schedule_on_two_gpu_executors_and_a_cpu_beats_the_bound_at_these_seeds(seed, mode):
+    prof = Profile.load(GPU_CLASS)
+    w = make_workload(task("A1", requests=60, types=10, skew=1.151147116920415,
+                           detector_share=0.9147129390125314, seed=seed, interval=0.004))
+    rep = simulate(w, prof, _two_gpus_and_a_cpu(3, 1, 6, mode, cpu_demote=mode == "exclusive"))
+    assert rep.lower_bound <= rep.makespan + 1e-9
+
+
+def test_memory_limited_reads_keeps_an_expert_of_no_bytes_for_free():
+    """An expert that takes no room stays resident in any set: its read is never forced after t."""
+    model = one_arch_model(2)
+    model = CoEModel("toy", {**model.experts, "e1": Expert("e1", ARCH, "classifier", ("ok", "defect"), 64,
+                                                           nbytes=0)}, model.components)
+    w = toy_workload(model, ["c0", "c1"])
+    none = SimSystem("t", (SimExecutor("cuda:0#0", "cuda:0", 9000, 0),), "coserve", "coserve")
+    one = SimSystem("t", (SimExecutor("cuda:0#0", "cuda:0", 9000, 1000),), "coserve", "coserve")
+    assert memory_limited_reads(w, none, {"e0": 1.0, "e1": 2.0}) == pytest.approx(1.0)   # e1 kept, e0 read
+    assert memory_limited_reads(w, one, {"e0": 1.0, "e1": 2.0}) == pytest.approx(0.0)    # both kept
+
+
 # -- the scheduler's predictions ------------------------------------------------------------------
 
 def req(expert: str, i: int = 0) -> Request:
