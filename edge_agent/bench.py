@@ -194,9 +194,25 @@ def activation_reserves(model, profile: Profile | None, default_max_batch: int =
     return int(big), int(one)
 
 
+def gpu_real_systems(gpu: str, memory: int, host: int, reserves: tuple[int, int]) -> dict[str, SimSystem]:
+    """A GPU box's systems with the same memory: CoServe gets a GPU executor and a CPU executor of `memory`
+    each and a pinned host tier of `host` (exclusive, CPU host reads); Samba-CoE (FCFS, LRU) the GPU executor
+    and, as host tier, all the CPU memory CoServe uses (`host` + its CPU executor's), as in the simulator."""
+    big, one = reserves
+    co = (SimExecutor(f"{gpu}#0", gpu, memory, memory - big), SimExecutor("cpu#0", "cpu", memory, memory - big))
+    return {"coserve": SimSystem("coserve", co, "coserve", "coserve", host_tier=host, host_mode="exclusive",
+                                 max_wait=MAX_WAIT, cpu_host_reads=True),
+            "samba": SimSystem("samba", (SimExecutor(f"{gpu}#0", gpu, memory, memory - one),), "fcfs", "lru",
+                               host_tier=host + memory, host_mode="inclusive")}
+
+
 def run_real(data_dir: Path, *, requests: int = 600, types: int = 24, memory: int = 400_000_000,
-             seed: int = 0, repeats: int = 1, progress=print) -> tuple[list[list[SimReport]], dict]:
-    """CoServe and Samba-CoE on real resnet18/yolov8n experts, cold SSD loads, side by side, `repeats` times."""
+             seed: int = 0, repeats: int = 1, device: str = "cpu", host: int = 400_000_000,
+             progress=print) -> tuple[list[list[SimReport]], dict]:
+    """CoServe and Samba-CoE on real resnet18/yolov8n experts, cold SSD loads, side by side, `repeats` times.
+
+    On a CUDA `device`, `gpu_real_systems`: each GPU executor has `memory` behind a pinned host tier.
+    """
     import numpy as np
 
     from executors.backends import get_backend
@@ -230,7 +246,9 @@ def run_real(data_dir: Path, *, requests: int = 600, types: int = 24, memory: in
     prof_path = data_dir / "profile.json"
     profile = Profile.load(prof_path) if prof_path.is_file() else None
     big, one = activation_reserves(model, profile)
-    systems = real_systems(memory, memory - big, memory - one)
+    cuda = device.startswith("cuda")
+    systems = (gpu_real_systems("cuda:0" if device == "cuda" else device, memory, host, (big, one)) if cuda
+               else real_systems(memory, memory - big, memory - one))
     runs = []
     for rep in range(repeats):
         reports = []
@@ -245,6 +263,7 @@ def run_real(data_dir: Path, *, requests: int = 600, types: int = 24, memory: in
     info = {"requests": requests, "types": types, "experts": len(model.experts),
             "zoo_mb": round(sum(e.nbytes for e in model.experts.values()) / 1e6, 1), "memory_mb": memory / 1e6,
             "expert_memory_mb": {n: round(s.executors[0].expert_memory / 1e6, 1) for n, s in systems.items()},
+            "device": device, "resources": {n: s.resources() for n, s in systems.items()},
             "ratios": [round(x, 3) for x in ratios],
             "profile": profile.source if profile else "estimates (no profile.json; run coe-agent profile)"}
     return runs, info

@@ -5,6 +5,7 @@ from pathlib import Path
 
 import click
 
+from coe.errors import CoEError
 from executors.systems import DEFAULT
 
 from .cli import _config, _fail_clearly, line_options
@@ -29,6 +30,9 @@ from .cli import _config, _fail_clearly, line_options
 @click.option("--load", "load", default="0.5,0.8", show_default=True, callback=lambda c, p, v: _loads(v),
               help="Also run coserve, coserve-paper and samba with frames arriving evenly at F x the highest rate "
                    "each sustains (see README) and report p50/p99 there; comma-separated F in (0, 1], or 'none'.")
+@click.option("--device", default="cpu", show_default=True,
+              help="--real: cpu, or cuda[:N]: each system's GPU executor gets 400 MB of GPU memory behind a 400 MB "
+                   "pinned host tier; CoServe adds a 400 MB CPU executor, which Samba-CoE gets as host tier.")
 @click.option("--repeats", default=3, show_default=True, type=click.IntRange(1, 20),
               help="--real: run both systems this many times, side by side, and report the spread.")
 @click.option("--compression-ratio", type=click.FloatRange(0, 1, min_open=True),
@@ -56,7 +60,7 @@ from .cli import _config, _fail_clearly, line_options
 @_fail_clearly
 def bench(workload: str, sim: bool, profile_path: str | None, policies: str, init: str, skew: float | None,
           types: int | None, board_size: int | None, detector_share: float | None, requests: int | None,
-          load: tuple[float, ...],
+          load: tuple[float, ...], device: str,
           repeats: int, compression_ratio: float | None, decode_rate: float | str | None,
           decode_threads: int | None, boxes: list[int] | None, link_gbps: float, link_ms: float,
           frame_bytes: int | None, out: str | None, as_json: bool, line: str, config_path: str | None) -> None:
@@ -70,6 +74,7 @@ def bench(workload: str, sim: bool, profile_path: str | None, policies: str, ini
       coe-agent bench --sim --compression-ratio 0.66 --decode-rate here --load none
       coe-agent bench --sim --boxes 1,2,4 --types 2000 --board-size 2000 -w A2 --init cold
       coe-agent bench --real
+      coe-agent bench --real --device cuda
     """
     from executors.profile import Profile
 
@@ -78,13 +83,20 @@ def bench(workload: str, sim: bool, profile_path: str | None, policies: str, ini
     cfg = _config(line, config_path)
     out_dir = Path(out) if out else Path(cfg.data_dir) / "bench"
     if not sim:
-        runs, info = B.run_real(Path(cfg.data_dir), repeats=repeats,
+        if device.startswith("cuda"):
+            import torch
+
+            if not torch.cuda.is_available():
+                raise CoEError(f"--device {device}: no CUDA device here")
+        runs, info = B.run_real(Path(cfg.data_dir), repeats=repeats, device=device,
                                 progress=lambda m: None if as_json else click.echo(m, err=True))
         tables = [B.table(reports) for reports in runs]
         if not as_json:
             click.echo(f"real run on {B.machine()}: {info['requests']} frames, {info['experts']} experts "
-                       f"({info['zoo_mb']} MB), {info['memory_mb']:.0f} MB per system, cold SSD loads; "
+                       f"({info['zoo_mb']} MB), {info['memory_mb']:.0f} MB per executor, cold SSD loads; "
                        f"costs from {info['profile']}")
+            for name, res in info["resources"].items():
+                click.echo(f"  {name}: {res}")
             for i, rows in enumerate(tables):
                 click.echo(B.format_table(f"repetition {i + 1}/{len(tables)}:", rows))
                 for r in rows:

@@ -186,12 +186,14 @@ def decode_only(trace: Trace, tokens: int) -> Trace:
     return trace.rows(np.arange(last + 1))
 
 
-def run_decode(store: Path, profile: Trace, trace: Trace, *, share: float = 0.25,
-               progress: Callable[[str], None] | None = None) -> list[DecodeRow]:
+def run_decode(store: Path, profile: Trace, trace: Trace, *, share: float = 0.25, device: str = "cpu",
+               host_share: float = 0.0, progress: Callable[[str], None] | None = None) -> list[DecodeRow]:
     """(b): each policy decodes `trace` through a pool of `share` of the experts, every miss read from SSD.
 
     Prefill passes are shown to the router tap but not computed (LFU is seeded by them, as live); the
-    decode passes run real loads and matmuls.
+    decode passes run real loads and matmuls.  On a CUDA `device` the pool is GPU memory behind a pinned
+    host tier of `host_share` of the experts (0: none), which keeps a copy of each load; a miss the host
+    tier holds is a host-to-device copy, any other an SSD read (page cache dropped) staged through it.
     """
     from coe.moe import MoELayout
     from executors.moe_decode import future_accesses, remap, trace_decode
@@ -212,7 +214,8 @@ def run_decode(store: Path, profile: Trace, trace: Trace, *, share: float = 0.25
         drop_store(store)
         pm = load_pooled(store, memory=int(layout.expert_bytes * share), policy=policy,
                          popularity=profile.popularity(), context=ctx, drop_after_read=True,
-                         predictor=predictor if policy == "predicted" else None)
+                         predictor=predictor if policy == "predicted" else None, device=device,
+                         host_memory=int(layout.expert_bytes * host_share))
         r = trace_decode(pm, trace, position=pos, prefill=False)
         pm.close()
         rows.append(DecodeRow(policy, r.tokens, r.seconds, r.tokens_per_second, r.stats.hit_rate,
@@ -270,6 +273,7 @@ class MemoryCgroup:
 
 
 def run_e2e(hf: Path, store: Path, prompt_ids: list[int], tokens: int, *, share: float = 0.25,
+            device: str = "cpu", host_share: float = 0.0,
             progress: Callable[[str], None] | None = None) -> tuple[list[dict], dict]:
     """(c): each system generates `tokens` greedily in its own process at the same budget; see `llm_e2e`.
 
@@ -277,6 +281,13 @@ def run_e2e(hf: Path, store: Path, prompt_ids: list[int], tokens: int, *, share:
     1.15 x (expert budget + non-expert weights) where the box allows one, so
     accelerate's page-cache reads and our pools share one bound.  Returns the
     runs and a note on how memory was bounded.
+
+    On a CUDA `device` the budget is GPU memory: coe-edge's pool is on the GPU
+    behind a pinned host tier of `host_share` of the experts; accelerate gets
+    max_memory = budget + non-expert weights on the GPU and the same host
+    memory, the rest offloaded to disk; 'ram' holds the whole model on the
+    GPU.  No cgroup bounds them there (the host tier and the CUDA context are
+    host memory the CPU bound does not budget for).
     """
     import json
     import os
@@ -290,12 +301,15 @@ def run_e2e(hf: Path, store: Path, prompt_ids: list[int], tokens: int, *, share:
 
     layout = MoELayout.load(store)
     memory = int(layout.expert_bytes * share)
+    cuda = device.startswith("cuda")
+    host_memory = int(layout.expert_bytes * host_share)
 
     def child(system: str, policy: str | None, extra: list[str], cgroup: "MemoryCgroup | None") -> dict:
         off = tempfile.mkdtemp(prefix="coe-offload-")
         cmd = [sys.executable, "-m", "edge_agent.llm_e2e", "--system", system, "--hf", str(hf), "--store",
                str(store), "--memory", str(memory), "--prompt-ids", ",".join(map(str, prompt_ids)), "--tokens",
-               str(tokens), "--offload-dir", off] + (["--policy", policy] if policy else []) + extra
+               str(tokens), "--offload-dir", off] + (["--policy", policy] if policy else []) + extra + (
+            ["--device", device, "--host-memory", str(host_memory)] if cuda else [])
         try:
             res = subprocess.run(cmd, capture_output=True, text=True, timeout=3600,
                                  preexec_fn=cgroup.enter if cgroup else None)
@@ -309,7 +323,8 @@ def run_e2e(hf: Path, store: Path, prompt_ids: list[int], tokens: int, *, share:
 
     # the baseline the cgroup charges for the interpreter, torch and the model's code (shared libraries
     # already loaded by this process are charged here, not to the child), measured in an unbounded cgroup
-    probe = MemoryCgroup.create(f"coe-bench-{os.getpid()}-probe", 1 << 50)
+    cgroups = (lambda name, limit: None) if cuda else MemoryCgroup.create
+    probe = cgroups(f"coe-bench-{os.getpid()}-probe", 1 << 50)
     rss_base = child("probe", None, [], probe)["rss_base"]
     base = probe.peak() if probe is not None else rss_base
     if probe is not None:
@@ -324,7 +339,7 @@ def run_e2e(hf: Path, store: Path, prompt_ids: list[int], tokens: int, *, share:
         drop_store(store)
         for f in hf.glob("*.safetensors"):
             drop_from_page_cache(f)
-        cg = None if system == "ram" else MemoryCgroup.create(f"coe-bench-{os.getpid()}-{i}", 1 << 50)
+        cg = None if system == "ram" else cgroups(f"coe-bench-{os.getpid()}-{i}", 1 << 50)
         bounded &= system == "ram" or cg is not None
         extra = ["--drop-after-read"] if system == "coe" and cg is None else []
         # accelerate gets its best shot: max_memory = budget + non-expert weights, and if its process does not
@@ -340,7 +355,7 @@ def run_e2e(hf: Path, store: Path, prompt_ids: list[int], tokens: int, *, share:
                     break
                 if cg is not None:
                     cg.remove()
-                    cg = MemoryCgroup.create(f"coe-bench-{os.getpid()}-{i}", 1 << 50)
+                    cg = cgroups(f"coe-bench-{os.getpid()}-{i}", 1 << 50)
             if cg is not None and "failed" not in r:
                 r["cgroup_limit"], r["cgroup_failcnt"] = int(limit), cg.failcnt()
         finally:
@@ -351,7 +366,10 @@ def run_e2e(hf: Path, store: Path, prompt_ids: list[int], tokens: int, *, share:
             f"{limit / 1e6:.0f} MB (the {base / 1e6:.0f} MB it charges for the interpreter, torch and the model's "
             f"code + 1.15 x (budget + non-expert weights)), counting RSS and page cache together; loading is "
             f"unbounded (transformers' loader materialises fused experts)"
-            if bounded else "no writable memory cgroup: page cache not bounded; coe-edge drops each expert file "
+            if bounded else f"on {device}: GPU budget {memory / 1e6:.0f} MB of experts, pinned host tier "
+            f"{host_memory / 1e6:.0f} MB (coe-edge) / {host_memory / 1e6:.0f} MB of max_memory['cpu'] (accelerate); "
+            "no cgroup; coe-edge drops each expert file from the page cache after reading it, accelerate's offload "
+            "reads stay cached" if cuda else "no writable memory cgroup: page cache not bounded; coe-edge drops each expert file "
                             "from the page cache after reading it, accelerate's offload reads stay cached")
     return out, {"bounded": bounded, "limit": int(limit), "baseline": rss_base, "charged_baseline": base,
                  "note": note}

@@ -326,9 +326,14 @@ def llm_make_model(kind: str | None, out: str, seconds: float, expert_gb: float,
               help="(b): decode steps replayed per policy.")
 @click.option("--e2e-tokens", default=24, show_default=True, type=click.IntRange(1, 100_000),
               help="(c): tokens each system generates.")
+@click.option("--device", default="cpu", show_default=True,
+              help="(b), (c): cpu, or cuda[:N] for a GPU pool at the budget behind a pinned host tier.")
+@click.option("--host-share", default=0.5, show_default=True, type=click.FloatRange(0, 1),
+              help="With --device cuda: the pinned host tier, as a share of the experts.")
 @_fail_clearly
 def llm_bench(work: str, parts: str, prompts: int, decode: int, train_seconds: float, mixtral_data: str | None,
-              tokens: int, expert_gb: float, decode_tokens: int, e2e_tokens: int) -> None:
+              tokens: int, expert_gb: float, decode_tokens: int, e2e_tokens: int, device: str,
+              host_share: float) -> None:
     """Benchmark the MoE offload: (a) hit rates, (b) real decode per policy, (c) end to end.
 
     \b
@@ -345,13 +350,16 @@ def llm_bench(work: str, parts: str, prompts: int, decode: int, train_seconds: f
         token-wise prefetch, each on top of the one before.
     (e) GPU box only: prefill and decode tokens/s on the generated model
         with the Fiddler split and the prefill balance, each on and off.
-    Prints tables and one JSON line.
+    With --device cuda, (b) and (c) hold the 25% budget in GPU memory behind
+    a pinned host tier of --host-share of the experts.  Prints tables and one
+    JSON line.
 
     \b
     Example:
       coe-agent llm bench --work var/llm                # all parts: ~25 min on 2 cores, first run trains
       coe-agent llm bench --part a --prompts 20
       coe-agent llm bench --part e                      # on a GPU box
+      coe-agent llm bench --part b,c --device cuda      # (b), (c) with a CUDA pool
     """
     _need_transformers()
     import json
@@ -369,10 +377,13 @@ def llm_bench(work: str, parts: str, prompts: int, decode: int, train_seconds: f
     want = {p.strip() for p in parts.split(",") if p.strip()}
     if not want or want - {"a", "b", "c", "d", "e"}:
         raise CoEError(f"--part {parts!r}: give a comma-separated subset of a, b, c, d, e")
-    if "e" in want:
+    cuda = device.startswith("cuda")
+    if "e" in want or cuda:
         import torch
 
-        if not torch.cuda.is_available():
+        if cuda and not torch.cuda.is_available():
+            raise CoEError(f"--device {device}: no CUDA device here")
+        if "e" in want and not torch.cuda.is_available():
             raise CoEError("--part e measures the Fiddler split and the prefill balance on a GPU: no CUDA device here")
     work_dir = Path(work)
     doc: dict = {"bench": "llm"}
@@ -421,8 +432,13 @@ def llm_bench(work: str, parts: str, prompts: int, decode: int, train_seconds: f
         speed = lb.disk_read_speed([first.path(eid) for eid in layout.ids(layout.layers[0].layer)])
         res = (f"pool {0.25 * layout.expert_bytes / 1e9:.2f} GB (25% of {layout.expert_bytes / 1e9:.2f} GB of "
                f"experts) + {layout.resident_nbytes / 1e6:.0f} MB resident; disk {speed / 1e9:.2f} GB/s cold")
+        if cuda:
+            res += (f"; pool and resident weights on {torch_device_name()}, behind a pinned host tier of "
+                    f"{host_share * layout.expert_bytes / 1e9:.2f} GB ({host_share:.0%} of the experts)")
+        doc["device"] = torch_device_name() if cuda else "cpu"
         doc["resources"] = res
         doc["disk_bytes_per_s"] = speed
+    if "c" in want:   # the import's memory target sits with (c)'s: one checkpoint import in its own process
         imp = lb.import_peak(big_hf)
         click.echo(f"import of the {imp['checkpoint_bytes'] / 1e9:.2f} GB checkpoint: {imp['seconds']:.0f} s, peak RSS "
                    f"{imp['rss_peak_above_base'] / 1e6:.0f} MB above the baseline ({imp['rss_base'] / 1e6:.0f} MB: "
@@ -433,10 +449,11 @@ def llm_bench(work: str, parts: str, prompts: int, decode: int, train_seconds: f
     if "b" in want:
         trace = lb.decode_only(rep, decode_tokens)
         with tqdm(total=len(lb.DECODE_POLICIES), desc="(b) decoding", disable=None) as bar:
-            drows = lb.run_decode(big, profile, trace, progress=lambda _: bar.update(1))
+            drows = lb.run_decode(big, profile, trace, device=device, host_share=host_share if cuda else 0.0,
+                                  progress=lambda _: bar.update(1))
         n_dec = int((trace.step > 0).sum())
         click.echo(f"(b) trace-driven real decode, {n_dec} decode tokens of the trained trace (their prompts' "
-                   f"prefills seed the router statistics, not computed), real run: {res}")
+                   f"prefills seed the router statistics, not computed), real run on {doc['device']}: {res}")
         click.echo(f"{'policy':12} {'tokens/s':>9} {'hit rate':>9} {'GiB read':>9} {'load s':>7} {'x LRU':>6}")
         lru = next(r for r in drows if r.policy == "lru")
         for r in drows:
@@ -450,8 +467,10 @@ def llm_bench(work: str, parts: str, prompts: int, decode: int, train_seconds: f
     if "c" in want:
         tok_ids = list(range(40, 56))
         with tqdm(total=len(lb.E2E_POLICIES) + 3, desc="(c) end to end", disable=None) as bar:
-            runs, mem = lb.run_e2e(big_hf, big, tok_ids, e2e_tokens, progress=lambda _: bar.update(1))
-        click.echo(f"(c) end to end, {e2e_tokens} tokens greedy, each system in its own process, real run: {res}")
+            runs, mem = lb.run_e2e(big_hf, big, tok_ids, e2e_tokens, device=device,
+                                   host_share=host_share if cuda else 0.0, progress=lambda _: bar.update(1))
+        click.echo(f"(c) end to end, {e2e_tokens} tokens greedy, each system in its own process, real run on "
+                   f"{doc['device']}: {res}")
         click.echo(f"    memory: {mem['note']}")
         click.echo("    accelerate (N%): max_memory = N% of budget + non-expert weights, the largest share whose "
                    "process fits the bound")
@@ -476,9 +495,10 @@ def llm_bench(work: str, parts: str, prompts: int, decode: int, train_seconds: f
         vs_acc = best["tokens_per_second"] / acc["tokens_per_second"] if acc["tokens_per_second"] else None
         versus = (f"{vs_acc:.2f}x accelerate disk offload (target 3x)" if vs_acc is not None else
                   "accelerate's disk offload could not run within the same memory at any max_memory share")
-        click.echo(f"best coe-edge ({best['policy']}): {versus}; "
-                   f"SSD-bound limit {bound:.2f} tokens/s (every missed byte at {speed / 1e9:.2f} GB/s): "
-                   f"{best['tokens_per_second'] / bound:.2f} of it (target 0.8); RAM upper bound "
+        limit = ("bytes into the GPU pool come from the host tier or the SSD, so no SSD-bound limit is given; "
+                 if cuda else f"SSD-bound limit {bound:.2f} tokens/s (every missed byte at {speed / 1e9:.2f} GB/s): "
+                              f"{best['tokens_per_second'] / bound:.2f} of it (target 0.8); ")
+        click.echo(f"best coe-edge ({best['policy']}): {versus}; {limit}{'GPU' if cuda else 'RAM'} upper bound "
                    f"{ram.get('tokens_per_second', 0):.2f} tokens/s")
         budget_rss = 0.25 * layout.expert_bytes + layout.resident_nbytes
         click.echo(f"peak RSS while generating: {best['rss_peak'] / 1e6:.0f} MB in all, {best['rss_peak_above_base'] / 1e6:.0f}"

@@ -63,7 +63,7 @@ def _bound(cgroup: str | None, limit: int) -> None:
 
 def run(system: str, hf_dir: str, store: str, memory: int, prompt_ids: list[int], tokens: int, policy: str,
         offload_dir: str | None, drop_after_read: bool = False, accelerate_share: float = 1.0,
-        bound_cgroup: str | None = None, bound: int = 0) -> dict:
+        bound_cgroup: str | None = None, bound: int = 0, device: str = "cpu", host_memory: int = 0) -> dict:
     import torch
 
     torch.set_grad_enabled(False)
@@ -96,7 +96,8 @@ def run(system: str, hf_dir: str, store: str, memory: int, prompt_ids: list[int]
     out: dict = {"system": system, "policy": policy if system == "coe" else None, "memory": memory}
     t0 = time.perf_counter()
     if system == "coe":
-        pm = load_pooled(store, memory=memory, policy=policy, drop_after_read=drop_after_read)
+        pm = load_pooled(store, memory=memory, policy=policy, drop_after_read=drop_after_read, device=device,
+                         host_memory=host_memory)
         out["load_seconds_model"] = time.perf_counter() - t0
         _bound(bound_cgroup, bound)
         out["rss_load_peak"] = peak.stop()
@@ -107,15 +108,20 @@ def run(system: str, hf_dir: str, store: str, memory: int, prompt_ids: list[int]
     else:
         from transformers import AutoModelForCausalLM
 
+        cuda = device.startswith("cuda")
         if system == "accelerate":
             layout = MoELayout.load(store)
+            fast = int(accelerate_share * (memory + layout.resident_nbytes))
+            # on a GPU: the budget on the GPU, the host memory coe-edge's host tier gets in RAM, the rest on disk
+            max_memory = {torch.device(device).index or 0: fast, "cpu": host_memory} if cuda else {"cpu": fast}
             model = AutoModelForCausalLM.from_pretrained(
-                hf_dir, device_map="auto", max_memory={"cpu": int(accelerate_share * (memory + layout.resident_nbytes))},
+                hf_dir, device_map="auto", max_memory=max_memory,
                 offload_folder=offload_dir, dtype=getattr(torch, layout.dtype), experts_implementation="eager")
             out["device_map"] = sorted(set(getattr(model, "hf_device_map", {}).values()))
             out["max_memory_share"] = accelerate_share
-        elif system == "ram":
-            model = AutoModelForCausalLM.from_pretrained(hf_dir, experts_implementation="eager")
+        elif system == "ram":   # the upper bound: every weight in the fast memory (the GPU on a CUDA run)
+            model = AutoModelForCausalLM.from_pretrained(hf_dir, experts_implementation="eager",
+                                                         **({"device_map": {"": device}} if cuda else {}))
         else:
             raise SystemExit(f"unknown system {system!r}")
         model.eval()
@@ -124,7 +130,8 @@ def run(system: str, hf_dir: str, store: str, memory: int, prompt_ids: list[int]
         out["rss_load_peak"] = peak.stop()
         peak = PeakRSS()
         t1 = time.perf_counter()
-        res = model.generate(ids, max_new_tokens=tokens, min_new_tokens=tokens, do_sample=False)
+        res = model.generate(ids.to(device) if cuda else ids, max_new_tokens=tokens, min_new_tokens=tokens,
+                             do_sample=False)
         seconds = time.perf_counter() - t1
         toks = res[0, ids.shape[1]:].tolist()
         out.update(tokens=len(toks), seconds=seconds, output=toks)
@@ -153,10 +160,13 @@ def main(argv: list[str] | None = None) -> None:
                     help="accelerate: max_memory as a share of (budget + non-expert weights)")
     ap.add_argument("--drop-after-read", action="store_true",
                     help="coe: drop each expert file from the page cache once read (when no cgroup bounds memory)")
+    ap.add_argument("--device", default="cpu", help="cpu or cuda[:N]: where the budget (and coe-edge's pool) is")
+    ap.add_argument("--host-memory", type=int, default=0,
+                    help="with --device cuda: the pinned host tier (coe) / max_memory['cpu'] (accelerate), bytes")
     a = ap.parse_args(argv)
     ids = [int(x) for x in a.prompt_ids.split(",") if x]
     print(json.dumps(run(a.system, a.hf, a.store, a.memory, ids, a.tokens, a.policy, a.offload_dir,
-                         a.drop_after_read, a.accelerate_share, a.bound_cgroup, a.bound)))
+                         a.drop_after_read, a.accelerate_share, a.bound_cgroup, a.bound, a.device, a.host_memory)))
     sys.stdout.flush()
 
 

@@ -85,6 +85,8 @@ def trace_decode(pm: PooledModel, trace, *, position: list[int] | None = None, s
                 pos += len(np.unique(idx))
             if step > 0 or prefill:
                 tokens += len(rows)
+    if pm.device.type == "cuda":
+        torch.cuda.synchronize(pm.device)   # the last layer's kernels are queued, not done
     seconds = time.perf_counter() - start
     after = pm.stats()
     return DecodeResult(tokens, seconds, OffloadStats(after.hits - before.hits, after.misses - before.misses,

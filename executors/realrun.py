@@ -20,8 +20,8 @@ from coe import CoEModel, Frame, Request, decide
 from coe.workload import Workload
 from storage.pagecache import drop_from_page_cache
 from storage.policies import make_policy
-from storage.pool import Pool, initialize
-from storage.tiers import StoreSource
+from storage.pool import Pool, initialize, initialize_tier
+from storage.tiers import HostReadSource, StoreSource, TierSource, demote, measured_nbytes
 
 from .costs import ExecutorInfo, ProfileCosts, store_forms
 from .executor import BatchResult, Executor
@@ -33,9 +33,12 @@ from .simdevice import SimReport, SimSystem
 class ColdStoreSource(StoreSource):
     """StoreSource that drops each file from the page cache after reading it: every load hits the disk."""
 
+    reads = 0   # SSD reads by every instance (one run at a time; `run_real` takes the difference)
+
     def load(self, expert_id: str, reuse=()):
         value = super().load(expert_id, reuse)
         drop_from_page_cache(self.store.path(expert_id))
+        ColdStoreSource.reads += 1
         return value
 
 
@@ -50,28 +53,76 @@ class RealOptions:
 
 def run_real(workload: Workload, model: CoEModel, store, profile: Profile | None, system: SimSystem,
              opts: RealOptions | None = None, *, images: dict[str, list[np.ndarray]] | None = None) -> SimReport:
-    """Run `system` (cpu executors only) on real experts; the report has the simulator's shape."""
+    """Run `system` on real experts; the report has the simulator's shape.
+
+    CPU executors load from the SSD (or copy what the host tier holds, with
+    `system.cpu_host_reads`); CUDA executors load through a pinned host tier
+    of `system.host_tier` bytes (straight from the SSD without one), which is
+    a victim cache of the GPU pools when `system.host_mode` is 'exclusive':
+    the agent's tiers, wired as `edge_agent.agent` wires them.
+    """
     opts = opts or RealOptions()
     probs = model.usage_probabilities()
     prelims = {e: tuple(model.preliminaries(e)) for e in model.experts}
     box: list[Scheduler] = []
+    execs: list[Executor] = []
     pools, infos = {}, {}
+    cold = ColdStoreSource if opts.cold else StoreSource
+    gpus = [ex.name for ex in system.executors if ex.kind == "cuda"]
+
+    def above_host() -> set[str]:
+        """What the host tier counts as present: experts queued anywhere and those the GPU pools hold."""
+        out: set[str] = set()
+        for n in pools:
+            out |= box[0].queued_set(n) if box else set()
+        for n in gpus:
+            out |= set(pools[n].resident()) if n in pools else set()
+        return out
+
+    host = None
+    if gpus and system.host_tier:
+        host = Pool("host", system.host_tier, make_policy(system.eviction), cold(store, pin=True, dtype="float32"),
+                    name="host", probabilities=probs, preliminaries=prelims, context=lambda: {"queued": above_host()},
+                    on_event=lambda e: box[0].refresh(e.expert_id, None) if box else None, measure=measured_nbytes)
+    exclusive = host is not None and system.host_mode == "exclusive"
+
+    def on_event(e, name: str, kind: str) -> None:
+        if e.event == "evict":
+            if exclusive and kind == "cuda" and not e.stale:
+                demote(e, host)                      # the GPU victim moves down into the host tier
+            for x in execs:
+                if x.name == name:
+                    x.on_evicted(e.value)
+        if box:
+            box[0].refresh(e.expert_id, name)
+
     for ex in system.executors:
-        if ex.kind != "cpu":
-            raise ValueError(f"real runs here use CPU executors; {ex.name} is on {ex.device}")
-        src = (ColdStoreSource if opts.cold else StoreSource)(store, dtype="float32")   # as the agent's CPU pools
-        pools[ex.name] = Pool("cpu", ex.expert_memory, make_policy(system.eviction), src, name=ex.name,
-                              probabilities=probs, preliminaries=prelims,
-                              on_event=lambda e, n=ex.name: box[0].refresh(e.expert_id, n) if box else None,
-                              context=(lambda n=ex.name: {"queued": box[0].queued_set(n)}))
-        infos[ex.name] = ExecutorInfo("cpu", ex.memory, pools[ex.name])
-    costs = ProfileCosts(model, infos, profile, stored=store_forms(store))
+        if ex.kind == "cuda":
+            src = TierSource(host or cold(store, pin=True, dtype="float32"), ex.device, exclusive=exclusive)
+        elif ex.kind == "cpu":
+            src = cold(store, dtype="float32")   # as the agent's CPU pools
+            if host is not None and system.cpu_host_reads:
+                src = HostReadSource(host, src)
+        else:
+            raise ValueError(f"real runs use CPU and CUDA executors; {ex.name} is on {ex.device}")
+        pools[ex.name] = Pool(ex.device if ex.kind == "cuda" else "cpu", ex.expert_memory,
+                              make_policy(system.eviction), src, name=ex.name, probabilities=probs,
+                              preliminaries=prelims, on_event=lambda e, n=ex.name, k=ex.kind: on_event(e, n, k),
+                              context=(lambda n=ex.name: {"queued": box[0].queued_set(n)}),
+                              measure=measured_nbytes if ex.kind == "cuda" else None)
+        reads = src.compatible if isinstance(src, HostReadSource) else False
+        infos[ex.name] = ExecutorInfo(ex.kind, ex.memory, pools[ex.name], device=ex.device, host_reads=reads)
+    costs = ProfileCosts(model, infos, profile, host=host, stored=store_forms(store))
     sched = Scheduler([e.name for e in system.executors], system.scheduler, costs=costs,
                       tie_seconds=system.tie_seconds, max_wait=system.max_wait)
     box.append(sched)
     if system.init == "warm":
-        initialize(list(pools.values()), sorted(model.experts, key=lambda e: -probs[e]))
+        order = sorted(model.experts, key=lambda e: -probs[e])
+        initialize(list(pools.values()), order)
+        if host is not None:   # then the next most probable experts the GPU pools do not hold, as the agent does
+            initialize_tier(host, [pools[n] for n in gpus], order)
     init_misses = sum(p.stats().misses for p in pools.values())
+    init_reads = ColdStoreSource.reads
     if opts.cold:
         for e in model.experts:
             drop_from_page_cache(store.path(e))
@@ -99,8 +150,8 @@ def run_real(workload: Workload, model: CoEModel, store, profile: Profile | None
                 done[0] += 1
                 lock.notify_all()
 
-    execs = [Executor(ex.name, "cpu", pools[ex.name], sched, model, on_result, prefetch=not opts.prequeue)
-             for ex in system.executors]
+    execs += [Executor(ex.name, ex.device if ex.kind == "cuda" else "cpu", pools[ex.name], sched, model, on_result,
+                       prefetch=not opts.prequeue) for ex in system.executors]
     if not opts.prequeue:
         for e in execs:
             e.start()
@@ -127,10 +178,12 @@ def run_real(workload: Workload, model: CoEModel, store, profile: Profile | None
         raise TimeoutError(f"{system.name}: only {done[0]} of {len(arrivals)} frames finished in {opts.timeout} s")
     lat = sorted(latencies)
     stats = [p.stats() for p in pools.values()]
+    switches = sum(s.misses for s in stats) - init_misses
+    # cold: every SSD read is counted; a switch that read none copied the host tier's copy
+    ssd = ColdStoreSource.reads - init_reads if opts.cold else switches
     return SimReport(
         system=system.name, frames=len(arrivals), makespan=makespan, throughput=len(arrivals) / makespan,
-        switches=sum(s.misses for s in stats) - init_misses, ssd_loads=sum(s.misses for s in stats) - init_misses,
-        host_loads=0, p50_ms=1000 * statistics.median(lat), p99_ms=1000 * lat[min(len(lat) - 1, int(0.99 * len(lat)))],
+        switches=switches, ssd_loads=ssd, host_loads=switches - ssd if opts.cold else 0, p50_ms=1000 * statistics.median(lat), p99_ms=1000 * lat[min(len(lat) - 1, int(0.99 * len(lat)))],
         batches=batches[0], mean_batch=batches[1] / max(batches[0], 1), lower_bound=0.0, efficiency=0.0,
         decision_us=1e6 * sched.decision_seconds / max(sched.decisions, 1),
         busy_fraction=sum(s.load_seconds for s in stats) / (makespan * len(execs)),

@@ -731,3 +731,39 @@ def test_without_cpu_demotion_the_simulator_reproduces_the_numbers_from_before_t
     assert off.makespan == pytest.approx(27.4962, abs=1e-6) and off.p99_ms == pytest.approx(25387.2, abs=1e-3)
     on = simulate(w, prof, build_system("+cpudemote", prof))
     assert on.cpu_demotions > 0 and on.ssd_loads < off.ssd_loads   # the lever does move victims, and saves reads
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mode", ["exclusive", "inclusive"])
+def test_a_real_run_on_cuda_serves_every_frame_through_the_pinned_host_tier(tiny_zoo, mode):
+    """The GPU path of `run_real`: a GPU pool with room for one expert behind a host tier, cold SSD reads.
+
+    Every frame finishes; the GPU pool switches; a GPU victim's next use is a host copy (exclusive: it moved
+    down into the host tier; inclusive: the tier kept the copy), so fewer SSD reads than switches.
+    """
+    import numpy as np
+    import torch
+
+    from coe import parse_spec
+    from executors.realrun import RealOptions, run_real
+    from storage.expert_store import ExpertStore
+
+    from conftest import TINY_SPEC
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs CUDA")
+    store = ExpertStore(tiny_zoo)
+    model = parse_spec(TINY_SPEC).with_sizes({e.id: e.nbytes for e in store.entries()})
+    comps = list(model.components)
+    biggest = max(e.nbytes for e in store.entries())
+    # frames 50 ms apart cycling the components: the one-expert GPU pool switches back to its victims
+    w = Workload(task("A1"), model, tuple(Arrival(0.05 * i, f"f{i}", comps[i % len(comps)], False)
+                                         for i in range(24)))
+    system = SimSystem("coserve", (SimExecutor("cuda:0#0", "cuda:0", 4 * biggest, int(1.2 * biggest)),), "coserve",
+                       "coserve", host_tier=8 * biggest, host_mode=mode, init="cold")
+    rep = run_real(w, model, store, None, system, RealOptions(interval=0.0, cold=True),
+                   images={c: [np.zeros((32, 32, 3), np.uint8)] for c in comps})
+    assert rep.frames == 24 and rep.switches > len(comps)
+    assert 0 < rep.ssd_loads <= rep.switches
+    assert rep.host_loads == rep.switches - rep.ssd_loads
+    assert rep.host_loads > 0     # a victim's next use was a host copy (exclusive: it moved down; inclusive: kept)

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# The GPU figures of issues 9, 10 and 11 on a lent GPU machine, in two calls of about 8 and 5 minutes.
+#
+#   bash bench/gpu_session.sh OUT 1    # GPU tests; profile of the paper's architectures on CUDA and this
+#                                      # box's CPU (-> OUT/profile/gpu.json); llm bench (e) and (b) on CUDA
+#   bash bench/gpu_session.sh OUT 2    # llm bench (c) on CUDA; bench --real --device cuda (3 repetitions)
+#
+# Run it after `bash .gpu/on-device.sh` installed the wheels (see ../shared/gpu/README.md), e.g.
+#   bash .gpu/on-device.sh 'bash bench/gpu_session.sh $OUT 1'
+# with var/llm/trained-40x32.trace, var/llm/trained-hf/config.json and var/llm/trained/llm.json carried
+# (the trained small MoE's trace: (b) replays its routing; training it takes 8 minutes).
+# Every step has its own time limit and writes its whole output to OUT/<step>.log; a step that fails or
+# runs out of time does not stop the next.  Nothing here is a test: the figures are read off the logs.
+set -u
+OUT=${1:?usage: bash bench/gpu_session.sh OUT 1|2}
+PHASE=${2:?usage: bash bench/gpu_session.sh OUT 1|2}
+mkdir -p "$OUT"
+export YOLO_OFFLINE=1 PYTHONUNBUFFERED=1 TQDM_DISABLE=1
+export COE_DATA_DIR="${COE_DATA_DIR:-var/line-paper}"
+W=var/llm
+
+step() {   # step NAME SECONDS CMD...: run CMD with a time limit, log to OUT/NAME.log, print its tail
+  local name=$1 secs=$2 t0=$SECONDS rc
+  shift 2
+  echo "=== $name (limit ${secs} s): $*"
+  timeout --kill-after=10 "$secs" "$@" >"$OUT/$name.log" 2>&1
+  rc=$?
+  echo "=== $name: exit $rc after $((SECONDS - t0)) s"
+  grep -v -e '^\s*$' -e 'it/s\]' -e 'step/s\]' "$OUT/$name.log" | tail -n "${TAIL:-25}"
+}
+
+big_model() {   # the generated 2.2 GB model of the trained trace's shape, imported: what llm bench makes
+  python3 - <<'EOF'
+from pathlib import Path
+from routing.moe_trace import Trace
+from edge_agent.llm_models import generated_model
+from storage.llm_import import import_checkpoint
+t = Trace.load("var/llm/trained-40x32.trace")
+hf, store = Path("var/llm/big-hf"), Path("var/llm/big")
+if not (hf / "config.json").is_file():
+    generated_model(hf, expert_gb=2.2, layers=len(t.layers), experts=t.num_experts, top_k=t.top_k)
+if not (store / "llm.json").is_file():
+    import_checkpoint(hf, store, name="big")
+print("big model ready")
+EOF
+}
+
+if [ "$PHASE" = 1 ]; then
+  nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1
+  # the model is made on the CPU while the (untimed) GPU tests and the zoo build run
+  big_model >"$OUT/big-model.log" 2>&1 &
+  maker=$!
+  TAIL=8 step gpu-tests 90 python3 -m pytest -q -m gpu -p no:cacheprovider \
+    tests/test_moe_prefill.py tests/test_moe_fiddler.py tests/test_simdevice.py
+  step zoo 60 coe-agent zoo build --config configs/line-paper.yaml
+  wait "$maker"; echo "=== big model: $(tail -n 1 "$OUT/big-model.log")"
+  mkdir -p "$OUT/profile"
+  TAIL=30 step profile 150 coe-agent profile --config configs/line-paper.yaml --out "$OUT/profile/gpu.json"
+  TAIL=12 step llm-e 90 coe-agent llm bench --work $W --part e
+  TAIL=16 step llm-b 130 coe-agent llm bench --work $W --part b --device cuda
+else
+  TAIL=20 step llm-c 170 coe-agent llm bench --work $W --part c --device cuda
+  TAIL=30 step real 150 coe-agent bench --real --device cuda --repeats 3
+fi
