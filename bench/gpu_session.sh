@@ -59,6 +59,8 @@ if [ "$PHASE" = 1 ]; then
   TAIL=12 step llm-e 90 coe-agent llm bench --work $W --part e
   TAIL=16 step llm-b 130 coe-agent llm bench --work $W --part b --device cuda
 else
-  TAIL=20 step llm-c 170 coe-agent llm bench --work $W --part c --device cuda
+  # the profile again, without plots (a call brings back a few files only; phase 1's profile dir was too many)
+  TAIL=8 step profile2 150 coe-agent profile --config configs/line-paper.yaml --out "$OUT/gpu.json" --no-plots
   TAIL=30 step real 150 coe-agent bench --real --device cuda --repeats 3
+  TAIL=20 step llm-c 170 coe-agent llm bench --work $W --part c --device cuda
 fi

@@ -107,7 +107,8 @@ def profile(line: str, config_path: str | None, out: str | None, batch_sizes: tu
                    "the profile keeps the config's executor counts and budgets")
     else:
         click.echo("running the memory-split and executor-count searches ...")
-        prof = tune(prof, model, cfg)
+        # the experts' sizes from the store: the spec has none, and a split is counted in experts' bytes
+        prof = tune(prof, model.with_sizes({e.id: e.nbytes for e in store.entries()}), cfg)
 
     prof.save(path)
     links = _profile_links(cfg, link_rounds) if cfg.cluster is not None else []

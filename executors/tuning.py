@@ -162,6 +162,10 @@ def tune(profile: Profile, model: CoEModel, cfg=None, *, requests: int = SAMPLE_
     measured K and B by.  `cfg` (the line's config, when there is one) says
     whether CPU executors read the host tier (`cpu_reads_host_tier`, default on).
     """
+    unsized = sorted(e for e, x in model.experts.items() if x.nbytes <= 0)
+    if unsized:   # a spec read from YAML has no sizes: every split would hold 0 bytes of experts
+        raise ValueError(f"the searches need each expert's size; {len(unsized)} of {len(model.experts)} have none "
+                         f"(e.g. '{unsized[0]}'): give the model its store's sizes (CoEModel.with_sizes)")
     host_reads = bool(getattr(cfg, "cpu_reads_host_tier", True))
     sample = from_model(model, requests)
     probs = model.usage_probabilities()

@@ -198,10 +198,11 @@ def test_cli_profile_keeps_the_searches_outcome(tiny_line, tmp_path):
 def test_cli_runs_the_searches_when_tuning_exists(tiny_line, tmp_path, monkeypatch):
     import edge_agent.profile_cli as profile_cli
 
-    calls = []
+    calls, sizes = [], []
 
     def fake_tune(prof: Profile, model, cfg) -> Profile:
         calls.append((model.name, cfg.line))
+        sizes.append({e: x.nbytes for e, x in model.experts.items()})
         cpu = dataclasses.replace(prof.devices["cpu"], split_points=((2, 10.0), (4, 12.0)), expert_memory=12_000_000)
         return dataclasses.replace(prof, devices={"cpu": cpu})
 
@@ -211,6 +212,10 @@ def test_cli_runs_the_searches_when_tuning_exists(tiny_line, tmp_path, monkeypat
                                    "--repeats", "1", "--concurrency-seconds", "0.05", "--out", str(out)])
     assert res.exit_code == 0, res.output
     assert calls == [(TINY_SPEC["name"], "T")] and "skipped" not in res.output
+    # the searches count a split in experts' bytes: the model they get has the store's sizes (a spec has none)
+    from storage.expert_store import ExpertStore
+    assert sizes == [{e.id: e.nbytes for e in ExpertStore(tiny_line.parent.parent / "experts").entries()}]
+    assert all(n > 0 for n in sizes[0].values())
     assert Profile.load(out).devices["cpu"].expert_memory == 12_000_000
     assert (tmp_path / "throughput_vs_experts.png").read_bytes()[:8] == PNG_MAGIC
 

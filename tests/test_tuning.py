@@ -288,3 +288,11 @@ def test_the_searches_simulate_host_reads_as_the_line_sets_them(gpu_class, board
     seen.clear()
     tune(small, board_a, None, requests=100, max_executors=1)                 # no line config: the default, on
     assert seen and all(seen)
+
+
+def test_tune_refuses_a_model_without_expert_sizes(gpu_class, board_a):
+    """A spec read from YAML has no sizes: every split would hold 0 bytes of experts (a GPU given 0 MB)."""
+    unsized = replace(board_a, experts={k: replace(e, nbytes=0)
+                                       for k, e in board_a.experts.items()})
+    with pytest.raises(ValueError, match="need each expert's size"):
+        tune(gpu_class, unsized)
