@@ -3,7 +3,11 @@
 #
 #   bash bench/gpu_session.sh OUT 1    # GPU tests; profile of the paper's architectures on CUDA and this
 #                                      # box's CPU (-> OUT/profile/gpu.json); llm bench (e) and (b) on CUDA
-#   bash bench/gpu_session.sh OUT 2    # llm bench (c) on CUDA; bench --real --device cuda (3 repetitions)
+#   bash bench/gpu_session.sh OUT 2    # the profile again without plots; bench --real --device cuda (3
+#                                      # repetitions, scheduling on estimates); llm bench (c) on CUDA
+#   bash bench/gpu_session.sh OUT 3    # line A's architectures profiled on CUDA and the CPU (-> OUT/line-A.json),
+#                                      # then bench --real --device cuda scheduling on those measured costs,
+#                                      # at the task's arrival rate and saturated (--arrival-ms 0.5)
 #
 # Run it after `bash .gpu/on-device.sh` installed the wheels (see ../shared/gpu/README.md), e.g.
 #   bash .gpu/on-device.sh 'bash bench/gpu_session.sh $OUT 1'
@@ -58,6 +62,23 @@ if [ "$PHASE" = 1 ]; then
   TAIL=30 step profile 150 coe-agent profile --config configs/line-paper.yaml --out "$OUT/profile/gpu.json"
   TAIL=12 step llm-e 90 coe-agent llm bench --work $W --part e
   TAIL=16 step llm-b 130 coe-agent llm bench --work $W --part b --device cuda
+elif [ "$PHASE" = 3 ]; then
+  # line A with a GPU executor and a CPU executor (the systems `bench --real --device cuda` compares), so
+  # the real run's scheduler reads measured costs of its architectures on both devices
+  python3 -c '
+import os, yaml
+cfg = yaml.safe_load(open("configs/line-A.yaml"))
+cfg.update(spec=os.path.abspath("configs/specs/line-A.coe.yaml"), data_dir="var/line-A-gpu", cpu_tier="400MB",
+           executors=[{"device": "cuda", "memory": "400MB"}, {"device": "cpu", "memory": "400MB"}])
+cfg["metrics"] = {"enabled": False}
+yaml.safe_dump(cfg, open("/tmp/line-A-gpu.yaml", "w"))'
+  export COE_DATA_DIR=var/line-A-gpu
+  step zoo-A 90 coe-agent zoo build --config /tmp/line-A-gpu.yaml
+  TAIL=14 step profile-A 150 coe-agent profile --config /tmp/line-A-gpu.yaml --out var/line-A-gpu/profile.json \
+    --no-plots
+  cp var/line-A-gpu/profile.json "$OUT/line-A.json"
+  TAIL=30 step real-profiled 170 coe-agent bench --real --device cuda --repeats 3
+  TAIL=30 step real-saturated 120 coe-agent bench --real --device cuda --repeats 3 --arrival-ms 0.5
 else
   # the profile again, without plots (a call brings back a few files only; phase 1's profile dir was too many)
   TAIL=8 step profile2 150 coe-agent profile --config configs/line-paper.yaml --out "$OUT/gpu.json" --no-plots

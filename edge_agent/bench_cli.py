@@ -33,6 +33,9 @@ from .cli import _config, _fail_clearly, line_options
 @click.option("--device", default="cpu", show_default=True,
               help="--real: cpu, or cuda[:N]: each system's GPU executor gets 400 MB of GPU memory behind a 400 MB "
                    "pinned host tier; CoServe adds a 400 MB CPU executor, which Samba-CoE gets as host tier.")
+@click.option("--arrival-ms", type=click.FloatRange(0, min_open=True),
+              help="--real: one frame every this many ms (default: the task's, 4 ms). A GPU box keeps up with "
+                   "4 ms, so its throughput is the arrival rate: 0.5 measures it saturated.")
 @click.option("--repeats", default=3, show_default=True, type=click.IntRange(1, 20),
               help="--real: run both systems this many times, side by side, and report the spread.")
 @click.option("--compression-ratio", type=click.FloatRange(0, 1, min_open=True),
@@ -60,7 +63,7 @@ from .cli import _config, _fail_clearly, line_options
 @_fail_clearly
 def bench(workload: str, sim: bool, profile_path: str | None, policies: str, init: str, skew: float | None,
           types: int | None, board_size: int | None, detector_share: float | None, requests: int | None,
-          load: tuple[float, ...], device: str,
+          load: tuple[float, ...], device: str, arrival_ms: float | None,
           repeats: int, compression_ratio: float | None, decode_rate: float | str | None,
           decode_threads: int | None, boxes: list[int] | None, link_gbps: float, link_ms: float,
           frame_bytes: int | None, out: str | None, as_json: bool, line: str, config_path: str | None) -> None:
@@ -74,7 +77,7 @@ def bench(workload: str, sim: bool, profile_path: str | None, policies: str, ini
       coe-agent bench --sim --compression-ratio 0.66 --decode-rate here --load none
       coe-agent bench --sim --boxes 1,2,4 --types 2000 --board-size 2000 -w A2 --init cold
       coe-agent bench --real
-      coe-agent bench --real --device cuda
+      coe-agent bench --real --device cuda --arrival-ms 0.5
     """
     from executors.profile import Profile
 
@@ -89,11 +92,13 @@ def bench(workload: str, sim: bool, profile_path: str | None, policies: str, ini
             if not torch.cuda.is_available():
                 raise CoEError(f"--device {device}: no CUDA device here")
         runs, info = B.run_real(Path(cfg.data_dir), repeats=repeats, device=device,
+                                interval=arrival_ms / 1e3 if arrival_ms is not None else None,
                                 progress=lambda m: None if as_json else click.echo(m, err=True))
         tables = [B.table(reports) for reports in runs]
         if not as_json:
             click.echo(f"real run on {B.machine()}: {info['requests']} frames, {info['experts']} experts "
-                       f"({info['zoo_mb']} MB), {info['memory_mb']:.0f} MB per executor, cold SSD loads; "
+                       f"({info['zoo_mb']} MB), one frame every {info['interval_ms']:g} ms, "
+                       f"{info['memory_mb']:.0f} MB per executor, cold SSD loads; "
                        f"costs from {info['profile']}")
             for name, res in info["resources"].items():
                 click.echo(f"  {name}: {res}")

@@ -435,7 +435,7 @@ def llm_bench(work: str, parts: str, prompts: int, decode: int, train_seconds: f
         if cuda:
             res += (f"; pool and resident weights on {torch_device_name()}, behind a pinned host tier of "
                     f"{host_share * layout.expert_bytes / 1e9:.2f} GB ({host_share:.0%} of the experts)")
-        doc["device"] = torch_device_name() if cuda else "cpu"
+        doc["device"] = torch_device_name() if cuda else "cpu"     # where (b) and (c) ran; (e) says its own
         doc["resources"] = res
         doc["disk_bytes_per_s"] = speed
     if "c" in want:   # the import's memory target sits with (c)'s: one checkpoint import in its own process
@@ -548,7 +548,7 @@ def llm_bench(work: str, parts: str, prompts: int, decode: int, train_seconds: f
                 f"{r['prefill_cpu']} CPU" if "prefill_streamed" in r else "")
             click.echo(f"{r['split']:8} {r['prefill']:8} {r['prefill_tokens_per_second']:>13.1f} "
                        f"{r['decode_tokens_per_second']:>12.2f} {r['hit_rate']:>9.1%}  {note}")
-        doc["e"] = rows
+        doc["e"] = {"device": torch_device_name(), "rows": rows}
     click.echo(json.dumps(doc))
 
 

@@ -72,3 +72,19 @@ def test_the_summary_floor_is_against_the_baselines_switches():
     rows = table([_report("coserve", 20.0, 30, floor=10), _report("samba", 10.0, 200)])
     line = summary([rows[0]])[0]
     assert "switches -85.0% to -85.0%" in line and "would be -95.0% to -95.0%" in line   # 1 - 10/200
+
+
+def test_real_run_options_are_checked_before_anything_runs(tmp_path):
+    """--arrival-ms must be positive; --device cuda on a box without CUDA is a clear error, not a traceback."""
+    import torch
+    from click.testing import CliRunner
+
+    from edge_agent.cli import cli
+
+    env = {"COE_DATA_DIR": str(tmp_path / "data")}
+    res = CliRunner().invoke(cli, ["bench", "--real", "--arrival-ms", "0"], env=env)
+    assert res.exit_code == 2 and "--arrival-ms" in res.output
+    if not torch.cuda.is_available():
+        res = CliRunner().invoke(cli, ["bench", "--real", "--device", "cuda"], env=env)
+        assert res.exit_code == 1 and "--device cuda: no CUDA device here" in res.output
+        assert "Traceback" not in res.output and not (tmp_path / "data" / "bench-real").exists()
