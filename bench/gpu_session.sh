@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The GPU figures of issues 9, 10 and 11 on a lent GPU machine, in two calls of about 8 and 5 minutes.
+# The GPU figures of issues 9, 10 and 11 on a lent GPU machine, in three calls of about 4, 5 and 4 minutes.
 #
 #   bash bench/gpu_session.sh OUT 1    # GPU tests; profile of the paper's architectures on CUDA and this
 #                                      # box's CPU (-> OUT/profile/gpu.json); llm bench (e) and (b) on CUDA
@@ -16,8 +16,9 @@
 # Every step has its own time limit and writes its whole output to OUT/<step>.log; a step that fails or
 # runs out of time does not stop the next.  Nothing here is a test: the figures are read off the logs.
 set -u
-OUT=${1:?usage: bash bench/gpu_session.sh OUT 1|2}
-PHASE=${2:?usage: bash bench/gpu_session.sh OUT 1|2}
+OUT=${1:?usage: bash bench/gpu_session.sh OUT 1|2|3}
+PHASE=${2:?usage: bash bench/gpu_session.sh OUT 1|2|3}
+case "$PHASE" in 1|2|3) ;; *) echo "phase must be 1, 2 or 3, got '$PHASE'" >&2; exit 2 ;; esac
 mkdir -p "$OUT"
 export YOLO_OFFLINE=1 PYTHONUNBUFFERED=1 TQDM_DISABLE=1
 export COE_DATA_DIR="${COE_DATA_DIR:-var/line-paper}"

@@ -180,26 +180,32 @@ def real_systems(memory: int, coserve_experts: int, samba_experts: int) -> dict[
             "samba": SimSystem("samba", (SimExecutor("cpu#0", "cpu", memory, samba_experts),), "fcfs", "lru")}
 
 
-def activation_reserves(model, profile: Profile | None, default_max_batch: int = 16) -> tuple[int, int]:
-    """(bytes for the max batch, bytes for one request) of the largest-activation expert, traced by its backend."""
+def activation_reserves(model, profile: Profile | None, default_max_batch: int = 16,
+                        kind: str = "cpu") -> tuple[int, int]:
+    """(bytes for the max batch, bytes for one request) of the largest-activation expert, traced by its backend;
+    the max batch is the profile's on a `kind` device."""
     from executors.backends import get_backend
 
     big = one = 0
     for arch in {e.arch for e in model.experts.values()}:
         e = next(x for x in model.experts.values() if x.arch == arch)
-        mb = profile.archs[Profile.key(arch, "cpu")].max_batch if profile and Profile.key(arch, "cpu") in \
+        mb = profile.archs[Profile.key(arch, kind)].max_batch if profile and Profile.key(arch, kind) in \
             profile.archs else default_max_batch
         big = max(big, get_backend(arch).activation_bytes(e, mb))
         one = max(one, get_backend(arch).activation_bytes(e, 1))
     return int(big), int(one)
 
 
-def gpu_real_systems(gpu: str, memory: int, host: int, reserves: tuple[int, int]) -> dict[str, SimSystem]:
+def gpu_real_systems(gpu: str, memory: int, host: int, gpu_reserves: tuple[int, int],
+                     cpu_reserve: int) -> dict[str, SimSystem]:
     """A GPU box's systems with the same memory: CoServe gets a GPU executor and a CPU executor of `memory`
     each and a pinned host tier of `host` (exclusive, CPU host reads); Samba-CoE (FCFS, LRU) the GPU executor
-    and, as host tier, all the CPU memory CoServe uses (`host` + its CPU executor's), as in the simulator."""
-    big, one = reserves
-    co = (SimExecutor(f"{gpu}#0", gpu, memory, memory - big), SimExecutor("cpu#0", "cpu", memory, memory - big))
+    and, as host tier, all the CPU memory CoServe uses (`host` + its CPU executor's), as in the simulator.
+    `gpu_reserves`: the GPU's activation bytes at the max batch and for one request; `cpu_reserve`: the CPU's
+    at its max batch."""
+    big, one = gpu_reserves
+    co = (SimExecutor(f"{gpu}#0", gpu, memory, memory - big),
+          SimExecutor("cpu#0", "cpu", memory, memory - cpu_reserve))
     return {"coserve": SimSystem("coserve", co, "coserve", "coserve", host_tier=host, host_mode="exclusive",
                                  max_wait=MAX_WAIT, cpu_host_reads=True),
             "samba": SimSystem("samba", (SimExecutor(f"{gpu}#0", gpu, memory, memory - one),), "fcfs", "lru",
@@ -251,7 +257,8 @@ def run_real(data_dir: Path, *, requests: int = 600, types: int = 24, memory: in
     profile = Profile.load(prof_path) if prof_path.is_file() else None
     big, one = activation_reserves(model, profile)
     cuda = device.startswith("cuda")
-    systems = (gpu_real_systems("cuda:0" if device == "cuda" else device, memory, host, (big, one)) if cuda
+    systems = (gpu_real_systems("cuda:0" if device == "cuda" else device, memory, host,
+                                activation_reserves(model, profile, kind="cuda"), big) if cuda
                else real_systems(memory, memory - big, memory - one))
     runs = []
     for rep in range(repeats):

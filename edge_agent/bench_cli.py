@@ -8,7 +8,7 @@ import click
 from coe.errors import CoEError
 from executors.systems import DEFAULT
 
-from .cli import _config, _fail_clearly, line_options
+from .cli import _config, _fail_clearly, line_options, torch_device
 
 
 @click.command("bench")
@@ -30,7 +30,7 @@ from .cli import _config, _fail_clearly, line_options
 @click.option("--load", "load", default="0.5,0.8", show_default=True, callback=lambda c, p, v: _loads(v),
               help="Also run coserve, coserve-paper and samba with frames arriving evenly at F x the highest rate "
                    "each sustains (see README) and report p50/p99 there; comma-separated F in (0, 1], or 'none'.")
-@click.option("--device", default="cpu", show_default=True,
+@click.option("--device", default="cpu", show_default=True, callback=torch_device,
               help="--real: cpu, or cuda[:N]: each system's GPU executor gets 400 MB of GPU memory behind a 400 MB "
                    "pinned host tier; CoServe adds a 400 MB CPU executor, which Samba-CoE gets as host tier.")
 @click.option("--arrival-ms", type=click.FloatRange(0, min_open=True),
@@ -85,6 +85,8 @@ def bench(workload: str, sim: bool, profile_path: str | None, policies: str, ini
 
     cfg = _config(line, config_path)
     out_dir = Path(out) if out else Path(cfg.data_dir) / "bench"
+    if sim and (device != "cpu" or arrival_ms is not None):
+        raise CoEError("--device and --arrival-ms are for --real runs; --sim takes the devices from --profile")
     if not sim:
         if device.startswith("cuda"):
             import torch
@@ -100,8 +102,6 @@ def bench(workload: str, sim: bool, profile_path: str | None, policies: str, ini
                        f"({info['zoo_mb']} MB), one frame every {info['interval_ms']:g} ms, "
                        f"{info['memory_mb']:.0f} MB per executor, cold SSD loads; "
                        f"costs from {info['profile']}")
-            for name, res in info["resources"].items():
-                click.echo(f"  {name}: {res}")
             for i, rows in enumerate(tables):
                 click.echo(B.format_table(f"repetition {i + 1}/{len(tables)}:", rows))
                 for r in rows:

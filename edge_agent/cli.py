@@ -45,6 +45,15 @@ def dtype_option(default_is: str):
                         help=f"Store the weights as this dtype (default: {default_is}).")
 
 
+def torch_device(ctx, param, value: str) -> str:
+    """A click callback: 'cpu', 'cuda' or 'cuda:N' (what a benchmark's --device takes), else a usage error."""
+    import re
+
+    if not re.fullmatch(r"cpu|cuda(:\d+)?", value):
+        raise click.BadParameter(f"{value!r}: give cpu, cuda or cuda:N")
+    return value
+
+
 def _config(line: str, config_path: str | None) -> LineConfig:
     return load_config(find_config(line, config_path))
 

@@ -33,12 +33,16 @@ from .simdevice import SimReport, SimSystem
 class ColdStoreSource(StoreSource):
     """StoreSource that drops each file from the page cache after reading it: every load hits the disk."""
 
-    reads = 0   # SSD reads by every instance (one run at a time; `run_real` takes the difference)
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.reads = 0                      # SSD reads through this source (executor and prefetch threads)
+        self._count = threading.Lock()
 
     def load(self, expert_id: str, reuse=()):
         value = super().load(expert_id, reuse)
         drop_from_page_cache(self.store.path(expert_id))
-        ColdStoreSource.reads += 1
+        with self._count:
+            self.reads += 1
         return value
 
 
@@ -67,7 +71,11 @@ def run_real(workload: Workload, model: CoEModel, store, profile: Profile | None
     box: list[Scheduler] = []
     execs: list[Executor] = []
     pools, infos = {}, {}
-    cold = ColdStoreSource if opts.cold else StoreSource
+    built: list[StoreSource] = []   # every store source of this run: with `cold`, their reads are the SSD reads
+
+    def cold(store, **kw) -> StoreSource:
+        built.append((ColdStoreSource if opts.cold else StoreSource)(store, **kw))
+        return built[-1]
     gpus = [ex.name for ex in system.executors if ex.kind == "cuda"]
 
     def above_host() -> set[str]:
@@ -79,6 +87,9 @@ def run_real(workload: Workload, model: CoEModel, store, profile: Profile | None
             out |= set(pools[n].resident()) if n in pools else set()
         return out
 
+    if system.cpu_demote:
+        raise ValueError(f"{system.name}: real runs do not move CPU victims into the host tier (cpu_demote); "
+                         "the simulator and the agent do")
     host = None
     if gpus and system.host_tier:
         host = Pool("host", system.host_tier, make_policy(system.eviction), cold(store, pin=True, dtype="float32"),
@@ -86,9 +97,11 @@ def run_real(workload: Workload, model: CoEModel, store, profile: Profile | None
                     on_event=lambda e: box[0].refresh(e.expert_id, None) if box else None, measure=measured_nbytes)
     exclusive = host is not None and system.host_mode == "exclusive"
 
+    closing: list[bool] = []
+
     def on_event(e, name: str, kind: str) -> None:
         if e.event == "evict":
-            if exclusive and kind == "cuda" and not e.stale:
+            if exclusive and kind == "cuda" and not e.stale and not closing:
                 demote(e, host)                      # the GPU victim moves down into the host tier
             for x in execs:
                 if x.name == name:
@@ -122,7 +135,10 @@ def run_real(workload: Workload, model: CoEModel, store, profile: Profile | None
         if host is not None:   # then the next most probable experts the GPU pools do not hold, as the agent does
             initialize_tier(host, [pools[n] for n in gpus], order)
     init_misses = sum(p.stats().misses for p in pools.values())
-    init_reads = ColdStoreSource.reads
+    def ssd_reads() -> int:
+        return sum(getattr(src, "reads", 0) for src in built)
+
+    init_reads = ssd_reads()
     if opts.cold:
         for e in model.experts:
             drop_from_page_cache(store.path(e))
@@ -180,10 +196,14 @@ def run_real(workload: Workload, model: CoEModel, store, profile: Profile | None
     stats = [p.stats() for p in pools.values()]
     switches = sum(s.misses for s in stats) - init_misses
     # cold: every SSD read is counted; a switch that read none copied the host tier's copy
-    ssd = ColdStoreSource.reads - init_reads if opts.cold else switches
+    ssd = ssd_reads() - init_reads if opts.cold else switches
+    closing.append(True)   # the run is over: the pools let their experts go (GPU and pinned memory) undemoted
+    for p in [*pools.values(), *([host] if host is not None else [])]:
+        p.close()
     return SimReport(
         system=system.name, frames=len(arrivals), makespan=makespan, throughput=len(arrivals) / makespan,
-        switches=switches, ssd_loads=ssd, host_loads=switches - ssd if opts.cold else 0, p50_ms=1000 * statistics.median(lat), p99_ms=1000 * lat[min(len(lat) - 1, int(0.99 * len(lat)))],
+        switches=switches, ssd_loads=ssd, host_loads=switches - ssd if opts.cold else 0,
+        p50_ms=1000 * statistics.median(lat), p99_ms=1000 * lat[min(len(lat) - 1, int(0.99 * len(lat)))],
         batches=batches[0], mean_batch=batches[1] / max(batches[0], 1), lower_bound=0.0, efficiency=0.0,
         decision_us=1e6 * sched.decision_seconds / max(sched.decisions, 1),
         busy_fraction=sum(s.load_seconds for s in stats) / (makespan * len(execs)),

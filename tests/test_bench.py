@@ -84,6 +84,10 @@ def test_real_run_options_are_checked_before_anything_runs(tmp_path):
     env = {"COE_DATA_DIR": str(tmp_path / "data")}
     res = CliRunner().invoke(cli, ["bench", "--real", "--arrival-ms", "0"], env=env)
     assert res.exit_code == 2 and "--arrival-ms" in res.output
+    res = CliRunner().invoke(cli, ["bench", "--real", "--device", "gpu"], env=env)
+    assert res.exit_code == 2 and "give cpu, cuda or cuda:N" in res.output
+    res = CliRunner().invoke(cli, ["bench", "--sim", "--device", "cuda", "-w", "A1"], env=env)
+    assert res.exit_code == 1 and "--device and --arrival-ms are for --real runs" in res.output
     if not torch.cuda.is_available():
         res = CliRunner().invoke(cli, ["bench", "--real", "--device", "cuda"], env=env)
         assert res.exit_code == 1 and "--device cuda: no CUDA device here" in res.output

@@ -273,3 +273,17 @@ def test_lockstep_threads_start_together_and_the_first_error_reaches_the_caller(
         start()                               # the others would wait forever without the abort
     with pytest.raises(ValueError, match="thread 1 broke"):
         run_in_lockstep(failing, 3, "t")
+
+
+def test_profile_refuses_a_store_missing_a_spec_expert_before_profiling(tiny_line, tmp_path):
+    """The searches need every expert's size from the store: a missing one is named before minutes of timing."""
+    import json
+
+    manifest = tiny_line.parent.parent / "experts" / "manifest.json"
+    doc = json.loads(manifest.read_text())
+    doc["experts"] = [e for e in doc["experts"] if e["id"] != "det-ic"]
+    manifest.write_text(json.dumps(doc))
+    out = tmp_path / "p.json"
+    res = CliRunner().invoke(cli, ["profile", "--config", str(tiny_line), "--out", str(out)])
+    assert res.exit_code == 1 and "det-ic" in res.output and "not in" in res.output, res.output
+    assert "profiling line" not in res.output and not out.exists()

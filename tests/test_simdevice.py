@@ -739,7 +739,7 @@ def test_a_real_run_on_cuda_serves_every_frame_through_the_pinned_host_tier(tiny
     """The GPU path of `run_real`: a GPU pool with room for one expert behind a host tier, cold SSD reads.
 
     Every frame finishes; the GPU pool switches; a GPU victim's next use is a host copy (exclusive: it moved
-    down into the host tier; inclusive: the tier kept the copy), so fewer SSD reads than switches.
+    down into the host tier; inclusive: the tier kept the copy), so no expert is read from the SSD twice.
     """
     import numpy as np
     import torch
@@ -764,6 +764,7 @@ def test_a_real_run_on_cuda_serves_every_frame_through_the_pinned_host_tier(tiny
     rep = run_real(w, model, store, None, system, RealOptions(interval=0.0, cold=True),
                    images={c: [np.zeros((32, 32, 3), np.uint8)] for c in comps})
     assert rep.frames == 24 and rep.switches > len(comps)
-    assert 0 < rep.ssd_loads <= rep.switches
-    assert rep.host_loads == rep.switches - rep.ssd_loads
-    assert rep.host_loads > 0     # a victim's next use was a host copy (exclusive: it moved down; inclusive: kept)
+    # the host tier has room for every expert: none is read from the SSD twice (exclusive: each GPU victim
+    # moved down and was promoted back; inclusive: the tier kept its copy), the other switches were host copies
+    assert 0 < rep.ssd_loads <= len(model.experts) < rep.switches
+    assert rep.host_loads > 0
