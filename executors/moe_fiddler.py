@@ -129,9 +129,13 @@ class MappedInPlace:
         self.weights, self.split = weights, split
 
     def _one(self, compute: ExpertFn, e: int, expert_id: str, hidden_states, expert_mask, top_k_weights) -> tuple:
+        # the in-place cost the split weighs is all the time this expert holds its thread: taking its weights
+        # (a file read when the host tier does not hold it) and the matmuls; timing the matmuls alone made an
+        # in-place expert look 10x cheaper than it was on the H200 box (C_cpu 1.0 ms against an 11.7 ms load,
+        # 134 of 203 read from their files) and the split sent nearly every miss to the CPU
+        t0 = time.perf_counter()
         tensors, handle = self.weights.open(expert_id)
         try:
-            t0 = time.perf_counter()
             part = compute(e, tensors, hidden_states, expert_mask, top_k_weights)
             self.split.measured(compute=time.perf_counter() - t0)
             return part

@@ -225,3 +225,38 @@ def test_an_in_place_expert_leaves_the_page_cache_when_the_box_has_none_to_spare
             pytest.skip("mincore is not available here")
         assert weights.reads.from_file == 1 and weights.reads.file_bytes == store.nbytes(a)
         assert (after == 0.0) if drop else (after > 0.5)
+
+
+def test_the_in_place_cost_includes_taking_the_weights():
+    """C_other is the time an in-place expert holds its thread: a slow file read counts, not only the matmuls.
+
+    (Timing the matmuls alone made in-place experts look 10x cheaper than they were on a GPU box, and the
+    split sent nearly every miss to the CPU.)
+    """
+    import time
+
+    import torch
+
+    from executors.moe_fiddler import MappedInPlace, ThreadInPlace
+    from executors.moe_split import LoadComputeSplit
+
+    class SlowRead:                      # a disk that takes 50 ms to hand over an expert's weights
+        def open(self, expert_id):
+            time.sleep(0.05)
+            return {"w": torch.ones(2)}, None
+
+        def close(self, handle, expert_id=None):
+            pass
+
+    def compute(e, tensors, hidden, mask, weights):
+        return torch.tensor([0]), torch.tensor([0]), hidden * tensors["w"].sum()
+
+    for kind in (MappedInPlace, ThreadInPlace):
+        split = LoadComputeSplit()
+        runner = kind(SlowRead(), split)
+        try:
+            parts = runner.start(compute, [(0, "e0"), (1, "e1")], torch.ones(1, 2), torch.ones(1), torch.ones(1))
+            assert len(parts.results()) == 2
+        finally:
+            runner.close()
+        assert split.stats.in_place == 2 and split.stats.compute_seconds >= 0.05, kind.__name__
