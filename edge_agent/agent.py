@@ -29,7 +29,7 @@ from executors.systems import activation_reserve
 from routing import RuleRouter
 from storage.expert_store import ExpertStore
 from storage.policies import make_policy
-from storage.pool import Pool, PoolEvent, initialize, initialize_tier
+from storage.pool import Pool, PoolEvent, initialize, initialize_tier, present_above
 from storage.results import ResultStore
 from storage.tiers import HostReadSource, StoreSource, TierSource, demote, measured_nbytes, source_dtype
 
@@ -365,15 +365,9 @@ class Agent:
                     context=context, measure=measured_nbytes)
 
     def _above_host(self) -> set[str]:
-        """What the host tier's policy must count as present: experts queued anywhere and those the GPU
-        pools hold (an exclusive host tier never holds them itself, so a detector whose classifier sits on
-        a GPU is not orphaned)."""
-        out: set[str] = set()
-        for name in self.pools:
-            out |= self.scheduler.queued_set(name)
-        for name in self.gpu_pools:
-            out |= set(self.pools[name].resident())
-        return out
+        """What the host tier's policy must count as present (`present_above`)."""
+        return present_above((self.scheduler.queued_set(n) for n in self.pools),
+                             (self.pools[n] for n in self.gpu_pools))
 
     def _all_pools(self) -> dict[str, Pool]:
         pools = dict(self.pools)

@@ -362,15 +362,19 @@ def run_e2e(hf: Path, store: Path, prompt_ids: list[int], tokens: int, *, share:
             if cg is not None:
                 cg.remove()
         out.append(r)
-    note = (f"each process but 'ram' bounded, from its first generated token, by a memory cgroup of "
-            f"{limit / 1e6:.0f} MB (the {base / 1e6:.0f} MB it charges for the interpreter, torch and the model's "
-            f"code + 1.15 x (budget + non-expert weights)), counting RSS and page cache together; loading is "
-            f"unbounded (transformers' loader materialises fused experts)"
-            if bounded else f"on {device}: GPU budget {memory / 1e6:.0f} MB of experts, pinned host tier "
-            f"{host_memory / 1e6:.0f} MB (coe-edge) / {host_memory / 1e6:.0f} MB of max_memory['cpu'] (accelerate); "
-            "no cgroup; coe-edge drops each expert file from the page cache after reading it, accelerate's offload "
-            "reads stay cached" if cuda else "no writable memory cgroup: page cache not bounded; coe-edge drops each expert file "
-                            "from the page cache after reading it, accelerate's offload reads stay cached")
+    if bounded:
+        note = (f"each process but 'ram' bounded, from its first generated token, by a memory cgroup of "
+                f"{limit / 1e6:.0f} MB (the {base / 1e6:.0f} MB it charges for the interpreter, torch and the "
+                f"model's code + 1.15 x (budget + non-expert weights)), counting RSS and page cache together; "
+                f"loading is unbounded (transformers' loader materialises fused experts)")
+    elif cuda:
+        note = (f"on {device}: GPU budget {memory / 1e6:.0f} MB of experts, pinned host tier {host_memory / 1e6:.0f} "
+                f"MB (coe-edge) / {host_memory / 1e6:.0f} MB of max_memory['cpu'] (accelerate); no cgroup; coe-edge "
+                f"drops each expert file from the page cache after reading it, accelerate's offload reads stay "
+                f"cached")
+    else:
+        note = ("no writable memory cgroup: page cache not bounded; coe-edge drops each expert file from the page "
+                "cache after reading it, accelerate's offload reads stay cached")
     return out, {"bounded": bounded, "limit": int(limit), "baseline": rss_base, "charged_baseline": base,
                  "note": note}
 

@@ -86,13 +86,13 @@ def profile(line: str, config_path: str | None, out: str | None, batch_sizes: tu
         raise CoEError(f"no expert store at {cfg.store_path} (run: coe-agent zoo build --line {cfg.line})")
     store = ExpertStore(cfg.store_path, verify=cfg.expert_verify)
     path = Path(out) if out else Path(cfg.data_dir) / "profile.json"
-    # the searches count a split in experts' bytes, the store's (a spec has none): all of them, before minutes
-    # of profiling
-    missing = sorted(set(model.experts) - {e.id for e in store.entries()})
+    # the searches count a split in experts' bytes, the store's (a spec has none): every expert's, checked
+    # before minutes of profiling
+    sizes = {e.id: e.nbytes for e in store.entries()}
+    missing = sorted(set(model.experts) - set(sizes))
     if missing:
         raise CoEError(f"{len(missing)} expert(s) of the spec are not in {cfg.store_path} (e.g. '{missing[0]}'): "
                        f"run coe-agent zoo build --line {cfg.line}")
-    sized = model.with_sizes({e.id: e.nbytes for e in store.entries()})
 
     targets = plan_targets(cfg, model, store)
     click.echo(f"profiling line {cfg.line}: {len(targets)} (arch, device) pair(s), batch sizes "
@@ -114,8 +114,7 @@ def profile(line: str, config_path: str | None, out: str | None, batch_sizes: tu
                    "the profile keeps the config's executor counts and budgets")
     else:
         click.echo("running the memory-split and executor-count searches ...")
-        # the experts' sizes from the store: the spec has none, and a split is counted in experts' bytes
-        prof = tune(prof, sized, cfg)
+        prof = tune(prof, model.with_sizes(sizes), cfg)
 
     prof.save(path)
     links = _profile_links(cfg, link_rounds) if cfg.cluster is not None else []

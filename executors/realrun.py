@@ -20,7 +20,7 @@ from coe import CoEModel, Frame, Request, decide
 from coe.workload import Workload
 from storage.pagecache import drop_from_page_cache
 from storage.policies import make_policy
-from storage.pool import Pool, initialize, initialize_tier
+from storage.pool import Pool, initialize, initialize_tier, present_above
 from storage.tiers import HostReadSource, StoreSource, TierSource, demote, measured_nbytes
 
 from .costs import ExecutorInfo, ProfileCosts, store_forms
@@ -69,30 +69,25 @@ def run_real(workload: Workload, model: CoEModel, store, profile: Profile | None
     probs = model.usage_probabilities()
     prelims = {e: tuple(model.preliminaries(e)) for e in model.experts}
     box: list[Scheduler] = []
-    execs: list[Executor] = []
+    execs: dict[str, Executor] = {}    # filled once the scheduler exists; pool events before that find none
     pools, infos = {}, {}
     built: list[StoreSource] = []   # every store source of this run: with `cold`, their reads are the SSD reads
 
-    def cold(store, **kw) -> StoreSource:
+    def store_source(**kw) -> StoreSource:
         built.append((ColdStoreSource if opts.cold else StoreSource)(store, **kw))
         return built[-1]
     gpus = [ex.name for ex in system.executors if ex.kind == "cuda"]
 
     def above_host() -> set[str]:
-        """What the host tier counts as present: experts queued anywhere and those the GPU pools hold."""
-        out: set[str] = set()
-        for n in pools:
-            out |= box[0].queued_set(n) if box else set()
-        for n in gpus:
-            out |= set(pools[n].resident()) if n in pools else set()
-        return out
+        return present_above((box[0].queued_set(n) for n in pools) if box else (),
+                             (pools[n] for n in gpus if n in pools))
 
     if system.cpu_demote:
         raise ValueError(f"{system.name}: real runs do not move CPU victims into the host tier (cpu_demote); "
                          "the simulator and the agent do")
     host = None
     if gpus and system.host_tier:
-        host = Pool("host", system.host_tier, make_policy(system.eviction), cold(store, pin=True, dtype="float32"),
+        host = Pool("host", system.host_tier, make_policy(system.eviction), store_source(pin=True, dtype="float32"),
                     name="host", probabilities=probs, preliminaries=prelims, context=lambda: {"queued": above_host()},
                     on_event=lambda e: box[0].refresh(e.expert_id, None) if box else None, measure=measured_nbytes)
     exclusive = host is not None and system.host_mode == "exclusive"
@@ -103,17 +98,16 @@ def run_real(workload: Workload, model: CoEModel, store, profile: Profile | None
         if e.event == "evict":
             if exclusive and kind == "cuda" and not e.stale and not closing:
                 demote(e, host)                      # the GPU victim moves down into the host tier
-            for x in execs:
-                if x.name == name:
-                    x.on_evicted(e.value)
+            if name in execs:
+                execs[name].on_evicted(e.value)     # as the agent: its skeleton lets the victim's buffer go
         if box:
             box[0].refresh(e.expert_id, name)
 
     for ex in system.executors:
         if ex.kind == "cuda":
-            src = TierSource(host or cold(store, pin=True, dtype="float32"), ex.device, exclusive=exclusive)
+            src = TierSource(host or store_source(pin=True, dtype="float32"), ex.device, exclusive=exclusive)
         elif ex.kind == "cpu":
-            src = cold(store, dtype="float32")   # as the agent's CPU pools
+            src = store_source(dtype="float32")   # as the agent's CPU pools
             if host is not None and system.cpu_host_reads:
                 src = HostReadSource(host, src)
         else:
@@ -135,6 +129,7 @@ def run_real(workload: Workload, model: CoEModel, store, profile: Profile | None
         if host is not None:   # then the next most probable experts the GPU pools do not hold, as the agent does
             initialize_tier(host, [pools[n] for n in gpus], order)
     init_misses = sum(p.stats().misses for p in pools.values())
+
     def ssd_reads() -> int:
         return sum(getattr(src, "reads", 0) for src in built)
 
@@ -166,10 +161,10 @@ def run_real(workload: Workload, model: CoEModel, store, profile: Profile | None
                 done[0] += 1
                 lock.notify_all()
 
-    execs += [Executor(ex.name, ex.device if ex.kind == "cuda" else "cpu", pools[ex.name], sched, model, on_result,
-                       prefetch=not opts.prequeue) for ex in system.executors]
+    execs.update((ex.name, Executor(ex.name, ex.device if ex.kind == "cuda" else "cpu", pools[ex.name], sched, model,
+                                    on_result, prefetch=not opts.prequeue)) for ex in system.executors)
     if not opts.prequeue:
-        for e in execs:
+        for e in execs.values():
             e.start()
     arrivals = workload.arrivals
     t0 = time.perf_counter()
@@ -182,13 +177,13 @@ def run_real(workload: Workload, model: CoEModel, store, profile: Profile | None
         start[a.frame_id] = time.perf_counter()
         sched.submit(Request(frame, model.components[a.component].classifier))
     if opts.prequeue:
-        for e in execs:
+        for e in execs.values():
             e.start()
     with lock:
         finished = lock.wait_for(lambda: done[0] >= len(arrivals), opts.timeout)
     makespan = time.perf_counter() - t0
     sched.close()
-    for e in execs:
+    for e in execs.values():
         e.join(10)
     if not finished:
         raise TimeoutError(f"{system.name}: only {done[0]} of {len(arrivals)} frames finished in {opts.timeout} s")

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Iterable
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -426,6 +426,18 @@ def initialize(pools: list[Pool], order: list[str]) -> dict[str, list[str]]:
         if all(p.capacity - p.used_bytes() <= 0 for p in pools):
             break
     return got
+
+
+def present_above(queued: Iterable[Collection[str]], above: Iterable[Pool]) -> set[str]:
+    """What a lower tier's policy counts as present: the experts queued anywhere and those the pools `above`
+    it hold (an exclusive host tier never holds what a GPU pool holds, so a detector whose classifier sits
+    on a GPU is not orphaned)."""
+    out: set[str] = set()
+    for q in queued:
+        out |= set(q)
+    for pool in above:
+        out |= set(pool.resident())
+    return out
 
 
 def initialize_tier(tier: Pool, above: list[Pool], order: list[str]) -> list[str]:

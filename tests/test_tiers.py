@@ -221,3 +221,17 @@ def test_a_cpu_pool_never_copies_a_stale_or_other_dtype_host_copy(tmp_path):
     assert (src.from_host, src.from_ssd) == (0, 1)                       # ...but the held copy is v1: the SSD
     assert value.version == 2 and value.tensors()["w"].dtype == torch.float32
     assert float(value.tensors()["w"][0, 0]) == 2.0 and value.nbytes == src.size("x")
+
+
+def test_present_above_counts_the_queued_and_what_the_pools_above_hold():
+    """The host tier's policy sees an expert as present when some executor has it queued or a GPU pool holds it."""
+    from storage.policies import make_policy
+    from storage.pool import Pool, present_above
+
+    from conftest import SizedSource
+
+    gpu = Pool("cuda", 20, make_policy("lru"), SizedSource({"cls-a": 10, "det-x": 10}), name="gpu")
+    gpu.release(gpu.acquire("cls-a"))
+    assert present_above([{"det-x"}, set()], [gpu]) == {"cls-a", "det-x"}
+    assert present_above([], [gpu]) == {"cls-a"}
+    assert present_above([{"det-x"}], []) == {"det-x"}
