@@ -8,6 +8,10 @@
 #   bash bench/gpu_session.sh OUT 3    # line A's architectures profiled on CUDA and the CPU (-> OUT/line-A.json),
 #                                      # then bench --real --device cuda scheduling on those measured costs,
 #                                      # at the task's arrival rate and saturated (--arrival-ms 0.5)
+#   bash bench/gpu_session.sh OUT 4    # a re-check in one call of about 8 minutes: the split's GPU test and
+#                                      # llm bench (e) with the in-place cost that includes taking the weights,
+#                                      # and phase 3's saturated run through --arrival-ms
+#   bash bench/gpu_session.sh OUT 5    # the split alone, in about 2 minutes: its GPU tests and llm bench (e)
 #
 # Run it after `bash .gpu/on-device.sh` installed the wheels (see ../shared/gpu/README.md), e.g.
 #   bash .gpu/on-device.sh 'bash bench/gpu_session.sh $OUT 1'
@@ -16,9 +20,9 @@
 # Every step has its own time limit and writes its whole output to OUT/<step>.log; a step that fails or
 # runs out of time does not stop the next.  Nothing here is a test: the figures are read off the logs.
 set -u
-OUT=${1:?usage: bash bench/gpu_session.sh OUT 1|2|3}
-PHASE=${2:?usage: bash bench/gpu_session.sh OUT 1|2|3}
-case "$PHASE" in 1|2|3) ;; *) echo "phase must be 1, 2 or 3, got '$PHASE'" >&2; exit 2 ;; esac
+OUT=${1:?usage: bash bench/gpu_session.sh OUT 1|2|3|4|5}
+PHASE=${2:?usage: bash bench/gpu_session.sh OUT 1|2|3|4|5}
+case "$PHASE" in 1|2|3|4|5) ;; *) echo "phase must be 1 to 5, got '$PHASE'" >&2; exit 2 ;; esac
 mkdir -p "$OUT"
 export YOLO_OFFLINE=1 PYTHONUNBUFFERED=1 TQDM_DISABLE=1
 export COE_DATA_DIR="${COE_DATA_DIR:-var/line-paper}"
@@ -63,7 +67,18 @@ if [ "$PHASE" = 1 ]; then
   TAIL=30 step profile 150 coe-agent profile --config configs/line-paper.yaml --out "$OUT/profile/gpu.json"
   TAIL=12 step llm-e 90 coe-agent llm bench --work $W --part e
   TAIL=16 step llm-b 130 coe-agent llm bench --work $W --part b --device cuda
-elif [ "$PHASE" = 3 ]; then
+elif [ "$PHASE" = 5 ]; then
+  big_model >"$OUT/big-model.log" 2>&1 &
+  maker=$!
+  TAIL=8 step gpu-tests 60 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_moe_fiddler.py
+  wait "$maker"; echo "=== big model: $(tail -n 1 "$OUT/big-model.log")"
+  TAIL=12 step llm-e 110 coe-agent llm bench --work $W --part e
+elif [ "$PHASE" = 3 ] || [ "$PHASE" = 4 ]; then
+  if [ "$PHASE" = 4 ]; then
+    big_model >"$OUT/big-model.log" 2>&1 &
+    maker=$!
+    TAIL=8 step gpu-tests 60 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_moe_fiddler.py
+  fi
   # line A with a GPU executor and a CPU executor (the systems `bench --real --device cuda` compares), so
   # the real run's scheduler reads measured costs of its architectures on both devices
   python3 -c '
@@ -75,11 +90,16 @@ cfg["metrics"] = {"enabled": False}
 yaml.safe_dump(cfg, open("/tmp/line-A-gpu.yaml", "w"))'
   export COE_DATA_DIR=var/line-A-gpu
   step zoo-A 90 coe-agent zoo build --config /tmp/line-A-gpu.yaml
+  # the model is made while the untimed steps run, never beside a profile or a timed run
+  [ "$PHASE" = 4 ] && { wait "$maker"; echo "=== big model: $(tail -n 1 "$OUT/big-model.log")"; }
   TAIL=14 step profile-A 150 coe-agent profile --config /tmp/line-A-gpu.yaml --out var/line-A-gpu/profile.json \
     --no-plots
   cp var/line-A-gpu/profile.json "$OUT/line-A.json"
-  TAIL=30 step real-profiled 170 coe-agent bench --real --device cuda --repeats 3
+  [ "$PHASE" = 3 ] && TAIL=30 step real-profiled 170 coe-agent bench --real --device cuda --repeats 3
   TAIL=30 step real-saturated 120 coe-agent bench --real --device cuda --repeats 3 --arrival-ms 0.5
+  if [ "$PHASE" = 4 ]; then
+    TAIL=12 step llm-e 110 coe-agent llm bench --work $W --part e
+  fi
 else
   # the profile again, without plots (a call brings back a few files only; phase 1's profile dir was too many)
   TAIL=8 step profile2 150 coe-agent profile --config configs/line-paper.yaml --out "$OUT/gpu.json" --no-plots

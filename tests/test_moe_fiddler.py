@@ -260,3 +260,33 @@ def test_the_in_place_cost_includes_taking_the_weights():
         finally:
             runner.close()
         assert split.stats.in_place == 2 and split.stats.compute_seconds >= 0.05, kind.__name__
+
+
+def test_the_load_cost_is_the_layers_wall_time_per_load_not_one_loads_duration(qwen3):
+    """C_load is what n loads cost together: they run LOADERS at a time, so per load about a quarter of one's time.
+
+    (Adding up each load's own duration made four concurrent 9.5 ms loads weigh 38 ms against one 14.5 ms
+    in-place expert on the H200 box, and the split computed 89 of 116 misses on the CPU.)
+    """
+    import time
+
+    from executors.pooled_experts import LOADERS
+
+    ref, layout, store = qwen3
+    assert layout.top_k >= LOADERS          # a cold decode pass misses at least LOADERS experts per layer
+    pm = load_pooled(store, memory=layout.expert_bytes, policy="lru", split="mapped")
+    source = pm.pools[0].source
+    load = source.load
+
+    def slow(eid, reuse=None):              # a disk that takes 200 ms per expert, whatever runs beside it
+        time.sleep(0.2)
+        return load(eid, reuse)
+    source.load = slow
+    try:
+        with torch.no_grad():
+            assert torch.equal(pm.model(_decode_batch(3)).logits, ref(_decode_batch(3)).logits)
+        s = pm.split.stats
+        assert s.loaded == len(layout.layers)       # one measure per layer (the second learns C_other on one miss)
+        assert 0.2 / len(layout.layers) / LOADERS <= s.load_seconds < 0.2 * 0.6, s.load_seconds
+    finally:
+        pm.close()
