@@ -537,7 +537,9 @@ def gpu_split_bench(store: Path, prompt_ids: list[int], decode_tokens: int, *, d
                 reads = pm.in_place.weights.reads
                 row.update(in_place=pm.split.stats.in_place, loaded=pm.split.stats.loaded,
                            from_host=reads.from_host, from_file=reads.from_file,
-                           c_load_ms=pm.split.stats.load_seconds * 1e3, c_cpu_ms=pm.split.stats.compute_seconds * 1e3)
+                           c_load_ms=pm.split.stats.load_seconds * 1e3, c_cpu_ms=pm.split.stats.compute_seconds * 1e3,
+                           costs=pm.split.summary(),
+                           costs_ms={f"{k}:{src}": v * 1e3 for (k, src), v in sorted(pm.split.stats.by_source.items())})
             if pm.prefill is not None:
                 pf = pm.prefill.stats
                 row.update(prefill_gpu_resident=pf.resident, prefill_streamed=pf.streamed, prefill_cpu=pf.cpu,

@@ -530,7 +530,7 @@ def llm_bench(work: str, parts: str, prompts: int, decode: int, train_seconds: f
         for r in arows:
             note = (f"{r['substituted']} substituted" if r.get("alpha") else "") + (
                 f"; {r['in_place']} computed in place ({r['gib_in_place']:.2f} GiB read from their files), "
-                f"{r['loaded']} loaded" if "in_place" in r else "") + (
+                f"{r['loaded']} layers loaded" if "in_place" in r else "") + (
                 f"; prefetch precision {r['prefetch_precision']:.2f} recall {r['prefetch_recall']:.2f}, "
                 f"{r['prefetch_useful']} of {r['prefetch_issued']} reads used"
                 if "prefetch_precision" in r else "")
@@ -551,8 +551,8 @@ def llm_bench(work: str, parts: str, prompts: int, decode: int, train_seconds: f
                    "pinned host tier 50%, 128-token prompt")
         click.echo(f"{'split':8} {'prefill':8} {'prefill tok/s':>13} {'decode tok/s':>12} {'hit rate':>9}  notes")
         for r in rows:
-            note = (f"{r['in_place']} in place ({r['from_host']} host, {r['from_file']} file), {r['loaded']} loaded, "
-                    f"C_load {r['c_load_ms']:.1f} ms C_cpu {r['c_cpu_ms']:.1f} ms" if "in_place" in r else "") + (
+            note = (f"{r['in_place']} in place ({r['from_host']} host, {r['from_file']} file), {r['loaded']} layers loaded, "
+                    f"{r['costs']}" if "in_place" in r else "") + (
                 f"; prefill {r['prefill_gpu_resident']} resident, {r['prefill_streamed']} streamed, "
                 f"{r['prefill_cpu']} CPU" if "prefill_streamed" in r else "")
             click.echo(f"{r['split']:8} {r['prefill']:8} {r['prefill_tokens_per_second']:>13.1f} "

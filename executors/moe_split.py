@@ -11,6 +11,16 @@ in-place matmuls on a CPU thread; on a CPU box the in-place matmuls run
 before the loads start, and the rule then only weighs them).  High-score
 misses are loaded, low-score ones computed in place.
 
+Both costs depend on where a miss's weights are when the split decides: in
+the host tier (a load is a host-to-GPU copy, an in-place computation a
+matmul on pinned RAM) or only in the file (both read the disk first).  One
+mean over both sources misleads the rule: on the H200 box the means were
+9 ms a load and 12 ms in place, yet after a run of cheap host-tier matmuls
+the mean in-place cost could fall below a load's, and the split computed
+145 misses in place (81 of them read from their files) against 12 layers
+that loaded, at −24% decode tokens/s.  So the
+costs are kept per source, and each miss is weighed at its own source's.
+
 This module is the rule and its measured costs; where the in-place experts
 run is `moe_fiddler`: on a CPU pool the matmul from the memory map on the
 calling thread, on a CUDA pool (Fiddler) a CPU thread computing from the host
@@ -20,37 +30,60 @@ the GPU.
 from __future__ import annotations
 
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+
+HOST, DISK = "host", "disk"     # where a miss's weights are when the split decides: the host tier, or the file only
+
+
+def _ema(old: float, new: float, a: float) -> float:
+    return new if old <= 0 else (1 - a) * old + a * new
 
 
 @dataclass
 class SplitStats:
-    loaded: int = 0
-    in_place: int = 0
-    load_seconds: float = 0.0       # recent mean cost of one load
-    compute_seconds: float = 0.0    # recent mean cost of one in-place computation
+    loaded: int = 0                 # layers whose loads were measured
+    in_place: int = 0               # experts computed in place
+    load_seconds: float = 0.0       # recent mean cost of one load, any source
+    compute_seconds: float = 0.0    # recent mean cost of one in-place computation, any source
+    by_source: dict = field(default_factory=dict)   # {("load" | "other", HOST | DISK): recent mean seconds}
 
 
-def choose_loads(m: int, c_load: float, c_other: float) -> int:
-    """How many of m misses to load so that max(n·c_load, (m−n)·c_other) is smallest (ties: load more)."""
+def choose_split(costs: list[tuple[float, float]]) -> int:
+    """How many of the misses to load, given (C_load, C_other) of each in descending score order.
+
+    The first n are loaded, the rest computed in place; n makes
+    max(Σ C_load of the first n, Σ C_other of the rest) smallest (ties: load more).
+    """
+    m = len(costs)
     best, best_cost = m, float("inf")
     for n in range(m, -1, -1):
-        cost = max(n * c_load, (m - n) * c_other)
+        cost = max(sum(c for c, _ in costs[:n]), sum(o for _, o in costs[n:]))
         if cost < best_cost - 1e-12:
             best, best_cost = n, cost
     return best
 
 
+def choose_loads(m: int, c_load: float, c_other: float) -> int:
+    """How many of m misses to load so that max(n·c_load, (m−n)·c_other) is smallest (ties: load more)."""
+    return choose_split([(c_load, c_other)] * m)
+
+
 class LoadComputeSplit:
-    """The recent costs and the decision; a mechanism with state, the rule (`choose_loads`) is pure."""
+    """The recent costs and the decision; a mechanism with state, the rule (`choose_split`) is pure."""
 
     def __init__(self, smoothing: float = 0.3) -> None:
         self._a = smoothing
         self._lock = threading.Lock()
         self.stats = SplitStats()
 
-    def split(self, misses_by_score: list[int]) -> tuple[list[int], list[int]]:
-        """(to load, to compute in place) of misses sorted by descending score."""
+    def cost(self, kind: str, source: str) -> float:
+        """The recent cost of one 'load' or 'other' (in place) from `source`; the mean over sources until measured."""
+        with self._lock:
+            mean = self.stats.load_seconds if kind == "load" else self.stats.compute_seconds
+            return self.stats.by_source.get((kind, source), mean)
+
+    def split(self, misses_by_score: list[int], sources: list[str] | None = None) -> tuple[list[int], list[int]]:
+        """(to load, to compute in place) of misses sorted by descending score; `sources` says where each is."""
         with self._lock:
             c_load, c_other = self.stats.load_seconds, self.stats.compute_seconds
         m = len(misses_by_score)
@@ -60,16 +93,31 @@ class LoadComputeSplit:
             return list(misses_by_score), []
         if c_other <= 0:                # learn what an in-place computation costs on the lowest-score miss
             return list(misses_by_score[:-1]), misses_by_score[-1:]
-        n = choose_loads(m, c_load, c_other)
+        srcs = sources if sources is not None else [DISK] * m
+        n = choose_split([(self.cost("load", src), self.cost("other", src)) for src in srcs])
         return list(misses_by_score[:n]), list(misses_by_score[n:])
 
-    def measured(self, *, load: float | None = None, compute: float | None = None) -> None:
+    def measured(self, *, load: float | None = None, compute: float | None = None,
+                 source: str | None = None) -> None:
+        """Fold in a measured load (per load, a layer's) or in-place cost; `source` when all of it was one source."""
         with self._lock:
-            s = self.stats
+            s, a = self.stats, self._a
             if load is not None:
                 s.loaded += 1
-                s.load_seconds = load if s.load_seconds <= 0 else (1 - self._a) * s.load_seconds + self._a * load
+                s.load_seconds = _ema(s.load_seconds, load, a)
+                if source is not None:
+                    s.by_source[("load", source)] = _ema(s.by_source.get(("load", source), 0.0), load, a)
             if compute is not None:
                 s.in_place += 1
-                s.compute_seconds = (compute if s.compute_seconds <= 0
-                                     else (1 - self._a) * s.compute_seconds + self._a * compute)
+                s.compute_seconds = _ema(s.compute_seconds, compute, a)
+                if source is not None:
+                    s.by_source[("other", source)] = _ema(s.by_source.get(("other", source), 0.0), compute, a)
+
+    def summary(self) -> str:
+        """The costs in ms, per source where measured: what the bench prints beside the counts."""
+        with self._lock:
+            s = self.stats
+            parts = [f"C_load {s.load_seconds * 1e3:.1f} ms", f"C_cpu {s.compute_seconds * 1e3:.1f} ms"]
+            per = [f"{'C_load' if k == 'load' else 'C_cpu'}[{src}] {v * 1e3:.1f}"
+                   for (k, src), v in sorted(s.by_source.items())]
+        return " ".join(parts) + (f" ({', '.join(per)} ms)" if per else "")

@@ -33,6 +33,8 @@ from torch import nn
 from coe import CoEError
 from storage.pool import Handle, Pool
 
+from .moe_split import DISK, HOST
+
 WAIT_SECONDS = 60.0
 DECODE_TOKENS = 4   # a pass over at most this many tokens is decode (the split's case); more is a prefill
 LOADERS = 4         # concurrent expert loads: a cold read at queue depth 2-4 moves ~1.4x the bytes of one at a time
@@ -165,10 +167,15 @@ class PooledExperts(nn.Module):
         for e in misses:
             pos, tok = torch.where(expert_mask[e])
             score[e] = float(top_k_weights[tok, pos].sum())
-        _, in_place = self.split.split(sorted(misses, key=lambda e: -score[e]))
+        misses.sort(key=lambda e: -score[e])
+        host = self.in_place.weights.host
+        source = {e: HOST if host is not None and host.present(self.ids[e]) else DISK for e in misses}
+        _, in_place = self.split.split(misses, [source[e] for e in misses])
         parts = self.in_place.start(self._expert, [(e, self.ids[e]) for e in in_place], hidden_states, expert_mask,
                                     top_k_weights) if in_place else None
-        self._after_loads = len(in_place) < len(misses)
+        # the source of this layer's loads when they are all one (a mixed layer's wall time is not either's cost)
+        loaded = {source[e] for e in misses if e not in set(in_place)}
+        self._after_loads = (loaded.pop() if len(loaded) == 1 else None) if loaded else False
         return [e for e in hits if e not in set(in_place)], parts
 
     def _expert(self, e: int, weights: dict, hidden_states: torch.Tensor, expert_mask: torch.Tensor,
@@ -237,14 +244,14 @@ class PooledExperts(nn.Module):
             pending = pending[len(experts):]
         if in_place is not None:        # the CPU's parts (Fiddler: computed meanwhile on its own thread)
             out.update(in_place.results())
-        if self._after_loads:        # what this layer's loads cost, for the next split
-            self._after_loads = False
+        if self._after_loads is not False:        # what this layer's loads cost, for the next split
+            load_source, self._after_loads = self._after_loads, False
             if loads:
                 # the wall time until the last load could be used, per load: the loads run LOADERS at a time, so
                 # one load's own duration (what the pool's stats add up) overstates what n of them cost together
                 # by up to LOADERS times, and the split then sent most misses to the CPU (H200 box: C_load 9.5 ms
                 # per load against 14.5 ms in place, and still 89 of 116 misses computed in place)
-                self.split.measured(load=loads_wall / loads)
+                self.split.measured(load=loads_wall / loads, source=load_source)
         # the sum runs in ascending expert order whatever order the parts were computed in: the eager loop's result
         for e in hits:
             _, token_idx, contribution = out[e]

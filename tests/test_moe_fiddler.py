@@ -69,6 +69,9 @@ def test_fiddler_thread_is_bit_exact_and_computes_from_the_host_tier_and_the_fil
     assert threads and all(t.startswith("coe-inplace-cpu") for t in threads)     # never the layer's own thread
     assert reads.from_host + reads.from_file == s.in_place == len(threads)
     assert reads.from_host > 0          # an expert the device pool evicted was computed on the host tier's copy
+    # each in-place cost is filed under its source, and loads of one source per layer under theirs
+    assert ("other", "host") in s.by_source and ("load", "disk") in s.by_source
+    assert (("other", "disk") in s.by_source) == (reads.from_file > 0)
     assert pm.host.stats().misses > 0 and pm.stats().misses > 0
     pm.close()
 
@@ -290,3 +293,29 @@ def test_the_load_cost_is_the_layers_wall_time_per_load_not_one_loads_duration(q
         assert 0.2 / len(layout.layers) / LOADERS <= s.load_seconds < 0.2 * 0.6, s.load_seconds
     finally:
         pm.close()
+
+
+def test_the_split_weighs_each_miss_at_the_costs_of_its_own_source():
+    """A file-only miss costs a disk read either way; a host-tier miss is a copy or a matmul on RAM.
+
+    The means over both sources mislead: after cheap host-tier matmuls the mean in-place cost falls below
+    the mean load, and a file-only miss went to the CPU although its own in-place cost was the larger.
+    """
+    from executors.moe_split import DISK, HOST, LoadComputeSplit, choose_loads, choose_split
+
+    assert choose_split([(3, 1), (3, 1)]) == 0                  # cheap in place: both on the CPU
+    assert choose_split([(3, 1), (16, 20)]) == 2                # 19 ms loading both beats 20 ms for the file's
+    assert choose_split([(1, 9), (1, 9), (5, 1)]) == 2 and choose_split([]) == 0
+    split = LoadComputeSplit()
+    split.measured(load=0.016, source=DISK)
+    split.measured(load=0.002, source=HOST)
+    split.measured(compute=0.020, source=DISK)
+    for _ in range(3):
+        split.measured(compute=0.003, source=HOST)
+    s = split.stats
+    assert choose_loads(1, s.load_seconds, s.compute_seconds) == 0      # the means' verdict: in place
+    assert split.split([7], [DISK]) == ([7], [])                        # its own costs: 16 ms load < 20 ms
+    assert split.split([7], [HOST]) == ([7], [])                        # 2 ms copy < 3 ms matmul
+    assert split.split([7, 8], [DISK, DISK]) == ([7], [8])              # 16 + 16 > max(16, 20)
+    assert split.cost("other", HOST) == pytest.approx(0.003) and split.cost("load", DISK) == pytest.approx(0.016)
+    assert "C_cpu[disk] 20.0" in split.summary() and "C_load[host] 2.0" in split.summary()
