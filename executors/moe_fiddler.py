@@ -37,7 +37,7 @@ from typing import TYPE_CHECKING
 
 from storage.pool import Handle, Pool
 
-from .moe_split import DISK, HOST
+from .moe_split import FILE, HOST
 
 if TYPE_CHECKING:
     import torch
@@ -139,7 +139,7 @@ class MappedInPlace:
         tensors, handle = self.weights.open(expert_id)
         try:
             part = compute(e, tensors, hidden_states, expert_mask, top_k_weights)
-            self.split.measured(compute=time.perf_counter() - t0, source=DISK if handle is None else HOST)
+            self.split.measured(compute=time.perf_counter() - t0, source=FILE if handle is None else HOST)
             return part
         finally:
             del tensors   # the views into the memory map go before its pages are dropped

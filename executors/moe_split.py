@@ -13,26 +13,31 @@ misses are loaded, low-score ones computed in place.
 
 Both costs depend on where a miss's weights are when the split decides: in
 the host tier (a load is a host-to-GPU copy, an in-place computation a
-matmul on pinned RAM) or only in the file (both read the disk first).  One
+matmul on pinned RAM) or only in the file (both read the file first).  One
 mean over both sources misleads the rule: on the H200 box the means were
 9 ms a load and 12 ms in place, yet after a run of cheap host-tier matmuls
 the mean in-place cost could fall below a load's, and the split computed
 145 misses in place (81 of them read from their files) against 12 layers
-that loaded, at −24% decode tokens/s.  So the
-costs are kept per source, and each miss is weighed at its own source's.
+that loaded, at −24% decode tokens/s.  So the costs are kept per source, and each miss is weighed at its own source's.
 
-This module is the rule and its measured costs; where the in-place experts
-run is `moe_fiddler`: on a CPU pool the matmul from the memory map on the
-calling thread, on a CUDA pool (Fiddler) a CPU thread computing from the host
-tier's copy or the memory map while the loads proceed, its result copied to
-the GPU.
+Measured per source on that box (`llm bench --part e`): a load 32.9 ms from
+the file, 1.9 ms from the host tier; in place 1.8 ms on the file's (page
+cached) map, 0.9 ms on the host copy.  Per step the rule is now right to
+compute in place, and the split still loses (53.7 against 73.6 decode
+tokens/s): an expert computed in place does not enter the pool, so the
+next token misses it again (156 computed in place on top of 54 loads,
+where the run without the split loaded 80 experts in all), and each such layer copies its hidden state to the
+host, which waits for the GPU.  The rule weighs one step, not the reuse a
+load buys: Fiddler's premise, a transfer dearer than a CPU matmul, does not
+hold where a host copy takes 1.9 ms.
 """
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass, field
 
-HOST, DISK = "host", "disk"     # where a miss's weights are when the split decides: the host tier, or the file only
+# where a miss's weights are when the split decides: the host tier, or only the file (page cache or disk)
+HOST, FILE = "host", "file"
 
 
 def _ema(old: float, new: float, a: float) -> float:
@@ -45,7 +50,7 @@ class SplitStats:
     in_place: int = 0               # experts computed in place
     load_seconds: float = 0.0       # recent mean cost of one load, any source
     compute_seconds: float = 0.0    # recent mean cost of one in-place computation, any source
-    by_source: dict = field(default_factory=dict)   # {("load" | "other", HOST | DISK): recent mean seconds}
+    by_source: dict = field(default_factory=dict)   # {("load" | "other", HOST | FILE): recent mean seconds}
 
 
 def choose_split(costs: list[tuple[float, float]]) -> int:
@@ -93,7 +98,7 @@ class LoadComputeSplit:
             return list(misses_by_score), []
         if c_other <= 0:                # learn what an in-place computation costs on the lowest-score miss
             return list(misses_by_score[:-1]), misses_by_score[-1:]
-        srcs = sources if sources is not None else [DISK] * m
+        srcs = sources if sources is not None else [FILE] * m
         n = choose_split([(self.cost("load", src), self.cost("other", src)) for src in srcs])
         return list(misses_by_score[:n]), list(misses_by_score[n:])
 

@@ -33,7 +33,7 @@ from torch import nn
 from coe import CoEError
 from storage.pool import Handle, Pool
 
-from .moe_split import DISK, HOST
+from .moe_split import FILE, HOST
 
 WAIT_SECONDS = 60.0
 DECODE_TOKENS = 4   # a pass over at most this many tokens is decode (the split's case); more is a prefill
@@ -169,7 +169,7 @@ class PooledExperts(nn.Module):
             score[e] = float(top_k_weights[tok, pos].sum())
         misses.sort(key=lambda e: -score[e])
         host = self.in_place.weights.host
-        source = {e: HOST if host is not None and host.present(self.ids[e]) else DISK for e in misses}
+        source = {e: HOST if host is not None and host.present(self.ids[e]) else FILE for e in misses}
         _, in_place = self.split.split(misses, [source[e] for e in misses])
         parts = self.in_place.start(self._expert, [(e, self.ids[e]) for e in in_place], hidden_states, expert_mask,
                                     top_k_weights) if in_place else None

@@ -70,8 +70,8 @@ def test_fiddler_thread_is_bit_exact_and_computes_from_the_host_tier_and_the_fil
     assert reads.from_host + reads.from_file == s.in_place == len(threads)
     assert reads.from_host > 0          # an expert the device pool evicted was computed on the host tier's copy
     # each in-place cost is filed under its source, and loads of one source per layer under theirs
-    assert ("other", "host") in s.by_source and ("load", "disk") in s.by_source
-    assert (("other", "disk") in s.by_source) == (reads.from_file > 0)
+    assert ("other", "host") in s.by_source and ("load", "file") in s.by_source
+    assert (("other", "file") in s.by_source) == (reads.from_file > 0)
     assert pm.host.stats().misses > 0 and pm.stats().misses > 0
     pm.close()
 
@@ -301,21 +301,21 @@ def test_the_split_weighs_each_miss_at_the_costs_of_its_own_source():
     The means over both sources mislead: after cheap host-tier matmuls the mean in-place cost falls below
     the mean load, and a file-only miss went to the CPU although its own in-place cost was the larger.
     """
-    from executors.moe_split import DISK, HOST, LoadComputeSplit, choose_loads, choose_split
+    from executors.moe_split import FILE, HOST, LoadComputeSplit, choose_loads, choose_split
 
     assert choose_split([(3, 1), (3, 1)]) == 0                  # cheap in place: both on the CPU
     assert choose_split([(3, 1), (16, 20)]) == 2                # 19 ms loading both beats 20 ms for the file's
     assert choose_split([(1, 9), (1, 9), (5, 1)]) == 2 and choose_split([]) == 0
     split = LoadComputeSplit()
-    split.measured(load=0.016, source=DISK)
+    split.measured(load=0.016, source=FILE)
     split.measured(load=0.002, source=HOST)
-    split.measured(compute=0.020, source=DISK)
+    split.measured(compute=0.020, source=FILE)
     for _ in range(3):
         split.measured(compute=0.003, source=HOST)
     s = split.stats
     assert choose_loads(1, s.load_seconds, s.compute_seconds) == 0      # the means' verdict: in place
-    assert split.split([7], [DISK]) == ([7], [])                        # its own costs: 16 ms load < 20 ms
+    assert split.split([7], [FILE]) == ([7], [])                        # its own costs: 16 ms load < 20 ms
     assert split.split([7], [HOST]) == ([7], [])                        # 2 ms copy < 3 ms matmul
-    assert split.split([7, 8], [DISK, DISK]) == ([7], [8])              # 16 + 16 > max(16, 20)
-    assert split.cost("other", HOST) == pytest.approx(0.003) and split.cost("load", DISK) == pytest.approx(0.016)
-    assert "C_cpu[disk] 20.0" in split.summary() and "C_load[host] 2.0" in split.summary()
+    assert split.split([7, 8], [FILE, FILE]) == ([7], [8])              # 16 + 16 > max(16, 20)
+    assert split.cost("other", HOST) == pytest.approx(0.003) and split.cost("load", FILE) == pytest.approx(0.016)
+    assert "C_cpu[file] 20.0" in split.summary() and "C_load[host] 2.0" in split.summary()
