@@ -21,7 +21,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -42,7 +42,7 @@ from .pooled_experts import PooledExperts
 
 QUOTAS = ("shared", "per-layer")
 SPLITS = ("mapped", "fiddler")      # in place from the memory map on the calling thread; on a CPU thread
-PREFILLS = ("batched", "balance")
+PREFILLS = ("batched", "balance", "per-expert")
 LLM_POLICIES = ("lru", "lfu", "gate-score", "probability", "fifo", "belady")
 
 
@@ -190,8 +190,10 @@ def load_pooled(root: str | Path, *, memory: int, policy: str = "lru", quota: st
     `host_memory` > 0 puts a host tier of that many bytes (pinned on CUDA)
     between the store and the device pools; it keeps a copy of each load.
     `prefill='balance'` (CUDA) places each expert of a prefill pass on the
-    GPU or the CPU by `moe_prefill`'s rule from costs profiled at load;
-    a `PrefillCosts` gives the costs instead (any device).  'batched' (the
+    GPU or the CPU from costs profiled at load, balancing the two sides as
+    queues (`moe_prefill.place_balanced`); 'per-expert' applies the papers'
+    per-expert rule as written (`moe_prefill.place`); a `PrefillCosts` gives
+    the costs instead (any device, balanced).  'batched' (the
     default) runs every expert through the pool.
     """
     if prefetch not in (None, "none", "next-layer", "token"):
@@ -225,8 +227,8 @@ def load_pooled(root: str | Path, *, memory: int, policy: str = "lru", quota: st
     split_mode = _split_mode(split, dev)
     if prefill not in (None, *PREFILLS) and not isinstance(prefill, PrefillCosts):
         raise CoEError(f"prefill must be one of {', '.join(PREFILLS)}, got {prefill!r}")
-    if prefill == "balance" and dev.type != "cuda":
-        raise CoEError("prefill 'balance' places experts between a GPU and the CPU; on a CPU box the prefill split "
+    if prefill in ("balance", "per-expert") and dev.type != "cuda":
+        raise CoEError(f"prefill {prefill!r} places experts between a GPU and the CPU; on a CPU box the prefill split "
                        "reduces to batching a prompt's tokens per expert, which 'batched' (the default) does")
     biggest = max(l.expert_nbytes for l in layout.layers)
     if host_memory and shared_pool is not None:
@@ -364,14 +366,18 @@ def _split_and_prefill(pm: PooledModel, split_mode: str | None, prefill, *, drop
         return
     from .moe_prefill import PrefillBalance, profile_costs
 
-    if prefill == "balance":
+    if prefill in ("balance", "per-expert"):
         first = pm.layout.ids(pm.layout.layers[0].layer)[0]
-        costs = profile_costs(StoreSource(pm.store).load(first).tensors(), layers[0].act_fn, pm.device)
+        t0 = time.perf_counter()
+        tensors = StoreSource(pm.store).load(first).tensors()
+        # the first read (disk, and the store's verification) stands for the file read until the stream measures one
+        costs = replace(profile_costs(tensors, layers[0].act_fn, pm.device), read=time.perf_counter() - t0)
     else:
         costs = prefill
     # its own thread and measured costs: prefill's token counts would skew the decode split's C_other
     pm.prefill = PrefillBalance(costs, weights, ThreadInPlace(weights, LoadComputeSplit()),
-                                StoreSource(pm.store, pin=pm.device.type == "cuda"), pm.device)
+                                StoreSource(pm.store, pin=pm.device.type == "cuda"), pm.device,
+                                balanced=prefill != "per-expert")
     for m in layers:
         m.prefill = pm.prefill
 

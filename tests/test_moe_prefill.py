@@ -9,8 +9,10 @@ for bit against transformers' eager model; on CUDA, within a tolerance.
 from __future__ import annotations
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from executors.moe_prefill import LinearCost, PrefillCosts, fit_linear, goes_to_gpu, place
+from executors.moe_prefill import LinearCost, PrefillCosts, fit_linear, goes_to_gpu, place, place_balanced
 
 COSTS = PrefillCosts(cpu=LinearCost(2.0, 1.0), gpu=LinearCost(1.0, 0.0), load=3.0)
 
@@ -33,6 +35,48 @@ def test_place_splits_in_ascending_order_and_only_residency_changes_the_answer()
     assert place(tokens, resident={0, 5, 7}, costs=COSTS) == ([0, 2, 5, 7], [])
     assert place(tokens, resident=set(), costs=COSTS) == ([2], [0, 5, 7])
     assert place({}, resident=set(), costs=COSTS) == ([], [])
+
+
+def test_balanced_placement_weighs_the_two_sides_as_queues():
+    """Four experts the per-expert rule all sends to the CPU (3 < 0 + 4 each): 12 s there, against 8 s balanced."""
+    flat = PrefillCosts(cpu=LinearCost(0.0, 3.0), gpu=LinearCost(0.0, 0.0), load=4.0)
+    tokens = {0: 5, 1: 5, 2: 5, 3: 5}
+    assert place(tokens, resident=set(), costs=flat) == ([], [0, 1, 2, 3])
+    gpu, cpu = place_balanced(tokens, resident=set(), in_host=set(), costs=flat)
+    assert len(gpu) == 2 and len(cpu) == 2 and gpu == sorted(gpu) and cpu == sorted(cpu)
+    # resident experts are the GPU's biggest wins: they go first, and the rest balance behind them
+    assert place_balanced(tokens, resident={3}, in_host=set(), costs=flat) == ([0, 3], [1, 2])
+    assert place_balanced({}, resident=set(), in_host=set(), costs=flat) == ([], [])
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 64), st.booleans(), st.booleans()), max_size=9),
+       st.floats(0, 5), st.floats(0, 5), st.floats(0, 5), st.floats(0, 5), st.floats(0, 20))
+def test_balanced_placement_is_never_longer_than_the_per_expert_rule(experts, kc, bc, kg, load, read):
+    """In the costs it is given, the balanced placement's longer queue never exceeds the rule's."""
+    costs = PrefillCosts(cpu=LinearCost(kc, bc), gpu=LinearCost(kg, 0.0), load=load, read=read)
+    tokens = {e: n for e, (n, _, _) in enumerate(experts)}
+    resident = {e for e, (_, r, _) in enumerate(experts) if r}
+    in_host = {e for e, (_, _, h) in enumerate(experts) if h}
+
+    def span(gpu, cpu):
+        g = sum(costs.gpu(tokens[e]) + (0 if e in resident else load + (0 if e in in_host else read)) for e in gpu)
+        return max(g, sum(costs.cpu(tokens[e]) + (0 if e in in_host else read) for e in cpu))
+    gpu, cpu = place_balanced(tokens, resident, in_host, costs)
+    assert sorted(gpu + cpu) == sorted(tokens) and not set(gpu) & set(cpu)
+    assert span(gpu, cpu) <= span(*place(tokens, resident, costs)) + 1e-9
+
+
+def test_balanced_placement_adds_the_file_read_where_host_memory_lacks_the_expert():
+    """With a 10 s read, a streamed expert the host tier lacks costs 14 on the GPU and 13 on the CPU."""
+    slow = PrefillCosts(cpu=LinearCost(0.0, 3.0), gpu=LinearCost(0.0, 0.0), load=4.0, read=10.0)
+    # in host memory: 4 against 3 each, as without a read: two and two
+    assert place_balanced({0: 1, 1: 1, 2: 1, 3: 1}, set(), {0, 1, 2, 3}, slow) == ([0, 1], [2, 3])
+    # expert 9 is only in its file: it costs 13 on the CPU, so it has the CPU to itself and the rest stream
+    gpu, cpu = place_balanced({0: 1, 1: 1, 2: 1, 9: 1}, set(), {0, 1, 2}, slow)
+    assert (gpu, cpu) == ([0, 1, 2], [9])
+    with pytest.raises(ValueError, match="nothing to place"):
+        place_balanced({0: 0}, set(), set(), slow)
 
 
 def test_fit_linear_recovers_a_line_and_needs_two_token_counts():
@@ -62,7 +106,7 @@ def _prompt(seed, n=12):
     return torch.randint(3, VOCAB, (1, n), generator=g)
 
 
-# resident: always the "GPU" (n > 0); not resident: streamed when n > 3.5, on the CPU thread when n <= 3
+# resident: free on the "GPU"; not resident: 3.5 to stream, n on the CPU thread (balanced as two queues)
 MIXED = PrefillCosts(cpu=LinearCost(1.0, 0.0), gpu=LinearCost(0.0, 0.0), load=3.5, source="test")
 
 
@@ -148,7 +192,7 @@ def test_generate_help_documents_the_new_options():
 
 @pytest.mark.gpu
 @cuda
-@pytest.mark.parametrize("costs", ["balance", MIXED])
+@pytest.mark.parametrize("costs", ["balance", "per-expert", MIXED])
 def test_prefill_balance_on_cuda_matches_the_reference_within_tolerance(qwen3, costs):
     ref, layout, store = qwen3
     per = layout.layers[0].expert_nbytes
