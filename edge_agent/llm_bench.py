@@ -491,7 +491,7 @@ def prefill_batching(store: Path, prompt_ids: list[int], *, share: float = 0.25)
 
 
 # (e): issue 11 items 3 and 4 on a GPU box; each row is a (decode split, prefill) setting of the same pool
-GPU_ROWS = ((False, "batched"), ("fiddler", "batched"), (False, "balance"), (False, "per-expert"),
+GPU_ROWS = ((False, "batched"), ("fiddler", "batched"), (False, "balance"), (False, "queues"),
             ("fiddler", "balance"))
 
 

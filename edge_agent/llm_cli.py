@@ -134,11 +134,11 @@ _POLICY = click.Choice(["lru", "lfu", "gate-score", "predicted", "probability", 
 @click.option("--host-memory", default=None,
               help="A host tier in front of the pool (a size or a share of the experts) that keeps a copy of each "
                    "load, pinned on CUDA; --split computes on its copies.  Default: none (a staging buffer).")
-@click.option("--prefill", default="batched", show_default=True, type=click.Choice(["batched", "balance", "per-expert"]),
+@click.option("--prefill", default="batched", show_default=True, type=click.Choice(["batched", "balance", "queues"]),
               help="batched: every expert of the prompt runs through the pool on all its tokens at once.  "
-                   "balance (CUDA only): experts split between the GPU and a CPU thread from costs profiled at "
-                   "load, the two sides balanced as queues; GPU loads stream through two staging buffers.  "
-                   "per-expert (CUDA only): the papers' rule, GPU when T_CPU(n) > T_GPU(n) + T_load, each alone.")
+                   "balance (CUDA only): each expert goes to the GPU when T_CPU(n) > T_GPU(n) + T_load "
+                   "(costs profiled at load), else the CPU computes it; loads stream through two staging buffers.  "
+                   "queues (CUDA only): the same costs, the GPU's and the CPU thread's queues balanced.")
 @_fail_clearly
 def llm_generate(model: str, prompt: str, max_new_tokens: int, memory: str | None, policy: str, quota: str,
                  device: str, trace_path: str | None, window: int, predictor_path: str | None, alpha: float,

@@ -42,7 +42,7 @@ from .pooled_experts import PooledExperts
 
 QUOTAS = ("shared", "per-layer")
 SPLITS = ("mapped", "fiddler")      # in place from the memory map on the calling thread; on a CPU thread
-PREFILLS = ("batched", "balance", "per-expert")
+PREFILLS = ("batched", "balance", "queues")
 LLM_POLICIES = ("lru", "lfu", "gate-score", "probability", "fifo", "belady")
 
 
@@ -190,10 +190,10 @@ def load_pooled(root: str | Path, *, memory: int, policy: str = "lru", quota: st
     `host_memory` > 0 puts a host tier of that many bytes (pinned on CUDA)
     between the store and the device pools; it keeps a copy of each load.
     `prefill='balance'` (CUDA) places each expert of a prefill pass on the
-    GPU or the CPU from costs profiled at load, balancing the two sides as
-    queues (`moe_prefill.place_balanced`); 'per-expert' applies the papers'
-    per-expert rule as written (`moe_prefill.place`); a `PrefillCosts` gives
-    the costs instead (any device, balanced).  'batched' (the
+    GPU or the CPU by the papers' per-expert rule (`moe_prefill.place`) from
+    costs profiled at load; 'queues' balances the two sides as queues
+    instead (`moe_prefill.place_balanced`); a `PrefillCosts` gives the costs
+    instead (any device, the per-expert rule).  'batched' (the
     default) runs every expert through the pool.
     """
     if prefetch not in (None, "none", "next-layer", "token"):
@@ -227,7 +227,7 @@ def load_pooled(root: str | Path, *, memory: int, policy: str = "lru", quota: st
     split_mode = _split_mode(split, dev)
     if prefill not in (None, *PREFILLS) and not isinstance(prefill, PrefillCosts):
         raise CoEError(f"prefill must be one of {', '.join(PREFILLS)}, got {prefill!r}")
-    if prefill in ("balance", "per-expert") and dev.type != "cuda":
+    if prefill in ("balance", "queues") and dev.type != "cuda":
         raise CoEError(f"prefill {prefill!r} places experts between a GPU and the CPU; on a CPU box the prefill split "
                        "reduces to batching a prompt's tokens per expert, which 'batched' (the default) does")
     biggest = max(l.expert_nbytes for l in layout.layers)
@@ -366,7 +366,7 @@ def _split_and_prefill(pm: PooledModel, split_mode: str | None, prefill, *, drop
         return
     from .moe_prefill import PrefillBalance, profile_costs
 
-    if prefill in ("balance", "per-expert"):
+    if prefill in ("balance", "queues"):
         first = pm.layout.ids(pm.layout.layers[0].layer)[0]
         t0 = time.perf_counter()
         tensors = StoreSource(pm.store).load(first).tensors()
@@ -377,7 +377,7 @@ def _split_and_prefill(pm: PooledModel, split_mode: str | None, prefill, *, drop
     # its own thread and measured costs: prefill's token counts would skew the decode split's C_other
     pm.prefill = PrefillBalance(costs, weights, ThreadInPlace(weights, LoadComputeSplit()),
                                 StoreSource(pm.store, pin=pm.device.type == "cuda"), pm.device,
-                                balanced=prefill != "per-expert")
+                                balanced=prefill == "queues")
     for m in layers:
         m.prefill = pm.prefill
 

@@ -6,7 +6,7 @@ A prefill pass gives expert e some n tokens at once.  GPU-NDP's balance rule
     T_CPU(e, n) > T_GPU(e, n) + T_load(e) * [e not resident on the GPU]
 
 and computes it on the CPU otherwise (a tie stays on the CPU: the load is not
-worth it).  `goes_to_gpu` and `place` are that rule, pure (`prefill='per-expert'`);
+worth it).  `goes_to_gpu` and `place` are that rule, pure (`prefill='balance'`);
 the costs are `PrefillCosts`, linear fits K*n + B of timings (`profile_costs`
 measures one expert of the model on this box at a few token counts;
 `fit_linear` fits).
@@ -17,11 +17,17 @@ experts one after another through the staging buffers, and a streamed expert
 the host tier lacks is first read from its file on the calling thread.  On
 the H200 box it put 84 of 144 expert passes on the CPU and prefill ran 20%
 slower than loading every expert into the pool.  `place_balanced`
-(`prefill='balance'`, the default of the two) keeps the rule's costs, adds the
-file read where an expert's bytes are not in host memory, and balances the
-queues: experts sorted by how much cheaper the GPU is for them, the first n
-to the GPU, n making max(GPU queue, CPU queue) smallest (`moe_split.choose_split`,
-the decode split's rule).  The read cost is measured as the stream reads.
+(`prefill='queues'`) keeps the rule's costs, adds the file read where an
+expert's bytes are not in host memory, and balances the queues: experts
+sorted by how much cheaper the GPU is for them, the first n to the GPU, n
+making max(GPU queue, CPU queue) smallest (`moe_split.choose_split`, the
+decode split's rule).  The read cost is measured as the stream reads.
+Measured on the H200 box in one run (`llm bench --part e`), it did not pay:
+660 prefill tokens/s against 867 for the per-expert rule and 1172 for
+loading every expert through the pool.  It streamed more experts (61
+against 47), and a streamed expert's file is read on the calling thread, one
+at a time, while the pool's loads run four at once: the stream, not the
+placement, is the slow part.  The per-expert rule stays `balance`.
 
 `PrefillBalance` is the mechanism, run by `PooledExperts` on a pass over more
 than a decode step's tokens:
@@ -189,7 +195,7 @@ class PrefillBalance:
     """Prefill's placement and the two-buffer stream (see the module docstring); one forward at a time."""
 
     def __init__(self, costs: PrefillCosts, weights: "HostWeights", cpu: "ThreadInPlace", source: "StoreSource",
-                 device: "torch.device", *, balanced: bool = True) -> None:
+                 device: "torch.device", *, balanced: bool = False) -> None:
         import torch
 
         self.costs, self.weights, self.cpu, self.source = costs, weights, cpu, source

@@ -106,16 +106,17 @@ def _prompt(seed, n=12):
     return torch.randint(3, VOCAB, (1, n), generator=g)
 
 
-# resident: free on the "GPU"; not resident: 3.5 to stream, n on the CPU thread (balanced as two queues)
+# resident: always the "GPU" (n > 0); not resident: streamed when n > 3.5, on the CPU thread when n <= 3
 MIXED = PrefillCosts(cpu=LinearCost(1.0, 0.0), gpu=LinearCost(0.0, 0.0), load=3.5, source="test")
 
 
-@pytest.mark.parametrize("host", [False, True])
-def test_prefill_balance_on_a_cpu_pool_is_bit_exact_and_streams_around_the_pool(qwen3, host):
+@pytest.mark.parametrize("host,queues", [(False, False), (True, False), (True, True)])
+def test_prefill_balance_on_a_cpu_pool_is_bit_exact_and_streams_around_the_pool(qwen3, host, queues):
     ref, layout, store = qwen3
     per = layout.layers[0].expert_nbytes
     pm = load_pooled(store, memory=per * (layout.top_k + 2), policy="lru", prefill=MIXED,
                      host_memory=layout.expert_bytes if host else 0)
+    pm.prefill.balanced = queues        # the queue-balanced placement runs the same mechanism
     with torch.no_grad():
         for seed in range(3):                       # decode-sized passes fill the pool (and the host tier)
             x = _prompt(100 + seed, 2)
@@ -192,7 +193,7 @@ def test_generate_help_documents_the_new_options():
 
 @pytest.mark.gpu
 @cuda
-@pytest.mark.parametrize("costs", ["balance", "per-expert", MIXED])
+@pytest.mark.parametrize("costs", ["balance", "queues", MIXED])
 def test_prefill_balance_on_cuda_matches_the_reference_within_tolerance(qwen3, costs):
     ref, layout, store = qwen3
     per = layout.layers[0].expert_nbytes
