@@ -235,6 +235,23 @@ def test_trace_driven_decode_counts_decode_tokens_and_seeds_lfu_from_the_prefill
     assert len(future_accesses(trace)) > len(future_accesses(trace, prefill=False))
 
 
+def test_the_ablations_ceiling_row_decodes_with_no_miss_after_a_warm_pass(imported):
+    """(d)'s ceiling: the same decode with every expert already in the pool, what no technique can pass."""
+    from coe.moe import MoELayout
+    from edge_agent.llm_bench import CEILING, _ceiling
+    from executors.moe_model import record_trace
+
+    _, layout, store = imported("mixtral")
+    pm = load_pooled(store, memory=layout.expert_bytes, policy="lru")
+    trace = record_trace(pm, [_inputs(6)[0], _inputs(7)[0]], 4)
+    pm.close()
+    seen = []
+    row = _ceiling(store, MoELayout.load(store), trace, seen.append)
+    assert seen == [CEILING] and row["row"] == CEILING and row["policy"] is None
+    assert row["hit_rate"] == 1.0 and row["gib_read"] == 0.0          # the timed pass reads nothing
+    assert row["tokens"] == int((trace.step > 0).sum()) and row["tokens_per_second"] > 0
+
+
 def test_substitution_asks_the_pool_for_fewer_missing_experts_and_alpha_zero_is_exact(imported, caplog):
     ref, layout, store = imported("olmoe")
     x = _inputs(8)[:1]
