@@ -38,10 +38,12 @@ than a decode step's tokens:
   everything else;
 - the GPU's other experts stream through two staging buffers, not the pool
   (a prefill touching every expert would otherwise evict decode's working
-  set): expert i+1 is read into a pinned host buffer and copied on a side
-  stream into one device buffer while the GPU computes expert i from the
-  other.  Events order the reuse: a copy into a buffer waits for the
-  computation that last read it; a computation waits for its copy.
+  set): expert i+1 is copied on a side stream into one device buffer while
+  the GPU computes expert i from the other.  Their host bytes are the host
+  tier's copy, held, or a file read into a pinned buffer on the expert
+  loader threads, READ_AHEAD experts ahead, so reads overlap each other as
+  the pool's loads do.  Events order the reuse: a copy into a buffer waits
+  for the computation that last read it; a computation waits for its copy.
 
 The parts are added in ascending expert order by the caller, as the eager
 loop adds them.  With the CPU playing the device (a CPU pool) the same code
@@ -52,8 +54,10 @@ every pooled forward already does (`llm_bench.prefill_batching` measures it).
 """
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
+from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
 
@@ -108,7 +112,8 @@ def place_balanced(tokens: Mapping[int, int], resident: Collection[int], in_host
 
     An expert's GPU cost is T_GPU(n), plus T_load when not resident, plus the
     file read when its bytes are not in host memory either (`in_host`: the
-    host tier's copies); its CPU cost is T_CPU(n), plus that read.  Sorted by
+    host tier's copies), shared by the READ_AHEAD reads in flight at once;
+    its CPU cost is T_CPU(n), plus the whole read.  Sorted by
     CPU cost over GPU cost (the GPU's biggest wins first), the first n go to
     the GPU, n making max(Σ GPU costs, Σ CPU costs) smallest; the same by
     the GPU's saving; single moves and swaps while they shorten the longer
@@ -121,7 +126,8 @@ def place_balanced(tokens: Mapping[int, int], resident: Collection[int], in_host
         if n < 1:
             raise ValueError(f"an expert with {n} tokens has nothing to place")
         read = 0.0 if e in in_host else costs.read
-        cost[e] = (costs.gpu(n) + (0.0 if e in resident else costs.load + read), costs.cpu(n) + read)
+        # the stream reads READ_AHEAD files at once; the CPU thread reads its experts' one after another
+        cost[e] = (costs.gpu(n) + (0.0 if e in resident else costs.load + read / READ_AHEAD), costs.cpu(n) + read)
     def span(g: set[int], c: set[int]) -> float:
         return max(sum(cost[e][0] for e in g), sum(cost[e][1] for e in c))
 
@@ -179,11 +185,20 @@ class PrefillStats:
     bytes_streamed: int = 0
 
 
+READ_AHEAD = 4      # streamed experts whose host bytes are fetched ahead (file reads on the loader threads)
+
+
+def _loader_submit(fn, *args) -> Future:
+    from .pooled_experts import loader
+
+    return loader().submit(fn, *args)
+
+
 @dataclass
 class _Slot:
     """One staging buffer: host bytes, device bytes, and the events that order their reuse."""
 
-    own: object | None = None           # our pinned host FlatWeights, refilled by each read into this slot
+    own: object | None = None           # our pinned host FlatWeights being copied from (back to the spares after)
     held: object | None = None          # the host tier's Handle while its copy is the one being copied from
     layout: object | None = None        # the layout of the bytes now in `device`
     device: "torch.Tensor | None" = None
@@ -195,7 +210,7 @@ class PrefillBalance:
     """Prefill's placement and the two-buffer stream (see the module docstring); one forward at a time."""
 
     def __init__(self, costs: PrefillCosts, weights: "HostWeights", cpu: "ThreadInPlace", source: "StoreSource",
-                 device: "torch.device", *, balanced: bool = False) -> None:
+                 device: "torch.device", *, balanced: bool = False, submit: Callable | None = None) -> None:
         import torch
 
         self.costs, self.weights, self.cpu, self.source = costs, weights, cpu, source
@@ -203,12 +218,17 @@ class PrefillBalance:
         self.device = torch.device(device)
         self.stats = PrefillStats()
         self._slots = [_Slot(), _Slot()]
+        self._ahead: list[Future] = []      # the streamed experts' host bytes, in stream order
+        self._spare: list = []              # our pinned host buffers not in use, refilled by later reads
+        self._lock = threading.Lock()
+        self._submit = submit if submit is not None else _loader_submit
         self._cuda = self.device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(self.device) if self._cuda else None
 
     @property
     def staging_bytes(self) -> int:
-        """Device memory the two staging buffers hold, outside the pool's budget."""
+        """Device memory the two staging buffers hold, outside the pool's budget (host: up to READ_AHEAD + 2
+        pinned buffers of an expert each, reused across prompts)."""
         return sum(s.device.numel() for s in self._slots if s.device is not None)
 
     def run(self, layer: "PooledExperts", hits: list[int], hidden_states, expert_mask, top_k_weights) -> dict:
@@ -243,6 +263,7 @@ class PrefillBalance:
             if self._cuda:
                 torch.cuda.current_stream(self.device).synchronize()    # before the pins and the buffers go
         finally:
+            self._drain()
             for h in holds:
                 layer._pool_of(h.expert_id).release(h)
             for slot in self._slots:
@@ -253,14 +274,23 @@ class PrefillBalance:
         return out
 
     def _stream(self, layer, experts: list[int], hidden_states, expert_mask, top_k_weights, where, out) -> None:
-        """Expert i computed from one staging buffer while expert i+1 is read and copied into the other."""
+        """Expert i computed from one staging buffer while expert i+1 is copied into the other.
+
+        The host bytes come READ_AHEAD experts ahead: a file read runs on the
+        expert loader threads while earlier experts are copied and computed,
+        so reads overlap each other as the pool's loads do (read one at a time
+        on this thread, they were the stream's slow part on the H200 box).
+        """
         import torch
 
         from storage.flat import FlatWeights
 
         if not experts:
             return
-        self._load(layer.ids[experts[0]], self._slots[0])
+        ahead = self._ahead
+        for i in range(min(READ_AHEAD, len(experts))):
+            ahead.append(self._fetch(layer.ids[experts[i]]))
+        self._fill(self._slots[0], ahead.pop(0))
         for i, e in enumerate(experts):
             slot = self._slots[i % 2]
             current = torch.cuda.current_stream(self.device) if self._cuda else None
@@ -271,23 +301,41 @@ class PrefillBalance:
             if current is not None:
                 slot.computed = current.record_event()
             self.stats.streamed += 1
-            if i + 1 < len(experts):       # launched: the device computes expert i while i+1 is read and copied
-                self._load(layer.ids[experts[i + 1]], self._slots[(i + 1) % 2])
+            if i + READ_AHEAD < len(experts):
+                ahead.append(self._fetch(layer.ids[experts[i + READ_AHEAD]]))
+            if i + 1 < len(experts):       # launched: the device computes expert i while i+1 is copied
+                self._fill(self._slots[(i + 1) % 2], ahead.pop(0))
 
-    def _load(self, expert_id: str, slot: _Slot) -> None:
-        """Fill `slot`: host bytes (the host tier's copy, else a read into our pinned buffer), then the device copy."""
-        import torch
-
-        self._let_go(slot)          # the previous copy out of this slot's host bytes is done; a held copy goes
+    def _fetch(self, expert_id: str) -> Future:
+        """Expert's host bytes, as a future of (host-tier handle or None, FlatWeights): held now, or read ahead."""
         held = self.weights.host.hold(expert_id) if self.weights.host is not None else None
         if held is not None:
-            slot.held, src = held, held.value
-        else:
-            t0 = time.perf_counter()
-            src = slot.own = self.source.load(expert_id, reuse=[slot.own] if slot.own is not None else [])
-            # the read the balance adds for experts the host tier lacks: a recent mean of the reads made here
-            took = time.perf_counter() - t0
+            done: Future = Future()
+            done.set_result((held, held.value))
+            return done
+        with self._lock:
+            spare = self._spare.pop() if self._spare else None
+        return self._submit(self._read, expert_id, spare)
+
+    def _read(self, expert_id: str, spare) -> tuple[None, object]:
+        t0 = time.perf_counter()
+        flat = self.source.load(expert_id, reuse=[spare] if spare is not None else [])
+        # the read the balance adds for experts the host tier lacks: a recent mean of the reads made here
+        took = time.perf_counter() - t0
+        with self._lock:
             self.costs = replace(self.costs, read=took if self.costs.read <= 0 else 0.7 * self.costs.read + 0.3 * took)
+        return None, flat
+
+    def _fill(self, slot: _Slot, fetched: Future) -> None:
+        """Copy a fetched expert's host bytes into `slot`'s device buffer (on the copy stream on CUDA)."""
+        import torch
+
+        self._let_go(slot)          # the previous copy out of this slot's host bytes is done; its bytes go
+        held, src = fetched.result()
+        if held is not None:
+            slot.held = held
+        else:
+            slot.own = src
         if slot.device is None or slot.device.numel() != src.nbytes:
             if slot.computed is not None:
                 slot.computed.synchronize()
@@ -306,12 +354,29 @@ class PrefillBalance:
         self.stats.bytes_streamed += src.nbytes
 
     def _let_go(self, slot: _Slot) -> None:
-        """Wait for the slot's copy out of its host bytes, then unpin a host-tier copy it was reading."""
+        """Wait for the slot's copy out of its host bytes; unpin a host-tier copy, keep our own buffer for reuse."""
         if slot.copied is not None:
             slot.copied.synchronize()
         if slot.held is not None:
             self.weights.host.release(slot.held)
             slot.held = None
+        if slot.own is not None:
+            with self._lock:
+                self._spare.append(slot.own)
+            slot.own = None
+
+    def _drain(self) -> None:
+        """After a failure midway: wait for the reads still ahead, unpin what they hold, keep their buffers."""
+        while self._ahead:
+            try:
+                held, flat = self._ahead.pop(0).result()
+            except Exception:       # the failure being raised already says what went wrong
+                continue
+            if held is not None:
+                self.weights.host.release(held)
+            else:
+                with self._lock:
+                    self._spare.append(flat)
 
 
 def profile_costs(weights: dict, act_fn, device: "torch.device", *, ns: Sequence[int] = (1, 8, 32, 128),

@@ -8,6 +8,8 @@ for bit against transformers' eager model; on CUDA, within a tolerance.
 """
 from __future__ import annotations
 
+import threading
+
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -60,7 +62,7 @@ def test_balanced_placement_is_never_longer_than_the_per_expert_rule(experts, kc
     in_host = {e for e, (_, _, h) in enumerate(experts) if h}
 
     def span(gpu, cpu):
-        g = sum(costs.gpu(tokens[e]) + (0 if e in resident else load + (0 if e in in_host else read)) for e in gpu)
+        g = sum(costs.gpu(tokens[e]) + (0 if e in resident else load + (0 if e in in_host else read / 4)) for e in gpu)
         return max(g, sum(costs.cpu(tokens[e]) + (0 if e in in_host else read) for e in cpu))
     gpu, cpu = place_balanced(tokens, resident, in_host, costs)
     assert sorted(gpu + cpu) == sorted(tokens) and not set(gpu) & set(cpu)
@@ -68,13 +70,20 @@ def test_balanced_placement_is_never_longer_than_the_per_expert_rule(experts, kc
 
 
 def test_balanced_placement_adds_the_file_read_where_host_memory_lacks_the_expert():
-    """With a 10 s read, a streamed expert the host tier lacks costs 14 on the GPU and 13 on the CPU."""
+    """With a 10 s read, a streamed expert the host tier lacks costs 4 + 10/READ_AHEAD on the GPU, 13 on the CPU."""
+    from executors.moe_prefill import READ_AHEAD
+
     slow = PrefillCosts(cpu=LinearCost(0.0, 3.0), gpu=LinearCost(0.0, 0.0), load=4.0, read=10.0)
     # in host memory: 4 against 3 each, as without a read: two and two
     assert place_balanced({0: 1, 1: 1, 2: 1, 3: 1}, set(), {0, 1, 2, 3}, slow) == ([0, 1], [2, 3])
-    # expert 9 is only in its file: it costs 13 on the CPU, so it has the CPU to itself and the rest stream
+    # expert 9 is only in its file: 13 on the CPU thread, 6.5 streamed (its read beside others): it streams,
+    # and the three others take the CPU (9 < 6.5 + 4)
+    assert READ_AHEAD == 4
     gpu, cpu = place_balanced({0: 1, 1: 1, 2: 1, 9: 1}, set(), {0, 1, 2}, slow)
-    assert (gpu, cpu) == ([0, 1, 2], [9])
+    assert (gpu, cpu) == ([9], [0, 1, 2])
+    # with every read in host memory but 9's and a CPU twice as fast, 9 is still the GPU's
+    fast_cpu = PrefillCosts(cpu=LinearCost(0.0, 1.5), gpu=LinearCost(0.0, 0.0), load=4.0, read=10.0)
+    assert place_balanced({0: 1, 1: 1, 2: 1, 9: 1}, set(), {0, 1, 2}, fast_cpu) == ([9], [0, 1, 2])
     with pytest.raises(ValueError, match="nothing to place"):
         place_balanced({0: 0}, set(), set(), slow)
 
@@ -145,19 +154,75 @@ def test_a_wrong_buffer_is_caught(qwen3):
     pm = load_pooled(store, memory=layout.layers[0].expert_nbytes * (layout.top_k + 2), policy="lru",
                      prefill=MIXED)
     x = _prompt(0)
-    orig = mp.PrefillBalance._load
+    orig = mp.PrefillBalance._fill
 
-    def stale(self, expert_id, slot):          # the computation finds the other slot's (the previous expert's) bytes
-        orig(self, expert_id, slot)
+    def stale(self, slot, fetched):          # the computation finds the other slot's (the previous expert's) bytes
+        orig(self, slot, fetched)
         other = self._slots[1] if slot is self._slots[0] else self._slots[0]
         if other.device is not None:
             slot.device.copy_(other.device)
-    mp.PrefillBalance._load = stale
+    mp.PrefillBalance._fill = stale
     try:
         with torch.no_grad():
             assert not torch.equal(pm.model(x).logits, ref(x).logits)
     finally:
-        mp.PrefillBalance._load = orig
+        mp.PrefillBalance._fill = orig
+    pm.close()
+
+
+def _streaming(pm):
+    """Every non-resident expert streams (costs that never send one to the CPU): the stream's own case."""
+    pm.prefill.costs = PrefillCosts(cpu=LinearCost(10.0, 10.0), gpu=LinearCost(0.0, 0.0), load=0.0, source="test")
+
+
+def test_the_stream_reads_experts_ahead_on_loader_threads_at_once(qwen3):
+    """Two file reads of one layer's streamed experts meet at a barrier: read one at a time, they never do."""
+    ref, layout, store = qwen3
+    pm = load_pooled(store, memory=layout.layers[0].expert_nbytes * (layout.top_k + 2), policy="lru",
+                     prefill=MIXED)
+    _streaming(pm)
+    barrier = threading.Barrier(2, timeout=5)
+    calls, lock = [], threading.Lock()
+    load = pm.prefill.source.load
+
+    def meet(eid, reuse=None):
+        with lock:
+            calls.append((eid, threading.current_thread().name))
+            first_two = len(calls) <= 2
+        if first_two:
+            barrier.wait()
+        return load(eid, reuse)
+    pm.prefill.source.load = meet
+    try:
+        with torch.no_grad():
+            assert torch.equal(pm.model(_prompt(0)).logits, ref(_prompt(0)).logits)
+    finally:
+        pm.close()
+    assert len(calls) >= 2 and all(name.startswith("coe-expert-load") for _, name in calls)
+    assert pm.prefill.stats.streamed == len(calls)          # each streamed expert read once, none twice
+
+
+def test_a_read_that_fails_midway_unpins_the_host_copies_read_ahead_and_the_next_prompt_is_exact(qwen3):
+    ref, layout, store = qwen3
+    per = layout.layers[0].expert_nbytes
+    pm = load_pooled(store, memory=per * (layout.top_k + 2), policy="lru", prefill=MIXED,
+                     host_memory=per * layout.layers[0].num_experts)      # one layer's worth of experts
+    _streaming(pm)
+    with torch.no_grad():
+        pm.model(_prompt(5, 2))                             # fills the host tier a little: held copies ahead
+        load, n = pm.prefill.source.load, [0]
+
+        def fail_third(eid, reuse=None):
+            n[0] += 1
+            if n[0] == 3:
+                raise OSError(f"{eid}: injected read error")
+            return load(eid, reuse)
+        pm.prefill.source.load = fail_third
+        with pytest.raises(OSError, match="injected read error"):
+            pm.model(_prompt(1))
+        assert not any(r.pinned for r in pm.host.state().residents)     # no hold left behind
+        pm.prefill.source.load = load
+        assert torch.equal(pm.model(_prompt(2)).logits, ref(_prompt(2)).logits)
     pm.close()
 
 
