@@ -22,12 +22,14 @@ expert's bytes are not in host memory, and balances the queues: experts
 sorted by how much cheaper the GPU is for them, the first n to the GPU, n
 making max(GPU queue, CPU queue) smallest (`moe_split.choose_split`, the
 decode split's rule).  The read cost is measured as the stream reads.
-Measured on the H200 box in one run (`llm bench --part e`), it did not pay:
-660 prefill tokens/s against 867 for the per-expert rule and 1172 for
-loading every expert through the pool.  It streamed more experts (61
-against 47), and a streamed expert's file is read on the calling thread, one
-at a time, while the pool's loads run four at once: the stream, not the
-placement, is the slow part.  The per-expert rule stays `balance`.
+Measured on the H200 box (`llm bench --part e`), it did not pay: 660
+prefill tokens/s against 867 for the per-expert rule and 1172 for loading
+every expert through the pool.  The stream then read its files one at a
+time on the calling thread, while the pool's loads run four at once; with
+the reads ahead on the loader threads (below) the per-expert rule ran at
+1659 against 1439 batched (one run), and this placement at 1052: it
+streamed 104 experts against the rule's 41, so its costs undervalue the
+GPU side.  The per-expert rule stays `balance`.
 
 `PrefillBalance` is the mechanism, run by `PooledExperts` on a pass over more
 than a decode step's tokens:

@@ -24,7 +24,8 @@ Measured per source on that box (`llm bench --part e`): a load 32.9 ms from
 the file, 1.9 ms from the host tier; in place 1.8 ms on the file's (page
 cached) map, 0.9 ms on the host copy.  Per step the rule is now right to
 compute in place, and the split still loses (53.7 against 73.6 decode
-tokens/s): an expert computed in place does not enter the pool, so the
+tokens/s in one run, 46.0 against 55.2 in the next; even, 60.5 against
+60.7, in a third): an expert computed in place does not enter the pool, so the
 next token misses it again (156 computed in place on top of 54 loads,
 where the run without the split loaded 80 experts in all), and each such layer copies its hidden state to the
 host, which waits for the GPU.  The rule weighs one step, not the reuse a
