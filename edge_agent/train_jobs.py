@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import os
 import queue as queue_mod
+import time
 from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass
@@ -26,6 +27,7 @@ from dataclasses import dataclass
 Progress = Callable[[str, int, int], None]
 
 _QUEUE = None          # in a worker: where its jobs' progress goes
+END_MARK_SECONDS = 10.0   # how long the parent waits, after the last result, for the jobs' last progress steps
 
 
 @dataclass(frozen=True)
@@ -73,14 +75,19 @@ def run_jobs(jobs: Sequence[Job], *, workers: int | None = None, progress: Progr
     order = sorted(range(len(jobs)), key=lambda i: -jobs[i].cost)
     pool = ProcessPoolExecutor(n, mp_context=ctx, initializer=_init_worker, initargs=(q, threads))
     try:
-        pending = {pool.submit(_run_in_worker, jobs[i].name, jobs[i].total, jobs[i].fn, jobs[i].args): i
+        pending = {pool.submit(_run_in_worker, i, jobs[i].name, jobs[i].total, jobs[i].fn, jobs[i].args): i
                    for i in order}
+        ended: set[int] = set()
         while pending:
             done, _ = wait(pending, timeout=0.2, return_when=FIRST_COMPLETED)
-            _drain(q, progress)
+            _drain(q, progress, ended)
             for fut in done:
                 finished(pending.pop(fut), fut.result())     # a job's error is raised here, as it raised it
-        _drain(q, progress)
+        # a job's result can arrive before its last progress steps: a worker's queue is flushed by a feeder
+        # thread of its own, so wait for each job's end mark (it follows the job's steps on the same queue)
+        deadline = time.monotonic() + END_MARK_SECONDS
+        while len(ended) < len(jobs) and time.monotonic() < deadline:
+            _drain(q, progress, ended, block=0.05)
     except BaseException:
         # a failed job (or Ctrl-C) ends the run now: the other jobs' work is lost anyway, so their
         # workers are stopped rather than waited for
@@ -106,13 +113,16 @@ def _call(job: Job, progress: Progress | None):
     return job.fn(*job.args, progress=tick)
 
 
-def _drain(q, progress: Progress | None) -> None:
+def _drain(q, progress: Progress | None, ended: set[int], block: float = 0.0) -> None:
+    """Pass on the queued progress steps; a job's end mark (step None) goes into `ended`."""
     while True:
         try:
-            name, step, total = q.get_nowait()
+            index, name, step, total = q.get(timeout=block) if block else q.get_nowait()
         except queue_mod.Empty:
             return
-        if progress is not None:
+        if step is None:
+            ended.add(index)
+        elif progress is not None:
             progress(name, step, total)
 
 
@@ -125,8 +135,11 @@ def _init_worker(q, threads: int) -> None:
     torch.set_num_threads(threads)
 
 
-def _run_in_worker(name: str, total: int, fn: Callable, args: tuple):
-    return fn(*args, progress=lambda step: _QUEUE.put((name, step, total)))
+def _run_in_worker(index: int, name: str, total: int, fn: Callable, args: tuple):
+    try:
+        return fn(*args, progress=lambda step: _QUEUE.put((index, name, step, total)))
+    finally:
+        _QUEUE.put((index, name, None, total))     # the end mark: every step of this job is ahead of it
 
 
 def to_numpy(tensors: Mapping) -> dict:

@@ -91,3 +91,20 @@ def test_state_dicts_cross_as_numpy_and_come_back_equal():
     assert all(isinstance(a, np.ndarray) for a in arrays.values())
     back = from_numpy(arrays)
     assert set(back) == set(state) and all(torch.equal(back[k], state[k]) for k in state)
+
+
+def _burst(n: int, progress=None) -> int:
+    for step in range(1, n + 1):
+        progress(step)
+    return n
+
+
+def test_every_progress_step_arrives_though_the_result_comes_back_first():
+    """A worker's queue is flushed by its own feeder thread, so a result can beat its job's last steps home;
+    forty thousand steps just before returning make that race likely (the old drain lost some about every other run), and none of them may be lost."""
+    seen: list[tuple[str, int, int]] = []
+    jobs = [Job(f"burst{n}", _burst, (40000,), total=40000, cost=1) for n in range(2)]
+    out = run_jobs(jobs, workers=2, progress=lambda *a: seen.append(a))
+    assert out == [40000, 40000]
+    for job in jobs:
+        assert [s for name, s, _ in seen if name == job.name] == list(range(1, 40001)), job.name
