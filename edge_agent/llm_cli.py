@@ -541,10 +541,10 @@ def llm_bench(work: str, parts: str, prompts: int, decode: int, train_seconds: f
         ceiling = next((r for r in arows if r["row"] == lb.CEILING), None)
         if ceiling is not None:
             lru, best = arows[0], max((r for r in arows if r is not ceiling), key=lambda r: r["tokens_per_second"])
-            click.echo(f"    best row: {best['row']} at {best['tokens_per_second'] / lru['tokens_per_second']:.2f}x LRU; "
-                       f"with every expert resident the same decode runs at "
-                       f"{ceiling['tokens_per_second'] / lru['tokens_per_second']:.2f}x LRU (a ceiling no technique here "
-                       f"can pass)")
+            base = lru["tokens_per_second"]
+            click.echo(f"    best row: {best['row']} at {best['tokens_per_second'] / base:.2f}x LRU; with every "
+                       f"expert resident the same decode runs at {ceiling['tokens_per_second'] / base:.2f}x LRU "
+                       f"(a ceiling no technique here can pass)")
         pf = lb.prefill_batching(big, list(range(40, 168)))
         click.echo(f"prefill split on this CPU box = batching a prompt's tokens per expert: 128-token prompt in one "
                    f"pass {pf['batched']['tokens_per_second']:.1f} tokens/s ({pf['batched']['gib_read']:.2f} GiB read) "
@@ -559,8 +559,8 @@ def llm_bench(work: str, parts: str, prompts: int, decode: int, train_seconds: f
                    "pinned host tier 50%, 128-token prompt")
         click.echo(f"{'split':8} {'prefill':8} {'prefill tok/s':>13} {'decode tok/s':>12} {'hit rate':>9}  notes")
         for r in rows:
-            note = (f"{r['in_place']} in place ({r['from_host']} host, {r['from_file']} file), {r['loaded']} layers loaded, "
-                    f"{r['costs']}" if "in_place" in r else "") + (
+            note = (f"{r['in_place']} in place ({r['from_host']} host, {r['from_file']} file), "
+                    f"{r['loaded']} layers loaded, {r['costs']}" if "in_place" in r else "") + (
                 f"; prefill {r['prefill_gpu_resident']} resident, {r['prefill_streamed']} streamed, "
                 f"{r['prefill_cpu']} CPU" if "prefill_streamed" in r else "")
             click.echo(f"{r['split']:8} {r['prefill']:8} {r['prefill_tokens_per_second']:>13.1f} "

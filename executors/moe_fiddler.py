@@ -1,8 +1,8 @@
 """Where a missing expert is computed in place: the memory map on a CPU box, a CPU thread on a GPU box (Fiddler).
 
 Issue 11 item 3 (importance paper Alg. 2; Fiddler, Kamahori et al. 2024).
-`moe_split` decides how many of a layer's misses to load (`choose_loads`, a
-pure rule over measured costs); this module is the mechanism that computes
+`moe_split` decides which of a layer's misses to load (`choose_split`, a
+pure rule over measured costs per source); this module is the mechanism that computes
 the others where their weights already are, without entering the pool and
 without evicting anything.
 
@@ -21,10 +21,12 @@ without evicting anything.
   them.  With a CPU pool the same code runs with the CPU playing the
   device, which is how the tests check it bit for bit.
 
-The costs the split rule reads are measured here and by the pool: C_other is
-the in-place computation of one expert for the layer's tokens (timed on the
-thread that runs it), C_load the device pool's mean time per load (host to
-GPU, plus the SSD read when no host copy exists).
+The costs the split rule reads are measured here and by the layer: C_other
+is all the time one in-place expert holds its thread (taking its weights and
+the matmuls), filed under its source (the host tier's copy or the file);
+C_load is the layer's wall time until its last load finished, per load
+(`PooledExperts.forward`), filed under a source only when all of the
+layer's loads came from one.
 """
 from __future__ import annotations
 

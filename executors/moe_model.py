@@ -149,6 +149,7 @@ class PooledModel:
             self.in_place.close()
         if self.prefill is not None:
             self.prefill.cpu.close()
+            self.prefill.close()
         for p in self.pools if self.owns_pools else ():
             p.close()
         if self.host is not None:

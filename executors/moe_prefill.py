@@ -14,7 +14,7 @@ measures one expert of the model on this box at a few token counts;
 The rule weighs each expert alone, but the two sides are queues: the CPU's
 experts run one after another on the in-place thread, the GPU's streamed
 experts one after another through the staging buffers, and a streamed expert
-the host tier lacks is first read from its file on the calling thread.  On
+the host tier lacks is first read from its file (READ_AHEAD reads at once).  On
 the H200 box it put 84 of 144 expert passes on the CPU and prefill ran 20%
 slower than loading every expert into the pool.  `place_balanced`
 (`prefill='queues'`) keeps the rule's costs, adds the file read where an
@@ -42,9 +42,9 @@ than a decode step's tokens:
   (a prefill touching every expert would otherwise evict decode's working
   set): expert i+1 is copied on a side stream into one device buffer while
   the GPU computes expert i from the other.  Their host bytes are the host
-  tier's copy, held, or a file read into a pinned buffer on the expert
-  loader threads, READ_AHEAD experts ahead, so reads overlap each other as
-  the pool's loads do.  Events order the reuse: a copy into a buffer waits
+  tier's copy, held, or a file read into a pinned buffer on reader threads
+  of the stream's own, READ_AHEAD experts ahead, so reads overlap each other
+  as the pool's loads do.  Events order the reuse: a copy into a buffer waits
   for the computation that last read it; a computation waits for its copy.
 
 The parts are added in ascending expert order by the caller, as the eager
@@ -56,12 +56,15 @@ every pooled forward already does (`llm_bench.prefill_batching` measures it).
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Collection, Mapping, Sequence
-from concurrent.futures import Future
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
+
+log = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     import torch
@@ -115,11 +118,16 @@ def place_balanced(tokens: Mapping[int, int], resident: Collection[int], in_host
     An expert's GPU cost is T_GPU(n), plus T_load when not resident, plus the
     file read when its bytes are not in host memory either (`in_host`: the
     host tier's copies), shared by the READ_AHEAD reads in flight at once;
-    its CPU cost is T_CPU(n), plus the whole read.  Sorted by
-    CPU cost over GPU cost (the GPU's biggest wins first), the first n go to
-    the GPU, n making max(Σ GPU costs, Σ CPU costs) smallest; the same by
-    the GPU's saving; single moves and swaps while they shorten the longer
-    queue; the best of those and the per-expert rule's placement.
+    its CPU cost is T_CPU(n) (the CPU thread computes on the memory map).
+
+    Up to EXACT_UP_TO experts, every placement is tried (the best one).
+    Beyond, a heuristic: sorted by CPU cost over GPU cost (the GPU's biggest
+    wins first), the first n go to the GPU, n making max(Σ GPU costs, Σ CPU
+    costs) smallest; the same by the GPU's saving; single moves and swaps
+    while they shorten the longer queue; the best of those and the
+    per-expert rule's placement.  The ratio order's prefix is within the
+    largest single cost of the fractional optimum (only the split expert is
+    rounded), so the result is at most the best placement plus one expert.
     """
     from .moe_split import choose_split
 
@@ -128,17 +136,22 @@ def place_balanced(tokens: Mapping[int, int], resident: Collection[int], in_host
         if n < 1:
             raise ValueError(f"an expert with {n} tokens has nothing to place")
         read = 0.0 if e in in_host else costs.read
-        # the stream reads READ_AHEAD files at once; the CPU thread reads its experts' one after another
-        cost[e] = (costs.gpu(n) + (0.0 if e in resident else costs.load + read / READ_AHEAD), costs.cpu(n) + read)
+        # the stream reads a file into a pinned buffer, READ_AHEAD at once; the CPU thread computes on the file's
+        # memory map, which costs what the page cache lacks (the decode split measured that whole in-place
+        # computation at ~2 ms on the H200 box, against ~33 ms for a read into a buffer): no read on its side
+        cost[e] = (costs.gpu(n) + (0.0 if e in resident else costs.load + read / READ_AHEAD), costs.cpu(n))
+
     def span(g: set[int], c: set[int]) -> float:
         return max(sum(cost[e][0] for e in g), sum(cost[e][1] for e in c))
 
+    if len(cost) <= EXACT_UP_TO:
+        return _exact(cost)
     best = None
     for key in (lambda e: (-cost[e][1] / max(cost[e][0], 1e-12), e),     # the fractional optimum's order
                 lambda e: (cost[e][0] - cost[e][1], e)):                  # the GPU's largest saving first
         order = sorted(cost, key=key)
         n = choose_split([cost[e] for e in order])
-        g, c = _improve(set(order[:n]), set(order[n:]), span)
+        g, c = _improve(set(order[:n]), set(order[n:]), cost)
         if best is None or span(g, c) < span(*best) - 1e-12:
             best = (g, c)
     rule = place(tokens, resident, costs)            # never worse, in these costs, than the per-expert rule
@@ -147,24 +160,65 @@ def place_balanced(tokens: Mapping[int, int], resident: Collection[int], in_host
     return sorted(best[0]), sorted(best[1])
 
 
-def _improve(gpu: set[int], cpu: set[int], span: Callable[[set[int], set[int]], float]) -> tuple[set[int], set[int]]:
-    """Move or swap single experts while that lowers max(GPU queue, CPU queue) (`span`).
+EXACT_UP_TO = 10    # experts a layer's placement tries exhaustively (2^10 sums, well under a millisecond)
+
+
+def _exact(cost: dict[int, tuple[float, float]]) -> tuple[list[int], list[int]]:
+    """The placement with the shortest longer queue, by trying all of them (ties: more on the GPU, lower ids)."""
+    ids = sorted(cost)
+    m = len(ids)
+    g, c = [0.0] * (1 << m), [0.0] * (1 << m)     # mask bit i set: ids[i] on the GPU
+    c[0] = sum(cost[e][1] for e in ids)
+    best, best_mask = c[0], 0
+    for mask in range(1, 1 << m):
+        low = mask & -mask
+        i = low.bit_length() - 1
+        g[mask] = g[mask ^ low] + cost[ids[i]][0]
+        c[mask] = c[mask ^ low] - cost[ids[i]][1]
+        span = max(g[mask], c[mask])
+        if span < best - 1e-12 or (abs(span - best) <= 1e-12 and bin(mask).count("1") > bin(best_mask).count("1")):
+            best, best_mask = span, mask
+    return ([e for i, e in enumerate(ids) if best_mask >> i & 1],
+            [e for i, e in enumerate(ids) if not best_mask >> i & 1])
+
+
+def _improve(gpu: set[int], cpu: set[int], cost: dict[int, tuple[float, float]]) -> tuple[set[int], set[int]]:
+    """Move or swap single experts while that lowers max(GPU queue, CPU queue).
 
     Neither order is always the whole-expert optimum (three 4-vs-3 experts and
     one 14-vs-13: the ratio order puts the big one on the GPU for 14, the best
     is 13, which the savings order finds), and two experts cannot always be
-    placed better one move at a time: a heuristic, not an optimum.  A layer's
-    experts are few, so it is cheap.
+    placed better one move at a time: a heuristic, not an optimum.  The sums
+    are kept as running totals, so a pass over the moves and swaps is
+    O(experts²) of float arithmetic, and the passes are capped.
     """
-    best = span(gpu, cpu)
-    while True:
-        moves = [(gpu - {e}, cpu | {e}) for e in gpu] + [(gpu | {e}, cpu - {e}) for e in cpu]
-        moves += [((gpu - {a}) | {b}, (cpu - {b}) | {a}) for a in gpu for b in cpu]
-        cand = min(moves, key=lambda m: (span(*m), sorted(m[0])), default=None)
-        if cand is None or span(*cand) >= best - 1e-12:
-            return gpu, cpu
-        gpu, cpu = cand
-        best = span(gpu, cpu)
+    gpu, cpu = set(gpu), set(cpu)
+    g, c = sum(cost[e][0] for e in gpu), sum(cost[e][1] for e in cpu)
+    for _ in range(2 * len(cost) + 1):
+        best, move = max(g, c), None
+        for e in gpu:
+            span = max(g - cost[e][0], c + cost[e][1])
+            if span < best - 1e-12:
+                best, move = span, (e, None)
+        for e in cpu:
+            span = max(g + cost[e][0], c - cost[e][1])
+            if span < best - 1e-12:
+                best, move = span, (None, e)
+        for a in gpu:
+            for b in cpu:
+                span = max(g - cost[a][0] + cost[b][0], c - cost[b][1] + cost[a][1])
+                if span < best - 1e-12:
+                    best, move = span, (a, b)
+        if move is None:
+            break
+        a, b = move
+        if a is not None:
+            gpu.discard(a), cpu.add(a)
+            g, c = g - cost[a][0], c + cost[a][1]
+        if b is not None:
+            cpu.discard(b), gpu.add(b)
+            g, c = g + cost[b][0], c - cost[b][1]
+    return gpu, cpu
 
 
 def fit_linear(points: Sequence[tuple[int, float]]) -> LinearCost:
@@ -187,13 +241,7 @@ class PrefillStats:
     bytes_streamed: int = 0
 
 
-READ_AHEAD = 4      # streamed experts whose host bytes are fetched ahead (file reads on the loader threads)
-
-
-def _loader_submit(fn, *args) -> Future:
-    from .pooled_experts import loader
-
-    return loader().submit(fn, *args)
+READ_AHEAD = 4      # streamed experts whose host bytes are fetched ahead (file reads on threads of their own)
 
 
 @dataclass
@@ -223,9 +271,17 @@ class PrefillBalance:
         self._ahead: list[Future] = []      # the streamed experts' host bytes, in stream order
         self._spare: list = []              # our pinned host buffers not in use, refilled by later reads
         self._lock = threading.Lock()
-        self._submit = submit if submit is not None else _loader_submit
+        # the stream's reads have threads of their own: on the pools' loader threads a device-pool load waiting
+        # for host-tier room that the stream's held copies take could stall the reads the stream waits for
+        self._reader = None if submit is not None else ThreadPoolExecutor(READ_AHEAD, "coe-prefill-read")
+        self._submit = submit if submit is not None else self._reader.submit
         self._cuda = self.device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(self.device) if self._cuda else None
+
+    def close(self) -> None:
+        """Stop the stream's reader threads (after the last forward)."""
+        if self._reader is not None:
+            self._reader.shutdown(wait=True)
 
     @property
     def staging_bytes(self) -> int:
@@ -278,8 +334,8 @@ class PrefillBalance:
     def _stream(self, layer, experts: list[int], hidden_states, expert_mask, top_k_weights, where, out) -> None:
         """Expert i computed from one staging buffer while expert i+1 is copied into the other.
 
-        The host bytes come READ_AHEAD experts ahead: a file read runs on the
-        expert loader threads while earlier experts are copied and computed,
+        The host bytes come READ_AHEAD experts ahead: a file read runs on a
+        reader thread while earlier experts are copied and computed,
         so reads overlap each other as the pool's loads do (read one at a time
         on this thread, they were the stream's slow part on the H200 box).
         """
@@ -292,7 +348,7 @@ class PrefillBalance:
         ahead = self._ahead
         for i in range(min(READ_AHEAD, len(experts))):
             ahead.append(self._fetch(layer.ids[experts[i]]))
-        self._fill(self._slots[0], ahead.pop(0))
+        self._fill(self._slots[0])
         for i, e in enumerate(experts):
             slot = self._slots[i % 2]
             current = torch.cuda.current_stream(self.device) if self._cuda else None
@@ -306,7 +362,7 @@ class PrefillBalance:
             if i + READ_AHEAD < len(experts):
                 ahead.append(self._fetch(layer.ids[experts[i + READ_AHEAD]]))
             if i + 1 < len(experts):       # launched: the device computes expert i while i+1 is copied
-                self._fill(self._slots[(i + 1) % 2], ahead.pop(0))
+                self._fill(self._slots[(i + 1) % 2])
 
     def _fetch(self, expert_id: str) -> Future:
         """Expert's host bytes, as a future of (host-tier handle or None, FlatWeights): held now, or read ahead."""
@@ -328,12 +384,13 @@ class PrefillBalance:
             self.costs = replace(self.costs, read=took if self.costs.read <= 0 else 0.7 * self.costs.read + 0.3 * took)
         return None, flat
 
-    def _fill(self, slot: _Slot, fetched: Future) -> None:
-        """Copy a fetched expert's host bytes into `slot`'s device buffer (on the copy stream on CUDA)."""
+    def _fill(self, slot: _Slot) -> None:
+        """Copy the next fetched expert's host bytes into `slot`'s device buffer (on the copy stream on CUDA)."""
         import torch
 
         self._let_go(slot)          # the previous copy out of this slot's host bytes is done; its bytes go
-        held, src = fetched.result()
+        # taken from `_ahead` only now, and given to the slot at once: a failure before this leaves it to `_drain`
+        held, src = self._ahead.pop(0).result()
         if held is not None:
             slot.held = held
         else:
@@ -374,11 +431,14 @@ class PrefillBalance:
                 held, flat = self._ahead.pop(0).result()
             except Exception:       # the failure being raised already says what went wrong
                 continue
-            if held is not None:
-                self.weights.host.release(held)
-            else:
+            if held is None:
                 with self._lock:
                     self._spare.append(flat)
+                continue
+            try:
+                self.weights.host.release(held)
+            except Exception:       # keep going: the other holds must go too; the error being raised comes first
+                log.exception("prefill stream: releasing the host tier's copy of %s failed", held.expert_id)
 
 
 def profile_costs(weights: dict, act_fn, device: "torch.device", *, ns: Sequence[int] = (1, 8, 32, 128),

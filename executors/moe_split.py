@@ -19,6 +19,9 @@ mean over both sources misleads the rule: on the H200 box the means were
 the mean in-place cost could fall below a load's, and the split computed
 145 misses in place (81 of them read from their files) against 12 layers
 that loaded, at −24% decode tokens/s.  So the costs are kept per source, and each miss is weighed at its own source's.
+A load cost is filed under a source only when all of a layer's loads came
+from it (a mixed layer's wall time is neither's); a source not yet measured
+is weighed at the mean over both.
 
 Measured per source on that box (`llm bench --part e`): a load 32.9 ms from
 the file, 1.9 ms from the host tier; in place 1.8 ms on the file's (page

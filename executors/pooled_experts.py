@@ -67,6 +67,7 @@ class PinnedWave:
         self._pool_of, self._ids, self._wait = pool_of, list(ids), wait
         self._submit = submit or loader().submit
         self._futures: list[Future] = []
+        self.landed: list[float] = []       # perf_counter() when each load this wave submitted finished
         self.handles: list[Handle] = []
         self._taken: dict[int, Handle] = {}
         self._ready = 0
@@ -75,7 +76,7 @@ class PinnedWave:
         deadline = time.monotonic() + self._wait
         try:
             for eid in self._ids:
-                fut = self._pool_of(eid).acquire_async(eid, self._submit)
+                fut = self._pool_of(eid).acquire_async(eid, self._timed_submit)
                 pause = 0.001
                 while fut is None and not self._futures:
                     # nothing of ours is pinned, so others hold the room (another layer or request): wait for them
@@ -84,7 +85,7 @@ class PinnedWave:
                                        f"{self._wait:.0f} s")
                     time.sleep(pause)
                     pause = min(pause * 2, 0.05)
-                    fut = self._pool_of(eid).acquire_async(eid, self._submit)
+                    fut = self._pool_of(eid).acquire_async(eid, self._timed_submit)
                 if fut is None:
                     break
                 self._futures.append(fut)
@@ -93,6 +94,15 @@ class PinnedWave:
             raise
         self._ready = sum(f.done() for f in self._futures)
         return self
+
+    def _timed_submit(self, load: Callable[[], Handle]) -> Future:
+        """Submit one of this wave's loads; its end is noted before its future completes (no race with a reader)."""
+        def run() -> Handle:
+            try:
+                return load()
+            finally:
+                self.landed.append(time.perf_counter())
+        return self._submit(run)
 
     def __len__(self) -> int:
         return len(self._futures)
@@ -153,16 +163,20 @@ class PooledExperts(nn.Module):
         self.split = None           # a LoadComputeSplit (the rule), with `in_place` (moe_fiddler: where misses run)
         self.in_place = None
         self.prefill = None         # a PrefillBalance (moe_prefill): prefill's GPU/CPU placement, set on a GPU box
-        self._after_loads = False
 
     def extra_repr(self) -> str:
         return f"layer={self.layer}, experts={self.num_experts}, pooled"
 
     def _split_misses(self, hits: list[int], hidden_states, expert_mask, top_k_weights):
-        """Load the high-score misses; start the low-score ones in place.  Returns (to acquire, in-place parts)."""
+        """Load the high-score misses; start the low-score ones in place.
+
+        Returns (to acquire, in-place parts, the source of the loads): the
+        source is False when nothing is loaded, None when the loads come from
+        both the host tier and files.
+        """
         misses = [e for e in hits if not self._pool_of(self.ids[e]).present(self.ids[e])]
         if not misses:
-            return hits, None
+            return hits, None, False
         score = {}
         for e in misses:
             pos, tok = torch.where(expert_mask[e])
@@ -175,8 +189,8 @@ class PooledExperts(nn.Module):
                                     top_k_weights) if in_place else None
         # the source of this layer's loads when they are all one (a mixed layer's wall time is not either's cost)
         loaded = {source[e] for e in misses if e not in set(in_place)}
-        self._after_loads = (loaded.pop() if len(loaded) == 1 else None) if loaded else False
-        return [e for e in hits if e not in set(in_place)], parts
+        load_source = (loaded.pop() if len(loaded) == 1 else None) if loaded else False
+        return [e for e in hits if e not in set(in_place)], parts, load_source
 
     def _expert(self, e: int, weights: dict, hidden_states: torch.Tensor, expert_mask: torch.Tensor,
                 top_k_weights: torch.Tensor, where: tuple | None = None) -> tuple:
@@ -215,12 +229,12 @@ class PooledExperts(nn.Module):
         if prefetch is not None:
             prefetch.observe(self.layer, hits)
         out: dict[int, tuple] = {}
-        pending, in_place = hits, None
+        pending, in_place, load_source = hits, None, False
         if self.prefill is not None and len(hidden_states) > DECODE_TOKENS:     # prefill on a GPU box
             out = self.prefill.run(self, hits, hidden_states, expert_mask, top_k_weights)
             pending = []
         elif self.split is not None and len(hidden_states) <= DECODE_TOKENS:   # decode: some misses may stay out
-            pending, in_place = self._split_misses(hits, hidden_states, expert_mask, top_k_weights)
+            pending, in_place, load_source = self._split_misses(hits, hidden_states, expert_mask, top_k_weights)
         loads, loads_wall, t_loads = 0, 0.0, time.perf_counter()
         while pending:
             with PinnedWave(self._pool_of, [self.ids[e] for e in pending]) as wave:
@@ -230,8 +244,6 @@ class PooledExperts(nn.Module):
                     prefetch = None
                 # the experts already in memory first (their futures are done), then each load as it lands
                 for n, (i, handle) in enumerate(wave.as_ready(), 1):
-                    if n > wave.ready:          # a load landed (or the compute before it ended): the layer waited
-                        loads, loads_wall = loads + 1, time.perf_counter() - t_loads
                     out[experts[i]] = self._expert(experts[i], handle.value.tensors(), hidden_states, expert_mask,
                                                    top_k_weights)
                     if prefetch is not None and n == wave.ready:
@@ -241,17 +253,17 @@ class PooledExperts(nn.Module):
                     # the kernels just launched read the wave's buffers: they must be done before the wave
                     # releases its pins, or a later load's copy (on the tier's side stream) may refill one under them
                     torch.cuda.current_stream(self.device).synchronize()
+            if wave.landed:             # this wave's own loads: how many, and when the last one finished
+                loads, loads_wall = loads + len(wave.landed), max(wave.landed) - t_loads
             pending = pending[len(experts):]
         if in_place is not None:        # the CPU's parts (Fiddler: computed meanwhile on its own thread)
             out.update(in_place.results())
-        if self._after_loads is not False:        # what this layer's loads cost, for the next split
-            load_source, self._after_loads = self._after_loads, False
-            if loads:
-                # the wall time until the last load could be used, per load: the loads run LOADERS at a time, so
-                # one load's own duration (what the pool's stats add up) overstates what n of them cost together
-                # by up to LOADERS times, and the split then sent most misses to the CPU (H200 box: C_load 9.5 ms
-                # per load against 14.5 ms in place, and still 89 of 116 misses computed in place)
-                self.split.measured(load=loads_wall / loads, source=load_source)
+        if load_source is not False and loads:        # what this layer's loads cost, for the next split
+            # the wall time until the last load finished, per load: the loads run LOADERS at a time, so one
+            # load's own duration (what the pool's stats add up) overstates what n of them cost together by up to
+            # LOADERS times (H200 box: C_load 9.5 ms per load against 14.5 ms in place, and still 89 misses
+            # computed in place against 27 layers that loaded)
+            self.split.measured(load=loads_wall / loads, source=load_source)
         # the sum runs in ascending expert order whatever order the parts were computed in: the eager loop's result
         for e in hits:
             _, token_idx, contribution = out[e]

@@ -100,8 +100,10 @@ def _burst(n: int, progress=None) -> int:
 
 
 def test_every_progress_step_arrives_though_the_result_comes_back_first():
-    """A worker's queue is flushed by its own feeder thread, so a result can beat its job's last steps home;
-    forty thousand steps just before returning make that race likely (the old drain lost some about every other run), and none of them may be lost."""
+    """A worker's queue is flushed by its own feeder thread, so a result can beat its job's last steps home.
+
+    Forty thousand steps just before returning make that race likely (the old drain lost some about every
+    other run); none of them may be lost."""
     seen: list[tuple[str, int, int]] = []
     jobs = [Job(f"burst{n}", _burst, (40000,), total=40000, cost=1) for n in range(2)]
     out = run_jobs(jobs, workers=2, progress=lambda *a: seen.append(a))
