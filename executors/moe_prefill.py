@@ -28,8 +28,9 @@ every expert through the pool.  The stream then read its files one at a
 time on the calling thread, while the pool's loads run four at once; with
 the reads ahead on the loader threads (below) the per-expert rule ran at
 1659 against 1439 batched (one run), and this placement at 1052: it
-streamed 104 experts against the rule's 41, so its costs undervalue the
-GPU side.  The per-expert rule stays `balance`.
+streamed 104 experts against the rule's 41.  It then charged the file read
+on the CPU side too, which computes on the memory map; it no longer does,
+and has not run on a GPU since.  The per-expert rule stays `balance`.
 
 `PrefillBalance` is the mechanism, run by `PooledExperts` on a pass over more
 than a decode step's tokens:
