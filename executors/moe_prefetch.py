@@ -12,6 +12,11 @@ whether it pays.
 Prefetches never delay the layer's own loads: they are issued after the
 layer's experts are reserved, run on their own loader thread, and a prefetch
 that finds no room (pinned experts fill the pool) is dropped, not waited for.
+A prefetch's file read gives way to them too (`storage.flat.yield_to`): it
+does not start while a layer's load is queued or running
+(`pooled_experts.demand_loads`), and stops between 2 MiB chunks when one
+comes; the expert is then not loaded (counted as `yielded`).  Before this a
+wrong guess held the one disk while the real misses queued behind it.
 A prefetched expert is unpinned as soon as it is in, so it is an ordinary
 resident the policy may evict.  Prefetch changes only what is in memory,
 never the arithmetic: logits stay exact.
@@ -37,6 +42,7 @@ class PrefetchStats:
     issued: int = 0             # loads started (predicted and not in memory)
     useful: int = 0             # of those, asked for by the layer they were loaded for (a read saved)
     dropped: int = 0            # no room at the time: not loaded
+    yielded: int = 0            # started, then gave way to a layer's own loads: not loaded
 
     @property
     def precision(self) -> float:
@@ -87,7 +93,7 @@ class _Prefetcher:
             pool = self._pool_of(eid)
             if pool.present(eid):
                 continue
-            fut = pool.acquire_async(eid, self._loader.submit)
+            fut = pool.acquire_async(eid, self._submit)
             if fut is None:
                 self.stats.dropped += 1
                 continue
@@ -95,6 +101,28 @@ class _Prefetcher:
             with self._lock:
                 self._loaded.setdefault(layer, set()).add(e)
             fut.add_done_callback(_unpin(pool))
+            fut.add_done_callback(self._gave_way(layer, e))
+
+    def _submit(self, load: Callable) -> Future:
+        """Run a prefetch's load on the prefetch thread, its reads giving way to the layers' own loads."""
+        from storage.flat import yield_to
+
+        from .pooled_experts import demand_loads
+
+        def run():
+            with yield_to(lambda: demand_loads() > 0):
+                return load()
+        return self._loader.submit(run)
+
+    def _gave_way(self, layer: int, e: int) -> Callable[[Future], None]:
+        from storage.flat import ReadYielded
+
+        def done(fut: Future) -> None:
+            if not fut.cancelled() and isinstance(fut.exception(), ReadYielded):
+                with self._lock:
+                    self.stats.yielded += 1
+                    self._loaded.get(layer, set()).discard(e)      # not read in: it cannot save a read
+        return done
 
     def close(self) -> None:
         self._loader.shutdown(wait=True)

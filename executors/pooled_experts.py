@@ -41,6 +41,19 @@ LOADERS = 4         # concurrent expert loads: a cold read at queue depth 2-4 mo
 
 _loader: ThreadPoolExecutor | None = None
 _loader_lock = threading.Lock()
+_demand = 0                 # layers' own loads submitted and not yet finished, in this process
+_demand_lock = threading.Lock()
+
+
+def demand_loads() -> int:
+    """How many loads that a layer waits for are queued or running now (what a prefetch must give way to)."""
+    return _demand
+
+
+def _demand_add(n: int) -> None:
+    global _demand
+    with _demand_lock:
+        _demand += n
 
 
 def loader() -> ThreadPoolExecutor:
@@ -96,13 +109,22 @@ class PinnedWave:
         return self
 
     def _timed_submit(self, load: Callable[[], Handle]) -> Future:
-        """Submit one of this wave's loads; its end is noted before its future completes (no race with a reader)."""
+        """Submit one of this wave's loads; its end is noted before its future completes (no race with a reader).
+
+        From submission to its end it counts in `demand_loads()`, which prefetches give way to.
+        """
         def run() -> Handle:
             try:
                 return load()
             finally:
                 self.landed.append(time.perf_counter())
-        return self._submit(run)
+                _demand_add(-1)
+        _demand_add(1)
+        try:
+            return self._submit(run)
+        except BaseException:
+            _demand_add(-1)
+            raise
 
     def __len__(self) -> int:
         return len(self._futures)

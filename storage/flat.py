@@ -8,12 +8,15 @@ GPU).  The tensors are views into the buffer, so nothing is copied twice.
 """
 from __future__ import annotations
 
+import contextlib
 import functools
 import hashlib
 import json
 import mmap
 import os
 import struct
+import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -26,6 +29,39 @@ _DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat
            "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
 _MAX_HEADER = 100 * 2**20
 _CHUNK = 16 * 2**20
+_YIELD_CHUNK = 2 * 2**20        # a read that may yield checks this often (about a millisecond of disk)
+
+
+class ReadYielded(Exception):
+    """A read that may yield (a prefetch) stopped because more urgent reads wanted the disk."""
+
+
+_yielding = threading.local()
+
+
+@contextlib.contextmanager
+def yield_to(urgent: Callable[[], bool]):
+    """Reads on this thread stop with `ReadYielded` (before they start, and between chunks) while `urgent()`.
+
+    A prefetch reads under it, so it never holds the disk while a load that
+    a layer waits for is queued behind it: at most one small chunk.
+    """
+    before = getattr(_yielding, "urgent", None)
+    _yielding.urgent = urgent
+    try:
+        yield
+    finally:
+        _yielding.urgent = before
+
+
+def _chunk(expert_id: str) -> int:
+    """This thread's chunk size; raises `ReadYielded` if its reads must give way now."""
+    urgent = getattr(_yielding, "urgent", None)
+    if urgent is None:
+        return _CHUNK
+    if urgent():
+        raise ReadYielded(f"{expert_id}: a read that may yield gave way to a more urgent one")
+    return _YIELD_CHUNK
 
 
 @dataclass(frozen=True)
@@ -168,8 +204,9 @@ def read_flat(path: str | os.PathLike, expert_id: str, *, pin: bool = False,
     buf = out.buffer if out is not None else torch.empty(layout.nbytes, dtype=torch.uint8, pin_memory=pin)
     mv = memoryview(buf.numpy()) if layout.nbytes else memoryview(b"")
     hasher = hashlib.sha256(head) if expect_sha256 else None
+    _chunk(expert_id)            # a read that must give way does so before it starts
     try:
-        got = (_copy_mmap if method == "mmap" else _copy_read)(path, layout, mv, hasher)
+        got = (_copy_mmap if method == "mmap" else _copy_read)(path, layout, mv, hasher, expert_id)
     except OSError as exc:
         raise ExpertLoadError(expert_id, str(path), f"cannot read: {exc.strerror or exc}") from None
     if got != layout.nbytes:
@@ -180,12 +217,12 @@ def read_flat(path: str | os.PathLike, expert_id: str, *, pin: bool = False,
     return FlatWeights(layout, buf, like=out)
 
 
-def _copy_read(path, layout: Layout, mv: memoryview, hasher) -> int:
+def _copy_read(path, layout: Layout, mv: memoryview, hasher, expert_id: str = "") -> int:
     got = 0
     with open(path, "rb", buffering=0) as fh:
         fh.seek(layout.data_offset)
         while got < layout.nbytes:
-            n = fh.readinto(mv[got:got + _CHUNK])
+            n = fh.readinto(mv[got:got + _chunk(expert_id)])
             if not n:
                 break
             if hasher is not None:
@@ -194,7 +231,7 @@ def _copy_read(path, layout: Layout, mv: memoryview, hasher) -> int:
     return got
 
 
-def _copy_mmap(path, layout: Layout, mv: memoryview, hasher) -> int:
+def _copy_mmap(path, layout: Layout, mv: memoryview, hasher, expert_id: str = "") -> int:
     if layout.nbytes == 0:
         return 0
     with open(path, "rb") as fh:
@@ -209,7 +246,7 @@ def _copy_mmap(path, layout: Layout, mv: memoryview, hasher) -> int:
             try:
                 base, got = layout.data_offset, 0
                 while got < layout.nbytes:
-                    n = min(_CHUNK, layout.nbytes - got)
+                    n = min(_chunk(expert_id), layout.nbytes - got)
                     mv[got:got + n] = src[base + got:base + got + n]
                     if hasher is not None:
                         hasher.update(mv[got:got + n])

@@ -101,13 +101,25 @@ class StoreSource:
         if reuse:
             reuse.clear()  # the victims we did not take are freed before we allocate
         self.reused += out is not None
-        flat = self.store.read_flat(expert_id, pin=self.pin, method=self.method, out=out,
-                                    dtype=self._dtype(expert_id))
+        try:
+            flat = self.store.read_flat(expert_id, pin=self.pin, method=self.method, out=out,
+                                        dtype=self._dtype(expert_id))
+        except BaseException:
+            if self.drop_after_read:    # a read cut short (a prefetch that gave way): its pages must not stay
+                self._drop(expert_id, quiet=True)
+            raise
         if self.drop_after_read:
-            from .pagecache import drop_from_page_cache
-
-            drop_from_page_cache(self.store.path(expert_id))
+            self._drop(expert_id)
         return flat
+
+    def _drop(self, expert_id: str, *, quiet: bool = False) -> None:
+        from .pagecache import drop_from_page_cache
+
+        try:
+            drop_from_page_cache(self.store.path(expert_id))
+        except OSError:
+            if not quiet:               # after a failed read the read's own error is the one to report
+                raise
 
 
 class TierSource:
