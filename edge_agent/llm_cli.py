@@ -533,7 +533,7 @@ def llm_bench(work: str, parts: str, prompts: int, decode: int, train_seconds: f
                 f"; {r['in_place']} computed in place ({r['gib_in_place']:.2f} GiB read from their files), "
                 f"{r['loaded']} layers loaded" if "in_place" in r else "") + (
                 f"; prefetch precision {r['prefetch_precision']:.2f} recall {r['prefetch_recall']:.2f}, "
-                f"{r['prefetch_useful']} of {r['prefetch_issued']} reads used"
+                f"{r['prefetch_useful']} of {r['prefetch_issued']} reads used, {r.get('prefetch_yielded', 0)} gave way"
                 if "prefetch_precision" in r else "")
             click.echo(f"{r['row']:46} {r['tokens_per_second']:>9.2f} {r['hit_rate']:>9.1%} {r['gib_read']:>9.2f} "
                        f"{r['tokens_per_second'] / arows[0]['tokens_per_second']:>6.2f}  {note}")

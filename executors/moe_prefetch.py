@@ -9,20 +9,22 @@ through the next layer with the KV cache); its precision and recall against
 the experts the next layer really asks for are counted, so the bench can say
 whether it pays.
 
-Prefetches never delay the layer's own loads: they are issued after the
-layer's experts are reserved, run on their own loader thread, and a prefetch
-that finds no room (pinned experts fill the pool) is dropped, not waited for.
-A prefetch's file read gives way to them too (`storage.flat.yield_to`): it
-does not start while a layer's load is queued or running
-(`pooled_experts.demand_loads`), and stops between 2 MiB chunks when one
-comes; the expert is then not loaded (counted as `yielded`).  Before this a
-wrong guess held the one disk while the real misses queued behind it.
+Prefetches never delay the layer's own loads.  They run on a thread of
+their own, one at a time; room for one is made there, only when its read
+can start, and a prefetch that finds no room (pinned experts fill the pool)
+or whose layer has run meanwhile is dropped, not waited for.  Its file read
+gives way too (`storage.flat.yield_to`): it does not start while a layer's
+load is queued or running (`pooled_experts.demand_loads`), and stops between
+2 MiB chunks when one comes; the expert is then not loaded (`yielded`).
+Before this a wrong guess held the one disk while the real misses queued
+behind it.
 A prefetched expert is unpinned as soon as it is in, so it is an ordinary
 resident the policy may evict.  Prefetch changes only what is in memory,
 never the arithmetic: logits stay exact.
 """
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -33,16 +35,18 @@ import torch
 from routing.moe_predictor import LiveInputs
 from storage.pool import Pool
 
+log = logging.getLogger(__name__)
+
 
 @dataclass
 class PrefetchStats:
     predicted: int = 0          # experts predicted for a next layer
     true_positive: int = 0      # predicted and then asked for
     actual: int = 0             # experts the predicted-for layers asked for
-    issued: int = 0             # loads started (predicted and not in memory)
+    issued: int = 0             # loads started (predicted, not in memory, room made)
     useful: int = 0             # of those, asked for by the layer they were loaded for (a read saved)
-    dropped: int = 0            # no room at the time: not loaded
-    yielded: int = 0            # started, then gave way to a layer's own loads: not loaded
+    dropped: int = 0            # no room, stale (its layer ran first) or failed: not loaded
+    yielded: int = 0            # gave way to a layer's own loads, before or during its read: not loaded
 
     @property
     def precision(self) -> float:
@@ -85,44 +89,61 @@ class _Prefetcher:
             self.stats.true_positive += len(pred & actual)
 
     def _issue(self, layer: int, guess: set[int]) -> None:
-        """Remember the guess for scoring; load its experts that are not in memory, unpinning each when in."""
+        """Remember the guess for scoring; queue its experts that are not in memory for the prefetch thread."""
         with self._lock:
             self._pending[layer] = guess
         for e in sorted(guess):
             eid = self._ids[layer][e]
             pool = self._pool_of(eid)
-            if pool.present(eid):
-                continue
-            fut = pool.acquire_async(eid, self._submit)
-            if fut is None:
-                self.stats.dropped += 1
-                continue
-            self.stats.issued += 1
-            with self._lock:
-                self._loaded.setdefault(layer, set()).add(e)
-            fut.add_done_callback(_unpin(pool))
-            fut.add_done_callback(self._gave_way(layer, e))
+            if not pool.present(eid):
+                self._loader.submit(self._fetch, layer, guess, e, eid, pool)
 
-    def _submit(self, load: Callable) -> Future:
-        """Run a prefetch's load on the prefetch thread, its reads giving way to the layers' own loads."""
-        from storage.flat import yield_to
+    def _fetch(self, layer: int, guess: set[int], e: int, eid: str, pool: Pool) -> None:
+        """On the prefetch thread: load one guess, unless it is stale or a layer's own load wants the disk.
+
+        Room is made only when the read can start (a read that gave way at
+        once would have evicted a resident for nothing); the read itself gives
+        way between chunks (`storage.flat.yield_to`).
+        """
+        from storage.flat import ReadYielded, yield_to
 
         from .pooled_experts import demand_loads
 
-        def run():
-            with yield_to(lambda: demand_loads() > 0):
-                return load()
-        return self._loader.submit(run)
+        with self._lock:
+            if self._pending.get(layer) is not guess:      # its layer ran (or was guessed again) meanwhile
+                self.stats.dropped += 1
+                return
+        if pool.present(eid):
+            return
 
-    def _gave_way(self, layer: int, e: int) -> Callable[[Future], None]:
-        from storage.flat import ReadYielded
-
-        def done(fut: Future) -> None:
-            if not fut.cancelled() and isinstance(fut.exception(), ReadYielded):
-                with self._lock:
-                    self.stats.yielded += 1
-                    self._loaded.get(layer, set()).discard(e)      # not read in: it cannot save a read
-        return done
+        def urgent() -> bool:
+            return demand_loads() > 0
+        if urgent():
+            with self._lock:
+                self.stats.yielded += 1
+            return
+        with yield_to(urgent):
+            fut = pool.acquire_async(eid, _inline)
+        if fut is None:                                     # no room beside pinned experts: not waited for
+            with self._lock:
+                self.stats.dropped += 1
+            return
+        with self._lock:
+            self.stats.issued += 1
+        try:
+            handle = fut.result()
+        except ReadYielded:
+            with self._lock:
+                self.stats.yielded += 1
+            return
+        except Exception as exc:        # the layer's own load of it will raise this, where it matters
+            log.debug("prefetch of %s failed: %s", eid, exc)
+            with self._lock:
+                self.stats.dropped += 1
+            return
+        pool.release(handle)            # an ordinary resident now (kept last while its guess awaits its token)
+        with self._lock:
+            self._loaded.setdefault(layer, set()).add(e)
 
     def close(self) -> None:
         self._loader.shutdown(wait=True)
@@ -192,8 +213,11 @@ class TokenPrefetcher(_Prefetcher):
         self._issue(layer, set(self._pred.confident(self._index[layer], x, self._m, self.min_prob)))
 
 
-def _unpin(pool: Pool):
-    def done(fut: Future) -> None:
-        if not fut.cancelled() and fut.exception() is None:
-            pool.release(fut.result())
-    return done
+def _inline(load: Callable) -> Future:
+    """Run a pool's load on this thread (the prefetch thread), as a completed future."""
+    fut: Future = Future()
+    try:
+        fut.set_result(load())
+    except BaseException as exc:
+        fut.set_exception(exc)
+    return fut

@@ -52,6 +52,10 @@ def test_a_read_that_may_yield_gives_way_before_it_starts_and_between_chunks(big
     assert torch.equal(read_flat(big_file, "e").buffer, whole.buffer)      # outside: never yields
 
 
+def _settle(pre):
+    pre._loader.submit(lambda: None).result()      # the prefetch thread has done what was queued before
+
+
 def test_a_prefetch_gives_way_to_a_layers_load_and_loads_once_the_disk_is_free(tiny_zoo):
     store = ExpertStore(tiny_zoo)
     pool = Pool("cpu", 200 * 2**20, make_policy("lru"), StoreSource(store))
@@ -62,20 +66,61 @@ def test_a_prefetch_gives_way_to_a_layers_load_and_loads_once_the_disk_is_free(t
         try:
             assert pooled_experts.demand_loads() >= 1
             pre._issue(0, {0})
-            pre._loader.submit(lambda: None).result()        # the prefetch thread is done with it
+            _settle(pre)
         finally:
             pooled_experts._demand_add(-1)
-        for _ in range(100):                                 # its done-callbacks run just after
-            if pre.stats.yielded:
-                break
-            time.sleep(0.01)
-        assert pre.stats.issued == 1 and pre.stats.yielded == 1
-        assert not pool.present(eid) and pool.stats().resident_bytes == 0     # nothing loaded, nothing reserved
-        pre._score(0, {0})
-        assert pre.stats.useful == 0                         # a guess never read in saves no read
+        # it gave way before making room: nothing read, nothing evicted, nothing reserved
+        assert pre.stats.yielded == 1 and pre.stats.issued == 0
+        assert not pool.present(eid) and pool.stats().resident_bytes == 0
         pre._issue(0, {0})                                   # the disk is free now: it loads
-        pre._loader.submit(lambda: None).result()
-        assert pool.present(eid) and pre.stats.yielded == 1
+        _settle(pre)
+        assert pool.present(eid) and pre.stats.issued == 1 and pre.stats.yielded == 1
+        pre._score(0, {0})
+        assert pre.stats.useful == 1                         # read in, then asked for: a read saved
+    finally:
+        pre.close()
+
+
+def test_a_prefetch_whose_read_is_overtaken_loads_nothing_and_keeps_no_reservation(tiny_zoo):
+    store = ExpertStore(tiny_zoo)
+    pool = Pool("cpu", 200 * 2**20, make_policy("lru"), StoreSource(store))
+    eid = store.entries()[0].id
+    pre = _Prefetcher({0: [eid]}, lambda _: pool)
+    load = pool.source.load
+
+    def overtaken(expert_id, reuse=None):       # a layer's load arrives as the prefetch's read begins
+        pooled_experts._demand_add(1)
+        try:
+            return load(expert_id, reuse)
+        finally:
+            pooled_experts._demand_add(-1)
+    pool.source.load = overtaken
+    try:
+        pre._issue(0, {0})
+        _settle(pre)
+        assert pre.stats.issued == 1 and pre.stats.yielded == 1
+        assert not pool.present(eid) and pool.stats().resident_bytes == 0 and pool.stats().misses <= 1
+        pre._score(0, {0})
+        assert pre.stats.useful == 0                         # never read in: it saved nothing
+        pool.source.load = load
+        assert pool.acquire(eid) is not None                 # the entry is not stuck 'loading'
+    finally:
+        pre.close()
+
+
+def test_a_stale_guess_is_dropped_not_loaded(tiny_zoo):
+    store = ExpertStore(tiny_zoo)
+    pool = Pool("cpu", 200 * 2**20, make_policy("lru"), StoreSource(store))
+    ids = [e.id for e in store.entries()[:2]]
+    pre = _Prefetcher({0: ids}, lambda _: pool)
+    gate = __import__("threading").Event()
+    try:
+        pre._loader.submit(gate.wait, 5)                     # the prefetch thread is busy for now
+        pre._issue(0, {0})
+        pre._score(0, {1})                                   # the layer runs before the guess's turn comes
+        gate.set()
+        _settle(pre)
+        assert pre.stats.dropped == 1 and pre.stats.issued == 0 and not pool.present(ids[0])
     finally:
         pre.close()
 
