@@ -17,6 +17,7 @@ job raised it.
 """
 from __future__ import annotations
 
+import logging
 import os
 import queue as queue_mod
 import time
@@ -25,6 +26,8 @@ from concurrent.futures import FIRST_COMPLETED, ProcessPoolExecutor, wait
 from dataclasses import dataclass
 
 Progress = Callable[[str, int, int], None]
+
+log = logging.getLogger(__name__)
 
 _QUEUE = None          # in a worker: where its jobs' progress goes
 END_MARK_SECONDS = 10.0   # how long the parent waits, after the last result, for the jobs' last progress steps
@@ -88,6 +91,10 @@ def run_jobs(jobs: Sequence[Job], *, workers: int | None = None, progress: Progr
         deadline = time.monotonic() + END_MARK_SECONDS
         while len(ended) < len(jobs) and time.monotonic() < deadline:
             _drain(q, progress, ended, block=0.05)
+        if len(ended) < len(jobs):
+            missing = [jobs[i].name for i in range(len(jobs)) if i not in ended]
+            log.warning("training jobs %s: their last progress steps did not arrive within %.0f s; the results are "
+                        "complete, the progress shown may not be", ", ".join(missing), END_MARK_SECONDS)
     except BaseException:
         # a failed job (or Ctrl-C) ends the run now: the other jobs' work is lost anyway, so their
         # workers are stopped rather than waited for

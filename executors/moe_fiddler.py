@@ -134,18 +134,28 @@ class MappedInPlace:
 
     def _one(self, compute: ExpertFn, e: int, expert_id: str, hidden_states, expert_mask, top_k_weights) -> tuple:
         # the in-place cost the split weighs is all the time this expert holds its thread: taking its weights
-        # (a file read when the host tier does not hold it) and the matmuls; timing the matmuls alone made an
-        # in-place expert look 10x cheaper than it was on the H200 box (C_cpu 1.0 ms against an 11.7 ms load,
-        # 134 of 203 read from their files) and the split sent nearly every miss to the CPU
+        # (a file read when neither the host tier nor the page cache holds it) and the matmuls; timing the
+        # matmuls alone left the read out
+        from .pooled_experts import _demand_add
+
         t0 = time.perf_counter()
-        tensors, handle = self.weights.open(expert_id)
+        _demand_add(1)          # a layer waits for this expert: a prefetch's read gives way to its file's pages
+        counted = True
         try:
-            part = compute(e, tensors, hidden_states, expert_mask, top_k_weights)
-            self.split.measured(compute=time.perf_counter() - t0, source=FILE if handle is None else HOST)
-            return part
+            tensors, handle = self.weights.open(expert_id)
+            if handle is not None:          # the host tier's copy: no disk involved
+                _demand_add(-1)
+                counted = False
+            try:
+                part = compute(e, tensors, hidden_states, expert_mask, top_k_weights)
+                self.split.measured(compute=time.perf_counter() - t0, source=FILE if handle is None else HOST)
+                return part
+            finally:
+                del tensors   # the views into the memory map go before its pages are dropped
+                self.weights.close(handle, expert_id)
         finally:
-            del tensors   # the views into the memory map go before its pages are dropped
-            self.weights.close(handle, expert_id)
+            if counted:
+                _demand_add(-1)
 
     def start(self, compute: ExpertFn, experts: Sequence[tuple[int, str]], hidden_states, expert_mask,
               top_k_weights) -> InPlaceParts:

@@ -43,10 +43,10 @@ class PrefetchStats:
     predicted: int = 0          # experts predicted for a next layer
     true_positive: int = 0      # predicted and then asked for
     actual: int = 0             # experts the predicted-for layers asked for
-    issued: int = 0             # loads started (predicted, not in memory, room made)
+    issued: int = 0             # read in before their layer ran (predicted and not in memory)
     useful: int = 0             # of those, asked for by the layer they were loaded for (a read saved)
-    dropped: int = 0            # no room, stale (its layer ran first) or failed: not loaded
-    yielded: int = 0            # gave way to a layer's own loads, before or during its read: not loaded
+    dropped: int = 0            # no room, stale (its layer ran first), late or failed: not counted as read in
+    yielded: int = 0            # gave way (a layer's own load, or its layer ran), before or during its read
 
     @property
     def precision(self) -> float:
@@ -116,22 +116,20 @@ class _Prefetcher:
         if pool.present(eid):
             return
 
-        def urgent() -> bool:
-            return demand_loads() > 0
+        def stale() -> bool:
+            with self._lock:
+                return self._pending.get(layer) is not guess
+
+        def urgent() -> bool:           # a layer's own load wants the disk, or this guess's layer has run
+            return demand_loads() > 0 or stale()
         if urgent():
             with self._lock:
                 self.stats.yielded += 1
             return
-        with yield_to(urgent):
-            fut = pool.acquire_async(eid, _inline)
-        if fut is None:                                     # no room beside pinned experts: not waited for
-            with self._lock:
-                self.stats.dropped += 1
-            return
-        with self._lock:
-            self.stats.issued += 1
         try:
-            handle = fut.result()
+            with yield_to(urgent):
+                fut = pool.acquire_async(eid, _inline)
+            handle = fut.result() if fut is not None else None
         except ReadYielded:
             with self._lock:
                 self.stats.yielded += 1
@@ -141,12 +139,20 @@ class _Prefetcher:
             with self._lock:
                 self.stats.dropped += 1
             return
+        if handle is None:              # no room beside pinned experts: not waited for
+            with self._lock:
+                self.stats.dropped += 1
+            return
         pool.release(handle)            # an ordinary resident now (kept last while its guess awaits its token)
         with self._lock:
-            self._loaded.setdefault(layer, set()).add(e)
+            if self._pending.get(layer) is guess:     # read in before its layer ran: it may save a read
+                self.stats.issued += 1
+                self._loaded.setdefault(layer, set()).add(e)
+            else:                                      # its layer ran meanwhile: too late to count
+                self.stats.dropped += 1
 
     def close(self) -> None:
-        self._loader.shutdown(wait=True)
+        self._loader.shutdown(wait=True, cancel_futures=True)     # queued guesses hold nothing: drop them
 
 
 class NextLayerPrefetcher(_Prefetcher):

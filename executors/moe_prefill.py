@@ -377,8 +377,14 @@ class PrefillBalance:
         return self._submit(self._read, expert_id, spare)
 
     def _read(self, expert_id: str, spare) -> tuple[None, object]:
+        from .pooled_experts import _demand_add
+
         t0 = time.perf_counter()
-        flat = self.source.load(expert_id, reuse=[spare] if spare is not None else [])
+        _demand_add(1)          # the prefill waits for this read: a prefetch's read gives way to it
+        try:
+            flat = self.source.load(expert_id, reuse=[spare] if spare is not None else [])
+        finally:
+            _demand_add(-1)
         # the read the balance adds for experts the host tier lacks: a recent mean of the reads made here
         took = time.perf_counter() - t0
         with self._lock:

@@ -704,9 +704,10 @@ class ExpertStore:
 
         from .compressed import decode_to, iter_decoded, read_header
         from .convert import Placer, cast_in_place, converted_layout
-        from .flat import FlatWeights, iter_plain
+        from .flat import FlatWeights, iter_plain, may_yield
 
         eid = entry.id
+        may_yield(eid)          # a read that must give way (a prefetch) does so before it starts
         if entry.compression != "none":
             header = read_header(path, eid)
             stored, prefix = header.layout, header.prefix
@@ -733,6 +734,7 @@ class ExpertStore:
                   else iter_plain(path, stored, eid))
         try:
             for start, end, view in pieces:
+                may_yield(eid)    # and between pieces (a whole-file decode, `decode_to`, checks only at its start)
                 if hasher is not None:
                     hasher.update(view)
                 placer.place(start, end, view)

@@ -54,6 +54,11 @@ def yield_to(urgent: Callable[[], bool]):
         _yielding.urgent = before
 
 
+def may_yield(expert_id: str) -> None:
+    """Raise `ReadYielded` if this thread's reads must give way now (see `yield_to`)."""
+    _chunk(expert_id)
+
+
 def _chunk(expert_id: str) -> int:
     """This thread's chunk size; raises `ReadYielded` if its reads must give way now."""
     urgent = getattr(_yielding, "urgent", None)
@@ -198,13 +203,13 @@ def read_flat(path: str | os.PathLike, expert_id: str, *, pin: bool = False,
 
     if method not in READ_METHODS:
         raise ValueError(f"read method must be one of {READ_METHODS}, got {method!r}")
+    _chunk(expert_id)            # a read that must give way does so before it reads or allocates anything
     layout, head = read_layout(path, expert_id)
     if out is not None and (out.nbytes != layout.nbytes or out.device.type != "cpu"):
         raise ValueError(f"out must hold {layout.nbytes} bytes on the CPU")
     buf = out.buffer if out is not None else torch.empty(layout.nbytes, dtype=torch.uint8, pin_memory=pin)
     mv = memoryview(buf.numpy()) if layout.nbytes else memoryview(b"")
     hasher = hashlib.sha256(head) if expect_sha256 else None
-    _chunk(expert_id)            # a read that must give way does so before it starts
     try:
         got = (_copy_mmap if method == "mmap" else _copy_read)(path, layout, mv, hasher, expert_id)
     except OSError as exc:
@@ -241,7 +246,8 @@ def _copy_mmap(path, layout: Layout, mv: memoryview, hasher, expert_id: str = ""
         with mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ) as mm:
             if hasattr(mm, "madvise"):
                 mm.madvise(mmap.MADV_SEQUENTIAL)
-                mm.madvise(mmap.MADV_WILLNEED)
+                if getattr(_yielding, "urgent", None) is None:   # a read that may give way reads only what it copies
+                    mm.madvise(mmap.MADV_WILLNEED)
             src = memoryview(mm)
             try:
                 base, got = layout.data_offset, 0

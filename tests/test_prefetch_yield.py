@@ -98,12 +98,33 @@ def test_a_prefetch_whose_read_is_overtaken_loads_nothing_and_keeps_no_reservati
     try:
         pre._issue(0, {0})
         _settle(pre)
-        assert pre.stats.issued == 1 and pre.stats.yielded == 1
+        assert pre.stats.issued == 0 and pre.stats.yielded == 1          # gave way mid-read: not read in
         assert not pool.present(eid) and pool.stats().resident_bytes == 0 and pool.stats().misses <= 1
         pre._score(0, {0})
         assert pre.stats.useful == 0                         # never read in: it saved nothing
         pool.source.load = load
         assert pool.acquire(eid) is not None                 # the entry is not stuck 'loading'
+    finally:
+        pre.close()
+
+
+def test_a_read_gives_way_when_its_layer_runs_meanwhile_and_is_not_counted(tiny_zoo):
+    """The layer ran (all hits, no load of its own) while the guess was read: the read stops, counts nothing."""
+    store = ExpertStore(tiny_zoo)
+    pool = Pool("cpu", 200 * 2**20, make_policy("lru"), StoreSource(store))
+    eid = store.entries()[0].id
+    pre = _Prefetcher({0: [eid]}, lambda _: pool)
+    load = pool.source.load
+
+    def layer_runs(expert_id, reuse=None):
+        pre._score(0, {0})                          # the layer's tokens came and went
+        return load(expert_id, reuse)
+    pool.source.load = layer_runs
+    try:
+        pre._issue(0, {0})
+        _settle(pre)
+        assert pre.stats.yielded == 1 and pre.stats.issued == 0 and pre.stats.useful == 0
+        assert not pool.present(eid)
     finally:
         pre.close()
 
@@ -141,3 +162,30 @@ def test_a_layers_loads_count_as_demand_while_they_run(tiny_zoo):
         assert len(list(wave.as_ready())) == 2
     assert seen and all(n >= 1 for n in seen)               # counted while running
     assert pooled_experts.demand_loads() == before          # and not after
+
+
+def test_an_in_place_expert_from_its_file_counts_as_demand_and_one_from_the_host_copy_does_not():
+    from executors.moe_fiddler import MappedInPlace
+    from executors.moe_split import LoadComputeSplit
+
+    seen = {}
+
+    class Weights:                                  # where the expert's bytes are: 'file' or the host tier
+        def __init__(self, where):
+            self.where = where
+
+        def open(self, expert_id):
+            return {"w": torch.ones(2)}, (None if self.where == "file" else object())
+
+        def close(self, handle, expert_id=None):
+            pass
+
+    def compute(e, tensors, hidden, mask, weights):
+        seen[e] = pooled_experts.demand_loads()
+        return torch.tensor([0]), torch.tensor([0]), hidden * tensors["w"].sum()
+
+    before = pooled_experts.demand_loads()
+    for e, where in ((0, "file"), (1, "host")):
+        MappedInPlace(Weights(where), LoadComputeSplit()).start(compute, [(e, f"x{e}")], torch.ones(1, 2),
+                                                                torch.ones(1), torch.ones(1))
+    assert seen == {0: before + 1, 1: before} and pooled_experts.demand_loads() == before
