@@ -56,11 +56,16 @@ def _settle(pre):
     pre._loader.submit(lambda: None).result()      # the prefetch thread has done what was queued before
 
 
-def test_a_prefetch_gives_way_to_a_layers_load_and_loads_once_the_disk_is_free(tiny_zoo):
+def _one_expert(tiny_zoo):
+    """A pool over the tiny zoo, its first expert, and a prefetcher guessing it for layer 0."""
     store = ExpertStore(tiny_zoo)
     pool = Pool("cpu", 200 * 2**20, make_policy("lru"), StoreSource(store))
     eid = store.entries()[0].id
-    pre = _Prefetcher({0: [eid]}, lambda _: pool)
+    return pool, eid, _Prefetcher({0: [eid]}, lambda _: pool)
+
+
+def test_a_prefetch_gives_way_to_a_layers_load_and_loads_once_the_disk_is_free(tiny_zoo):
+    pool, eid, pre = _one_expert(tiny_zoo)
     try:
         pooled_experts._demand_add(1)                       # a layer's own load is queued
         try:
@@ -82,10 +87,7 @@ def test_a_prefetch_gives_way_to_a_layers_load_and_loads_once_the_disk_is_free(t
 
 
 def test_a_prefetch_whose_read_is_overtaken_loads_nothing_and_keeps_no_reservation(tiny_zoo):
-    store = ExpertStore(tiny_zoo)
-    pool = Pool("cpu", 200 * 2**20, make_policy("lru"), StoreSource(store))
-    eid = store.entries()[0].id
-    pre = _Prefetcher({0: [eid]}, lambda _: pool)
+    pool, eid, pre = _one_expert(tiny_zoo)
     load = pool.source.load
 
     def overtaken(expert_id, reuse=None):       # a layer's load arrives as the prefetch's read begins
@@ -110,10 +112,7 @@ def test_a_prefetch_whose_read_is_overtaken_loads_nothing_and_keeps_no_reservati
 
 def test_a_read_gives_way_when_its_layer_runs_meanwhile_and_is_not_counted(tiny_zoo):
     """The layer ran (all hits, no load of its own) while the guess was read: the read stops, counts nothing."""
-    store = ExpertStore(tiny_zoo)
-    pool = Pool("cpu", 200 * 2**20, make_policy("lru"), StoreSource(store))
-    eid = store.entries()[0].id
-    pre = _Prefetcher({0: [eid]}, lambda _: pool)
+    pool, eid, pre = _one_expert(tiny_zoo)
     load = pool.source.load
 
     def layer_runs(expert_id, reuse=None):
