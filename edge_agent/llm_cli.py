@@ -193,8 +193,9 @@ def llm_generate(model: str, prompt: str, max_new_tokens: int, memory: str | Non
                + stats.line(), err=True)
     if pm.prefetcher is not None:
         st = pm.prefetcher.stats
-        click.echo(f"next-layer prefetch: precision {st.precision:.2f}, recall {st.recall:.2f}, {st.issued} loads "
-                   f"issued, {st.dropped} dropped for lack of room", err=True)
+        click.echo(f"prefetch: precision {st.precision:.2f}, recall {st.recall:.2f}, {st.issued} read in before "
+                   f"their layer ({st.useful} used), {st.yielded} gave way to the layers' own reads, {st.dropped} "
+                   f"dropped (no room, too late or failed)", err=True)
     if pm.split is not None:
         sp, reads = pm.split.stats, pm.in_place.weights.reads
         where = "on a CPU thread (Fiddler)" if pm.in_place.threaded else "from the memory map"
@@ -533,7 +534,7 @@ def llm_bench(work: str, parts: str, prompts: int, decode: int, train_seconds: f
                 f"; {r['in_place']} computed in place ({r['gib_in_place']:.2f} GiB read from their files), "
                 f"{r['loaded']} layers loaded" if "in_place" in r else "") + (
                 f"; prefetch precision {r['prefetch_precision']:.2f} recall {r['prefetch_recall']:.2f}, "
-                f"{r['prefetch_useful']} of {r['prefetch_issued']} reads used, {r.get('prefetch_yielded', 0)} gave way"
+                f"{r['prefetch_useful']} of {r['prefetch_issued']} read in used, {r.get('prefetch_yielded', 0)} gave way"
                 if "prefetch_precision" in r else "")
             click.echo(f"{r['row']:46} {r['tokens_per_second']:>9.2f} {r['hit_rate']:>9.1%} {r['gib_read']:>9.2f} "
                        f"{r['tokens_per_second'] / arows[0]['tokens_per_second']:>6.2f}  {note}")

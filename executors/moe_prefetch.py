@@ -37,6 +37,8 @@ from storage.pool import Pool
 
 log = logging.getLogger(__name__)
 
+IDLE_POLL_SECONDS = 0.005     # how often a waiting prefetch checks whether its guess is still of use
+
 
 @dataclass
 class PrefetchStats:
@@ -45,8 +47,8 @@ class PrefetchStats:
     actual: int = 0             # experts the predicted-for layers asked for
     issued: int = 0             # read in before their layer ran (predicted and not in memory)
     useful: int = 0             # of those, asked for by the layer they were loaded for (a read saved)
-    dropped: int = 0            # no room, stale (its layer ran first), late or failed: not counted as read in
-    yielded: int = 0            # gave way (a layer's own load, or its layer ran), before or during its read
+    dropped: int = 0            # no room, its layer ran first (before or during the read), or failed
+    yielded: int = 0            # times a read stopped midway (a layer's own read came, or its layer ran)
 
     @property
     def precision(self) -> float:
@@ -99,15 +101,16 @@ class _Prefetcher:
                 self._loader.submit(self._fetch, layer, guess, e, eid, pool)
 
     def _fetch(self, layer: int, guess: set[int], e: int, eid: str, pool: Pool) -> None:
-        """On the prefetch thread: load one guess, unless it is stale or a layer's own load wants the disk.
+        """On the prefetch thread: load one guess when the disk is free, as long as its layer has not run.
 
-        Room is made only when the read can start (a read that gave way at
-        once would have evicted a resident for nothing); the read itself gives
-        way between chunks (`storage.flat.yield_to`).
+        It waits while a layer's own read is queued or running; room is made
+        only when its read can start (a read that gave way at once would have
+        evicted a resident for nothing); the read gives way between chunks
+        (`storage.flat.yield_to`) and is tried again when the disk is free.
         """
         from storage.flat import ReadYielded, yield_to
 
-        from .pooled_experts import demand_loads
+        from .pooled_experts import demand_loads, wait_no_demand
 
         with self._lock:
             if self._pending.get(layer) is not guess:      # its layer ran (or was guessed again) meanwhile
@@ -120,25 +123,31 @@ class _Prefetcher:
             with self._lock:
                 return self._pending.get(layer) is not guess
 
-        def urgent() -> bool:           # a layer's own load wants the disk, or this guess's layer has run
+        def urgent() -> bool:           # a layer's own read wants the disk, or this guess's layer has run
             return demand_loads() > 0 or stale()
-        if urgent():
-            with self._lock:
-                self.stats.yielded += 1
-            return
-        try:
-            with yield_to(urgent):
-                fut = pool.acquire_async(eid, _inline)
-            handle = fut.result() if fut is not None else None
-        except ReadYielded:
-            with self._lock:
-                self.stats.yielded += 1
-            return
-        except Exception as exc:        # the layer's own load of it will raise this, where it matters
-            log.debug("prefetch of %s failed: %s", eid, exc)
-            with self._lock:
-                self.stats.dropped += 1
-            return
+        while True:
+            # the disk is the layers' first: wait for it to be free, as long as the guess can still be of use
+            while not wait_no_demand(IDLE_POLL_SECONDS):
+                if stale():
+                    break
+            if stale():
+                with self._lock:
+                    self.stats.dropped += 1
+                return
+            try:
+                with yield_to(urgent):
+                    fut = pool.acquire_async(eid, _inline)
+                handle = fut.result() if fut is not None else None
+            except ReadYielded:         # a layer's read came (or the layer ran): try again when the disk is free
+                with self._lock:
+                    self.stats.yielded += 1
+                continue
+            except Exception as exc:    # the layer's own load of it will raise this, where it matters
+                log.debug("prefetch of %s failed: %s", eid, exc)
+                with self._lock:
+                    self.stats.dropped += 1
+                return
+            break
         if handle is None:              # no room beside pinned experts: not waited for
             with self._lock:
                 self.stats.dropped += 1
@@ -150,6 +159,10 @@ class _Prefetcher:
                 self._loaded.setdefault(layer, set()).add(e)
             else:                                      # its layer ran meanwhile: too late to count
                 self.stats.dropped += 1
+
+    def drain(self) -> None:
+        """Wait until the guesses queued so far are read in, dropped or given way."""
+        self._loader.submit(lambda: None).result()
 
     def close(self) -> None:
         self._loader.shutdown(wait=True, cancel_futures=True)     # queued guesses hold nothing: drop them

@@ -42,7 +42,7 @@ LOADERS = 4         # concurrent expert loads: a cold read at queue depth 2-4 mo
 _loader: ThreadPoolExecutor | None = None
 _loader_lock = threading.Lock()
 _demand = 0                 # layers' own loads submitted and not yet finished, in this process
-_demand_lock = threading.Lock()
+_demand_lock = threading.Condition()
 
 
 def demand_loads() -> int:
@@ -54,6 +54,14 @@ def _demand_add(n: int) -> None:
     global _demand
     with _demand_lock:
         _demand += n
+        if _demand == 0:
+            _demand_lock.notify_all()
+
+
+def wait_no_demand(timeout: float) -> bool:
+    """Wait up to `timeout` s until no load a layer waits for is queued or running; True if none is."""
+    with _demand_lock:
+        return _demand_lock.wait_for(lambda: _demand == 0, timeout)
 
 
 def loader() -> ThreadPoolExecutor:

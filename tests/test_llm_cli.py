@@ -51,7 +51,7 @@ def test_import_generate_and_trace(hf_model, tmp_path):
     res = _run("llm", "generate", "--model", str(store), "--prompt", "def ", "-n", "6", "--memory", "25%",
                "--policy", "lru", "--prefetch", "next-layer")
     assert res.exit_code == 0 and res.output.startswith("def " + tok.decode(want, skip_special_tokens=True))
-    assert "next-layer prefetch: precision" in res.output
+    assert "prefetch: precision" in res.output
 
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("# a comment\nimport os\n\nclass A:\n", encoding="utf-8")

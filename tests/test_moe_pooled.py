@@ -282,10 +282,12 @@ def test_next_layer_prefetch_is_exact_and_scores_its_guesses(imported, family):
     mem = layout.layers[0].expert_nbytes * (layout.top_k * len(layout.layers) + 2)
     pm = load_pooled(store, memory=mem, policy="lru", prefetch="next-layer")
     got, stats = pm.generate(x, 8)
+    pm.prefetcher.drain()                   # every queued guess ends read in, given way or dropped
     pm.close()
     assert got == want[:len(got)]                                   # prefetch never changes the arithmetic
     st = pm.prefetcher.stats
-    assert st.predicted > 0 and st.actual > 0 and st.issued > 0    # guesses were made, scored and loaded
+    # guesses were made, scored and acted on (read in before their layer, or given way to its own loads)
+    assert st.predicted > 0 and st.actual > 0 and st.issued + st.yielded + st.dropped > 0
     assert 0 <= st.precision <= 1 and 0 <= st.recall <= 1 and st.true_positive <= min(st.predicted, st.actual)
     with pytest.raises(CoEError, match="prefetch"):
         load_pooled(store, memory=mem, policy="lru", prefetch="psychic")
@@ -307,8 +309,10 @@ def test_token_prefetch_is_exact_and_trace_decode_substitutes(imported, tmp_path
     mem = layout.layers[0].expert_nbytes * (layout.top_k * len(layout.layers) + 2)
     pm = load_pooled(store, memory=mem, policy="gate-score", prefetch="token", predictor=tmp_path / "p")
     got, _ = pm.generate(x, 6)
+    pm.prefetcher.drain()
     pm.close()
-    assert got == want[:len(got)] and pm.prefetcher.stats.predicted > 0 and pm.prefetcher.stats.issued > 0
+    st = pm.prefetcher.stats
+    assert got == want[:len(got)] and st.predicted > 0 and st.issued + st.yielded + st.dropped > 0
     with pytest.raises(CoEError, match="predictor"):
         load_pooled(store, memory=mem, policy="lru", prefetch="token")
 

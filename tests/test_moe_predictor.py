@@ -74,6 +74,7 @@ def test_only_confident_guesses_are_prefetched():
         pool = Pool("p", 100, make_policy("lru"), SizeSource({e: 1 for v in ids.values() for e in v}))
         tp = TokenPrefetcher(pred, ids, lambda _: pool, m=2, min_prob=gate)
         tp.on_router(trace.layers[0], scores, np.array([[0, 1]]))
+        tp.drain()                       # close() drops guesses still queued; wait for them first
         tp.close()
         issued[gate] = (tp.stats.issued, set(pool.resident()))
     assert issued[0.0][0] == 2 and issued[0.0][1] == {ids[trace.layers[0]][e] for e in top[:2]}
@@ -176,6 +177,7 @@ def test_guesses_awaiting_their_use_are_evicted_last_and_scored_when_their_layer
     layer = trace.layers[0]
     scores = trace.probs[10:11, 0, :]
     tp.on_router(layer, scores, np.array([[0, 1]]))
+    tp.drain()
     tp.close()
     guessed = set(tp.expected())
     assert len(guessed) == 2 and guessed <= set(ids[layer]) and guessed == set(pool.resident())
