@@ -112,10 +112,6 @@ class _Prefetcher:
 
         from .pooled_experts import demand_loads, wait_no_demand
 
-        with self._lock:
-            if self._pending.get(layer) is not guess:      # its layer ran (or was guessed again) meanwhile
-                self.stats.dropped += 1
-                return
         if pool.present(eid):
             return
 

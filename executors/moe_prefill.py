@@ -22,15 +22,8 @@ expert's bytes are not in host memory, and balances the queues: experts
 sorted by how much cheaper the GPU is for them, the first n to the GPU, n
 making max(GPU queue, CPU queue) smallest (`moe_split.choose_split`, the
 decode split's rule).  The read cost is measured as the stream reads.
-Measured on the H200 box (`llm bench --part e`), it did not pay: 660
-prefill tokens/s against 867 for the per-expert rule and 1172 for loading
-every expert through the pool.  The stream then read its files one at a
-time on the calling thread, while the pool's loads run four at once; with
-the reads ahead on the loader threads (below) the per-expert rule ran at
-1659 against 1439 batched (one run), and this placement at 1052: it
-streamed 104 experts against the rule's 41.  It then charged the file read
-on the CPU side too, which computes on the memory map; it no longer does,
-and has not run on a GPU since.  The per-expert rule stays `balance`.
+Measured on the H200 box (`llm bench --part e`; the README's GPU section has
+the figures) it did not pay, so the per-expert rule stays `balance`.
 
 `PrefillBalance` is the mechanism, run by `PooledExperts` on a pass over more
 than a decode step's tokens:
@@ -60,10 +53,12 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Collection, Mapping, Sequence
+from collections.abc import Collection, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING
+
+from .moe_split import choose_split, ema
 
 log = logging.getLogger(__name__)
 
@@ -130,8 +125,6 @@ def place_balanced(tokens: Mapping[int, int], resident: Collection[int], in_host
     largest single cost of the fractional optimum (only the split expert is
     rounded), so the result is at most the best placement plus one expert.
     """
-    from .moe_split import choose_split
-
     cost = {}
     for e, n in tokens.items():
         if n < 1:
@@ -261,7 +254,7 @@ class PrefillBalance:
     """Prefill's placement and the two-buffer stream (see the module docstring); one forward at a time."""
 
     def __init__(self, costs: PrefillCosts, weights: "HostWeights", cpu: "ThreadInPlace", source: "StoreSource",
-                 device: "torch.device", *, balanced: bool = False, submit: Callable | None = None) -> None:
+                 device: "torch.device", *, balanced: bool = False) -> None:
         import torch
 
         self.costs, self.weights, self.cpu, self.source = costs, weights, cpu, source
@@ -274,15 +267,13 @@ class PrefillBalance:
         self._lock = threading.Lock()
         # the stream's reads have threads of their own: on the pools' loader threads a device-pool load waiting
         # for host-tier room that the stream's held copies take could stall the reads the stream waits for
-        self._reader = None if submit is not None else ThreadPoolExecutor(READ_AHEAD, "coe-prefill-read")
-        self._submit = submit if submit is not None else self._reader.submit
+        self._reader = ThreadPoolExecutor(READ_AHEAD, "coe-prefill-read")
         self._cuda = self.device.type == "cuda"
         self._copy_stream = torch.cuda.Stream(self.device) if self._cuda else None
 
     def close(self) -> None:
         """Stop the stream's reader threads (after the last forward)."""
-        if self._reader is not None:
-            self._reader.shutdown(wait=True)
+        self._reader.shutdown(wait=True)
 
     @property
     def staging_bytes(self) -> int:
@@ -374,7 +365,7 @@ class PrefillBalance:
             return done
         with self._lock:
             spare = self._spare.pop() if self._spare else None
-        return self._submit(self._read, expert_id, spare)
+        return self._reader.submit(self._read, expert_id, spare)
 
     def _read(self, expert_id: str, spare) -> tuple[None, object]:
         from .pooled_experts import _demand_add
@@ -388,7 +379,7 @@ class PrefillBalance:
         # the read the balance adds for experts the host tier lacks: a recent mean of the reads made here
         took = time.perf_counter() - t0
         with self._lock:
-            self.costs = replace(self.costs, read=took if self.costs.read <= 0 else 0.7 * self.costs.read + 0.3 * took)
+            self.costs = replace(self.costs, read=ema(self.costs.read, took, 0.3))
         return None, flat
 
     def _fill(self, slot: _Slot) -> None:

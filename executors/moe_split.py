@@ -14,26 +14,18 @@ misses are loaded, low-score ones computed in place.
 Both costs depend on where a miss's weights are when the split decides: in
 the host tier (a load is a host-to-GPU copy, an in-place computation a
 matmul on pinned RAM) or only in the file (both read the file first).  One
-mean over both sources misleads the rule: on the H200 box the means were
-9 ms a load and 12 ms in place, yet after a run of cheap host-tier matmuls
-the mean in-place cost could fall below a load's, and the split computed
-145 misses in place (81 of them read from their files) against 12 layers
-that loaded, at −24% decode tokens/s.  So the costs are kept per source, and each miss is weighed at its own source's.
-A load cost is filed under a source only when all of a layer's loads came
+mean over both sources misleads the rule: after a run of cheap host-tier
+matmuls the mean in-place cost fell below a load's, and on the H200 box the
+split computed file-only misses on the CPU too.  So the costs are kept per
+source, and each miss is weighed at its own source's.  A load cost is filed under a source only when all of a layer's loads came
 from it (a mixed layer's wall time is neither's); a source not yet measured
 is weighed at the mean over both.
 
-Measured per source on that box (`llm bench --part e`): a load 32.9 ms from
-the file, 1.9 ms from the host tier; in place 1.8 ms on the file's (page
-cached) map, 0.9 ms on the host copy.  Per step the rule is now right to
-compute in place, and the split still loses (53.7 against 73.6 decode
-tokens/s in one run, 46.0 against 55.2 in the next; even, 60.5 against
-60.7, in a third): an expert computed in place does not enter the pool, so the
-next token misses it again (156 computed in place on top of 54 loads,
-where the run without the split loaded 80 experts in all), and each such layer copies its hidden state to the
-host, which waits for the GPU.  The rule weighs one step, not the reuse a
-load buys: Fiddler's premise, a transfer dearer than a CPU matmul, does not
-hold where a host copy takes 1.9 ms.
+Measured per source on that box (`llm bench --part e`, figures in the
+README's GPU section), computing in place is cheaper per step, and the split
+still does not pay there: an expert computed in place never enters the pool,
+so the next token misses it again.  The rule weighs one step, not the reuse
+a load buys.
 """
 from __future__ import annotations
 
@@ -44,7 +36,8 @@ from dataclasses import dataclass, field
 HOST, FILE = "host", "file"
 
 
-def _ema(old: float, new: float, a: float) -> float:
+def ema(old: float, new: float, a: float) -> float:
+    """A recent mean: `new` itself when nothing was measured before (old <= 0)."""
     return new if old <= 0 else (1 - a) * old + a * new
 
 
@@ -113,14 +106,14 @@ class LoadComputeSplit:
             s, a = self.stats, self._a
             if load is not None:
                 s.loaded += 1
-                s.load_seconds = _ema(s.load_seconds, load, a)
+                s.load_seconds = ema(s.load_seconds, load, a)
                 if source is not None:
-                    s.by_source[("load", source)] = _ema(s.by_source.get(("load", source), 0.0), load, a)
+                    s.by_source[("load", source)] = ema(s.by_source.get(("load", source), 0.0), load, a)
             if compute is not None:
                 s.in_place += 1
-                s.compute_seconds = _ema(s.compute_seconds, compute, a)
+                s.compute_seconds = ema(s.compute_seconds, compute, a)
                 if source is not None:
-                    s.by_source[("other", source)] = _ema(s.by_source.get(("other", source), 0.0), compute, a)
+                    s.by_source[("other", source)] = ema(s.by_source.get(("other", source), 0.0), compute, a)
 
     def summary(self) -> str:
         """The costs in ms, per source where measured: what the bench prints beside the counts."""

@@ -218,9 +218,10 @@ class PooledExperts(nn.Module):
         parts = self.in_place.start(self._expert, [(e, self.ids[e]) for e in in_place], hidden_states, expert_mask,
                                     top_k_weights) if in_place else None
         # the source of this layer's loads when they are all one (a mixed layer's wall time is not either's cost)
-        loaded = {source[e] for e in misses if e not in set(in_place)}
+        computed = set(in_place)
+        loaded = {source[e] for e in misses if e not in computed}
         load_source = (loaded.pop() if len(loaded) == 1 else None) if loaded else False
-        return [e for e in hits if e not in set(in_place)], parts, load_source
+        return [e for e in hits if e not in computed], parts, load_source
 
     def _expert(self, e: int, weights: dict, hidden_states: torch.Tensor, expert_mask: torch.Tensor,
                 top_k_weights: torch.Tensor, where: tuple | None = None) -> tuple:
