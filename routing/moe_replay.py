@@ -11,7 +11,7 @@ policies see is built from the trace as the router tap builds it live:
   never from the trace being replayed;
 - `predicted`: a token predictor's probability that the next token asks for
   each expert (`predicted` policy; the predictor is trained on the profile);
-- `future`: the remaining accesses, for the Belady oracle only.
+- `future`: the remaining accesses, for oracles only (Belady).
 """
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ import numpy as np
 
 from coe import CoEError
 from coe.moe import expert_id
-from storage.policies import make_policy
+from storage.policies import EvictionPolicy, make_policy
 from storage.pool import Pool
 from storage.tracesim import SizeSource
 
@@ -62,9 +62,16 @@ class FutureView:
         return self.flat[self.start + i]
 
 
-def replay(trace: Trace, *, policy: str, capacity: int, expert_nbytes: int, quota: str = "shared",
-           popularity: Mapping[str, float] | None = None, window: int = 8, predictor=None) -> ReplayResult:
-    """Replay `trace` with `capacity` bytes of pool (split per layer with quota='per-layer')."""
+def replay(trace: Trace, *, policy: "str | EvictionPolicy", capacity: int, expert_nbytes: int,
+           quota: str = "shared", popularity: Mapping[str, float] | None = None, window: int = 8,
+           predictor=None) -> ReplayResult:
+    """Replay `trace` with `capacity` bytes of pool (split per layer with quota='per-layer').
+
+    `policy` is a name from `storage.policies` or a policy object (an analysis
+    oracle, say); one whose `oracle` attribute is true sees `future`.
+    """
+    chooser = make_policy(policy) if isinstance(policy, str) else policy
+    policy = chooser.name
     if quota not in ("shared", "per-layer"):
         raise CoEError(f"quota must be 'shared' or 'per-layer', got {quota!r}")
     if policy == "probability" and not popularity:
@@ -77,7 +84,7 @@ def replay(trace: Trace, *, policy: str, capacity: int, expert_nbytes: int, quot
     recent = {layer: deque(maxlen=window) for layer in trace.layers}
     scores: dict[str, float] = {}
     pos = [0]
-    oracle = policy == "belady"
+    oracle = bool(getattr(chooser, "oracle", False))
 
     predicted: dict[str, float] = {}
     scorer = None
@@ -97,7 +104,7 @@ def replay(trace: Trace, *, policy: str, capacity: int, expert_nbytes: int, quot
     if per < trace.top_k * expert_nbytes:
         raise CoEError(f"a {quota} pool of {per} bytes cannot hold one token's {trace.top_k} experts")
     sizes = SizeSource(dict.fromkeys(trace.ids(), expert_nbytes))
-    pools = {key: Pool("sim", per, make_policy(policy), sizes, probabilities=dict(popularity or {}),
+    pools = {key: Pool("sim", per, chooser, sizes, probabilities=dict(popularity or {}),
                        context=context)
              for key in (trace.layers if quota == "per-layer" else [None])}
     rows_by_pass = [rows for _, _, rows in trace.passes()]

@@ -382,7 +382,7 @@ def test_pinned_experts_block(policy):
     assert policy.choose_victims(all_pinned, 1) is None
 
 
-def test_predicted_evicts_the_least_likely_for_the_next_token_ties_by_gate_score_then_lru():
+def test_predicted_evicts_the_least_likely_soon_next_token_plus_popularity_ties_by_gate_score_then_lru():
     from storage.policies import Predicted
 
     spec = [("a", 1, False), ("b", 7, False), ("c", 3, False), ("d", 4, True), ("e", 5, False)]
@@ -401,6 +401,14 @@ def test_predicted_evicts_the_least_likely_for_the_next_token_ties_by_gate_score
     # no prediction yet (its layer has not run): 0, then gate score, then recency
     s3 = PoolState(20, (Resident("x", 10, 0, 5), Resident("y", 10, 1, 2)), predicted={"x": 0.3})
     assert p.choose_victims(s3, 10) == ["y"]
+    # with a popularity profile the rank is q + p: the next token leans to x, but y is asked for by the tokens
+    # after it far more often (by q alone y would go; by p alone, or by recency, x would go either way below)
+    s4 = PoolState(20, (Resident("x", 10, 0, 1), Resident("y", 10, 1, 2)), predicted={"x": 0.3, "y": 0.2},
+                   probabilities={"x": 0.05, "y": 0.5})
+    assert p.choose_victims(s4, 10) == ["x"]
+    s5 = PoolState(20, (Resident("x", 10, 0, 2), Resident("y", 10, 1, 1)), predicted={"x": 0.6, "y": 0.1},
+                   probabilities={"x": 0.05, "y": 0.5})
+    assert p.choose_victims(s5, 10) == ["y"]                         # 0.6 + 0.05 > 0.1 + 0.5: x stays
 
 
 def test_the_router_tap_feeds_next_token_probabilities_to_the_pools_predicted_policy():
@@ -462,6 +470,29 @@ def test_replay_with_the_predicted_policy_needs_a_fitting_predictor():
     other = TokenPredictor.train(synthetic([[1] * 4] * 3, tokens=200, top_k=2, seed=3))
     with pytest.raises(CoEError, match="does not fit"):
         replay(held, policy="predicted", capacity=6, expert_nbytes=1, predictor=other)
+
+
+def test_replay_takes_a_policy_object_and_shows_the_future_only_to_an_oracle():
+    from routing.moe_replay import replay
+    from storage.policies import LRU
+
+    held = synthetic([[5, 4, 3, 2, 1, 1, 1, 1]] * 3, tokens=120, top_k=2, locality=0.5, seed=4)
+    seen = []
+
+    class Spy(LRU):
+        name = "spy"
+
+        def choose_victims(self, state, need_bytes):
+            seen.append(len(state.future))
+            return super().choose_victims(state, need_bytes)
+
+    plain = replay(held, policy=Spy(), capacity=6, expert_nbytes=1)
+    assert plain.policy == "spy" and seen and set(seen) == {0}            # not an oracle: no future
+    assert plain.loads == replay(held, policy="lru", capacity=6, expert_nbytes=1).loads
+    seen.clear()
+    Spy.oracle = True
+    replay(held, policy=Spy(), capacity=6, expert_nbytes=1)
+    assert seen and max(seen) > 0 and seen == sorted(seen, reverse=True)  # the remaining accesses, shrinking
 
 
 def _layout_of(trace):

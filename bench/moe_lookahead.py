@@ -1,0 +1,115 @@
+"""How far can eviction get on the trained MoE's trace? Realisable policies against lookahead oracles.
+
+Simulation on real pools (`routing.moe_replay`, the bench's part (a)): the
+trained small MoE's held-out trace, first half of its prompts the profile
+(popularity, token predictor), second half replayed, pool at `--size` of the
+experts.  Besides the policies `coe-agent llm bench --part a` runs, it replays
+analysis oracles that no online policy can be:
+- `next-token q`: `predicted` as it ranked before it added popularity (the
+  next token's probability alone);
+- `lookahead-n`: exact knowledge of every access up to the end of the n-th
+  next token (the rest of this token's layers included); experts not asked for
+  in that window go first, by popularity, then recency;
+- `belady`: the whole future.
+Issue 10 asks the best realisable policy for <= 0.7x LRU's misses.  If even
+lookahead-1 misses more than that, the target needs more than a perfect
+next-token predictor.
+
+Usage:  python bench/moe_lookahead.py [--trace var/llm/trained-40x32.trace] [--size 0.25]
+Prints a table and one JSON line.  The trace comes from `coe-agent llm bench --part a`.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import numpy as np  # noqa: E402
+
+from edge_agent.llm_bench import split_trace  # noqa: E402
+from routing.moe_predictor import TokenPredictor  # noqa: E402
+from routing.moe_replay import replay  # noqa: E402
+from routing.moe_trace import Trace  # noqa: E402
+from storage.policies import PoolState, _evict_in_order  # noqa: E402
+
+
+class NextTokenOnly:
+    """`predicted` before popularity joined its rank: next-token probability, then gate score, then recency."""
+
+    name = "predicted"          # the replay feeds it the predictor's scores as it does `predicted`
+
+    def choose_victims(self, state: PoolState, need_bytes: int):
+        return _evict_in_order(state, need_bytes, sorted(state.residents, key=lambda r: (
+            state.predicted.get(r.expert_id, 0.0), state.gate_scores.get(r.expert_id, 0.0), r.used_seq, r.expert_id)))
+
+
+class Lookahead:
+    """Oracle: knows every access up to the end of the n-th next forward pass; the rest by popularity."""
+
+    oracle = True
+
+    def __init__(self, n: int, pass_of: np.ndarray, pass_end: np.ndarray) -> None:
+        self.name, self.n = f"lookahead-{n}", n
+        self.pass_of, self.pass_end = pass_of, pass_end     # access index -> pass; pass -> its last access + 1
+
+    def choose_victims(self, state: PoolState, need_bytes: int):
+        fut = state.future
+        start = fut.start
+        if start >= len(self.pass_of):
+            window = set()
+        else:
+            last = min(self.pass_of[start] + self.n, len(self.pass_end) - 1)
+            window = set(fut.flat[start:self.pass_end[last]])
+        return _evict_in_order(state, need_bytes, sorted(state.residents, key=lambda r: (
+            r.expert_id in window, state.probabilities.get(r.expert_id, 0.0), r.used_seq, r.expert_id)))
+
+
+def pass_index(trace: Trace) -> tuple[np.ndarray, np.ndarray]:
+    """(pass of each access in replay order, end position of each pass's accesses)."""
+    per_pass: dict[int, int] = {}
+    for p, _, ids, _ in trace.accesses():
+        per_pass[p] = per_pass.get(p, 0) + len(ids)
+    counts = np.array([per_pass[p] for p in sorted(per_pass)])
+    return np.repeat(np.arange(len(counts)), counts), np.cumsum(counts)
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
+                                 epilog="example: python bench/moe_lookahead.py --size 0.25")
+    ap.add_argument("--trace", default="var/llm/trained-40x32.trace",
+                    help="the trained model's trace (made by `coe-agent llm bench --part a`)")
+    ap.add_argument("--size", type=float, default=0.25, help="pool size as a share of all experts")
+    args = ap.parse_args(argv)
+    path = Path(args.trace)
+    if not path.is_file():
+        sys.exit(f"{path}: no trace; `coe-agent llm bench --part a` makes it")
+    profile, rep = split_trace(Trace.load(path))
+    pop, pred = profile.popularity(), TokenPredictor.train(profile)
+    experts = max(1, round(len(rep.layers) * rep.num_experts * args.size))
+    pass_of, pass_end = pass_index(rep)
+
+    def run(policy, quota="shared"):
+        return replay(rep, policy=policy, capacity=experts, expert_nbytes=1, quota=quota, popularity=pop,
+                      predictor=pred)
+
+    lru = min((run("lru", q) for q in ("shared", "per-layer")), key=lambda r: r.loads)
+    rows = [("lru (best quota: " + lru.quota + ")", lru)]
+    rows += [(name, run(name)) for name in ("probability", "gate-score")]
+    rows += [("predicted, next-token q alone", run(NextTokenOnly())), ("predicted, q + popularity", run("predicted"))]
+    rows += [(f"oracle: lookahead-{n}", run(Lookahead(n, pass_of, pass_end))) for n in (1, 2, 4)]
+    rows.append(("oracle: belady", run("belady")))
+    print(f"trained trace, {rep.tokens} tokens replayed, pool {experts} of {len(rep.layers) * rep.num_experts} "
+          f"experts ({args.size:.1%}), shared quota unless stated (simulation on real pools)")
+    print(f"{'policy':34} {'hit rate':>9} {'misses':>7} {'x LRU':>7}")
+    for name, r in rows:
+        print(f"{name:34} {r.hit_rate:>9.1%} {r.loads:>7} {r.loads / lru.loads:>7.3f}")
+    print(json.dumps({"bench": "moe_lookahead", "size": args.size, "experts": experts,
+                      "rows": [{"policy": n, "hit_rate": round(r.hit_rate, 4), "misses": r.loads,
+                                "x_lru": round(r.loads / lru.loads, 3)} for n, r in rows]}))
+
+
+if __name__ == "__main__":
+    main()
