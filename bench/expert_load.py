@@ -13,6 +13,9 @@ figure is a ratio of two things measured side by side in the same run:
   overlap      batch compute + next expert's cold load, serial vs with the
                background loader
 
+  verified     a cold load checked against the manifest's sha256, hashed
+               behind the read (a helper thread) against inline
+
 Usage:  python bench/expert_load.py [--repeats 5] [--dir var/bench/expert_load] [--json-only]
 Prints a table and one JSON line.
 """
@@ -99,6 +102,33 @@ def bench_cold(store: ExpertStore, e: Expert, repeats: int, method: str, reuse: 
             "ratio": round((store.nbytes(e.id) / l_) / (size / r), 3)}
 
 
+def bench_verified(store: ExpertStore, e: Expert, repeats: int) -> dict:
+    """A cold load checked against the manifest's sha256 (`expert_verify: first`'s first read): the pieces
+    hashed behind the read on a helper thread (what loads do) against hashed after each piece on the reading
+    thread (before), both into reused memory, beside the unverified load."""
+    from storage import flat
+
+    path, sha = store.path(e.id), store.entry(e.id).sha256
+    victim = flat.read_flat(path, e.id)
+    times: dict[str, list[float]] = {"plain": [], "behind": [], "inline": []}
+    piece = flat._HASH_CHUNK
+    try:
+        for _ in range(repeats):
+            for how in times:
+                flat._HASH_CHUNK = piece if how != "inline" else 1 << 62      # one piece: hashed on the reader
+                cold(path)
+                t0 = time.perf_counter()
+                victim = flat.read_flat(path, e.id, out=victim, expect_sha256=None if how == "plain" else sha)
+                times[how].append(time.perf_counter() - t0)
+    finally:
+        flat._HASH_CHUNK = piece
+    size = path.stat().st_size
+    mbps = {how: round(size / statistics.median(t) / 1e6, 1) for how, t in times.items()}
+    return {"expert": e.id, "mbytes": round(size / 1e6, 1), "plain_mbps": mbps["plain"],
+            "hash_behind_mbps": mbps["behind"], "hash_inline_mbps": mbps["inline"],
+            "gain": round(mbps["behind"] / mbps["inline"], 3)}
+
+
 def bench_switch(store: ExpertStore, a: Expert, b: Expert, repeats: int) -> dict:
     host = Pool("host", 4 * store.nbytes(a.id), make_policy("lru"), StoreSource(store))
     src = TierSource(host, "cpu")
@@ -178,6 +208,7 @@ def main() -> int:
         ensure(store, e, seed=i)
     cold_rows = [bench_cold(store, e, args.repeats, m, reuse) for e in (small[0], big[0])
                  for m, reuse in (("read", True), ("read", False), ("mmap", True))]
+    verified = bench_verified(store, big[0], args.repeats)
     switch_rows = [bench_switch(store, small[0], small[1], args.repeats),
                    bench_switch(store, big[0], big[1], args.repeats)]
     overlap = bench_overlap(store, small, rounds=9)
@@ -192,6 +223,10 @@ def main() -> int:
         for r in cold_rows:
             print(f"{'':12} {r['expert']:10} {r['mbytes']:7.1f} {r['method']:>6} {r['memory']:>7} "
                   f"{r['raw_mbps']:9.1f} {r['load_mbps']:10.1f} {r['ratio']:6.3f}")
+        v = verified
+        print(f"{'verified':12} {v['expert']:10} {v['mbytes']:7.1f} MB cold, sha256 checked: hashed behind the read "
+              f"{v['hash_behind_mbps']} MB/s, hashed inline {v['hash_inline_mbps']} MB/s ({v['gain']}x); "
+              f"unverified {v['plain_mbps']} MB/s")
         print(f"{'warm switch':12} {'arch':24} {'MB':>7} {'switch ms':>9} {'memcpy ms':>9} {'ratio':>6}  target <= 1.5")
         for r in switch_rows:
             print(f"{'':12} {r['arch']:24} {r['mbytes']:7.1f} {r['switch_ms']:9.2f} {r['memcpy_ms']:9.2f} "
@@ -202,7 +237,8 @@ def main() -> int:
             print(f"{'h2d':12} {gpu}")
         else:
             print(f"{'h2d':12} no CUDA device here: host-to-device throughput not measured")
-    print(json.dumps({"bench": "expert_load", "real_run": True, "cold": cold_rows, "switch": switch_rows,
+    print(json.dumps({"bench": "expert_load", "real_run": True, "cold": cold_rows, "verified": verified,
+                      "switch": switch_rows,
                       "overlap": overlap, "h2d": gpu,
                       "targets": {"cold_ratio": 0.85, "switch_ratio": 1.5}}))
     return 0
