@@ -402,12 +402,13 @@ def import_peak(hf: Path) -> dict:
 ABLATION = (("lru", "LRU (baseline)", {}),
             ("gate-score", "eviction by windowed gate score", {}),
             ("gate-score", "+ substitution (alpha 0.3)", {"alpha": 0.3}),
-            ("gate-score", "+ token-wise prefetch, every top-k guess",
+            ("predicted", "eviction by next token + popularity", {"alpha": 0.3}),
+            ("predicted", "+ token-wise prefetch, every top-k guess",
              {"alpha": 0.3, "prefetch": "token", "prefetch_min_prob": 0.0}),
-            ("gate-score", "+ token-wise prefetch, guesses with p >= 0.5",
+            ("predicted", "+ token-wise prefetch, guesses with p >= 0.5",
              {"alpha": 0.3, "prefetch": "token", "prefetch_min_prob": 0.5}),
-            ("gate-score", "+ load/compute split", {"alpha": 0.3, "prefetch": "token", "prefetch_min_prob": 0.5,
-                                                   "split": True}))
+            ("predicted", "+ load/compute split", {"alpha": 0.3, "prefetch": "token", "prefetch_min_prob": 0.5,
+                                                  "split": True}))
 
 
 def run_ablation(store: Path, profile: Trace, trace: Trace, *, share: float = 0.25,
@@ -415,8 +416,12 @@ def run_ablation(store: Path, profile: Trace, trace: Trace, *, share: float = 0.
     """Issue 11's ablation on trace-driven decode: each row on top of the one before (the two prefetch rows
     are alternatives: every guess, or only confident ones; the split goes on top of the second).
 
+    The importance paper's order, with one row of ours between substitution
+    and prefetch: the windowed gate score gives way to `predicted` eviction
+    (next-token probability + per-layer popularity), substitution kept.
     Every miss is read from SSD (page cache dropped after each read).  The
-    token-wise predictor is trained on `profile` (other prompts than `trace`).
+    token-wise predictor and the popularity come from `profile` (other
+    prompts than `trace`).
     The next-layer prefetch needs real hidden states, which a trace-driven run
     does not have: it is not a row.
     """
@@ -427,14 +432,16 @@ def run_ablation(store: Path, profile: Trace, trace: Trace, *, share: float = 0.
 
     layout = MoELayout.load(store)
     trace, profile = remap(trace, layout.model), remap(profile, layout.model)
-    predictor = TokenPredictor.train(profile)
+    predictor, popularity = TokenPredictor.train(profile), profile.popularity()
     rows = []
     for policy, name, extra in ABLATION:
         if progress:
             progress(name)
         drop_store(store)
+        wants = extra.get("prefetch") == "token" or policy == "predicted"
         pm = load_pooled(store, memory=int(layout.expert_bytes * share), policy=policy, drop_after_read=True,
-                         predictor=predictor if extra.get("prefetch") == "token" else None, **extra)
+                         predictor=predictor if wants else None,
+                         popularity=popularity if policy == "predicted" else None, **extra)
         r = trace_decode(pm, trace, prefill=False)
         pm.close()
         row = {"row": name, "policy": policy, **extra, "tokens_per_second": r.tokens_per_second,

@@ -113,12 +113,14 @@ _POLICY = click.Choice(["lru", "lfu", "gate-score", "predicted", "probability", 
               "experts (25%).  Default: every expert fits.")
 @click.option("--policy", default="gate-score", show_default=True, type=_POLICY,
               help="Eviction policy (gate-score: the router's windowed score; predicted: a token predictor's "
-                   "next-token probability, needs --predictor; lru is the mixtral-offloading baseline).")
+                   "next-token probability, needs --predictor, plus per-layer popularity from --trace; lru is the "
+                   "mixtral-offloading baseline).")
 @click.option("--quota", default="shared", show_default=True, type=click.Choice(["shared", "per-layer"]),
               help="One pool for all layers, or an equal share per layer.")
 @click.option("--device", default="cpu", show_default=True, help="cpu or cuda[:N] (a CUDA pool behind pinned host).")
 @click.option("--trace", "trace_path", default=None, type=click.Path(exists=True, dir_okay=False),
-              help="A trace (coe-agent llm trace) whose per-layer popularity ranks experts for --policy probability.")
+              help="A trace (coe-agent llm trace) whose per-layer popularity ranks experts for --policy probability "
+                   "(and joins the next-token probability for --policy predicted).")
 @click.option("--window", default=8, show_default=True, type=click.IntRange(1, 10_000),
               help="Decode steps the gate-score policy averages over.")
 @click.option("--predictor", "predictor_path", default=None, type=click.Path(exists=True, dir_okay=False),
@@ -526,7 +528,8 @@ def llm_bench(work: str, parts: str, prompts: int, decode: int, train_seconds: f
         trace = lb.decode_only(rep, decode_tokens)
         with tqdm(total=len(lb.ABLATION), desc="(d) ablation", disable=None) as bar:
             arows = lb.run_ablation(big, profile, trace, progress=lambda _: bar.update(1))
-        click.echo(f"(d) ablation, each row on top of the one before (the two prefetch rows are alternatives): "
+        click.echo(f"(d) ablation, each row on top of the one before (the two prefetch rows are alternatives; "
+                   f"from 'next token + popularity' on, that eviction replaces the gate score's): "
                    f"trace-driven real decode as (b), {res}")
         click.echo(f"{'row':46} {'tokens/s':>9} {'hit rate':>9} {'GiB read':>9} {'x LRU':>6}  notes")
         for r in arows:
@@ -655,9 +658,15 @@ def llm_train_predictor(trace_path: str, eval_path: str | None, out: str) -> Non
 @click.option("--tokens", default=400, show_default=True, type=click.IntRange(16, 100_000),
               help="Held-out tokens decoded per alpha.")
 @click.option("--plot", default=None, type=click.Path(dir_okay=False), help="Write the alpha curve as a PNG.")
+@click.option("--policy", default="gate-score", show_default=True, type=_POLICY,
+              help="Eviction policy while decoding: what is resident decides what substitution can use.")
+@click.option("--trace", "trace_path", default=None, type=click.Path(exists=True, dir_okay=False),
+              help="A trace whose per-layer popularity ranks experts (--policy probability or predicted).")
+@click.option("--predictor", "predictor_path", default=None, type=click.Path(exists=True, dir_okay=False),
+              help="A token predictor (coe-agent llm train-predictor) for --policy predicted.")
 @_fail_clearly
 def llm_tune_alpha(model: str, budget_ms: float, text_path: str | None, memory: str, alphas: str, tokens: int,
-                   plot: str | None) -> None:
+                   plot: str | None, policy: str, trace_path: str | None, predictor_path: str | None) -> None:
     """Pick the smallest substitution threshold alpha whose ms/token meets a budget.
 
     Decodes held-out text token by token at each alpha (teacher forcing), measures
@@ -667,12 +676,18 @@ def llm_tune_alpha(model: str, budget_ms: float, text_path: str | None, memory: 
     \b
     Example:
       coe-agent llm tune-alpha --model var/llm/trained --budget-ms 20 --plot alpha.png
+      coe-agent llm tune-alpha -m var/llm/trained --budget-ms 12 --policy predicted \
+          --predictor var/llm/trained.predictor --trace var/llm/trained-40x32.trace
     """
     _need_transformers()
     from coe.moe import MoELayout
     from executors.moe_model import load_pooled
     from executors.moe_quality import decode_quality, pick_alpha
+    from routing.moe_trace import Trace
 
+    if predictor_path and policy != "predicted":
+        raise click.UsageError(f"--predictor is for --policy predicted (got --policy {policy})")
+    popularity = Trace.load(trace_path).popularity() if trace_path else None
     root = _store(model)
     layout = MoELayout.load(root)
     try:
@@ -684,7 +699,8 @@ def llm_tune_alpha(model: str, budget_ms: float, text_path: str | None, memory: 
     text = Path(text_path).read_text(encoding="utf-8", errors="replace") if text_path else _heldout(layout, root)
     rows, base = [], None
     for a in grid:
-        pm = load_pooled(root, memory=_memory(memory, layout), policy="gate-score", alpha=a)
+        pm = load_pooled(root, memory=_memory(memory, layout), policy=policy, alpha=a, popularity=popularity,
+                         predictor=predictor_path)
         ids = pm.tokenizer().encode(text)[:tokens + 1]
         q = decode_quality(pm, [ids])
         st = pm.stats()

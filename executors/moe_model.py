@@ -176,8 +176,9 @@ def load_pooled(root: str | Path, *, memory: int, policy: str = "lru", quota: st
     approximate; 0 keeps logits exact.  `prefetch='next-layer'` loads the next
     layer's predicted experts in the background, `prefetch='token'` the next
     token's (from `predictor`, a `TokenPredictor` or its file); both exact.
-    `policy='predicted'` evicts the experts `predictor` finds least likely for
-    the next token (`routing.moe_predictor.NextTokenScores`).
+    `policy='predicted'` evicts the experts least likely soon: `predictor`'s
+    next-token probability (`routing.moe_predictor.NextTokenScores`) plus the
+    per-layer `popularity`, when given.
     `prefetch_min_prob` is the token-wise prefetch's confidence gate (default
     `TokenPrefetcher.MIN_PROB`, the break-even 0.5; 0 loads every top-m guess).
     `split` computes a decode step's low-score misses in place instead of

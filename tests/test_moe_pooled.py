@@ -371,3 +371,36 @@ def test_the_predicted_policy_is_exact_and_needs_a_predictor(imported):
     assert pm.tap.context()["predicted"] and pm.pools[0].stats().evictions > 0   # scored, and it had to evict
     with pytest.raises(CoEError, match="needs a token predictor"):
         load_pooled(store, memory=mem, policy="predicted")
+
+
+def test_the_ablation_runs_every_row_and_gives_predicted_rows_the_profiles_predictor_and_popularity(imported,
+                                                                                                   monkeypatch):
+    """(d): each row decodes the trace for real; `predicted` eviction gets a predictor and popularity learnt from
+    the profile (other prompts), the gate-score rows neither unless they prefetch."""
+    import executors.moe_model as moe_model
+    from edge_agent import llm_bench as lb
+    from executors.moe_model import record_trace
+
+    _, layout, store = imported("mixtral")
+    pm = load_pooled(store, memory=layout.expert_bytes, policy="lru")
+    trace = record_trace(pm, [_inputs(s)[0] for s in (3, 4, 5, 6)], 4)
+    pm.close()
+    profile, decode = lb.split_trace(trace)
+    calls = []
+    real = moe_model.load_pooled
+
+    def spy(root, **kw):
+        calls.append(kw)
+        return real(root, **kw)
+    monkeypatch.setattr(moe_model, "load_pooled", spy)
+    rows = lb.run_ablation(store, profile, decode, share=0.5)
+    assert [r["row"] for r in rows] == [name for _, name, _ in lb.ABLATION] + [lb.CEILING]
+    assert all(r["tokens"] == int((decode.step > 0).sum()) and r["hit_rate"] > 0 for r in rows)
+    for (policy, _, extra), kw in zip(lb.ABLATION, calls):
+        assert kw["policy"] == policy
+        if policy == "predicted":
+            assert kw["predictor"] is not None and kw["popularity"] == {
+                k.replace(profile.model, layout.model): v for k, v in profile.popularity().items()}
+        else:
+            assert kw["popularity"] is None and (kw["predictor"] is not None) == (extra.get("prefetch") == "token")
+    assert any(p == "predicted" for p, _, _ in lb.ABLATION)
