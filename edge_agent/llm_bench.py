@@ -200,6 +200,7 @@ def run_decode(store: Path, profile: Trace, trace: Trace, *, share: float = 0.25
     from executors.moe_model import load_pooled
 
     from routing.moe_predictor import TokenPredictor
+    from storage.policies import make_policy
 
     layout = MoELayout.load(store)
     trace, profile = remap(trace, layout.model), remap(profile, layout.model)
@@ -210,7 +211,8 @@ def run_decode(store: Path, profile: Trace, trace: Trace, *, share: float = 0.25
         if progress:
             progress(policy)
         pos = [0]
-        ctx = (lambda: {"future": FutureView(flat, pos[0])}) if policy == "belady" else None
+        oracle = getattr(make_policy(policy), "oracle", False)
+        ctx = (lambda: {"future": FutureView(flat, pos[0])}) if oracle else None
         drop_store(store)
         pm = load_pooled(store, memory=int(layout.expert_bytes * share), policy=policy,
                          popularity=profile.popularity(), context=ctx, drop_after_read=True,
@@ -399,6 +401,7 @@ def import_peak(hf: Path) -> dict:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
+LRU_AGAIN = "LRU again (last: the box's drift over the run)"
 ABLATION = (("lru", "LRU (baseline)", {}),
             ("gate-score", "eviction by windowed gate score", {}),
             ("gate-score", "+ substitution (alpha 0.3)", {"alpha": 0.3}),
@@ -408,7 +411,8 @@ ABLATION = (("lru", "LRU (baseline)", {}),
             ("predicted", "+ token-wise prefetch, guesses with p >= 0.5",
              {"alpha": 0.3, "prefetch": "token", "prefetch_min_prob": 0.5}),
             ("predicted", "+ load/compute split", {"alpha": 0.3, "prefetch": "token", "prefetch_min_prob": 0.5,
-                                                  "split": True}))
+                                                  "split": True}),
+            ("lru", LRU_AGAIN, {}))
 
 
 def run_ablation(store: Path, profile: Trace, trace: Trace, *, share: float = 0.25,
@@ -421,7 +425,9 @@ def run_ablation(store: Path, profile: Trace, trace: Trace, *, share: float = 0.
     (next-token probability + per-layer popularity), substitution kept.
     Every miss is read from SSD (page cache dropped after each read).  The
     token-wise predictor and the popularity come from `profile` (other
-    prompts than `trace`).
+    prompts than `trace`).  LRU runs first and again last; rows are compared
+    with the mean of the two (`lru_baseline`), so a box that speeds up or
+    slows down over the run favours no row.
     The next-layer prefetch needs real hidden states, which a trace-driven run
     does not have: it is not a row.
     """
@@ -459,6 +465,12 @@ def run_ablation(store: Path, profile: Trace, trace: Trace, *, share: float = 0.
         rows.append(row)
     rows.append(_ceiling(store, layout, trace, progress))
     return rows
+
+
+def lru_baseline(rows: list[dict]) -> float:
+    """(d)'s LRU tokens/s: the mean of its first and last LRU rows."""
+    lru = [r["tokens_per_second"] for r in rows if r["policy"] == "lru"]
+    return sum(lru) / len(lru)
 
 
 CEILING = "ceiling: every expert resident (no policy)"

@@ -104,6 +104,27 @@ def llm_import(model_dir: str, out: str, name: str | None, dtype: str | None) ->
 _POLICY = click.Choice(["lru", "lfu", "gate-score", "predicted", "probability", "fifo"])
 
 
+def _check_policy_inputs(policy: str, predictor_path: str | None, trace_path: str | None) -> None:
+    """A --predictor or --trace the chosen policy would ignore is a mistake to point out, not to drop."""
+    if predictor_path and policy != "predicted":
+        raise click.UsageError(f"--predictor is for --policy predicted (got --policy {policy})")
+    if trace_path and policy not in ("probability", "predicted"):
+        raise click.UsageError(f"--trace is for --policy probability or predicted (got --policy {policy})")
+
+
+def _popularity(trace_path: str | None, layout) -> dict[str, float] | None:
+    """Per-layer popularity from a trace of this store's model; a trace of another model is refused by name."""
+    from routing.moe_trace import Trace
+
+    if not trace_path:
+        return None
+    trace = Trace.load(trace_path)
+    if trace.model != layout.model:
+        raise CoEError(f"--trace {trace_path}: a trace of model '{trace.model}', but the store holds "
+                       f"'{layout.model}' (trace it with coe-agent llm trace --model on this store)")
+    return trace.popularity()
+
+
 @llm.command("generate")
 @click.option("--model", "-m", "model", required=True, type=click.Path(exists=True, file_okay=False),
               help="Store written by 'coe-agent llm import'.")
@@ -162,13 +183,11 @@ def llm_generate(model: str, prompt: str, max_new_tokens: int, memory: str | Non
 
     from coe.moe import MoELayout
     from executors.moe_model import load_pooled
-    from routing.moe_trace import Trace
 
-    if predictor_path and policy != "predicted":
-        raise click.UsageError(f"--predictor is for --policy predicted (got --policy {policy})")
+    _check_policy_inputs(policy, predictor_path, trace_path)
     root = _store(model)
     layout = MoELayout.load(root)
-    popularity = Trace.load(trace_path).popularity() if trace_path else None
+    popularity = _popularity(trace_path, layout)
     pm = load_pooled(root, memory=_memory(memory, layout), policy=policy, quota=quota, device=device,
                      popularity=popularity, window=window, alpha=alpha, prefetch=prefetch, split=split,
                      host_memory=_memory(host_memory, layout) if host_memory else 0, prefill=prefill,
@@ -531,7 +550,9 @@ def llm_bench(work: str, parts: str, prompts: int, decode: int, train_seconds: f
         click.echo(f"(d) ablation, each row on top of the one before (the two prefetch rows are alternatives; "
                    f"from 'next token + popularity' on, that eviction replaces the gate score's): "
                    f"trace-driven real decode as (b), {res}")
-        click.echo(f"{'row':46} {'tokens/s':>9} {'hit rate':>9} {'GiB read':>9} {'x LRU':>6}  notes")
+        base = lb.lru_baseline(arows)
+        click.echo(f"{'row':46} {'tokens/s':>9} {'hit rate':>9} {'GiB read':>9} {'x LRU':>6}  notes "
+                   f"(x LRU: against the mean of the two LRU rows, {base:.2f} tokens/s)")
         for r in arows:
             note = (f"{r['substituted']} substituted" if r.get("alpha") else "") + (
                 f"; {r['in_place']} computed in place ({r['gib_in_place']:.2f} GiB read from their files), "
@@ -540,12 +561,11 @@ def llm_bench(work: str, parts: str, prompts: int, decode: int, train_seconds: f
                 f"{r['prefetch_useful']} of {r['prefetch_issued']} read in used, {r.get('prefetch_yielded', 0)} gave way"
                 if "prefetch_precision" in r else "")
             click.echo(f"{r['row']:46} {r['tokens_per_second']:>9.2f} {r['hit_rate']:>9.1%} {r['gib_read']:>9.2f} "
-                       f"{r['tokens_per_second'] / arows[0]['tokens_per_second']:>6.2f}  {note}")
+                       f"{r['tokens_per_second'] / base:>6.2f}  {note}")
         click.echo("    not a row: next-layer prefetch (needs real hidden states; see llm generate --prefetch)")
         ceiling = next((r for r in arows if r["row"] == lb.CEILING), None)
         if ceiling is not None:
-            lru, best = arows[0], max((r for r in arows if r is not ceiling), key=lambda r: r["tokens_per_second"])
-            base = lru["tokens_per_second"]
+            best = max((r for r in arows if r is not ceiling), key=lambda r: r["tokens_per_second"])
             click.echo(f"    best row: {best['row']} at {best['tokens_per_second'] / base:.2f}x LRU; with every "
                        f"expert resident the same decode runs at {ceiling['tokens_per_second'] / base:.2f}x LRU "
                        f"(a ceiling no technique here can pass)")
@@ -555,6 +575,7 @@ def llm_bench(work: str, parts: str, prompts: int, decode: int, train_seconds: f
                    f"vs token by token {pf['token-by-token']['tokens_per_second']:.1f} tokens/s "
                    f"({pf['token-by-token']['gib_read']:.2f} GiB): {pf['speedup']:.1f}x")
         doc["d"] = arows
+        doc["d_lru_baseline"] = base
         doc["prefill"] = pf
     if "e" in want:
         rows = lb.gpu_split_bench(big, list(range(40, 168)), min(decode_tokens, 64), device="cuda",
@@ -683,13 +704,11 @@ def llm_tune_alpha(model: str, budget_ms: float, text_path: str | None, memory: 
     from coe.moe import MoELayout
     from executors.moe_model import load_pooled
     from executors.moe_quality import decode_quality, pick_alpha
-    from routing.moe_trace import Trace
 
-    if predictor_path and policy != "predicted":
-        raise click.UsageError(f"--predictor is for --policy predicted (got --policy {policy})")
-    popularity = Trace.load(trace_path).popularity() if trace_path else None
+    _check_policy_inputs(policy, predictor_path, trace_path)
     root = _store(model)
     layout = MoELayout.load(root)
+    popularity = _popularity(trace_path, layout)
     try:
         grid = sorted({float(a) for a in alphas.split(",") if a.strip()})
     except ValueError:

@@ -165,7 +165,8 @@ def load_pooled(root: str | Path, *, memory: int, policy: str = "lru", quota: st
     """The imported model at `root` with `memory` bytes of expert pool; see the module docstring.
 
     `popularity` (expert id -> per-layer share, e.g. `Trace.popularity()`)
-    ranks experts for the 'probability' policy.  `context`, if given, adds to
+    ranks experts for the 'probability' policy and joins the prediction for
+    'predicted'.  `context`, if given, adds to
     what the policy sees (the offline oracle's future, in a trace replay).
     `drop_after_read` drops each expert file from the page cache once read, so
     every miss is an SSD read (benchmarks of a box whose RAM is the budget).

@@ -227,25 +227,27 @@ def read_flat(path: str | os.PathLike, expert_id: str, *, pin: bool = False,
 class _HashBehind:
     """Hashes a read's pieces on a helper thread while the reader reads the next one.
 
-    sha256 runs at about the disk's speed (1.7 GB/s here against a 1.7-1.9
-    GB/s cold read), so hashing each piece after reading it halves a verified
-    load's speed (0.9 GB/s); `hashlib` lets go of the GIL while it hashes, so
-    a second thread hashes piece i while piece i+1 is read (1.0-1.2 GB/s here
-    against 0.85-0.94 inline: `python bench/expert_load.py`, row 'verified').  Pieces are hashed in order, by one
-    thread; `finish` waits for the last one.  Reads of at most one piece hash
-    inline.
+    sha256 runs at about the disk's speed here (1.7 GB/s), so hashing each
+    piece on the reading thread after reading it about halves a verified
+    load's speed.  `hashlib` lets go of the GIL while it hashes, so a second
+    thread hashes piece i while piece i+1 is read: a cold 170 MB expert loads
+    at 1619 MB/s against 999 MB/s hashed inline (the read path before it,
+    16 MiB reads), 2586 MB/s unchecked (`python bench/expert_load.py`, row
+    'verified', one run).  Pieces are hashed in order, by one thread; `finish`
+    waits for the last one.  Reads of at most one piece hash inline.
     """
 
     def __init__(self, hasher) -> None:
         self.hasher = hasher
         self._pieces: queue.SimpleQueue = queue.SimpleQueue()
         self._error: BaseException | None = None
+        self._cancelled = False
         self._thread = threading.Thread(target=self._run, name="coe-hash", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         while (piece := self._pieces.get()) is not None:
-            if self._error is None:
+            if self._error is None and not self._cancelled:
                 try:
                     self.hasher.update(piece)
                 except BaseException as exc:  # noqa: BLE001 - handed to the reader in finish()
@@ -254,11 +256,16 @@ class _HashBehind:
     def update(self, piece) -> None:
         self._pieces.put(piece)
 
-    def finish(self) -> None:
-        """Wait until every piece is hashed (always called, so the thread never outlives the read)."""
+    def finish(self, *, cancel: bool = False) -> None:
+        """Wait until every piece is hashed (always called, so the thread never outlives the read).
+
+        `cancel`: the read failed or gave way; the pieces still queued are
+        dropped unhashed and a hashing error is not raised over the read's own.
+        """
+        self._cancelled = cancel
         self._pieces.put(None)
         self._thread.join()
-        if self._error is not None:
+        if self._error is not None and not cancel:
             raise self._error
 
 
@@ -271,8 +278,16 @@ def _hashing(hasher, nbytes: int):
     behind = _HashBehind(hasher)
     try:
         yield behind.update, _HASH_CHUNK
-    finally:
-        behind.finish()
+    except BaseException:
+        behind.finish(cancel=True)
+        raise
+    behind.finish()
+
+
+def _step(expert_id: str, piece: int | None) -> int:
+    """How much the next read may take: this thread's chunk (see `_chunk`), at most one hash piece."""
+    step = _chunk(expert_id)
+    return min(step, piece) if piece else step
 
 
 def _copy_read(path, layout: Layout, mv: memoryview, hasher, expert_id: str = "") -> int:
@@ -280,8 +295,7 @@ def _copy_read(path, layout: Layout, mv: memoryview, hasher, expert_id: str = ""
     with _hashing(hasher, layout.nbytes) as (hash_piece, piece), open(path, "rb", buffering=0) as fh:
         fh.seek(layout.data_offset)
         while got < layout.nbytes:
-            step = _chunk(expert_id)
-            n = fh.readinto(mv[got:got + (min(step, piece) if piece else step)])
+            n = fh.readinto(mv[got:got + _step(expert_id, piece)])
             if not n:
                 break
             if hash_piece is not None:
@@ -307,8 +321,7 @@ def _copy_mmap(path, layout: Layout, mv: memoryview, hasher, expert_id: str = ""
                 base, got = layout.data_offset, 0
                 with _hashing(hasher, layout.nbytes) as (hash_piece, piece):
                     while got < layout.nbytes:
-                        step = _chunk(expert_id)
-                        n = min(min(step, piece) if piece else step, layout.nbytes - got)
+                        n = min(_step(expert_id, piece), layout.nbytes - got)
                         mv[got:got + n] = src[base + got:base + got + n]
                         if hash_piece is not None:
                             hash_piece(mv[got:got + n])

@@ -161,12 +161,16 @@ class Predicted:
     token ahead, but an expert evicted now must also wait out the tokens
     after it, and those ask for it about as often as its per-layer popularity
     says (`state.probabilities`, from a profile trace; 0 when none is given,
-    and the rank is the prediction alone).  So the rank is q + p; among equals
-    the recent gate score decides, then recency.  On the trained model's
-    held-out trace at 25% (`coe-agent llm bench --part a`, shared quota) the
-    sum misses 1326 times against 1459 for q alone and 1369 for p alone; even
-    exact knowledge of every access to the end of the next token misses 1233
-    times (`bench/moe_lookahead.py`).  Belady looks all the way (1087).
+    and the rank is the prediction alone).  Both are expected uses per token
+    (each sums to k per layer), so the rank is q + p, unweighted: a plain
+    heuristic, chosen by comparing q, p and q + p on the bench's own replay
+    (a weight for the tokens after the next one was not tuned).  Among
+    equals the recent gate score decides, then recency.  On the trained
+    model's held-out trace at 25% (`coe-agent llm bench --part a`, shared
+    quota) the sum misses 1326 times against 1459 for q alone and 1369 for p
+    alone; an oracle that knows every access to the end of the next token
+    and ranks the rest by popularity misses 1233 times
+    (`bench/moe_lookahead.py`).  Belady looks all the way (1087).
     """
 
     name = "predicted"

@@ -20,6 +20,9 @@ from storage import flat  # noqa: E402
 from storage.flat import ReadYielded, read_flat, yield_to  # noqa: E402
 
 
+_SHA256 = hashlib.sha256       # the real one: the tests patch `hashlib.sha256`, which is this module's too
+
+
 def _hash_threads() -> list[threading.Thread]:
     return [t for t in threading.enumerate() if t.name == "coe-hash"]
 
@@ -33,13 +36,31 @@ def expert(tmp_path):
     return path, hashlib.sha256(path.read_bytes()).hexdigest()
 
 
+class _Recorded:
+    """sha256 that notes which thread hashed each piece, and how big it was."""
+
+    def __init__(self, head: bytes, log: list) -> None:
+        self._h, self._log = _SHA256(head), log
+
+    def update(self, piece) -> None:
+        self._log.append((threading.current_thread().name, len(piece)))
+        self._h.update(piece)
+
+    def hexdigest(self) -> str:
+        return self._h.hexdigest()
+
+
 @pytest.mark.parametrize("method", ["read", "mmap"])
-def test_a_verified_read_of_many_pieces_gives_the_files_bytes_and_no_thread_outlives_it(expert, method):
+def test_a_verified_read_of_many_pieces_hashes_them_on_the_helper_thread_in_order(expert, method, monkeypatch):
     path, digest = expert
     plain = read_flat(path, "e", method=method)
     assert plain.nbytes > 3 * flat._HASH_CHUNK                      # more than one piece: hashed behind
+    log: list = []
+    monkeypatch.setattr(flat.hashlib, "sha256", lambda head=b"": _Recorded(head, log))
     verified = read_flat(path, "e", method=method, expect_sha256=digest)
     assert torch.equal(verified.buffer, plain.buffer)
+    assert {name for name, _ in log} == {"coe-hash"}                # every piece on the helper, none inline
+    assert sum(n for _, n in log) == plain.nbytes and max(n for _, n in log) == flat._HASH_CHUNK
     assert not _hash_threads()
 
 
@@ -57,7 +78,8 @@ def test_a_byte_changed_in_any_piece_is_caught(expert, method, where):
     assert not _hash_threads()
 
 
-def test_a_verified_read_that_gives_way_midway_leaves_no_hash_thread(expert):
+@pytest.mark.parametrize("method", ["read", "mmap"])
+def test_a_verified_read_that_gives_way_midway_leaves_no_hash_thread(expert, method):
     path, digest = expert
     checks = []
 
@@ -65,12 +87,39 @@ def test_a_verified_read_that_gives_way_midway_leaves_no_hash_thread(expert):
         checks.append(1)
         return len(checks) > 2
     with yield_to(third_check), pytest.raises(ReadYielded):
-        read_flat(path, "e", expect_sha256=digest)
+        read_flat(path, "e", method=method, expect_sha256=digest)
     assert len(checks) == 3 and not _hash_threads()                 # it stopped between pieces, thread joined
-    assert torch.equal(read_flat(path, "e", expect_sha256=digest).buffer, read_flat(path, "e").buffer)
+    same = read_flat(path, "e", method=method, expect_sha256=digest)
+    assert torch.equal(same.buffer, read_flat(path, "e").buffer)
 
 
-def test_a_hasher_that_fails_on_the_helper_thread_fails_the_read():
+class _FailsOnSecond(_Recorded):
+    def update(self, piece) -> None:
+        super().update(piece)
+        if len(self._log) == 2:
+            raise MemoryError("no room to hash")
+
+
+def test_a_hasher_failing_on_the_helper_thread_fails_the_read_but_never_hides_a_give_way(expert, monkeypatch):
+    path, digest = expert
+    log: list = []
+    monkeypatch.setattr(flat.hashlib, "sha256", lambda head=b"": _FailsOnSecond(head, log))
+    with pytest.raises(MemoryError, match="no room"):
+        read_flat(path, "e", expect_sha256=digest)
+    assert len(log) == 2 and not _hash_threads()                    # it stopped hashing after the failure
+    # a read that gives way while the hasher has failed: the caller sees the give-way it handles
+    log.clear()
+    checks = []
+
+    def fourth_check():
+        checks.append(1)
+        return len(checks) > 3
+    with yield_to(fourth_check), pytest.raises(ReadYielded):
+        read_flat(path, "e", expect_sha256=digest)
+    assert not _hash_threads()
+
+
+def test_the_helper_thread_stops_at_the_first_failure():
     class Broken:
         calls = 0
 

@@ -146,6 +146,32 @@ def test_tune_alpha_measures_each_alpha_and_plots(hf_model, tmp_path):
     bad = CliRunner().invoke(cli, ["llm", "tune-alpha", "--model", str(store), "--budget-ms", "5", "--text",
                                    str(text), "--alphas", "0.1,0.2"])
     assert bad.exit_code != 0 and "must start at 0" in bad.output
+    # under predicted eviction: a predictor and popularity from a trace of the same store
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("import os\nclass A:\ndef f(x):\nfor i in range(3):\n", encoding="utf-8")
+    trace, pred = tmp_path / "t.trace", tmp_path / "t.predictor"
+    assert _run("llm", "trace", "--model", str(store), "--prompts", str(prompts), "--out", str(trace),
+                "--max-new-tokens", "6").exit_code == 0
+    assert _run("llm", "train-predictor", "--trace", str(trace), "--out", str(pred)).exit_code == 0
+    res = _run("llm", "tune-alpha", "--model", str(store), "--budget-ms", "100000", "--text", str(text),
+               "--alphas", "0,0.3", "--tokens", "24", "--policy", "predicted", "--predictor", str(pred),
+               "--trace", str(trace))
+    assert res.exit_code == 0, res.output
+    assert "alpha 0.30:" in res.output and "agreement 100.0%" in res.output
+    res = _run("llm", "tune-alpha", "--model", str(store), "--budget-ms", "5", "--text", str(text),
+               "--predictor", str(pred))
+    assert res.exit_code == 2 and "--predictor is for --policy predicted (got --policy gate-score)" in res.output
+    res = _run("llm", "tune-alpha", "--model", str(store), "--budget-ms", "5", "--text", str(text),
+               "--trace", str(trace))
+    assert res.exit_code == 2 and "--trace is for --policy probability or predicted" in res.output
+    from routing.moe_trace import Trace
+    other = Trace.load(trace)
+    other.model = "another-model"
+    other.save(tmp_path / "other.trace")
+    for cmd in (["tune-alpha", "--budget-ms", "5", "--text", str(text)], ["generate", "--prompt", "x"]):
+        res = _run("llm", *cmd, "--model", str(store), "--policy", "probability", "--trace",
+                   str(tmp_path / "other.trace"))
+        assert res.exit_code != 0 and "of model 'another-model'" in res.output, res.output
 
 
 def test_generate_refuses_a_predictor_without_the_predicted_policy(tmp_path):

@@ -377,9 +377,13 @@ def test_the_ablation_runs_every_row_and_gives_predicted_rows_the_profiles_predi
                                                                                                    monkeypatch):
     """(d): each row decodes the trace for real; `predicted` eviction gets a predictor and popularity learnt from
     the profile (other prompts), the gate-score rows neither unless they prefetch."""
+    import numpy as np
+
     import executors.moe_model as moe_model
     from edge_agent import llm_bench as lb
+    from executors.moe_decode import remap
     from executors.moe_model import record_trace
+    from routing.moe_predictor import TokenPredictor
 
     _, layout, store = imported("mixtral")
     pm = load_pooled(store, memory=layout.expert_bytes, policy="lru")
@@ -395,12 +399,22 @@ def test_the_ablation_runs_every_row_and_gives_predicted_rows_the_profiles_predi
     monkeypatch.setattr(moe_model, "load_pooled", spy)
     rows = lb.run_ablation(store, profile, decode, share=0.5)
     assert [r["row"] for r in rows] == [name for _, name, _ in lb.ABLATION] + [lb.CEILING]
-    assert all(r["tokens"] == int((decode.step > 0).sum()) and r["hit_rate"] > 0 for r in rows)
+    assert all(r["tokens"] == int((decode.step > 0).sum()) for r in rows)
+    from_profile = TokenPredictor.train(remap(profile, layout.model))
+    from_decoded = TokenPredictor.train(remap(decode, layout.model))
+    assert not np.allclose(from_profile.W, from_decoded.W)          # the check below can tell them apart
+    seen = set()
     for (policy, _, extra), kw in zip(lb.ABLATION, calls):
-        assert kw["policy"] == policy
-        if policy == "predicted":
-            assert kw["predictor"] is not None and kw["popularity"] == {
-                k.replace(profile.model, layout.model): v for k, v in profile.popularity().items()}
+        assert kw["policy"] == policy and kw["memory"] == calls[0]["memory"]      # one budget for every row
+        if policy == "predicted" or extra.get("prefetch") == "token":
+            assert np.array_equal(kw["predictor"].W, from_profile.W)             # learnt on the profile only
         else:
-            assert kw["popularity"] is None and (kw["predictor"] is not None) == (extra.get("prefetch") == "token")
-    assert any(p == "predicted" for p, _, _ in lb.ABLATION)
+            assert kw["predictor"] is None
+        if policy == "predicted":
+            assert kw["popularity"] == remap(profile, layout.model).popularity()
+        else:
+            assert kw["popularity"] is None
+        seen.add(policy)
+    assert seen == {"lru", "gate-score", "predicted"}
+    assert rows[0]["policy"] == rows[-2]["policy"] == "lru" and rows[-2]["row"] == lb.LRU_AGAIN   # first and last
+    assert lb.lru_baseline(rows) == pytest.approx((rows[0]["tokens_per_second"] + rows[-2]["tokens_per_second"]) / 2)

@@ -401,14 +401,19 @@ def test_predicted_evicts_the_least_likely_soon_next_token_plus_popularity_ties_
     # no prediction yet (its layer has not run): 0, then gate score, then recency
     s3 = PoolState(20, (Resident("x", 10, 0, 5), Resident("y", 10, 1, 2)), predicted={"x": 0.3})
     assert p.choose_victims(s3, 10) == ["y"]
-    # with a popularity profile the rank is q + p: the next token leans to x, but y is asked for by the tokens
-    # after it far more often (by q alone y would go; by p alone, or by recency, x would go either way below)
+    # with a popularity profile the rank is q + p.  The next token leans to x, but the tokens after it ask for y
+    # far more often: by q alone y would go; x was used longer ago, so recency alone would also evict x
     s4 = PoolState(20, (Resident("x", 10, 0, 1), Resident("y", 10, 1, 2)), predicted={"x": 0.3, "y": 0.2},
                    probabilities={"x": 0.05, "y": 0.5})
     assert p.choose_victims(s4, 10) == ["x"]
-    s5 = PoolState(20, (Resident("x", 10, 0, 2), Resident("y", 10, 1, 1)), predicted={"x": 0.6, "y": 0.1},
+    # q can outweigh p: 0.6 + 0.05 > 0.1 + 0.5, so y goes although p alone would evict x and y is the more recent
+    s5 = PoolState(20, (Resident("x", 10, 0, 1), Resident("y", 10, 1, 2)), predicted={"x": 0.6, "y": 0.1},
                    probabilities={"x": 0.05, "y": 0.5})
-    assert p.choose_victims(s5, 10) == ["y"]                         # 0.6 + 0.05 > 0.1 + 0.5: x stays
+    assert p.choose_victims(s5, 10) == ["y"]
+    # a sum, not the larger of the two: x (0.4 + 0.4) stays over y (0 + 0.6), which max(q, p) would keep
+    s6 = PoolState(20, (Resident("x", 10, 0, 1), Resident("y", 10, 1, 2)), predicted={"x": 0.4, "y": 0.0},
+                   probabilities={"x": 0.4, "y": 0.6})
+    assert p.choose_victims(s6, 10) == ["y"]
 
 
 def test_the_router_tap_feeds_next_token_probabilities_to_the_pools_predicted_policy():
