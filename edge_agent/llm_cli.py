@@ -666,6 +666,8 @@ def llm_train_predictor(trace_path: str, eval_path: str | None, out: str) -> Non
                    f"({s['pairs']} next-token pairs)")
     click.echo(f"predictor for {len(pred.layers)} layers x {pred.num_experts} experts ({pred.features} inputs) -> "
                f"{out}")
+    click.echo(f"use it: coe-agent llm generate --model STORE --prompt ... --policy predicted --predictor {out} "
+               f"--trace {trace_path}")
 
 
 @llm.command("tune-alpha")
