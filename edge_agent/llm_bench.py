@@ -121,7 +121,7 @@ def as_json(rows: list[Row]) -> list[dict]:
 
 
 # -- (b) trace-driven real decode and (c) end to end ------------------------------------------------------------
-DECODE_POLICIES = ("lru", "fifo", "lfu", "gate-score", "predicted", "probability", "belady")
+DECODE_POLICIES = ("lru", "fifo", "lfu", "gate-score", "predicted", "probability", "belady", "lru")  # LRU last too
 E2E_POLICIES = ("lru", "fifo", "lfu", "gate-score")
 ACCELERATE_SHARES = (1.0, 0.75, 0.5, 0.25, 0.0)
 

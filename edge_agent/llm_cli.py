@@ -481,16 +481,18 @@ def llm_bench(work: str, parts: str, prompts: int, decode: int, train_seconds: f
         n_dec = int((trace.step > 0).sum())
         click.echo(f"(b) trace-driven real decode, {n_dec} decode tokens of the trained trace (their prompts' "
                    f"prefills seed the router statistics, not computed), real run on {doc['device']}: {res}")
-        click.echo(f"{'policy':12} {'tokens/s':>9} {'hit rate':>9} {'GiB read':>9} {'load s':>7} {'x LRU':>6}")
-        lru = next(r for r in drows if r.policy == "lru")
-        for r in drows:
-            click.echo(f"{r.policy:12} {r.tokens_per_second:>9.2f} {r.hit_rate:>9.1%} {r.gib_read:>9.2f} "
-                       f"{r.load_seconds:>7.1f} {r.tokens_per_second / lru.tokens_per_second:>6.2f}")
-        best = max((r for r in drows if r.policy != "belady"), key=lambda r: r.tokens_per_second)
-        click.echo(f"best {best.policy}: {best.tokens_per_second / lru.tokens_per_second:.2f}x LRU tokens/s "
-                   f"(target 1.3x)")
-        doc["b"] = {"rows": [dataclasses.asdict(r) for r in drows], "best": best.policy,
-                    "best_vs_lru": best.tokens_per_second / lru.tokens_per_second}
+        lru_runs = [r.tokens_per_second for r in drows if r.policy == "lru"]
+        lru = sum(lru_runs) / len(lru_runs)       # LRU runs first and last: the box's drift favours no policy
+        click.echo(f"{'policy':12} {'tokens/s':>9} {'hit rate':>9} {'GiB read':>9} {'load s':>7} {'x LRU':>6}  "
+                   f"(x LRU: against the mean of the first and last LRU runs, {lru:.2f} tokens/s)")
+        for i, r in enumerate(drows):
+            name = "lru (last)" if r.policy == "lru" and i > 0 else r.policy
+            click.echo(f"{name:12} {r.tokens_per_second:>9.2f} {r.hit_rate:>9.1%} {r.gib_read:>9.2f} "
+                       f"{r.load_seconds:>7.1f} {r.tokens_per_second / lru:>6.2f}")
+        best = max((r for r in drows if r.policy not in ("belady", "lru")), key=lambda r: r.tokens_per_second)
+        click.echo(f"best {best.policy}: {best.tokens_per_second / lru:.2f}x LRU tokens/s (target 1.3x)")
+        doc["b"] = {"rows": [dataclasses.asdict(r) for r in drows], "best": best.policy, "lru_baseline": lru,
+                    "best_vs_lru": best.tokens_per_second / lru}
     if "c" in want:
         tok_ids = list(range(40, 56))
         with tqdm(total=len(lb.E2E_POLICIES) + 3, desc="(c) end to end", disable=None) as bar:

@@ -418,3 +418,22 @@ def test_the_ablation_runs_every_row_and_gives_predicted_rows_the_profiles_predi
     assert seen == {"lru", "gate-score", "predicted"}
     assert rows[0]["policy"] == rows[-2]["policy"] == "lru" and rows[-2]["row"] == lb.LRU_AGAIN   # first and last
     assert lb.lru_baseline(rows) == pytest.approx((rows[0]["tokens_per_second"] + rows[-2]["tokens_per_second"]) / 2)
+
+
+def test_part_b_decodes_every_policy_with_lru_first_and_last_and_belady_hits_most(imported):
+    """(b): each policy decodes the same trace for real; LRU runs again last (the box's drift), reading the same."""
+    from edge_agent import llm_bench as lb
+    from executors.moe_model import record_trace
+
+    _, layout, store = imported("mixtral")
+    pm = load_pooled(store, memory=layout.expert_bytes, policy="lru")
+    trace = record_trace(pm, [_inputs(s)[0] for s in (3, 4, 5, 6)], 5)
+    pm.close()
+    profile, decode = lb.split_trace(trace)
+    rows = lb.run_decode(store, profile, decode, share=0.5)
+    assert [r.policy for r in rows] == list(lb.DECODE_POLICIES)
+    assert rows[0].policy == rows[-1].policy == "lru"
+    assert (rows[0].hit_rate, rows[0].gib_read) == (rows[-1].hit_rate, rows[-1].gib_read)     # same decode twice
+    assert all(r.tokens == int((decode.step > 0).sum()) and r.tokens_per_second > 0 for r in rows)
+    belady = next(r for r in rows if r.policy == "belady")
+    assert all(belady.hit_rate >= r.hit_rate for r in rows)                    # the oracle is never beaten
