@@ -370,7 +370,10 @@ def llm_bench(work: str, parts: str, prompts: int, decode: int, train_seconds: f
         (each policy), accelerate's disk offload and everything in RAM, each
         in its own process; plus the SSD-bound limit at the measured disk speed.
     (d) Ablation as (b): gate-score eviction, then substitution, then
-        token-wise prefetch, each on top of the one before.
+        predicted eviction (next token + popularity) in its place, then
+        token-wise prefetch, then the load/compute split, each on top of the
+        one before; LRU runs first and last, and a ceiling row (every expert
+        resident) ends it.
     (e) GPU box only: prefill and decode tokens/s on the generated model
         with the Fiddler split and the prefill balance, each on and off.
     With --device cuda, (b) and (c) hold the 25% budget in GPU memory behind
