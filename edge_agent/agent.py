@@ -294,7 +294,8 @@ class Agent:
         if self.cfg.llm.trace:
             from routing.moe_trace import Trace
 
-            popularity = Trace.load(self.cfg.llm.trace).popularity()
+            trace = Trace.load(self.cfg.llm.trace)
+            popularity = trace.popularity_for(layout.model, f"llm.trace {self.cfg.llm.trace}")
             return {eid: popularity.get(eid, 0.0) for eid in layout.ids()}
         return {eid: layout.top_k / l.num_experts for l in layout.layers for eid in layout.ids(l.layer)}
 

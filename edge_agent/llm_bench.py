@@ -200,7 +200,7 @@ def run_decode(store: Path, profile: Trace, trace: Trace, *, share: float = 0.25
     from executors.moe_model import load_pooled
 
     from routing.moe_predictor import TokenPredictor
-    from storage.policies import make_policy
+    from storage.policies import POLICIES
 
     layout = MoELayout.load(store)
     trace, profile = remap(trace, layout.model), remap(profile, layout.model)
@@ -211,7 +211,7 @@ def run_decode(store: Path, profile: Trace, trace: Trace, *, share: float = 0.25
         if progress:
             progress(policy)
         pos = [0]
-        oracle = getattr(make_policy(policy), "oracle", False)
+        oracle = getattr(POLICIES[policy], "oracle", False)
         ctx = (lambda: {"future": FutureView(flat, pos[0])}) if oracle else None
         drop_store(store)
         pm = load_pooled(store, memory=int(layout.expert_bytes * share), policy=policy,
@@ -401,7 +401,7 @@ def import_peak(hf: Path) -> dict:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-LRU_AGAIN = "LRU again (last: the box's drift over the run)"
+LRU_AGAIN = "LRU again (after the other rows: the box's drift)"
 ABLATION = (("lru", "LRU (baseline)", {}),
             ("gate-score", "eviction by windowed gate score", {}),
             ("gate-score", "+ substitution (alpha 0.3)", {"alpha": 0.3}),
@@ -418,7 +418,8 @@ ABLATION = (("lru", "LRU (baseline)", {}),
 def run_ablation(store: Path, profile: Trace, trace: Trace, *, share: float = 0.25,
                  progress: Callable[[str], None] | None = None) -> list[dict]:
     """Issue 11's ablation on trace-driven decode: each row on top of the one before (the two prefetch rows
-    are alternatives: every guess, or only confident ones; the split goes on top of the second).
+    are alternatives: every guess, or only confident ones; the split goes on top of the second), then LRU
+    again and the ceiling.
 
     The importance paper's order, with one row of ours between substitution
     and prefetch: the windowed gate score gives way to `predicted` eviction
@@ -467,9 +468,13 @@ def run_ablation(store: Path, profile: Trace, trace: Trace, *, share: float = 0.
     return rows
 
 
-def lru_baseline(rows: list[dict]) -> float:
-    """(d)'s LRU tokens/s: the mean of its first and last LRU rows."""
-    lru = [r["tokens_per_second"] for r in rows if r["policy"] == "lru"]
+def lru_baseline(rows: list) -> float:
+    """LRU's tokens/s in (b) or (d): the mean of its first and last runs (rows as dicts or `DecodeRow`s)."""
+    def get(r, key):
+        return r[key] if isinstance(r, dict) else getattr(r, key)
+    lru = [get(r, "tokens_per_second") for r in rows if get(r, "policy") == "lru"]
+    if not lru:
+        raise ValueError("no LRU row to compare with")
     return sum(lru) / len(lru)
 
 

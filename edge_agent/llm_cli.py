@@ -118,11 +118,7 @@ def _popularity(trace_path: str | None, layout) -> dict[str, float] | None:
 
     if not trace_path:
         return None
-    trace = Trace.load(trace_path)
-    if trace.model != layout.model:
-        raise CoEError(f"--trace {trace_path}: a trace of model '{trace.model}', but the store holds "
-                       f"'{layout.model}' (trace it with coe-agent llm trace --model on this store)")
-    return trace.popularity()
+    return Trace.load(trace_path).popularity_for(layout.model, f"--trace {trace_path}")
 
 
 @llm.command("generate")
@@ -484,8 +480,7 @@ def llm_bench(work: str, parts: str, prompts: int, decode: int, train_seconds: f
         n_dec = int((trace.step > 0).sum())
         click.echo(f"(b) trace-driven real decode, {n_dec} decode tokens of the trained trace (their prompts' "
                    f"prefills seed the router statistics, not computed), real run on {doc['device']}: {res}")
-        lru_runs = [r.tokens_per_second for r in drows if r.policy == "lru"]
-        lru = sum(lru_runs) / len(lru_runs)       # LRU runs first and last: the box's drift favours no policy
+        lru = lb.lru_baseline(drows)              # LRU runs first and last: the box's drift favours no policy
         click.echo(f"{'policy':12} {'tokens/s':>9} {'hit rate':>9} {'GiB read':>9} {'load s':>7} {'x LRU':>6}  "
                    f"(x LRU: against the mean of the first and last LRU runs, {lru:.2f} tokens/s)")
         for i, r in enumerate(drows):
@@ -550,7 +545,7 @@ def llm_bench(work: str, parts: str, prompts: int, decode: int, train_seconds: f
                     "budget_plus_resident_bytes": budget_rss}
     if "d" in want:
         trace = lb.decode_only(rep, decode_tokens)
-        with tqdm(total=len(lb.ABLATION), desc="(d) ablation", disable=None) as bar:
+        with tqdm(total=len(lb.ABLATION) + 1, desc="(d) ablation", disable=None) as bar:   # + the ceiling
             arows = lb.run_ablation(big, profile, trace, progress=lambda _: bar.update(1))
         click.echo(f"(d) ablation, each row on top of the one before (the two prefetch rows are alternatives; "
                    f"from 'next token + popularity' on, that eviction replaces the gate score's): "
@@ -570,7 +565,7 @@ def llm_bench(work: str, parts: str, prompts: int, decode: int, train_seconds: f
         click.echo("    not a row: next-layer prefetch (needs real hidden states; see llm generate --prefetch)")
         ceiling = next((r for r in arows if r["row"] == lb.CEILING), None)
         if ceiling is not None:
-            best = max((r for r in arows if r is not ceiling), key=lambda r: r["tokens_per_second"])
+            best = max((r for r in arows if r["policy"] not in ("lru", None)), key=lambda r: r["tokens_per_second"])
             click.echo(f"    best row: {best['row']} at {best['tokens_per_second'] / base:.2f}x LRU; with every "
                        f"expert resident the same decode runs at {ceiling['tokens_per_second'] / base:.2f}x LRU "
                        f"(a ceiling no technique here can pass)")

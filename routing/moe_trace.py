@@ -71,6 +71,17 @@ class Trace:
                 yield p, layer, [expert_id(self.model, layer, int(e)) for e in hit], \
                     self.probs[rows, j, :].astype(np.float32).mean(axis=0)
 
+    def popularity_for(self, model: str, where: str) -> dict[str, float]:
+        """`popularity()` for a store of `model`: a trace of another model is refused, naming both.
+
+        Without the check another model's ids match nothing, and every expert
+        silently gets popularity 0.  `where` names the trace in the error.
+        """
+        if self.model != model:
+            raise CoEError(f"{where}: a trace of model '{self.model}', but the store holds '{model}' "
+                           "(trace it with coe-agent llm trace --model on this store)")
+        return self.popularity()
+
     def popularity(self) -> dict[str, float]:
         """Per-layer share of tokens that chose each expert (CoServe's usage probability, per layer)."""
         out = {}

@@ -257,7 +257,7 @@ class _HashBehind:
         self._pieces.put(piece)
 
     def finish(self, *, cancel: bool = False) -> None:
-        """Wait until every piece is hashed (always called, so the thread never outlives the read).
+        """Wait for the helper to end (always called, so the thread never outlives the read): every piece hashed.
 
         `cancel`: the read failed or gave way; the pieces still queued are
         dropped unhashed and a hashing error is not raised over the read's own.

@@ -130,7 +130,30 @@ def test_bench_part_a_prints_a_table_and_one_json_line(hf_model, tmp_path):
     assert any("at 25% on trained" in ln for ln in lines)
 
 
-def test_tune_alpha_measures_each_alpha_and_plots(hf_model, tmp_path):
+def test_bench_parts_b_and_d_compare_with_the_mean_of_lru_run_first_and_last(hf_model, tmp_path):
+    """(b) and (d) on a tiny generated model: LRU runs first and last, every ratio is against their mean, and
+    neither LRU run is reported as the best row or policy."""
+    root, _ = hf_model
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "trained-hf").symlink_to(root / "hf", target_is_directory=True)
+    res = _run("llm", "bench", "--work", str(work), "--part", "b,d", "--prompts", "4", "--decode", "3",
+               "--expert-gb", "0.002", "--decode-tokens", "6")
+    assert res.exit_code == 0, res.output
+    doc = json.loads(res.output.strip().splitlines()[-1])
+    b, d = doc["b"], doc["d"]
+    lru_b = [r["tokens_per_second"] for r in b["rows"] if r["policy"] == "lru"]
+    assert len(lru_b) == 2 and b["lru_baseline"] == pytest.approx(sum(lru_b) / 2)
+    assert b["best"] not in ("lru", "belady")
+    best = next(r for r in b["rows"] if r["policy"] == b["best"])
+    assert b["best_vs_lru"] == pytest.approx(best["tokens_per_second"] / b["lru_baseline"])
+    lru_d = [r["tokens_per_second"] for r in d if r["policy"] == "lru"]
+    assert len(lru_d) == 2 and doc["d_lru_baseline"] == pytest.approx(sum(lru_d) / 2)
+    line = next(ln for ln in res.output.splitlines() if "best row:" in ln)
+    assert "LRU" not in line.split("best row:")[1].split(" at ")[0]          # never an LRU row
+
+
+def test_tune_alpha_measures_each_alpha_and_plots(hf_model, tmp_path, monkeypatch):
     root, _ = hf_model
     store = tmp_path / "store"
     assert _run("llm", "import", str(root / "hf"), "--out", str(store)).exit_code == 0
@@ -153,18 +176,28 @@ def test_tune_alpha_measures_each_alpha_and_plots(hf_model, tmp_path):
     assert _run("llm", "trace", "--model", str(store), "--prompts", str(prompts), "--out", str(trace),
                 "--max-new-tokens", "6").exit_code == 0
     assert _run("llm", "train-predictor", "--trace", str(trace), "--out", str(pred)).exit_code == 0
+    import executors.moe_model as moe_model
+    from routing.moe_trace import Trace
+    seen, real = [], moe_model.load_pooled
+
+    def spy(root, **kw):
+        seen.append(kw)
+        return real(root, **kw)
+    monkeypatch.setattr(moe_model, "load_pooled", spy)
     res = _run("llm", "tune-alpha", "--model", str(store), "--budget-ms", "100000", "--text", str(text),
                "--alphas", "0,0.3", "--tokens", "24", "--policy", "predicted", "--predictor", str(pred),
                "--trace", str(trace))
     assert res.exit_code == 0, res.output
-    assert "alpha 0.30:" in res.output and "agreement 100.0%" in res.output
+    assert "alpha 0.30:" in res.output
+    assert [kw["policy"] for kw in seen] == ["predicted", "predicted"]          # one decode per alpha
+    assert all(str(kw["predictor"]) == str(pred) and kw["popularity"] == Trace.load(trace).popularity()
+               for kw in seen)
     res = _run("llm", "tune-alpha", "--model", str(store), "--budget-ms", "5", "--text", str(text),
                "--predictor", str(pred))
     assert res.exit_code == 2 and "--predictor is for --policy predicted (got --policy gate-score)" in res.output
     res = _run("llm", "tune-alpha", "--model", str(store), "--budget-ms", "5", "--text", str(text),
                "--trace", str(trace))
     assert res.exit_code == 2 and "--trace is for --policy probability or predicted" in res.output
-    from routing.moe_trace import Trace
     other = Trace.load(trace)
     other.model = "another-model"
     other.save(tmp_path / "other.trace")

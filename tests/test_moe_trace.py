@@ -500,6 +500,13 @@ def test_replay_takes_a_policy_object_and_shows_the_future_only_to_an_oracle():
     assert seen and max(seen) > 0 and seen == sorted(seen, reverse=True)  # the remaining accesses, shrinking
 
 
+def test_popularity_for_a_store_refuses_another_models_trace_by_name():
+    trace = synthetic([[3, 2, 1, 1]] * 2, tokens=30, top_k=2, seed=5)
+    assert trace.popularity_for(trace.model, "t") == trace.popularity()
+    with pytest.raises(CoEError, match=r"llm.trace x.trace: a trace of model '.*', but the store holds 'other'"):
+        trace.popularity_for("other", "llm.trace x.trace")
+
+
 def _layout_of(trace):
     from coe.moe import MoELayout, MoELayer
     return MoELayout(model=trace.model, model_type="mixtral", top_k=trace.top_k, dtype="float32",
