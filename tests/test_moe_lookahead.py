@@ -50,3 +50,11 @@ def test_a_lookahead_oracle_replays_and_never_beats_belady():
            for n in (1, 3)]
     lru = replay(trace, policy="lru", capacity=6, expert_nbytes=1).loads
     assert all(belady.loads <= g for g in got) and min(got) < lru      # knowing ahead helps, never past Belady
+
+
+def test_the_mixtral_table_has_a0_between_belady_and_lru():
+    rows = dict(_bench.mixtral_rows(0.25))
+    a0, belady = rows["oracle: A0, the trace's own marginals"], rows["oracle: belady"]
+    lru = next(r for name, r in rows.items() if name.startswith("lru"))
+    assert belady.loads <= a0.loads < lru.loads
+    assert a0.loads <= rows["probability"].loads        # the true ranking beats one from another subject
