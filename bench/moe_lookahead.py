@@ -67,6 +67,17 @@ def pass_index(trace: Trace) -> tuple[np.ndarray, np.ndarray]:
     return np.repeat(np.arange(len(counts)), counts), np.cumsum(counts)
 
 
+def replayer(rep: Trace, size: float, popularity: dict, predictor=None):
+    """(run(policy, quota='shared', popularity=...), LRU at its better quota) for `rep` at `size` of its experts."""
+    experts = max(1, round(len(rep.layers) * rep.num_experts * size))
+
+    def run(policy, quota="shared", popularity=popularity):
+        return replay(rep, policy=policy, capacity=experts, expert_nbytes=1, quota=quota, popularity=popularity,
+                      predictor=predictor)
+
+    return run, min((run("lru", q) for q in ("shared", "per-layer")), key=lambda r: r.loads)
+
+
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0],
                                  epilog="example: python bench/moe_lookahead.py --size 0.25")
@@ -78,15 +89,9 @@ def main(argv: list[str] | None = None) -> None:
     if not path.is_file():
         sys.exit(f"{path}: no trace; `coe-agent llm bench --part a` makes it")
     profile, rep = split_trace(Trace.load(path))
-    pop, pred = profile.popularity(), TokenPredictor.train(profile)
     experts = max(1, round(len(rep.layers) * rep.num_experts * args.size))
     pass_of, pass_end = pass_index(rep)
-
-    def run(policy, quota="shared", popularity=pop):
-        return replay(rep, policy=policy, capacity=experts, expert_nbytes=1, quota=quota, popularity=popularity,
-                      predictor=pred)
-
-    lru = min((run("lru", q) for q in ("shared", "per-layer")), key=lambda r: r.loads)
+    run, lru = replayer(rep, args.size, profile.popularity(), TokenPredictor.train(profile))
     rows = [("lru (best quota: " + lru.quota + ")", lru)]
     rows += [(name, run(name)) for name in ("probability", "gate-score")]
     rows += [("predicted, next-token q alone", run("predicted", popularity=None)),   # no popularity: q alone
@@ -112,16 +117,10 @@ def main(argv: list[str] | None = None) -> None:
 
 def mixtral_rows(size: float) -> list[tuple[str, object]]:
     """The Mixtral trace's LRU (best quota), lfu, probability (from the profile subject), A0 and Belady."""
-    from edge_agent.llm_bench import mixtral_traces
+    from edge_agent.llm_bench import mixtral_data_dir, mixtral_traces
 
-    prof, rep = mixtral_traces(Path(__file__).resolve().parent.parent / "configs" / "moe" / "mixtral-expert-popularity")
-    experts = max(1, round(len(rep.layers) * rep.num_experts * size))
-
-    def run(policy, quota="shared", popularity=None):
-        return replay(rep, policy=policy, capacity=experts, expert_nbytes=1, quota=quota,
-                      popularity=popularity or prof.popularity())
-
-    lru = min((run("lru", q) for q in ("shared", "per-layer")), key=lambda r: r.loads)
+    prof, rep = mixtral_traces(mixtral_data_dir())
+    run, lru = replayer(rep, size, prof.popularity())
     return [("lru (best quota: " + lru.quota + ")", lru), ("lfu", run("lfu")), ("probability", run("probability")),
             ("oracle: A0, the trace's own marginals", run("probability", popularity=rep.popularity())),
             ("oracle: belady", run("belady"))]

@@ -51,6 +51,18 @@ def split_trace(trace: Trace) -> tuple[Trace, Trace]:
     return trace.rows(trace.seq < cut), trace.rows(trace.seq >= cut)
 
 
+def mixtral_data_dir() -> Path:
+    """Mixtral-8x7B's measured expert popularity, shipped in the package (configs/moe/; source in its README)."""
+    import configs
+
+    from coe import CoEError
+
+    path = Path(configs.__file__).resolve().parent / "moe" / "mixtral-expert-popularity"
+    if not path.is_dir():
+        raise CoEError(f"{path}: the packaged Mixtral popularity data is missing; pass --mixtral-data DIR")
+    return path
+
+
 def mixtral_traces(data_dir: Path, tokens: int = 256, seed: int = 0) -> tuple[Trace, Trace]:
     """(profile, replay) drawn from two MMLU subjects' measured Mixtral popularity."""
     prof = synthetic(load_popularity(data_dir / "college_computer_science.json"), tokens=tokens, seed=seed + 1)

@@ -415,7 +415,7 @@ def llm_bench(work: str, parts: str, prompts: int, decode: int, train_seconds: f
     if want & {"a", "b", "d"}:
         profile, rep = lb.split_trace(Trace.load(_trained_trace(work_dir, prompts, decode, train_seconds)))
     if "a" in want:
-        data = Path(mixtral_data) if mixtral_data else _shared_data()
+        data = Path(mixtral_data) if mixtral_data else lb.mixtral_data_dir()
         mprof, mrep = lb.mixtral_traces(data, tokens=tokens)
         rows = []
         with tqdm(total=2 * len(lb.SIZES) * len(lb.QUOTAS) * len(lb.POLICIES), desc="(a) replaying",
@@ -771,13 +771,3 @@ def _plot_alpha(rows: list[dict], path: str, budget_ms: float | None = None) -> 
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
-
-
-def _shared_data() -> Path:
-    """Mixtral-8x7B's measured expert popularity, shipped in the package (configs/moe/; source in its README)."""
-    import configs
-
-    path = Path(configs.__file__).resolve().parent / "moe" / "mixtral-expert-popularity"
-    if not path.is_dir():
-        raise CoEError(f"{path}: the packaged Mixtral popularity data is missing; pass --mixtral-data DIR")
-    return path

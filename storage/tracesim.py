@@ -44,13 +44,14 @@ def simulate(trace: Sequence[str], sizes: Mapping[str, int], capacity: int, poli
              probabilities: Mapping[str, float] | None = None,
              preliminaries: Mapping[str, tuple[str, ...]] | None = None, lookahead: int = 32) -> SimResult:
     pos = [0]
-    oracle = policy == "belady"  # only the oracle may see (and pay for) the whole future
+    chooser = make_policy(policy)
+    oracle = bool(getattr(chooser, "oracle", False))  # only an oracle may see (and pay for) the whole future
 
     def context() -> dict:
         i = pos[0]
         return {"queued": set(trace[i + 1:i + 1 + lookahead]), "future": tuple(trace[i + 1:]) if oracle else ()}
 
-    pool = Pool("sim", capacity, make_policy(policy), SizeSource(sizes), probabilities=dict(probabilities or {}),
+    pool = Pool("sim", capacity, chooser, SizeSource(sizes), probabilities=dict(probabilities or {}),
                 preliminaries=dict(preliminaries or {}), context=context)
     for i, eid in enumerate(trace):
         pos[0] = i
