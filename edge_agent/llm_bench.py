@@ -238,32 +238,56 @@ def run_decode(store: Path, profile: Trace, trace: Trace, *, share: float = 0.25
 
 
 class MemoryCgroup:
-    """A cgroup-v1 memory cgroup limiting a child process (RSS and page cache), where the box allows one.
+    """A memory cgroup limiting a child process (RSS and page cache together), where the box allows one.
 
-    `create` returns None when there is no writable memory controller (not
-    root, cgroup v2 without the memory controller delegated): the bench then
-    says the page cache was not bounded.
+    cgroup v1 (a `memory` hierarchy, as on this box) or v2 (the unified
+    hierarchy with the memory controller enabled for the root's children).
+    `create` returns None when neither is writable (not root, a container
+    without the controller delegated): the bench then says the page cache
+    was not bounded.
     """
 
-    ROOT = Path("/sys/fs/cgroup/memory")
+    V1 = Path("/sys/fs/cgroup/memory")
+    V2 = Path("/sys/fs/cgroup")
+    # (limit, peak, failures) file names per version
+    FILES = {1: ("memory.limit_in_bytes", "memory.max_usage_in_bytes", "memory.failcnt"),
+             2: ("memory.max", "memory.peak", "memory.events")}
 
-    def __init__(self, path: Path) -> None:
-        self.path = path
+    def __init__(self, path: Path, version: int = 1) -> None:
+        self.path, self.version = path, version
+
+    @classmethod
+    def hierarchy(cls) -> tuple[Path, int] | None:
+        """(root, version) of a memory hierarchy this process can make cgroups in, or None."""
+        if (cls.V1 / "memory.limit_in_bytes").is_file():
+            return cls.V1, 1
+        try:
+            if "memory" in (cls.V2 / "cgroup.subtree_control").read_text().split():
+                return cls.V2, 2
+        except OSError:
+            pass
+        return None
 
     @classmethod
     def create(cls, name: str, limit: int) -> "MemoryCgroup | None":
         import os
 
-        path = cls.ROOT / name
+        found = cls.hierarchy()
+        if found is None:
+            return None
+        root, version = found
+        path = root / name
+        limit_file, peak_file, _ = cls.FILES[version]
         try:
             path.mkdir(exist_ok=True)
-            (path / "memory.limit_in_bytes").write_text(str(int(limit)))
-            (path / "memory.max_usage_in_bytes").write_text("0")
+            (path / limit_file).write_text(str(int(limit)))
+            if version == 1:
+                (path / peak_file).write_text("0")
         except OSError:
             if path.is_dir():
                 os.rmdir(path)
             return None
-        return cls(path)
+        return cls(path, version)
 
     def enter(self) -> None:
         """Run in the child before exec (`preexec_fn`)."""
@@ -272,10 +296,16 @@ class MemoryCgroup:
         (self.path / "cgroup.procs").write_text(str(os.getpid()))
 
     def peak(self) -> int:
-        return int((self.path / "memory.max_usage_in_bytes").read_text())
+        """The most memory the cgroup held (v2 kernels before 5.19 have no memory.peak: its current usage)."""
+        f = self.path / self.FILES[self.version][1]
+        return int((f if f.is_file() else self.path / "memory.current").read_text())
 
     def failcnt(self) -> int:
-        return int((self.path / "memory.failcnt").read_text())
+        """How often usage hit the limit (v2: memory.events' `max` count)."""
+        text = (self.path / self.FILES[self.version][2]).read_text()
+        if self.version == 1:
+            return int(text)
+        return next((int(v) for k, v in (line.split() for line in text.splitlines()) if k == "max"), 0)
 
     def remove(self) -> None:
         import os
@@ -300,8 +330,10 @@ def run_e2e(hf: Path, store: Path, prompt_ids: list[int], tokens: int, *, share:
     behind a pinned host tier of `host_share` of the experts; accelerate gets
     max_memory = budget + non-expert weights on the GPU and the same host
     memory, the rest offloaded to disk; 'ram' holds the whole model on the
-    GPU.  No cgroup bounds them there (the host tier and the CUDA context are
-    host memory the CPU bound does not budget for).
+    GPU.  Host memory is bounded there too, where the box allows a cgroup: the
+    baseline (now with the CUDA context) + 1.15 x (host memory + non-expert
+    weights), RSS and page cache together, so accelerate's offload files
+    cannot sit in the box's RAM while coe-edge keeps to its host tier.
     """
     import json
     import os
@@ -337,13 +369,15 @@ def run_e2e(hf: Path, store: Path, prompt_ids: list[int], tokens: int, *, share:
 
     # the baseline the cgroup charges for the interpreter, torch and the model's code (shared libraries
     # already loaded by this process are charged here, not to the child), measured in an unbounded cgroup
-    cgroups = (lambda name, limit: None) if cuda else MemoryCgroup.create
+    cgroups = MemoryCgroup.create
     probe = cgroups(f"coe-bench-{os.getpid()}-probe", 1 << 50)
     rss_base = child("probe", None, [], probe)["rss_base"]
     base = probe.peak() if probe is not None else rss_base
     if probe is not None:
         probe.remove()
-    limit = base + 1.15 * (memory + layout.resident_nbytes)
+    # the host memory each system may hold: on the CPU the budget; on a GPU the host tier (the budget is on the GPU)
+    host_bound = host_memory if cuda else memory
+    limit = base + 1.15 * (host_bound + layout.resident_nbytes)
     runs = [("coe", p) for p in E2E_POLICIES] + [("accelerate", None), ("ram", None)]
     out = []
     bounded = True
@@ -376,19 +410,17 @@ def run_e2e(hf: Path, store: Path, prompt_ids: list[int], tokens: int, *, share:
             if cg is not None:
                 cg.remove()
         out.append(r)
+    where = (f"on {device}: GPU budget {memory / 1e6:.0f} MB of experts, pinned host tier {host_memory / 1e6:.0f} MB "
+             f"(coe-edge) / {host_memory / 1e6:.0f} MB of max_memory['cpu'] (accelerate); " if cuda else "")
     if bounded:
-        note = (f"each process but 'ram' bounded, from its first generated token, by a memory cgroup of "
-                f"{limit / 1e6:.0f} MB (the {base / 1e6:.0f} MB it charges for the interpreter, torch and the "
-                f"model's code + 1.15 x (budget + non-expert weights)), counting RSS and page cache together; "
+        note = (f"{where}each process but 'ram' bounded, from its first generated token, by a memory cgroup of "
+                f"{limit / 1e6:.0f} MB (the {base / 1e6:.0f} MB it charges for the interpreter, torch"
+                f"{', the CUDA context' if cuda else ''} and the model's code + 1.15 x "
+                f"({'host tier' if cuda else 'budget'} + non-expert weights)), counting RSS and page cache together; "
                 f"loading is unbounded (transformers' loader materialises fused experts)")
-    elif cuda:
-        note = (f"on {device}: GPU budget {memory / 1e6:.0f} MB of experts, pinned host tier {host_memory / 1e6:.0f} "
-                f"MB (coe-edge) / {host_memory / 1e6:.0f} MB of max_memory['cpu'] (accelerate); no cgroup; coe-edge "
-                f"drops each expert file from the page cache after reading it, accelerate's offload reads stay "
-                f"cached")
     else:
-        note = ("no writable memory cgroup: page cache not bounded; coe-edge drops each expert file from the page "
-                "cache after reading it, accelerate's offload reads stay cached")
+        note = (f"{where}no writable memory cgroup: page cache not bounded; coe-edge drops each expert file from the "
+                f"page cache after reading it, accelerate's offload reads stay cached")
     return out, {"bounded": bounded, "limit": int(limit), "baseline": rss_base, "charged_baseline": base,
                  "note": note}
 

@@ -58,7 +58,8 @@ def _bound(cgroup: str | None, limit: int) -> None:
     cache to get there; if the process's own memory is larger, it is killed by the bound, as it would be
     on a box of that size)."""
     if cgroup:
-        Path(cgroup, "memory.limit_in_bytes").write_text(str(int(limit)))
+        v2 = Path(cgroup, "memory.max")
+        (v2 if v2.is_file() else Path(cgroup, "memory.limit_in_bytes")).write_text(str(int(limit)))
 
 
 def run(system: str, hf_dir: str, store: str, memory: int, prompt_ids: list[int], tokens: int, policy: str,
@@ -77,6 +78,9 @@ def run(system: str, hf_dir: str, store: str, memory: int, prompt_ids: list[int]
     from storage.llm_import import load_config, meta_model
 
     meta_model(load_config(Path(hf_dir)))
+    if device.startswith("cuda"):   # the CUDA context's host memory is part of every GPU run's baseline
+        torch.zeros(1, device=device)
+        torch.cuda.synchronize(device)
     base = _rss()
     if system == "probe":
         return {"system": "probe", "rss_base": base}
@@ -154,7 +158,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--tokens", type=int, default=16)
     ap.add_argument("--policy", default="lru")
     ap.add_argument("--offload-dir", default=None)
-    ap.add_argument("--bound-cgroup", default=None, help="cgroup (v1 memory) this process runs in")
+    ap.add_argument("--bound-cgroup", default=None, help="memory cgroup (v1 or v2) this process runs in")
     ap.add_argument("--bound", type=int, default=0, help="memory limit applied to it once the model is loaded")
     ap.add_argument("--accelerate-share", type=float, default=1.0,
                     help="accelerate: max_memory as a share of (budget + non-expert weights)")

@@ -705,6 +705,7 @@ class ExpertStore:
         from .compressed import decode_to, iter_decoded, read_header
         from .convert import Placer, cast_in_place, converted_layout
         from .flat import FlatWeights, iter_plain, may_yield
+        from .pinned import host_empty
 
         eid = entry.id
         may_yield(eid)          # a read that must give way (a prefetch) does so before it starts
@@ -716,7 +717,7 @@ class ExpertStore:
         target = converted_layout(stored, dtype)
         if out is not None and (out.nbytes != target.nbytes or out.device.type != "cpu"):
             out = None
-        buf = out.buffer if out is not None else torch.empty(target.nbytes, dtype=torch.uint8, pin_memory=pin)
+        buf = out.buffer if out is not None else host_empty(target.nbytes, pin)
         dest = buf.numpy()
         if target is stored and entry.compression != "none":
             decode_to(path, header, eid, dest, expect_sha256)

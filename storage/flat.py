@@ -23,6 +23,8 @@ from typing import TYPE_CHECKING
 
 from coe import ExpertLoadError
 
+from .pinned import host_empty
+
 if TYPE_CHECKING:
     import torch
 
@@ -209,7 +211,7 @@ def read_flat(path: str | os.PathLike, expert_id: str, *, pin: bool = False,
     layout, head = read_layout(path, expert_id)
     if out is not None and (out.nbytes != layout.nbytes or out.device.type != "cpu"):
         raise ValueError(f"out must hold {layout.nbytes} bytes on the CPU")
-    buf = out.buffer if out is not None else torch.empty(layout.nbytes, dtype=torch.uint8, pin_memory=pin)
+    buf = out.buffer if out is not None else host_empty(layout.nbytes, pin)
     mv = memoryview(buf.numpy()) if layout.nbytes else memoryview(b"")
     hasher = hashlib.sha256(head) if expect_sha256 else None
     try:

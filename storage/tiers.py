@@ -33,6 +33,7 @@ import time
 from typing import TYPE_CHECKING, Any
 
 from .flat import FlatWeights
+from .pinned import host_empty
 from .pool import Pool, PoolEvent
 
 log = logging.getLogger(__name__)
@@ -311,7 +312,7 @@ def host_copy(src: FlatWeights, reuse: list, *, pin: bool) -> FlatWeights:
     cpu = torch.device("cpu")
     old = take_buffer(reuse, src.nbytes, cpu, pin) if reuse else None
     reuse.clear()   # the victims we did not take are freed before we allocate
-    dst = old.buffer if old is not None else torch.empty(src.nbytes, dtype=torch.uint8, pin_memory=pin)
+    dst = old.buffer if old is not None else host_empty(src.nbytes, pin)
     if src.buffer.device.type == "cuda":
         stream = torch.cuda.Stream(src.buffer.device)
         with torch.cuda.stream(stream):

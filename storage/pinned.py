@@ -1,0 +1,76 @@
+"""Host buffers for the tiers: pinned ones of exactly the size asked for.
+
+torch's pinned allocator (`torch.empty(..., pin_memory=True)`) rounds every
+request up to the next power of two and caches the blocks.  An LLM expert of
+34.6 MB then holds 64 MB of page-locked memory, so a host tier of 1.1 GB held
+about 2 GB, none of which the pool's accounting saw (the H200 run of `llm bench
+--part c` peaked at 3.79 GB of RSS).  Here the memory is an ordinary
+page-aligned allocation of the exact size, which the CUDA driver page-locks in
+place (`cudaHostRegister`) and lets go of when the last tensor or view of it
+dies.
+
+The price: a registered buffer is not tracked by torch's caching allocator,
+which delays the reuse of its own blocks until an asynchronous copy from them
+has finished.  Every tier copy here waits for its copy before it returns (see
+`TierSource._copy_bytes` and `host_copy`), so a buffer is never freed or
+refilled under a copy in flight.  Where the driver will not register memory,
+or torch would not see the result as pinned, the buffer comes from torch's
+pinned allocator as before.
+"""
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+
+log = logging.getLogger(__name__)
+
+PAGE = 4096
+
+
+class _Registered:
+    """An exact, page-aligned host allocation page-locked by the CUDA driver for as long as this object lives.
+
+    numpy arrays made from it (`np.asarray(self)`) keep it alive through their
+    `base`, and torch tensors made from those arrays keep the arrays alive, so
+    the memory is unregistered and freed only after the last view is gone.
+    """
+
+    def __init__(self, nbytes: int, cudart) -> None:
+        self._raw = np.empty(nbytes + PAGE, np.uint8)            # freed after __del__ unregisters it
+        start = (-self._raw.ctypes.data) % PAGE
+        self.ptr, self.nbytes, self._cudart = self._raw.ctypes.data + start, nbytes, cudart
+        self.registered = int(cudart.cudaHostRegister(self.ptr, nbytes, 0)) == 0
+
+    @property
+    def __array_interface__(self) -> dict:
+        return {"shape": (self.nbytes,), "typestr": "|u1", "data": (self.ptr, False), "version": 3}
+
+    def __del__(self) -> None:
+        if getattr(self, "registered", False):
+            self._cudart.cudaHostUnregister(self.ptr)
+            self.registered = False
+
+
+def host_empty(nbytes: int, pin: bool = False):
+    """A CPU uint8 tensor of `nbytes`; page-locked for fast, asynchronous device copies when `pin`.
+
+    Pinned buffers hold exactly `nbytes` (page-rounded), not the next power of
+    two.  On a box without CUDA, `pin` fails as `torch.empty(pin_memory=True)` does.
+    """
+    import torch
+
+    if not pin or nbytes == 0 or not torch.cuda.is_available():
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=pin)
+    try:
+        owner = _Registered(nbytes, torch.cuda.cudart())
+    except (AttributeError, RuntimeError, TypeError) as exc:   # a torch without cudart's register call
+        log.debug("cudaHostRegister unavailable (%s): torch's pinned allocator", exc)
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
+    if owner.registered:
+        t = torch.from_numpy(np.asarray(owner))
+        if t.is_pinned():
+            return t
+        del t
+    del owner
+    return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)

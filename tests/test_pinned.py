@@ -1,0 +1,107 @@
+"""Pinned host buffers of the exact size (storage/pinned.py).
+
+On this CPU box the CUDA runtime is played by a recorder of register and
+unregister calls (a test double for the GPU only); the lifetime logic under
+test is the real code.  On a CUDA box the `gpu` tests use the real driver.
+"""
+from __future__ import annotations
+
+import gc
+
+import numpy as np
+import psutil
+import pytest
+import torch
+
+from storage.pinned import PAGE, _Registered, host_empty
+
+
+class RecordingCudart:
+    """Stands in for `torch.cuda.cudart()` on a box without a GPU: records what is page-locked."""
+
+    def __init__(self, fail: bool = False) -> None:
+        self.live: dict[int, int] = {}
+        self.fail = fail
+        self.unregistered: list[int] = []
+
+    def cudaHostRegister(self, ptr: int, size: int, flags: int) -> int:
+        if self.fail:
+            return 1
+        assert ptr not in self.live
+        self.live[ptr] = size
+        return 0
+
+    def cudaHostUnregister(self, ptr: int) -> int:
+        self.live.pop(ptr)
+        self.unregistered.append(ptr)
+        return 0
+
+
+def test_the_buffer_is_exact_page_aligned_and_stays_registered_while_any_view_lives():
+    rt = RecordingCudart()
+    n = 34_600_000 + 17                              # an LLM expert's size: not a power of two, nor of pages
+    t = torch.from_numpy(np.asarray(_Registered(n, rt)))
+    assert t.numel() == n and t.dtype == torch.uint8
+    assert t.data_ptr() % PAGE == 0 and rt.live == {t.data_ptr(): n}
+    ptr = t.data_ptr()
+    t[:] = 7
+    view = t[1000:2000].view(torch.int32)            # a FlatWeights-style view outlives the buffer tensor
+    del t
+    gc.collect()
+    assert ptr in rt.live                            # still page-locked: a view uses it
+    assert int(view[0]) == 0x07070707
+    del view
+    gc.collect()
+    assert rt.live == {} and rt.unregistered == [ptr]   # unregistered once the last view went
+
+
+def test_memory_is_only_what_was_asked_for_not_the_next_power_of_two():
+    rt = RecordingCudart()
+    proc = psutil.Process()
+    before = proc.memory_info().rss
+    t = torch.from_numpy(np.asarray(_Registered(40 << 20, rt)))
+    t.fill_(1)                                       # touch every page, as page-locking does
+    grew = proc.memory_info().rss - before
+    assert 40 << 20 <= grew < (40 << 20) + (4 << 20)   # torch's pinned allocator would hold 64 MiB
+    del t
+
+
+def test_a_register_the_driver_refuses_leaves_nothing_registered():
+    rt = RecordingCudart(fail=True)
+    owner = _Registered(1 << 20, rt)
+    assert not owner.registered
+    del owner
+    gc.collect()
+    assert rt.live == {} and rt.unregistered == []
+
+
+def test_without_pinning_it_is_a_plain_tensor_and_pinning_without_cuda_fails_as_torch_does():
+    t = host_empty(1000)
+    assert t.numel() == 1000 and t.dtype == torch.uint8 and t.device.type == "cpu"
+    if not torch.cuda.is_available():
+        with pytest.raises(RuntimeError):
+            host_empty(1000, pin=True)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_the_buffer_is_pinned_exact_and_copies_asynchronously():
+    n = 34_600_000 + 17
+    proc = psutil.Process()
+    torch.zeros(1, device="cuda")
+    before = proc.memory_info().rss
+    t = host_empty(n, pin=True)
+    assert t.is_pinned() and t.numel() == n
+    assert proc.memory_info().rss - before < n + (8 << 20)     # not the 64 MiB torch's allocator would take
+    t.copy_(torch.arange(n, dtype=torch.int64).to(torch.uint8))
+    stream = torch.cuda.Stream()
+    with torch.cuda.stream(stream):
+        d = torch.empty(n, dtype=torch.uint8, device="cuda")
+        d.copy_(t, non_blocking=True)
+    stream.synchronize()
+    assert torch.equal(d.cpu(), t)
+    ptr = t.data_ptr()
+    del t, d
+    gc.collect()
+    # the last view went, so the driver let the range go: unregistering it again is refused
+    assert int(torch.cuda.cudart().cudaHostUnregister(ptr)) != 0
