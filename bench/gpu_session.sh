@@ -15,6 +15,8 @@
 #   bash bench/gpu_session.sh OUT 6    # about 7 minutes: the split's and the prefill stream's GPU tests, the
 #                                      # memory cgroup's tests, llm bench (e), then (c) on CUDA with host memory
 #                                      # bounded by a cgroup (the same-memory GPU comparison)
+#   bash bench/gpu_session.sh OUT 7    # about 7 minutes: the GPU tests, (c) on CUDA bounded as in phase 6 (with
+#                                      # the 'ram' run's host memory as the baseline), (e), and (b) on CUDA
 #
 # Run it after `bash .gpu/on-device.sh` installed the wheels (see ../shared/gpu/README.md), e.g.
 #   bash .gpu/on-device.sh 'bash bench/gpu_session.sh $OUT 1'
@@ -23,9 +25,9 @@
 # Every step has its own time limit and writes its whole output to OUT/<step>.log; a step that fails or
 # runs out of time does not stop the next.  Nothing here is a test: the figures are read off the logs.
 set -u
-OUT=${1:?usage: bash bench/gpu_session.sh OUT 1|2|3|4|5|6}
-PHASE=${2:?usage: bash bench/gpu_session.sh OUT 1|2|3|4|5|6}
-case "$PHASE" in 1|2|3|4|5|6) ;; *) echo "phase must be 1 to 6, got '$PHASE'" >&2; exit 2 ;; esac
+OUT=${1:?usage: bash bench/gpu_session.sh OUT 1|2|3|4|5|6|7}
+PHASE=${2:?usage: bash bench/gpu_session.sh OUT 1|2|3|4|5|6|7}
+case "$PHASE" in 1|2|3|4|5|6|7) ;; *) echo "phase must be 1 to 7, got '$PHASE'" >&2; exit 2 ;; esac
 mkdir -p "$OUT"
 export YOLO_OFFLINE=1 PYTHONUNBUFFERED=1 TQDM_DISABLE=1
 export COE_DATA_DIR="${COE_DATA_DIR:-var/line-paper}"
@@ -86,6 +88,15 @@ elif [ "$PHASE" = 6 ]; then
   wait "$maker"; echo "=== big model: $(tail -n 1 "$OUT/big-model.log")"
   TAIL=12 step llm-e 110 coe-agent llm bench --work $W --part e
   TAIL=20 step llm-c 210 coe-agent llm bench --work $W --part c --device cuda
+elif [ "$PHASE" = 7 ]; then
+  big_model >"$OUT/big-model.log" 2>&1 &
+  maker=$!
+  TAIL=8 step gpu-tests 90 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_pinned.py \
+    tests/test_moe_fiddler.py tests/test_moe_prefill.py
+  wait "$maker"; echo "=== big model: $(tail -n 1 "$OUT/big-model.log")"
+  TAIL=20 step llm-c 210 coe-agent llm bench --work $W --part c --device cuda
+  TAIL=12 step llm-e 60 coe-agent llm bench --work $W --part e
+  TAIL=16 step llm-b 130 coe-agent llm bench --work $W --part b --device cuda
 elif [ "$PHASE" = 3 ] || [ "$PHASE" = 4 ]; then
   if [ "$PHASE" = 4 ]; then
     big_model >"$OUT/big-model.log" 2>&1 &

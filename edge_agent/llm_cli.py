@@ -324,6 +324,39 @@ def llm_make_model(kind: str | None, out: str, seconds: float, expert_gb: float,
                f"loss {info['loss']:.3f} ({info['bits_per_byte']:.2f} bits/byte) -> {out}")
 
 
+def _summarise_e2e(doc: dict, runs: list[dict], mem: dict, coe_runs: list[dict], layout, speed: float, cuda: bool,
+                   host_share: float) -> None:
+    """(c)'s verdict lines and JSON: the best coe-edge run against accelerate, the SSD-bound limit and RSS."""
+    best = max(coe_runs, key=lambda r: r["tokens_per_second"])
+    ram = next(r for r in runs if r["system"] == "ram")
+    acc = next(r for r in runs if r["system"] == "accelerate")
+    bound = best["tokens"] / (best["bytes_in"] / speed) if best["bytes_in"] else float("inf")
+    vs_acc = best["tokens_per_second"] / acc["tokens_per_second"] if acc["tokens_per_second"] else None
+    versus = (f"{vs_acc:.2f}x accelerate disk offload (target 3x)" if vs_acc is not None else
+              "accelerate's disk offload could not run within the same memory at any max_memory share")
+    limit = ("bytes into the GPU pool come from the host tier or the SSD, so no SSD-bound limit is given; "
+             if cuda else f"SSD-bound limit {bound:.2f} tokens/s (every missed byte at {speed / 1e9:.2f} GB/s): "
+                          f"{best['tokens_per_second'] / bound:.2f} of it (target 0.8); ")
+    click.echo(f"best coe-edge ({best['policy']}): {versus}; {limit}{'GPU' if cuda else 'RAM'} upper bound "
+               f"{ram.get('tokens_per_second', 0):.2f} tokens/s")
+    # the host memory a system may hold: the budget on the CPU; on a GPU the host tier (the budget is GPU memory)
+    budget_rss = (host_share if cuda else 0.25) * layout.expert_bytes + layout.resident_nbytes
+    above = "met" if best["rss_peak_above_base"] <= 1.15 * budget_rss else "not met"
+    absolute = "met" if best["rss_peak"] <= 1.15 * budget_rss else "not met"
+    what = "host tier + non-expert weights" if cuda else "budget + non-expert weights"
+    click.echo(f"peak RSS while generating: {best['rss_peak'] / 1e6:.0f} MB in all, {best['rss_peak_above_base'] / 1e6:.0f}"
+               f" MB above the baseline ({mem['baseline'] / 1e6:.0f} MB: interpreter, torch"
+               f"{', the CUDA context' if cuda else ''} and the model's code, no weights), vs {what} "
+               f"{budget_rss / 1e6:.0f} MB (+15%: {1.15 * budget_rss / 1e6:.0f} MB): {above} above the baseline, "
+               f"{absolute} in absolute terms")
+    for r in runs:
+        r.pop("output", None)
+    doc["c"] = {"runs": runs, "memory": mem, "best": best["policy"], "vs_accelerate": vs_acc,
+                "ssd_bound_tokens_per_s": None if cuda else bound,
+                "of_ssd_bound": None if cuda else best["tokens_per_second"] / bound,
+                "budget_plus_resident_bytes": budget_rss}
+
+
 @llm.command("bench")
 @click.option("--work", default="var/llm", show_default=True, type=click.Path(file_okay=False),
               help="Where the models, stores and traces are made (reused when present).")
@@ -516,33 +549,13 @@ def llm_bench(work: str, parts: str, prompts: int, decode: int, train_seconds: f
                        f"{r['rss_peak_above_base'] / 1e6:>11.0f} {r['rss_load_peak'] / 1e6:>12.0f} "
                        f"{str(r['output'] == ram.get('output')):>12}")
         coe_runs = [r for r in runs if r["system"] == "coe" and "failed" not in r]
-        best = max(coe_runs, key=lambda r: r["tokens_per_second"])
-        acc = next(r for r in runs if r["system"] == "accelerate")
-        bound = best["tokens"] / (best["bytes_in"] / speed) if best["bytes_in"] else float("inf")
-        vs_acc = best["tokens_per_second"] / acc["tokens_per_second"] if acc["tokens_per_second"] else None
-        versus = (f"{vs_acc:.2f}x accelerate disk offload (target 3x)" if vs_acc is not None else
-                  "accelerate's disk offload could not run within the same memory at any max_memory share")
-        limit = ("bytes into the GPU pool come from the host tier or the SSD, so no SSD-bound limit is given; "
-                 if cuda else f"SSD-bound limit {bound:.2f} tokens/s (every missed byte at {speed / 1e9:.2f} GB/s): "
-                              f"{best['tokens_per_second'] / bound:.2f} of it (target 0.8); ")
-        click.echo(f"best coe-edge ({best['policy']}): {versus}; {limit}{'GPU' if cuda else 'RAM'} upper bound "
-                   f"{ram.get('tokens_per_second', 0):.2f} tokens/s")
-        # the host memory a system may hold: the budget on the CPU; on a GPU the host tier (the budget is GPU memory)
-        budget_rss = (host_share if cuda else 0.25) * layout.expert_bytes + layout.resident_nbytes
-        above = "met" if best["rss_peak_above_base"] <= 1.15 * budget_rss else "not met"
-        absolute = "met" if best["rss_peak"] <= 1.15 * budget_rss else "not met"
-        what = "host tier + non-expert weights" if cuda else "budget + non-expert weights"
-        click.echo(f"peak RSS while generating: {best['rss_peak'] / 1e6:.0f} MB in all, {best['rss_peak_above_base'] / 1e6:.0f}"
-                   f" MB above the baseline ({mem['baseline'] / 1e6:.0f} MB: interpreter, torch"
-                   f"{', the CUDA context' if cuda else ''} and the model's code, no weights), vs {what} "
-                   f"{budget_rss / 1e6:.0f} MB (+15%: {1.15 * budget_rss / 1e6:.0f} MB): {above} above the baseline, "
-                   f"{absolute} in absolute terms")
-        for r in runs:
-            r.pop("output", None)
-        doc["c"] = {"runs": runs, "memory": mem, "best": best["policy"], "vs_accelerate": vs_acc,
-                    "ssd_bound_tokens_per_s": None if cuda else bound,
-                    "of_ssd_bound": None if cuda else best["tokens_per_second"] / bound,
-                    "budget_plus_resident_bytes": budget_rss}
+        if not coe_runs:
+            click.echo("no coe-edge run finished within the bound: no comparison")
+            for r in runs:
+                r.pop("output", None)
+            doc["c"] = {"runs": runs, "memory": mem, "best": None}
+        else:
+            _summarise_e2e(doc, runs, mem, coe_runs, layout, speed, cuda, host_share)
     if "d" in want:
         trace = lb.decode_only(rep, decode_tokens)
         with tqdm(total=len(lb.ABLATION) + 1, desc="(d) ablation", disable=None) as bar:   # + the ceiling

@@ -100,8 +100,37 @@ def test_on_cuda_the_buffer_is_pinned_exact_and_copies_asynchronously():
         d.copy_(t, non_blocking=True)
     stream.synchronize()
     assert torch.equal(d.cpu(), t)
-    ptr = t.data_ptr()
     del t, d
+
+
+class SpyCudart:
+    """The real CUDA runtime, with each register and unregister call's result recorded."""
+
+    def __init__(self) -> None:
+        self.real, self.calls = torch.cuda.cudart(), []
+
+    def cudaHostRegister(self, ptr, size, flags):
+        rc = int(self.real.cudaHostRegister(ptr, size, flags))
+        self.calls.append(("register", ptr, rc))
+        return rc
+
+    def cudaHostUnregister(self, ptr):
+        rc = int(self.real.cudaHostUnregister(ptr))
+        self.calls.append(("unregister", ptr, rc))
+        return rc
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_cuda_the_driver_registers_once_and_lets_go_after_the_last_view():
+    spy = SpyCudart()
+    t = torch.from_numpy(np.asarray(_Registered(10 << 20, spy)))
+    assert t.is_pinned()
+    view = t[4096:8192]
+    ptr = t.data_ptr()
+    del t
     gc.collect()
-    # the last view went, so the driver let the range go: unregistering it again is refused
-    assert int(torch.cuda.cudart().cudaHostUnregister(ptr)) != 0
+    assert spy.calls == [("register", ptr, 0)] and view.is_pinned()
+    del view
+    gc.collect()
+    assert spy.calls == [("register", ptr, 0), ("unregister", ptr, 0)]   # the driver let it go, without error
