@@ -17,6 +17,8 @@
 #                                      # bounded by a cgroup (the same-memory GPU comparison)
 #   bash bench/gpu_session.sh OUT 7    # about 7 minutes: the GPU tests, (c) on CUDA bounded as in phase 6 (with
 #                                      # the 'ram' run's host memory as the baseline), (e), and (b) on CUDA
+#   bash bench/gpu_session.sh OUT 8    # about 4 minutes: (c) on CUDA as in phase 7 with 128 tokens (past the
+#                                      # cold start)
 #
 # Run it after `bash .gpu/on-device.sh` installed the wheels (see ../shared/gpu/README.md), e.g.
 #   bash .gpu/on-device.sh 'bash bench/gpu_session.sh $OUT 1'
@@ -25,9 +27,9 @@
 # Every step has its own time limit and writes its whole output to OUT/<step>.log; a step that fails or
 # runs out of time does not stop the next.  Nothing here is a test: the figures are read off the logs.
 set -u
-OUT=${1:?usage: bash bench/gpu_session.sh OUT 1|2|3|4|5|6|7}
-PHASE=${2:?usage: bash bench/gpu_session.sh OUT 1|2|3|4|5|6|7}
-case "$PHASE" in 1|2|3|4|5|6|7) ;; *) echo "phase must be 1 to 7, got '$PHASE'" >&2; exit 2 ;; esac
+OUT=${1:?usage: bash bench/gpu_session.sh OUT 1|2|3|4|5|6|7|8}
+PHASE=${2:?usage: bash bench/gpu_session.sh OUT 1|2|3|4|5|6|7|8}
+case "$PHASE" in 1|2|3|4|5|6|7|8) ;; *) echo "phase must be 1 to 8, got '$PHASE'" >&2; exit 2 ;; esac
 mkdir -p "$OUT"
 export YOLO_OFFLINE=1 PYTHONUNBUFFERED=1 TQDM_DISABLE=1
 export COE_DATA_DIR="${COE_DATA_DIR:-var/line-paper}"
@@ -97,6 +99,10 @@ elif [ "$PHASE" = 7 ]; then
   TAIL=20 step llm-c 210 coe-agent llm bench --work $W --part c --device cuda
   TAIL=12 step llm-e 60 coe-agent llm bench --work $W --part e
   TAIL=16 step llm-b 130 coe-agent llm bench --work $W --part b --device cuda
+elif [ "$PHASE" = 8 ]; then
+  big_model >"$OUT/big-model.log" 2>&1
+  echo "=== big model: $(tail -n 1 "$OUT/big-model.log")"
+  TAIL=20 step llm-c 240 coe-agent llm bench --work $W --part c --device cuda --e2e-tokens 128
 elif [ "$PHASE" = 3 ] || [ "$PHASE" = 4 ]; then
   if [ "$PHASE" = 4 ]; then
     big_model >"$OUT/big-model.log" 2>&1 &
