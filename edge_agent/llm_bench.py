@@ -633,10 +633,13 @@ def gpu_split_bench(store: Path, prompt_ids: list[int], decode_tokens: int, *, d
                 pm.model(input_ids=ids.to(pm.device))
                 sync()
                 prefill_s = time.perf_counter() - t0
+            host_misses = pm.host.stats().misses if pm.host is not None else 0
             _, st = pm.generate(ids, decode_tokens)
             row = {"split": split or "off", "prefill": prefill, "prefill_tokens_per_second": len(prompt_ids) / prefill_s,
                    "decode_tokens_per_second": st.tokens_per_second, "hit_rate": st.hit_rate,
                    "gib_read": st.bytes_in / 2**30}
+            if pm.host is not None:     # the file reads of the timed generation: what the host tier lacked
+                row["host_misses"] = pm.host.stats().misses - host_misses
             if pm.split is not None:
                 reads = pm.in_place.weights.reads
                 row.update(in_place=pm.split.stats.in_place, loaded=pm.split.stats.loaded,
@@ -647,7 +650,7 @@ def gpu_split_bench(store: Path, prompt_ids: list[int], decode_tokens: int, *, d
             if pm.prefill is not None:
                 pf = pm.prefill.stats
                 row.update(prefill_gpu_resident=pf.resident, prefill_streamed=pf.streamed, prefill_cpu=pf.cpu,
-                           prefill_costs=pm.prefill.costs.source)
+                           prefill_admitted=pf.admitted, prefill_costs=pm.prefill.costs.source)
             out.append(row)
         finally:
             pm.close()

@@ -314,3 +314,41 @@ def test_prefill_balance_on_cuda_matches_the_reference_within_tolerance(qwen3, c
     if costs is MIXED:
         assert st.streamed > 0 and st.cpu > 0
     pm.close()
+
+
+def _decode_after_prefill(qwen3, offer: bool) -> tuple:
+    """(experts the host tier kept from the stream, host-tier misses of the decode passes after the prefill)."""
+    from executors import moe_prefill as mp
+
+    ref, layout, store = qwen3
+    per = layout.layers[0].expert_nbytes
+    pm = load_pooled(store, memory=per * (layout.top_k + 2), policy="lru", prefill=MIXED,
+                     host_memory=per * layout.layers[0].num_experts * 2)
+    _streaming(pm)
+    if not offer:
+        pm.prefill._offer = lambda expert_id, flat: False
+    kept = []
+    admit = pm.host.admit
+    pm.host.admit = lambda eid, produce=None, **kw: (lambda ok: (kept.append(eid) if ok else None, ok)[1])(
+        admit(eid, produce, **kw))
+    try:
+        with torch.no_grad():
+            x = _prompt(3, 16)
+            assert torch.equal(pm.model(x).logits, ref(x).logits)
+            for eid in kept:
+                assert pm.host.contains(eid)                 # the streamed bytes stayed, under the host's policy
+            before = pm.host.stats().misses
+            for t in range(4):                              # decode-sized passes go through the pools
+                y = x[:, : 12 + t]
+                assert torch.equal(pm.model(y[:, -2:]).logits, ref(y[:, -2:]).logits)
+            return kept, pm.host.stats().misses - before, pm.prefill.stats
+    finally:
+        pm.close()
+
+
+def test_streamed_experts_read_from_their_files_stay_in_the_host_tier_for_the_decode(qwen3):
+    kept, misses, stats = _decode_after_prefill(qwen3, offer=True)
+    assert kept and stats.admitted == len(kept) and stats.streamed >= len(kept)
+    never_kept, misses_without, _ = _decode_after_prefill(qwen3, offer=False)
+    assert never_kept == []
+    assert misses < misses_without          # the decode found in the host tier what the prefill had streamed
