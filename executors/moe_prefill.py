@@ -434,8 +434,10 @@ class PrefillBalance:
         recently, and the decode's misses copy from it (1.8 ms on the H200
         box) instead of reading the file (25-27 ms).  The stream read these
         bytes anyway; without this a balanced prefill left the host tier as it
-        was, and decode after it ran 0.77x and 0.95x batched's in the two runs
-        that showed it.  The host tier admits by its own policy, and a victim
+        was.  (Decode after a balanced prefill ran 0.77x and 0.95x batched's in
+        two H200 runs; whether this was the cause is not yet measured on a GPU.
+        With the CPU playing the device it cut the host tier's file reads over
+        a 128-token prefill and 16 decode tokens from 10 to 4.)  The host tier admits by its own policy, and a victim
         of the same size becomes the stream's spare buffer in place of the one
         given away, so the stream allocates nothing new.
         """
