@@ -411,7 +411,10 @@ def llm_bench(work: str, parts: str, prompts: int, decode: int, train_seconds: f
     (e) GPU box only: prefill and decode tokens/s on the generated model
         with the Fiddler split and the prefill balance, each on and off.
     With --device cuda, (b) and (c) hold the 25% budget in GPU memory behind
-    a pinned host tier of --host-share of the experts.  Prints tables and one
+    a pinned host tier of --host-share of the experts.  (c) bounds each
+    process (RSS and page cache) with a memory cgroup where the box allows
+    one (cgroup v1 or v2, as root): on the CPU the budget, on a GPU the host
+    tier, each over a baseline (on a GPU, the host memory of the 'ram' run).  Prints tables and one
     JSON line.
 
     \b
