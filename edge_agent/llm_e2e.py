@@ -53,31 +53,15 @@ class PeakRSS:
         return self.peak
 
 
-def _trim_heap() -> None:
-    """Hand the heap's free pages back to the OS (glibc; a no-op elsewhere), for every system alike.
-
-    transformers' loader and ours materialise weights on the host and free
-    them; glibc keeps the freed heap pages, which then count against the bound
-    applied next though no system uses them.
-    """
-    import ctypes
-
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
 def _bound(cgroup: str | None, limit: int) -> None:
-    """Lower this process's memory cgroup to `limit` now that the model is loaded (the kernel reclaims page
-    cache to get there; if the process's own memory is larger, it is killed by the bound, as it would be
-    on a box of that size)."""
-    _trim_heap()
+    """Free the loader's scratch back to the OS, then lower this process's memory cgroup to `limit` (if bounded)."""
+    from storage.heap import trim_heap
+
+    from .memory_cgroup import lower_limit
+
+    trim_heap()     # transformers' loader and ours free their scratch; glibc would keep it, counted by the bound
     if cgroup:
-        # what the process holds as the bound comes down: in the failure message if the bound kills it
-        print(f"bounded at {limit / 1e6:.0f} MB with {_rss() / 1e6:.0f} MB resident", file=sys.stderr, flush=True)
-        v2 = Path(cgroup, "memory.max")
-        (v2 if v2.is_file() else Path(cgroup, "memory.limit_in_bytes")).write_text(str(int(limit)))
+        lower_limit(cgroup, limit, _rss())
 
 
 def run(system: str, hf_dir: str, store: str, memory: int, prompt_ids: list[int], tokens: int, policy: str,

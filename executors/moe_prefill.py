@@ -444,7 +444,7 @@ class PrefillBalance:
         from storage.tiers import take_buffer
 
         host = self.weights.host
-        if host is None or expert_id is None or host.source.size(expert_id) != flat.nbytes:
+        if host is None or expert_id is None:
             return False
 
         def produce(reuse: list):
@@ -454,10 +454,13 @@ class PrefillBalance:
                     self._spare.append(spare)
             return flat
         try:
+            if host.source.size(expert_id) != flat.nbytes:
+                return False
             kept = host.admit(expert_id, produce)
-        except Exception:  # noqa: BLE001 - the host tier may always decline; the buffer stays ours
+        except Exception:  # noqa: BLE001 - the host tier may always decline
             log.exception("prefill stream: the host tier could not take %s", expert_id)
-            return False
+            # an error after the entry was made (a listener's, say) leaves the bytes there: then they are not ours
+            return host.contains(expert_id)
         if kept:
             self.stats.admitted += 1
         return kept

@@ -700,8 +700,6 @@ class ExpertStore:
     def _stream_flat(self, entry: ManifestEntry, path: Path, *, pin: bool, out: "FlatWeights | None",
                      dtype: str | None, expect_sha256: str | None) -> "FlatWeights":
         """Decode and/or convert into one buffer through a bounded scratch buffer."""
-        import torch
-
         from .compressed import decode_to, iter_decoded, read_header
         from .convert import Placer, cast_in_place, converted_layout
         from .flat import FlatWeights, iter_plain, may_yield

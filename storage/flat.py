@@ -203,8 +203,6 @@ def read_flat(path: str | os.PathLike, expert_id: str, *, pin: bool = False,
     hashed as they stream in, so checking costs CPU time but no second pass
     over the disk.  `out` (an evicted expert of the same size) lends its buffer.
     """
-    import torch
-
     if method not in READ_METHODS:
         raise ValueError(f"read method must be one of {READ_METHODS}, got {method!r}")
     _chunk(expert_id)            # a read that must give way does so before it reads or allocates anything

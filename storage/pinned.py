@@ -2,7 +2,7 @@
 
 torch's pinned allocator (`torch.empty(..., pin_memory=True)`) rounds every
 request up to the next power of two and caches the blocks.  An LLM expert of
-34.6 MB then holds 64 MB of page-locked memory, so a host tier of 1.1 GB held
+34.4 MB then holds 64 MB of page-locked memory, so a host tier of 1.1 GB held
 about 2 GB, none of which the pool's accounting saw (the H200 run of `llm bench
 --part c` peaked at 3.79 GB of RSS).  Here the memory is an ordinary
 page-aligned allocation of the exact size, which the CUDA driver page-locks in
@@ -12,8 +12,9 @@ dies.
 The price: a registered buffer is not tracked by torch's caching allocator,
 which delays the reuse of its own blocks until an asynchronous copy from them
 has finished.  Every tier copy here waits for its copy before it returns (see
-`TierSource._copy_bytes` and `host_copy`), so a buffer is never freed or
-refilled under a copy in flight.  Where the driver will not register memory,
+`TierSource._copy_bytes` and `host_copy`), and the prefill stream waits for a
+slot's copy before its host bytes go anywhere (`PrefillBalance._let_go`), so a
+buffer is never freed or refilled under a copy in flight.  Where the driver will not register memory,
 or torch would not see the result as pinned, the buffer comes from torch's
 pinned allocator as before.
 """
@@ -48,14 +49,33 @@ class _Registered:
 
     def __del__(self) -> None:
         if getattr(self, "registered", False):
-            self._cudart.cudaHostUnregister(self.ptr)
             self.registered = False
+            if int(self._cudart.cudaHostUnregister(self.ptr)) != 0:
+                clear_cuda_error()
+
+
+def clear_cuda_error() -> None:
+    """Take a refused CUDA runtime call's error off this thread, where torch's next launch check would raise it.
+
+    The runtime keeps a failed call's error as the thread's last error until
+    someone reads it; torch reads it after every kernel launch, so a refused
+    `cudaHostRegister` here would surface as an error in an unrelated
+    operation later (a GPU test met exactly that).  torch's binding has no
+    `cudaGetLastError`, so a one-element launch reads it, and its error is
+    dropped.
+    """
+    import torch
+
+    try:
+        torch.empty(1, device="cuda").fill_(0)
+    except Exception:  # noqa: BLE001 - the error being cleared is the point
+        pass
 
 
 def host_empty(nbytes: int, pin: bool = False):
     """A CPU uint8 tensor of `nbytes`; page-locked for fast, asynchronous device copies when `pin`.
 
-    Pinned buffers hold exactly `nbytes` (page-rounded), not the next power of
+    Pinned buffers hold exactly `nbytes`, not the next power of
     two.  On a box without CUDA, `pin` fails as `torch.empty(pin_memory=True)` does.
     """
     import torch
@@ -67,7 +87,9 @@ def host_empty(nbytes: int, pin: bool = False):
     except (AttributeError, RuntimeError, TypeError) as exc:   # a torch without cudart's register call
         log.debug("cudaHostRegister unavailable (%s): torch's pinned allocator", exc)
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=True)
-    if owner.registered:
+    if not owner.registered:        # e.g. a device without host-register support
+        clear_cuda_error()
+    else:
         t = torch.from_numpy(np.asarray(owner))
         if t.is_pinned():
             return t

@@ -134,3 +134,16 @@ def test_on_cuda_the_driver_registers_once_and_lets_go_after_the_last_view():
     del view
     gc.collect()
     assert spy.calls == [("register", ptr, 0), ("unregister", ptr, 0)]   # the driver let it go, without error
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_a_refused_register_leaves_no_error_for_the_next_cuda_operation():
+    from storage.pinned import clear_cuda_error
+
+    t = host_empty(1 << 20, pin=True)
+    rt = torch.cuda.cudart()
+    assert int(rt.cudaHostRegister(t.data_ptr(), 1 << 20, 0)) != 0     # already registered: refused
+    clear_cuda_error()
+    assert float((torch.ones(4, device="cuda") * 2).sum()) == 8.0      # would raise the refused call's error
+    del t

@@ -1,7 +1,6 @@
 """Tiers, flat buffers, skeleton switching and prefetch, on real files and real models."""
 from __future__ import annotations
 
-import ctypes
 import gc
 import os
 import sqlite3
@@ -20,6 +19,7 @@ from executors.backends import get_backend
 from executors.prefetch import Prefetcher
 from executors.skeletons import Skeletons
 from storage.expert_store import ExpertStore
+from storage.heap import trim_heap
 from storage.policies import make_policy
 from storage.pool import Pool
 from storage.recording import Recording
@@ -69,21 +69,6 @@ def rss() -> int:
     return psutil.Process(os.getpid()).memory_info().rss
 
 
-def trim_heap() -> None:
-    """Ask glibc to hand free heap pages back to the OS (a no-op on another libc).
-
-    In a long test process malloc may serve a 48 MiB request from a large free
-    region that earlier tests left in the heap instead of mmapping it; freeing
-    it then returns it to malloc's bins, not to the OS (CI saw exactly this).
-    `malloc_trim(0)` releases every whole free page, so RSS can only fall if
-    the buffer was really freed: the test still fails if anything holds it.
-    """
-    try:
-        ctypes.CDLL(None).malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
-
-
 def test_memory_really_comes_back_after_eviction(tmp_path):
     store = ExpertStore(tmp_path / "big")
     big = Expert("big", "torchvision/none", "classifier", ("a",), 32)
@@ -99,6 +84,9 @@ def test_memory_really_comes_back_after_eviction(tmp_path):
     del h
     assert pool.evict("big")
     assert ref() is None                                            # nothing else holds the buffer
+    # in a long test process malloc may serve the 48 MiB from a free heap region instead of a mapping of its
+    # own (CI saw it), and free() keeps that; trimming releases whole free pages, so RSS can only fall if the
+    # buffer really was freed
     trim_heap()
     assert loaded - rss() > 40 * 2**20                              # and the 48 MiB went back to the OS
 
