@@ -570,7 +570,8 @@ def llm_bench(work: str, parts: str, prompts: int, decode: int, train_seconds: f
         with tqdm(total=len(lb.ABLATION) + 1, desc="(d) ablation", disable=None) as bar:   # + the ceiling
             arows = lb.run_ablation(big, profile, trace, progress=lambda _: bar.update(1))
         click.echo(f"(d) ablation, each row on top of the one before (the two prefetch rows are alternatives; "
-                   f"from 'next token + popularity' on, that eviction replaces the gate score's): "
+                   f"from 'next token + popularity' on, that eviction replaces the gate score's; the alpha 0.5 row "
+                   f"is that row's settings with a wider substitution band, not on top of the split): "
                    f"trace-driven real decode as (b), {res}")
         base = lb.lru_baseline(arows)
         click.echo(f"{'row':46} {'tokens/s':>9} {'hit rate':>9} {'GiB read':>9} {'x LRU':>6}  notes "
