@@ -391,7 +391,7 @@ def import_peak(hf: Path) -> dict:
 
 
 LRU_AGAIN = "LRU again (after the other rows: the box's drift)"
-ALPHA_WIDE = "next token + popularity, alpha 0.5 (no prefetch, no split)"
+ALPHA_WIDE = "next token + popularity, alpha 0.5"
 ABLATION = (("lru", "LRU (baseline)", {}),
             ("gate-score", "eviction by windowed gate score", {}),
             ("gate-score", "+ substitution (alpha 0.3)", {"alpha": 0.3}),
