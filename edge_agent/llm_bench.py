@@ -240,11 +240,17 @@ def run_decode(store: Path, profile: Trace, trace: Trace, *, share: float = 0.25
 
 
 def failure(returncode: int, stderr: str) -> str:
-    """Why a (c) child failed: stopped at its memory bound (with what it held then), or its own error."""
-    if returncode not in (-9, OVER_THE_BOUND):
-        return stderr.strip()[-500:]
+    """Why a (c) child failed: stopped at its memory bound (with what it held then), killed, or its own error.
+
+    A SIGKILL with no 'bounded at' line came before the bound applied: the
+    box's OOM killer or someone else's kill, not the bench's bound.
+    """
     said = "; ".join(line for line in stderr.splitlines() if line.startswith(("bounded at", "over the bound")))
-    return f"killed at the memory bound ({said or 'before it was bounded'})"
+    if returncode == OVER_THE_BOUND or (returncode == -9 and said):
+        return f"killed at the memory bound ({said})"
+    if returncode == -9:
+        return "killed (SIGKILL) before its memory bound applied: the box's OOM killer or an outside kill"
+    return stderr.strip()[-500:]
 
 
 def run_e2e(hf: Path, store: Path, prompt_ids: list[int], tokens: int, *, share: float = 0.25,
@@ -402,7 +408,7 @@ ABLATION = (("lru", "LRU (baseline)", {}),
              {"alpha": 0.3, "prefetch": "token", "prefetch_min_prob": 0.5}),
             ("predicted", "+ load/compute split", {"alpha": 0.3, "prefetch": "token", "prefetch_min_prob": 0.5,
                                                   "split": True}),
-            # not on top of the split: the best rows' settings with a wider band (quality: see the README)
+            # not on top of the split: the best row's settings with a wider band (quality: see the README)
             ("predicted", ALPHA_WIDE, {"alpha": 0.5}),
             ("lru", LRU_AGAIN, {}))
 
@@ -410,8 +416,8 @@ ABLATION = (("lru", "LRU (baseline)", {}),
 def run_ablation(store: Path, profile: Trace, trace: Trace, *, share: float = 0.25,
                  progress: Callable[[str], None] | None = None) -> list[dict]:
     """Issue 11's ablation on trace-driven decode: each row on top of the one before (the two prefetch rows
-    are alternatives: every guess, or only confident ones; the split goes on top of the second), then LRU
-    again and the ceiling.
+    are alternatives: every guess, or only confident ones; the split goes on top of the second), then the
+    best row's settings at alpha 0.5 (not on top of the split), LRU again and the ceiling.
 
     The importance paper's order, with one row of ours between substitution
     and prefetch: the windowed gate score gives way to `predicted` eviction

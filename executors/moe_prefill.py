@@ -459,8 +459,9 @@ class PrefillBalance:
             kept = host.admit(expert_id, produce)
         except Exception:  # noqa: BLE001 - the host tier may always decline
             log.exception("prefill stream: the host tier could not take %s", expert_id)
-            # an error after the entry was made (a listener's, say) leaves the bytes there: then they are not ours
-            return host.contains(expert_id)
+            # whether the tier kept the bytes is not known (an error after the entry was made, a listener's
+            # say): the stream gives the buffer up rather than risk two owners; it only costs a later allocation
+            return True
         if kept:
             self.stats.admitted += 1
         return kept

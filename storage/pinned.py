@@ -50,7 +50,9 @@ class _Registered:
     def __del__(self) -> None:
         if getattr(self, "registered", False):
             self.registered = False
-            if int(self._cudart.cudaHostUnregister(self.ptr)) != 0:
+            rc = int(self._cudart.cudaHostUnregister(self.ptr))
+            if rc != 0:        # a buffer we registered: a refusal here is a bug to see, not to hide
+                log.warning("cudaHostUnregister of a %d-byte pinned buffer refused (CUDA error %d)", self.nbytes, rc)
                 clear_cuda_error()
 
 
@@ -64,11 +66,11 @@ def clear_cuda_error() -> None:
     `cudaGetLastError`, so a one-element launch reads it, and its error is
     dropped.
     """
-    import torch
-
     try:
+        import torch
+
         torch.empty(1, device="cuda").fill_(0)
-    except Exception:  # noqa: BLE001 - the error being cleared is the point
+    except Exception:  # noqa: BLE001 - the error being cleared is the point (and at shutdown, no torch)
         pass
 
 

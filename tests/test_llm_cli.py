@@ -149,8 +149,10 @@ def test_bench_parts_b_and_d_compare_with_the_mean_of_lru_run_first_and_last(hf_
     assert b["best_vs_lru"] == pytest.approx(best["tokens_per_second"] / b["lru_baseline"])
     lru_d = [r["tokens_per_second"] for r in d if r["policy"] == "lru"]
     assert len(lru_d) == 2 and doc["d_lru_baseline"] == pytest.approx(sum(lru_d) / 2)
-    line = next(ln for ln in res.output.splitlines() if "best row:" in ln)
-    assert "LRU" not in line.split("best row:")[1].split(" at ")[0]          # never an LRU row
+    line = next(ln for ln in res.output.splitlines() if "best row at alpha <= 0.3:" in ln)
+    named = line.split("best row at alpha <= 0.3:")[1].split(" at ")[0]
+    assert "LRU" not in named and "alpha 0.5" not in named                  # never an LRU row, nor the wide band
+    assert any(ln.strip().startswith("at alpha 0.5") for ln in res.output.splitlines())   # that one is said apart
 
 
 def test_tune_alpha_measures_each_alpha_and_plots(hf_model, tmp_path, monkeypatch):

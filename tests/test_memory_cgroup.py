@@ -85,6 +85,7 @@ def test_end_to_end_runs_every_system_bounded_and_each_generates_the_reference_t
     assert mem["limit"] >= mem["limit_baseline"] + (64 << 20) and mem["ram_host_rss"] is None   # on the CPU
 
 
+@pytest.mark.skipif(psutil.swap_memory().total > 0, reason="with swap, a process over the bound swaps instead")
 def test_a_child_lowered_below_its_own_memory_stops_and_is_reported_as_stopped_at_the_bound():
     """`lower_limit` in a child holding 200 MiB, limit 64 MiB: v1 refuses (EBUSY), v2 kills; both read the same."""
     from edge_agent.llm_bench import failure
@@ -103,4 +104,5 @@ def test_a_child_lowered_below_its_own_memory_stops_and_is_reported_as_stopped_a
     assert "survived" not in res.stdout
     said = failure(res.returncode, res.stderr)
     assert said.startswith("killed at the memory bound (bounded at 67 MB with ") and "MB resident" in said
-    assert failure(1, "Traceback ...\nValueError: bad prompt") .endswith("ValueError: bad prompt")   # its own error
+    assert failure(1, "Traceback ...\nValueError: bad prompt").endswith("ValueError: bad prompt")   # its own error
+    assert failure(-9, "loading ...").startswith("killed (SIGKILL) before its memory bound applied")

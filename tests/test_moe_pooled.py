@@ -406,6 +406,7 @@ def test_the_ablation_runs_every_row_and_gives_predicted_rows_the_profiles_predi
     seen = set()
     for (policy, _, extra), kw in zip(lb.ABLATION, calls):
         assert kw["policy"] == policy and kw["memory"] == calls[0]["memory"]      # one budget for every row
+        assert all(kw.get(k) == v for k, v in extra.items()), (policy, extra)     # each row's own settings ran
         if policy == "predicted" or extra.get("prefetch") == "token":
             assert np.array_equal(kw["predictor"].W, from_profile.W)             # learnt on the profile only
         else:
