@@ -19,6 +19,8 @@
 #                                      # the 'ram' run's host memory as the baseline), (e), and (b) on CUDA
 #   bash bench/gpu_session.sh OUT 8    # about 4 minutes: (c) on CUDA as in phase 7 with 128 tokens (past the
 #                                      # cold start)
+#   bash bench/gpu_session.sh OUT 9    # about 2 minutes: the GPU tests of the pinned buffers, the split and the
+#                                      # prefill stream, then (e) (the host tier keeping the stream's bytes)
 #
 # Run it after `bash .gpu/on-device.sh` installed the wheels (see ../shared/gpu/README.md), e.g.
 #   bash .gpu/on-device.sh 'bash bench/gpu_session.sh $OUT 1'
@@ -27,9 +29,9 @@
 # Every step has its own time limit and writes its whole output to OUT/<step>.log; a step that fails or
 # runs out of time does not stop the next.  Nothing here is a test: the figures are read off the logs.
 set -u
-OUT=${1:?usage: bash bench/gpu_session.sh OUT 1|2|3|4|5|6|7|8}
-PHASE=${2:?usage: bash bench/gpu_session.sh OUT 1|2|3|4|5|6|7|8}
-case "$PHASE" in 1|2|3|4|5|6|7|8) ;; *) echo "phase must be 1 to 8, got '$PHASE'" >&2; exit 2 ;; esac
+OUT=${1:?usage: bash bench/gpu_session.sh OUT 1|2|3|4|5|6|7|8|9}
+PHASE=${2:?usage: bash bench/gpu_session.sh OUT 1|2|3|4|5|6|7|8|9}
+case "$PHASE" in 1|2|3|4|5|6|7|8|9) ;; *) echo "phase must be 1 to 9, got '$PHASE'" >&2; exit 2 ;; esac
 mkdir -p "$OUT"
 export YOLO_OFFLINE=1 PYTHONUNBUFFERED=1 TQDM_DISABLE=1
 export COE_DATA_DIR="${COE_DATA_DIR:-var/line-paper}"
@@ -99,6 +101,13 @@ elif [ "$PHASE" = 7 ]; then
   TAIL=20 step llm-c 210 coe-agent llm bench --work $W --part c --device cuda
   TAIL=12 step llm-e 60 coe-agent llm bench --work $W --part e
   TAIL=16 step llm-b 130 coe-agent llm bench --work $W --part b --device cuda
+elif [ "$PHASE" = 9 ]; then
+  big_model >"$OUT/big-model.log" 2>&1 &
+  maker=$!
+  TAIL=8 step gpu-tests 60 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_pinned.py \
+    tests/test_moe_fiddler.py tests/test_moe_prefill.py
+  wait "$maker"; echo "=== big model: $(tail -n 1 "$OUT/big-model.log")"
+  TAIL=12 step llm-e 70 coe-agent llm bench --work $W --part e
 elif [ "$PHASE" = 8 ]; then
   big_model >"$OUT/big-model.log" 2>&1
   echo "=== big model: $(tail -n 1 "$OUT/big-model.log")"
