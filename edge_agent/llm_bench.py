@@ -578,12 +578,24 @@ def gpu_split_bench(store: Path, prompt_ids: list[int], decode_tokens: int, *, d
                 sync()
                 prefill_s = time.perf_counter() - t0
             host_misses = pm.host.stats().misses if pm.host is not None else 0
-            _, st = pm.generate(ids, decode_tokens)
+            first: dict = {}
+
+            def mark(_tok: int) -> None:      # the first token ends the generation's prefill: decode starts here
+                if not first:
+                    first.update(t=time.perf_counter(), misses=pm.stats().misses,
+                                 host=pm.host.stats().misses if pm.host is not None else 0)
+            _, st = pm.generate(ids, decode_tokens, on_token=mark)
+            sync()
+            end = time.perf_counter()
             row = {"split": split or "off", "prefill": prefill, "prefill_tokens_per_second": len(prompt_ids) / prefill_s,
                    "decode_tokens_per_second": st.tokens_per_second, "hit_rate": st.hit_rate,
-                   "gib_read": st.bytes_in / 2**30}
+                   "gib_read": st.bytes_in / 2**30,
+                   # the tokens after the first, alone: the generation's own prefill left out
+                   "decode_only_tokens_per_second": (st.tokens - 1) / (end - first["t"]) if st.tokens > 1 else 0.0,
+                   "decode_only_misses": pm.stats().misses - first["misses"]}
             if pm.host is not None:     # the file reads of the timed generation: what the host tier lacked
                 row["host_misses"] = pm.host.stats().misses - host_misses
+                row["decode_only_host_misses"] = pm.host.stats().misses - first["host"]
             if pm.split is not None:
                 reads = pm.in_place.weights.reads
                 row.update(in_place=pm.split.stats.in_place, loaded=pm.split.stats.loaded,

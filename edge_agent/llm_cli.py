@@ -618,7 +618,9 @@ def llm_bench(work: str, parts: str, prompts: int, decode: int, train_seconds: f
                     f"{r['loaded']} layers loaded, {r['costs']}" if "in_place" in r else "") + (
                 f"; prefill {r['prefill_gpu_resident']} resident, {r['prefill_streamed']} streamed "
                 f"({r['prefill_admitted']} kept by the host tier), {r['prefill_cpu']} CPU" if "prefill_streamed" in r
-                else "") + (f"; {r['host_misses']} file reads" if "host_misses" in r else "")
+                else "") + (f"; {r['host_misses']} file reads" if "host_misses" in r else "") + (
+                f"; decode alone {r['decode_only_tokens_per_second']:.1f} tok/s, {r['decode_only_misses']} pool misses"
+                + (f", {r['decode_only_host_misses']} file reads" if "decode_only_host_misses" in r else ""))
             click.echo(f"{r['split']:8} {r['prefill']:8} {r['prefill_tokens_per_second']:>13.1f} "
                        f"{r['decode_tokens_per_second']:>12.2f} {r['hit_rate']:>9.1%}  {note}")
         doc["e"] = {"device": torch_device_name(), "rows": rows}

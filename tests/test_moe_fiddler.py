@@ -160,6 +160,9 @@ def test_the_gpu_bench_runs_its_rows_with_the_cpu_playing_the_device(qwen3):
     assert [(r["split"], r["prefill"]) for r in rows] == [("off", "batched"), ("fiddler", "batched")]
     assert all(r["decode_tokens_per_second"] > 0 and r["prefill_tokens_per_second"] > 0 for r in rows)
     assert "in_place" not in rows[0] and rows[1]["in_place"] + rows[1]["loaded"] > 0
+    for r in rows:      # decode alone: the generation's first token (its prefill) left out
+        assert r["decode_only_tokens_per_second"] > 0 and 0 <= r["decode_only_misses"]
+        assert r["decode_only_host_misses"] <= r["host_misses"]
 
 
 @pytest.mark.gpu
