@@ -63,59 +63,64 @@ print("big model ready")
 EOF
 }
 
+model_start() {   # make the big model in the background while untimed steps run
+  big_model >"$OUT/big-model.log" 2>&1 &
+  maker=$!
+}
+
+model_ready() {   # wait for model_start's maker; never beside a timed step
+  wait "$maker"; echo "=== big model: $(tail -n 1 "$OUT/big-model.log")"
+}
+
+llm_gpu_tests() {   # llm_gpu_tests SECONDS: the GPU tests of the pinned buffers, the split and the prefill stream
+  TAIL=8 step gpu-tests "$1" python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_pinned.py \
+    tests/test_moe_fiddler.py tests/test_moe_prefill.py
+}
+
 if [ "$PHASE" = 1 ]; then
   nvidia-smi >"$OUT/nvidia-smi.txt" 2>&1
   # the model is made on the CPU while the (untimed) GPU tests and the zoo build run
-  big_model >"$OUT/big-model.log" 2>&1 &
-  maker=$!
+  model_start
   TAIL=8 step gpu-tests 90 python3 -m pytest -q -m gpu -p no:cacheprovider \
     tests/test_moe_prefill.py tests/test_moe_fiddler.py tests/test_simdevice.py
   step zoo 60 coe-agent zoo build --config configs/line-paper.yaml
-  wait "$maker"; echo "=== big model: $(tail -n 1 "$OUT/big-model.log")"
+  model_ready
   mkdir -p "$OUT/profile"
   TAIL=30 step profile 150 coe-agent profile --config configs/line-paper.yaml --out "$OUT/profile/gpu.json"
   TAIL=12 step llm-e 90 coe-agent llm bench --work $W --part e
   TAIL=16 step llm-b 130 coe-agent llm bench --work $W --part b --device cuda
 elif [ "$PHASE" = 5 ]; then
-  big_model >"$OUT/big-model.log" 2>&1 &
-  maker=$!
+  model_start
   TAIL=8 step gpu-tests 60 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_moe_fiddler.py
-  wait "$maker"; echo "=== big model: $(tail -n 1 "$OUT/big-model.log")"
+  model_ready
   TAIL=12 step llm-e 110 coe-agent llm bench --work $W --part e
 elif [ "$PHASE" = 6 ]; then
   { nvidia-smi; mount | grep cgroup; cat /proc/self/cgroup; free -m; nproc; } >"$OUT/box.txt" 2>&1
-  big_model >"$OUT/big-model.log" 2>&1 &
-  maker=$!
-  TAIL=8 step gpu-tests 100 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_pinned.py tests/test_moe_fiddler.py \
-    tests/test_moe_prefill.py
+  model_start
+  llm_gpu_tests 100
   TAIL=8 step cgroup-tests 40 python3 -m pytest -q -p no:cacheprovider tests/test_memory_cgroup.py -k "not end_to_end"
-  wait "$maker"; echo "=== big model: $(tail -n 1 "$OUT/big-model.log")"
+  model_ready
   TAIL=12 step llm-e 110 coe-agent llm bench --work $W --part e
   TAIL=20 step llm-c 210 coe-agent llm bench --work $W --part c --device cuda
 elif [ "$PHASE" = 7 ]; then
-  big_model >"$OUT/big-model.log" 2>&1 &
-  maker=$!
-  TAIL=8 step gpu-tests 90 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_pinned.py \
-    tests/test_moe_fiddler.py tests/test_moe_prefill.py
-  wait "$maker"; echo "=== big model: $(tail -n 1 "$OUT/big-model.log")"
+  model_start
+  llm_gpu_tests 90
+  model_ready
   TAIL=20 step llm-c 210 coe-agent llm bench --work $W --part c --device cuda
   TAIL=12 step llm-e 60 coe-agent llm bench --work $W --part e
   TAIL=16 step llm-b 130 coe-agent llm bench --work $W --part b --device cuda
 elif [ "$PHASE" = 9 ]; then
-  big_model >"$OUT/big-model.log" 2>&1 &
-  maker=$!
-  TAIL=8 step gpu-tests 60 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_pinned.py \
-    tests/test_moe_fiddler.py tests/test_moe_prefill.py
-  wait "$maker"; echo "=== big model: $(tail -n 1 "$OUT/big-model.log")"
+  model_start
+  llm_gpu_tests 60
+  model_ready
   TAIL=12 step llm-e 70 coe-agent llm bench --work $W --part e
 elif [ "$PHASE" = 8 ]; then
-  big_model >"$OUT/big-model.log" 2>&1
-  echo "=== big model: $(tail -n 1 "$OUT/big-model.log")"
+  model_start
+  model_ready
   TAIL=20 step llm-c 240 coe-agent llm bench --work $W --part c --device cuda --e2e-tokens 128
 elif [ "$PHASE" = 3 ] || [ "$PHASE" = 4 ]; then
   if [ "$PHASE" = 4 ]; then
-    big_model >"$OUT/big-model.log" 2>&1 &
-    maker=$!
+    model_start
     TAIL=8 step gpu-tests 60 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_moe_fiddler.py
   fi
   # line A with a GPU executor and a CPU executor (the systems `bench --real --device cuda` compares), so
@@ -130,7 +135,7 @@ yaml.safe_dump(cfg, open("/tmp/line-A-gpu.yaml", "w"))'
   export COE_DATA_DIR=var/line-A-gpu
   step zoo-A 90 coe-agent zoo build --config /tmp/line-A-gpu.yaml
   # the model is made while the untimed steps run, never beside a profile or a timed run
-  [ "$PHASE" = 4 ] && { wait "$maker"; echo "=== big model: $(tail -n 1 "$OUT/big-model.log")"; }
+  [ "$PHASE" = 4 ] && model_ready
   TAIL=14 step profile-A 150 coe-agent profile --config /tmp/line-A-gpu.yaml --out var/line-A-gpu/profile.json \
     --no-plots
   cp var/line-A-gpu/profile.json "$OUT/line-A.json"
