@@ -322,7 +322,10 @@ def run_e2e(hf: Path, store: Path, prompt_ids: list[int], tokens: int, *, share:
     order = runs[-1:] + runs[:-1] if cuda else runs
     out = []
     bounded = True
-    limit = base + 1.15 * (host_bound + layout.resident_nbytes) + headroom
+
+    def bound(baseline: int) -> float:
+        return baseline + 1.15 * (host_bound + layout.resident_nbytes) + headroom
+    limit = bound(base)
     ram_host = None
     for i, (system, policy) in enumerate(order):
         if progress:
@@ -356,8 +359,9 @@ def run_e2e(hf: Path, store: Path, prompt_ids: list[int], tokens: int, *, share:
         if cuda and system == "ram" and "failed" not in r:
             ram_host = r["rss_peak"]
             base = max(base, ram_host)
-            limit = base + 1.15 * (host_bound + layout.resident_nbytes) + headroom
-    out = [next(r for r, run in zip(out, order) if run == want) for want in runs]
+            limit = bound(base)
+    by_run = dict(zip(order, out))
+    out = [by_run[run] for run in runs]
     where = (f"on {device}: GPU budget {memory / 1e6:.0f} MB of experts, pinned host tier {host_memory / 1e6:.0f} MB "
              f"(coe-edge) / {host_memory / 1e6:.0f} MB of max_memory['cpu'] (accelerate); " if cuda else "")
     if bounded:
