@@ -244,7 +244,6 @@ class _Slot:
     """One staging buffer: host bytes, device bytes, and the events that order their reuse."""
 
     own: object | None = None           # our pinned host FlatWeights being copied from (back to the spares after)
-    own_id: str | None = None           # the expert `own` holds
     held: object | None = None          # the host tier's Handle while its copy is the one being copied from
     layout: object | None = None        # the layout of the bytes now in `device`
     device: "torch.Tensor | None" = None
@@ -395,7 +394,7 @@ class PrefillBalance:
         if held is not None:
             slot.held = held
         else:
-            slot.own, slot.own_id = src, getattr(src, "expert_id", None)
+            slot.own = src
         if slot.device is None or slot.device.numel() != src.nbytes:
             if slot.computed is not None:
                 slot.computed.synchronize()
@@ -421,10 +420,10 @@ class PrefillBalance:
             self.weights.host.release(slot.held)
             slot.held = None
         if slot.own is not None:
-            if not self._offer(slot.own_id, slot.own):
+            if not self._offer(getattr(slot.own, "expert_id", None), slot.own):
                 with self._lock:
                     self._spare.append(slot.own)
-            slot.own, slot.own_id = None, None
+            slot.own = None
 
     def _offer(self, expert_id: str | None, flat) -> bool:
         """Hand a streamed expert's host bytes, read from its file, to the host tier; True if it kept them.
@@ -434,12 +433,12 @@ class PrefillBalance:
         recently, and the decode's misses copy from it (1.8 ms on the H200
         box) instead of reading the file (25-27 ms).  The stream read these
         bytes anyway; without this a balanced prefill left the host tier as it
-        was.  (Decode after a balanced prefill ran 0.77x and 0.95x batched's in
-        two H200 runs; whether this was the cause is not yet measured on a GPU.
-        With the CPU playing the device it cut the host tier's file reads over
-        a 128-token prefill and 16 decode tokens from 10 to 4.)  The host tier admits by its own policy, and a victim
-        of the same size becomes the stream's spare buffer in place of the one
-        given away, so the stream allocates nothing new.
+        was.  On an H200 run with it, a generation read 19 files after a
+        balanced prefill against 32 after a batched one, yet decode after the
+        balanced prefill was still slower (0.89x; the cause is not found).  The host tier
+        admits by its own policy, and a victim of the same size becomes the
+        stream's spare buffer in place of the one given away, so the stream
+        allocates nothing new.
         """
         from storage.tiers import take_buffer
 
