@@ -24,9 +24,11 @@ from coe import CoEModel, Frame, Request, decide, load_spec
 from executors.costs import ExecutorInfo, ProfileCosts, store_forms
 from executors.executor import BatchResult, Executor, FailedExperts
 from executors.profile import Profile
+from executors.readahead import ReadAhead
 from executors.scheduler import Scheduler
 from executors.systems import activation_reserve
 from routing import RuleRouter
+from storage.disk_activity import DiskActivity
 from storage.expert_store import ExpertStore
 from storage.policies import make_policy
 from storage.pool import Pool, PoolEvent, initialize, initialize_tier, present_above
@@ -147,10 +149,12 @@ class Agent:
         self.executors: list[Executor] = []
         self.host_tier: Pool | None = None
         self.gpu_pools = [s.name for s in self.slots if s.ex.device.startswith("cuda") and s.ex.node is None]
+        self.disk = DiskActivity()     # the box's SSD: demand reads in flight, which a read-ahead gives way to
         if self.gpu_pools and not cfg.unified_memory:
             self.host_tier = self._pool("host", "host", cfg.cpu_tier,
                                         StoreSource(self.store, pin=True, method=cfg.expert_read,
-                                                    dtype=source_dtype(cfg.gpu_compute_dtype)), None)
+                                                    dtype=source_dtype(cfg.gpu_compute_dtype), activity=self.disk),
+                                        None)
         # exclusive: the host tier is a victim cache (GPU victims move down, promotions leave it)
         self.exclusive = self.host_tier is not None and cfg.cpu_tier_mode == "exclusive"
         infos = {}
@@ -165,7 +169,8 @@ class Agent:
                 continue
             reads = False
             if ex.device == "cpu":
-                source = StoreSource(self.store, method=cfg.expert_read, dtype=source_dtype(cfg.cpu_compute_dtype))
+                source = StoreSource(self.store, method=cfg.expert_read, dtype=source_dtype(cfg.cpu_compute_dtype),
+                                     activity=self.disk)
                 if self.host_tier is not None and cfg.cpu_reads_host_tier:   # RAM copies instead of SSD reads
                     source = HostReadSource(self.host_tier, source)
                     reads = source.compatible
@@ -173,7 +178,8 @@ class Agent:
                         self.cpu_demoters[slot.name] = source
             else:  # a GPU pool loads through the shared host tier, or straight from SSD on unified memory
                 source = TierSource(self.host_tier or StoreSource(self.store, pin=True, method=cfg.expert_read,
-                                                                  dtype=source_dtype(cfg.gpu_compute_dtype)),
+                                                                  dtype=source_dtype(cfg.gpu_compute_dtype),
+                                                                  activity=self.disk),
                                     ex.device, exclusive=self.exclusive)
             pool = self._pool(slot.name, ex.device, slot.expert_memory, source, slot.name)
             self.pools[slot.name] = pool
@@ -195,6 +201,12 @@ class Agent:
                                            self.model, self._on_batch, failed=self.failed, prefetch=slot.ex.prefetch,
                                            **({"backend_for": backend_for} if backend_for else {})))
         self._by_name = {e.name: e for e in self.executors}
+        # an exclusive host tier: an idle SSD reads queued groups' experts into it (executors/readahead.py)
+        self.read_ahead: ReadAhead | None = None
+        if self.exclusive and cfg.ssd_read_ahead:
+            local = [s.name for s in self.slots if s.ex.node is None]
+            self.read_ahead = ReadAhead(lambda: [self.scheduler.queued_groups(n) for n in local],
+                                        lambda: [self.pools[n] for n in local], self.host_tier, self.disk)
         self.metrics.watch_pools(self._all_pools)
         self.metrics.registry.register(_SchedulerCollector(cfg.line, self.scheduler))
         self.status = StatusModel(StatusSources(
@@ -408,6 +420,8 @@ class Agent:
                      ", ".join(f"{k} {len(v)}" for k, v in loaded.items()))
         for ex in self.executors:
             ex.start()
+        if self.read_ahead is not None:
+            self.read_ahead.start()
         self._recover()
         if cfg.llm is not None:
             self.llm = self._start_llm()
@@ -576,6 +590,8 @@ class Agent:
         if self.llm is not None:
             self.llm.stop()
         drained = self.wait_idle(timeout)
+        if self.read_ahead is not None:
+            self.read_ahead.close()           # before the pools close: no read into a closing host tier
         self.scheduler.close()
         for ex in self.executors:
             # a remote executor may be waiting on its node for up to call_timeout_s: its answer (or its

@@ -196,11 +196,15 @@ class LineConfig(_Strict):
         True, description="CPU executors copy an expert the host tier holds (a RAM copy) instead of reading the "
                           "SSD, where both hold the same dtype; the host tier keeps its copy")
     cpu_victims_to_host_tier: bool = Field(
-        False, description="with an exclusive host tier and cpu_reads_host_tier: a CPU executor's victim moves "
-                           "down into the host tier (a RAM copy), as a GPU victim does, where both hold the same "
-                           "dtype and it is the store's current version; false (the default): it is dropped and "
-                           "re-read from SSD.  Off by default: in simulation it gains on SSD-bound boards and loses "
-                           "3-5% on a compute-bound one (bench policy '+cpudemote')")
+        True, description="with an exclusive host tier and cpu_reads_host_tier: a CPU executor's victim moves "
+                          "down into the host tier (a RAM copy), as a GPU victim does, where both hold the same "
+                          "dtype and it is the store's current version; false: it is dropped and re-read from "
+                          "SSD.  Alone it lost 3-5% in simulation on one compute-bound board; together with "
+                          "ssd_read_ahead it gained on every board measured (bench ablation '-cpudemote')")
+    ssd_read_ahead: bool = Field(
+        True, description="with an exclusive host tier: while no executor reads the SSD, read the earliest "
+                          "queued group's expert that no pool or tier holds into the host tier, so its switch "
+                          "is a host copy (executors/readahead.py; bench ablation '-readahead')")
     expert_read: Literal["read", "mmap"] = Field("read", description="how tiers read expert files (bench/expert_load.py)")
     cpu_compute_dtype: Literal["float32", "bfloat16", "float16", "stored"] = Field(
         "float32", description="dtype CPU executors compute in: experts stored in another floating dtype are "

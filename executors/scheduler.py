@@ -74,6 +74,8 @@ from typing import Protocol
 
 from coe import CoEError, Request
 
+FILL_WINDOW = 8     # groups past the head that `fill` looks at (each one is a cost-model call)
+
 _batch_ids = itertools.count(1)
 _EPS = 1e-9
 # a request whose batch was lost with its executor this many times is given up (an error verdict), not requeued:
@@ -105,15 +107,20 @@ class SchedulerPolicy:
     ssd_aware: bool = False   # the shared SSD is a resource in the assignment objective
     steal: bool = False       # an idle executor takes a waiting group that would finish sooner on it
     work_aware: bool = False  # the objective also charges what a choice adds to the executors' mean time
+    fill: bool = False        # while the head group's expert loads, serve a resident group that ends before it
 
 
 POLICIES = {
-    "coserve": SchedulerPolicy("coserve", "cost", True, True, ssd_aware=True, steal=True, work_aware=True),
+    "coserve": SchedulerPolicy("coserve", "cost", True, True, ssd_aware=True, steal=True, work_aware=True,
+                               fill=True),
     "coserve-paper": SchedulerPolicy("coserve-paper", "cost", True, True),   # the paper's rule, exactly
     # one lever of ours off at a time (bench ablations)
-    "coserve-nossd": SchedulerPolicy("coserve-nossd", "cost", True, True, steal=True, work_aware=True),
-    "coserve-nosteal": SchedulerPolicy("coserve-nosteal", "cost", True, True, ssd_aware=True, work_aware=True),
-    "coserve-nowork": SchedulerPolicy("coserve-nowork", "cost", True, True, ssd_aware=True, steal=True),
+    "coserve-nossd": SchedulerPolicy("coserve-nossd", "cost", True, True, steal=True, work_aware=True, fill=True),
+    "coserve-nosteal": SchedulerPolicy("coserve-nosteal", "cost", True, True, ssd_aware=True, work_aware=True,
+                                       fill=True),
+    "coserve-nowork": SchedulerPolicy("coserve-nowork", "cost", True, True, ssd_aware=True, steal=True, fill=True),
+    "coserve-nofill": SchedulerPolicy("coserve-nofill", "cost", True, True, ssd_aware=True, steal=True,
+                                      work_aware=True),
     "em+ra": SchedulerPolicy("em+ra", "round-robin", True, True),      # ablation: no cost-based assigning
     "em": SchedulerPolicy("em", "round-robin", False, True),           # ablation: expert management only
     "none": SchedulerPolicy("none", "round-robin", False, True),
@@ -234,6 +241,7 @@ class Scheduler:
         self.decision_seconds = 0.0
         self.aged = 0            # batches the age bound pulled ahead of the head group
         self.stolen = 0          # groups an idle executor took over from another queue
+        self.filled = 0          # batches served ahead of a head group whose expert was still to load (`fill`)
         self.max_lost = max_lost
         self._lost: dict[int, int] = {}   # request id -> batches of it lost with their executor (while it lives)
         self._due: dict[int, float] = {}   # request id -> its due time, while it is handed back (retire, lost batch)
@@ -424,7 +432,7 @@ class Scheduler:
                 if left is not None and left <= 0:
                     return None
                 self._cond.wait(left)
-            group = self._pick(q)
+            group = self._pick(executor, q)
             x = group.expert_id
             cap = self._cap(executor, x)
             take = min(cap, len(group.requests))
@@ -507,7 +515,7 @@ class Scheduler:
         self.stolen += 1
         return True
 
-    def _pick(self, q: _Queue) -> _Group:
+    def _pick(self, executor: str, q: _Queue) -> _Group:
         """The group to serve: the one being drained, else the head, else (age bound) the oldest waiter's.
 
         A picked group is served up to the requests it held when picked, so the
@@ -524,8 +532,33 @@ class Scheduler:
             if oldest is not pick and self._now() - oldest.times[0] > self.max_wait:   # overdue by max_wait
                 self.aged += 1
                 pick = oldest
+        if self.policy.fill and pick is q.groups[0]:
+            pick = self._fill(executor, q, pick)
         pick.drain = len(pick.requests)
         return pick
+
+    def _fill(self, executor: str, q: _Queue, head: _Group) -> _Group:
+        """The head, or a resident group to serve while the head's expert loads (policy `fill`).
+
+        A batch waits for its expert's load, and the executor with it.  If a
+        group among the next FILL_WINDOW is resident (switch 0) and its batch
+        ends within the head's switch time, it runs first while the executor's
+        prefetcher loads the head's expert (the first queued group that is not
+        the running one): the executor computes in what would have been a wait,
+        and the head starts about when its load would have let it.
+        """
+        wait = self.costs.switch_cost(executor, head.expert_id)
+        if wait <= 0:
+            return head
+        for g in itertools.islice(q.groups, 1, FILL_WINDOW):
+            x = g.expert_id
+            if self.costs.switch_cost(executor, x) > 0:
+                continue
+            K, B = self.costs.exec_cost(executor, x)
+            if K * min(len(g.requests), self._cap(executor, x)) + B <= wait:
+                self.filled += 1
+                return g
+        return head
 
     def finished(self, batch: Batch, *, lost: bool = False) -> None:
         """The executor is done with `batch`: its predicted time leaves the queue's estimate.
@@ -664,6 +697,11 @@ class Scheduler:
                 if g.expert_id != current:
                     return g.expert_id
             return None
+
+    def queued_groups(self, executor: str) -> list[str]:
+        """The experts of `executor`'s queued groups, one entry per group, in the order they will run."""
+        with self._cond:
+            return [g.expert_id for g in self._q[executor].groups]
 
     def drained(self, executor: str) -> bool:
         """True once the scheduler is closed and `executor` has nothing left to run (nor does any request

@@ -17,7 +17,12 @@ when the classifier finishes).  Only time is simulated:
   on the evicting executor's load (the agent copies RAM to RAM on that
   executor's loader thread before its load);
 - as the real executor's Prefetcher does, once a batch's expert is in, the
-  next group's expert starts loading while the batch computes (`prefetch`).
+  next group's expert starts loading while the batch computes (`prefetch`);
+- with `read_ahead` (an exclusive host tier), as the agent's ReadAhead does,
+  whenever the front box's SSD is idle it reads the earliest queued group's
+  expert that no pool or tier holds into the host tier (the same policy,
+  `executors.readahead.next_read_ahead`).  A read is not preempted: a demand
+  read issued meanwhile queues behind it.
   Host-to-GPU copies and demotion copies do not contend with each other or
   with compute (PCIe is not modelled), and a demotion takes no time;
 - a pool and the host tier change when a load is issued, while its SSD read
@@ -61,6 +66,7 @@ from storage.pool import Pool, initialize
 from .costs import ExecutorInfo, ProfileCosts, StoredLookup, ssd_load_seconds
 from .links import DEFAULT_FRAME_BYTES, Link
 from .profile import DeviceProfile, Profile
+from .readahead import next_read_ahead
 from .scheduler import Scheduler
 
 
@@ -99,6 +105,8 @@ class SimSystem:
     #                                box's CPU executors read its SSD, as executors/remote.py does
     cpu_demote: bool = False       # exclusive host tier: those CPU executors' victims move down into it, as GPU
     #                                victims do (the agent's cpu_victims_to_host_tier)
+    read_ahead: bool = False       # exclusive host tier: an idle SSD reads a queued group's expert that no tier
+    #                                holds into the host tier, ahead of the executor that will need it
 
     def __post_init__(self) -> None:
         if self.boxes < 1:
@@ -123,6 +131,7 @@ class SimSystem:
                      + ("; their victims move down into it" if self.cpu_demote and self.host_mode == "exclusive"
                         else "")
                      if self.cpu_host_reads and any(e.kind == "cpu" and e.box == 0 for e in self.executors) else "")
+            reads += "; an idle SSD reads queued experts into it" if self.read_ahead and self.host_mode == "exclusive" else ""
             parts.append(f"host tier {self.host_tier / 1e9:.2f} GB ({self.host_mode}{reads})")
         if self.boxes > 1:
             return f"{self.boxes} boxes, each: " + "; ".join(parts) + f"; link {self.link.source}"
@@ -154,6 +163,7 @@ class SimReport:
     aged: int = 0                 # batches the scheduler's age bound pulled forward
     stolen: int = 0               # groups an idle executor took over from another queue
     cpu_demotions: int = 0        # CPU executors' victims moved down into the host tier (`cpu_demote`)
+    read_ahead: int = 0           # SSD reads an idle SSD made into the host tier for queued groups (`read_ahead`)
     resources: str = ""           # memory and executors of the system
     sustained_rate: float = 0.0   # highest steady arrival rate it sustains (bench --load), 0: not measured
     latency: dict = field(default_factory=dict)        # F -> p50/p99 at F x the sustained rate (bench --load)
@@ -274,6 +284,9 @@ def _configured(system: SimSystem, key: tuple[int, str]) -> int:
     return sum(1 for e in system.executors if (e.box, e.device) == key)
 
 
+SSD_LOG: list = []
+
+
 def simulate(workload: Workload, profile: Profile, system: SimSystem, *, record_order: bool = False,
              stored: StoredLookup | None = None) -> SimReport:
     """Run `workload` on `system`; `stored` says which experts are stored compressed (default: none)."""
@@ -380,7 +393,7 @@ def simulate(workload: Workload, profile: Profile, system: SimSystem, *, record_
     busy_time = {n: 0.0 for n in execs}
     running: dict[int, tuple] = {}   # job id -> (executor, batch, handle, dispatched at, work)
     ssd_busy = 0.0
-    ssd_loads = host_loads = batches = batched = demotions = 0
+    ssd_loads = host_loads = batches = batched = demotions = ahead_loads = 0
     record: list[tuple] = []
     jobs = itertools.count()
     now = 0.0
@@ -405,6 +418,7 @@ def simulate(workload: Workload, profile: Profile, system: SimSystem, *, record_
             if tier == "ssd":
                 begin = max(t, ssd_free[b])
                 t = ssd_free[b] = begin + secs
+                SSD_LOG.append((begin, t, name, expert_id))
                 ssd_busy += secs
                 ssd_loads += 1
                 if fills_host:
@@ -443,6 +457,26 @@ def simulate(workload: Workload, profile: Profile, system: SimSystem, *, record_
             running[jid] = (name, b, handle, now, a.K * len(b) + a.B)
             heapq.heappush(events, (t, next(seq), "compute", jid))
 
+    def read_ahead() -> None:
+        """As the agent's ReadAhead (executors/readahead.py): while box 0's SSD is idle, read the earliest
+        queued group's expert that no pool or tier holds into the host tier; its copy is there when the read
+        ends (`avail`).  Not preemptive: a demand read issued meanwhile queues behind it, as on the SSD."""
+        nonlocal ssd_busy, ssd_loads, ahead_loads
+        if not system.read_ahead or host is None or not exclusive or ssd_free[0] > now:
+            return
+        local = [n for n in execs if execs[n].box == 0]
+        queues = [sched.queued_groups(n) for n in local]
+        eid = next_read_ahead(queues, lambda e: host.present(e) or any(pools[n].present(e) for n in local))
+        if eid is None or not host.admit(eid, keep={e for q in queues for e in q}):
+            return
+        secs = min(costs.load_seconds(n, eid, "ssd") for n in local)
+        t = ssd_free[0] = now + secs
+        avail[(0, eid)] = t
+        ssd_busy += secs
+        ssd_loads += 1
+        ahead_loads += 1
+        heapq.heappush(events, (t, next(seq), "ssd-free", None))   # the SSD is free again: look once more
+
     def prefetch(name: str, current: str, start: float) -> None:
         """As the executor's Prefetcher: load the next group's expert while this batch computes."""
         nxt = sched.next_expert(name, current)
@@ -469,6 +503,8 @@ def simulate(workload: Workload, profile: Profile, system: SimSystem, *, record_
             ok[a.frame_id] = a.ok
             frame = Frame(a.frame_id, "sim", "sim", a.component, a.t, None, received_at=a.t)
             sched.submit(Request(frame, model.components[a.component].classifier))
+        elif kind == "ssd-free":
+            pass
         elif kind == "compute":
             name, b, handle, t0, work = running[data]
             reschedule(devices[(execs[name].box, execs[name].device)].change(now, add=(data, work)))
@@ -498,6 +534,7 @@ def simulate(workload: Workload, profile: Profile, system: SimSystem, *, record_
         if events and events[0][0] <= now:
             continue  # simultaneous events first: a dispatch sees everything that happened at `now`
         dispatch()
+        read_ahead()
 
     makespan = now
     frames = len(workload.arrivals)
@@ -513,7 +550,7 @@ def simulate(workload: Workload, profile: Profile, system: SimSystem, *, record_
         busy_fraction=sum(busy_time.values()) / (makespan * len(execs)) if makespan else 0.0, order=record,
         sched_share=sched.decision_seconds / (makespan * len(execs)) if makespan else 0.0,
         manage_share=sum(p.stats().manage_seconds for p in pools.values()) / (makespan * len(execs))
-        if makespan else 0.0, ssd_busy=ssd_busy, aged=sched.aged, stolen=sched.stolen, cpu_demotions=demotions,
+        if makespan else 0.0, ssd_busy=ssd_busy, aged=sched.aged, stolen=sched.stolen, cpu_demotions=demotions, read_ahead=ahead_loads,
         resources=system.resources(),
         switch_floor=sum(1 for e in uses(workload) if e not in in_pools))
 

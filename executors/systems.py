@@ -23,13 +23,17 @@ the host memory behind them.  How each spends it:
   own SSD, and the front box reaches the others over `link`.
 - Samba-CoE FIFO and Parallel, and CoServe's ablations (the paper's: none, em,
   em+ra; ours: -ssd, -steal, -exclusive, -age, -protect, -work, -hostread,
-  each CoServe with one lever off), change one knob each.  `+cpudemote` is
-  CoServe with a lever that is off by default turned on: the front box's CPU
-  executors' victims move down into the exclusive host tier too (the agent's
-  cpu_victims_to_host_tier; it needs their host reads, whose HostReadSource
-  checks the victim's dtype and version).  Off by default because it lost
-  3-5% in simulation on `-w A2 --types 250 --skew 1.0 --requests 4000`
-  (seeds 0-5) while gaining 0-19% on A1 A2 B1 B2 and three other boards.
+  -readahead, -cpudemote, each CoServe with one lever off), change one knob
+  each.  Two levers joined CoServe together:
+  - read-ahead (`executors.readahead`): an idle SSD reads the earliest queued
+    group's expert that no tier holds into the exclusive host tier;
+  - the front box's CPU executors' victims move down into that host tier
+    too (the agent's cpu_victims_to_host_tier; it needs their host reads,
+    whose HostReadSource checks the victim's dtype and version).
+  Alone, moving CPU victims down lost 3-5% on `-w A2 --types 250 --skew 1.0
+  --requests 4000` (seeds 0-5), so it was off.  With read-ahead, the two
+  together beat CoServe without either on every task and shape measured (A1
+  A2 B1 B2 and seven more boards, and seeds 0-3 of A1 and of that board).
 """
 from __future__ import annotations
 
@@ -40,7 +44,8 @@ from .profile import DeviceProfile, Profile
 from .simdevice import SimExecutor, SimSystem
 
 SYSTEMS = ("coserve", "coserve-paper", "samba", "samba-fifo", "samba-parallel", "none", "em", "em+ra",
-           "-ssd", "-steal", "-exclusive", "-age", "-protect", "-work", "-hostread", "+cpudemote")
+           "-ssd", "-steal", "-exclusive", "-age", "-protect", "-work", "-hostread", "-readahead", "-cpudemote",
+           "-fill")
 DEFAULT = SYSTEMS
 MAX_WAIT = 2.0   # seconds: CoServe's age bound in the benchmark (the agent's default, scheduler.max_wait)
 
@@ -111,12 +116,15 @@ def build_system(name: str, profile: Profile, *, init: str = "warm", boxes: int 
         "-age": (co, "coserve", "coserve", host, "exclusive", None),
         "-protect": (co, "coserve", "coserve-paper", host, "exclusive", MAX_WAIT),
         "-hostread": (co, "coserve", "coserve", host, "exclusive", MAX_WAIT),
-        "+cpudemote": (co, "coserve", "coserve", host, "exclusive", MAX_WAIT),
+        "-readahead": (co, "coserve", "coserve", host, "exclusive", MAX_WAIT),
+        "-cpudemote": (co, "coserve", "coserve", host, "exclusive", MAX_WAIT),
+        "-fill": (co, "coserve-nofill", "coserve", host, "exclusive", MAX_WAIT),
     }
-    # CPU executors copy from the host tier: CoServe and every ablation but the one that turns it off
-    host_reads = name in ("coserve", "+cpudemote") or (name.startswith("-") and name != "-hostread")
-    # their victims move down into the exclusive host tier: only where that lever is turned on (off by default)
-    cpu_demote = name == "+cpudemote"
+    # CoServe's own levers: on in CoServe and in every ablation but the one that turns that lever off
+    levers = name == "coserve" or name.startswith("-")
+    host_reads = levers and name != "-hostread"     # CPU executors copy from the host tier
+    cpu_demote = levers and name != "-cpudemote"    # their victims move down into the exclusive host tier
+    read_ahead = levers and name != "-readahead"    # an idle SSD reads a queued group's expert into it
     try:
         execs, sched, evict, tier, mode, max_wait = table[name]
     except KeyError:
@@ -125,4 +133,4 @@ def build_system(name: str, profile: Profile, *, init: str = "warm", boxes: int 
         raise ValueError(f"boxes must be >= 1, got {boxes}")
     return SimSystem(name, on_boxes(execs, boxes), sched, evict, host_tier=tier, init=init, host_mode=mode,
                      max_wait=max_wait, boxes=boxes, link=link if boxes > 1 else None, cpu_host_reads=host_reads,
-                     cpu_demote=cpu_demote)
+                     cpu_demote=cpu_demote, read_ahead=read_ahead)

@@ -121,14 +121,16 @@ class Pool:
         self._stats = PoolStats()
 
     # -- public ---------------------------------------------------------------
-    def acquire(self, expert_id: str) -> Handle | None:
+    def acquire(self, expert_id: str, *, keep: Collection[str] = ()) -> Handle | None:
         """Pin `expert_id` resident, loading it (and evicting) if needed.
 
-        Returns None when it cannot fit now because pinned experts hold the room;
-        raises PoolFullError when it can never fit, and the source's error
-        (e.g. ExpertLoadError) when loading fails.
+        Returns None when it cannot fit now because pinned experts hold the room
+        (residents in `keep` count as pinned this time: a read-ahead must not
+        push out one queued expert to read in another); raises PoolFullError
+        when it can never fit, and the source's error (e.g. ExpertLoadError)
+        when loading fails.
         """
-        got = self._reserve(expert_id)
+        got = self._reserve(expert_id, keep)
         return got if got is None or isinstance(got, Handle) else got()
 
     def acquire_async(self, expert_id: str, submit: Callable[[Callable[[], Handle]], Future]) -> Future | None:
@@ -162,7 +164,7 @@ class Pool:
                 del self._entries[expert_id]
             self._cond.notify_all()
 
-    def _reserve(self, expert_id: str) -> "Handle | Callable[[], Handle] | None":
+    def _reserve(self, expert_id: str, keep: Collection[str] = ()) -> "Handle | Callable[[], Handle] | None":
         """A hit's handle, None if it cannot fit now, or (a miss, room reserved) the call that loads it."""
         entered = time.perf_counter()
         ctx = self._context()
@@ -186,7 +188,7 @@ class Pool:
             if need > self.capacity:
                 raise PoolFullError(f"expert '{expert_id}' needs {need} bytes but the {self.tier} pool holds "
                                     f"{self.capacity}; raise the executor's memory budget")
-            victims = self.policy.choose_victims(self._state_locked(ctx, incoming=expert_id), need)
+            victims = self.policy.choose_victims(self._state_locked(ctx, incoming=expert_id, keep=keep), need)
             if victims is None:
                 return None
             evicted = [self._evict_locked(v, incoming=expert_id) for v in victims]

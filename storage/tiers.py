@@ -27,6 +27,7 @@ instead of an SSD read.
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -76,10 +77,12 @@ class StoreSource:
     reuses_memory = True
 
     def __init__(self, store, *, pin: bool = False, method: str = "read", drop_after_read: bool = False,
-                 dtype: str | None = "uniform") -> None:
+                 dtype: str | None = "uniform", activity=None) -> None:
         import torch
 
         self.store, self.pin, self.method, self.dtype = store, pin, method, dtype
+        # the box's `storage.disk_activity.DiskActivity`: each read is counted there (None: not watched)
+        self.activity = activity
         # a box whose RAM is the budget has no page cache to spare: every miss then reads the SSD
         self.drop_after_read = drop_after_read
         self._cpu = torch.device("cpu")
@@ -103,8 +106,9 @@ class StoreSource:
             reuse.clear()  # the victims we did not take are freed before we allocate
         self.reused += out is not None
         try:
-            flat = self.store.read_flat(expert_id, pin=self.pin, method=self.method, out=out,
-                                        dtype=self._dtype(expert_id))
+            with self.activity.reading() if self.activity is not None else contextlib.nullcontext():
+                flat = self.store.read_flat(expert_id, pin=self.pin, method=self.method, out=out,
+                                            dtype=self._dtype(expert_id))
         except BaseException:
             if self.drop_after_read:    # a read cut short (a prefetch that gave way): its pages must not stay
                 self._drop(expert_id, quiet=True)

@@ -1,7 +1,9 @@
 """The grouping scheduler: arranging behind the same expert, batch caps, executor assignment."""
 import threading
+from collections import deque
 
 import numpy as np
+import pytest
 
 from coe import Frame, Request
 from executors.scheduler import FixedCosts, Scheduler
@@ -81,3 +83,56 @@ def test_close_wakes_waiters_and_drains():
     s2.submit(req("a"))
     s2.close()
     assert not s2.drained("x") and s2.next_batch("x") is not None and s2.drained("x")
+
+
+# -- fill: while the head's expert loads, a resident group that ends before it runs first -------------------
+
+def _queue(policy: str, resident: set[str], *, K: float = 1.0, B: float = 1.0, load: float = 10.0,
+           now=lambda: 0.0, max_wait: float | None = None) -> Scheduler:
+    """One queue holding a group of 'a' (submitted first: the head) then one of 'b'."""
+    s = Scheduler(["q"], policy, costs=FixedCosts(K=K, B=B, load=load, max_batch=8, resident=lambda n: resident),
+                  now=now, max_wait=max_wait)
+    for i, e in enumerate("aab"):
+        s.submit(req(e, i))
+    assert s.queued_groups("q") == ["a", "b"]
+    return s
+
+
+def test_a_resident_group_runs_while_the_head_expert_loads_and_the_head_is_prefetched_meanwhile():
+    s = _queue("coserve", {"b"})                       # a: a 10 s load; b: resident, one request, 2 s of batch
+    first = s.next_batch("q", timeout=0)
+    assert first.expert_id == "b" and s.filled == 1
+    assert s.next_expert("q", first.expert_id) == "a"  # what the executor's prefetcher loads while b computes
+    s.finished(first)
+    second = s.next_batch("q", timeout=0)
+    assert second.expert_id == "a" and len(second) == 2 and s.filled == 1
+
+
+@pytest.mark.parametrize("case", ["paper rule", "no fill lever", "head resident", "other not resident",
+                                  "other too long"])
+def test_the_head_runs_first_unless_a_resident_group_ends_within_its_load(case):
+    policy = {"paper rule": "coserve-paper", "no fill lever": "coserve-nofill"}.get(case, "coserve")
+    resident = {"head resident": {"a", "b"}, "other not resident": set()}.get(case, {"b"})
+    K = 1.6 if case == "other too long" else 1.0      # b's batch: K + B = 2.0 s fits a 2.5 s load, 2.6 s does not
+    s = _queue(policy, resident, K=K, load=2.5)
+    b = s.next_batch("q", timeout=0)
+    assert b.expert_id == "a" and s.filled == 0
+    if case == "other too long":                       # the boundary: a batch that ends within the load fills
+        s2 = _queue(policy, resident, K=1.0, load=2.5)
+        assert s2.next_batch("q", timeout=0).expert_id == "b" and s2.filled == 1
+
+
+def test_fill_never_overrides_the_age_bound():
+    """b heads the queue and needs a load; a, behind it, is overdue and needs one too; c is resident and short.
+    The age bound serves a; fill, which only ever replaces the head, does not swap c in for it."""
+    clock = [0.0]
+    s = Scheduler(["q"], "coserve", costs=FixedCosts(K=1.0, B=1.0, load=10.0, max_batch=8,
+                                                     resident=lambda n: {"c"}), now=lambda: clock[0], max_wait=1.0)
+    for i, e in enumerate("abc"):
+        clock[0] = 0.1 * i
+        s.submit(req(e, i))
+    q = s._q["q"]
+    by = {g.expert_id: g for g in q.groups}
+    q.groups = deque([by["b"], by["a"], by["c"]])
+    clock[0] = 5.0
+    assert s.next_batch("q", timeout=0).expert_id == "a" and s.aged == 1 and s.filled == 0

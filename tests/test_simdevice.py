@@ -666,7 +666,7 @@ def test_a_remote_boxs_cpu_executors_read_its_ssd_as_the_agent_does():
     assert rep.switches == 5 and rep.ssd_loads == 5 and rep.host_loads == 0
 
 
-# -- CPU victims move down into the exclusive host tier (cpu_victims_to_host_tier, `+cpudemote`) ------------
+# -- CPU victims move down into the exclusive host tier (cpu_victims_to_host_tier; off in `-cpudemote`) ------
 
 @pytest.mark.parametrize("demote", [True, False])
 def test_a_cpu_victim_moves_down_into_the_host_tier_and_comes_back_without_an_ssd_read(demote):
@@ -703,34 +703,40 @@ def test_cpu_demotion_needs_an_exclusive_host_tier_the_cpu_executors_read():
         assert rep.cpu_demotions == 0 and rep.ssd_loads == (1 if reads else 5)
 
 
-def test_only_the_cpudemote_system_moves_cpu_victims_down():
-    """Off by default (it lost 3-5% on a compute-bound board): only `+cpudemote`, which is CoServe otherwise."""
-    prof = Profile.load(GPU_CLASS)
-    on = {s for s in ("coserve", "coserve-paper", "samba", "samba-parallel", "em", "em+ra", "-hostread",
-                      "+cpudemote", "-work", "-ssd", "-exclusive")
-          if build_system(s, prof).cpu_demote and build_system(s, prof).host_mode == "exclusive"}
-    assert on == {"+cpudemote"}
+def test_coserve_and_its_ablations_move_cpu_victims_down_and_read_ahead_but_the_baselines_do_not():
+    """Both levers are CoServe's (on by default); each `-lever` ablation is CoServe with exactly that one off."""
     from dataclasses import replace
 
-    assert replace(build_system("+cpudemote", prof), name="coserve", cpu_demote=False) == build_system("coserve", prof)
+    prof = Profile.load(GPU_CLASS)
+    names = ("coserve", "coserve-paper", "samba", "samba-parallel", "em", "em+ra", "-hostread", "-work", "-ssd",
+             "-exclusive", "-readahead", "-cpudemote")
+    demote = {s for s in names if build_system(s, prof).cpu_demote and build_system(s, prof).cpu_host_reads}
+    ahead = {s for s in names if build_system(s, prof).read_ahead}
+    assert demote == {"coserve", "-work", "-ssd", "-exclusive", "-readahead"}   # -exclusive: no victim cache to use
+    assert ahead == {"coserve", "-hostread", "-work", "-ssd", "-exclusive", "-cpudemote"}
+    co = build_system("coserve", prof)
+    assert replace(build_system("-cpudemote", prof), name="coserve", cpu_demote=False) == replace(co, cpu_demote=False)
+    assert replace(build_system("-readahead", prof), name="coserve") == replace(co, read_ahead=False)
+    assert "an idle SSD reads queued experts into it" in co.resources()
+    assert "reads queued" not in build_system("-readahead", prof).resources()
 
 
-def test_without_cpu_demotion_the_simulator_reproduces_the_numbers_from_before_the_lever():
-    """`coserve` (the lever off) is CoServe as it ran before CPU victims could move down: the same report, batch
-    for batch, as `+cpudemote` with the flag off, and the figures the simulator gave on this task before the
-    lever existed (measured on commit 09d1787; a change to the scheduler or pools moves them, the lever must
-    not)."""
+def test_without_the_three_levers_the_simulator_reproduces_the_numbers_from_before_them():
+    """CoServe with CPU demotion, read-ahead and fill off (`-fill` with the other two off) is CoServe as it ran
+    before any of them existed: the figures the simulator gave on this task then (measured on commit 09d1787; a change to the scheduler or pools moves them,
+    the levers must not).  Each lever, turned on, does what it says: victims move down, reads go ahead."""
     from dataclasses import replace
 
     prof = Profile.load(GPU_CLASS)
     w = make_workload(task("A1", requests=600))
-    off = simulate(w, prof, build_system("coserve", prof), record_order=True)
-    flag = simulate(w, prof, replace(build_system("+cpudemote", prof), cpu_demote=False), record_order=True)
-    assert off.order == flag.order and off.makespan == flag.makespan and off.cpu_demotions == 0
+    off = simulate(w, prof, replace(build_system("-fill", prof), cpu_demote=False, read_ahead=False))
+    assert off.cpu_demotions == 0 and off.read_ahead == 0
     assert (off.switches, off.ssd_loads, off.host_loads) == (142, 82, 60)
     assert off.makespan == pytest.approx(27.4962, abs=1e-6) and off.p99_ms == pytest.approx(25387.2, abs=1e-3)
-    on = simulate(w, prof, build_system("+cpudemote", prof))
-    assert on.cpu_demotions > 0 and on.ssd_loads < off.ssd_loads   # the lever does move victims, and saves reads
+    demote = simulate(w, prof, build_system("-readahead", prof))
+    assert demote.cpu_demotions > 0 and demote.ssd_loads < off.ssd_loads and demote.read_ahead == 0
+    ahead = simulate(w, prof, build_system("-cpudemote", prof))
+    assert ahead.read_ahead > 0 and ahead.cpu_demotions == 0
 
 
 @pytest.mark.gpu

@@ -419,3 +419,67 @@ def test_agent_moves_cpu_victims_into_the_host_tier_and_the_scheduler_sees_it(cp
     cpu.release(cpu.acquire(back))
     assert (reader.from_ssd, reader.from_host) == (ssd_before, host_before + 1)
     assert back in host.resident()                                      # a CPU read leaves the host copy
+
+
+@pytest.mark.parametrize("setting", [dict(), dict(ssd_read_ahead=False), dict(cpu_tier_mode="inclusive")])
+def test_agent_reads_a_queued_expert_ahead_into_the_host_tier_while_the_ssd_is_idle(cpu_gpu_agent, setting):
+    """On by default with an exclusive host tier; off when the config says so, and with an inclusive tier."""
+    from coe import Frame, Request
+
+    mode = setting.pop("cpu_tier_mode", "exclusive")
+    agent = cpu_gpu_agent(mode, "20MB", executors=GPU_AND_CPU, tag="ra" + str(len(setting)) + mode, **setting)
+    if setting or mode == "inclusive":
+        assert agent.read_ahead is None
+        return
+    ahead = agent.read_ahead                                  # pools start empty here (no initialisation)
+    gpu_name = next(n for n in agent.pools if n.startswith("cuda"))
+    cpu_name = next(n for n in agent.pools if n.startswith("cpu"))
+    held = {e for p in (agent.pools[gpu_name], agent.pools[cpu_name], agent.host_tier) for e in p.resident()}
+    missing = [e for e in sorted(agent.model.experts, key=lambda e: -agent.probabilities[e]) if e not in held]
+    assert missing and ahead.step() is None                   # nothing queued: nothing read
+    demand = agent.disk.demand_reads
+    agent.scheduler.submit(Request(Frame("f0", "T", "B", "C", 0.0, None), missing[0]))
+    queued_on = next(n for n in (gpu_name, cpu_name) if agent.scheduler.queued_groups(n))
+    assert ahead.step() == missing[0] and agent.host_tier.contains(missing[0])
+    assert agent.disk.demand_reads == demand and agent.disk.ahead_reads == 1
+    pool = agent.pools[queued_on]
+    pool.release(pool.acquire(missing[0]))                    # the batch's switch: a host copy, no SSD read
+    assert agent.disk.demand_reads == demand and missing[0] in pool.resident()
+
+
+def test_a_replay_with_read_ahead_gives_every_frame_the_same_verdict_as_without(cpu_gpu_agent, tiny_recording,
+                                                                              monkeypatch):
+    """The read-ahead thread runs beside the executors for a whole replay: no frame is lost or duplicated,
+    and every verdict is what the agent without it gives (it moves bytes, never decides)."""
+    import edge_agent.agent as agent_mod
+    from conftest import verdict_rows
+    from edge_agent.replay import replay
+    from executors.executor import Executor
+    from storage.recording import Recording
+
+    class CpuExecutor(Executor):          # the "GPU" executor computes on the CPU, as its pool lives there
+        def __init__(self, name, device, *args, **kw):
+            super().__init__(name, "cpu", *args, **kw)
+
+    monkeypatch.setattr(agent_mod, "Executor", CpuExecutor)
+
+    small = [{"device": "cuda:0", "count": 1, "memory": "24MB", "expert_memory": "14MB", "prefetch": True},
+             {"device": "cpu", "count": 1, "memory": "20MB", "expert_memory": "13MB", "prefetch": True,
+              "threads": 1}]
+    rec = Recording(tiny_recording)
+    out = {}
+    for on in (True, False):
+        agent = cpu_gpu_agent("exclusive", "16MB", executors=small, tag=f"replay{on}", ssd_read_ahead=on)
+        assert (agent.read_ahead is not None) is on
+        agent.start()
+        assert replay(rec, agent.endpoints["ingest"]).accepted == len(rec)
+        assert agent.wait_verdicts(len(rec), timeout=120)
+        agent.stop()
+        rows = verdict_rows(agent.cfg.db_path)
+        assert len(rows) == len(rec) == len({r["frame_id"] for r in rows})
+        out[on] = {r["frame_id"]: (r["verdict"], r["reason"]) for r in rows}
+        if on:
+            assert agent.disk.demand_reads > 0     # this memory makes the executors read the SSD
+            st = agent.read_ahead.stats            # every read it made went through the box's one counter
+            assert agent.disk.ahead_reads == st.read and st.failed == st.too_big == 0
+    assert out[True] == out[False]

@@ -1,0 +1,161 @@
+"""SSD read-ahead into the exclusive host tier (issue 9): the policy, the disk-activity counter, the thread.
+
+Real files, real pools and the real scheduler; the "GPU" is a 'cpu' TierSource,
+so the path runs without CUDA through the same code.
+"""
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+
+from coe import Expert, Frame, Request
+from executors.readahead import ReadAhead, next_read_ahead
+from executors.scheduler import FixedCosts, Scheduler
+from storage.disk_activity import DiskActivity
+from storage.expert_store import ExpertStore
+from storage.policies import make_policy
+from storage.pool import Pool
+from storage.tiers import StoreSource, TierSource
+
+N = 4096
+FILL = {e: float(i + 1) for i, e in enumerate("abcdefg")}
+
+
+@pytest.fixture(scope="module")
+def store(tmp_path_factory) -> ExpertStore:
+    s = ExpertStore(tmp_path_factory.mktemp("ahead"))
+    for eid, v in FILL.items():
+        s.write(Expert(eid, "torchvision/none", "classifier", ("a",), 32), {"w": torch.full((N // 4,), v)})
+    return s
+
+
+def req(expert: str, i: int) -> Request:
+    return Request(Frame(f"f{i}", "A", "B", "C", 0.0, None), expert)
+
+
+# -- the policy ----------------------------------------------------------------------------------------------
+
+def test_the_first_unheld_expert_breadth_first_over_the_queues():
+    queues = [["a", "b", "c"], ["x", "y"]]
+    assert next_read_ahead(queues, lambda e: False) == "a"
+    assert next_read_ahead(queues, lambda e: e in {"a"}) == "x"              # every queue's first, then seconds
+    assert next_read_ahead(queues, lambda e: e in {"a", "x"}) == "b"
+    assert next_read_ahead(queues, lambda e: e in {"a", "x", "b"}) == "y"
+    assert next_read_ahead(queues, lambda e: e != "c") == "c"                # a shorter queue is passed over
+    assert next_read_ahead(queues, lambda e: e != "c", skip={"c"}.__contains__) is None
+    assert next_read_ahead([], lambda e: False) is None and next_read_ahead([[], []], lambda e: False) is None
+
+
+# -- the disk-activity counter -------------------------------------------------------------------------------
+
+def test_demand_reads_count_and_read_ahead_reads_do_not():
+    d = DiskActivity()
+    assert not d.busy() and d.wait_idle(0)
+    with d.reading():
+        assert d.busy() and not d.wait_idle(0.01)
+        with d.reading():
+            assert d.busy()
+        assert d.busy()                       # the outer read is still under way
+    assert not d.busy()
+    with d.ahead(), d.reading():
+        assert not d.busy()                   # a read-ahead's own read is not what it waits for
+    seen = []
+
+    def executor_reads() -> None:
+        with d.reading():
+            seen.append(d.busy())
+    with d.ahead():                           # ahead() is per thread: another thread's read still counts
+        t = threading.Thread(target=executor_reads)
+        t.start()
+        t.join()
+    assert seen == [True] and (d.demand_reads, d.ahead_reads) == (3, 1)
+    with pytest.raises(RuntimeError), d.reading():
+        raise RuntimeError("a failed read")
+    assert not d.busy()                       # a read that raised is no longer under way
+
+
+# -- the mechanism, on real pools --------------------------------------------------------------------------
+
+class Box:
+    """A 'GPU' pool of two experts behind an exclusive host tier of two, one scheduler queue, one DiskActivity."""
+
+    def __init__(self, store: ExpertStore, host_experts: int = 2) -> None:
+        self.disk = DiskActivity()
+        self.ssd = StoreSource(store, activity=self.disk)
+        self.reads: list[str] = []
+        real = self.ssd.load
+        self.ssd.load = lambda eid, reuse=None: self.reads.append(eid) or real(eid, reuse)
+        self.host = Pool("host", host_experts * N, make_policy("lru"), self.ssd, name="host")
+        self.tier = TierSource(self.host, "cpu", exclusive=True)
+        self.gpu = Pool("gpu", 2 * N, make_policy("lru"), self.tier, name="gpu")
+        self.sched = Scheduler(["gpu"], "coserve", costs=FixedCosts(K=1.0, B=1.0, load=5.0))
+        self.ahead = ReadAhead(lambda: [self.sched.queued_groups("gpu")], lambda: [self.gpu], self.host, self.disk)
+
+
+def test_an_idle_ssd_reads_a_queued_expert_into_the_host_tier_and_the_switch_is_a_host_copy(store):
+    box = Box(store)
+    for eid in ("a", "b"):
+        box.gpu.release(box.gpu.acquire(eid))
+    box.reads.clear()
+    for i, eid in enumerate("aac"):
+        box.sched.submit(req(eid, i))
+    assert box.ahead.step() == "c"                          # a is on the GPU; c is held nowhere
+    assert box.host.resident() == ["c"] and set(box.gpu.resident()) == {"a", "b"}
+    assert box.reads == ["c"] and (box.disk.demand_reads, box.disk.ahead_reads) == (2, 1)   # 2: a and b
+    assert box.ahead.step() is None and box.ahead.stats.read == 1   # nothing more to read: no second read
+    h = box.gpu.acquire("c")                                # the batch's switch: promoted from the host tier
+    assert torch.all(h.value.buffer.view(torch.float32) == FILL["c"])
+    box.gpu.release(h)
+    assert box.reads == ["c"] and box.tier.promoted == 1 and "c" not in box.host.resident()
+
+
+def test_no_read_ahead_while_a_demand_read_is_under_way(store):
+    box = Box(store)
+    box.sched.submit(req("d", 0))
+    with box.disk.reading():                                # an executor is reading the SSD
+        assert box.ahead.step() is None
+        assert box.reads == [] and box.host.resident() == []
+    assert box.ahead.step() == "d" and box.reads == ["d"]
+
+
+def test_read_ahead_never_evicts_a_pool_above_and_skips_an_expert_that_failed(store, tmp_path):
+    import shutil
+
+    bad_root = tmp_path / "bad"
+    shutil.copytree(store.root, bad_root)
+    bad = ExpertStore(bad_root)
+    path = bad.path("e")
+    data = bytearray(path.read_bytes())
+    data[-8:] = b"\xff" * 8                                 # corrupt the tensor bytes: the sha256 check fails
+    path.write_bytes(bytes(data))
+    box = Box(bad, host_experts=1)
+    for eid in ("a", "b"):
+        box.gpu.release(box.gpu.acquire(eid))
+    for i, eid in enumerate("efg"):
+        box.sched.submit(req(eid, i))
+    assert box.ahead.step() is None and box.ahead.stats.failed == 1   # e's file is corrupt: no half entry
+    assert box.host.resident() == [] and not box.host.present("e")
+    assert box.ahead.step() == "f"                          # e is skipped from then on
+    assert box.ahead.step() is None                         # the host tier (one expert) holds f, queued: no room
+    assert box.ahead.stats.no_room == 1 and box.host.resident() == ["f"]
+    assert set(box.gpu.resident()) == {"a", "b"}            # nothing above was touched
+    with pytest.raises(Exception, match="sha256"):          # the executor meets the failure itself, and reports it
+        box.gpu.acquire("e")
+
+
+def test_the_thread_reads_ahead_on_its_own_and_stops(store):
+    box = Box(store)
+    box.ahead.start()
+    try:
+        box.sched.submit(req("g", 0))
+        box.ahead.poke()
+        for _ in range(500):
+            if box.host.contains("g"):
+                break
+            threading.Event().wait(0.01)
+        assert box.host.resident() == ["g"] and box.ahead.stats.read == 1
+    finally:
+        box.ahead.close()
+    assert not box.ahead._thread.is_alive()
