@@ -284,9 +284,6 @@ def _configured(system: SimSystem, key: tuple[int, str]) -> int:
     return sum(1 for e in system.executors if (e.box, e.device) == key)
 
 
-SSD_LOG: list = []
-
-
 def simulate(workload: Workload, profile: Profile, system: SimSystem, *, record_order: bool = False,
              stored: StoredLookup | None = None) -> SimReport:
     """Run `workload` on `system`; `stored` says which experts are stored compressed (default: none)."""
@@ -418,7 +415,6 @@ def simulate(workload: Workload, profile: Profile, system: SimSystem, *, record_
             if tier == "ssd":
                 begin = max(t, ssd_free[b])
                 t = ssd_free[b] = begin + secs
-                SSD_LOG.append((begin, t, name, expert_id))
                 ssd_busy += secs
                 ssd_loads += 1
                 if fills_host:
