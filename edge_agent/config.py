@@ -196,11 +196,12 @@ class LineConfig(_Strict):
         True, description="CPU executors copy an expert the host tier holds (a RAM copy) instead of reading the "
                           "SSD, where both hold the same dtype; the host tier keeps its copy")
     cpu_victims_to_host_tier: bool = Field(
-        True, description="with an exclusive host tier and cpu_reads_host_tier: a CPU executor's victim moves "
-                          "down into the host tier (a RAM copy), as a GPU victim does, where both hold the same "
-                          "dtype and it is the store's current version; false: it is dropped and re-read from "
-                          "SSD.  Alone it lost 3-5% in simulation on one compute-bound board; together with "
-                          "ssd_read_ahead it gained on every board measured (bench ablation '-cpudemote')")
+        False, description="with an exclusive host tier and cpu_reads_host_tier: a CPU executor's victim moves "
+                           "down into the host tier (a RAM copy), as a GPU victim does, where both hold the same "
+                           "dtype and it is the store's current version; false (the default): it is dropped and "
+                           "re-read from SSD.  Off by default: in simulation it raises the flood throughput on "
+                           "most boards, but at a steady line rate it thrashes the CPU pools against the host "
+                           "tier and lowered the highest rate sustained on 6 of 9 boards (bench '+cpudemote')")
     ssd_read_ahead: bool = Field(
         True, description="with an exclusive host tier: while no executor reads the SSD, read the earliest "
                           "queued group's expert that no pool or tier holds into the host tier, so its switch "

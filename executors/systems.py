@@ -23,17 +23,16 @@ the host memory behind them.  How each spends it:
   own SSD, and the front box reaches the others over `link`.
 - Samba-CoE FIFO and Parallel, and CoServe's ablations (the paper's: none, em,
   em+ra; ours: -ssd, -steal, -exclusive, -age, -protect, -work, -hostread,
-  -readahead, -cpudemote, each CoServe with one lever off), change one knob
-  each.  Two levers joined CoServe together:
-  - read-ahead (`executors.readahead`): an idle SSD reads the earliest queued
-    group's expert that no tier holds into the exclusive host tier;
-  - the front box's CPU executors' victims move down into that host tier
-    too (the agent's cpu_victims_to_host_tier; it needs their host reads,
-    whose HostReadSource checks the victim's dtype and version).
-  Alone, moving CPU victims down lost 3-5% on `-w A2 --types 250 --skew 1.0
-  --requests 4000` (seeds 0-5), so it was off.  With read-ahead, the two
-  together beat CoServe without either on every task and shape measured (A1
-  A2 B1 B2 and seven more boards, and seeds 0-3 of A1 and of that board).
+  -readahead, -fill, each CoServe with one lever off), change one knob each.
+  `+cpudemote` is CoServe with a lever that is off by default turned on: the
+  front box's CPU executors' victims move down into the exclusive host tier
+  too (the agent's cpu_victims_to_host_tier; it needs their host reads,
+  whose HostReadSource checks the victim's dtype and version).  It raises
+  the flood throughput on most boards, but at a steady line rate it sets off
+  thrash between the CPU pools and the host tier (every CPU read from SSD
+  pushes a victim down that pushes out the next one needed) on most boards
+  measured: the highest rate sustained fell on 6 of 9 boards (B2 14.6 -> 10.9
+  frames/s), so it stays off.
 """
 from __future__ import annotations
 
@@ -44,8 +43,8 @@ from .profile import DeviceProfile, Profile
 from .simdevice import SimExecutor, SimSystem
 
 SYSTEMS = ("coserve", "coserve-paper", "samba", "samba-fifo", "samba-parallel", "none", "em", "em+ra",
-           "-ssd", "-steal", "-exclusive", "-age", "-protect", "-work", "-hostread", "-readahead", "-cpudemote",
-           "-fill")
+           "-ssd", "-steal", "-exclusive", "-age", "-protect", "-work", "-hostread", "-readahead", "-fill",
+           "+cpudemote")
 DEFAULT = SYSTEMS
 MAX_WAIT = 2.0   # seconds: CoServe's age bound in the benchmark (the agent's default, scheduler.max_wait)
 
@@ -117,13 +116,13 @@ def build_system(name: str, profile: Profile, *, init: str = "warm", boxes: int 
         "-protect": (co, "coserve", "coserve-paper", host, "exclusive", MAX_WAIT),
         "-hostread": (co, "coserve", "coserve", host, "exclusive", MAX_WAIT),
         "-readahead": (co, "coserve", "coserve", host, "exclusive", MAX_WAIT),
-        "-cpudemote": (co, "coserve", "coserve", host, "exclusive", MAX_WAIT),
+        "+cpudemote": (co, "coserve", "coserve", host, "exclusive", MAX_WAIT),
         "-fill": (co, "coserve-nofill", "coserve", host, "exclusive", MAX_WAIT),
     }
     # CoServe's own levers: on in CoServe and in every ablation but the one that turns that lever off
-    levers = name == "coserve" or name.startswith("-")
+    levers = name in ("coserve", "+cpudemote") or name.startswith("-")
     host_reads = levers and name != "-hostread"     # CPU executors copy from the host tier
-    cpu_demote = levers and name != "-cpudemote"    # their victims move down into the exclusive host tier
+    cpu_demote = name == "+cpudemote"               # their victims move down into the exclusive host tier (off)
     read_ahead = levers and name != "-readahead"    # an idle SSD reads a queued group's expert into it
     try:
         execs, sched, evict, tier, mode, max_wait = table[name]

@@ -94,15 +94,15 @@ def test_sizes_and_endpoints():
 def test_new_keys_defaults_and_unset_count(tmp_path):
     cfg = load_config(write(tmp_path, "line: T\nspec: spec.yaml\n"), env={})
     assert cfg.scheduler.max_wait == 2.0 and cfg.cpu_tier_mode == "exclusive" and cfg.cpu_reads_host_tier
-    assert cfg.cpu_victims_to_host_tier is True and cfg.ssd_read_ahead is True
+    assert cfg.cpu_victims_to_host_tier is False and cfg.ssd_read_ahead is True
     assert cfg.executors[0].count == 1 and not cfg.executors[0].count_is_set   # the profile decides
     cfg = load_config(write(tmp_path, "line: T\nspec: spec.yaml\nscheduler: {max_wait: null}\n"
                                       "cpu_tier_mode: inclusive\neviction: coserve-paper\n"
-                                      "cpu_reads_host_tier: false\ncpu_victims_to_host_tier: false\n"
+                                      "cpu_reads_host_tier: false\ncpu_victims_to_host_tier: true\n"
                                       "ssd_read_ahead: false\n"
                                       "executors: [{count: null}, {count: 2}]\n"), env={})
     assert cfg.scheduler.max_wait is None and cfg.cpu_tier_mode == "inclusive" and cfg.eviction == "coserve-paper"
-    assert cfg.cpu_reads_host_tier is False and cfg.cpu_victims_to_host_tier is False and not cfg.ssd_read_ahead
+    assert cfg.cpu_reads_host_tier is False and cfg.cpu_victims_to_host_tier is True and not cfg.ssd_read_ahead
     assert [(e.count, e.count_is_set) for e in cfg.executors] == [(1, False), (2, True)]
     cfg = load_config(LINE_A, env={"COE_SCHEDULER__MAX_WAIT": "0.5", "COE_EXECUTORS__0__COUNT": "2"})
     assert cfg.scheduler.max_wait == 0.5 and cfg.executors[0].count_is_set and cfg.executors[0].count == 2

@@ -666,7 +666,7 @@ def test_a_remote_boxs_cpu_executors_read_its_ssd_as_the_agent_does():
     assert rep.switches == 5 and rep.ssd_loads == 5 and rep.host_loads == 0
 
 
-# -- CPU victims move down into the exclusive host tier (cpu_victims_to_host_tier; off in `-cpudemote`) ------
+# -- CPU victims move down into the exclusive host tier (cpu_victims_to_host_tier, `+cpudemote`) ------------
 
 @pytest.mark.parametrize("demote", [True, False])
 def test_a_cpu_victim_moves_down_into_the_host_tier_and_comes_back_without_an_ssd_read(demote):
@@ -703,22 +703,25 @@ def test_cpu_demotion_needs_an_exclusive_host_tier_the_cpu_executors_read():
         assert rep.cpu_demotions == 0 and rep.ssd_loads == (1 if reads else 5)
 
 
-def test_coserve_and_its_ablations_move_cpu_victims_down_and_read_ahead_but_the_baselines_do_not():
-    """Both levers are CoServe's (on by default); each `-lever` ablation is CoServe with exactly that one off."""
+def test_coserve_and_its_ablations_read_ahead_and_only_cpudemote_moves_cpu_victims_down():
+    """Read-ahead is CoServe's (on by default; `-readahead` is CoServe with only it off); moving CPU victims
+    down is off by default (it thrashed at line rates) and on only in `+cpudemote`, which is CoServe otherwise."""
     from dataclasses import replace
 
     prof = Profile.load(GPU_CLASS)
     names = ("coserve", "coserve-paper", "samba", "samba-parallel", "em", "em+ra", "-hostread", "-work", "-ssd",
-             "-exclusive", "-readahead", "-cpudemote")
-    demote = {s for s in names if build_system(s, prof).cpu_demote and build_system(s, prof).cpu_host_reads}
+             "-exclusive", "-readahead", "-fill", "+cpudemote")
+    demote = {s for s in names if build_system(s, prof).cpu_demote}
     ahead = {s for s in names if build_system(s, prof).read_ahead}
-    assert demote == {"coserve", "-work", "-ssd", "-exclusive", "-readahead"}   # -exclusive: no victim cache to use
-    assert ahead == {"coserve", "-hostread", "-work", "-ssd", "-exclusive", "-cpudemote"}
+    assert demote == {"+cpudemote"}
+    assert ahead == {"coserve", "-hostread", "-work", "-ssd", "-exclusive", "-fill", "+cpudemote"}
     co = build_system("coserve", prof)
-    assert replace(build_system("-cpudemote", prof), name="coserve", cpu_demote=False) == replace(co, cpu_demote=False)
+    assert replace(build_system("+cpudemote", prof), name="coserve", cpu_demote=False) == co
     assert replace(build_system("-readahead", prof), name="coserve") == replace(co, read_ahead=False)
+    assert build_system("-fill", prof).scheduler == "coserve-nofill" and co.scheduler == "coserve"
     assert "an idle SSD reads queued experts into it" in co.resources()
     assert "reads queued" not in build_system("-readahead", prof).resources()
+    assert "victims move down" in build_system("+cpudemote", prof).resources() and "victims" not in co.resources()
 
 
 def test_without_the_three_levers_the_simulator_reproduces_the_numbers_from_before_them():
@@ -733,9 +736,9 @@ def test_without_the_three_levers_the_simulator_reproduces_the_numbers_from_befo
     assert off.cpu_demotions == 0 and off.read_ahead == 0
     assert (off.switches, off.ssd_loads, off.host_loads) == (142, 82, 60)
     assert off.makespan == pytest.approx(27.4962, abs=1e-6) and off.p99_ms == pytest.approx(25387.2, abs=1e-3)
-    demote = simulate(w, prof, build_system("-readahead", prof))
+    demote = simulate(w, prof, replace(build_system("+cpudemote", prof), read_ahead=False))
     assert demote.cpu_demotions > 0 and demote.ssd_loads < off.ssd_loads and demote.read_ahead == 0
-    ahead = simulate(w, prof, build_system("-cpudemote", prof))
+    ahead = simulate(w, prof, build_system("coserve", prof))
     assert ahead.read_ahead > 0 and ahead.cpu_demotions == 0
 
 
