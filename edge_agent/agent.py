@@ -70,8 +70,8 @@ class _Slot:
 class _SchedulerCollector:
     """The scheduler's counters at scrape time (the hot path pays nothing)."""
 
-    def __init__(self, line: str, scheduler: Scheduler) -> None:
-        self.line, self.scheduler = line, scheduler
+    def __init__(self, line: str, scheduler: Scheduler, read_ahead=None) -> None:
+        self.line, self.scheduler, self.read_ahead = line, scheduler, read_ahead
 
     def describe(self):
         return []
@@ -83,6 +83,15 @@ class _SchedulerCollector:
                                                         "of the head group", labels=["line"])
         fam.add_metric([self.line], float(getattr(self.scheduler, "aged", 0)))
         yield fam
+        fam = CounterMetricFamily("coe_scheduler_filled", "Batches of a resident expert served while the head "
+                                                          "group's expert was still to load", labels=["line"])
+        fam.add_metric([self.line], float(getattr(self.scheduler, "filled", 0)))
+        yield fam
+        if self.read_ahead is not None:
+            fam = CounterMetricFamily("coe_read_ahead_reads", "Experts an idle SSD read into the host tier ahead "
+                                                              "of their queued batch", labels=["line"])
+            fam.add_metric([self.line], float(self.read_ahead.stats.read))
+            yield fam
 
 
 class Agent:
@@ -207,8 +216,8 @@ class Agent:
             local = [s.name for s in self.slots if s.ex.node is None]
             self.read_ahead = ReadAhead(lambda: [self.scheduler.queued_groups(n) for n in local],
                                         lambda: [self.pools[n] for n in local], self.host_tier, self.disk)
+        self.metrics.registry.register(_SchedulerCollector(cfg.line, self.scheduler, self.read_ahead))
         self.metrics.watch_pools(self._all_pools)
-        self.metrics.registry.register(_SchedulerCollector(cfg.line, self.scheduler))
         self.status = StatusModel(StatusSources(
             line=cfg.line, registry=self.metrics.registry, pools=self._all_pools, queue_depths=self._queue_depths,
             executors={s.name: s.ex.device for s in self.slots}, health=self.health,

@@ -18,6 +18,7 @@ import numpy as np
 
 from coe import CoEModel, Frame, Request, decide
 from coe.workload import Workload
+from storage.disk_activity import DiskActivity
 from storage.pagecache import drop_from_page_cache
 from storage.policies import make_policy
 from storage.pool import Pool, initialize, initialize_tier, present_above
@@ -26,6 +27,7 @@ from storage.tiers import HostReadSource, StoreSource, TierSource, demote, measu
 from .costs import ExecutorInfo, ProfileCosts, store_forms
 from .executor import BatchResult, Executor
 from .profile import Profile
+from .readahead import ReadAhead
 from .scheduler import Scheduler
 from .simdevice import SimReport, SimSystem
 
@@ -73,8 +75,10 @@ def run_real(workload: Workload, model: CoEModel, store, profile: Profile | None
     pools, infos = {}, {}
     built: list[StoreSource] = []   # every store source of this run: with `cold`, their reads are the SSD reads
 
+    disk = DiskActivity()              # the box's SSD: the demand reads a read-ahead waits out (as the agent)
+
     def store_source(**kw) -> StoreSource:
-        built.append((ColdStoreSource if opts.cold else StoreSource)(store, **kw))
+        built.append((ColdStoreSource if opts.cold else StoreSource)(store, activity=disk, **kw))
         return built[-1]
     gpus = [ex.name for ex in system.executors if ex.kind == "cuda"]
 
@@ -161,6 +165,10 @@ def run_real(workload: Workload, model: CoEModel, store, profile: Profile | None
                 done[0] += 1
                 lock.notify_all()
 
+    ahead = None       # an idle SSD reads queued groups' experts into the exclusive host tier (as the agent)
+    if system.read_ahead and exclusive:
+        ahead = ReadAhead(lambda: [sched.queued_groups(n) for n in pools], lambda: list(pools.values()), host,
+                          disk).start()
     execs.update((ex.name, Executor(ex.name, ex.device if ex.kind == "cuda" else "cpu", pools[ex.name], sched, model,
                                     on_result, prefetch=not opts.prequeue)) for ex in system.executors)
     if not opts.prequeue:
@@ -182,6 +190,8 @@ def run_real(workload: Workload, model: CoEModel, store, profile: Profile | None
     with lock:
         finished = lock.wait_for(lambda: done[0] >= len(arrivals), opts.timeout)
     makespan = time.perf_counter() - t0
+    if ahead is not None:
+        ahead.close()
     sched.close()
     for e in execs.values():
         e.join(10)

@@ -482,4 +482,7 @@ def test_a_replay_with_read_ahead_gives_every_frame_the_same_verdict_as_without(
             assert agent.disk.demand_reads > 0     # this memory makes the executors read the SSD
             st = agent.read_ahead.stats            # every read it made went through the box's one counter
             assert agent.disk.ahead_reads == st.read and st.failed == st.too_big == 0
+            from prometheus_client import generate_latest
+            text = generate_latest(agent.metrics.registry).decode()
+            assert f'coe_read_ahead_reads_total{{line="T"}} {float(st.read)}' in text
     assert out[True] == out[False]

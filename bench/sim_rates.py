@@ -1,0 +1,50 @@
+"""p99 latency of CoServe and chosen ablations at the same absolute arrival rates (simulation).
+
+`coe-agent bench --load F` gives p99 at F x each system's own sustained rate;
+this gives it side by side at the same rates (frames evenly spaced), so a
+lever that raises the sustained rate is not judged at a higher rate.
+Simulation on profiled costs (virtual clock), not a real run.
+
+Usage:  python bench/sim_rates.py [--systems coserve,-readahead,-fill] [--rates 8.6,10,11.5,11.9]
+Prints a table and one JSON line.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from edge_agent.bench import GPU_CLASS, build_system, make_workload, simulate, task  # noqa: E402
+from executors.profile import Profile  # noqa: E402
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--systems", default="coserve,-readahead,-fill")
+    ap.add_argument("--rates", default="8.6,10,11.5,11.9", help="frames/s, comma separated")
+    ap.add_argument("-w", "--workload", default="A1,A2,B1,B2")
+    ap.add_argument("--profile", default=str(GPU_CLASS))
+    args = ap.parse_args()
+    prof = Profile.load(args.profile)
+    tasks, systems = args.workload.split(","), args.systems.split(",")
+    rates = [float(r) for r in args.rates.split(",")]
+    out: dict = {}
+    print(f"{'rate':>6}  " + "  ".join(f"{s + ' p99 s, ' + '/'.join(tasks):>32}" for s in systems))
+    for rate in rates:
+        cells = []
+        for s in systems:
+            system = build_system(s, prof)
+            p99 = [simulate(make_workload(replace(task(t), interval=1.0 / rate)), prof, system).p99_ms / 1e3
+                   for t in tasks]
+            out.setdefault(s, {})[str(rate)] = dict(zip(tasks, (round(p, 3) for p in p99)))
+            cells.append(" / ".join(f"{p:.2f}" for p in p99))
+        print(f"{rate:6.1f}  " + "  ".join(f"{c:>32}" for c in cells), flush=True)
+    print(json.dumps({"bench": "sim_rates", "profile": args.profile, "p99_s": out}))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,68 @@
+"""CoServe and chosen ablations on the four paper tasks and seven more board shapes (simulation).
+
+Issue 9 asks the targets to hold on board shapes other than A and B.  For each
+board this runs each system under a flood (a frame every 4 ms: the paper's
+offline throughput and the efficiency against the valid lower bound), finds
+the highest steady rate it sustains (`edge_agent.bench.sustained_rate`) and
+measures p99 with frames arriving evenly at F x that rate.  Simulation on
+profiled costs (virtual clock), not a real run.
+
+Usage:  python bench/sim_shapes.py [--systems coserve,-readahead,-fill] [--profile P] [--load 0.8]
+Prints a table and one JSON line.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from edge_agent.bench import GPU_CLASS, build_system, make_workload, simulate, sustained_rate, task  # noqa: E402
+from executors.profile import Profile  # noqa: E402
+
+# (task, overrides): the paper's four, then boards with more and fewer types, heavier and lighter skew,
+# other detector shares and longer tasks
+SHAPES = [("A1", {}), ("A2", {}), ("B1", {}), ("B2", {}),
+          ("A2", dict(types=250, skew=1.0, requests=4000)),
+          ("B2", dict(types=600, skew=0.9, detector_share=0.3, board_size=800, requests=4000)),
+          ("A1", dict(skew=0.6, detector_share=0.6, requests=3000)),
+          ("B1", dict(types=200, detector_share=0.8, requests=3000)),
+          ("B1", dict(types=500, skew=0.5, requests=3500)),
+          ("A1", dict(types=120, skew=1.2, detector_share=0.2, requests=5000)),
+          ("B1", dict(types=500, skew=0.5, detector_share=0.8, requests=3500))]
+
+
+def flags(wl: str, kw: dict) -> str:
+    return " ".join([f"-w {wl}", *(f"--{k.replace('_', '-')} {v}" for k, v in kw.items())])
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--systems", default="coserve,-readahead,-fill")
+    ap.add_argument("--profile", default=str(GPU_CLASS))
+    ap.add_argument("--load", type=float, default=0.8, help="F: the share of the sustained rate for p99")
+    args = ap.parse_args()
+    prof = Profile.load(args.profile)
+    systems = args.systems.split(",")
+    rows = []
+    print(f"{'board':84} {'system':11} {'flood/s':>8} {'eff':>5} {'sust/s':>7} {'p99 s':>6}")
+    for wl, kw in SHAPES:
+        spec = task(wl, **kw)
+        for s in systems:
+            system = build_system(s, prof)
+            flood = simulate(make_workload(spec), prof, system)
+            rate = sustained_rate(spec, prof, system, flood.throughput)
+            p99 = simulate(make_workload(replace(spec, interval=1.0 / (args.load * rate))), prof, system).p99_ms / 1e3
+            rows.append({"board": flags(wl, kw), "system": s, "flood": round(flood.throughput, 2),
+                         "efficiency": round(flood.efficiency, 3), "sustained": round(rate, 2),
+                         "p99_s": round(p99, 3)})
+            print(f"{flags(wl, kw):84} {s:11} {flood.throughput:8.1f} {flood.efficiency:5.2f} {rate:7.1f} {p99:6.2f}",
+                  flush=True)
+    print(json.dumps({"bench": "sim_shapes", "profile": args.profile, "load": args.load, "rows": rows}))
+
+
+if __name__ == "__main__":
+    main()
