@@ -24,7 +24,7 @@ from coe import CoEModel, Frame, Request, decide, load_spec
 from executors.costs import ExecutorInfo, ProfileCosts, store_forms
 from executors.executor import BatchResult, Executor, FailedExperts
 from executors.profile import Profile
-from executors.readahead import ReadAhead
+from executors.readahead import ReadAhead, usable_from_host
 from executors.scheduler import Scheduler
 from executors.systems import activation_reserve
 from routing import RuleRouter
@@ -196,9 +196,10 @@ class Agent:
                                             device=ex.device, host_reads=reads)
         # remote executors are priced at the frame size their links were measured with ({data_dir}/links.json)
         link_frames = {"frame_bytes": self.links.frame_bytes} if self.links is not None else {}
+        # a head whose expert the executor's prefetcher is still loading is a wait the scheduler may fill
         self.costs = ProfileCosts(self.model, infos, self.profile, host=self.host_tier,
                                   default_max_batch=cfg.scheduler.max_batch, stored=store_forms(self.store),
-                                  **link_frames)
+                                  arriving=self._prefetch_remaining, **link_frames)
         tie = cfg.scheduler.tie_seconds
         self.scheduler = Scheduler([s.name for s in self.slots], cfg.scheduler.policy, costs=self.costs,
                                    tie_seconds=tie, max_wait=cfg.scheduler.max_wait)
@@ -214,8 +215,10 @@ class Agent:
         self.read_ahead: ReadAhead | None = None
         if self.exclusive and cfg.ssd_read_ahead:
             local = [s.name for s in self.slots if s.ex.node is None]
-            self.read_ahead = ReadAhead(lambda: [self.scheduler.queued_groups(n) for n in local],
-                                        lambda: [self.pools[n] for n in local], self.host_tier, self.disk)
+            usable = {n: usable_from_host(infos[n]) for n in local}
+            self.read_ahead = ReadAhead(lambda: [(n, self.scheduler.queued_groups(n)) for n in local],
+                                        lambda n, e: usable[n](e), lambda: [self.pools[n] for n in local],
+                                        self.host_tier, self.disk)
         self.metrics.registry.register(_SchedulerCollector(cfg.line, self.scheduler, self.read_ahead))
         self.metrics.watch_pools(self._all_pools)
         self.status = StatusModel(StatusSources(
@@ -227,6 +230,10 @@ class Agent:
         self.status_server: "StatusServer | None" = None
         # thumbnails exist for the status page and /api/frames; none are kept without it
         self.thumbnails = cfg.metrics.thumbnails if cfg.metrics.enabled else 0
+
+    def _prefetch_remaining(self, executor: str, expert_id: str) -> float:
+        ex = getattr(self, "_by_name", {}).get(executor)
+        return ex.prefetch_remaining(expert_id) if hasattr(ex, "prefetch_remaining") else 0.0
 
     def _cluster_view(self) -> dict:
         """The status page's cluster view: what the cluster status file last wrote, else asked now."""

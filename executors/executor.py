@@ -103,6 +103,18 @@ class Executor:
     def start(self) -> None:
         self._thread.start()
 
+    def _load_estimate(self, expert_id: str) -> float:
+        """The cost model's switch time for `expert_id` here now (0 without one that can say)."""
+        costs = getattr(self.scheduler, "costs", None)
+        try:
+            return float(costs.switch_cost(self.name, expert_id)) if costs is not None else 0.0
+        except Exception:  # noqa: BLE001 - an estimate only: a prefetch goes ahead without one
+            return 0.0
+
+    def prefetch_remaining(self, expert_id: str) -> float:
+        """Seconds this executor's prefetch of `expert_id` still needs, estimated (0: none under way)."""
+        return self.prefetcher.remaining(expert_id) if self.prefetcher is not None else 0.0
+
     def join(self, timeout: float | None = None) -> bool:
         self._thread.join(timeout)
         if self.prefetcher is not None:
@@ -169,7 +181,9 @@ class Executor:
                 if handle is None:  # pinned experts hold the room; wait for a release
                     time.sleep(0.002)
             if self.prefetcher is not None:
-                self.prefetcher.hint(self.scheduler.next_expert(self.name, batch.expert_id))
+                nxt = self.scheduler.next_expert(self.name, batch.expert_id)
+                if nxt is not None:
+                    self.prefetcher.hint(nxt, self._load_estimate(nxt))
             module = self.skeletons.bind(expert, handle.value)
             images = [r.frame.image for r in batch.requests]
             outputs = self._run_splitting(module, expert, images)

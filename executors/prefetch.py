@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 
 log = logging.getLogger(__name__)
 
@@ -17,20 +18,32 @@ log = logging.getLogger(__name__)
 class Prefetcher:
     def __init__(self, pool, name: str) -> None:
         self.pool, self.name = pool, name
-        self._hint: str | None = None
+        self._hint: tuple[str, float] | None = None   # (expert, expected load seconds)
         self._cond = threading.Condition()
         self._stop = False
         self._busy = False
+        self._loading: tuple[str, float, float] | None = None   # (expert, started, expected seconds)
         self.loaded = 0
         self._thread = threading.Thread(target=self._loop, name=f"prefetch-{name}", daemon=True)
         self._thread.start()
 
-    def hint(self, expert_id: str | None) -> None:
+    def hint(self, expert_id: str | None, expected: float = 0.0) -> None:
+        """Load `expert_id` next; `expected` is the cost model's load time for it now (see `remaining`)."""
         if expert_id is None:
             return
         with self._cond:
-            self._hint = expert_id
+            self._hint = (expert_id, expected)
             self._cond.notify()
+
+    def remaining(self, expert_id: str) -> float:
+        """Seconds the load of `expert_id` under way here still needs, by the cost model's estimate made when
+        it was hinted (0 when it is not loading here, or has run past the estimate).  The scheduler's `fill`
+        reads it through the cost model's `arriving`: a head whose expert is still loading is a wait."""
+        with self._cond:
+            if self._loading is None or self._loading[0] != expert_id:
+                return 0.0
+            _, started, expected = self._loading
+        return max(expected - (time.monotonic() - started), 0.0)
 
     def idle(self, timeout: float = 5.0) -> bool:
         """Wait until no hint is pending or loading (tests and benchmarks use this)."""
@@ -49,9 +62,11 @@ class Prefetcher:
                 self._cond.wait_for(lambda: self._hint is not None or self._stop)
                 if self._stop:
                     return
-                eid, self._hint, self._busy = self._hint, None, True
+                (eid, expected), self._hint, self._busy = self._hint, None, True
             try:
                 if not self.pool.contains(eid):
+                    with self._cond:
+                        self._loading = (eid, time.monotonic(), expected)
                     handle = self.pool.acquire(eid)
                     if handle is not None:
                         self.pool.release(handle)
@@ -60,5 +75,5 @@ class Prefetcher:
                 log.debug("prefetch of %s on %s failed: %s", eid, self.name, exc)
             finally:
                 with self._cond:
-                    self._busy = False
+                    self._busy, self._loading = False, None
                     self._cond.notify_all()

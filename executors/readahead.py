@@ -5,8 +5,9 @@ switches queue for, and a switch reads only when its batch comes up (or,
 with the executor's prefetch, one group before).  Between those reads the
 SSD idles while queued groups further back still need experts that no tier
 holds; those reads then land later, serially, and the run ends with the
-SSD's backlog.  In the simulator on the GPU-class profile the SSD idled about
-9 s of A1's 48 s (`coe-agent bench --sim -w A1 --policies coserve,-readahead`).
+SSD's backlog.  In the simulator on the GPU-class profile, before this
+module, the SSD idled 9.4 s of A1's 48.0 s (`coe-agent bench --sim -w A1` at
+commit 20a1c4e: its makespan less its "SSD s" column).
 
 What.  While no demand read is under way (`storage.disk_activity`), read the
 expert of the earliest queued group (breadth-first over the executors'
@@ -14,10 +15,18 @@ queues: every queue's first group, then every second, ...) that no pool and
 no tier holds or is loading, into the host tier.  The host tier is a victim
 cache (exclusive), so this moves nothing out of a GPU or CPU pool; its own
 policy makes room as for any admission, and no queued group's expert is a
-victim (reading one queued expert in by pushing another out gains nothing).  When the group's batch comes, its switch is a host copy instead of
-an SSD read.  A read-ahead is never waited for: it starts only when the SSD
-is free, and an expert whose read fails is skipped from then on (the
-executor meets the same failure and reports it against its frames).
+victim (reading one queued expert in by pushing another out gains nothing).
+When the group's batch comes, its switch is a host copy instead of an SSD
+read.  Only experts that the executor they are queued on takes from
+the host tier are read (a GPU always; a CPU executor where it copies the host
+tier's copy, `usable_from_host`).  A read-ahead is never waited for: it starts
+only when the SSD is free, and an expert whose read fails is skipped for
+RETRY_SECONDS (the executor meets the same failure and reports it against its
+frames).
+
+The thread waits on the disk counter while executors read, so it starts the
+moment their reads end, and polls the queues every POLL_SECONDS otherwise;
+the simulator reacts at once.
 
 `next_read_ahead` is the policy (a pure function of the queues and what is
 held); `ReadAhead` is the mechanism (a thread).  The simulator runs the same
@@ -27,6 +36,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -34,7 +44,8 @@ from storage.pool import PoolFullError
 
 log = logging.getLogger(__name__)
 
-POLL_SECONDS = 0.02     # how often an idle read-ahead looks at the queues again
+POLL_SECONDS = 0.005    # how often an idle read-ahead looks at the queues again (the simulator reacts at once)
+RETRY_SECONDS = 60.0    # an expert whose read failed is not read ahead again for this long
 
 
 def next_read_ahead(queues: Sequence[Sequence[str]], held: Callable[[str], bool],
@@ -58,15 +69,28 @@ class ReadAheadStats:
     too_big: int = 0       # candidates larger than the whole host tier (skipped from then on)
 
 
-class ReadAhead:
-    """The thread: `queues()` gives each local executor's queued experts in run order; `pools` are the
-    pools and tiers whose residents count as held; `host` is the exclusive host tier it reads into."""
+def usable_from_host(info) -> Callable[[str], bool]:
+    """Whether an executor (its `executors.costs.ExecutorInfo`) takes an expert from the host tier: a GPU
+    always (it promotes from it); a CPU executor only where it copies the host tier's copy (`host_reads`:
+    True, or a predicate, e.g. only where both hold one dtype).  A read-ahead for any other is wasted."""
+    if info.device_kind == "cuda":
+        return lambda _e: True
+    reads = info.host_reads
+    return reads if callable(reads) else (lambda _e: bool(reads))
 
-    def __init__(self, queues: Callable[[], list[list[str]]], pools: Callable[[], list], host, activity, *,
-                 poll: float = POLL_SECONDS) -> None:
-        self._queues, self._pools, self.host, self.activity, self._poll = queues, pools, host, activity, poll
+
+class ReadAhead:
+    """The thread: `queues()` gives (executor, its queued groups' experts in run order) for each local
+    executor; `usable(executor, expert)` says whether that executor takes the expert from the host tier;
+    `pools` are the pools and tiers whose residents count as held; `host` is the exclusive host tier it
+    reads into."""
+
+    def __init__(self, queues: Callable[[], list[tuple[str, list[str]]]], usable: Callable[[str, str], bool],
+                 pools: Callable[[], list], host, activity, *, poll: float = POLL_SECONDS) -> None:
+        self._queues, self._usable, self._pools = queues, usable, pools
+        self.host, self.activity, self._poll = host, activity, poll
         self.stats = ReadAheadStats()
-        self._failed: set[str] = set()
+        self._failed: dict[str, float] = {}    # expert -> when its read failed (tried again after RETRY_SECONDS)
         self._stop = threading.Event()
         self._wake = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="ssd-read-ahead", daemon=True)
@@ -91,19 +115,21 @@ class ReadAhead:
         """One decision and, when the SSD is free, one read.  Returns the expert read in, or None."""
         if self.activity.busy():
             return None
-        queues = self._queues()
-        eid = next_read_ahead(queues, self.held, self._failed.__contains__)
+        named = self._queues()
+        now = time.monotonic()
+        eid = next_read_ahead([[e for e in q if self._usable(n, e)] for n, q in named], self.held,
+                              lambda e: now - self._failed.get(e, -RETRY_SECONDS) < RETRY_SECONDS)
         if eid is None:
             return None
         try:
             with self.activity.ahead():     # never pushes out a queued expert to read in another
-                handle = self.host.acquire(eid, keep={e for q in queues for e in q})
+                handle = self.host.acquire(eid, keep={e for _, q in named for e in q})
         except PoolFullError:               # larger than the whole host tier: its executor reads it itself
-            self._failed.add(eid)
+            self._failed[eid] = float("inf")
             self.stats.too_big += 1
             return None
         except Exception as exc:  # noqa: BLE001 - the executor that needs it reports it against its frames
-            self._failed.add(eid)
+            self._failed[eid] = now         # a fixed file or a passing I/O error: tried again later
             self.stats.failed += 1
             log.debug("read-ahead of %s failed: %r", eid, exc)
             return None
@@ -121,6 +147,10 @@ class ReadAhead:
             except Exception:  # noqa: BLE001 - a read-ahead must never take the agent down
                 log.exception("read-ahead step failed")
                 eid = None
-            if eid is None:            # nothing to do now: wait for a poke or the next poll
+            if eid is not None:
+                continue
+            if self.activity.busy():   # woken the moment the executors' reads end, as the simulator assumes
+                self.activity.wait_idle(self._poll)
+            else:                      # nothing to read now: look again at the next poll or poke
                 self._wake.wait(self._poll)
                 self._wake.clear()

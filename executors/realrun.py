@@ -27,7 +27,7 @@ from storage.tiers import HostReadSource, StoreSource, TierSource, demote, measu
 from .costs import ExecutorInfo, ProfileCosts, store_forms
 from .executor import BatchResult, Executor
 from .profile import Profile
-from .readahead import ReadAhead
+from .readahead import ReadAhead, usable_from_host
 from .scheduler import Scheduler
 from .simdevice import SimReport, SimSystem
 
@@ -123,7 +123,8 @@ def run_real(workload: Workload, model: CoEModel, store, profile: Profile | None
                               measure=measured_nbytes if ex.kind == "cuda" else None)
         reads = src.compatible if isinstance(src, HostReadSource) else False
         infos[ex.name] = ExecutorInfo(ex.kind, ex.memory, pools[ex.name], device=ex.device, host_reads=reads)
-    costs = ProfileCosts(model, infos, profile, host=host, stored=store_forms(store))
+    costs = ProfileCosts(model, infos, profile, host=host, stored=store_forms(store),
+                         arriving=lambda n, e: execs[n].prefetch_remaining(e) if n in execs else 0.0)
     sched = Scheduler([e.name for e in system.executors], system.scheduler, costs=costs,
                       tie_seconds=system.tie_seconds, max_wait=system.max_wait)
     box.append(sched)
@@ -167,8 +168,9 @@ def run_real(workload: Workload, model: CoEModel, store, profile: Profile | None
 
     ahead = None       # an idle SSD reads queued groups' experts into the exclusive host tier (as the agent)
     if system.read_ahead and exclusive:
-        ahead = ReadAhead(lambda: [sched.queued_groups(n) for n in pools], lambda: list(pools.values()), host,
-                          disk).start()
+        usable = {n: usable_from_host(infos[n]) for n in pools}
+        ahead = ReadAhead(lambda: [(n, sched.queued_groups(n)) for n in pools], lambda n, e: usable[n](e),
+                          lambda: list(pools.values()), host, disk).start()
     execs.update((ex.name, Executor(ex.name, ex.device if ex.kind == "cuda" else "cpu", pools[ex.name], sched, model,
                                     on_result, prefetch=not opts.prequeue)) for ex in system.executors)
     if not opts.prequeue:

@@ -164,14 +164,22 @@ class FixedCosts:
     """A cost model with one K, B, load time and max batch for everything (tests, no profile)."""
 
     def __init__(self, K: float = 1.0, B: float = 1.0, load: float = 10.0, max_batch: int = 16,
-                 resident: Callable[[str], set[str]] | None = None) -> None:
+                 resident: Callable[[str], set[str]] | None = None,
+                 loading: Callable[[str], dict[str, float]] | None = None) -> None:
         self.K, self.B, self.load, self.mb = K, B, load, max_batch
         self._resident = resident or (lambda name: set())
+        self._loading = loading or (lambda name: {})   # per executor: expert -> seconds its load still needs
 
     def exec_cost(self, executor: str, expert_id: str) -> tuple[float, float]:
         return self.K, self.B
 
+    def tier_of(self, executor: str, expert_id: str) -> str:
+        """'resident' (loading counts as arriving) or 'ssd'."""
+        return "resident" if expert_id in self._resident(executor) or expert_id in self._loading(executor) else "ssd"
+
     def switch_cost(self, executor: str, expert_id: str) -> float:
+        if expert_id in self._loading(executor):
+            return self._loading(executor)[expert_id]
         return 0.0 if expert_id in self._resident(executor) else self.load
 
     def ssd_seconds(self, executor: str, expert_id: str) -> float:
@@ -533,21 +541,33 @@ class Scheduler:
                 self.aged += 1
                 pick = oldest
         if self.policy.fill and pick is q.groups[0]:
-            pick = self._fill(executor, q, pick)
+            filler = self._fill(executor, q, pick)
+            if filler is not pick:      # one batch of it, the one that fits the wait; then the head
+                filler.drain = min(len(filler.requests), self._cap(executor, filler.expert_id))
+                return filler
         pick.drain = len(pick.requests)
         return pick
 
     def _fill(self, executor: str, q: _Queue, head: _Group) -> _Group:
         """The head, or a resident group to serve while the head's expert loads (policy `fill`).
 
-        A batch waits for its expert's load, and the executor with it.  If a
-        group among the next FILL_WINDOW is resident (switch 0) and its batch
-        ends within the head's switch time, it runs first while the executor's
-        prefetcher loads the head's expert (the first queued group that is not
-        the running one): the executor computes in what would have been a wait,
-        and the head starts about when its load would have let it.
+        A batch waits for its expert's load, and the executor with it.  If the
+        head's expert is already loading (the executor's prefetcher took it up
+        while the last batch ran) and a group among the next FILL_WINDOW is
+        resident (switch 0) with a batch that ends within what that load still
+        needs, that batch runs first: the executor computes in what would have
+        been a wait, and the head starts about when its load lets it.  A head
+        whose load has not started is not passed over, so the filled time is
+        bounded by the load's.  One batch
+        only (`_pick` drains that much), and never for a head the age bound has
+        made due: an overdue head is served as it is.
         """
-        wait = self.costs.switch_cost(executor, head.expert_id)
+        if self.max_wait is not None and head.times and self._now() - head.times[0] > self.max_wait:
+            return head
+        tier_of = getattr(self.costs, "tier_of", None)
+        if tier_of is None or tier_of(executor, head.expert_id) != "resident":
+            return head                 # its load has not started: nothing runs meanwhile to fill
+        wait = self.costs.switch_cost(executor, head.expert_id)   # what its load under way still needs
         if wait <= 0:
             return head
         for g in itertools.islice(q.groups, 1, FILL_WINDOW):

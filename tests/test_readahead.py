@@ -91,7 +91,9 @@ class Box:
         self.tier = TierSource(self.host, "cpu", exclusive=True)
         self.gpu = Pool("gpu", 2 * N, make_policy("lru"), self.tier, name="gpu")
         self.sched = Scheduler(["gpu"], "coserve", costs=FixedCosts(K=1.0, B=1.0, load=5.0))
-        self.ahead = ReadAhead(lambda: [self.sched.queued_groups("gpu")], lambda: [self.gpu], self.host, self.disk)
+        self.usable = {"gpu"}
+        self.ahead = ReadAhead(lambda: [("gpu", self.sched.queued_groups("gpu"))], lambda n, e: n in self.usable,
+                               lambda: [self.gpu], self.host, self.disk)
 
 
 def test_an_idle_ssd_reads_a_queued_expert_into_the_host_tier_and_the_switch_is_a_host_copy(store):
@@ -137,7 +139,7 @@ def test_read_ahead_never_evicts_a_pool_above_and_skips_an_expert_that_failed(st
         box.sched.submit(req(eid, i))
     assert box.ahead.step() is None and box.ahead.stats.failed == 1   # e's file is corrupt: no half entry
     assert box.host.resident() == [] and not box.host.present("e")
-    assert box.ahead.step() == "f"                          # e is skipped from then on
+    assert box.ahead.step() == "f"                          # e is skipped for RETRY_SECONDS
     assert box.ahead.step() is None                         # the host tier (one expert) holds f, queued: no room
     assert box.ahead.stats.no_room == 1 and box.host.resident() == ["f"]
     assert set(box.gpu.resident()) == {"a", "b"}            # nothing above was touched
@@ -159,3 +161,70 @@ def test_the_thread_reads_ahead_on_its_own_and_stops(store):
     finally:
         box.ahead.close()
     assert not box.ahead._thread.is_alive()
+
+
+def test_a_failed_expert_is_tried_again_after_the_retry_time(store, tmp_path, monkeypatch):
+    """A file fixed later (a promotion, a passing I/O error) is read ahead again once RETRY_SECONDS pass."""
+    import shutil
+
+    import executors.readahead as ra
+
+    root = tmp_path / "fixed"
+    shutil.copytree(store.root, root)
+    s = ExpertStore(root)
+    good = s.path("e").read_bytes()
+    s.path("e").write_bytes(good[:-8] + b"\xff" * 8)
+    box = Box(s)
+    box.sched.submit(req("e", 0))
+    assert box.ahead.step() is None and box.ahead.stats.failed == 1
+    s.path("e").write_bytes(good)                           # fixed
+    assert box.ahead.step() is None                         # still within the retry time
+    monkeypatch.setattr(ra, "RETRY_SECONDS", 0.0)
+    assert box.ahead.step() == "e" and box.host.contains("e")
+
+
+def test_only_what_the_queued_executor_takes_from_the_host_tier_is_read_ahead(store):
+    """An executor that reads the SSD itself (a CPU pool without host reads, or in another dtype) would not
+    use a read-ahead copy: its queued experts are never read ahead, and they stay protected all the same."""
+    from executors.costs import ExecutorInfo
+    from executors.readahead import usable_from_host
+
+    gpu = usable_from_host(ExecutorInfo("cuda", 1, None))
+    cpu_reads = usable_from_host(ExecutorInfo("cpu", 1, None, host_reads=True))
+    cpu_ssd = usable_from_host(ExecutorInfo("cpu", 1, None, host_reads=False))
+    half = usable_from_host(ExecutorInfo("cpu", 1, None, host_reads=lambda e: e != "x"))
+    assert gpu("x") and cpu_reads("x") and not cpu_ssd("x") and not half("x") and half("y")
+    box = Box(store)
+    box.usable = set()                                      # the queue's executor reads the SSD itself
+    box.sched.submit(req("a", 0))
+    assert box.ahead.step() is None and box.reads == [] and box.ahead.stats.read == 0
+    box.usable = {"gpu"}
+    assert box.ahead.step() == "a"
+
+
+def test_the_prefetcher_says_how_long_its_load_still_needs(store, monkeypatch):
+    """What the scheduler's fill reads in the agent (`arriving`): the estimate given with the hint, less the
+    time the load has run; 0 for another expert, and once the load is in."""
+    import time
+
+    from executors.prefetch import Prefetcher
+
+    src = StoreSource(store)
+    gate = threading.Event()
+    real = src.load
+    monkeypatch.setattr(src, "load", lambda eid, reuse=None: gate.wait(10) and real(eid, reuse))
+    pool = Pool("cpu", 4 * N, make_policy("lru"), src, name="cpu")
+    pf = Prefetcher(pool, "cpu")
+    try:
+        pf.hint("b", expected=5.0)
+        for _ in range(500):
+            if pool.present("b"):
+                break
+            time.sleep(0.01)
+        left = pf.remaining("b")
+        assert 4.0 < left <= 5.0 and pf.remaining("a") == 0.0
+        gate.set()
+        assert pf.idle(10) and pf.remaining("b") == 0.0 and pool.contains("b")
+    finally:
+        gate.set()
+        pf.close()

@@ -87,47 +87,54 @@ def test_close_wakes_waiters_and_drains():
 
 # -- fill: while the head's expert loads, a resident group that ends before it runs first -------------------
 
-def _queue(policy: str, resident: set[str], *, K: float = 1.0, B: float = 1.0, load: float = 10.0,
-           now=lambda: 0.0, max_wait: float | None = None) -> Scheduler:
-    """One queue holding a group of 'a' (submitted first: the head) then one of 'b'."""
-    s = Scheduler(["q"], policy, costs=FixedCosts(K=K, B=B, load=load, max_batch=8, resident=lambda n: resident),
+def _queue(policy: str, resident: set[str], *, K: float = 1.0, B: float = 1.0, loading: dict | None = None,
+           now=lambda: 0.0, max_wait: float | None = None, max_batch: int = 8, bs: int = 1) -> Scheduler:
+    """One queue holding a group of 'a' (submitted first: the head) then `bs` requests of 'b'.  `loading`:
+    expert -> seconds its load under way still needs (as the prefetcher reports it)."""
+    load = {} if loading is None else loading
+    s = Scheduler(["q"], policy, costs=FixedCosts(K=K, B=B, load=10.0, max_batch=max_batch,
+                                                  resident=lambda n: resident, loading=lambda n: load),
                   now=now, max_wait=max_wait)
-    for i, e in enumerate("aab"):
+    for i, e in enumerate(["a", "a"] + ["b"] * bs):
         s.submit(req(e, i))
     assert s.queued_groups("q") == ["a", "b"]
     return s
 
 
-def test_a_resident_group_runs_while_the_head_expert_loads_and_the_head_is_prefetched_meanwhile():
-    s = _queue("coserve", {"b"})                       # a: a 10 s load; b: resident, one request, 2 s of batch
+def test_a_resident_group_runs_while_the_head_expert_loads():
+    loading = {"a": 10.0}                              # a: its prefetch still needs 10 s; b: resident, 2 s of batch
+    s = _queue("coserve", {"b"}, loading=loading)
     first = s.next_batch("q", timeout=0)
     assert first.expert_id == "b" and s.filled == 1
-    assert s.next_expert("q", first.expert_id) == "a"  # what the executor's prefetcher loads while b computes
     s.finished(first)
+    loading.clear()                                    # a's load is in
+    s.costs._resident = lambda n: {"a", "b"}
     second = s.next_batch("q", timeout=0)
     assert second.expert_id == "a" and len(second) == 2 and s.filled == 1
 
 
-@pytest.mark.parametrize("case", ["paper rule", "no fill lever", "head resident", "other not resident",
-                                  "other too long"])
+@pytest.mark.parametrize("case", ["paper rule", "no fill lever", "head resident", "head not loading",
+                                  "other not resident", "other too long"])
 def test_the_head_runs_first_unless_a_resident_group_ends_within_its_load(case):
     policy = {"paper rule": "coserve-paper", "no fill lever": "coserve-nofill"}.get(case, "coserve")
     resident = {"head resident": {"a", "b"}, "other not resident": set()}.get(case, {"b"})
-    K = 1.6 if case == "other too long" else 1.0      # b's batch: K + B = 2.0 s fits a 2.5 s load, 2.6 s does not
-    s = _queue(policy, resident, K=K, load=2.5)
+    loading = {} if case in ("head not loading", "head resident") else {"a": 2.5}
+    K = 1.6 if case == "other too long" else 1.0      # b's batch: K + B = 2.0 s fits a 2.5 s wait, 2.6 s does not
+    s = _queue(policy, resident, K=K, loading=loading)
     b = s.next_batch("q", timeout=0)
     assert b.expert_id == "a" and s.filled == 0
     if case == "other too long":                       # the boundary: a batch that ends within the load fills
-        s2 = _queue(policy, resident, K=1.0, load=2.5)
+        s2 = _queue(policy, resident, K=1.0, loading=loading)
         assert s2.next_batch("q", timeout=0).expert_id == "b" and s2.filled == 1
 
 
 def test_fill_never_overrides_the_age_bound():
-    """b heads the queue and needs a load; a, behind it, is overdue and needs one too; c is resident and short.
+    """b heads the queue and its load is under way; a, behind it, is overdue; c is resident and short.
     The age bound serves a; fill, which only ever replaces the head, does not swap c in for it."""
     clock = [0.0]
     s = Scheduler(["q"], "coserve", costs=FixedCosts(K=1.0, B=1.0, load=10.0, max_batch=8,
-                                                     resident=lambda n: {"c"}), now=lambda: clock[0], max_wait=1.0)
+                                                     resident=lambda n: {"c"}, loading=lambda n: {"b": 10.0}),
+                  now=lambda: clock[0], max_wait=1.0)
     for i, e in enumerate("abc"):
         clock[0] = 0.1 * i
         s.submit(req(e, i))
@@ -136,3 +143,23 @@ def test_fill_never_overrides_the_age_bound():
     q.groups = deque([by["b"], by["a"], by["c"]])
     clock[0] = 5.0
     assert s.next_batch("q", timeout=0).expert_id == "a" and s.aged == 1 and s.filled == 0
+
+
+def test_fill_never_passes_over_an_overdue_head():
+    """The head itself has waited past max_wait: it is served now, even with its load under way and a
+    resident group behind it."""
+    clock = [0.0]
+    s = _queue("coserve", {"b"}, loading={"a": 10.0}, now=lambda: clock[0], max_wait=1.0)
+    clock[0] = 50.0
+    assert s.next_batch("q", timeout=0).expert_id == "a" and s.filled == 0
+
+
+def test_a_filler_runs_one_batch_then_the_head_once_its_load_is_in():
+    """Fill checks one batch against the head's load, so it serves one batch of the filler, not the group."""
+    loading = {"a": 2.5}
+    s = _queue("coserve", {"b"}, loading=loading, max_batch=1, bs=5)
+    b = s.next_batch("q", timeout=0)
+    assert b.expert_id == "b" and len(b) == 1 and s.filled == 1
+    s.finished(b)
+    loading["a"] = 0.4                                 # less left than a batch of b takes: no second fill
+    assert s.next_batch("q", timeout=0).expert_id == "a" and s.filled == 1

@@ -426,6 +426,7 @@ def test_agent_reads_a_queued_expert_ahead_into_the_host_tier_while_the_ssd_is_i
     """On by default with an exclusive host tier; off when the config says so, and with an inclusive tier."""
     from coe import Frame, Request
 
+    setting = dict(setting)                                   # the parameter's dict is shared: do not change it
     mode = setting.pop("cpu_tier_mode", "exclusive")
     agent = cpu_gpu_agent(mode, "20MB", executors=GPU_AND_CPU, tag="ra" + str(len(setting)) + mode, **setting)
     if setting or mode == "inclusive":
