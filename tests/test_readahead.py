@@ -39,13 +39,22 @@ def req(expert: str, i: int) -> Request:
 
 def test_the_first_unheld_expert_breadth_first_over_the_queues():
     queues = [["a", "b", "c"], ["x", "y"]]
-    assert next_read_ahead(queues, lambda e: False) == "a"
-    assert next_read_ahead(queues, lambda e: e in {"a"}) == "x"              # every queue's first, then seconds
-    assert next_read_ahead(queues, lambda e: e in {"a", "x"}) == "b"
-    assert next_read_ahead(queues, lambda e: e in {"a", "x", "b"}) == "y"
-    assert next_read_ahead(queues, lambda e: e != "c") == "c"                # a shorter queue is passed over
-    assert next_read_ahead(queues, lambda e: e != "c", skip={"c"}.__contains__) is None
+    whole = dict(start=0)
+    assert next_read_ahead(queues, lambda e: False, **whole) == "a"
+    assert next_read_ahead(queues, lambda e: e in {"a"}, **whole) == "x"     # every queue's first, then seconds
+    assert next_read_ahead(queues, lambda e: e in {"a", "x"}, **whole) == "b"
+    assert next_read_ahead(queues, lambda e: e in {"a", "x", "b"}, **whole) == "y"
+    assert next_read_ahead(queues, lambda e: e != "c", **whole) == "c"       # a shorter queue is passed over
+    assert next_read_ahead(queues, lambda e: e != "c", skip={"c"}.__contains__, **whole) is None
     assert next_read_ahead([], lambda e: False) is None and next_read_ahead([[], []], lambda e: False) is None
+
+
+def test_each_queue_head_is_left_to_its_executor_by_default():
+    queues = [["a", "b", "c"], ["x", "y"]]
+    assert next_read_ahead(queues, lambda e: False) == "b"                   # a and x: their executors' next loads
+    assert next_read_ahead(queues, lambda e: e == "b") == "y"
+    assert next_read_ahead(queues, lambda e: e in {"b", "y"}) == "c"
+    assert next_read_ahead([["a"], ["x"]], lambda e: False) is None
 
 
 # -- the disk-activity counter -------------------------------------------------------------------------------
@@ -115,7 +124,8 @@ def test_an_idle_ssd_reads_a_queued_expert_into_the_host_tier_and_the_switch_is_
 
 def test_no_read_ahead_while_a_demand_read_is_under_way(store):
     box = Box(store)
-    box.sched.submit(req("d", 0))
+    for i, eid in enumerate("ad"):                          # a heads the queue (its executor's next load)
+        box.sched.submit(req(eid, i))
     with box.disk.reading():                                # an executor is reading the SSD
         assert box.ahead.step() is None
         assert box.reads == [] and box.host.resident() == []
@@ -135,7 +145,7 @@ def test_read_ahead_never_evicts_a_pool_above_and_skips_an_expert_that_failed(st
     box = Box(bad, host_experts=1)
     for eid in ("a", "b"):
         box.gpu.release(box.gpu.acquire(eid))
-    for i, eid in enumerate("efg"):
+    for i, eid in enumerate("aefg"):                        # a (resident) heads the queue
         box.sched.submit(req(eid, i))
     assert box.ahead.step() is None and box.ahead.stats.failed == 1   # e's file is corrupt: no half entry
     assert box.host.resident() == [] and not box.host.present("e")
@@ -151,7 +161,8 @@ def test_the_thread_reads_ahead_on_its_own_and_stops(store):
     box = Box(store)
     box.ahead.start()
     try:
-        box.sched.submit(req("g", 0))
+        for i, eid in enumerate("ag"):
+            box.sched.submit(req(eid, i))
         box.ahead.poke()
         for _ in range(500):
             if box.host.contains("g"):
@@ -175,7 +186,8 @@ def test_a_failed_expert_is_tried_again_after_the_retry_time(store, tmp_path, mo
     good = s.path("e").read_bytes()
     s.path("e").write_bytes(good[:-8] + b"\xff" * 8)
     box = Box(s)
-    box.sched.submit(req("e", 0))
+    for i, eid in enumerate("ae"):
+        box.sched.submit(req(eid, i))
     assert box.ahead.step() is None and box.ahead.stats.failed == 1
     s.path("e").write_bytes(good)                           # fixed
     assert box.ahead.step() is None                         # still within the retry time
@@ -196,7 +208,8 @@ def test_only_what_the_queued_executor_takes_from_the_host_tier_is_read_ahead(st
     assert gpu("x") and cpu_reads("x") and not cpu_ssd("x") and not half("x") and half("y")
     box = Box(store)
     box.usable = set()                                      # the queue's executor reads the SSD itself
-    box.sched.submit(req("a", 0))
+    for i, eid in enumerate("ba"):
+        box.sched.submit(req(eid, i))
     assert box.ahead.step() is None and box.reads == [] and box.ahead.stats.read == 0
     box.usable = {"gpu"}
     assert box.ahead.step() == "a"
