@@ -201,7 +201,8 @@ class LineConfig(_Strict):
                            "dtype and it is the store's current version; false (the default): it is dropped and "
                            "re-read from SSD.  Off by default: in simulation it raises the flood throughput on "
                            "most boards, but at a steady line rate it thrashes the CPU pools against the host "
-                           "tier and lowered the highest rate sustained on 6 of 9 boards (bench '+cpudemote')")
+                           "tier and lowered the highest rate sustained on all eleven boards of bench/sim_shapes.py "
+                           "(bench '+cpudemote')")
     ssd_read_ahead: bool = Field(
         True, description="with an exclusive host tier: while no executor reads the SSD, read the earliest "
                           "queued group's expert that no pool or tier holds into the host tier, so its switch "

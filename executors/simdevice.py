@@ -22,7 +22,11 @@ when the classifier finishes).  Only time is simulated:
   whenever the front box's SSD is idle it reads the earliest queued group's
   expert that no pool or tier holds into the host tier (the same policy,
   `executors.readahead.next_read_ahead`).  A read is not preempted: a demand
-  read issued meanwhile queues behind it.
+  read issued meanwhile queues behind it.  Two differences from the agent,
+  both in the simulation's favour: it reacts at once (the agent's thread
+  polls every 5 ms while the SSD is idle), and the cost model prices the
+  expert as a host copy from the moment its read starts (the agent, as an
+  SSD read until it lands; its copy waits for the read either way).
   Host-to-GPU copies and demotion copies do not contend with each other or
   with compute (PCIe is not modelled), and a demotion takes no time;
 - a pool and the host tier change when a load is issued, while its SSD read

@@ -30,9 +30,9 @@ the host memory behind them.  How each spends it:
   whose HostReadSource checks the victim's dtype and version).  It raises
   the flood throughput on most boards, but at a steady line rate it sets off
   thrash between the CPU pools and the host tier (every CPU read from SSD
-  pushes a victim down that pushes out the next one needed) on most boards
-  measured: the highest rate sustained fell on 6 of 9 boards (B2 14.6 -> 10.9
-  frames/s), so it stays off.
+  pushes a victim down that pushes out the next one needed): the highest rate
+  sustained fell on all eleven boards of bench/sim_shapes.py, by more than 5%
+  on six, so it stays off.
 """
 from __future__ import annotations
 
