@@ -201,12 +201,13 @@ class LineConfig(_Strict):
                            "dtype and it is the store's current version; false (the default): it is dropped and "
                            "re-read from SSD.  Off by default: in simulation it raises the flood throughput on "
                            "most boards, but at a steady line rate it thrashes the CPU pools against the host "
-                           "tier and lowered the highest rate sustained on all eleven boards of bench/sim_shapes.py "
-                           "(bench '+cpudemote')")
+                           "tier and lowered the highest rate sustained on eleven boards of bench/sim_shapes.py, by more "
+                           "than 5% on six (bench '+cpudemote')")
     ssd_read_ahead: bool = Field(
-        True, description="with an exclusive host tier: while no executor reads the SSD, read the earliest "
-                          "queued group's expert that no pool or tier holds into the host tier, so its switch "
-                          "is a host copy (executors/readahead.py; bench ablation '-readahead')")
+        True, description="with an exclusive host tier: while no executor reads the SSD, read the expert of the "
+                          "earliest queued group behind a queue's head that no pool or tier holds into the host "
+                          "tier, so its switch is a host copy (executors/readahead.py; bench ablation "
+                          "'-readahead')")
     expert_read: Literal["read", "mmap"] = Field("read", description="how tiers read expert files (bench/expert_load.py)")
     cpu_compute_dtype: Literal["float32", "bfloat16", "float16", "stored"] = Field(
         "float32", description="dtype CPU executors compute in: experts stored in another floating dtype are "

@@ -43,6 +43,8 @@ class Prefetcher:
             if self._loading is None or self._loading[0] != expert_id:
                 return 0.0
             _, started, expected = self._loading
+        if self.pool.contains(expert_id):   # in already: the pool's load event runs before this clears
+            return 0.0
         return max(expected - (time.monotonic() - started), 0.0)
 
     def idle(self, timeout: float = 5.0) -> bool:

@@ -124,8 +124,10 @@ class ReadAhead:
             return None
         named = self._queues()
         now = time.monotonic()
-        eid = next_read_ahead([[e for e in q if self._usable(n, e)] for n, q in named], self.held,
-                              lambda e: now - self._failed.get(e, -RETRY_SECONDS) < RETRY_SECONDS)
+        # each queue's head is left to its executor, usable or not; behind it, only what that executor takes
+        # from the host tier
+        eid = next_read_ahead([[e for e in q[1:] if self._usable(n, e)] for n, q in named], self.held,
+                              lambda e: now - self._failed.get(e, -RETRY_SECONDS) < RETRY_SECONDS, start=0)
         if eid is None:
             return None
         try:

@@ -467,8 +467,8 @@ def simulate(workload: Workload, profile: Profile, system: SimSystem, *, record_
         local = [n for n in execs if execs[n].box == 0]
         queues = [sched.queued_groups(n) for n in local]
         # only for an executor that takes it from the host tier: a GPU, or a CPU executor with host reads
-        usable = [q if isinstance(sources[n], (_TierSource, _HostReadSource)) else [] for n, q in zip(local, queues)]
-        eid = next_read_ahead(usable, lambda e: host.present(e) or any(pools[n].present(e) for n in local))
+        usable = [q[1:] if isinstance(sources[n], (_TierSource, _HostReadSource)) else [] for n, q in zip(local, queues)]
+        eid = next_read_ahead(usable, lambda e: host.present(e) or any(pools[n].present(e) for n in local), start=0)
         if eid is None or not host.admit(eid, keep={e for q in queues for e in q}):
             return
         secs = min(costs.load_seconds(n, eid, "ssd") for n in local)

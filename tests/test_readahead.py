@@ -241,3 +241,68 @@ def test_the_prefetcher_says_how_long_its_load_still_needs(store, monkeypatch):
     finally:
         gate.set()
         pf.close()
+
+
+def test_the_prefetchers_remaining_time_is_zero_once_the_expert_is_in(store, monkeypatch):
+    """The pool's load event (which refreshes the scheduler's switch costs) comes before the prefetcher's
+    bookkeeping ends: what it reports then must already be 0, not the estimate's leftover."""
+    from executors.prefetch import Prefetcher
+
+    seen = []
+    pool = Pool("cpu", 4 * N, make_policy("lru"), StoreSource(store), name="cpu",
+                on_event=lambda e: seen.append((e.event, e.expert_id, pf.remaining(e.expert_id)))
+                if e.event == "load" else None)
+    pf = Prefetcher(pool, "cpu")
+    try:
+        pf.hint("c", expected=5.0)
+        assert pf.idle(10)
+    finally:
+        pf.close()
+    assert seen == [("load", "c", 0.0)]
+
+
+def test_fill_runs_a_resident_batch_while_a_real_prefetch_is_loading_the_head(store, monkeypatch):
+    """The chain the agent runs: the executor's prefetcher loads the head's expert, its remaining time is the
+    cost model's `arriving`, and the scheduler fills with a resident group until the load is in."""
+    import time
+
+    from executors.prefetch import Prefetcher
+
+    src = StoreSource(store)
+    gate = threading.Event()
+    real = src.load
+    monkeypatch.setattr(src, "load", lambda eid, reuse=None: (gate.wait(10) if eid == "a" else True)
+                        and real(eid, reuse))
+    pool = Pool("cpu", 4 * N, make_policy("lru"), src, name="cpu")
+    pool.release(pool.acquire("b"))
+    pf = Prefetcher(pool, "q")
+    costs = FixedCosts(K=0.1, B=0.1, load=5.0, resident=lambda n: set(pool.resident()),
+                       loading=lambda n: {e: pf.remaining(e) for e in ("a",) if pf.remaining(e) > 0})
+    s = Scheduler(["q"], "coserve", costs=costs)
+    try:
+        for i, e in enumerate("aab"):
+            s.submit(req(e, i))
+        pf.hint("a", expected=5.0)                          # what the executor does when a batch starts
+        for _ in range(500):
+            if pool.present("a"):
+                break
+            time.sleep(0.01)
+        first = s.next_batch("q", timeout=0)
+        assert first.expert_id == "b" and s.filled == 1     # a is loading: b's 0.2 s batch runs meanwhile
+        s.finished(first)
+        gate.set()
+        assert pf.idle(10) and pf.remaining("a") == 0.0
+        second = s.next_batch("q", timeout=0)
+        assert second.expert_id == "a" and s.filled == 1
+    finally:
+        gate.set()
+        pf.close()
+
+
+def test_a_head_its_executor_cannot_take_from_the_host_tier_still_counts_as_the_head(store):
+    """The head is left to its executor whatever it is; the group right behind it is the first candidate."""
+    box = Box(store)
+    box.ahead._usable = lambda n, e: e != "a"               # e.g. a CPU executor whose dtype differs for a
+    for i, eid in enumerate("abc"):
+        box.sched.submit(req(eid, i))
+    assert box.ahead.step() == "b"
