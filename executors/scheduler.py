@@ -543,7 +543,7 @@ class Scheduler:
         if self.policy.fill and pick is q.groups[0]:
             filler = self._fill(executor, q, pick)
             if filler is not pick:      # one batch of it, the one that fits the wait; then the head
-                filler.drain = min(len(filler.requests), self._cap(executor, filler.expert_id))
+                filler.drain = 0        # (not drained on: however `next_batch` narrows this batch)
                 return filler
         pick.drain = len(pick.requests)
         return pick
