@@ -16,8 +16,8 @@ log = logging.getLogger(__name__)
 
 
 class Prefetcher:
-    def __init__(self, pool, name: str) -> None:
-        self.pool, self.name = pool, name
+    def __init__(self, pool, name: str, *, clock=time.monotonic) -> None:
+        self.pool, self.name, self._clock = pool, name, clock
         self._hint: tuple[str, float] | None = None   # (expert, expected load seconds)
         self._cond = threading.Condition()
         self._stop = False
@@ -45,7 +45,7 @@ class Prefetcher:
             _, started, expected = self._loading
         if self.pool.contains(expert_id):   # in already: the pool's load event runs before this clears
             return 0.0
-        return max(expected - (time.monotonic() - started), 0.0)
+        return max(expected - (self._clock() - started), 0.0)
 
     def idle(self, timeout: float = 5.0) -> bool:
         """Wait until no hint is pending or loading (tests and benchmarks use this)."""
@@ -68,7 +68,7 @@ class Prefetcher:
             try:
                 if not self.pool.contains(eid):
                     with self._cond:
-                        self._loading = (eid, time.monotonic(), expected)
+                        self._loading = (eid, self._clock(), expected)
                     handle = self.pool.acquire(eid)
                     if handle is not None:
                         self.pool.release(handle)

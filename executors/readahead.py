@@ -49,21 +49,22 @@ RETRY_SECONDS = 60.0    # an expert whose read failed is not read ahead again fo
 
 
 def next_read_ahead(queues: Sequence[Sequence[str]], held: Callable[[str], bool],
-                    skip: Callable[[str], bool] = lambda _e: False, *, start: int = 1) -> str | None:
+                    skip: Callable[[str], bool] = lambda _e: False,
+                    usable: Sequence[Callable[[str], bool]] | None = None) -> str | None:
     """The expert to read ahead: the first, breadth-first over `queues` (each in the order its groups will
-    run) from depth `start`, that is not `held` (in a pool or tier, or loading) nor to `skip`; None if there
-    is none.
+    run) behind each queue's head, that queue's executor takes from the host tier (`usable[i]`, default:
+    any), and that is not `held` (in a pool or tier, or loading) nor to `skip`; None if there is none.
 
-    Each queue's head (depth 0) is left to its executor by default: its load is the executor's next one
-    anyway, and on a line a read-ahead of it mostly takes the SSD just before the executor's own read
-    would.  Measured (`python bench/sim_shapes.py`, eleven boards): from depth 1, p99 at F = 0.8 was
-    lower on 7 boards and higher on 3 than from depth 0, with the same flood throughput on 10.
+    Each queue's head is left to its executor: its load is the executor's next one anyway, and on a line
+    a read-ahead of it mostly takes the SSD just before the executor's own read would.  Measured
+    (`python bench/sim_shapes.py`, eleven boards): leaving the heads out, p99 at F = 0.8 was lower on 7
+    boards and higher on 3 than reading from the heads on, with the same flood throughput on 10.
     """
-    for depth in range(start, max((len(q) for q in queues), default=0)):
-        for q in queues:
+    for depth in range(1, max((len(q) for q in queues), default=0)):
+        for i, q in enumerate(queues):
             if depth < len(q):
                 e = q[depth]
-                if not held(e) and not skip(e):
+                if (usable is None or usable[i](e)) and not held(e) and not skip(e):
                     return e
     return None
 
@@ -72,8 +73,8 @@ def next_read_ahead(queues: Sequence[Sequence[str]], held: Callable[[str], bool]
 class ReadAheadStats:
     read: int = 0          # experts read into the host tier ahead of their batch
     no_room: int = 0       # candidates the host tier could not make room for (pinned experts)
-    failed: int = 0        # reads that raised (the expert is skipped from then on)
-    too_big: int = 0       # candidates larger than the whole host tier (skipped from then on)
+    failed: int = 0        # reads that raised (the expert is skipped for RETRY_SECONDS)
+    too_big: int = 0       # candidates larger than the whole host tier (never tried again)
 
 
 def usable_from_host(info) -> Callable[[str], bool]:
@@ -99,20 +100,14 @@ class ReadAhead:
         self.stats = ReadAheadStats()
         self._failed: dict[str, float] = {}    # expert -> when its read failed (tried again after RETRY_SECONDS)
         self._stop = threading.Event()
-        self._wake = threading.Event()
         self._thread = threading.Thread(target=self._loop, name="ssd-read-ahead", daemon=True)
 
     def start(self) -> "ReadAhead":
         self._thread.start()
         return self
 
-    def poke(self) -> None:
-        """Something was queued or a read ended: look again now instead of at the next poll."""
-        self._wake.set()
-
     def close(self) -> None:
         self._stop.set()
-        self._wake.set()
         self._thread.join(10)
 
     def held(self, expert_id: str) -> bool:
@@ -124,10 +119,9 @@ class ReadAhead:
             return None
         named = self._queues()
         now = time.monotonic()
-        # each queue's head is left to its executor, usable or not; behind it, only what that executor takes
-        # from the host tier
-        eid = next_read_ahead([[e for e in q[1:] if self._usable(n, e)] for n, q in named], self.held,
-                              lambda e: now - self._failed.get(e, -RETRY_SECONDS) < RETRY_SECONDS, start=0)
+        eid = next_read_ahead([q for _, q in named], self.held,
+                              lambda e: e in self._failed and now - self._failed[e] < RETRY_SECONDS,
+                              [lambda e, n=n: self._usable(n, e) for n, _ in named])
         if eid is None:
             return None
         try:
@@ -160,6 +154,5 @@ class ReadAhead:
                 continue
             if self.activity.busy():   # woken the moment the executors' reads end, as the simulator assumes
                 self.activity.wait_idle(self._poll)
-            else:                      # nothing to read now: look again at the next poll or poke
-                self._wake.wait(self._poll)
-                self._wake.clear()
+            else:                      # nothing to read now: look again at the next poll
+                self._stop.wait(self._poll)

@@ -558,9 +558,9 @@ class Scheduler:
         needs, that batch runs first: the executor computes in what would have
         been a wait, and the head starts about when its load lets it.  A head
         whose load has not started is not passed over, so the filled time is
-        bounded by the load's.  One batch
-        only (`_pick` drains that much), and never for a head the age bound has
-        made due: an overdue head is served as it is.
+        bounded by the load's.  One batch only (`_pick` does not drain the
+        filler on), and never for a head the age bound has made due: an
+        overdue head is served as it is.
         """
         if self.max_wait is not None and head.times and self._now() - head.times[0] > self.max_wait:
             return head

@@ -20,7 +20,7 @@ when the classifier finishes).  Only time is simulated:
   next group's expert starts loading while the batch computes (`prefetch`);
 - with `read_ahead` (an exclusive host tier), as the agent's ReadAhead does,
   whenever the front box's SSD is idle it reads the earliest queued group's
-  expert that no pool or tier holds into the host tier (the same policy,
+  expert behind a queue's head that no pool or tier holds into the host tier (the same policy,
   `executors.readahead.next_read_ahead`).  A read is not preempted: a demand
   read issued meanwhile queues behind it.  Two differences from the agent,
   both in the simulation's favour: it reacts at once (the agent's thread
@@ -467,8 +467,9 @@ def simulate(workload: Workload, profile: Profile, system: SimSystem, *, record_
         local = [n for n in execs if execs[n].box == 0]
         queues = [sched.queued_groups(n) for n in local]
         # only for an executor that takes it from the host tier: a GPU, or a CPU executor with host reads
-        usable = [q[1:] if isinstance(sources[n], (_TierSource, _HostReadSource)) else [] for n, q in zip(local, queues)]
-        eid = next_read_ahead(usable, lambda e: host.present(e) or any(pools[n].present(e) for n in local), start=0)
+        takes = [isinstance(sources[n], (_TierSource, _HostReadSource)) for n in local]
+        eid = next_read_ahead(queues, lambda e: host.present(e) or any(pools[n].present(e) for n in local),
+                              usable=[lambda _e, t=t: t for t in takes])
         if eid is None or not host.admit(eid, keep={e for q in queues for e in q}):
             return
         secs = min(costs.load_seconds(n, eid, "ssd") for n in local)

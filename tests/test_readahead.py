@@ -37,24 +37,17 @@ def req(expert: str, i: int) -> Request:
 
 # -- the policy ----------------------------------------------------------------------------------------------
 
-def test_the_first_unheld_expert_breadth_first_over_the_queues():
-    queues = [["a", "b", "c"], ["x", "y"]]
-    whole = dict(start=0)
-    assert next_read_ahead(queues, lambda e: False, **whole) == "a"
-    assert next_read_ahead(queues, lambda e: e in {"a"}, **whole) == "x"     # every queue's first, then seconds
-    assert next_read_ahead(queues, lambda e: e in {"a", "x"}, **whole) == "b"
-    assert next_read_ahead(queues, lambda e: e in {"a", "x", "b"}, **whole) == "y"
-    assert next_read_ahead(queues, lambda e: e != "c", **whole) == "c"       # a shorter queue is passed over
-    assert next_read_ahead(queues, lambda e: e != "c", skip={"c"}.__contains__, **whole) is None
-    assert next_read_ahead([], lambda e: False) is None and next_read_ahead([[], []], lambda e: False) is None
-
-
-def test_each_queue_head_is_left_to_its_executor_by_default():
-    queues = [["a", "b", "c"], ["x", "y"]]
+def test_the_first_unheld_expert_breadth_first_behind_the_heads():
+    queues = [["a", "b", "c"], ["x", "y", "z", "w"]]
     assert next_read_ahead(queues, lambda e: False) == "b"                   # a and x: their executors' next loads
-    assert next_read_ahead(queues, lambda e: e == "b") == "y"
+    assert next_read_ahead(queues, lambda e: e == "b") == "y"                # every queue's second, then thirds
     assert next_read_ahead(queues, lambda e: e in {"b", "y"}) == "c"
+    assert next_read_ahead(queues, lambda e: e in {"b", "y", "c"}) == "z"
+    assert next_read_ahead(queues, lambda e: e != "w") == "w"                # a shorter queue is passed over
+    assert next_read_ahead(queues, lambda e: e != "w", skip={"w"}.__contains__) is None
+    assert next_read_ahead(queues, lambda e: False, usable=[lambda e: False, lambda e: e != "y"]) == "z"
     assert next_read_ahead([["a"], ["x"]], lambda e: False) is None
+    assert next_read_ahead([], lambda e: False) is None and next_read_ahead([[], []], lambda e: False) is None
 
 
 # -- the disk-activity counter -------------------------------------------------------------------------------
@@ -163,7 +156,6 @@ def test_the_thread_reads_ahead_on_its_own_and_stops(store):
     try:
         for i, eid in enumerate("ag"):
             box.sched.submit(req(eid, i))
-        box.ahead.poke()
         for _ in range(500):
             if box.host.contains("g"):
                 break
@@ -217,25 +209,29 @@ def test_only_what_the_queued_executor_takes_from_the_host_tier_is_read_ahead(st
 
 def test_the_prefetcher_says_how_long_its_load_still_needs(store, monkeypatch):
     """What the scheduler's fill reads in the agent (`arriving`): the estimate given with the hint, less the
-    time the load has run; 0 for another expert, and once the load is in."""
+    time the load has run; 0 for another expert, and once the load is in.  On a stand-in clock."""
     import time
 
     from executors.prefetch import Prefetcher
+
+    clock = [100.0]
 
     src = StoreSource(store)
     gate = threading.Event()
     real = src.load
     monkeypatch.setattr(src, "load", lambda eid, reuse=None: gate.wait(10) and real(eid, reuse))
     pool = Pool("cpu", 4 * N, make_policy("lru"), src, name="cpu")
-    pf = Prefetcher(pool, "cpu")
+    pf = Prefetcher(pool, "cpu", clock=lambda: clock[0])
     try:
         pf.hint("b", expected=5.0)
         for _ in range(500):
             if pool.present("b"):
                 break
             time.sleep(0.01)
-        left = pf.remaining("b")
-        assert 4.0 < left <= 5.0 and pf.remaining("a") == 0.0
+        clock[0] += 1.5                                     # the load has run 1.5 s of its estimated 5
+        assert pf.remaining("b") == pytest.approx(3.5) and pf.remaining("a") == 0.0
+        clock[0] += 10.0                                    # past its estimate and still loading: 0, not negative
+        assert pf.remaining("b") == 0.0
         gate.set()
         assert pf.idle(10) and pf.remaining("b") == 0.0 and pool.contains("b")
     finally:
@@ -275,7 +271,7 @@ def test_fill_runs_a_resident_batch_while_a_real_prefetch_is_loading_the_head(st
                         and real(eid, reuse))
     pool = Pool("cpu", 4 * N, make_policy("lru"), src, name="cpu")
     pool.release(pool.acquire("b"))
-    pf = Prefetcher(pool, "q")
+    pf = Prefetcher(pool, "q", clock=lambda: 100.0)         # a stand-in clock: the load has just begun
     costs = FixedCosts(K=0.1, B=0.1, load=5.0, resident=lambda n: set(pool.resident()),
                        loading=lambda n: {e: pf.remaining(e) for e in ("a",) if pf.remaining(e) > 0})
     s = Scheduler(["q"], "coserve", costs=costs)
