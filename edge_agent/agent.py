@@ -24,7 +24,7 @@ from coe import CoEModel, Frame, Request, decide, load_spec
 from executors.costs import ExecutorInfo, ProfileCosts, store_forms
 from executors.executor import BatchResult, Executor, FailedExperts
 from executors.profile import Profile
-from executors.readahead import ReadAhead, usable_from_host
+from executors.readahead import ReadAhead, scheduler_note, usable_from_host
 from executors.scheduler import Scheduler
 from executors.systems import activation_reserve
 from routing import RuleRouter
@@ -218,7 +218,8 @@ class Agent:
             usable = {n: usable_from_host(infos[n]) for n in local}
             self.read_ahead = ReadAhead(lambda: [(n, self.scheduler.queued_groups(n)) for n in local],
                                         lambda n, e: usable[n](e), lambda: [self.pools[n] for n in local],
-                                        self.host_tier, self.disk)
+                                        self.host_tier, self.disk,
+                                        note=scheduler_note(self.scheduler, self.costs, local))
         self.metrics.registry.register(_SchedulerCollector(cfg.line, self.scheduler, self.read_ahead))
         self.metrics.watch_pools(self._all_pools)
         self.status = StatusModel(StatusSources(

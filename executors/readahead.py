@@ -34,6 +34,7 @@ policy (`executors.simdevice`).
 """
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -87,6 +88,21 @@ def usable_from_host(info) -> Callable[[str], bool]:
     return reads if callable(reads) else (lambda _e: bool(reads))
 
 
+def scheduler_note(scheduler, costs, executors: Sequence[str]) -> Callable[[str], contextlib.AbstractContextManager]:
+    """`ReadAhead`'s `note` for the agent and real runs: each read counts in `scheduler`'s SSD backlog
+    (`Scheduler.reading`) for the fastest SSD load of the expert among `executors` by the cost model, which
+    is how the simulator prices a read-ahead.  Without it the scheduler sees only its batches' reads, and
+    predicts a switch issued during a read-ahead as if the SSD were free."""
+    def note(expert_id: str) -> contextlib.AbstractContextManager:
+        try:
+            seconds = min(costs.load_seconds(n, expert_id, "ssd") for n in executors)
+        except Exception:  # noqa: BLE001 - an expert the cost model cannot price: the read still happens
+            log.debug("no SSD price for read-ahead of %s", expert_id, exc_info=True)
+            return contextlib.nullcontext()
+        return scheduler.reading(seconds)
+    return note
+
+
 class ReadAhead:
     """The thread: `queues()` gives (executor, its queued groups' experts in run order) for each local
     executor; `usable(executor, expert)` says whether that executor takes the expert from the host tier;
@@ -94,8 +110,12 @@ class ReadAhead:
     reads into."""
 
     def __init__(self, queues: Callable[[], list[tuple[str, list[str]]]], usable: Callable[[str, str], bool],
-                 pools: Callable[[], list], host, activity, *, poll: float = POLL_SECONDS) -> None:
+                 pools: Callable[[], list], host, activity, *, poll: float = POLL_SECONDS,
+                 note: Callable[[str], contextlib.AbstractContextManager] | None = None) -> None:
         self._queues, self._usable, self._pools = queues, usable, pools
+        # around each read: tells the scheduler a read is under way, so the switches it predicts meanwhile wait
+        # behind it as they will on the SSD (`Scheduler.reading`); the expert's id goes in
+        self._note = note or (lambda _e: contextlib.nullcontext())
         self.host, self.activity, self._poll = host, activity, poll
         self.stats = ReadAheadStats()
         self._failed: dict[str, float] = {}    # expert -> when its read failed (tried again after RETRY_SECONDS)
@@ -125,7 +145,7 @@ class ReadAhead:
         if eid is None:
             return None
         try:
-            with self.activity.ahead():     # never pushes out a queued expert to read in another
+            with self.activity.ahead(), self._note(eid):   # never pushes out a queued expert to read in another
                 handle = self.host.acquire(eid, keep={e for _, q in named for e in q})
         except PoolFullError:               # larger than the whole host tier: its executor reads it itself
             self._failed[eid] = float("inf")

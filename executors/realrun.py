@@ -27,7 +27,7 @@ from storage.tiers import HostReadSource, StoreSource, TierSource, demote, measu
 from .costs import ExecutorInfo, ProfileCosts, store_forms
 from .executor import BatchResult, Executor
 from .profile import Profile
-from .readahead import ReadAhead, usable_from_host
+from .readahead import ReadAhead, scheduler_note, usable_from_host
 from .scheduler import Scheduler
 from .simdevice import SimReport, SimSystem
 
@@ -170,7 +170,8 @@ def run_real(workload: Workload, model: CoEModel, store, profile: Profile | None
     if system.read_ahead and exclusive:
         usable = {n: usable_from_host(infos[n]) for n in pools}
         ahead = ReadAhead(lambda: [(n, sched.queued_groups(n)) for n in pools], lambda n, e: usable[n](e),
-                          lambda: list(pools.values()), host, disk).start()
+                          lambda: list(pools.values()), host, disk,
+                          note=scheduler_note(sched, costs, list(pools))).start()
     execs.update((ex.name, Executor(ex.name, ex.device if ex.kind == "cuda" else "cpu", pools[ex.name], sched, model,
                                     on_result, prefetch=not opts.prequeue)) for ex in system.executors)
     if not opts.prequeue:

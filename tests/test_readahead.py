@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from coe import Expert, Frame, Request
-from executors.readahead import ReadAhead, next_read_ahead
+from executors.readahead import ReadAhead, next_read_ahead, scheduler_note
 from executors.scheduler import FixedCosts, Scheduler
 from storage.disk_activity import DiskActivity
 from storage.expert_store import ExpertStore
@@ -96,6 +96,54 @@ class Box:
         self.usable = {"gpu"}
         self.ahead = ReadAhead(lambda: [("gpu", self.sched.queued_groups("gpu"))], lambda n, e: n in self.usable,
                                lambda: [self.gpu], self.host, self.disk)
+
+
+class Unwatched(FixedCosts):
+    """The agent's case: nothing watches the SSD, so the scheduler counts the reads under way itself."""
+
+    def ssd_inflight(self, channel: str = ""):
+        return None
+
+    def load_seconds(self, executor: str, expert_id: str, tier: str) -> float:
+        return self.load
+
+
+def test_a_read_ahead_counts_in_the_schedulers_ssd_backlog_while_it_reads(store):
+    """A switch predicted while a read-ahead reads waits behind it, as it will on the SSD; after, nothing."""
+    box = Box(store)
+    now = [0.0]
+    box.sched = Scheduler(["gpu"], "coserve", costs=Unwatched(K=1.0, B=1.0, load=5.0), now=lambda: now[0])
+    seen = []
+    real = box.ssd.load
+
+    def load(eid, reuse=None):
+        seen.append((box.sched.ssd_inflight(), box.sched.added_latency("gpu", "g")[0]))
+        return real(eid, reuse)
+    box.ssd.load = load
+    ahead = ReadAhead(lambda: [("gpu", box.sched.queued_groups("gpu"))], lambda n, e: True, lambda: [box.gpu],
+                      box.host, box.disk, note=scheduler_note(box.sched, box.sched.costs, ["gpu"]))
+    for i, eid in enumerate("ad"):
+        box.sched.submit(req(eid, i))
+    before = box.sched.added_latency("gpu", "g")[0]
+    assert ahead.step() == "d"
+    assert seen == [(5.0, before + 5.0)]           # the 5 s read is under way: a new switch waits behind it
+    assert box.sched.ssd_inflight() == 0.0 and box.sched.added_latency("gpu", "g")[0] == before
+
+
+def test_a_noted_read_runs_down_with_time_and_ends_even_when_it_fails():
+    now = [10.0]
+    s = Scheduler(["q"], "coserve", costs=Unwatched(load=1.0), now=lambda: now[0])
+    with s.reading(4.0):
+        now[0] = 11.5
+        assert s.ssd_inflight() == pytest.approx(2.5)
+        assert s.ssd_inflight("box1") == 0.0       # another box's SSD
+        now[0] = 20.0
+        assert s.ssd_inflight() == 0.0             # past its length: not negative
+    with pytest.raises(OSError), s.reading(3.0):
+        raise OSError("read failed")
+    assert s.ssd_inflight() == 0.0
+    with pytest.raises(ValueError, match="seconds"), s.reading(-1.0):
+        pass
 
 
 def test_an_idle_ssd_reads_a_queued_expert_into_the_host_tier_and_the_switch_is_a_host_copy(store):

@@ -443,8 +443,17 @@ def test_agent_reads_a_queued_expert_ahead_into_the_host_tier_while_the_ssd_is_i
         agent.scheduler.submit(Request(Frame(f"f{i}", "T", "B", "C", 0.0, None), e))
     behind = {e: n for n in (gpu_name, cpu_name) for e in agent.scheduler.queued_groups(n)[1:]}
     assert behind
+    seen = []                                                 # the scheduler's SSD backlog while the read runs
+    src = agent.host_tier.source
+    real = src.load
+    src.load = lambda eid, *a, **k: seen.append(agent.scheduler.ssd_inflight()) or real(eid, *a, **k)
+    before = agent.scheduler.ssd_inflight()
     got = ahead.step()
+    src.load = real
     assert got in behind and agent.host_tier.contains(got)   # a queue's head is left to its executor
+    priced = min(agent.costs.load_seconds(n, got, "ssd") for n in (gpu_name, cpu_name))
+    assert len(seen) == 1 and before < seen[0] <= before + priced   # counted while it read, priced as a load
+    assert agent.scheduler.ssd_inflight() == before                  # and no longer once it is in
     assert agent.disk.demand_reads == demand and agent.disk.ahead_reads == 1
     pool = agent.pools[behind[got]]
     pool.release(pool.acquire(got))                           # the batch's switch: a host copy, no SSD read
