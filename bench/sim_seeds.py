@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import sys
 from dataclasses import replace
@@ -21,6 +22,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from coe import CoEError  # noqa: E402
 from edge_agent.bench import GPU_CLASS, build_system, make_workload, simulate, task  # noqa: E402
 from executors.profile import Profile  # noqa: E402
 
@@ -48,16 +50,21 @@ def main() -> None:
     ap.add_argument("--rate", type=float, default=11.5, help="frames/s for p99, evenly spaced")
     ap.add_argument("--profile", default=str(GPU_CLASS))
     args = ap.parse_args()
-    if not args.rate > 0:
-        raise SystemExit(f"--rate must be positive frames/s, got {args.rate}")
-    prof = Profile.load(args.profile)
+    if not (math.isfinite(args.rate) and args.rate > 0):
+        raise SystemExit(f"--rate must be a positive, finite number of frames/s, got {args.rate}")
     seeds = seed_range(args.seeds)
+    try:                  # every name checked before the first (slow) run
+        prof = Profile.load(args.profile)
+        systems = {s: build_system(s, prof) for s in args.systems.split(",")}
+        for wl in args.workload.split(","):
+            task(wl)
+    except (OSError, ValueError, KeyError, CoEError) as exc:
+        raise SystemExit(f"sim_seeds: {exc}") from None
     out: dict = {}
     print(f"{'task':5} {'system':12} {'flood frames/s per seed':>40} {'mean':>6}  "
           f"{f'p99 s at {args.rate:g}/s per seed':>36} {'mean':>6}")
     for wl in args.workload.split(","):
-        for s in args.systems.split(","):
-            system = build_system(s, prof)
+        for s, system in systems.items():
             flood = [simulate(make_workload(task(wl, seed=k)), prof, system).throughput for k in seeds]
             p99 = [simulate(make_workload(replace(task(wl, seed=k), interval=1.0 / args.rate)), prof,
                             system).p99_ms / 1e3 for k in seeds]

@@ -202,7 +202,7 @@ class LineConfig(_Strict):
                            "re-read from SSD.  Off by default: in simulation it raises the flood throughput on "
                            "most boards, but at a steady line rate it thrashes the CPU pools against the host "
                            "tier and lowered the highest rate sustained on eleven boards of bench/sim_shapes.py, by more "
-                           "than 5% on six (bench '+cpudemote')")
+                           "than 5% on four (bench '+cpudemote')")
     ssd_read_ahead: bool = Field(
         True, description="with an exclusive host tier: while no executor reads the SSD, read the expert of the "
                           "earliest queued group behind a queue's head that no pool or tier holds into the host "

@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import math
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -93,13 +94,17 @@ def scheduler_note(scheduler, costs, executors: Sequence[str]) -> Callable[[str]
     (`Scheduler.reading`) for the fastest SSD load of the expert among `executors` by the cost model, which
     is how the simulator prices a read-ahead.  Without it the scheduler sees only its batches' reads, and
     predicts a switch issued during a read-ahead as if the SSD were free."""
+    channel = scheduler.channel(executors[0]) if executors else ""   # the local executors' SSD
+
     def note(expert_id: str) -> contextlib.AbstractContextManager:
         try:
             seconds = min(costs.load_seconds(n, expert_id, "ssd") for n in executors)
         except Exception:  # noqa: BLE001 - an expert the cost model cannot price: the read still happens
             log.debug("no SSD price for read-ahead of %s", expert_id, exc_info=True)
             return contextlib.nullcontext()
-        return scheduler.reading(seconds)
+        if not (math.isfinite(seconds) and seconds >= 0):   # not a price: the read still happens, uncounted
+            return contextlib.nullcontext()
+        return scheduler.reading(seconds, channel)
     return note
 
 

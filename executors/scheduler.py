@@ -30,7 +30,8 @@ same code as CoServe:
   way to a read on a less busy box's SSD, so an SSD read also carries
   ssd / n SSDs (with one SSD the max is the mean, and nothing is added).
 - work stealing (`coserve`): an executor that runs dry takes a waiting group
-  that would finish sooner on it, its switch there included.
+  that would finish sooner on it, its switch there included; SSD-aware, the
+  SSD seconds the move adds are charged once more (see `_steal`).
 - arranging: a request goes right behind the last queued request for the same
   expert (`arrange=True`); otherwise arrival order, and only neighbours batch.
 - splitting: a batch is capped at the cost model's max batch, which is
@@ -66,6 +67,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import itertools
+import math
 import threading
 import time
 from collections import deque
@@ -305,8 +307,8 @@ class Scheduler:
         now = self._now()
         with self._cond:
             other = sum(max(start + ssd - now, 0.0) for start, ssd, ch in self._reads.values() if ch == channel)
-        return other + sum(max(start + ssd - now, 0.0) for n, q in self._q.items() if self.channel(n) == channel
-                           for start, _, ssd in q.inflight.values())
+            return other + sum(max(start + ssd - now, 0.0) for n, q in self._q.items()
+                               if self.channel(n) == channel for start, _, ssd in q.inflight.values())
 
     @contextlib.contextmanager
     def reading(self, seconds: float, channel: str = ""):
@@ -314,8 +316,8 @@ class Scheduler:
         `executors.readahead`): while it runs it counts in `ssd_inflight` like a batch's read, so a switch
         predicted meanwhile waits behind it, as it will on the SSD.  Where the cost model watches the
         device (the simulator) its own count already holds the read, and this adds nothing."""
-        if seconds < 0:
-            raise ValueError(f"a read takes >= 0 seconds, got {seconds}")
+        if not (math.isfinite(seconds) and seconds >= 0):
+            raise ValueError(f"a read takes a finite number of seconds >= 0, got {seconds}")
         with self._cond:
             key = next(self._read_ids)
             self._reads[key] = (self._now(), seconds, channel)
@@ -503,16 +505,19 @@ class Scheduler:
         still holds work, the min-max was wrong about one of them.  A group
         that has not started moves if it would finish sooner here (its switch
         here included) than where it waits, which is its queue's time ahead of
-        it plus its own cost.  SSD-aware, a read the move adds (the group's
-        expert is resident or in the host tier where it waits, and must come
-        from the SSD here) is charged once more, as work added to the shared
-        SSD: without that charge, on A2 at 11.8 frames/s, 52 of 327 steals
-        moved a group off a GPU that held its expert onto a CPU that read it,
-        and p99 was 2.14 s against 1.92 s with it (`python bench/sim_rates.py`).
+        it plus its own cost.  SSD-aware, the SSD seconds the move adds (the
+        group's expert is resident or in the host tier where it waits, and
+        must come from the SSD here) are charged once more, as work added to
+        the shared SSD (with several boxes, at their effect on the SSDs' mean).
+        Without that charge, on A2 at 11.8 frames/s (simulated), 56 of 323
+        steals moved a group off an executor that held its expert onto one
+        that read it (51 of them GPU to CPU), and p99 was 2.14 s against 1.92 s
+        with it (`python bench/sim_rates.py --rates 11.8`).
         """
         q = self._q[executor]
         now = self._now()
         best, gain = None, 0.0
+        n_ssd = len({self.channel(n) for n in self.names})
         for name, o in self._q.items():
             if name == executor or not o.groups:
                 continue
@@ -526,12 +531,13 @@ class Scheduler:
                 probe = _Group(g.expert_id, switch, ssd)
                 here = self._group_cost(executor, probe, len(g.requests))
                 if self.policy.ssd_aware and ssd > g.ssd:
-                    # a steal moves work; a read it adds beyond the one the group would make where it waits is
-                    # new work on the one SSD every switch queues for, so the gain must also pay for it (weight
-                    # 1, as the SSD term in assignment).  Free only if nothing ever reads after it: on a line
-                    # the SSD is the busiest resource (82% busy on A2 at 11.8 frames/s, simulated), so
-                    # the next read, queued or not yet arrived, starts that much later.
-                    here += ssd - g.ssd
+                    # a steal moves work; the SSD seconds it adds (read here, beyond what the group reads where
+                    # it waits) are new work on the SSDs every switch queues for, so the gain must pay for them
+                    # too.  Their weight is their effect on the SSDs' mean, as in assignment: 1 with one SSD,
+                    # 1 / n with n (one per box).  Free only if nothing ever reads after it; on a line the SSD
+                    # is busy most of the time (82% on A2 at 11.8 frames/s, simulated), so the next read,
+                    # queued or not yet arrived, starts that much later.
+                    here += (ssd - g.ssd) / n_ssd
                 if finish_there - here > gain + _EPS:
                     best, gain = (name, g, switch, ssd), finish_there - here
         if best is None:

@@ -32,7 +32,7 @@ the host memory behind them.  How each spends it:
   thrash between the CPU pools and the host tier (every CPU read from SSD
   pushes a victim down that pushes out the next one needed): the highest rate
   sustained fell on all eleven boards of bench/sim_shapes.py, by more than 5%
-  on six, so it stays off.
+  on four (up to 47%), so it stays off.
 """
 from __future__ import annotations
 

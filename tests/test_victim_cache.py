@@ -447,12 +447,14 @@ def test_agent_reads_a_queued_expert_ahead_into_the_host_tier_while_the_ssd_is_i
     src = agent.host_tier.source
     real = src.load
     src.load = lambda eid, *a, **k: seen.append(agent.scheduler.ssd_inflight()) or real(eid, *a, **k)
+    t0 = agent.scheduler._now()
+    agent.scheduler._now = lambda: t0                         # frozen: the read's price does not run down meanwhile
     before = agent.scheduler.ssd_inflight()
     got = ahead.step()
     src.load = real
     assert got in behind and agent.host_tier.contains(got)   # a queue's head is left to its executor
     priced = min(agent.costs.load_seconds(n, got, "ssd") for n in (gpu_name, cpu_name))
-    assert len(seen) == 1 and before < seen[0] <= before + priced   # counted while it read, priced as a load
+    assert len(seen) == 1 and seen[0] == pytest.approx(before + priced)   # counted while it read, at its price
     assert agent.scheduler.ssd_inflight() == before                  # and no longer once it is in
     assert agent.disk.demand_reads == demand and agent.disk.ahead_reads == 1
     pool = agent.pools[behind[got]]
