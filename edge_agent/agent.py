@@ -169,8 +169,11 @@ class Agent:
         infos = {}
         self.links = None
         # CPU pools whose victims move down into an exclusive host tier (cpu_victims_to_host_tier): pool name ->
-        # its HostReadSource, which checks the victim's dtype and version (only the front box's CPU pools)
+        # its HostReadSource, which checks the victim's dtype and version (only the front box's CPU pools);
+        # with 'queued', only a victim that a request queued on one of this box's executors still needs
         self.cpu_demoters: dict[str, HostReadSource] = {}
+        self.cpu_demote_queued_only = cfg.cpu_victims_to_host_tier == "queued"
+        self._local_names = [s.name for s in self.slots if s.ex.node is None]
         for slot in self.slots:
             ex = slot.ex
             if ex.node is not None:   # on another box: a Ray actor there holds the pool (edge_agent/cluster.py)
@@ -183,7 +186,7 @@ class Agent:
                 if self.host_tier is not None and cfg.cpu_reads_host_tier:   # RAM copies instead of SSD reads
                     source = HostReadSource(self.host_tier, source)
                     reads = source.compatible
-                    if self.exclusive and cfg.cpu_victims_to_host_tier:
+                    if self.exclusive and cfg.cpu_victims_to_host_tier != "never":
                         self.cpu_demoters[slot.name] = source
             else:  # a GPU pool loads through the shared host tier, or straight from SSD on unified memory
                 source = TierSource(self.host_tier or StoreSource(self.store, pin=True, method=cfg.expert_read,
@@ -231,6 +234,15 @@ class Agent:
         self.status_server: "StatusServer | None" = None
         # thumbnails exist for the status page and /api/frames; none are kept without it
         self.thumbnails = cfg.metrics.thumbnails if cfg.metrics.enabled else 0
+
+    def _still_queued(self, expert_id: str) -> bool:
+        """Whether a CPU victim moves down: always with cpu_victims_to_host_tier 'always' (or true); with
+        'queued', only if a request queued on this box still needs it (its next use is certain, not a guess
+        that thrashes)."""
+        if not self.cpu_demote_queued_only:
+            return True
+        scheduler = getattr(self, "scheduler", None)
+        return scheduler is not None and scheduler.has_queued(expert_id, self._local_names)
 
     def _prefetch_remaining(self, executor: str, expert_id: str) -> float:
         ex = getattr(self, "_by_name", {}).get(executor)
@@ -799,8 +811,8 @@ class Agent:
             if self.exclusive and not self._closing and not e.stale:   # a promotion's stale copy is dropped
                 if executor in self.gpu_pools:
                     demote(e, self.host_tier)
-                elif executor in self.cpu_demoters:   # same dtype and current version only (HostReadSource)
-                    self.cpu_demoters[executor].demote(e)
+                elif executor in self.cpu_demoters and self._still_queued(e.expert_id):
+                    self.cpu_demoters[executor].demote(e)   # same dtype and current version only (HostReadSource)
             self._by_name[executor].on_evicted(e.value)
         scheduler = getattr(self, "scheduler", None)
         if scheduler is not None:   # where the expert lives changed: queued groups' switch costs follow

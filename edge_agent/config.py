@@ -195,14 +195,28 @@ class LineConfig(_Strict):
     cpu_reads_host_tier: bool = Field(
         True, description="CPU executors copy an expert the host tier holds (a RAM copy) instead of reading the "
                           "SSD, where both hold the same dtype; the host tier keeps its copy")
-    cpu_victims_to_host_tier: bool = Field(
-        False, description="with an exclusive host tier and cpu_reads_host_tier: a CPU executor's victim moves "
-                           "down into the host tier (a RAM copy), as a GPU victim does, where both hold the same "
-                           "dtype and it is the store's current version; false (the default): it is dropped and "
-                           "re-read from SSD.  Off by default: in simulation it raises the flood throughput on "
-                           "most boards, but at a steady line rate it thrashes the CPU pools against the host "
-                           "tier and lowered the highest rate sustained on eleven boards of bench/sim_shapes.py, by more "
-                           "than 5% on four (bench '+cpudemote')")
+    cpu_victims_to_host_tier: Literal["queued", "always", "never"] = Field(
+        "queued", description="with an exclusive host tier and cpu_reads_host_tier: 'queued' (the default): a CPU "
+                              "executor's victim that a request queued on the box still needs moves down into the "
+                              "host tier (a RAM copy), as a GPU victim does, where both hold the same dtype and it "
+                              "is the store's current version; 'always' (or true): every such victim; 'never' (or "
+                              "false): none, each is dropped and re-read from SSD.  In simulation 'queued' raised "
+                              "the flood throughput by 1.6-12% (mean over 4 seeds, tasks A1-B2) and left p99 as it "
+                              "was at line rates up to 11.9 frames/s; 'always' thrashes the CPU pools against the host tier at a line "
+                              "rate and lowered the highest rate sustained on eleven boards of "
+                              "bench/sim_shapes.py, by more than 5% on four (bench '+cpudemote')")
+
+    @field_validator("cpu_victims_to_host_tier", mode="before")
+    @classmethod
+    def _victims(cls, v: Any) -> Any:
+        """true/false (as YAML, a string or 0/1), the setting's values before 'queued', read as always/never."""
+        if isinstance(v, str) and v.strip().lower() in ("true", "false", "yes", "no", "on", "off", "1", "0"):
+            v = v.strip().lower() in ("true", "yes", "on", "1")
+        if isinstance(v, (bool, int)) and v in (0, 1):
+            return "always" if v else "never"
+        if v not in ("queued", "always", "never"):
+            raise ValueError(f"should be 'queued', 'always' or 'never' (or true/false), got {v!r}")
+        return v
     ssd_read_ahead: bool = Field(
         True, description="with an exclusive host tier: while no executor reads the SSD, read the expert of the "
                           "earliest queued group behind a queue's head that no pool or tier holds into the host "

@@ -87,8 +87,9 @@ def run_real(workload: Workload, model: CoEModel, store, profile: Profile | None
                              (pools[n] for n in gpus if n in pools))
 
     if system.cpu_demote:
-        raise ValueError(f"{system.name}: real runs do not move CPU victims into the host tier (cpu_demote); "
-                         "the simulator and the agent do")
+        raise ValueError(f"{system.name}: real runs do not move every CPU victim into the host tier (cpu_demote, "
+                         "+cpudemote), only those a queued request still needs (cpu_demote_queued); the simulator "
+                         "and the agent do both")
     host = None
     if gpus and system.host_tier:
         host = Pool("host", system.host_tier, make_policy(system.eviction), store_source(pin=True, dtype="float32"),
@@ -97,11 +98,15 @@ def run_real(workload: Workload, model: CoEModel, store, profile: Profile | None
     exclusive = host is not None and system.host_mode == "exclusive"
 
     closing: list[bool] = []
+    host_readers: dict[str, HostReadSource] = {}   # CPU executor -> its HostReadSource (it demotes its victims)
 
     def on_event(e, name: str, kind: str) -> None:
         if e.event == "evict":
             if exclusive and kind == "cuda" and not e.stale and not closing:
                 demote(e, host)                      # the GPU victim moves down into the host tier
+            elif (exclusive and system.cpu_demote_queued and name in host_readers and not e.stale and not closing
+                  and box and box[0].has_queued(e.expert_id)):
+                host_readers[name].demote(e)        # as the agent: a CPU victim a queued request still needs
             if name in execs:
                 execs[name].on_evicted(e.value)     # as the agent: its skeleton lets the victim's buffer go
         if box:
@@ -113,7 +118,7 @@ def run_real(workload: Workload, model: CoEModel, store, profile: Profile | None
         elif ex.kind == "cpu":
             src = store_source(dtype="float32")   # as the agent's CPU pools
             if host is not None and system.cpu_host_reads:
-                src = HostReadSource(host, src)
+                src = host_readers[ex.name] = HostReadSource(host, src)
         else:
             raise ValueError(f"real runs use CPU and CUDA executors; {ex.name} is on {ex.device}")
         pools[ex.name] = Pool(ex.device if ex.kind == "cuda" else "cpu", ex.expert_memory,
@@ -131,8 +136,9 @@ def run_real(workload: Workload, model: CoEModel, store, profile: Profile | None
     if system.init == "warm":
         order = sorted(model.experts, key=lambda e: -probs[e])
         initialize(list(pools.values()), order)
-        if host is not None:   # then the next most probable experts the GPU pools do not hold, as the agent does
-            initialize_tier(host, [pools[n] for n in gpus], order)
+        if host is not None:   # then the next most probable experts the pools above it do not hold, as the agent
+            above = gpus + (list(host_readers) if exclusive and system.cpu_demote_queued else [])   # does
+            initialize_tier(host, [pools[n] for n in above], order)
     init_misses = sum(p.stats().misses for p in pools.values())
 
     def ssd_reads() -> int:
@@ -216,4 +222,5 @@ def run_real(workload: Workload, model: CoEModel, store, profile: Profile | None
         decision_us=1e6 * sched.decision_seconds / max(sched.decisions, 1),
         busy_fraction=sum(s.load_seconds for s in stats) / (makespan * len(execs)),
         sched_share=sched.decision_seconds / (makespan * len(execs)),
-        manage_share=sum(s.manage_seconds for s in stats) / (makespan * len(execs)), real_run=True, order=order)
+        manage_share=sum(s.manage_seconds for s in stats) / (makespan * len(execs)), real_run=True, order=order,
+        cpu_demotions=sum(r.demoted for r in host_readers.values()))

@@ -71,7 +71,7 @@ import math
 import threading
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -750,6 +750,11 @@ class Scheduler:
     def queued_set(self, executor: str) -> set[str]:
         with self._cond:
             return set(self._q[executor].counts)
+
+    def has_queued(self, expert_id: str, executors: Iterable[str] | None = None) -> bool:
+        """Whether a request for `expert_id` waits in the queue of any of `executors` (default: all)."""
+        with self._cond:
+            return any(self._q[n].counts.get(expert_id) for n in (self.names if executors is None else executors))
 
     def next_expert(self, executor: str, current: str) -> str | None:
         """The expert of the first queued group that is not `current`: what to prefetch."""

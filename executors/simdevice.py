@@ -13,7 +13,8 @@ when the classifier finishes).  Only time is simulated:
   curve), a CPU's executors each own cores/n threads (c(n)/n);
 - with an exclusive host tier, GPU victims move down into it and promotions
   leave it; with `cpu_demote`, so do the victims of the CPU executors that
-  read it (storage.tiers.HostReadSource.demote), each charged one host copy
+  read it (storage.tiers.HostReadSource.demote), and with `cpu_demote_queued`
+  those of their victims a queued request still needs, each charged one host copy
   on the evicting executor's load (the agent copies RAM to RAM on that
   executor's loader thread before its load);
 - as the real executor's Prefetcher does, once a batch's expert is in, the
@@ -108,7 +109,9 @@ class SimSystem:
     #                                the SSD (storage.tiers.HostReadSource; assumes both hold one dtype); a remote
     #                                box's CPU executors read its SSD, as executors/remote.py does
     cpu_demote: bool = False       # exclusive host tier: those CPU executors' victims move down into it, as GPU
-    #                                victims do (the agent's cpu_victims_to_host_tier)
+    #                                victims do (the agent's cpu_victims_to_host_tier: always)
+    cpu_demote_queued: bool = False   # ... only a victim that a request queued on its box still needs (the
+    #                                   agent's cpu_victims_to_host_tier: queued)
     read_ahead: bool = False       # exclusive host tier: an idle SSD reads a queued group's expert that no tier
     #                                holds into the host tier, ahead of the executor that will need it
 
@@ -133,7 +136,8 @@ class SimSystem:
         if self.host_tier:
             reads = ("; CPU executors copy from it" + (" on the front box" if self.boxes > 1 else "")
                      + ("; their victims move down into it" if self.cpu_demote and self.host_mode == "exclusive"
-                        else "")
+                        else "; their victims with queued requests move down into it"
+                        if self.cpu_demote_queued and self.host_mode == "exclusive" else "")
                      if self.cpu_host_reads and any(e.kind == "cpu" and e.box == 0 for e in self.executors) else "")
             reads += "; an idle SSD reads queued experts into it" if self.read_ahead and self.host_mode == "exclusive" else ""
             parts.append(f"host tier {self.host_tier / 1e9:.2f} GB ({self.host_mode}{reads})")
@@ -166,7 +170,8 @@ class SimReport:
     switch_floor: int = 0         # experts the task uses that no executor pool held at the start: >= 1 load each
     aged: int = 0                 # batches the scheduler's age bound pulled forward
     stolen: int = 0               # groups an idle executor took over from another queue
-    cpu_demotions: int = 0        # CPU executors' victims moved down into the host tier (`cpu_demote`)
+    cpu_demotions: int = 0        # CPU executors' victims moved down into the host tier (`cpu_demote`,
+    #                               `cpu_demote_queued`)
     read_ahead: int = 0           # SSD reads an idle SSD made into the host tier for queued groups (`read_ahead`)
     resources: str = ""           # memory and executors of the system
     sustained_rate: float = 0.0   # highest steady arrival rate it sustains (bench --load), 0: not measured
@@ -333,8 +338,11 @@ def simulate(workload: Workload, profile: Profile, system: SimSystem, *, record_
 
         # a CPU executor that reads the host tier moves its victims down into it too (HostReadSource.demote)
         cpu_demote = system.cpu_demote and exclusive and isinstance(src, _HostReadSource)
+        # ... or only a victim a request queued on its box still needs (`cpu_demote_queued`)
+        queued_demote = system.cpu_demote_queued and exclusive and isinstance(src, _HostReadSource)
 
-        def on_event(e, name=ex.name, gpu=gpu, host=host, src=src, cpu_demote=cpu_demote, b=ex.box) -> None:
+        def on_event(e, name=ex.name, gpu=gpu, host=host, src=src, cpu_demote=cpu_demote,
+                     queued_demote=queued_demote, b=ex.box) -> None:
             landed = 0.0
             if e.event == "evict":   # a prefetched expert evicted before its batch came: when its copy lands
                 landed = ready.pop((name, e.expert_id), 0.0)
@@ -344,7 +352,8 @@ def simulate(workload: Workload, profile: Profile, system: SimSystem, *, record_
                 if gpu:
                     if host.admit(e.expert_id, keep=(e.incoming,)):   # a GPU victim moves down into the host tier
                         avail[(b, e.expert_id)] = max(clock[0], landed)   # no time, once the GPU's copy is in
-                elif cpu_demote and host.admit(e.expert_id, keep=(e.incoming,)):
+                elif (cpu_demote or queued_demote and box[0].has_queued(e.expert_id, on_box[b])) \
+                        and host.admit(e.expert_id, keep=(e.incoming,)):
                     src.loads.append((e.expert_id, "demote"))     # the RAM copy, timed on this executor's load
                     demoting[(name, e.expert_id)] = landed
             box[0].refresh(e.expert_id, name)

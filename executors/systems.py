@@ -5,9 +5,10 @@ the host memory behind them.  How each spends it:
 
 - CoServe: the executors and memory split of the profile's searches; each
   executor reserves activation memory for its max batch and the rest holds
-  experts; the host tier is an exclusive victim cache of the GPU pools,
-  and the front box's CPU executors copy what it holds instead of reading
-  the SSD.
+  experts; the host tier is an exclusive victim cache of the GPU pools
+  (and of the front box's CPU executors' victims that a queued request still
+  needs), and the front box's CPU executors copy what it holds instead of
+  reading the SSD.
 - coserve-paper: the same executors with the paper's rules read exactly
   (exact assignment ties, stage 2 strictly by probability, no SSD term,
   no age bound) and an inclusive host tier (it keeps a copy of what it
@@ -23,16 +24,19 @@ the host memory behind them.  How each spends it:
   own SSD, and the front box reaches the others over `link`.
 - Samba-CoE FIFO and Parallel, and CoServe's ablations (the paper's: none, em,
   em+ra; ours: -ssd, -steal, -exclusive, -age, -protect, -work, -hostread,
-  -readahead, -fill, each CoServe with one lever off), change one knob each.
-  `+cpudemote` is CoServe with a lever that is off by default turned on: the
-  front box's CPU executors' victims move down into the exclusive host tier
-  too (the agent's cpu_victims_to_host_tier; it needs their host reads,
-  whose HostReadSource checks the victim's dtype and version).  It raises
+  -readahead, -fill, -cpuqueued, each CoServe with one lever off), change one
+  knob each.  In CoServe a front-box CPU executor's victim that a request
+  queued on the box still needs moves down into the exclusive host tier
+  (the agent's cpu_victims_to_host_tier: queued; `-cpuqueued` turns it off;
+  it needs their host reads, whose HostReadSource checks the victim's dtype
+  and version, so `-hostread` turns it off too).  At a line rate few victims
+  are still queued for, so it seldom fires there; under a flood its next use
+  is certain.  `+cpudemote` moves every such victim down ('always').  It raises
   the flood throughput on most boards, but at a steady line rate it sets off
   thrash between the CPU pools and the host tier (every CPU read from SSD
   pushes a victim down that pushes out the next one needed): the highest rate
   sustained fell on all eleven boards of bench/sim_shapes.py, by more than 5%
-  on four (up to 47%), so it stays off.
+  on four (up to 47%), so 'always' is not the default.
 """
 from __future__ import annotations
 
@@ -44,7 +48,7 @@ from .simdevice import SimExecutor, SimSystem
 
 SYSTEMS = ("coserve", "coserve-paper", "samba", "samba-fifo", "samba-parallel", "none", "em", "em+ra",
            "-ssd", "-steal", "-exclusive", "-age", "-protect", "-work", "-hostread", "-readahead", "-fill",
-           "+cpudemote")
+           "-cpuqueued", "+cpudemote")
 DEFAULT = SYSTEMS
 MAX_WAIT = 2.0   # seconds: CoServe's age bound in the benchmark (the agent's default, scheduler.max_wait)
 
@@ -118,11 +122,14 @@ def build_system(name: str, profile: Profile, *, init: str = "warm", boxes: int 
         "-readahead": (co, "coserve", "coserve", host, "exclusive", MAX_WAIT),
         "+cpudemote": (co, "coserve", "coserve", host, "exclusive", MAX_WAIT),
         "-fill": (co, "coserve-nofill", "coserve", host, "exclusive", MAX_WAIT),
+        "-cpuqueued": (co, "coserve", "coserve", host, "exclusive", MAX_WAIT),
     }
     # CoServe's own levers: on in CoServe and in every ablation but the one that turns that lever off
     levers = name in ("coserve", "+cpudemote") or name.startswith("-")
     host_reads = levers and name != "-hostread"     # CPU executors copy from the host tier
     cpu_demote = name == "+cpudemote"               # their victims move down into the exclusive host tier (off)
+    # ... those a request queued on the box still needs (on; all of them with +cpudemote)
+    cpu_demote_queued = host_reads and name != "-cpuqueued"
     read_ahead = levers and name != "-readahead"    # an idle SSD reads a queued group's expert into it
     try:
         execs, sched, evict, tier, mode, max_wait = table[name]
@@ -132,4 +139,4 @@ def build_system(name: str, profile: Profile, *, init: str = "warm", boxes: int 
         raise ValueError(f"boxes must be >= 1, got {boxes}")
     return SimSystem(name, on_boxes(execs, boxes), sched, evict, host_tier=tier, init=init, host_mode=mode,
                      max_wait=max_wait, boxes=boxes, link=link if boxes > 1 else None, cpu_host_reads=host_reads,
-                     cpu_demote=cpu_demote, read_ahead=read_ahead)
+                     cpu_demote=cpu_demote, cpu_demote_queued=cpu_demote_queued, read_ahead=read_ahead)

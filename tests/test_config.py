@@ -47,7 +47,7 @@ def test_env_overrides_nested_keys():
     ("line: T\nspec: spec.yaml\nscheduler: {max_wait: -1}\n", "scheduler.max_wait", "greater than or equal to 0"),
     ("line: T\nspec: spec.yaml\ncpu_tier_mode: shared\n", "cpu_tier_mode", "'exclusive' or 'inclusive'"),
     ("line: T\nspec: spec.yaml\ncpu_reads_host_tier: sometimes\n", "cpu_reads_host_tier", "valid boolean"),
-    ("line: T\nspec: spec.yaml\ncpu_victims_to_host_tier: maybe\n", "cpu_victims_to_host_tier", "valid boolean"),
+    ("line: T\nspec: spec.yaml\ncpu_victims_to_host_tier: maybe\n", "cpu_victims_to_host_tier", "'queued', 'always' or 'never'"),
     ("line: T\nspec: spec.yaml\nexecutors: [{count: 0}]\n", "executors.0.count", "greater than or equal to 1"),
 ])
 def test_invalid_config_names_file_key_reason(tmp_path, text, key, reason):
@@ -94,7 +94,7 @@ def test_sizes_and_endpoints():
 def test_new_keys_defaults_and_unset_count(tmp_path):
     cfg = load_config(write(tmp_path, "line: T\nspec: spec.yaml\n"), env={})
     assert cfg.scheduler.max_wait == 2.0 and cfg.cpu_tier_mode == "exclusive" and cfg.cpu_reads_host_tier
-    assert cfg.cpu_victims_to_host_tier is False and cfg.ssd_read_ahead is True
+    assert cfg.cpu_victims_to_host_tier == "queued" and cfg.ssd_read_ahead is True
     assert cfg.executors[0].count == 1 and not cfg.executors[0].count_is_set   # the profile decides
     cfg = load_config(write(tmp_path, "line: T\nspec: spec.yaml\nscheduler: {max_wait: null}\n"
                                       "cpu_tier_mode: inclusive\neviction: coserve-paper\n"
@@ -102,8 +102,12 @@ def test_new_keys_defaults_and_unset_count(tmp_path):
                                       "ssd_read_ahead: false\n"
                                       "executors: [{count: null}, {count: 2}]\n"), env={})
     assert cfg.scheduler.max_wait is None and cfg.cpu_tier_mode == "inclusive" and cfg.eviction == "coserve-paper"
-    assert cfg.cpu_reads_host_tier is False and cfg.cpu_victims_to_host_tier is True and not cfg.ssd_read_ahead
+    assert cfg.cpu_reads_host_tier is False and cfg.cpu_victims_to_host_tier == "always" and not cfg.ssd_read_ahead
     assert [(e.count, e.count_is_set) for e in cfg.executors] == [(1, False), (2, True)]
+    for given, read in (("false", "never"), ("never", "never"), ("queued", "queued"), ("always", "always"),
+                        ("'true'", "always"), ("1", "always"), ("0", "never")):
+        cfg = load_config(write(tmp_path, f"line: T\nspec: spec.yaml\ncpu_victims_to_host_tier: {given}\n"), env={})
+        assert cfg.cpu_victims_to_host_tier == read
     cfg = load_config(LINE_A, env={"COE_SCHEDULER__MAX_WAIT": "0.5", "COE_EXECUTORS__0__COUNT": "2"})
     assert cfg.scheduler.max_wait == 0.5 and cfg.executors[0].count_is_set and cfg.executors[0].count == 2
     assert not load_config(LINE_A, env={}).executors[0].count_is_set            # line A leaves it to the profile

@@ -211,14 +211,14 @@ def test_no_schedule_beats_the_memory_limited_bound(seed, skew, share, interval,
 
 
 def _two_gpus_and_a_cpu(gpu: int, cpu: int, host: int, mode: str, policy: str = "coserve", init: str = "cold",
-                        cpu_demote: bool = False) -> SimSystem:
+                        cpu_demote: bool = False, cpu_demote_queued: bool = False) -> SimSystem:
     cls = 175_000_000   # the largest expert: every pool fits any one expert
     execs = (SimExecutor("cuda:0#0", "cuda:0", 12_000_000_000, gpu * cls),
              SimExecutor("cuda:0#1", "cuda:0", 12_000_000_000, gpu * cls),
              SimExecutor("cpu#0", "cpu", 2_000_000_000, cpu * cls))
     return SimSystem("t", execs, policy, "coserve", host_tier=host * cls, host_mode=mode, init=init,
                      max_wait=2.0 if policy == "coserve" else None, cpu_host_reads=policy == "coserve",
-                     cpu_demote=cpu_demote)
+                     cpu_demote=cpu_demote, cpu_demote_queued=cpu_demote_queued)
 
 
 def test_a_host_copy_waits_for_the_ssd_read_that_fills_the_host_tier():
@@ -241,14 +241,14 @@ def test_a_host_copy_waits_for_the_ssd_read_that_fills_the_host_tier():
 @given(seed=st.integers(0, 10_000), skew=st.floats(0.3, 1.6), share=st.floats(0.3, 1.0),
        interval=st.sampled_from([0.004, 0.05]), gpu=st.integers(1, 4), host=st.integers(1, 8),
        policy=st.sampled_from(["coserve", "coserve-paper"]), mode=st.sampled_from(["exclusive", "inclusive"]),
-       init=st.sampled_from(["cold", "warm"]), cpu_demote=st.booleans())
+       init=st.sampled_from(["cold", "warm"]), cpu_demote=st.sampled_from(["never", "queued", "always"]))
 def test_no_schedule_on_two_gpu_executors_and_a_cpu_beats_the_bound(seed, skew, share, interval, gpu, host,
                                                                     policy, mode, init, cpu_demote):
     """Two GPU executors and a CPU executor share a host tier (inclusive or exclusive, GPU and CPU victims
     moving down): one executor may copy from the host tier what another's queued read put there, which must
     not make the schedule beat the bound."""
     prof = Profile.load(GPU_CLASS)
-    system = _two_gpus_and_a_cpu(gpu, 1, host, mode, policy, init, cpu_demote)
+    system = _two_gpus_and_a_cpu(gpu, 1, host, mode, policy, init, cpu_demote == "always", cpu_demote == "queued")
     w = make_workload(task("A1", requests=60, types=10, skew=skew, detector_share=share, seed=seed,
                            interval=interval))
     rep = simulate(w, prof, system)
@@ -724,6 +724,30 @@ def test_a_cpu_victim_moves_down_into_the_host_tier_and_comes_back_without_an_ss
         assert "victims" not in system.resources()
 
 
+@pytest.mark.parametrize("queued", [True, False])
+def test_with_the_queued_lever_only_a_cpu_victim_a_queued_request_needs_moves_down(queued):
+    """e0 (on the CPU at start) and e1 at t = 0, e0 again at 0.05 s while e0's batch runs: e1's load evicts e0,
+    which a queued request still needs, so with `cpu_demote_queued` it moves down and comes back as a host
+    copy; without, it is read from the SSD again.  In the toy above (3 s apart) no victim is still queued
+    for when it goes, so the lever moves nothing down there."""
+    prof, execs, spaced = _one_cpu_executor_toy()
+    w = Workload(task("A1", requests=3), spaced.model, (Arrival(0.0, "f0", "c0", False),
+                                                         Arrival(0.0, "f1", "c1", False),
+                                                         Arrival(0.05, "f2", "c0", False)))
+
+    def system() -> SimSystem:
+        return SimSystem("t", execs, "coserve", "coserve", host_tier=4000, init="warm", host_mode="exclusive",
+                         cpu_host_reads=True, cpu_demote_queued=queued)
+    rep = simulate(w, prof, system())
+    if queued:
+        assert rep.cpu_demotions == 1 and rep.ssd_loads == 0
+        assert "their victims with queued requests move down into it" in system().resources()
+    else:
+        assert rep.cpu_demotions == 0 and rep.ssd_loads == 1
+    rep = simulate(spaced, prof, system())
+    assert rep.cpu_demotions == 0 and rep.ssd_loads == 1      # e0 was not queued for when it went: dropped
+
+
 def test_cpu_demotion_needs_an_exclusive_host_tier_the_cpu_executors_read():
     model = one_arch_model(4)
     dev = DeviceProfile("cpu", "cpu", 10_000, executors=1, concurrency=(1.0,))
@@ -737,29 +761,40 @@ def test_cpu_demotion_needs_an_exclusive_host_tier_the_cpu_executors_read():
         assert rep.cpu_demotions == 0 and rep.ssd_loads == (1 if reads else 5)
 
 
-def test_coserve_and_its_ablations_read_ahead_and_only_cpudemote_moves_cpu_victims_down():
-    """Read-ahead is CoServe's (on by default; `-readahead` is CoServe with only it off); moving CPU victims
-    down is off by default (it thrashed at line rates) and on only in `+cpudemote`, which is CoServe otherwise."""
+def test_coserve_and_its_ablations_read_ahead_and_move_down_only_the_cpu_victims_still_queued_for():
+    """Read-ahead is CoServe's (on by default; `-readahead` is CoServe with only it off); moving every CPU
+    victim down is off by default (it thrashed at line rates) and on only in `+cpudemote`, which is CoServe
+    otherwise; moving down those a queued request still needs is CoServe's (off in `-cpuqueued` only, and in
+    `-hostread`, whose host reads it needs)."""
     from dataclasses import replace
 
     prof = Profile.load(GPU_CLASS)
     names = ("coserve", "coserve-paper", "samba", "samba-parallel", "em", "em+ra", "-hostread", "-work", "-ssd",
-             "-exclusive", "-readahead", "-fill", "+cpudemote")
+             "-exclusive", "-readahead", "-fill", "-steal", "-age", "-protect", "-cpuqueued", "+cpudemote")
     demote = {s for s in names if build_system(s, prof).cpu_demote}
     ahead = {s for s in names if build_system(s, prof).read_ahead}
     assert demote == {"+cpudemote"}
-    assert ahead == {"coserve", "-hostread", "-work", "-ssd", "-exclusive", "-fill", "+cpudemote"}
+    assert ahead == {"coserve", "-hostread", "-work", "-ssd", "-exclusive", "-fill", "-steal", "-age", "-protect",
+                     "-cpuqueued", "+cpudemote"}
     co = build_system("coserve", prof)
     assert replace(build_system("+cpudemote", prof), name="coserve", cpu_demote=False) == co
     assert replace(build_system("-readahead", prof), name="coserve") == replace(co, read_ahead=False)
     assert build_system("-fill", prof).scheduler == "coserve-nofill" and co.scheduler == "coserve"
     assert "an idle SSD reads queued experts into it" in co.resources()
     assert "reads queued" not in build_system("-readahead", prof).resources()
-    assert "victims move down" in build_system("+cpudemote", prof).resources() and "victims" not in co.resources()
+    assert "their victims move down" in build_system("+cpudemote", prof).resources()
+    assert "their victims with queued requests move down" in co.resources()
+    # the victims a queued request needs: CoServe's, off in -cpuqueued only (and in -hostread, which they need)
+    queued = {s for s in names if build_system(s, prof).cpu_demote_queued}
+    assert queued == {"coserve", "-work", "-ssd", "-exclusive", "-readahead", "-fill", "-steal", "-age", "-protect",
+                      "+cpudemote"}
+    assert replace(build_system("-cpuqueued", prof), name="coserve") == replace(co, cpu_demote_queued=False)
+    assert "victims" not in build_system("-cpuqueued", prof).resources()
 
 
-def test_without_the_three_levers_the_simulator_reproduces_the_numbers_from_before_them():
-    """CoServe with CPU demotion, read-ahead and fill off (`-fill` with the other two off) is CoServe as it ran
+def test_without_the_levers_the_simulator_reproduces_the_numbers_from_before_them():
+    """CoServe with CPU demotion (all victims, and those still queued for), read-ahead and fill off (`-fill`
+    with the others off) is CoServe as it ran
     before any of them existed: the figures the simulator gave on this task then (measured on commit
     09d1787: (142, 82, 60) switches/SSD/host loads, 27.4962 s, p99 25387.2 ms; re-measured on 09d1787
     with only the steal's SSD charge applied, which gives the figures below; a change to the scheduler or
@@ -768,14 +803,17 @@ def test_without_the_three_levers_the_simulator_reproduces_the_numbers_from_befo
 
     prof = Profile.load(GPU_CLASS)
     w = make_workload(task("A1", requests=600))
-    off = simulate(w, prof, replace(build_system("-fill", prof), cpu_demote=False, read_ahead=False))
+    off = simulate(w, prof, replace(build_system("-fill", prof), cpu_demote=False, cpu_demote_queued=False,
+                                    read_ahead=False))
     assert off.cpu_demotions == 0 and off.read_ahead == 0
     assert (off.switches, off.ssd_loads, off.host_loads) == (140, 78, 62)
     assert off.makespan == pytest.approx(27.7374, abs=1e-6) and off.p99_ms == pytest.approx(27054.9, abs=1e-3)
     demote = simulate(w, prof, replace(build_system("+cpudemote", prof), read_ahead=False))
     assert demote.cpu_demotions > 0 and demote.ssd_loads < off.ssd_loads and demote.read_ahead == 0
-    ahead = simulate(w, prof, build_system("coserve", prof))
+    ahead = simulate(w, prof, build_system("-cpuqueued", prof))
     assert ahead.read_ahead > 0 and ahead.cpu_demotions == 0
+    queued = simulate(w, prof, replace(build_system("coserve", prof), read_ahead=False))
+    assert 0 < queued.cpu_demotions < demote.cpu_demotions
 
 
 @pytest.mark.gpu

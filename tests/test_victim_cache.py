@@ -389,7 +389,8 @@ GPU_AND_CPU = [{"device": "cuda:0", "count": 1, "memory": "40MB", "expert_memory
 @pytest.mark.parametrize("lever", [True, False])
 def test_agent_moves_cpu_victims_into_the_host_tier_and_the_scheduler_sees_it(cpu_gpu_agent, lever):
     agent = cpu_gpu_agent("exclusive", "20MB", executors=GPU_AND_CPU, tag=str(lever),
-                          cpu_victims_to_host_tier=lever)
+                          cpu_victims_to_host_tier=lever)   # true/false: 'always'/'never'
+    assert agent.cpu_demote_queued_only is False
     cpu_name = next(n for n in agent.pools if n.startswith("cpu"))
     cpu, host = agent.pools[cpu_name], agent.host_tier
     assert (cpu_name in agent.cpu_demoters) is lever
@@ -419,6 +420,40 @@ def test_agent_moves_cpu_victims_into_the_host_tier_and_the_scheduler_sees_it(cp
     cpu.release(cpu.acquire(back))
     assert (reader.from_ssd, reader.from_host) == (ssd_before, host_before + 1)
     assert back in host.resident()                                      # a CPU read leaves the host copy
+
+
+def test_by_default_only_a_cpu_victim_a_queued_request_needs_moves_down(cpu_gpu_agent):
+    """cpu_victims_to_host_tier: queued (the default).  With nothing queued the CPU pool's victims are dropped;
+    once a request is queued for each expert the CPU pool holds, its victims move down into the host tier."""
+    from coe import Frame, Request
+
+    agent = cpu_gpu_agent("exclusive", "20MB", executors=GPU_AND_CPU, tag="queued")
+    cpu_name = next(n for n in agent.pools if n.startswith("cpu"))
+    cpu, host = agent.pools[cpu_name], agent.host_tier
+    assert agent.cpu_demote_queued_only and cpu_name in agent.cpu_demoters
+    agent._initialize()
+    held = set(cpu.resident()) | set(host.resident())
+    missing = [e for e in sorted(agent.model.experts, key=lambda e: -agent.probabilities[e])
+               if e not in held and agent.store.nbytes(e) <= cpu.capacity]
+
+    def load(expert_id: str) -> tuple[list[str], list[str]]:
+        agent.writer.events.clear()
+        cpu.release(cpu.acquire(expert_id))
+        return ([r["expert_id"] for r in agent.writer.events if r["tier"] == "cpu" and r["event"] == "evict"],
+                [r["expert_id"] for r in agent.writer.events if r["tier"] == "host" and r["event"] == "admit"])
+
+    victims, admitted = load(missing[0])
+    assert victims and admitted == [] and agent.cpu_demoters[cpu_name].demoted == 0   # nothing queued: dropped
+    for i, e in enumerate(cpu.resident()):
+        agent.scheduler.submit(Request(Frame(f"q{i}", "T", "B", "C", 0.0, None), e))
+    victims, admitted = load(missing[1])
+    assert victims and admitted and set(admitted) <= set(victims)                     # still needed: moved down
+    assert agent.cpu_demoters[cpu_name].demoted == len(admitted) and set(admitted) <= set(host.resident())
+    # only this box's queues count: a request queued on an executor of another box does not keep a victim
+    ex = agent.scheduler.submit(Request(Frame("other", "T", "B", "C", 0.0, None), missing[2]))
+    assert agent._still_queued(missing[2])
+    agent._local_names = [n for n in agent._local_names if n != ex]
+    assert not agent._still_queued(missing[2])
 
 
 @pytest.mark.parametrize("setting", [dict(), dict(ssd_read_ahead=False), dict(cpu_tier_mode="inclusive")])
