@@ -202,8 +202,8 @@ class LineConfig(_Strict):
                               "is the store's current version; 'always' (or true): every such victim; 'never' (or "
                               "false): none, each is dropped and re-read from SSD.  In simulation 'queued' raised "
                               "the flood throughput by 1.6-12% (mean over 4 seeds, tasks A1-B2) and left p99 as it "
-                              "was at line rates up to 11.9 frames/s; 'always' thrashes the CPU pools against the host tier at a line "
-                              "rate and lowered the highest rate sustained on eleven boards of "
+                              "was at line rates up to 11.9 frames/s; 'always' thrashes the CPU pools against the "
+                              "host tier at a line rate and lowered the highest rate sustained on eleven boards of "
                               "bench/sim_shapes.py, by more than 5% on four (bench '+cpudemote')")
 
     @field_validator("cpu_victims_to_host_tier", mode="before")
