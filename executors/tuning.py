@@ -94,27 +94,38 @@ def weak_rule(dev: DeviceProfile, executors: int, reserve: int) -> bool:
     return executors * reserve <= WEAK_RULE_SHARE * dev.memory
 
 
-def _system(dev: DeviceProfile, count: int, expert_memory: int, host_reads: bool = True) -> SimSystem:
-    """The system the agent runs (exclusive host tier that CPU executors copy from unless the line turns
-    that off, age bound), on this device's executors."""
+def agent_levers(cfg=None) -> dict:
+    """The simulator's switches for the levers the agent runs with this line's config (`cfg`; None: the
+    defaults): CPU executors copy from the host tier (`cpu_reads_host_tier`), an idle SSD reads ahead
+    (`ssd_read_ahead`), and CPU victims move down (`cpu_victims_to_host_tier`: queued, always or never).
+    The searches simulate the system the agent will run, not a plainer one."""
+    host_reads = bool(getattr(cfg, "cpu_reads_host_tier", True))
+    victims = getattr(cfg, "cpu_victims_to_host_tier", "queued")
+    return dict(cpu_host_reads=host_reads, read_ahead=bool(getattr(cfg, "ssd_read_ahead", True)),
+                cpu_demote=host_reads and victims == "always", cpu_demote_queued=host_reads and victims == "queued")
+
+
+def _system(dev: DeviceProfile, count: int, expert_memory: int, levers: dict | None = None) -> SimSystem:
+    """The system the agent runs (exclusive host tier, age bound, the levers of `agent_levers`), on this
+    device's executors."""
     ex = tuple(SimExecutor(f"{dev.name}#{i}", dev.name, dev.memory // count, expert_memory // count)
                for i in range(count))
     return SimSystem("tune", ex, "coserve", "coserve", host_tier=dev.host_tier, host_mode="exclusive",
-                     max_wait=MAX_WAIT, cpu_host_reads=host_reads)
+                     max_wait=MAX_WAIT, **(agent_levers() if levers is None else levers))
 
 
 class _Sampler:
     """Simulated sample runs of one device, cached by (executors, expert memory)."""
 
-    def __init__(self, sample: Workload, profile: Profile, dev: DeviceProfile, host_reads: bool = True) -> None:
-        self.sample, self.profile, self.dev, self.host_reads = sample, profile, dev, host_reads
+    def __init__(self, sample: Workload, profile: Profile, dev: DeviceProfile, levers: dict | None = None) -> None:
+        self.sample, self.profile, self.dev, self.levers = sample, profile, dev, levers
         self.cache: dict[tuple[int, int], float] = {}
 
     def __call__(self, executors: int, expert_memory: int) -> float:
         key = (executors, int(expert_memory))
         if key not in self.cache:
             rep = simulate(self.sample, self.profile,
-                           _system(self.dev, executors, int(expert_memory), self.host_reads))
+                           _system(self.dev, executors, int(expert_memory), self.levers))
             self.cache[key] = round(rep.throughput, 3)
         return self.cache[key]
 
@@ -160,13 +171,13 @@ def tune(profile: Profile, model: CoEModel, cfg=None, *, requests: int = SAMPLE_
     `profile` is passed to the simulator as it is: its device entries carry
     the concurrency curves and `profiled_executors` the simulator scales the
     measured K and B by.  `cfg` (the line's config, when there is one) says
-    whether CPU executors read the host tier (`cpu_reads_host_tier`, default on).
+    which levers the agent runs (`agent_levers`: CPU host reads, read-ahead, CPU victims moving down).
     """
     unsized = sorted(e for e, x in model.experts.items() if x.nbytes <= 0)
     if unsized:   # a spec read from YAML has no sizes: every split would hold 0 bytes of experts
         raise ValueError(f"the searches need each expert's size; {len(unsized)} of {len(model.experts)} have none "
                          f"(e.g. '{unsized[0]}'): give the model its store's sizes (CoEModel.with_sizes)")
-    host_reads = bool(getattr(cfg, "cpu_reads_host_tier", True))
+    levers = agent_levers(cfg)
     sample = from_model(model, requests)
     probs = model.usage_probabilities()
     ranked = sorted(model.experts, key=lambda e: (-probs[e], e))
@@ -181,7 +192,7 @@ def tune(profile: Profile, model: CoEModel, cfg=None, *, requests: int = SAMPLE_
                          f"{', '.join(missing)}; executors and expert memory left as they were")
             continue
         reserve, by = activation_reserve(profile, model, dev.kind)
-        run = _Sampler(sample, profile, dev, host_reads)
+        run = _Sampler(sample, profile, dev, levers)
         sizes = [model.experts[e].nbytes for e in ranked]
         plans = [plan_count(run, dev, n, reserve, sizes, window=window, margin=margin, fit_points=fit_points)
                  for n in range(1, max_executors + 1)]
@@ -197,7 +208,7 @@ def tune(profile: Profile, model: CoEModel, cfg=None, *, requests: int = SAMPLE_
         notes.append(NOTE_PREFIX + _device_note(name, dev, best, plans, by))
         searched[name] = feasible
     if len(searched) > 1:
-        devices, joint = _joint(sample, profile, devices, searched, host_reads)
+        devices, joint = _joint(sample, profile, devices, searched, levers)
         notes.append(NOTE_PREFIX + joint)
     notes.append(f"{NOTE_PREFIX}each device's executors and expert_memory above are the searches' outcome: a "
                  f"simulated sample of {requests} frames of the line's spec per point; executor count = best "
@@ -208,7 +219,7 @@ def tune(profile: Profile, model: CoEModel, cfg=None, *, requests: int = SAMPLE_
 
 
 def _joint(sample: Workload, profile: Profile, devices: dict[str, DeviceProfile],
-           searched: dict[str, list[CountPlan]], host_reads: bool = True) -> tuple[dict[str, DeviceProfile], str]:
+           searched: dict[str, list[CountPlan]], levers: dict | None = None) -> tuple[dict[str, DeviceProfile], str]:
     """Choose the executor counts of all devices together, each count at its own split.
 
     Searched alone, a device's best count ignores that the others share the
@@ -229,7 +240,7 @@ def _joint(sample: Workload, profile: Profile, devices: dict[str, DeviceProfile]
                       for n, p in zip(names, combo) for i in range(p.executors))
         rep = simulate(sample, profile, SimSystem("tune", execs, "coserve", "coserve", host_tier=host,
                                                   host_mode="exclusive", max_wait=MAX_WAIT,
-                                                  cpu_host_reads=host_reads))
+                                                  **(agent_levers() if levers is None else levers)))
         results.append((round(rep.throughput, 3), -sum(p.executors for p in combo), combo))
     tp, _, combo = max(results, key=lambda r: (r[0], r[1]))
     out = dict(devices)
