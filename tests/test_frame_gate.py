@@ -88,6 +88,30 @@ def test_a_frame_in_flight_finishes_on_the_old_set_and_new_frames_wait_for_the_n
     store.close_reader()
 
 
+def test_the_held_frames_are_released_only_once_the_stale_copies_are_gone(tmp_path, tiny_zoo):
+    """A held frame released while a pool still holds a version-1 copy could run its classifier on it and
+    its detector on version 2.  At the moment the gate schedules the held frames, no stale copy is left."""
+    store = _line(tmp_path, tiny_zoo)
+    pool = Pool("cpu", 10**9, make_policy("lru"), StoreSource(store))
+    line = _Line()
+    seen = []
+    line.gate = FrameGate(line.lock, line.inflight,
+                          lambda frames: seen.append({e: pool.contains(e) for e in CHAIN}) or
+                          line.scheduled.extend(frames), lambda f: f)
+    watch = StoreWatcher(store, lambda: [pool], forget=lambda e: None, gate=line.gate)
+    for e in CHAIN:                                   # both experts resident on version 1
+        pool.release(pool.acquire(e))
+    line.accept("f1")
+    _promote(store.root)
+    watch.tick()
+    line.accept("f2")                                 # held
+    line.commit("f1")
+    assert watch.tick() == 2                          # both stale copies dropped by this tick
+    assert line.scheduled == ["f1", "f2"]
+    assert seen == [{"cls-r0402": False, "det-2term": False}]   # gone before f2 was scheduled
+    store.close_reader()
+
+
 def test_a_drain_that_outlasts_its_timeout_switches_anyway_and_says_how_many_were_late(tmp_path, tiny_zoo):
     store = _line(tmp_path, tiny_zoo)
     line = _Line()
