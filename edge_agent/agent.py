@@ -173,7 +173,7 @@ class Agent:
         # with 'queued', only a victim that a request queued on one of this box's executors still needs
         self.cpu_demoters: dict[str, HostReadSource] = {}
         self.cpu_demote_queued_only = cfg.cpu_victims_to_host_tier == "queued"
-        self._local_names = [s.name for s in self.slots if s.ex.node is None]
+        self._local_names = [s.name for s in self.slots if s.ex.node is None]   # executors on this box
         for slot in self.slots:
             ex = slot.ex
             if ex.node is not None:   # on another box: a Ray actor there holds the pool (edge_agent/cluster.py)
@@ -217,7 +217,7 @@ class Agent:
         # an exclusive host tier: an idle SSD reads queued groups' experts into it (executors/readahead.py)
         self.read_ahead: ReadAhead | None = None
         if self.exclusive and cfg.ssd_read_ahead:
-            local = [s.name for s in self.slots if s.ex.node is None]
+            local = self._local_names
             usable = {n: usable_from_host(infos[n]) for n in local}
             self.read_ahead = ReadAhead(lambda: [(n, self.scheduler.queued_groups(n)) for n in local],
                                         lambda n, e: usable[n](e), lambda: [self.pools[n] for n in local],
