@@ -173,6 +173,8 @@ class Agent:
         # with 'queued', only a victim that a request queued on one of this box's executors still needs
         self.cpu_demoters: dict[str, HostReadSource] = {}
         self.cpu_demote_queued_only = cfg.cpu_victims_to_host_tier == "queued"
+        # a victim enters a full host tier only if it outranks what it would push out (host_tier_admission)
+        self.ranked_admission = cfg.host_tier_admission == "ranked"
         self._local_names = [s.name for s in self.slots if s.ex.node is None]   # executors on this box
         for slot in self.slots:
             ex = slot.ex
@@ -810,9 +812,10 @@ class Agent:
         if e.event == "evict" and executor is not None:
             if self.exclusive and not self._closing and not e.stale:   # a promotion's stale copy is dropped
                 if executor in self.gpu_pools:
-                    demote(e, self.host_tier)
+                    demote(e, self.host_tier, ranked=self.ranked_admission)
                 elif executor in self.cpu_demoters and self._still_queued(e.expert_id):
-                    self.cpu_demoters[executor].demote(e)   # same dtype and current version only (HostReadSource)
+                    # same dtype and current version only (HostReadSource)
+                    self.cpu_demoters[executor].demote(e, ranked=self.ranked_admission)
             self._by_name[executor].on_evicted(e.value)
         scheduler = getattr(self, "scheduler", None)
         if scheduler is not None:   # where the expert lives changed: queued groups' switch costs follow

@@ -200,7 +200,8 @@ def gpu_real_systems(gpu: str, memory: int, host: int, gpu_reserves: tuple[int, 
                      cpu_reserve: int) -> dict[str, SimSystem]:
     """A GPU box's systems with the same memory: CoServe gets a GPU executor and a CPU executor of `memory`
     each and a pinned host tier of `host` (exclusive, CPU host reads, the CPU's victims that queued requests
-    still need moved down into it, SSD read-ahead); Samba-CoE (FCFS, LRU) the GPU executor
+    still need moved down into it, a victim entering it only if it outranks what it pushes out, SSD read-ahead);
+    Samba-CoE (FCFS, LRU) the GPU executor
     and, as host tier, all the CPU memory CoServe uses (`host` + its CPU executor's), as in the simulator.
     `gpu_reserves`: the GPU's activation bytes at the max batch and for one request; `cpu_reserve`: the CPU's
     at its max batch."""
@@ -208,7 +209,8 @@ def gpu_real_systems(gpu: str, memory: int, host: int, gpu_reserves: tuple[int, 
     co = (SimExecutor(f"{gpu}#0", gpu, memory, memory - big),
           SimExecutor("cpu#0", "cpu", memory, memory - cpu_reserve))
     return {"coserve": SimSystem("coserve", co, "coserve", "coserve", host_tier=host, host_mode="exclusive",
-                                 max_wait=MAX_WAIT, cpu_host_reads=True, cpu_demote_queued=True, read_ahead=True),
+                                 max_wait=MAX_WAIT, cpu_host_reads=True, cpu_demote_queued=True, read_ahead=True,
+                                 victim_admission=True),
             "samba": SimSystem("samba", (SimExecutor(f"{gpu}#0", gpu, memory, memory - one),), "fcfs", "lru",
                                host_tier=host + memory, host_mode="inclusive")}
 

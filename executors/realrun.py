@@ -103,10 +103,11 @@ def run_real(workload: Workload, model: CoEModel, store, profile: Profile | None
     def on_event(e, name: str, kind: str) -> None:
         if e.event == "evict":
             if exclusive and kind == "cuda" and not e.stale and not closing:
-                demote(e, host)                      # the GPU victim moves down into the host tier
+                demote(e, host, ranked=system.victim_admission)   # the GPU victim moves down into the host tier
             elif (exclusive and system.cpu_demote_queued and name in host_readers and not e.stale and not closing
                   and box and box[0].has_queued(e.expert_id)):
-                host_readers[name].demote(e)        # as the agent: a CPU victim a queued request still needs
+                host_readers[name].demote(e, ranked=system.victim_admission)   # as the agent: a CPU victim a queued
+                #                                                                 request still needs
             if name in execs:
                 execs[name].on_evicted(e.value)     # as the agent: its skeleton lets the victim's buffer go
         if box:

@@ -85,6 +85,7 @@ class RemoteSpec:
     compute_dtype: str = "float32"
     host_tier: int = 0             # bytes of the node-local host tier behind a GPU pool (0: none)
     exclusive: bool = True
+    ranked_admission: bool = True   # a victim enters the full host tier only if it outranks what it pushes out
     prefetch: bool = True
     threads: int | None = None
     probabilities: dict[str, float] = field(default_factory=dict)
@@ -207,7 +208,7 @@ class ExecutorHost:
             if self.host is not None and self.spec.exclusive:
                 from storage.tiers import demote
 
-                demote(e, self.host)
+                demote(e, self.host, ranked=self.spec.ranked_admission)
         self._events.append((e.expert_id, e.tier, e.event, e.nbytes, e.seconds, e.at))
 
     def where(self) -> dict:

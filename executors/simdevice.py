@@ -114,6 +114,8 @@ class SimSystem:
     #                                   agent's cpu_victims_to_host_tier: queued)
     read_ahead: bool = False       # exclusive host tier: an idle SSD reads a queued group's expert that no tier
     #                                holds into the host tier, ahead of the executor that will need it
+    victim_admission: bool = False   # exclusive host tier: a victim moving down is declined when the tier's
+    #                                  policy ranks it below what it would push out (Pool.admit worth_keeping)
 
     def __post_init__(self) -> None:
         if self.boxes < 1:
@@ -140,6 +142,8 @@ class SimSystem:
                         if self.cpu_demote_queued and self.host_mode == "exclusive" else "")
                      if self.cpu_host_reads and any(e.kind == "cpu" and e.box == 0 for e in self.executors) else "")
             reads += "; an idle SSD reads queued experts into it" if self.read_ahead and self.host_mode == "exclusive" else ""
+            reads += ("; a victim enters it only above what it pushes out"
+                      if self.victim_admission and self.host_mode == "exclusive" else "")
             parts.append(f"host tier {self.host_tier / 1e9:.2f} GB ({self.host_mode}{reads})")
         if self.boxes > 1:
             return f"{self.boxes} boxes, each: " + "; ".join(parts) + f"; link {self.link.source}"
@@ -173,6 +177,7 @@ class SimReport:
     cpu_demotions: int = 0        # CPU executors' victims moved down into the host tier (`cpu_demote`,
     #                               `cpu_demote_queued`)
     read_ahead: int = 0           # SSD reads an idle SSD made into the host tier for queued groups (`read_ahead`)
+    declined: int = 0             # victims a full host tier turned away as ranked below its own (`victim_admission`)
     resources: str = ""           # memory and executors of the system
     sustained_rate: float = 0.0   # highest steady arrival rate it sustains (bench --load), 0: not measured
     latency: dict = field(default_factory=dict)        # F -> p50/p99 at F x the sustained rate (bench --load)
@@ -350,10 +355,11 @@ def simulate(workload: Workload, profile: Profile, system: SimSystem, *, record_
                 return
             if exclusive and host is not None and e.event == "evict" and not e.stale:
                 if gpu:
-                    if host.admit(e.expert_id, keep=(e.incoming,)):   # a GPU victim moves down into the host tier
+                    if host.admit(e.expert_id, keep=(e.incoming,), worth_keeping=system.victim_admission):
+                        # a GPU victim moved down into the host tier
                         avail[(b, e.expert_id)] = max(clock[0], landed)   # no time, once the GPU's copy is in
                 elif (cpu_demote or queued_demote and box[0].has_queued(e.expert_id, on_box[b])) \
-                        and host.admit(e.expert_id, keep=(e.incoming,)):
+                        and host.admit(e.expert_id, keep=(e.incoming,), worth_keeping=system.victim_admission):
                     src.loads.append((e.expert_id, "demote"))     # the RAM copy, timed on this executor's load
                     demoting[(name, e.expert_id)] = landed
             box[0].refresh(e.expert_id, name)
@@ -563,6 +569,7 @@ def simulate(workload: Workload, profile: Profile, system: SimSystem, *, record_
         sched_share=sched.decision_seconds / (makespan * len(execs)) if makespan else 0.0,
         manage_share=sum(p.stats().manage_seconds for p in pools.values()) / (makespan * len(execs))
         if makespan else 0.0, ssd_busy=ssd_busy, aged=sched.aged, stolen=sched.stolen, cpu_demotions=demotions, read_ahead=ahead_loads,
+        declined=sum(h.stats().declined for h in hosts.values()),
         resources=system.resources(),
         switch_floor=sum(1 for e in uses(workload) if e not in in_pools))
 

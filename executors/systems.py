@@ -24,8 +24,13 @@ the host memory behind them.  How each spends it:
   own SSD, and the front box reaches the others over `link`.
 - Samba-CoE FIFO and Parallel, and CoServe's ablations (the paper's: none, em,
   em+ra; ours: -ssd, -steal, -exclusive, -age, -protect, -work, -hostread,
-  -readahead, -fill, -cpuqueued, each CoServe with one lever off), change one
-  knob each.  In CoServe a front-box CPU executor's victim that a request
+  -readahead, -fill, -cpuqueued, -admit, each CoServe with one lever off),
+  change one knob each.  In CoServe a victim moving down enters a full host
+  tier only if the eviction policy ranks it above what it would push out,
+  ties to the expert already held (`-admit` takes every victim, as before):
+  a board's rare types share one probability and a line cycles through
+  them, so taking every victim made the GPU pool and the host tier LRU on a
+  cycle.  In CoServe a front-box CPU executor's victim that a request
   queued on the box still needs moves down into the exclusive host tier
   (the agent's cpu_victims_to_host_tier: queued; `-cpuqueued` turns it off;
   it needs their host reads, whose HostReadSource checks the victim's dtype
@@ -48,7 +53,7 @@ from .simdevice import SimExecutor, SimSystem
 
 SYSTEMS = ("coserve", "coserve-paper", "samba", "samba-fifo", "samba-parallel", "none", "em", "em+ra",
            "-ssd", "-steal", "-exclusive", "-age", "-protect", "-work", "-hostread", "-readahead", "-fill",
-           "-cpuqueued", "+cpudemote")
+           "-cpuqueued", "-admit", "+cpudemote")
 DEFAULT = SYSTEMS
 MAX_WAIT = 2.0   # seconds: CoServe's age bound in the benchmark (the agent's default, scheduler.max_wait)
 
@@ -123,6 +128,7 @@ def build_system(name: str, profile: Profile, *, init: str = "warm", boxes: int 
         "+cpudemote": (co, "coserve", "coserve", host, "exclusive", MAX_WAIT),
         "-fill": (co, "coserve-nofill", "coserve", host, "exclusive", MAX_WAIT),
         "-cpuqueued": (co, "coserve", "coserve", host, "exclusive", MAX_WAIT),
+        "-admit": (co, "coserve", "coserve", host, "exclusive", MAX_WAIT),
     }
     # CoServe's own levers: on in CoServe and in every ablation but the one that turns that lever off
     levers = name in ("coserve", "+cpudemote") or name.startswith("-")
@@ -131,6 +137,7 @@ def build_system(name: str, profile: Profile, *, init: str = "warm", boxes: int 
     # ... those a request queued on the box still needs (on; all of them with +cpudemote)
     cpu_demote_queued = host_reads and name != "-cpuqueued"
     read_ahead = levers and name != "-readahead"    # an idle SSD reads a queued group's expert into it
+    admission = levers and name != "-admit"         # a victim moving down must outrank what it pushes out
     try:
         execs, sched, evict, tier, mode, max_wait = table[name]
     except KeyError:
@@ -139,4 +146,5 @@ def build_system(name: str, profile: Profile, *, init: str = "warm", boxes: int 
         raise ValueError(f"boxes must be >= 1, got {boxes}")
     return SimSystem(name, on_boxes(execs, boxes), sched, evict, host_tier=tier, init=init, host_mode=mode,
                      max_wait=max_wait, boxes=boxes, link=link if boxes > 1 else None, cpu_host_reads=host_reads,
-                     cpu_demote=cpu_demote, cpu_demote_queued=cpu_demote_queued, read_ahead=read_ahead)
+                     cpu_demote=cpu_demote, cpu_demote_queued=cpu_demote_queued, read_ahead=read_ahead,
+                     victim_admission=admission)

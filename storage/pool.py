@@ -20,7 +20,7 @@ import threading
 import time
 from collections.abc import Callable, Collection, Iterable
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from coe import CoEError
@@ -65,6 +65,7 @@ class PoolStats:
     capacity: int = 0
     manage_seconds: float = 0.0   # bookkeeping and eviction decisions, loads excluded
     admits: int = 0               # experts handed down from a tier above (`Pool.admit`): not loads, not misses
+    declined: int = 0             # experts `admit(..., worth_keeping=True)` turned away as worth less than its residents
 
     @property
     def switches(self) -> int:
@@ -272,7 +273,7 @@ class Pool:
             return Handle(expert_id, entry.value, entry.nbytes)
 
     def admit(self, expert_id: str, produce: Callable[[list], Any] | None = None, *,
-              keep: Collection[str | None] = ()) -> bool:
+              keep: Collection[str | None] = (), worth_keeping: bool = False) -> bool:
         """Make `expert_id` resident without loading it from the source: an expert handed down a tier.
 
         Room is made by the pool's policy exactly as for a load (pinned experts
@@ -287,6 +288,15 @@ class Pool:
         victims this time: pass the expert the tier below is making room for
         (`PoolEvent.incoming`), which it is about to take from here, so that
         moving its victim down does not push out the very expert coming up.
+
+        `worth_keeping` is a victim cache's admission test: when room must be
+        made, the expert is declined (False, nothing evicted) if the policy,
+        shown it as one more resident, would evict it before enough of the
+        others, i.e. it is worth less than what it would push out.  Without
+        it, a probability-ranked tier takes every victim handed down: a rarely
+        used expert just run on the GPU pushes out a more probable one, which
+        the next cycle of the board reads from the SSD again.  Counted in
+        `declined`.
         """
         entered = time.perf_counter()
         ctx = self._context()
@@ -295,8 +305,12 @@ class Pool:
             if expert_id in self._entries or need > self.capacity:
                 return False
             self._seq += 1
-            victims = self.policy.choose_victims(self._state_locked(ctx, incoming=expert_id, keep=keep), need)
+            state = self._state_locked(ctx, incoming=expert_id, keep=keep)
+            victims = self.policy.choose_victims(state, need)
             if victims is None:
+                return False
+            if worth_keeping and victims and self._worth_less(state, expert_id, need):
+                self._stats.declined += 1
                 return False
             evicted = [self._evict_locked(v, incoming=expert_id) for v in victims]
             self._entries[expert_id] = _Entry(None, need, self._seq, self._seq, loading=True)
@@ -396,6 +410,20 @@ class Pool:
             self._probabilities, self._preliminaries, frozenset(ctx.get("queued", ())), ctx.get("future", ()),
             incoming, ctx.get("counts", {}), ctx.get("gate_scores", {}), ctx.get("predicted", {}),
             frozenset(ctx.get("expected", ())))
+
+    def _worth_less(self, state: PoolState, expert_id: str, need: int) -> bool:
+        """Would the policy evict `expert_id` itself, were it resident, to get back under capacity?
+
+        The newcomer is shown as the least recently used resident, so it must win on the policy's other
+        criteria (usage probability, a queued request, a preliminary present) and never on recency: among
+        experts the policy ranks alike, the one already held stays.  A board's rare types share one
+        probability (one placement each), and a line cycles through them; letting the one just used push
+        out another of them only trades one for the other before either is used again.  A recency-only
+        policy (LRU, FIFO) therefore never admits into a full tier."""
+        newcomer = Resident(expert_id, need, -1, -1)
+        over = replace(state, residents=(*state.residents, newcomer), incoming=None)
+        victims = self.policy.choose_victims(over, 0)
+        return victims is None or expert_id in victims
 
     def _evict_locked(self, expert_id: str, incoming: str | None = None, *, stale: bool = False) -> PoolEvent:
         entry = self._entries.get(expert_id)

@@ -268,7 +268,7 @@ class HostReadSource:
         self.from_host += 1
         return out
 
-    def demote(self, event: PoolEvent) -> bool:
+    def demote(self, event: PoolEvent, *, ranked: bool = False) -> bool:
         """Move this CPU pool's victim (its evict `event`) down into the host tier; True if it was admitted.
 
         The CPU pool's copy is a copy of what the host tier would hold only
@@ -277,7 +277,7 @@ class HostReadSource:
         promotion replaced (`event.stale`); any other victim is dropped, as
         before.  The copy is pinned when the host tier's own reads pin (a GPU
         then promotes it with an asynchronous copy).  As `demote`, it never
-        raises: a victim cache may always decline.
+        raises: a victim cache may always decline.  `ranked` as for `demote`.
         """
         value = event.value
         if event.stale or getattr(value, "buffer", None) is None:
@@ -290,7 +290,7 @@ class HostReadSource:
         except Exception as exc:  # noqa: BLE001 - an expert the store no longer lists: dropped, as before
             log.debug("not demoting '%s' from a CPU pool (%s: %s)", event.expert_id, type(exc).__name__, exc)
             return False
-        if demote(event, self.host, pin=bool(getattr(src, "pin", False))):
+        if demote(event, self.host, pin=bool(getattr(src, "pin", False)), ranked=ranked):
             self.demoted += 1
             return True
         return False
@@ -329,7 +329,7 @@ def host_copy(src: FlatWeights, reuse: list, *, pin: bool) -> FlatWeights:
     return out
 
 
-def demote(event: PoolEvent, host: Pool, *, pin: bool | None = None) -> bool:
+def demote(event: PoolEvent, host: Pool, *, pin: bool | None = None, ranked: bool = False) -> bool:
     """Move a device pool's victim (its evict `event`) down into the `host` tier; True if it was admitted.
 
     Call it from the device pool's evict callback: the pool hands the victim's
@@ -339,7 +339,10 @@ def demote(event: PoolEvent, host: Pool, *, pin: bool | None = None) -> bool:
     be promoted from there).  It never raises: a victim the host tier cannot
     take (no room, a failed copy) is dropped, which costs a later SSD read,
     whereas an exception here would fail the device pool's load.  `pin`
-    defaults to pinning when the victim comes from CUDA.
+    defaults to pinning when the victim comes from CUDA.  `ranked`: the
+    victim enters a full tier only if the tier's policy ranks it above what
+    it would push out (`Pool.admit(worth_keeping=True)`; the config's
+    `host_tier_admission: ranked`).
     """
     value = event.value
     if getattr(value, "buffer", None) is None:
@@ -347,7 +350,8 @@ def demote(event: PoolEvent, host: Pool, *, pin: bool | None = None) -> bool:
     if pin is None:
         pin = value.buffer.device.type == "cuda"
     try:
-        return host.admit(event.expert_id, lambda reuse: host_copy(value, reuse, pin=pin), keep=(event.incoming,))
+        return host.admit(event.expert_id, lambda reuse: host_copy(value, reuse, pin=pin), keep=(event.incoming,),
+                          worth_keeping=ranked)
     except Exception as exc:  # noqa: BLE001 - a victim cache may always decline
         log.warning("could not demote '%s' into the %s tier (%s: %s); it stays on SSD only",
                     event.expert_id, host.tier, type(exc).__name__, exc)

@@ -258,6 +258,49 @@ def test_admit_keeps_the_experts_it_is_told_to_keep():
     assert sorted(p.resident()) == ["a", "c"]
 
 
+def ranked_pool(policy="probability", queued=(), events=None):
+    """A full 60-byte tier holding a (p 0.5) and b (p 0.3), ranked by usage probability."""
+    probs = {"a": 0.5, "b": 0.3, "c": 0.1, "d": 0.4, "e": 0.4}
+    p = Pool("host", 60, make_policy(policy), Source({k: 30 for k in probs}), probabilities=probs,
+             context=lambda: {"queued": set(queued)}, on_event=(events.append if events is not None else None))
+    assert p.admit("a") and p.admit("b")
+    return p
+
+
+def test_worth_keeping_declines_a_victim_ranked_below_what_it_would_push_out():
+    events = []
+    p = ranked_pool(events=events)
+    before = len(events)
+    assert not p.admit("c", worth_keeping=True)           # 0.1 < 0.3: it would push out a more probable expert
+    assert sorted(p.resident()) == ["a", "b"] and len(events) == before
+    assert (p.stats().declined, p.stats().admits, p.stats().evictions) == (1, 2, 0)
+    assert p.admit("d", worth_keeping=True)               # 0.4 > 0.3: in, and b (the lowest) goes
+    assert sorted(p.resident()) == ["a", "d"] and p.stats().declined == 1
+    assert not p.admit("e", worth_keeping=True)           # 0.4 = 0.4: the one already held stays
+    assert sorted(p.resident()) == ["a", "d"] and p.stats().declined == 2
+    assert p.admit("e")                                   # without the test: every victim enters (d goes, LRU tie)
+    assert sorted(p.resident()) == ["a", "e"]
+
+
+def test_worth_keeping_admits_into_free_room_and_a_queued_expert_over_a_more_probable_one():
+    p = Pool("host", 90, make_policy("coserve"), Source({k: 30 for k in "abc"}),
+             probabilities={"a": 0.5, "b": 0.3, "c": 0.1}, context=lambda: {"queued": {"c"}})
+    assert p.admit("a", worth_keeping=True) and p.admit("b", worth_keeping=True)   # room: no test needed
+    p2 = ranked_pool("coserve", queued=("c",))
+    assert p2.admit("c", worth_keeping=True)              # a queued request is a certain use: it outranks b
+    assert sorted(p2.resident()) == ["a", "c"] and p2.stats().declined == 0
+    p3 = ranked_pool("coserve")
+    assert not p3.admit("c", worth_keeping=True)          # the same expert with nothing queued is declined
+
+
+def test_worth_keeping_under_a_recency_policy_never_admits_into_a_full_tier():
+    p = ranked_pool("lru")
+    assert not p.admit("d", worth_keeping=True)           # recency alone never wins a place
+    assert sorted(p.resident()) == ["a", "b"]
+    assert p.admit("d")                                   # the plain admit still takes it (LRU: a goes)
+    assert sorted(p.resident()) == ["b", "d"]
+
+
 def test_admit_of_an_expert_larger_than_the_pool_is_refused():
     p = pool(cap=20)
     assert not p.admit("a") and p.resident() == [] and p.stats().admits == 0

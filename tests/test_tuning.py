@@ -283,18 +283,19 @@ def test_the_searches_simulate_host_reads_as_the_line_sets_them(gpu_class, board
     seen = []
     real = tuning.simulate
     monkeypatch.setattr(tuning, "simulate", lambda w, p, system, **kw: seen.append(
-        (system.cpu_host_reads, system.read_ahead, system.cpu_demote, system.cpu_demote_queued))
+        (system.cpu_host_reads, system.read_ahead, system.cpu_demote, system.cpu_demote_queued,
+         system.victim_admission))
         or real(w, p, system, **kw))
     small = only(gpu_class, "cuda:0", memory=12 * GB)
     tune(small, board_a, types.SimpleNamespace(cpu_reads_host_tier=False), requests=100, max_executors=1)
-    assert seen and all(s == (False, True, False, False) for s in seen)   # no host reads: no CPU victims either
+    assert seen and all(s == (False, True, False, False, True) for s in seen)   # no host reads: no CPU victims
     seen.clear()
     tune(small, board_a, None, requests=100, max_executors=1)                 # no line config: the defaults
-    assert seen and all(s == (True, True, False, True) for s in seen)
+    assert seen and all(s == (True, True, False, True, True) for s in seen)
     seen.clear()
-    tune(small, board_a, types.SimpleNamespace(ssd_read_ahead=False, cpu_victims_to_host_tier="always"),
-         requests=100, max_executors=1)
-    assert seen and all(s == (True, False, True, False) for s in seen)
+    tune(small, board_a, types.SimpleNamespace(ssd_read_ahead=False, cpu_victims_to_host_tier="always",
+                                               host_tier_admission="all"), requests=100, max_executors=1)
+    assert seen and all(s == (True, False, True, False, False) for s in seen)
 
 
 def test_tune_refuses_a_model_without_expert_sizes(gpu_class, board_a):

@@ -373,6 +373,37 @@ def test_agent_initialises_the_host_tier_with_the_next_experts_and_demotes_gpu_v
     assert not set(gpu.resident()) & set(host.resident())
 
 
+@pytest.mark.parametrize("admission", ["ranked", "all"])
+def test_a_gpu_victim_enters_a_full_host_tier_only_if_it_outranks_what_it_pushes_out(cpu_gpu_agent, admission):
+    """host_tier_admission: ranked (the default) declines a victim the policy ranks below every expert it would
+    push out; 'all' takes every victim, as before."""
+    agent = cpu_gpu_agent("exclusive", "12MB", tag=admission, host_tier_admission=admission)
+    gpu, host = agent.pools["cuda:0-0.0"], agent.host_tier
+    assert agent.ranked_admission is (admission == "ranked")
+    agent._initialize()
+    probs = agent.probabilities
+    missing = [e for e in sorted(agent.model.experts, key=lambda e: -probs[e])
+               if e not in gpu.resident() and e not in host.resident()]
+    agent.writer.events.clear()
+    for e in missing[:3]:                                               # each GPU load evicts a victim
+        gpu.release(gpu.acquire(e))
+    ev = agent.writer.events
+    victims = [r["expert_id"] for r in ev if r["tier"] == "cuda:0" and r["event"] == "evict"]
+    admitted = [r["expert_id"] for r in ev if r["tier"] == "host" and r["event"] == "admit"]
+    pushed = [r["expert_id"] for r in ev if r["tier"] == "host" and r["event"] == "evict"]
+    assert len(victims) >= 3 and host.used_bytes() <= host.capacity
+    assert not set(gpu.resident()) & set(host.resident())
+    if admission == "all":
+        assert admitted == victims and host.stats().declined == 0
+        assert min(probs[v] for v in admitted) < max(probs[p] for p in pushed)   # a worse one pushed a better out
+        return
+    declined = [v for v in victims if v not in admitted]
+    assert declined and host.stats().declined == len(declined)
+    assert admitted and pushed                                          # a better victim still moves down
+    # what the tier holds is never less probable than a victim it turned away
+    assert min(probs[e] for e in host.resident()) >= max(probs[v] for v in declined)
+
+
 def test_agent_inclusive_mode_keeps_the_paper_tier(cpu_gpu_agent):
     agent = cpu_gpu_agent("inclusive", "40MB")
     gpu, host = agent.pools["cuda:0-0.0"], agent.host_tier
