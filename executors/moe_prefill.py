@@ -22,7 +22,7 @@ expert's bytes are not in host memory, and balances the queues: experts
 sorted by how much cheaper the GPU is for them, the first n to the GPU, n
 making max(GPU queue, CPU queue) smallest (`moe_split.choose_split`, the
 decode split's rule).  The read cost is measured as the stream reads.
-Measured on the H200 box (`llm bench --part e`; the README's GPU section has
+Measured on the H200 box (`llm bench --part e`; docs/llm.md's GPU section has
 the figures) it did not pay, so the per-expert rule stays `balance`.
 
 `PrefillBalance` is the mechanism, run by `PooledExperts` on a pass over more

@@ -22,7 +22,7 @@ from it (a mixed layer's wall time is neither's); a source not yet measured
 is weighed at the mean over both.
 
 Measured per source on that box (`llm bench --part e`, figures in the
-README's GPU section), computing in place is cheaper per step, and the split
+docs/llm.md's GPU section), computing in place is cheaper per step, and the split
 still does not pay there: an expert computed in place never enters the pool,
 so the next token misses it again.  The rule weighs one step, not the reuse
 a load buys.
