@@ -30,7 +30,10 @@ the host memory behind them.  How each spends it:
   ties to the expert already held (`-admit` takes every victim, as before):
   a board's rare types share one probability and a line cycles through
   them, so taking every victim made the GPU pool and the host tier LRU on a
-  cycle.  In CoServe a front-box CPU executor's victim that a request
+  cycle.  CoServe's eviction also breaks ties in usage probability in a fixed
+  order (by id) instead of by recency, for the same reason (`-ties` keeps
+  recency; `-protect` is CoServe's eviction with queued experts unprotected,
+  `coserve-noprotect`).  In CoServe a front-box CPU executor's victim that a request
   queued on the box still needs moves down into the exclusive host tier
   (the agent's cpu_victims_to_host_tier: queued; `-cpuqueued` turns it off;
   it needs their host reads, whose HostReadSource checks the victim's dtype
@@ -53,7 +56,7 @@ from .simdevice import SimExecutor, SimSystem
 
 SYSTEMS = ("coserve", "coserve-paper", "samba", "samba-fifo", "samba-parallel", "none", "em", "em+ra",
            "-ssd", "-steal", "-exclusive", "-age", "-protect", "-work", "-hostread", "-readahead", "-fill",
-           "-cpuqueued", "-admit", "+cpudemote")
+           "-cpuqueued", "-admit", "-ties", "+cpudemote")
 DEFAULT = SYSTEMS
 MAX_WAIT = 2.0   # seconds: CoServe's age bound in the benchmark (the agent's default, scheduler.max_wait)
 
@@ -122,13 +125,14 @@ def build_system(name: str, profile: Profile, *, init: str = "warm", boxes: int 
         "-work": (co, "coserve-nowork", "coserve", host, "exclusive", MAX_WAIT),
         "-exclusive": (co, "coserve", "coserve", host, "inclusive", MAX_WAIT),
         "-age": (co, "coserve", "coserve", host, "exclusive", None),
-        "-protect": (co, "coserve", "coserve-paper", host, "exclusive", MAX_WAIT),
+        "-protect": (co, "coserve", "coserve-noprotect", host, "exclusive", MAX_WAIT),
         "-hostread": (co, "coserve", "coserve", host, "exclusive", MAX_WAIT),
         "-readahead": (co, "coserve", "coserve", host, "exclusive", MAX_WAIT),
         "+cpudemote": (co, "coserve", "coserve", host, "exclusive", MAX_WAIT),
         "-fill": (co, "coserve-nofill", "coserve", host, "exclusive", MAX_WAIT),
         "-cpuqueued": (co, "coserve", "coserve", host, "exclusive", MAX_WAIT),
         "-admit": (co, "coserve", "coserve", host, "exclusive", MAX_WAIT),
+        "-ties": (co, "coserve", "coserve-recencyties", host, "exclusive", MAX_WAIT),
     }
     # CoServe's own levers: on in CoServe and in every ablation but the one that turns that lever off
     levers = name in ("coserve", "+cpudemote") or name.startswith("-")

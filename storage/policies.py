@@ -224,29 +224,58 @@ class CoServe:
     requests last: a queued request is a future use with probability 1, which
     is how we read the paper's "lowest probability of future use".  The bench
     reports both readings (`coserve` and `coserve-paper`).
+
+    With `fixed_ties` (the default), experts of one usage probability are
+    evicted in a fixed order (by id), not least recently used first.  A
+    board's rare types share one probability (one placement each) and a
+    line visits them in turn, board after board: recency among them says
+    only which one the line visited last, which is the one it needs last
+    again, so LRU ties evict the one needed next (a cycle is LRU's worst
+    case).  A fixed order keeps the same subset of them resident, so each
+    board reads only the rest.  `coserve-paper` keeps recency ties.
     """
 
     name = "coserve"
 
-    def __init__(self, protect_queued: bool = True) -> None:
-        self.protect_queued = protect_queued
+    def __init__(self, protect_queued: bool = True, fixed_ties: bool = True) -> None:
+        self.protect_queued, self.fixed_ties = protect_queued, fixed_ties
 
     def choose_victims(self, state: PoolState, need_bytes: int) -> list[str] | None:
         first = stage_one(state)
         chosen = {r.expert_id for r in first}
-        rest = [r for r in _by_probability(state) if r.expert_id not in chosen]
+        ranked = (sorted(state.residents, key=lambda r: (state.probabilities.get(r.expert_id, 0.0), r.expert_id))
+                  if self.fixed_ties else _by_probability(state))
+        rest = [r for r in ranked if r.expert_id not in chosen]
         if self.protect_queued:
             rest.sort(key=lambda r: r.expert_id in state.queued)  # stable: probability order within each
         return _evict_in_order(state, need_bytes, first + rest)
 
 
 class CoServePaper(CoServe):
-    """Stage 2 strictly by usage probability, as the paper's text states it."""
+    """Stage 2 strictly by usage probability, as the paper's text states it (ties: least recently used)."""
 
     name = "coserve-paper"
 
     def __init__(self) -> None:
+        super().__init__(protect_queued=False, fixed_ties=False)
+
+
+class CoServeNoProtect(CoServe):
+    """CoServe with queued experts not protected (the bench's `-protect` ablation): one lever off."""
+
+    name = "coserve-noprotect"
+
+    def __init__(self) -> None:
         super().__init__(protect_queued=False)
+
+
+class CoServeRecencyTies(CoServe):
+    """CoServe with ties in usage probability broken by recency (the bench's `-ties` ablation): one lever off."""
+
+    name = "coserve-recencyties"
+
+    def __init__(self) -> None:
+        super().__init__(fixed_ties=False)
 
 
 class Belady:
@@ -271,7 +300,8 @@ class Belady:
         return _evict_in_order(state, need_bytes, order)
 
 
-POLICIES = {p.name: p for p in (LRU, FIFO, LFU, GateScore, Predicted, Probability, CoServe, CoServePaper, Belady)}
+POLICIES = {p.name: p for p in (LRU, FIFO, LFU, GateScore, Predicted, Probability, CoServe, CoServePaper,
+                                 CoServeNoProtect, CoServeRecencyTies, Belady)}
 
 
 def make_policy(name: str) -> EvictionPolicy:

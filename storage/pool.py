@@ -415,8 +415,8 @@ class Pool:
         """Would the policy evict `expert_id` itself, were it resident, to get back under capacity?
 
         The newcomer is shown as the least recently used resident, so it must win on the policy's other
-        criteria (usage probability, a queued request, a preliminary present) and never on recency: among
-        experts the policy ranks alike, the one already held stays.  A board's rare types share one
+        criteria (usage probability, a queued request, a preliminary present, CoServe's fixed order among
+        ties) and never on recency: among experts the policy ranks alike, the one already held stays.  A board's rare types share one
         probability (one placement each), and a line cycles through them; letting the one just used push
         out another of them only trades one for the other before either is used again.  A recency-only
         policy (LRU, FIFO) therefore never admits into a full tier."""

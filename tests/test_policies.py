@@ -1,6 +1,7 @@
 """Every eviction policy under one contract, then exact orders, then a CoE trace."""
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -114,6 +115,24 @@ def test_coserve_exact_order():
     oracle = PoolState(110, rs, probs, prelims, future=("det-x", "cls-b", "cls-a"))
     assert make_policy("belady").choose_victims(oracle, 40) == ["det-y"]
     assert make_policy("belady").choose_victims(oracle, 55) == ["det-y", "det-z"]   # never used again, largest first
+
+
+def test_coserve_breaks_probability_ties_in_a_fixed_order_and_the_paper_by_recency():
+    """Three experts of one probability: CoServe evicts by id whatever was used last (a line cycling through a
+    board's rare types keeps one subset); coserve-paper and -ties evict the least recently used; -protect keeps
+    the fixed order but evicts a queued expert by probability."""
+    rs = (Resident("cls-c", 10, 1, 1), Resident("cls-a", 10, 2, 3), Resident("cls-b", 10, 3, 2))
+    probs = {"cls-a": 0.1, "cls-b": 0.1, "cls-c": 0.1}
+    state = PoolState(30, rs, probs)
+    assert CoServe().choose_victims(state, 10) == ["cls-a"]                      # lowest id, though used last
+    assert [r.expert_id for r in sorted(rs, key=lambda r: r.used_seq)][0] == "cls-c"
+    assert make_policy("coserve-paper").choose_victims(state, 10) == ["cls-c"]   # least recently used
+    assert make_policy("coserve-recencyties").choose_victims(state, 20) == ["cls-c", "cls-b"]
+    used_again = PoolState(30, (rs[0], replace(rs[1], used_seq=9), rs[2]), probs)
+    assert CoServe().choose_victims(used_again, 20) == ["cls-a", "cls-b"]        # recency changes nothing
+    queued = PoolState(30, rs, probs, queued=frozenset({"cls-a"}))
+    assert CoServe().choose_victims(queued, 10) == ["cls-b"]                     # queued: last
+    assert make_policy("coserve-noprotect").choose_victims(queued, 10) == ["cls-a"]
 
 
 # Stage 1 and the expert being loaded (issue 9, item 4).  The pool holds detector det-d (high

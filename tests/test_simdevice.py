@@ -748,24 +748,27 @@ def test_with_the_queued_lever_only_a_cpu_victim_a_queued_request_needs_moves_do
     assert rep.cpu_demotions == 0 and rep.ssd_loads == 1      # e0 was not queued for when it went: dropped
 
 
-@pytest.mark.parametrize("ranked", [True, False])
-def test_a_victim_that_ties_with_the_host_tiers_experts_is_declined_so_a_cycle_stops_thrashing(ranked):
+@pytest.mark.parametrize("eviction, ranked, reads", [("coserve-recencyties", False, 10), ("coserve", False, 8),
+                                                     ("coserve-recencyties", True, 5), ("coserve", True, 5)])
+def test_a_victim_that_ties_with_the_host_tiers_experts_is_declined_so_a_cycle_stops_thrashing(eviction, ranked,
+                                                                                                 reads):
     """Four experts of one usage probability (a board's rare types, one placement each) visited in turn, 3 s
     apart, through a GPU pool with room for one and a host tier with room for two: the tiers hold three of
-    the four.  Taking every victim (`victim_admission` off, the agent's host_tier_admission: all) makes the
-    pair LRU on a cycle, its worst case: each victim pushes out the expert the cycle needs next, and 10 of
-    the 12 requests read the SSD.  Ranked, a victim that only ties with what the host tier holds is declined,
-    so the held ones stay: 5 reads."""
+    the four.  Taking every victim (`victim_admission` off, the agent's host_tier_admission: all) with ties
+    broken by recency makes the pair LRU on a cycle, its worst case: each victim pushes out the expert the
+    cycle needs next, and 10 of the 12 requests read the SSD.  Ties in a fixed order (CoServe's) alone: 8.
+    Ranked, a victim that does not outrank what the host tier holds is declined, so the held ones stay:
+    5 reads, whichever the ties."""
     model = one_arch_model(4)
     dev = DeviceProfile("cuda:0", "cuda", 10_000, executors=1, concurrency=(1.0,))
     prof = toy_profile({"cuda:0": dev}, {"cuda": (0.1, 0.0, 4)}, load=1.0)
     w = Workload(task("A1", requests=12), model,
                  tuple(Arrival(3.0 * i, f"f{i}", f"c{i % 4}", False) for i in range(12)))
-    system = SimSystem("t", (SimExecutor("cuda:0#0", "cuda:0", 9000, 1000),), "coserve", "coserve", host_tier=2000,
+    system = SimSystem("t", (SimExecutor("cuda:0#0", "cuda:0", 9000, 1000),), "coserve", eviction, host_tier=2000,
                        init="warm", host_mode="exclusive", victim_admission=ranked)
     rep = simulate(w, prof, system)
     assert rep.switches == 11
-    assert (rep.ssd_loads, rep.host_loads) == ((5, 6) if ranked else (10, 1))
+    assert (rep.ssd_loads, rep.host_loads) == (reads, 11 - reads)
     assert (rep.declined > 0) is ranked
 
 
@@ -817,11 +820,14 @@ def test_coserve_and_its_ablations_read_ahead_and_move_down_only_the_cpu_victims
     assert ranked == {"coserve", "-hostread", "-work", "-ssd", "-exclusive", "-readahead", "-fill", "-steal", "-age",
                       "-protect", "-cpuqueued", "+cpudemote"}
     assert replace(build_system("-admit", prof), name="coserve") == replace(co, victim_admission=False)
+    # -ties evicts ties by recency, -protect leaves queued experts unprotected: each one lever of CoServe's eviction
+    assert replace(build_system("-ties", prof), name="coserve") == replace(co, eviction="coserve-recencyties")
+    assert replace(build_system("-protect", prof), name="coserve") == replace(co, eviction="coserve-noprotect")
 
 
 def test_without_the_levers_the_simulator_reproduces_the_numbers_from_before_them():
-    """CoServe with CPU demotion (all victims, and those still queued for), read-ahead and fill off (`-fill`
-    with the others off) is CoServe as it ran
+    """CoServe with CPU demotion (all victims, and those still queued for), read-ahead, fill, ranked admission
+    and fixed ties off (`-fill` with the others off) is CoServe as it ran
     before any of them existed: the figures the simulator gave on this task then (measured on commit
     09d1787: (142, 82, 60) switches/SSD/host loads, 27.4962 s, p99 25387.2 ms; re-measured on 09d1787
     with only the steal's SSD charge applied, which gives the figures below; a change to the scheduler or
@@ -830,19 +836,20 @@ def test_without_the_levers_the_simulator_reproduces_the_numbers_from_before_the
 
     prof = Profile.load(GPU_CLASS)
     w = make_workload(task("A1", requests=600))
+    before = dict(eviction="coserve-recencyties", victim_admission=False)   # the two host-tier levers off
     off = simulate(w, prof, replace(build_system("-fill", prof), cpu_demote=False, cpu_demote_queued=False,
-                                    read_ahead=False, victim_admission=False))
+                                    read_ahead=False, **before))
     assert off.cpu_demotions == 0 and off.read_ahead == 0
     assert (off.switches, off.ssd_loads, off.host_loads) == (140, 78, 62)
     assert off.makespan == pytest.approx(27.7374, abs=1e-6) and off.p99_ms == pytest.approx(27054.9, abs=1e-3)
-    demote = simulate(w, prof, replace(build_system("+cpudemote", prof), read_ahead=False, victim_admission=False))
+    demote = simulate(w, prof, replace(build_system("+cpudemote", prof), read_ahead=False, **before))
     assert demote.cpu_demotions > 0 and demote.ssd_loads < off.ssd_loads and demote.read_ahead == 0
     ahead = simulate(w, prof, build_system("-cpuqueued", prof))
     assert ahead.read_ahead > 0 and ahead.cpu_demotions == 0
-    queued = simulate(w, prof, replace(build_system("coserve", prof), read_ahead=False, victim_admission=False))
+    queued = simulate(w, prof, replace(build_system("coserve", prof), read_ahead=False, **before))
     assert 0 < queued.cpu_demotions < demote.cpu_demotions
     ranked = simulate(w, prof, replace(build_system("-fill", prof), cpu_demote=False, cpu_demote_queued=False,
-                                       read_ahead=False))
+                                       read_ahead=False, eviction="coserve-recencyties"))
     assert ranked.declined > 0 and off.declined == 0 and demote.declined == 0
 
 
