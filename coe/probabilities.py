@@ -17,7 +17,7 @@ from __future__ import annotations
 import json
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from pathlib import Path
 
 from .errors import CoEError
@@ -30,6 +30,18 @@ FORMAT = "coe-edge/usage-probabilities"
 def from_spec(model: CoEModel) -> dict[str, float]:
     """Per-step usage probability of every expert the spec declares (sums to 1)."""
     return model.usage_probabilities()
+
+
+def ranked(experts: Iterable[str], probabilities: Mapping[str, float]) -> list[str]:
+    """`experts` from most to least probable, ties by id: the order pools and tiers are filled in at start.
+
+    CoServe's eviction evicts along the reverse of it (least probable first,
+    ties from the largest id), so the experts a pool starts with are the ones
+    it would keep: among a board's rare types, which share one probability,
+    the same subset stays resident from the first frame on, instead of the
+    first boards trading the ones loaded at start for others.
+    """
+    return sorted(experts, key=lambda e: (-probabilities.get(e, 0.0), e))
 
 
 def from_counts(counts: Mapping[str, int | float]) -> dict[str, float]:

@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING
 import zmq
 
 from coe import CoEModel, Frame, Request, decide, load_spec
+from coe.probabilities import ranked
 from executors.costs import ExecutorInfo, ProfileCosts, store_forms
 from executors.executor import BatchResult, Executor, FailedExperts
 from executors.profile import Profile
@@ -573,7 +574,7 @@ class Agent:
         it holds none of theirs either, as the simulator starts it.
         """
         failed = self.failed.all()
-        order = [e for e in sorted(self.model.experts, key=lambda e: -self.probabilities[e]) if e not in failed]
+        order = [e for e in ranked(self.model.experts, self.probabilities) if e not in failed]
         loaded = initialize(list(self.pools.values()), order)
         if self.host_tier is not None:
             above = [self.pools[n] for n in [*self.gpu_pools, *self.cpu_demoters]]

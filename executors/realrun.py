@@ -17,6 +17,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from coe import CoEModel, Frame, Request, decide
+from coe.probabilities import ranked
 from coe.workload import Workload
 from storage.disk_activity import DiskActivity
 from storage.pagecache import drop_from_page_cache
@@ -135,7 +136,7 @@ def run_real(workload: Workload, model: CoEModel, store, profile: Profile | None
                       tie_seconds=system.tie_seconds, max_wait=system.max_wait)
     box.append(sched)
     if system.init == "warm":
-        order = sorted(model.experts, key=lambda e: -probs[e])
+        order = ranked(model.experts, probs)
         initialize(list(pools.values()), order)
         if host is not None:   # then the next most probable experts the pools above it do not hold, as the agent
             above = gpus + (list(host_readers) if exclusive and system.cpu_demote_queued else [])   # does

@@ -64,6 +64,7 @@ import time
 from dataclasses import dataclass, field
 
 from coe import CoEModel, Frame, Request
+from coe.probabilities import ranked
 from coe.workload import Workload
 from storage.policies import make_policy
 from storage.pool import Pool, initialize
@@ -382,7 +383,7 @@ def simulate(workload: Workload, profile: Profile, system: SimSystem, *, record_
     sched = Scheduler([e.name for e in system.executors], system.scheduler, costs=costs,
                       tie_seconds=system.tie_seconds, now=lambda: clock[0], max_wait=system.max_wait)
 
-    order = sorted(model.experts, key=lambda e: -probs[e])
+    order = ranked(model.experts, probs)
     if system.init == "warm":   # round-robin over every executor of every box, then the host tiers likewise
         initialize(list(pools.values()), order)
         if hosts:

@@ -35,6 +35,7 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 
 from coe import CoEModel
+from coe.probabilities import ranked
 from coe.workload import Workload, from_model
 
 from .profile import DeviceProfile, Profile, decay_window_search, stop_reason
@@ -182,7 +183,7 @@ def tune(profile: Profile, model: CoEModel, cfg=None, *, requests: int = SAMPLE_
     levers = agent_levers(cfg)
     sample = from_model(model, requests)
     probs = model.usage_probabilities()
-    ranked = sorted(model.experts, key=lambda e: (-probs[e], e))
+    order = ranked(model.experts, probs)
     model_archs = {e.arch for e in model.experts.values()}
     devices = dict(profile.devices)
     searched: dict[str, list[CountPlan]] = {}
@@ -195,7 +196,7 @@ def tune(profile: Profile, model: CoEModel, cfg=None, *, requests: int = SAMPLE_
             continue
         reserve, by = activation_reserve(profile, model, dev.kind)
         run = _Sampler(sample, profile, dev, levers)
-        sizes = [model.experts[e].nbytes for e in ranked]
+        sizes = [model.experts[e].nbytes for e in order]
         plans = [plan_count(run, dev, n, reserve, sizes, window=window, margin=margin, fit_points=fit_points)
                  for n in range(1, max_executors + 1)]
         feasible = [p for p in plans if p.rule != "infeasible"]

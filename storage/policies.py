@@ -122,6 +122,13 @@ def _by_probability(state: PoolState) -> list[Resident]:
     return sorted(state.residents, key=lambda r: (state.probabilities.get(r.expert_id, 0.0), r.used_seq, r.expert_id))
 
 
+def _by_probability_fixed(state: PoolState) -> list[Resident]:
+    """Ascending probability, ties from the largest id: the reverse of `coe.probabilities.ranked`, the order the
+    pools are filled in, so a pool keeps the experts it started with."""
+    by_id = sorted(state.residents, key=lambda r: r.expert_id, reverse=True)
+    return sorted(by_id, key=lambda r: state.probabilities.get(r.expert_id, 0.0))   # stable: id order within ties
+
+
 class LFU:
     """Fewest uses first (`state.counts`), least recently used among equals.
 
@@ -226,7 +233,9 @@ class CoServe:
     reports both readings (`coserve` and `coserve-paper`).
 
     With `fixed_ties` (the default), experts of one usage probability are
-    evicted in a fixed order (by id), not least recently used first.  A
+    evicted in a fixed order (largest id first, the reverse of the order the
+    pools are filled in: `coe.probabilities.ranked`), not least recently
+    used first.  A
     board's rare types share one probability (one placement each) and a
     line visits them in turn, board after board: recency among them says
     only which one the line visited last, which is the one it needs last
@@ -243,8 +252,7 @@ class CoServe:
     def choose_victims(self, state: PoolState, need_bytes: int) -> list[str] | None:
         first = stage_one(state)
         chosen = {r.expert_id for r in first}
-        ranked = (sorted(state.residents, key=lambda r: (state.probabilities.get(r.expert_id, 0.0), r.expert_id))
-                  if self.fixed_ties else _by_probability(state))
+        ranked = _by_probability_fixed(state) if self.fixed_ties else _by_probability(state)
         rest = [r for r in ranked if r.expert_id not in chosen]
         if self.protect_queued:
             rest.sort(key=lambda r: r.expert_id in state.queued)  # stable: probability order within each

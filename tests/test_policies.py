@@ -10,6 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from coe import load_spec
+from coe.probabilities import ranked
 from storage.policies import POLICIES, CoServe, PoolState, Resident, make_policy, stage_one
 from storage.pool import Pool
 from storage.tracesim import simulate
@@ -118,21 +119,23 @@ def test_coserve_exact_order():
 
 
 def test_coserve_breaks_probability_ties_in_a_fixed_order_and_the_paper_by_recency():
-    """Three experts of one probability: CoServe evicts by id whatever was used last (a line cycling through a
-    board's rare types keeps one subset); coserve-paper and -ties evict the least recently used; -protect keeps
-    the fixed order but evicts a queued expert by probability."""
-    rs = (Resident("cls-c", 10, 1, 1), Resident("cls-a", 10, 2, 3), Resident("cls-b", 10, 3, 2))
-    probs = {"cls-a": 0.1, "cls-b": 0.1, "cls-c": 0.1}
+    """Three experts of one probability: CoServe evicts the largest id first whatever was used last (the reverse
+    of the order pools are filled in, `ranked`: a line cycling through a board's rare types keeps the subset it
+    started with); coserve-paper and -ties evict the least recently used; -protect keeps the fixed order but
+    evicts a queued expert by probability."""
+    rs = (Resident("cls-a", 10, 1, 1), Resident("cls-b", 10, 2, 2), Resident("cls-c", 10, 3, 3))
+    probs = {"cls-a": 0.1, "cls-b": 0.1, "cls-c": 0.1, "cls-z": 0.2}
     state = PoolState(30, rs, probs)
-    assert CoServe().choose_victims(state, 10) == ["cls-a"]                      # lowest id, though used last
-    assert [r.expert_id for r in sorted(rs, key=lambda r: r.used_seq)][0] == "cls-c"
-    assert make_policy("coserve-paper").choose_victims(state, 10) == ["cls-c"]   # least recently used
-    assert make_policy("coserve-recencyties").choose_victims(state, 20) == ["cls-c", "cls-b"]
-    used_again = PoolState(30, (rs[0], replace(rs[1], used_seq=9), rs[2]), probs)
-    assert CoServe().choose_victims(used_again, 20) == ["cls-a", "cls-b"]        # recency changes nothing
-    queued = PoolState(30, rs, probs, queued=frozenset({"cls-a"}))
+    assert CoServe().choose_victims(state, 10) == ["cls-c"]                      # largest id, though used last
+    assert make_policy("coserve-paper").choose_victims(state, 10) == ["cls-a"]   # least recently used
+    assert make_policy("coserve-recencyties").choose_victims(state, 20) == ["cls-a", "cls-b"]
+    used_again = PoolState(30, (rs[0], rs[1], replace(rs[2], used_seq=0)), probs)
+    assert CoServe().choose_victims(used_again, 20) == ["cls-c", "cls-b"]        # recency changes nothing
+    queued = PoolState(30, rs, probs, queued=frozenset({"cls-c"}))
     assert CoServe().choose_victims(queued, 10) == ["cls-b"]                     # queued: last
-    assert make_policy("coserve-noprotect").choose_victims(queued, 10) == ["cls-a"]
+    assert make_policy("coserve-noprotect").choose_victims(queued, 10) == ["cls-c"]
+    # the order pools are filled in is the reverse: a pool with room for two starts with the two it would keep
+    assert ranked(["cls-c", "cls-a", "cls-z", "cls-b"], probs) == ["cls-z", "cls-a", "cls-b", "cls-c"]
 
 
 # Stage 1 and the expert being loaded (issue 9, item 4).  The pool holds detector det-d (high
@@ -177,7 +180,7 @@ def test_pool_tells_the_policy_which_expert_it_is_loading():
     for e in ("det-d", "cls-x", "cls-y"):       # full: 40 + 30 + 30
         pool.release(pool.acquire(e))
     pool.release(pool.acquire("cls-c"))        # room for cls-c: det-d is its follower and must stay
-    assert sorted(pool.resident()) == ["cls-c", "cls-y", "det-d"]   # cls-x: lowest probability, least recent
+    assert sorted(pool.resident()) == ["cls-c", "cls-x", "det-d"]   # cls-y: lowest probability, ties: largest id
 
 
 def coe_trace(n_frames: int, seed: int = 0):

@@ -16,6 +16,7 @@ from hypothesis import strategies as st
 
 import storage.tiers as tiers
 from coe import Expert
+from coe.probabilities import ranked
 from storage.expert_store import ExpertStore
 from storage.policies import make_policy
 from storage.pool import Pool, initialize, initialize_tier
@@ -356,7 +357,8 @@ def test_agent_initialises_the_host_tier_with_the_next_experts_and_demotes_gpu_v
     gpu, host = agent.pools["cuda:0-0.0"], agent.host_tier
     loaded = agent._initialize()
     probs = agent.probabilities
-    order = sorted(agent.model.experts, key=lambda e: -probs[e])
+    order = ranked(agent.model.experts, probs)      # most probable first, ties by id: what CoServe keeps
+    assert order == sorted(agent.model.experts, key=lambda e: (-probs[e], e))
     assert sorted(loaded["cuda:0-0.0"]) == sorted(order[:3])
     assert sorted(loaded["host"]) == sorted(order[3:5]) and sorted(host.resident()) == sorted(order[3:5])
     assert not set(gpu.resident()) & set(host.resident())
