@@ -64,6 +64,9 @@ class _PoolCollector:
             "switches": CounterMetricFamily("coe_pool_switches", "Expert switches (loads) into the tier",
                                             labels=labels),
             "evictions": CounterMetricFamily("coe_pool_evictions", "Evictions from the tier", labels=labels),
+            "declined": CounterMetricFamily("coe_pool_declined", "Victims handed down that a full tier turned away "
+                                            "as ranked below what they would push out (host_tier_admission)",
+                                            labels=labels),
             "load_seconds": CounterMetricFamily("coe_pool_load_seconds", "Seconds loading into the tier",
                                                 labels=labels),
             "resident_bytes": GaugeMetricFamily("coe_pool_resident_bytes", "Bytes resident", labels=labels),

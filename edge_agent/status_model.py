@@ -311,6 +311,7 @@ class StatusModel:
             out.append({
                 "name": name, "tier": pool.tier, "capacity": st.capacity, "resident_bytes": st.resident_bytes,
                 "hits": st.hits, "misses": st.misses, "evictions": st.evictions, "admits": st.admits,
+                "declined": st.declined,
                 "hit_rate": round(st.hits / n, 4) if n else None, "load_seconds": round(st.load_seconds, 3),
                 "residents": [{"expert_id": r.expert_id, "nbytes": r.nbytes, "pinned": r.pinned,
                                "llm": r.expert_id in llm} for r in residents],

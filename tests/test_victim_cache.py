@@ -401,6 +401,9 @@ def test_a_gpu_victim_enters_a_full_host_tier_only_if_it_outranks_what_it_pushes
         return
     declined = [v for v in victims if v not in admitted]
     assert declined and host.stats().declined == len(declined)
+    exported = agent.metrics.registry.get_sample_value("coe_pool_declined_total",
+                                                       {"line": agent.cfg.line, "pool": "host"})
+    assert exported == len(declined)                                    # the operator sees it too
     assert admitted and pushed                                          # a better victim still moves down
     # what the tier holds is never less probable than a victim it turned away
     assert min(probs[e] for e in host.resident()) >= max(probs[v] for v in declined)
