@@ -101,8 +101,7 @@ def remote_spec(cfg: "LineConfig", name: str, node: str, device: str, memory: in
                       eviction=cfg.eviction, expert_read=cfg.expert_read, expert_verify=cfg.expert_verify,
                       compute_dtype=cfg.gpu_compute_dtype if gpu else cfg.cpu_compute_dtype,
                       host_tier=cfg.cpu_tier if gpu and not cfg.unified_memory else 0,
-                      exclusive=cfg.cpu_tier_mode == "exclusive",
-                      ranked_admission=cfg.host_tier_admission == "ranked", prefetch=prefetch, threads=threads,
+                      exclusive=cfg.cpu_tier_mode == "exclusive", prefetch=prefetch, threads=threads,
                       probabilities=dict(probabilities), preliminaries=dict(preliminaries))
 
 

@@ -220,13 +220,15 @@ class LineConfig(_Strict):
     host_tier_admission: Literal["ranked", "all"] = Field(
         "ranked", description="with an exclusive host tier: 'ranked' (the default): a victim moving down (a GPU "
                               "victim, or a CPU victim per cpu_victims_to_host_tier) enters a full host tier only if "
-                              "the eviction policy ranks it above what it would push out, ties going to the expert "
-                              "already held; 'all': every victim enters, pushing out the tier's lowest.  A board's "
-                              "rare types share one usage probability and a line cycles through them, so with "
-                              "'all' each one just run pushed out another that the next board needed.  In "
-                              "simulation (bench/sim_seeds.py, A1-B2, seeds 0-3; bench ablation '-admit') "
-                              "'ranked' lowered the mean p99 at 11.5 frames/s on every task, by 0.01-0.08 s, and "
-                              "moved the mean flood throughput by -1.7% to +1.3%")
+                              "the eviction policy ranks it above what it would push out, never for being used "
+                              "last (coserve: by probability, a queued request, then a fixed order among equal "
+                              "probabilities); 'all': every victim enters, pushing out the tier's lowest.  With "
+                              "eviction lru or fifo (recency only) every victim enters either way.  A board's rare "
+                              "types share one usage probability and a line cycles through them, so with 'all' "
+                              "each one just run pushed out another that the next board needed.  In simulation "
+                              "(bench/sim_seeds.py, A1-B2, seeds 0-3; bench ablation '-admit') 'ranked' lowered "
+                              "the mean p99 at 11.5 frames/s on every task, by 0.01-0.08 s, and moved the mean "
+                              "flood throughput by -1.7% to +1.2%")
     ssd_read_ahead: bool = Field(
         True, description="with an exclusive host tier: while no executor reads the SSD, read the expert of the "
                           "earliest queued group behind a queue's head that no pool or tier holds into the host "

@@ -412,7 +412,7 @@ ABLATION = (("lru", "LRU (baseline)", {}),
              {"alpha": 0.3, "prefetch": "token", "prefetch_min_prob": 0.5}),
             ("predicted", "+ load/compute split", {"alpha": 0.3, "prefetch": "token", "prefetch_min_prob": 0.5,
                                                   "split": True}),
-            # not on top of the split: the best row's settings with a wider band (quality: see the README)
+            # not on top of the split: the best row's settings with a wider band (quality: docs/llm.md)
             ("predicted", ALPHA_WIDE, {"alpha": 0.5}),
             ("lru", LRU_AGAIN, {}))
 

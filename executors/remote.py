@@ -53,6 +53,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from coe import CoEError, CoEModel, Frame, Request
+from coe.probabilities import ranked
 from storage.policies import PoolState, Resident
 from storage.pool import Handle, PoolEvent, PoolStats
 
@@ -85,7 +86,6 @@ class RemoteSpec:
     compute_dtype: str = "float32"
     host_tier: int = 0             # bytes of the node-local host tier behind a GPU pool (0: none)
     exclusive: bool = True
-    ranked_admission: bool = True   # a victim enters the full host tier only if it outranks what it pushes out
     prefetch: bool = True
     threads: int | None = None
     probabilities: dict[str, float] = field(default_factory=dict)
@@ -208,7 +208,9 @@ class ExecutorHost:
             if self.host is not None and self.spec.exclusive:
                 from storage.tiers import demote
 
-                demote(e, self.host, ranked=self.spec.ranked_admission)
+                # every victim: this tier does not see the front's queues, so a ranked admission could
+                # not protect one a queued request needs (the simulator's other boxes do the same)
+                demote(e, self.host)
         self._events.append((e.expert_id, e.tier, e.event, e.nbytes, e.seconds, e.at))
 
     def where(self) -> dict:
@@ -732,8 +734,7 @@ class RemoteExecutor:
                 self._sync()        # a promotion made while the node was away reaches its store first
             # the start's plan again (its share of the initialisation across executors), not the most probable
             # experts overall, which the other executors hold already
-            order = self.pool.planned or sorted(self.model.experts,
-                                                key=lambda e: -self.spec.probabilities.get(e, 0.0))
+            order = self.pool.planned or ranked(self.model.experts, self.spec.probabilities)
             self._connect(order)
         except Exception as exc:  # noqa: BLE001 - not back yet
             log.info("executor %s: node %s not back yet (%s)", self.name, self.node, short_error(exc))

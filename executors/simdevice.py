@@ -66,7 +66,7 @@ from dataclasses import dataclass, field
 from coe import CoEModel, Frame, Request
 from coe.probabilities import ranked
 from coe.workload import Workload
-from storage.policies import make_policy
+from storage.policies import make_policy, ranks_by_value
 from storage.pool import Pool, initialize
 
 from .costs import ExecutorInfo, ProfileCosts, StoredLookup, ssd_load_seconds
@@ -327,6 +327,11 @@ def simulate(workload: Workload, profile: Profile, system: SimSystem, *, record_
     host = hosts.get(0)
     on_box = {b: [e.name for e in system.executors if e.box == b] for b in range(system.boxes)}
 
+    def ranked_admission(b: int) -> bool:
+        """As the agent: the front box's host tier only (another box's does not see the queues), and only
+        under a policy that ranks by more than recency."""
+        return system.victim_admission and b == 0 and ranks_by_value(hosts[b].policy)
+
     def above_host(b: int) -> set[str]:
         """Present for box b's host tier's policy: queued on the box, or held by one of its GPU pools."""
         out = {e for n in on_box[b] for e in (box[0].queued_set(n) if box else ())}
@@ -356,11 +361,11 @@ def simulate(workload: Workload, profile: Profile, system: SimSystem, *, record_
                 return
             if exclusive and host is not None and e.event == "evict" and not e.stale:
                 if gpu:
-                    if host.admit(e.expert_id, keep=(e.incoming,), worth_keeping=system.victim_admission):
+                    if host.admit(e.expert_id, keep=(e.incoming,), worth_keeping=ranked_admission(b)):
                         # a GPU victim moved down into the host tier
                         avail[(b, e.expert_id)] = max(clock[0], landed)   # no time, once the GPU's copy is in
                 elif (cpu_demote or queued_demote and box[0].has_queued(e.expert_id, on_box[b])) \
-                        and host.admit(e.expert_id, keep=(e.incoming,), worth_keeping=system.victim_admission):
+                        and host.admit(e.expert_id, keep=(e.incoming,), worth_keeping=ranked_admission(b)):
                     src.loads.append((e.expert_id, "demote"))     # the RAM copy, timed on this executor's load
                     demoting[(name, e.expert_id)] = landed
             box[0].refresh(e.expert_id, name)

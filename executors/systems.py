@@ -27,7 +27,7 @@ the host memory behind them.  How each spends it:
   -readahead, -fill, -cpuqueued, -admit, each CoServe with one lever off),
   change one knob each.  In CoServe a victim moving down enters a full host
   tier only if the eviction policy ranks it above what it would push out,
-  ties to the expert already held (`-admit` takes every victim, as before):
+  never for being used last (`-admit` takes every victim, as before):
   a board's rare types share one probability and a line cycles through
   them, so taking every victim made the GPU pool and the host tier LRU on a
   cycle.  CoServe's eviction also breaks ties in usage probability in a fixed

@@ -13,6 +13,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from coe.probabilities import ranked
+
 
 @dataclass(frozen=True)
 class Resident:
@@ -123,10 +125,17 @@ def _by_probability(state: PoolState) -> list[Resident]:
 
 
 def _by_probability_fixed(state: PoolState) -> list[Resident]:
-    """Ascending probability, ties from the largest id: the reverse of `coe.probabilities.ranked`, the order the
-    pools are filled in, so a pool keeps the experts it started with."""
-    by_id = sorted(state.residents, key=lambda r: r.expert_id, reverse=True)
-    return sorted(by_id, key=lambda r: state.probabilities.get(r.expert_id, 0.0))   # stable: id order within ties
+    """The reverse of `coe.probabilities.ranked`, the order the pools are filled in (least probable first,
+    ties from the largest id), so a pool keeps the experts it started with."""
+    by_id = {r.expert_id: r for r in state.residents}
+    return [by_id[e] for e in reversed(ranked(by_id, state.probabilities))]
+
+
+def ranks_by_value(policy: EvictionPolicy) -> bool:
+    """Whether `policy` ranks experts by more than recency (a victim cache's admission test needs that: under
+    LRU or FIFO a newcomer shown as least recently used could never outrank anything, and a full tier would
+    freeze)."""
+    return policy.name not in ("lru", "fifo")
 
 
 class LFU:

@@ -416,10 +416,11 @@ class Pool:
 
         The newcomer is shown as the least recently used resident, so it must win on the policy's other
         criteria (usage probability, a queued request, a preliminary present, CoServe's fixed order among
-        ties) and never on recency: among experts the policy ranks alike, the one already held stays.  A board's rare types share one
-        probability (one placement each), and a line cycles through them; letting the one just used push
-        out another of them only trades one for the other before either is used again.  A recency-only
-        policy (LRU, FIFO) therefore never admits into a full tier."""
+        equal probabilities) and never on recency: where the policy's only tie-break is recency, the one
+        already held stays.  A board's rare types share one probability (one placement each), and a line
+        cycles through them; letting the one just used push out another of them only trades one for the
+        other before either is used again.  A recency-only policy (LRU, FIFO) would never admit into a
+        full tier, so callers use the test only under a ranking policy (`policies.ranks_by_value`)."""
         newcomer = Resident(expert_id, need, -1, -1)
         over = replace(state, residents=(*state.residents, newcomer), incoming=None)
         victims = self.policy.choose_victims(over, 0)

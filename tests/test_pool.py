@@ -293,6 +293,16 @@ def test_worth_keeping_admits_into_free_room_and_a_queued_expert_over_a_more_pro
     assert not p3.admit("c", worth_keeping=True)          # the same expert with nothing queued is declined
 
 
+def test_worth_keeping_weighs_the_newcomer_only_against_what_it_could_push_out():
+    p = ranked_pool()
+    assert not p.admit("d", keep=("b",), worth_keeping=True)   # only a (0.5) could make room: d (0.4) is worth less
+    assert sorted(p.resident()) == ["a", "b"] and p.stats().declined == 1
+    held = p.acquire("a")                                       # a pinned by a running batch: same as kept
+    assert p.admit("d", worth_keeping=True)                     # b (0.3) can go: d outranks it
+    assert sorted(p.resident()) == ["a", "d"]
+    p.release(held)
+
+
 def test_worth_keeping_under_a_recency_policy_never_admits_into_a_full_tier():
     p = ranked_pool("lru")
     assert not p.admit("d", worth_keeping=True)           # recency alone never wins a place

@@ -772,6 +772,23 @@ def test_a_victim_that_ties_with_the_host_tiers_experts_is_declined_so_a_cycle_s
     assert (rep.declined > 0) is ranked
 
 
+def test_ranked_admission_applies_only_under_a_policy_that_ranks_by_more_than_recency():
+    """Under LRU a newcomer never outranks anything, so `victim_admission` must not freeze the host tier: the
+    same run with and without it (the agent's ranked_admission is off under lru/fifo likewise)."""
+    from dataclasses import replace
+
+    model = one_arch_model(4)
+    dev = DeviceProfile("cuda:0", "cuda", 10_000, executors=1, concurrency=(1.0,))
+    prof = toy_profile({"cuda:0": dev}, {"cuda": (0.1, 0.0, 4)}, load=1.0)
+    w = Workload(task("A1", requests=12), model,
+                 tuple(Arrival(3.0 * i, f"f{i}", f"c{i % 4}", False) for i in range(12)))
+    system = SimSystem("t", (SimExecutor("cuda:0#0", "cuda:0", 9000, 1000),), "coserve", "lru", host_tier=2000,
+                       init="warm", host_mode="exclusive", victim_admission=True)
+    on, off = simulate(w, prof, system), simulate(w, prof, replace(system, victim_admission=False))
+    assert on.declined == 0 and (on.ssd_loads, on.host_loads) == (off.ssd_loads, off.host_loads)
+    assert on.host_loads > 0                                  # victims did move down and come back
+
+
 def test_cpu_demotion_needs_an_exclusive_host_tier_the_cpu_executors_read():
     model = one_arch_model(4)
     dev = DeviceProfile("cpu", "cpu", 10_000, executors=1, concurrency=(1.0,))

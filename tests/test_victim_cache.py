@@ -255,6 +255,31 @@ def test_a_cpu_victim_moves_down_and_its_next_cpu_load_is_a_host_copy(store):
     assert off.host.resident() == [] and off.cpu_ssd.reads == ["a", "b", "a"] and off.reader.from_host == 0
 
 
+@pytest.mark.parametrize("ranked", [True, False])
+def test_a_ranked_cpu_victim_enters_the_full_host_tier_only_above_what_it_pushes_out(store, ranked):
+    """HostReadSource.demote(ranked=True), the agent's CPU-victim path under host_tier_admission: ranked.  The
+    host tier (room for one) holds a (p 0.1); the CPU pool (room for one) runs b, c, a: b's eviction (p 0.5)
+    outranks a and moves down, c's (p 0.4) does not outrank b and is dropped.  Unranked, both move down."""
+    probs = {"a": 0.1, "b": 0.5, "c": 0.4}
+    host_ssd, cpu_ssd = CountingSource(store), CountingSource(store)
+    host = Pool("host", SMALL, make_policy("coserve"), host_ssd, probabilities=probs)
+    host.release(host.acquire("a"))
+    reader = tiers.HostReadSource(host, cpu_ssd)
+    moved: list[tuple[str, bool]] = []
+    cpu = Pool("cpu", SMALL, make_policy("coserve"), reader, name="cpu", probabilities=probs,
+               on_event=lambda e: moved.append((e.expert_id, reader.demote(e, ranked=ranked)))
+               if e.event == "evict" else None)
+    for e in "bca":
+        cpu.release(cpu.acquire(e))
+    if ranked:
+        assert moved == [("b", True), ("c", False)] and host.resident() == ["b"]
+        assert host.stats().declined == 1 and reader.demoted == 1
+    else:
+        assert moved == [("b", True), ("c", True)] and host.resident() == ["c"]
+        assert host.stats().declined == 0 and reader.demoted == 2
+    assert cpu_ssd.reads == ["b", "c", "a"]                             # a had left the host tier for b
+
+
 def test_a_cpu_victim_is_pinned_when_the_host_tier_pins(store, monkeypatch):
     t = CpuTiers(store, cpu_bytes=SMALL, host_bytes=2 * SMALL)
     t.host_ssd.pin = True
@@ -358,7 +383,6 @@ def test_agent_initialises_the_host_tier_with_the_next_experts_and_demotes_gpu_v
     loaded = agent._initialize()
     probs = agent.probabilities
     order = ranked(agent.model.experts, probs)      # most probable first, ties by id: what CoServe keeps
-    assert order == sorted(agent.model.experts, key=lambda e: (-probs[e], e))
     assert sorted(loaded["cuda:0-0.0"]) == sorted(order[:3])
     assert sorted(loaded["host"]) == sorted(order[3:5]) and sorted(host.resident()) == sorted(order[3:5])
     assert not set(gpu.resident()) & set(host.resident())
@@ -405,8 +429,28 @@ def test_a_gpu_victim_enters_a_full_host_tier_only_if_it_outranks_what_it_pushes
                                                        {"line": agent.cfg.line, "pool": "host"})
     assert exported == len(declined)                                    # the operator sees it too
     assert admitted and pushed                                          # a better victim still moves down
-    # what the tier holds is never less probable than a victim it turned away
-    assert min(probs[e] for e in host.resident()) >= max(probs[v] for v in declined)
+    # what the tier holds all comes before every victim it turned away in the policy's own order (probability,
+    # then the fixed order among equal ones): a version that admitted a tie it should lose fails here
+    rank = {e: i for i, e in enumerate(ranked(agent.model.experts, probs))}
+    assert max(rank[e] for e in host.resident()) < min(rank[v] for v in declined)
+
+
+def test_agent_fills_its_pools_in_the_order_coserve_evicts_along_in_reverse(cpu_gpu_agent, monkeypatch):
+    """Every expert at one probability: the agent hands the fill the experts by id (coe.probabilities.ranked),
+    the order CoServe's eviction keeps, not the spec's order; under lru/fifo eviction no ranked admission."""
+    import edge_agent.agent as agent_mod
+
+    agent = cpu_gpu_agent("exclusive", "20MB", tag="fill")
+    orders = []
+    real = agent_mod.initialize
+    monkeypatch.setattr(agent_mod, "initialize", lambda pools, order: orders.append(list(order)) or real(pools, order))
+    agent.probabilities = {e: 1.0 for e in agent.model.experts}
+    assert list(agent.model.experts) != sorted(agent.model.experts)   # the spec's order differs from the ids'
+    agent._initialize()
+    assert orders and orders[0] == sorted(agent.model.experts)
+    assert agent.ranked_admission
+    lru = cpu_gpu_agent("exclusive", "20MB", tag="lru", eviction="lru")
+    assert not lru.ranked_admission                                  # a newcomer never outranks under recency
 
 
 def test_agent_inclusive_mode_keeps_the_paper_tier(cpu_gpu_agent):
