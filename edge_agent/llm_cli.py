@@ -571,8 +571,9 @@ def llm_bench(work: str, parts: str, prompts: int, decode: int, train_seconds: f
         with tqdm(total=len(lb.ABLATION) + 1, desc="(d) ablation", disable=None) as bar:   # + the ceiling
             arows = lb.run_ablation(big, profile, trace, progress=lambda _: bar.update(1))
         click.echo(f"(d) ablation, each row on top of the one before (the two prefetch rows are alternatives; "
-                   f"from 'next token + popularity' on, that eviction replaces the gate score's; the alpha 0.5 row "
-                   f"is that row's settings with a wider substitution band, not on top of the split): "
+                   f"from 'next token + popularity' on, that eviction replaces the gate score's; the alpha 0.5 and "
+                   f"0.7 rows are that row's settings with a wider substitution band, not on top of the split, and "
+                   f"'no substitution' is that eviction alone): "
                    f"trace-driven real decode as (b), {res}")
         base = lb.lru_baseline(arows)
         click.echo(f"{'row':46} {'tokens/s':>9} {'hit rate':>9} {'GiB read':>9} {'x LRU':>6}  notes "
@@ -590,15 +591,19 @@ def llm_bench(work: str, parts: str, prompts: int, decode: int, train_seconds: f
         ceiling = next((r for r in arows if r["row"] == lb.CEILING), None)
         if ceiling is not None:
             # the alpha 0.5 row trades some quality for its speed: it is not a candidate for "best", and says so
-            best = max((r for r in arows if r["policy"] not in ("lru", None) and r["row"] != lb.ALPHA_WIDE),
+            best = max((r for r in arows if r["policy"] not in ("lru", None) and r["row"] not in lb.WIDE_ROWS),
                        key=lambda r: r["tokens_per_second"])
             click.echo(f"    best row at alpha <= 0.3: {best['row']} at {best['tokens_per_second'] / base:.2f}x LRU; "
                        f"with every expert resident the same decode runs at "
                        f"{ceiling['tokens_per_second'] / base:.2f}x LRU (a ceiling no technique here can pass)")
-            wide = next((r for r in arows if r["row"] == lb.ALPHA_WIDE), None)
-            if wide is not None:
-                click.echo(f"    at alpha 0.5 (a wider band: more substitution, a little less agreement with alpha 0; "
-                           f"measure it with llm tune-alpha) {wide['tokens_per_second'] / base:.2f}x LRU")
+            for wide in (r for r in arows if r["row"] in lb.WIDE_ROWS):
+                click.echo(f"    at alpha {wide['alpha']} (a wider band: more substitution, less agreement with "
+                           f"alpha 0; measure it with llm tune-alpha) {wide['tokens_per_second'] / base:.2f}x LRU")
+            for c in lb.latency_cuts(arows):
+                click.echo(f"    decode latency at alpha {c['alpha']} ({c['row']}): {-c['vs_lru']:+.1%} against LRU, "
+                           f"{-c['vs_best_baseline']:+.1%} against the best row without substitution "
+                           f"({c['best_baseline']})")
+            doc["d_latency_cuts"] = lb.latency_cuts(arows)
         pf = lb.prefill_batching(big, list(range(40, 168)))
         click.echo(f"prefill split on this CPU box = batching a prompt's tokens per expert: 128-token prompt in one "
                    f"pass {pf['batched']['tokens_per_second']:.1f} tokens/s ({pf['batched']['gib_read']:.2f} GiB read) "

@@ -151,8 +151,29 @@ def test_bench_parts_b_and_d_compare_with_the_mean_of_lru_run_first_and_last(hf_
     assert len(lru_d) == 2 and doc["d_lru_baseline"] == pytest.approx(sum(lru_d) / 2)
     line = next(ln for ln in res.output.splitlines() if "best row at alpha <= 0.3:" in ln)
     named = line.split("best row at alpha <= 0.3:")[1].split(" at ")[0]
-    assert "LRU" not in named and "alpha 0.5" not in named                  # never an LRU row, nor the wide band
+    assert "LRU" not in named and "alpha 0.5" not in named and "alpha 0.7" not in named   # nor a wide band
     assert any(ln.strip().startswith("at alpha 0.5") for ln in res.output.splitlines())   # that one is said apart
+    cuts = {c["alpha"]: c for c in doc["d_latency_cuts"]}
+    assert set(cuts) == {0.3, 0.5, 0.7}                                      # every substituting row, no other
+    assert cuts[0.7]["best_baseline"] in ("eviction by windowed gate score", "next token + popularity, no substitution")
+
+
+def test_latency_cuts_compare_each_substituting_row_with_lru_and_the_best_row_without_substitution():
+    """The importance paper's figure: decode latency against its best baseline; ours against LRU too."""
+    from edge_agent.llm_bench import latency_cuts
+
+    rows = [{"row": "LRU", "policy": "lru", "tokens_per_second": 20.0},
+            {"row": "gate", "policy": "gate-score", "tokens_per_second": 24.0},
+            {"row": "pred", "policy": "predicted", "tokens_per_second": 25.0},
+            {"row": "pred a0.5", "policy": "predicted", "alpha": 0.5, "tokens_per_second": 40.0},
+            {"row": "+ prefetch", "policy": "predicted", "alpha": 0.3, "prefetch": "token", "tokens_per_second": 50.0},
+            {"row": "LRU again", "policy": "lru", "tokens_per_second": 22.0},
+            {"row": "ceiling", "policy": None, "tokens_per_second": 60.0}]
+    (cut,) = latency_cuts(rows)                          # prefetch rows and the ceiling are neither side
+    assert cut["row"] == "pred a0.5" and cut["best_baseline"] == "pred"
+    assert cut["vs_lru"] == pytest.approx(1 - 21.0 / 40.0) and cut["vs_best_baseline"] == pytest.approx(1 - 25 / 40)
+    with pytest.raises(ValueError, match="no row without substitution"):
+        latency_cuts([r for r in rows if r["policy"] in ("lru", None) or r.get("alpha")])
 
 
 def test_tune_alpha_measures_each_alpha_and_plots(hf_model, tmp_path, monkeypatch):
