@@ -590,7 +590,7 @@ def llm_bench(work: str, parts: str, prompts: int, decode: int, train_seconds: f
         click.echo("    not a row: next-layer prefetch (needs real hidden states; see llm generate --prefetch)")
         ceiling = next((r for r in arows if r["row"] == lb.CEILING), None)
         if ceiling is not None:
-            # the alpha 0.5 row trades some quality for its speed: it is not a candidate for "best", and says so
+            # the alpha 0.5 and 0.7 rows trade some quality for their speed: not candidates for "best", said apart
             best = max((r for r in arows if r["policy"] not in ("lru", None) and r["row"] not in lb.WIDE_ROWS),
                        key=lambda r: r["tokens_per_second"])
             click.echo(f"    best row at alpha <= 0.3: {best['row']} at {best['tokens_per_second'] / base:.2f}x LRU; "

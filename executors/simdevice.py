@@ -143,8 +143,9 @@ class SimSystem:
                         if self.cpu_demote_queued and self.host_mode == "exclusive" else "")
                      if self.cpu_host_reads and any(e.kind == "cpu" and e.box == 0 for e in self.executors) else "")
             reads += "; an idle SSD reads queued experts into it" if self.read_ahead and self.host_mode == "exclusive" else ""
-            reads += ("; a victim enters it only above what it pushes out"
-                      if self.victim_admission and self.host_mode == "exclusive" else "")
+            ranked = self.victim_admission and self.host_mode == "exclusive" and self.eviction not in ("lru", "fifo")
+            reads += (("; on the front box a victim enters it" if self.boxes > 1 else "; a victim enters it")
+                      + " only above what it pushes out" if ranked else "")
             parts.append(f"host tier {self.host_tier / 1e9:.2f} GB ({self.host_mode}{reads})")
         if self.boxes > 1:
             return f"{self.boxes} boxes, each: " + "; ".join(parts) + f"; link {self.link.source}"

@@ -131,6 +131,8 @@ def test_bench_part_a_prints_a_table_and_one_json_line(hf_model, tmp_path):
 
 
 def test_bench_parts_b_and_d_compare_with_the_mean_of_lru_run_first_and_last(hf_model, tmp_path):
+    import edge_agent.llm_bench as lb_rows
+
     """(b) and (d) on a tiny generated model: LRU runs first and last, every ratio is against their mean, and
     neither LRU run is reported as the best row or policy."""
     root, _ = hf_model
@@ -153,9 +155,10 @@ def test_bench_parts_b_and_d_compare_with_the_mean_of_lru_run_first_and_last(hf_
     named = line.split("best row at alpha <= 0.3:")[1].split(" at ")[0]
     assert "LRU" not in named and "alpha 0.5" not in named and "alpha 0.7" not in named   # nor a wide band
     assert any(ln.strip().startswith("at alpha 0.5") for ln in res.output.splitlines())   # that one is said apart
-    cuts = {c["alpha"]: c for c in doc["d_latency_cuts"]}
-    assert set(cuts) == {0.3, 0.5, 0.7}                                      # every substituting row, no other
-    assert cuts[0.7]["best_baseline"] in ("eviction by windowed gate score", "next token + popularity, no substitution")
+    cuts = doc["d_latency_cuts"]
+    assert [c["row"] for c in cuts] == ["+ substitution (alpha 0.3)", "eviction by next token + popularity",
+                                        lb_rows.ALPHA_WIDE, lb_rows.ALPHA_WIDER]   # no prefetch, split or LRU row
+    assert cuts[-1]["best_baseline"] in ("eviction by windowed gate score", lb_rows.NO_SUBSTITUTION)
 
 
 def test_latency_cuts_compare_each_substituting_row_with_lru_and_the_best_row_without_substitution():
@@ -167,13 +170,15 @@ def test_latency_cuts_compare_each_substituting_row_with_lru_and_the_best_row_wi
             {"row": "pred", "policy": "predicted", "tokens_per_second": 25.0},
             {"row": "pred a0.5", "policy": "predicted", "alpha": 0.5, "tokens_per_second": 40.0},
             {"row": "+ prefetch", "policy": "predicted", "alpha": 0.3, "prefetch": "token", "tokens_per_second": 50.0},
+            {"row": "split only", "policy": "predicted", "split": True, "tokens_per_second": 30.0},
+            {"row": "alpha 0", "policy": "predicted", "alpha": 0.0, "tokens_per_second": 26.0},
             {"row": "LRU again", "policy": "lru", "tokens_per_second": 22.0},
             {"row": "ceiling", "policy": None, "tokens_per_second": 60.0}]
-    (cut,) = latency_cuts(rows)                          # prefetch rows and the ceiling are neither side
-    assert cut["row"] == "pred a0.5" and cut["best_baseline"] == "pred"
-    assert cut["vs_lru"] == pytest.approx(1 - 21.0 / 40.0) and cut["vs_best_baseline"] == pytest.approx(1 - 25 / 40)
+    (cut,) = latency_cuts(rows)          # prefetch and split rows and the ceiling are neither side
+    assert cut["row"] == "pred a0.5" and cut["best_baseline"] == "alpha 0"   # alpha 0 is exact: no substitution
+    assert cut["vs_lru"] == pytest.approx(1 - 21.0 / 40.0) and cut["vs_best_baseline"] == pytest.approx(1 - 26 / 40)
     with pytest.raises(ValueError, match="no row without substitution"):
-        latency_cuts([r for r in rows if r["policy"] in ("lru", None) or r.get("alpha")])
+        latency_cuts([r for r in rows if r["policy"] in ("lru", None) or r.get("alpha") or r.get("split")])
 
 
 def test_tune_alpha_measures_each_alpha_and_plots(hf_model, tmp_path, monkeypatch):

@@ -789,6 +789,29 @@ def test_ranked_admission_applies_only_under_a_policy_that_ranks_by_more_than_re
     assert on.host_loads > 0                                  # victims did move down and come back
 
 
+def test_only_the_front_boxs_host_tier_ranks_its_victims():
+    """The cyclic toy on box 1 of two (its own SSD and host tier): a box's host tier that does not see the
+    front's queues takes every victim, as a cluster node's does (executors/remote.py), so the run is the same
+    with and without `victim_admission`; on the front box the lever declines."""
+    from dataclasses import replace
+
+    from executors.links import Link
+
+    model = one_arch_model(4)
+    dev = DeviceProfile("cuda:0", "cuda", 10_000, executors=1, concurrency=(1.0,))
+    prof = toy_profile({"cuda:0": dev}, {"cuda": (0.1, 0.0, 4)}, load=1.0)
+    w = Workload(task("A1", requests=12), model,
+                 tuple(Arrival(3.0 * i, f"f{i}", f"c{i % 4}", False) for i in range(12)))
+    far = SimSystem("t", (SimExecutor("b1/cuda:0#0", "cuda:0", 9000, 1000, box=1),), "coserve", "coserve",
+                    host_tier=2000, init="warm", host_mode="exclusive", victim_admission=True, boxes=2,
+                    link=Link(1e9, 0.0, "test"))
+    on, off = simulate(w, prof, far), simulate(w, prof, replace(far, victim_admission=False))
+    assert on.declined == 0 and (on.ssd_loads, on.host_loads) == (off.ssd_loads, off.host_loads)
+    assert "on the front box a victim enters it only above what it pushes out" in far.resources()
+    near = replace(far, executors=(SimExecutor("cuda:0#0", "cuda:0", 9000, 1000),), boxes=1, link=None)
+    assert simulate(w, prof, near).declined > 0
+
+
 def test_cpu_demotion_needs_an_exclusive_host_tier_the_cpu_executors_read():
     model = one_arch_model(4)
     dev = DeviceProfile("cpu", "cpu", 10_000, executors=1, concurrency=(1.0,))
