@@ -128,6 +128,23 @@ def test_the_head_runs_first_unless_a_resident_group_ends_within_its_load(case):
         assert s2.next_batch("q", timeout=0).expert_id == "b" and s2.filled == 1
 
 
+def test_fill_finds_a_resident_group_far_behind_the_head():
+    """The head's expert loads; 40 groups behind it need loads too; the 42nd group is resident.  Fill looks
+    that far back (FILL_WINDOW): with a window of 8, a hot resident group (a shared detector) queued behind
+    many switches waited out every load and piled up to the end of a flood (A2: the last 3.4 s of a 44.6 s
+    run were detector batches after the SSD's last read)."""
+    from executors import scheduler as sched_mod
+
+    names = ["h"] + [f"x{i:02d}" for i in range(40)] + ["r"]
+    s = Scheduler(["q"], "coserve", costs=FixedCosts(K=0.01, B=0.05, load=10.0, max_batch=8,
+                                                     resident=lambda n: {"r"}, loading=lambda n: {"h": 1.0}))
+    for i, e in enumerate(names):
+        s.submit(req(e, i))
+    assert s.queued_groups("q") == names and sched_mod.FILL_WINDOW > len(names)
+    b = s.next_batch("q", timeout=0)
+    assert b.expert_id == "r" and s.filled == 1
+
+
 def test_fill_never_overrides_the_age_bound():
     """b heads the queue and its load is under way; a, behind it, is overdue; c is resident and short.
     The age bound serves a; fill, which only ever replaces the head, does not swap c in for it."""
