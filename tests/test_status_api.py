@@ -159,6 +159,7 @@ def test_status_pools_health_and_metrics_tell_what_the_agent_did(served):
         pool = served.pools[p["name"]]
         assert {r["expert_id"] for r in p["residents"]} == set(pool.resident())
         assert p["capacity"] == pool.capacity and 0 < p["resident_bytes"] <= p["capacity"]
+        assert p["declined"] == pool.stats().declined and p["admits"] == pool.stats().admits
     status, health = get_json(port, "/api/health")
     assert status == 200 and health == {"ready": True, "reasons": [], "warnings": [], "inflight": 0,
                                         "max_inflight": served.cfg.max_inflight}

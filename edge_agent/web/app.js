@@ -234,7 +234,8 @@
       card.appendChild(meter);
       const bytes = el("div", "bytes");
       bytes.appendChild(el("span", null, fmtBytes(p.resident_bytes) + " of " + fmtBytes(p.capacity)));
-      bytes.appendChild(el("span", null, fmtInt(p.hits) + " hits · " + fmtInt(p.misses) + " loads · " + fmtInt(p.evictions) + " evictions"));
+      bytes.appendChild(el("span", null, fmtInt(p.hits) + " hits · " + fmtInt(p.misses) + " loads · " + fmtInt(p.evictions) + " evictions"
+        + (p.declined ? " · " + fmtInt(p.declined) + " declined" : "")));   // victims a ranked host tier turned away
       card.appendChild(bytes);
       const chips = el("div", "chips");
       const shown = p.residents.slice(0, 48);
