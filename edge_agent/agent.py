@@ -31,7 +31,7 @@ from executors.systems import activation_reserve
 from routing import RuleRouter
 from storage.disk_activity import DiskActivity
 from storage.expert_store import ExpertStore
-from storage.policies import make_policy, ranks_by_value
+from storage.policies import make_policy
 from storage.pool import Pool, PoolEvent, initialize, initialize_tier, present_above
 from storage.results import ResultStore
 from storage.tiers import HostReadSource, StoreSource, TierSource, demote, measured_nbytes, source_dtype
@@ -174,10 +174,9 @@ class Agent:
         # with 'queued', only a victim that a request queued on one of this box's executors still needs
         self.cpu_demoters: dict[str, HostReadSource] = {}
         self.cpu_demote_queued_only = cfg.cpu_victims_to_host_tier == "queued"
-        # a victim enters a full host tier only if it outranks what it would push out (host_tier_admission),
-        # under a policy that ranks by more than recency (under lru/fifo a full tier would freeze)
-        self.ranked_admission = (cfg.host_tier_admission == "ranked" and self.host_tier is not None
-                                 and ranks_by_value(self.host_tier.policy))
+        # a victim enters a full host tier only if it outranks what it would push out (host_tier_admission;
+        # the pool skips the test under a recency-only eviction, where a full tier would freeze)
+        self.ranked_admission = cfg.host_tier_admission == "ranked"
         self._local_names = [s.name for s in self.slots if s.ex.node is None]   # executors on this box
         for slot in self.slots:
             ex = slot.ex

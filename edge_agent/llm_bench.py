@@ -480,9 +480,10 @@ def run_ablation(store: Path, profile: Trace, trace: Trace, *, share: float = 0.
 
 
 def latency_cuts(rows: list[dict]) -> list[dict]:
-    """Per substituting row of (d) without prefetch or split: its decode latency cut against LRU (the mean of the LRU rows) and against
-    the best row without substitution, prefetch or split (the importance paper's "best baseline": gate
-    score or next token + popularity alone), as 1 - their tokens/s over its own."""
+    """Per substituting row of (d) without prefetch or split: its decode latency cut against LRU (the mean of
+    the LRU rows) and against the best row without substitution, prefetch or split (our analogue of the
+    importance paper's "best baseline": gate score or next token + popularity alone), as 1 - their tokens/s
+    over its own."""
     lru = lru_baseline(rows)
     plain = [r for r in rows if r.get("policy") not in ("lru", None) and not r.get("alpha")
              and not r.get("prefetch") and not r.get("split")]

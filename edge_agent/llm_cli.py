@@ -599,11 +599,12 @@ def llm_bench(work: str, parts: str, prompts: int, decode: int, train_seconds: f
             for wide in (r for r in arows if r["row"] in lb.WIDE_ROWS):
                 click.echo(f"    at alpha {wide['alpha']} (a wider band: more substitution, less agreement with "
                            f"alpha 0; measure it with llm tune-alpha) {wide['tokens_per_second'] / base:.2f}x LRU")
-            for c in lb.latency_cuts(arows):
+            cuts = lb.latency_cuts(arows)
+            for c in cuts:
                 click.echo(f"    decode latency at alpha {c['alpha']} ({c['row']}): {-c['vs_lru']:+.1%} against LRU, "
                            f"{-c['vs_best_baseline']:+.1%} against the best row without substitution "
                            f"({c['best_baseline']})")
-            doc["d_latency_cuts"] = lb.latency_cuts(arows)
+            doc["d_latency_cuts"] = cuts
         pf = lb.prefill_batching(big, list(range(40, 168)))
         click.echo(f"prefill split on this CPU box = batching a prompt's tokens per expert: 128-token prompt in one "
                    f"pass {pf['batched']['tokens_per_second']:.1f} tokens/s ({pf['batched']['gib_read']:.2f} GiB read) "

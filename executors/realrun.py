@@ -21,7 +21,7 @@ from coe.probabilities import ranked
 from coe.workload import Workload
 from storage.disk_activity import DiskActivity
 from storage.pagecache import drop_from_page_cache
-from storage.policies import make_policy, ranks_by_value
+from storage.policies import make_policy
 from storage.pool import Pool, initialize, initialize_tier, present_above
 from storage.tiers import HostReadSource, StoreSource, TierSource, demote, measured_nbytes
 
@@ -97,7 +97,6 @@ def run_real(workload: Workload, model: CoEModel, store, profile: Profile | None
                     name="host", probabilities=probs, preliminaries=prelims, context=lambda: {"queued": above_host()},
                     on_event=lambda e: box[0].refresh(e.expert_id, None) if box else None, measure=measured_nbytes)
     exclusive = host is not None and system.host_mode == "exclusive"
-    rank_victims = system.victim_admission and host is not None and ranks_by_value(host.policy)   # as the agent
 
     closing: list[bool] = []
     host_readers: dict[str, HostReadSource] = {}   # CPU executor -> its HostReadSource (it demotes its victims)
@@ -105,10 +104,11 @@ def run_real(workload: Workload, model: CoEModel, store, profile: Profile | None
     def on_event(e, name: str, kind: str) -> None:
         if e.event == "evict":
             if exclusive and kind == "cuda" and not e.stale and not closing:
-                demote(e, host, ranked=rank_victims)       # the GPU victim moves down into the host tier
+                demote(e, host, ranked=system.victim_admission)       # the GPU victim moves down into the host tier
             elif (exclusive and system.cpu_demote_queued and name in host_readers and not e.stale and not closing
                   and box and box[0].has_queued(e.expert_id)):
-                host_readers[name].demote(e, ranked=rank_victims)   # as the agent: a CPU victim a queued request needs
+                # as the agent: a CPU victim a queued request still needs
+                host_readers[name].demote(e, ranked=system.victim_admission)
             if name in execs:
                 execs[name].on_evicted(e.value)     # as the agent: its skeleton lets the victim's buffer go
         if box:

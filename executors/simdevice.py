@@ -143,7 +143,8 @@ class SimSystem:
                         if self.cpu_demote_queued and self.host_mode == "exclusive" else "")
                      if self.cpu_host_reads and any(e.kind == "cpu" and e.box == 0 for e in self.executors) else "")
             reads += "; an idle SSD reads queued experts into it" if self.read_ahead and self.host_mode == "exclusive" else ""
-            ranked = self.victim_admission and self.host_mode == "exclusive" and self.eviction not in ("lru", "fifo")
+            ranked = (self.victim_admission and self.host_mode == "exclusive"
+                      and ranks_by_value(make_policy(self.eviction)))
             reads += (("; on the front box a victim enters it" if self.boxes > 1 else "; a victim enters it")
                       + " only above what it pushes out" if ranked else "")
             parts.append(f"host tier {self.host_tier / 1e9:.2f} GB ({self.host_mode}{reads})")
@@ -329,9 +330,8 @@ def simulate(workload: Workload, profile: Profile, system: SimSystem, *, record_
     on_box = {b: [e.name for e in system.executors if e.box == b] for b in range(system.boxes)}
 
     def ranked_admission(b: int) -> bool:
-        """As the agent: the front box's host tier only (another box's does not see the queues), and only
-        under a policy that ranks by more than recency."""
-        return system.victim_admission and b == 0 and ranks_by_value(hosts[b].policy)
+        """As the agent: the front box's host tier only (another box's does not see the queues)."""
+        return system.victim_admission and b == 0
 
     def above_host(b: int) -> set[str]:
         """Present for box b's host tier's policy: queued on the box, or held by one of its GPU pools."""

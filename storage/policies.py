@@ -97,6 +97,7 @@ class LRU:
     """Least recently acquired first."""
 
     name = "lru"
+    recency_only = True     # ranks by nothing but recency (see `ranks_by_value`)
 
     def choose_victims(self, state: PoolState, need_bytes: int) -> list[str] | None:
         return _evict_in_order(state, need_bytes, sorted(state.residents, key=lambda r: (r.used_seq, r.expert_id)))
@@ -106,6 +107,7 @@ class FIFO:
     """Earliest loaded first, however recently used."""
 
     name = "fifo"
+    recency_only = True
 
     def choose_victims(self, state: PoolState, need_bytes: int) -> list[str] | None:
         return _evict_in_order(state, need_bytes, sorted(state.residents, key=lambda r: (r.loaded_seq, r.expert_id)))
@@ -135,7 +137,7 @@ def ranks_by_value(policy: EvictionPolicy) -> bool:
     """Whether `policy` ranks experts by more than recency (a victim cache's admission test needs that: under
     LRU or FIFO a newcomer shown as least recently used could never outrank anything, and a full tier would
     freeze)."""
-    return policy.name not in ("lru", "fifo")
+    return not getattr(policy, "recency_only", False)
 
 
 class LFU:
@@ -244,13 +246,13 @@ class CoServe:
     With `fixed_ties` (the default), experts of one usage probability are
     evicted in a fixed order (largest id first, the reverse of the order the
     pools are filled in: `coe.probabilities.ranked`), not least recently
-    used first.  A
-    board's rare types share one probability (one placement each) and a
-    line visits them in turn, board after board: recency among them says
-    only which one the line visited last, which is the one it needs last
-    again, so LRU ties evict the one needed next (a cycle is LRU's worst
-    case).  A fixed order keeps the same subset of them resident, so each
-    board reads only the rest.  `coserve-paper` keeps recency ties.
+    used first.  A board's rare types share one probability (one placement
+    each) and a line visits them in turn, board after board: recency among
+    them says only which one the line visited last, which is the one it
+    needs last again, so LRU ties evict the one needed next (a cycle is
+    LRU's worst case).  A fixed order keeps the same subset of them
+    resident, so each board reads only the rest.  `coserve-paper` keeps
+    recency ties.
     """
 
     name = "coserve"
@@ -261,8 +263,8 @@ class CoServe:
     def choose_victims(self, state: PoolState, need_bytes: int) -> list[str] | None:
         first = stage_one(state)
         chosen = {r.expert_id for r in first}
-        ranked = _by_probability_fixed(state) if self.fixed_ties else _by_probability(state)
-        rest = [r for r in ranked if r.expert_id not in chosen]
+        order = _by_probability_fixed(state) if self.fixed_ties else _by_probability(state)
+        rest = [r for r in order if r.expert_id not in chosen]
         if self.protect_queued:
             rest.sort(key=lambda r: r.expert_id in state.queued)  # stable: probability order within each
         return _evict_in_order(state, need_bytes, first + rest)

@@ -25,7 +25,7 @@ from typing import Any, Protocol
 
 from coe import CoEError
 
-from .policies import EvictionPolicy, PoolState, Resident
+from .policies import EvictionPolicy, PoolState, Resident, ranks_by_value
 
 
 class ExpertSource(Protocol):
@@ -65,7 +65,7 @@ class PoolStats:
     capacity: int = 0
     manage_seconds: float = 0.0   # bookkeeping and eviction decisions, loads excluded
     admits: int = 0               # experts handed down from a tier above (`Pool.admit`): not loads, not misses
-    declined: int = 0             # experts `admit(..., worth_keeping=True)` turned away as worth less than its residents
+    declined: int = 0             # experts `admit(worth_keeping=True)` turned away: worth less than what they'd push out
 
     @property
     def switches(self) -> int:
@@ -295,8 +295,10 @@ class Pool:
         others, i.e. it is worth less than what it would push out.  Without
         it, a probability-ranked tier takes every victim handed down: a rarely
         used expert just run on the GPU pushes out a more probable one, which
-        the next cycle of the board reads from the SSD again.  Counted in
-        `declined`.
+        the next cycle of the board reads from the SSD again.  Under a policy
+        that ranks by recency alone (LRU, FIFO) the test does not apply: a
+        newcomer could never win there, and a full tier would freeze.
+        Counted in `declined`.
         """
         entered = time.perf_counter()
         ctx = self._context()
@@ -309,8 +311,10 @@ class Pool:
             victims = self.policy.choose_victims(state, need)
             if victims is None:
                 return False
-            if worth_keeping and victims and self._worth_less(state, expert_id, need):
+            if (worth_keeping and victims and ranks_by_value(self.policy)
+                    and self._worth_less(state, expert_id, need)):
                 self._stats.declined += 1
+                self._stats.manage_seconds += time.perf_counter() - entered
                 return False
             evicted = [self._evict_locked(v, incoming=expert_id) for v in victims]
             self._entries[expert_id] = _Entry(None, need, self._seq, self._seq, loading=True)
@@ -419,12 +423,12 @@ class Pool:
         equal probabilities) and never on recency: where the policy's only tie-break is recency, the one
         already held stays.  A board's rare types share one probability (one placement each), and a line
         cycles through them; letting the one just used push out another of them only trades one for the
-        other before either is used again.  A recency-only policy (LRU, FIFO) would never admit into a
-        full tier, so callers use the test only under a ranking policy (`policies.ranks_by_value`)."""
+        other before either is used again.  (`admit` skips the test under a recency-only policy, where a
+        newcomer could never win.)  The room `admit` found without the newcomer is there with it too, so
+        the policy always answers."""
         newcomer = Resident(expert_id, need, -1, -1)
         over = replace(state, residents=(*state.residents, newcomer), incoming=None)
-        victims = self.policy.choose_victims(over, 0)
-        return victims is None or expert_id in victims
+        return expert_id in (self.policy.choose_victims(over, 0) or ())
 
     def _evict_locked(self, expert_id: str, incoming: str | None = None, *, stale: bool = False) -> PoolEvent:
         entry = self._entries.get(expert_id)

@@ -437,7 +437,8 @@ def test_a_gpu_victim_enters_a_full_host_tier_only_if_it_outranks_what_it_pushes
 
 def test_agent_fills_its_pools_in_the_order_coserve_evicts_along_in_reverse(cpu_gpu_agent, monkeypatch):
     """Every expert at one probability: the agent hands the fill the experts by id (coe.probabilities.ranked),
-    the order CoServe's eviction keeps, not the spec's order; under lru/fifo eviction no ranked admission."""
+    the order CoServe's eviction keeps, not the spec's order.  Under lru eviction the host tier takes every
+    victim even with ranked admission on (the pool skips the test where recency is all it ranks by)."""
     import edge_agent.agent as agent_mod
 
     agent = cpu_gpu_agent("exclusive", "20MB", tag="fill")
@@ -449,8 +450,19 @@ def test_agent_fills_its_pools_in_the_order_coserve_evicts_along_in_reverse(cpu_
     agent._initialize()
     assert orders and orders[0] == sorted(agent.model.experts)
     assert agent.ranked_admission
-    lru = cpu_gpu_agent("exclusive", "20MB", tag="lru", eviction="lru")
-    assert not lru.ranked_admission                                  # a newcomer never outranks under recency
+    lru = cpu_gpu_agent("exclusive", "12MB", tag="lru", eviction="lru")
+    assert lru.ranked_admission
+    lru._initialize()
+    gpu, host = lru.pools["cuda:0-0.0"], lru.host_tier
+    missing = [e for e in ranked(lru.model.experts, lru.probabilities)
+               if e not in gpu.resident() and e not in host.resident()]
+    lru.writer.events.clear()
+    for e in missing[:3]:
+        gpu.release(gpu.acquire(e))
+    victims = [r["expert_id"] for r in lru.writer.events if r["tier"] == "cuda:0" and r["event"] == "evict"]
+    admitted = [r["expert_id"] for r in lru.writer.events if r["tier"] == "host" and r["event"] == "admit"]
+    fits = [v for v in victims if lru.store.nbytes(v) <= host.capacity]      # a 12 MB detector never fits
+    assert fits and admitted == fits and host.stats().declined == 0          # frozen, it would admit none
 
 
 def test_agent_inclusive_mode_keeps_the_paper_tier(cpu_gpu_agent):
