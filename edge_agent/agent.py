@@ -32,7 +32,7 @@ from routing import RuleRouter
 from storage.disk_activity import DiskActivity
 from storage.expert_store import ExpertStore
 from storage.policies import make_policy
-from storage.pool import Pool, PoolEvent, initialize, initialize_tier, present_above
+from storage.pool import Pool, PoolEvent, fill_pools, initialize_tier, present_above
 from storage.results import ResultStore
 from storage.tiers import HostReadSource, StoreSource, TierSource, demote, measured_nbytes, source_dtype
 
@@ -565,7 +565,8 @@ class Agent:
         return service
 
     def _initialize(self) -> dict[str, list[str]]:
-        """CoServe's initialisation: the executors' pools round-robin by usage probability, then the host tier.
+        """CoServe's initialisation: the executors' pools by usage probability (`pool_fill`: the GPU pools first,
+        or the paper's round-robin across all), then the host tier.
 
         The host tier is filled last, with the most probable experts that no
         GPU pool holds: exclusive, so it starts as the next tier of the same
@@ -576,7 +577,8 @@ class Agent:
         """
         failed = self.failed.all()
         order = [e for e in ranked(self.model.experts, self.probabilities) if e not in failed]
-        loaded = initialize(list(self.pools.values()), order)
+        gpus = {s.name for s in self.slots if s.ex.device.startswith("cuda")}
+        loaded = fill_pools(list(self.pools.values()), order, self.cfg.pool_fill, gpus)
         if self.host_tier is not None:
             above = [self.pools[n] for n in [*self.gpu_pools, *self.cpu_demoters]]
             loaded[self.host_tier.name] = initialize_tier(self.host_tier, above, order)

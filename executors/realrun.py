@@ -22,7 +22,7 @@ from coe.workload import Workload
 from storage.disk_activity import DiskActivity
 from storage.pagecache import drop_from_page_cache
 from storage.policies import make_policy
-from storage.pool import Pool, initialize, initialize_tier, present_above
+from storage.pool import Pool, fill_pools, initialize_tier, present_above
 from storage.tiers import HostReadSource, StoreSource, TierSource, demote, measured_nbytes
 
 from .costs import ExecutorInfo, ProfileCosts, store_forms
@@ -137,7 +137,7 @@ def run_real(workload: Workload, model: CoEModel, store, profile: Profile | None
     box.append(sched)
     if system.init == "warm":
         order = ranked(model.experts, probs)
-        initialize(list(pools.values()), order)
+        fill_pools(list(pools.values()), order, system.fill, set(gpus))
         if host is not None:   # then the next most probable experts the pools above it do not hold, as the agent
             above = gpus + (list(host_readers) if exclusive and system.cpu_demote_queued else [])   # does
             initialize_tier(host, [pools[n] for n in above], order)

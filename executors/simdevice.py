@@ -67,7 +67,7 @@ from coe import CoEModel, Frame, Request
 from coe.probabilities import ranked
 from coe.workload import Workload
 from storage.policies import make_policy, ranks_by_value
-from storage.pool import Pool, initialize
+from storage.pool import FILLS, Pool, fill_pools, initialize
 
 from .costs import ExecutorInfo, ProfileCosts, StoredLookup, ssd_load_seconds
 from .links import DEFAULT_FRAME_BYTES, Link
@@ -117,6 +117,8 @@ class SimSystem:
     #                                holds into the host tier, ahead of the executor that will need it
     victim_admission: bool = False   # exclusive host tier: a victim moving down is declined when the tier's
     #                                  policy ranks it below what it would push out (Pool.admit worth_keeping)
+    fill: str = "round-robin"      # warm start: 'round-robin' across every executor (the paper's), or
+    #                                'gpu-first': the GPU pools, then the CPU pools (storage.pool.initialize_in_turn)
 
     def __post_init__(self) -> None:
         if self.boxes < 1:
@@ -126,6 +128,8 @@ class SimSystem:
             raise ValueError(f"executor(s) {', '.join(bad)} name a box outside 0..{self.boxes - 1}")
         if self.boxes > 1 and self.link is None:
             raise ValueError(f"{self.boxes} boxes need a link to price the frames' trip to the other boxes")
+        if self.fill not in FILLS:
+            raise ValueError(f"unknown fill '{self.fill}' (known: {', '.join(FILLS)})")
 
     def resources(self) -> str:
         """The memory and executors this system gets, for the bench table."""
@@ -390,8 +394,8 @@ def simulate(workload: Workload, profile: Profile, system: SimSystem, *, record_
                       tie_seconds=system.tie_seconds, now=lambda: clock[0], max_wait=system.max_wait)
 
     order = ranked(model.experts, probs)
-    if system.init == "warm":   # round-robin over every executor of every box, then the host tiers likewise
-        initialize(list(pools.values()), order)
+    if system.init == "warm":   # the executors' pools of every box (`fill`), then the host tiers round-robin
+        fill_pools(list(pools.values()), order, system.fill, {e.name for e in system.executors if e.kind == "cuda"})
         if hosts:
             held = {e for p in pools.values() for e in p.resident()}   # the host tiers start with the next ones
             initialize(list(hosts.values()), [e for e in order if e not in held])

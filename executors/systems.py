@@ -24,7 +24,7 @@ the host memory behind them.  How each spends it:
   own SSD, and the front box reaches the others over `link`.
 - Samba-CoE FIFO and Parallel, and CoServe's ablations (the paper's: none, em,
   em+ra; ours: -ssd, -steal, -exclusive, -age, -protect, -work, -hostread,
-  -readahead, -fill, -cpuqueued, -admit, each CoServe with one lever off),
+  -readahead, -fill, -cpuqueued, -admit, -ties, -gpufirst, each CoServe with one lever off),
   change one knob each.  In CoServe a victim moving down enters a full host
   tier only if the eviction policy ranks it above what it would push out,
   never for being used last (`-admit` takes every victim, as before):
@@ -45,6 +45,13 @@ the host memory behind them.  How each spends it:
   pushes a victim down that pushes out the next one needed): the highest rate
   sustained fell on all eleven boards of bench/sim_shapes.py, by more than 5%
   on four (up to 47%), so 'always' is not the default.
+- CoServe starts its GPU pools with the most probable experts, then its
+  CPU pools with the next ones (`fill`: gpu-first; storage.pool.initialize_in_turn),
+  where the paper deals them round-robin over all executors (`-gpufirst`,
+  and coserve-paper, keep that).  Round-robin put two of every three of the
+  hottest experts on the two CPU executors, so under load the GPU, which
+  runs most requests, read them from SSD first: on B1 (seed 0) 14 of the 30
+  most probable experts were read from SSD during the flood.
 """
 from __future__ import annotations
 
@@ -56,7 +63,7 @@ from .simdevice import SimExecutor, SimSystem
 
 SYSTEMS = ("coserve", "coserve-paper", "samba", "samba-fifo", "samba-parallel", "none", "em", "em+ra",
            "-ssd", "-steal", "-exclusive", "-age", "-protect", "-work", "-hostread", "-readahead", "-fill",
-           "-cpuqueued", "-admit", "-ties", "+cpudemote")
+           "-cpuqueued", "-admit", "-ties", "-gpufirst", "+cpudemote")
 DEFAULT = SYSTEMS
 MAX_WAIT = 2.0   # seconds: CoServe's age bound in the benchmark (the agent's default, scheduler.max_wait)
 
@@ -133,6 +140,7 @@ def build_system(name: str, profile: Profile, *, init: str = "warm", boxes: int 
         "-cpuqueued": (co, "coserve", "coserve", host, "exclusive", MAX_WAIT),
         "-admit": (co, "coserve", "coserve", host, "exclusive", MAX_WAIT),
         "-ties": (co, "coserve", "coserve-recencyties", host, "exclusive", MAX_WAIT),
+        "-gpufirst": (co, "coserve", "coserve", host, "exclusive", MAX_WAIT),
     }
     # CoServe's own levers: on in CoServe and in every ablation but the one that turns that lever off
     levers = name in ("coserve", "+cpudemote") or name.startswith("-")
@@ -142,6 +150,7 @@ def build_system(name: str, profile: Profile, *, init: str = "warm", boxes: int 
     cpu_demote_queued = host_reads and name != "-cpuqueued"
     read_ahead = levers and name != "-readahead"    # an idle SSD reads a queued group's expert into it
     admission = levers and name != "-admit"         # a victim moving down must outrank what it pushes out
+    fill = "gpu-first" if levers and name != "-gpufirst" else "round-robin"   # the GPU pools start with the top
     try:
         execs, sched, evict, tier, mode, max_wait = table[name]
     except KeyError:
@@ -151,4 +160,4 @@ def build_system(name: str, profile: Profile, *, init: str = "warm", boxes: int 
     return SimSystem(name, on_boxes(execs, boxes), sched, evict, host_tier=tier, init=init, host_mode=mode,
                      max_wait=max_wait, boxes=boxes, link=link if boxes > 1 else None, cpu_host_reads=host_reads,
                      cpu_demote=cpu_demote, cpu_demote_queued=cpu_demote_queued, read_ahead=read_ahead,
-                     victim_admission=admission)
+                     victim_admission=admission, fill=fill)

@@ -99,13 +99,15 @@ def agent_levers(cfg=None) -> dict:
     """The simulator's switches for the levers the agent runs with this line's config (`cfg`; None: the
     defaults): CPU executors copy from the host tier (`cpu_reads_host_tier`), an idle SSD reads ahead
     (`ssd_read_ahead`), CPU victims move down (`cpu_victims_to_host_tier`: queued, always or never), and a
-    victim enters the host tier only if it outranks what it pushes out (`host_tier_admission`: ranked).
+    victim enters the host tier only if it outranks what it pushes out (`host_tier_admission`: ranked), and the
+    GPU pools start with the most probable experts (`pool_fill`: gpu-first).
     The searches simulate the system the agent will run, not a plainer one."""
     host_reads = bool(getattr(cfg, "cpu_reads_host_tier", True))
     victims = getattr(cfg, "cpu_victims_to_host_tier", "queued")
     return dict(cpu_host_reads=host_reads, read_ahead=bool(getattr(cfg, "ssd_read_ahead", True)),
                 cpu_demote=host_reads and victims == "always", cpu_demote_queued=host_reads and victims == "queued",
-                victim_admission=getattr(cfg, "host_tier_admission", "ranked") == "ranked")
+                victim_admission=getattr(cfg, "host_tier_admission", "ranked") == "ranked",
+                fill=getattr(cfg, "pool_fill", "gpu-first"))
 
 
 def _system(dev: DeviceProfile, count: int, expert_memory: int, levers: dict | None = None) -> SimSystem:

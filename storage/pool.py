@@ -463,6 +463,41 @@ def initialize(pools: list[Pool], order: list[str]) -> dict[str, list[str]]:
     return got
 
 
+def initialize_in_turn(groups: list[list[Pool]], order: list[str]) -> dict[str, list[str]]:
+    """Fill `groups` of pools one group after another, each round-robin (`initialize`) with the experts of
+    `order` that no earlier group holds.  Returns what each pool received.
+
+    Why: the paper deals experts round-robin across every executor, which
+    suits executors of one kind.  Across a GPU and CPU executors it leaves
+    most of the hottest experts on the slow CPU executors (two CPU executors
+    beside one GPU take two of every three of the top ones), so under load
+    the GPU, which runs most requests, first reads them from SSD.  Filling
+    the GPU pools first ([gpu pools], [cpu pools]) keeps the most probable
+    experts where most requests run; the CPU pools start with the next ones.
+    """
+    got: dict[str, list[str]] = {}
+    held: set[str] = set()
+    for pools in groups:
+        got.update(initialize(pools, [e for e in order if e not in held]))
+        held |= {e for p in pools for e in p.resident()}
+    return got
+
+
+FILLS = ("gpu-first", "round-robin")
+
+
+def fill_pools(pools: list[Pool], order: list[str], how: str, gpus: Collection[str]) -> dict[str, list[str]]:
+    """The executors' pools at start, from `order` (most probable first): `how` is 'round-robin' across all
+    of them (the paper's, `initialize`) or 'gpu-first': the pools named in `gpus`, then the rest
+    (`initialize_in_turn`).  Returns what each pool received."""
+    if how == "round-robin":
+        return initialize(pools, order)
+    if how == "gpu-first":
+        return initialize_in_turn([[p for p in pools if p.name in gpus], [p for p in pools if p.name not in gpus]],
+                                  order)
+    raise ValueError(f"unknown fill '{how}' (known: {', '.join(FILLS)})")
+
+
 def present_above(queued: Iterable[Collection[str]], above: Iterable[Pool]) -> set[str]:
     """What a lower tier's policy counts as present: the experts queued anywhere and those the pools `above`
     it hold (an exclusive host tier never holds what a GPU pool holds, so a detector whose classifier sits

@@ -49,6 +49,7 @@ def test_env_overrides_nested_keys():
     ("line: T\nspec: spec.yaml\ncpu_reads_host_tier: sometimes\n", "cpu_reads_host_tier", "valid boolean"),
     ("line: T\nspec: spec.yaml\ncpu_victims_to_host_tier: maybe\n", "cpu_victims_to_host_tier", "'queued', 'always' or 'never'"),
     ("line: T\nspec: spec.yaml\nhost_tier_admission: best\n", "host_tier_admission", "'ranked' or 'all'"),
+    ("line: T\nspec: spec.yaml\npool_fill: fastest\n", "pool_fill", "'gpu-first' or 'round-robin'"),
     ("line: T\nspec: spec.yaml\nexecutors: [{count: 0}]\n", "executors.0.count", "greater than or equal to 1"),
 ])
 def test_invalid_config_names_file_key_reason(tmp_path, text, key, reason):
@@ -96,16 +97,16 @@ def test_new_keys_defaults_and_unset_count(tmp_path):
     cfg = load_config(write(tmp_path, "line: T\nspec: spec.yaml\n"), env={})
     assert cfg.scheduler.max_wait == 2.0 and cfg.cpu_tier_mode == "exclusive" and cfg.cpu_reads_host_tier
     assert cfg.cpu_victims_to_host_tier == "queued" and cfg.ssd_read_ahead is True
-    assert cfg.host_tier_admission == "ranked"
+    assert cfg.host_tier_admission == "ranked" and cfg.pool_fill == "gpu-first"
     assert cfg.executors[0].count == 1 and not cfg.executors[0].count_is_set   # the profile decides
     cfg = load_config(write(tmp_path, "line: T\nspec: spec.yaml\nscheduler: {max_wait: null}\n"
                                       "cpu_tier_mode: inclusive\neviction: coserve-paper\n"
                                       "cpu_reads_host_tier: false\ncpu_victims_to_host_tier: true\n"
-                                      "ssd_read_ahead: false\nhost_tier_admission: all\n"
+                                      "ssd_read_ahead: false\nhost_tier_admission: all\npool_fill: round-robin\n"
                                       "executors: [{count: null}, {count: 2}]\n"), env={})
     assert cfg.scheduler.max_wait is None and cfg.cpu_tier_mode == "inclusive" and cfg.eviction == "coserve-paper"
     assert cfg.cpu_reads_host_tier is False and cfg.cpu_victims_to_host_tier == "always" and not cfg.ssd_read_ahead
-    assert cfg.host_tier_admission == "all"
+    assert cfg.host_tier_admission == "all" and cfg.pool_fill == "round-robin"
     assert [(e.count, e.count_is_set) for e in cfg.executors] == [(1, False), (2, True)]
     for given, read in (("false", "never"), ("never", "never"), ("queued", "queued"), ("always", "always"),
                         ("'true'", "always"), ("1", "always"), ("0", "never")):

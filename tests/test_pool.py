@@ -398,3 +398,42 @@ def test_acquire_async_never_leaves_a_reservation_behind():
     fut = pool.acquire_async("b", lambda fn: held.append(fn) or Future())
     assert pool.present("b") and fut.cancel()
     assert not pool.present("b") and pool.used_bytes() == 4
+
+
+# -- how the executors' pools start (pool_fill) --------------------------------------------------------
+
+def _sized_pools(sizes: dict[str, int]) -> list[Pool]:
+    from storage.tracesim import SizeSource
+
+    src = SizeSource({e: 10 for e in "abcdefghij"})
+    return [Pool(name, cap, make_policy("lru"), src, name=name) for name, cap in sizes.items()]
+
+
+def test_round_robin_deals_the_hottest_experts_across_every_pool():
+    from storage.pool import fill_pools
+
+    gpu, cpu0, cpu1 = _sized_pools({"gpu": 40, "cpu0": 20, "cpu1": 20})
+    got = fill_pools([gpu, cpu0, cpu1], list("abcdefghij"), "round-robin", {"gpu"})
+    assert got == {"gpu": ["a", "d", "g", "h"], "cpu0": ["b", "e"], "cpu1": ["c", "f"]}
+
+
+def test_gpu_first_fills_the_gpu_pools_then_the_cpu_pools_with_the_next_experts():
+    from storage.pool import fill_pools
+
+    gpu0, gpu1, cpu0, cpu1 = _sized_pools({"gpu0": 30, "gpu1": 20, "cpu0": 20, "cpu1": 10})
+    got = fill_pools([cpu0, gpu0, cpu1, gpu1], list("abcdefghij"), "gpu-first", {"gpu0", "gpu1"})
+    # the GPU pools round-robin among themselves, then the CPU pools with what no GPU pool holds
+    assert got == {"gpu0": ["a", "c", "e"], "gpu1": ["b", "d"], "cpu0": ["f", "h"], "cpu1": ["g"]}
+    held = [e for p in (gpu0, gpu1, cpu0, cpu1) for e in p.resident()]
+    assert sorted(held) == list("abcdefgh")                          # each expert in one pool only
+
+
+def test_gpu_first_without_a_gpu_is_round_robin_and_an_unknown_fill_is_named():
+    from storage.pool import fill_pools
+
+    a = _sized_pools({"cpu0": 20, "cpu1": 20})
+    b = _sized_pools({"cpu0": 20, "cpu1": 20})
+    order = list("abcdefghij")
+    assert fill_pools(a, order, "gpu-first", set()) == fill_pools(b, order, "round-robin", set())
+    with pytest.raises(ValueError, match="unknown fill 'fastest' \\(known: gpu-first, round-robin\\)"):
+        fill_pools(_sized_pools({"cpu": 10}), order, "fastest", set())

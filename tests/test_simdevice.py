@@ -3,6 +3,7 @@ estimates that follow what runs, the shared-SSD term, and the baselines' memory 
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 
 import pytest
 from hypothesis import given, settings
@@ -876,7 +877,8 @@ def test_without_the_levers_the_simulator_reproduces_the_numbers_from_before_the
 
     prof = Profile.load(GPU_CLASS)
     w = make_workload(task("A1", requests=600))
-    before = dict(eviction="coserve-recencyties", victim_admission=False)   # the two host-tier levers off
+    # the two host-tier levers and the GPU-first fill off
+    before = dict(eviction="coserve-recencyties", victim_admission=False, fill="round-robin")
     off = simulate(w, prof, replace(build_system("-fill", prof), cpu_demote=False, cpu_demote_queued=False,
                                     read_ahead=False, **before))
     assert off.cpu_demotions == 0 and off.read_ahead == 0
@@ -894,8 +896,48 @@ def test_without_the_levers_the_simulator_reproduces_the_numbers_from_before_the
                                        read_ahead=False, **before))
     assert 0 < queued.cpu_demotions < demote.cpu_demotions
     ranked = simulate(w, prof, replace(build_system("-fill", prof), cpu_demote=False, cpu_demote_queued=False,
-                                       read_ahead=False, eviction="coserve-recencyties"))
+                                       read_ahead=False, eviction="coserve-recencyties", fill="round-robin"))
     assert ranked.declined > 0 and off.declined == 0 and demote.declined == 0
+
+
+def test_coserve_fills_the_gpu_pools_first_and_the_paper_round_robin():
+    prof = Profile.load(GPU_CLASS)
+    fills = {s: build_system(s, prof).fill for s in ("coserve", "coserve-paper", "samba", "em", "-gpufirst",
+                                                      "-admit", "+cpudemote")}
+    assert fills == {"coserve": "gpu-first", "coserve-paper": "round-robin", "samba": "round-robin",
+                     "em": "round-robin", "-gpufirst": "round-robin", "-admit": "gpu-first", "+cpudemote": "gpu-first"}
+    co = build_system("coserve", prof)
+    assert replace(build_system("-gpufirst", prof), name="coserve") == replace(co, fill="round-robin")
+    with pytest.raises(ValueError, match="unknown fill 'fastest'.*gpu-first"):
+        replace(co, fill="fastest")
+
+
+def _hot_pair_toy():
+    """e0 and e1 are the most probable (8 frames each), e2..e5 rare (1 each).  One GPU executor and one CPU
+    executor, room for 2 experts each; the CPU runs the architecture 20x slower, so the GPU serves e0 and e1.
+    Round-robin starts the GPU with e0, e2 and the CPU with e1, e3; GPU-first starts the GPU with e0, e1."""
+    model = one_arch_model(6)
+    model = CoEModel("toy", model.experts, {**model.components, "c0": Component("c0", "e0", 8.0),
+                                                  "c1": Component("c1", "e1", 8.0)})
+    devs = {"cuda:0": DeviceProfile("cuda:0", "cuda", 10_000, executors=1),
+            "cpu": DeviceProfile("cpu", "cpu", 10_000, executors=1, concurrency=(1.0,))}
+    prof = toy_profile(devs, {"cuda": (0.1, 0.0, 1), "cpu": (2.0, 0.0, 1)}, load=1.0)
+    execs = (SimExecutor("cuda:0#0", "cuda:0", 5000, 2000), SimExecutor("cpu#0", "cpu", 5000, 2000))
+    w = toy_workload(model, ["c0", "c1"] * 8)
+    return prof, execs, w
+
+
+@pytest.mark.parametrize("fill", ["gpu-first", "round-robin"])
+def test_gpu_first_starts_the_gpu_with_the_hottest_experts_so_it_reads_none_of_them(fill):
+    prof, execs, w = _hot_pair_toy()
+    system = SimSystem("t", execs, "coserve", "coserve", init="warm", fill=fill)
+    rep = simulate(w, prof, system, record_order=True)
+    on_gpu = {expert for ex, expert, *_ in rep.order if ex == "cuda:0#0"}
+    if fill == "gpu-first":
+        assert rep.ssd_loads == 0 and on_gpu == {"e0", "e1"}      # both hot experts were on the GPU from the start
+    else:
+        assert rep.ssd_loads >= 1                                 # e1 started on the CPU: read again, or run slowly
+        assert rep.makespan > simulate(w, prof, replace(system, fill="gpu-first")).makespan
 
 
 @pytest.mark.gpu

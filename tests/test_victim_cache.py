@@ -443,8 +443,9 @@ def test_agent_fills_its_pools_in_the_order_coserve_evicts_along_in_reverse(cpu_
 
     agent = cpu_gpu_agent("exclusive", "20MB", tag="fill")
     orders = []
-    real = agent_mod.initialize
-    monkeypatch.setattr(agent_mod, "initialize", lambda pools, order: orders.append(list(order)) or real(pools, order))
+    real = agent_mod.fill_pools
+    monkeypatch.setattr(agent_mod, "fill_pools",
+                        lambda pools, order, *a: orders.append(list(order)) or real(pools, order, *a))
     agent.probabilities = {e: 1.0 for e in agent.model.experts}
     assert list(agent.model.experts) != sorted(agent.model.experts)   # the spec's order differs from the ids'
     agent._initialize()
@@ -628,3 +629,24 @@ def test_a_replay_with_read_ahead_gives_every_frame_the_same_verdict_as_without(
             text = generate_latest(agent.metrics.registry).decode()
             assert f'coe_read_ahead_reads_total{{line="T"}} {float(st.read)}' in text
     assert out[True] == out[False]
+
+
+@pytest.mark.parametrize("fill", ["gpu-first", "round-robin"])
+def test_the_agent_starts_the_gpu_pool_with_the_hottest_experts_unless_told_round_robin(cpu_gpu_agent, fill):
+    """pool_fill: gpu-first (the default) gives the GPU pool the most probable experts and the CPU pool the
+    next ones; round-robin (the paper's) deals them across both, so the second most probable lands on the CPU."""
+    executors = [{"device": "cuda:0", "count": 1, "memory": "40MB", "expert_memory": "30MB", "prefetch": False},
+                 {"device": "cpu", "count": 1, "memory": "20MB", "expert_memory": "12MB", "prefetch": False}]
+    agent = cpu_gpu_agent("exclusive", "20MB", executors=executors, tag=fill, pool_fill=fill)
+    loaded = agent._initialize()
+    gpu, = [n for n in agent.pools if n.startswith("cuda")]
+    cpu, = [n for n in agent.pools if n.startswith("cpu")]
+    order = ranked(agent.model.experts, agent.probabilities)
+    on_gpu, on_cpu = set(agent.pools[gpu].resident()), set(agent.pools[cpu].resident())
+    assert loaded[gpu] and loaded[cpu] and not on_gpu & on_cpu
+    if fill == "gpu-first":
+        assert set(order[:len(on_gpu)]) == on_gpu                       # the GPU holds a prefix of the ranking
+        assert set(order[len(on_gpu):len(on_gpu) + len(on_cpu)]) == on_cpu   # the CPU the experts after it
+    else:
+        assert order[1] in on_cpu and order[0] in on_gpu                # dealt in turn
+    assert not set(agent.host_tier.resident()) & (on_gpu | on_cpu)
