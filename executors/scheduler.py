@@ -34,6 +34,15 @@ same code as CoServe:
   SSD seconds the move adds are charged once more (see `_steal`).
 - arranging: a request goes right behind the last queued request for the same
   expert (`arrange=True`); otherwise arrival order, and only neighbours batch.
+- frames in progress first (`coserve`, policy `followups`): a frame's later
+  step (a detector after its classifier) that starts a new group goes right
+  behind the queue's head (behind the earlier such groups), not at the end.
+  Its frame has already waited through its first step; at the end of the
+  queue it waited again behind the first steps of frames that arrived after
+  it, which made most of a line's slowest frames.  A later step that finds
+  its expert's group joins it where it is.  The head is never passed, and a
+  group's predicted wait (the age bound's start) is the time ahead of where
+  it goes.
 - splitting: a batch is capped at the cost model's max batch, which is
   min(profiled max batch, what fits in free memory now) when `split=True`.
 - age bound: a request that has waited `max_wait` longer than the wait the
@@ -114,19 +123,24 @@ class SchedulerPolicy:
     steal: bool = False       # an idle executor takes a waiting group that would finish sooner on it
     work_aware: bool = False  # the objective also charges what a choice adds to the executors' mean time
     fill: bool = False        # while the head group's expert loads, serve a resident group that ends before it
+    followups: bool = False   # a frame's later step that starts a new group goes right behind the head
 
 
 POLICIES = {
     "coserve": SchedulerPolicy("coserve", "cost", True, True, ssd_aware=True, steal=True, work_aware=True,
-                               fill=True),
+                               fill=True, followups=True),
     "coserve-paper": SchedulerPolicy("coserve-paper", "cost", True, True),   # the paper's rule, exactly
     # one lever of ours off at a time (bench ablations)
-    "coserve-nossd": SchedulerPolicy("coserve-nossd", "cost", True, True, steal=True, work_aware=True, fill=True),
+    "coserve-nossd": SchedulerPolicy("coserve-nossd", "cost", True, True, steal=True, work_aware=True, fill=True,
+                                     followups=True),
     "coserve-nosteal": SchedulerPolicy("coserve-nosteal", "cost", True, True, ssd_aware=True, work_aware=True,
-                                       fill=True),
-    "coserve-nowork": SchedulerPolicy("coserve-nowork", "cost", True, True, ssd_aware=True, steal=True, fill=True),
+                                       fill=True, followups=True),
+    "coserve-nowork": SchedulerPolicy("coserve-nowork", "cost", True, True, ssd_aware=True, steal=True, fill=True,
+                                      followups=True),
     "coserve-nofill": SchedulerPolicy("coserve-nofill", "cost", True, True, ssd_aware=True, steal=True,
-                                      work_aware=True),
+                                      work_aware=True, followups=True),
+    "coserve-nofollowup": SchedulerPolicy("coserve-nofollowup", "cost", True, True, ssd_aware=True, steal=True,
+                                          work_aware=True, fill=True),
     "em+ra": SchedulerPolicy("em+ra", "round-robin", True, True),      # ablation: no cost-based assigning
     "em": SchedulerPolicy("em", "round-robin", False, True),           # ablation: expert management only
     "none": SchedulerPolicy("none", "round-robin", False, True),
@@ -204,7 +218,7 @@ class FixedCosts:
 class _Group:
     """Queued requests for one expert on one queue, with their predicted cost."""
 
-    __slots__ = ("expert_id", "requests", "times", "switch", "ssd", "cost", "drain")
+    __slots__ = ("expert_id", "requests", "times", "switch", "ssd", "cost", "drain", "followup")
 
     def __init__(self, expert_id: str, switch: float, ssd: float) -> None:
         self.expert_id, self.switch, self.ssd = expert_id, switch, ssd
@@ -212,6 +226,7 @@ class _Group:
         self.times: deque[float] = deque()   # when each request was due: queued + predicted wait (age bound)
         self.cost = 0.0
         self.drain = 0    # requests this group had when it was picked: served before the age bound looks again
+        self.followup = False   # started by a frame's later step (policy `followups`)
 
 
 class _Queue:
@@ -288,6 +303,13 @@ class Scheduler:
         now = self._now()
         # a batch running past its prediction is still running: it counts as ending now, not in the past
         return q.queued + sum(max(end - now, 0.0) for _, end, _ in q.inflight.values())
+
+    def _ahead(self, q: _Queue, at: int) -> float:
+        """Predicted seconds before the group at position `at` of `q` starts: batches running, then the groups
+        in front of it."""
+        now = self._now()
+        return (sum(max(end - now, 0.0) for _, end, _ in q.inflight.values())
+                + sum(g.cost for g in itertools.islice(q.groups, at)))
 
     def channel(self, executor: str) -> str:
         """The SSD channel `executor` reads from: its box's ('' when the cost model knows one SSD only)."""
@@ -384,13 +406,22 @@ class Scheduler:
             t0 = self._clock()
             name, switch, ssd = self._assign(request.expert_id)
             q = self._q[name]
-            if due is None:
-                due = self._now() + (self.estimate(name) if self.max_wait is not None else 0.0)   # predicted wait
             x = request.expert_id
             group = self._join_target(q, x)
+            at = len(q.groups)   # where a new group goes: the end, or (a frame's later step) behind the head
+            if group is None and self.policy.followups and request.stage > 0 and q.groups:
+                at = 1
+                while at < len(q.groups) and q.groups[at].followup:
+                    at += 1   # behind the earlier ones: frames in progress in the order they got here
+            if due is None and self.max_wait is not None:   # the wait predicted for it
+                due = self._now() + (self.estimate(name) if group is not None or at == len(q.groups)
+                                     else self._ahead(q, at))
+            elif due is None:
+                due = self._now()
             if group is None:
                 group = _Group(x, switch, ssd)
-                q.groups.append(group)
+                group.followup = at < len(q.groups)
+                q.groups.insert(at, group)
                 q.by_expert[x] = group
                 q.ssd += ssd
             if group.times and due < group.times[-1]:   # an older (requeued) request: in age order

@@ -180,3 +180,46 @@ def test_a_filler_runs_one_batch_then_the_head_once_its_load_is_in():
     s.finished(b)
     loading["a"] = 0.4                                 # less left than a batch of b takes: no second fill
     assert s.next_batch("q", timeout=0).expert_id == "a" and s.filled == 1
+
+
+def stage(expert, i, n):
+    r = req(expert, i)
+    r.stage = n
+    return r
+
+
+@pytest.mark.parametrize("policy", ["coserve", "coserve-nofollowup"])
+def test_a_frames_later_step_that_starts_a_group_goes_right_behind_the_head(policy):
+    """Queue: a (head), b, c, all first steps.  A frame's second step for d starts a new group: CoServe puts it
+    right behind the head, and the next one (e) behind d; a second step for c joins c's group where it is.
+    Without the lever every new group goes to the end.  Batches come out in queue order."""
+    s = Scheduler(["q"], policy, costs=FixedCosts(K=1.0, B=0.0, load=0.0, max_batch=8), max_wait=None)
+    for i, e in enumerate("abc"):
+        s.submit(req(e, i))
+    s.submit(stage("d", 3, 1))
+    s.submit(stage("e", 4, 1))
+    s.submit(stage("c", 5, 1))
+    expected = ["a", "d", "e", "b", "c"] if policy == "coserve" else ["a", "b", "c", "d", "e"]
+    assert s.queued_groups("q") == expected
+    served = []
+    while (b := s.next_batch("q", timeout=0)) is not None:
+        served.append((b.expert_id, len(b)))
+        s.finished(b)
+    assert served == [(e, 2 if e == "c" else 1) for e in expected]
+
+
+def test_a_later_step_behind_the_head_is_due_after_the_time_ahead_of_it():
+    """The age bound counts from the wait predicted where the group goes: behind the head (1 s of K), not
+    behind the whole queue (4 s)."""
+    t = [0.0]
+    s = Scheduler(["q"], "coserve", costs=FixedCosts(K=1.0, B=0.0, load=0.0, max_batch=8), now=lambda: t[0],
+                  max_wait=2.0)
+    for i, e in enumerate("abcd"):
+        s.submit(req(e, i))
+    t[0] = 0.5
+    s.submit(stage("z", 9, 1))
+    s.submit(req("y", 10))                          # a first step: at the end, due after the whole queue
+    q = s._q["q"]
+    assert [g.expert_id for g in q.groups] == ["a", "z", "b", "c", "d", "y"]
+    assert q.groups[1].times[0] == pytest.approx(0.5 + 1.0)   # now + a's K
+    assert q.groups[-1].times[0] == pytest.approx(0.5 + 5.0)  # now + every queued K

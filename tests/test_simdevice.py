@@ -875,10 +875,13 @@ def test_without_the_levers_the_simulator_reproduces_the_numbers_from_before_the
     pools moves them, the levers must not).  Each lever, turned on, does what it says: victims move down, reads go ahead."""
     from dataclasses import replace
 
+    from executors.scheduler import make_scheduler_policy
+
     prof = Profile.load(GPU_CLASS)
     w = make_workload(task("A1", requests=600))
-    # the two host-tier levers and the GPU-first fill off
-    before = dict(eviction="coserve-recencyties", victim_admission=False, fill="round-robin")
+    # the two host-tier levers, the GPU-first fill and frames in progress first off
+    before = dict(eviction="coserve-recencyties", victim_admission=False, fill="round-robin",
+                  scheduler=replace(make_scheduler_policy("coserve-nofill"), followups=False))
     off = simulate(w, prof, replace(build_system("-fill", prof), cpu_demote=False, cpu_demote_queued=False,
                                     read_ahead=False, **before))
     assert off.cpu_demotions == 0 and off.read_ahead == 0
@@ -896,7 +899,7 @@ def test_without_the_levers_the_simulator_reproduces_the_numbers_from_before_the
                                        read_ahead=False, **before))
     assert 0 < queued.cpu_demotions < demote.cpu_demotions
     ranked = simulate(w, prof, replace(build_system("-fill", prof), cpu_demote=False, cpu_demote_queued=False,
-                                       read_ahead=False, eviction="coserve-recencyties", fill="round-robin"))
+                                       read_ahead=False, **{**before, "victim_admission": True}))
     assert ranked.declined > 0 and off.declined == 0 and demote.declined == 0
 
 
@@ -910,6 +913,18 @@ def test_coserve_fills_the_gpu_pools_first_and_the_paper_round_robin():
     assert replace(build_system("-gpufirst", prof), name="coserve") == replace(co, fill="round-robin")
     with pytest.raises(ValueError, match="unknown fill 'fastest'.*gpu-first"):
         replace(co, fill="fastest")
+
+
+
+def test_frames_in_progress_first_is_coserves_and_off_in_its_ablation_and_the_paper():
+    from executors.scheduler import make_scheduler_policy
+
+    prof = Profile.load(GPU_CLASS)
+    on = {s for s in ("coserve", "coserve-paper", "samba", "em+ra", "-followup", "-fill", "-steal", "-ssd")
+          if make_scheduler_policy(build_system(s, prof).scheduler).followups}
+    assert on == {"coserve", "-fill", "-steal", "-ssd"}
+    assert replace(build_system("-followup", prof), name="coserve") == replace(build_system("coserve", prof),
+                                                                               scheduler="coserve-nofollowup")
 
 
 def _hot_pair_toy():
