@@ -59,6 +59,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import math
 import statistics
 import time
 from dataclasses import dataclass, field
@@ -610,6 +611,11 @@ def lower_bound(workload: Workload, profile: Profile, system: SimSystem, initial
         busy executors share it; a CPU's executors own a share of its cores), so
         T >= sum of per-request minima / sum of device capacities, however
         requests are split across CPU and GPU.
+        With two device kinds (a GPU and a CPU) the split itself is bounded too
+        (`split_compute`): a request served on kind k costs that kind at least
+        its own K + B / max batch there, so the least T over every fractional
+        split of each expert's requests between the kinds, each kind
+        delivering at most its capacity x T, is below every schedule.
     (c) SSD: every expert the task uses that no tier held at the start is
         read at least once, at its fastest load (as it is stored: `stored`,
         see `simulate`), on the one shared SSD; with several boxes, on one of
@@ -636,8 +642,18 @@ def lower_bound(workload: Workload, profile: Profile, system: SimSystem, initial
                                                                  for key, d in devs.items() if d.kind == k)
                    for k in kinds)
 
-    capacity = sum(d.capacity(_configured(system, key)) for key, d in devs.items())
-    compute = sum(n * per_request(e) for e, n in n_by.items()) / capacity
+    by_kind: dict[str, float] = {}
+    for key, d in devs.items():
+        by_kind[d.kind] = by_kind.get(d.kind, 0.0) + d.capacity(_configured(system, key))
+    work: dict[str, list] = {}   # per architecture: [requests, {kind: least seconds a request costs there}]
+    for e, n in n_by.items():
+        arch = model.experts[e].arch
+        if arch not in work:
+            work[arch] = [0, {k: profile.arch(arch, k).K + profile.arch(arch, k).B / profile.arch(arch, k).max_batch
+                              for k in kinds}]
+        work[arch][0] += n
+    compute = max(sum(n * per_request(e) for e, n in n_by.items()) / sum(by_kind.values()),
+                  split_compute([(n, c) for n, c in work.values()], by_kind))
     last = workload.arrivals[-1]
     cls = model.components[last.component].classifier
     nxt = model.experts[cls].next.get("ok") if last.ok else None
@@ -649,6 +665,44 @@ def lower_bound(workload: Workload, profile: Profile, system: SimSystem, initial
             for e in n_by}
     limited = memory_limited_reads(workload, system, read)
     return max(last.t + chain, compute, spill, limited)
+
+
+def split_compute(work: list[tuple[int, dict[str, float]]], capacity: dict[str, float]) -> float:
+    """The least time T in which `work` can be done when each item's requests may be split between the device
+    kinds in any fractions: item (n, {kind: c}) is n requests costing c seconds of kind-time each, and kind k
+    delivers capacity[k] x T seconds of such time in T.  0 when there is no work.
+
+    Claim: every schedule's compute takes at least this.  Let x_k be how many of an item's requests a schedule
+    serves on kind k; kind k then does at least sum x_k c_k of work, and does at most capacity[k] x makespan,
+    so the makespan is at least the T of that split, and the least T over all fractional splits is below it.
+
+    With one kind: sum n c / capacity.  With two (a and b): for a given T, kind b must take at least
+    total_a - capacity_a T of kind-a work while doing at most capacity_b T of its own, a fractional knapsack
+    solved by moving items to b in ascending c_b / c_a, so T is found by moving them in that order until the two
+    kinds' times meet.  With more than two kinds this returns 0 (the caller's other terms still hold).
+    """
+    kinds = [k for k, cap in capacity.items() if cap > 0]
+    items = [(n, c) for n, c in work if n > 0]
+    if not items:
+        return 0.0
+    if len(kinds) == 1:
+        k = kinds[0]
+        return sum(n * c[k] for n, c in items) / capacity[k]
+    if len(kinds) != 2:
+        return 0.0
+    a, b = kinds
+    ca, cb = capacity[a], capacity[b]
+    wa, wb = sum(n * c[a] for n, c in items), 0.0
+    for n, c in sorted(items, key=lambda it: (it[1][b] / it[1][a]) if it[1][a] > 0 else math.inf):
+        if wb / cb >= wa / ca:
+            break
+        whole_a, whole_b = wa - n * c[a], wb + n * c[b]
+        if whole_b / cb <= whole_a / ca:
+            wa, wb = whole_a, whole_b
+            continue
+        f = (wa / ca - wb / cb) / (n * (c[a] / ca + c[b] / cb))   # the fraction where the two times meet
+        return (wb + f * n * c[b]) / cb
+    return max(wa / ca, wb / cb)
 
 
 def last_needed(workload: Workload) -> dict[str, float]:

@@ -119,8 +119,45 @@ def test_lower_bound_stays_below_the_optimum_when_requests_split_over_cpu_and_gp
         bound = lower_bound(w, prof, system, initial={"e0"})
         assert bound <= _optimum(n, 1, gpus) + 1e-9, n
         assert bound <= simulate(w, prof, system).makespan + 1e-9
-    # the bound is not vacuous: 6 requests at 0.8 s each at best, over a capacity of 1 + gpus
-    assert lower_bound(toy_workload(model, ["c0"] * 6), prof, system, {"e0"}) == pytest.approx(4.8 / (1 + gpus))
+    # the bound is not vacuous: 6 requests split so that the CPU (0.8 s each at best, capacity 1) and the GPUs
+    # (1 s each, capacity gpus) finish together: x on the GPUs, x / gpus = (6 - x) 0.8, T = 4.8 / (1 + 0.8 gpus)
+    # (above the plain 6 x 0.8 / (1 + gpus), which prices every request at the CPU's cheaper cost)
+    assert lower_bound(toy_workload(model, ["c0"] * 6), prof, system, {"e0"}) == pytest.approx(4.8 / (1 + 0.8 * gpus))
+
+
+def test_split_compute_on_one_kind_and_where_two_kinds_meet():
+    from executors.simdevice import split_compute
+
+    assert split_compute([(4, {"cuda": 0.5}), (2, {"cuda": 1.0})], {"cuda": 2.0}) == pytest.approx(2.0)
+    assert split_compute([], {"cuda": 1.0, "cpu": 1.0}) == 0.0
+    # r (resnet-like): 1 s on the GPU, 4 on the CPU; y (a detector): 1 s on the GPU, 20 on the CPU.  Capacities
+    # 1 and 2.  With no y the CPU takes x of r's 10 until the times meet: 10 - x = 4x / 2 -> x = 10/3, T = 20/3
+    assert split_compute([(10, {"cuda": 1.0, "cpu": 4.0}), (0, {"cuda": 1.0, "cpu": 20.0})],
+                         {"cuda": 1.0, "cpu": 2.0}) == pytest.approx(20 / 3)
+    # with 5 of y the CPU still takes r first (c_cpu / c_gpu 4 against 20), the GPU keeps all of y (5 s):
+    # 5 + 10 - x = 4x / 2 -> x = 5, T = 10
+    assert split_compute([(10, {"cuda": 1.0, "cpu": 4.0}), (5, {"cuda": 1.0, "cpu": 20.0})],
+                         {"cuda": 1.0, "cpu": 2.0}) == pytest.approx(10.0)
+    # a kind with no capacity takes nothing
+    assert split_compute([(3, {"cuda": 1.0, "cpu": 0.1})], {"cuda": 1.0, "cpu": 0.0}) == pytest.approx(3.0)
+
+
+@settings(max_examples=60, deadline=None)
+@given(items=st.lists(st.tuples(st.integers(0, 6), st.floats(0.05, 3.0), st.floats(0.05, 30.0)), min_size=1,
+                      max_size=4),
+       caps=st.tuples(st.floats(0.5, 3.0), st.floats(0.5, 3.0)), data=st.data())
+def test_split_compute_is_below_every_integer_split(items, caps, data):
+    """Every way of serving each item's requests on the two kinds takes at least the bound."""
+    from executors.simdevice import split_compute
+
+    work = [(n, {"cuda": g, "cpu": c}) for n, g, c in items]
+    capacity = {"cuda": caps[0], "cpu": caps[1]}
+    bound = split_compute(work, capacity)
+    for _ in range(20):
+        on_cpu = [data.draw(st.integers(0, n)) for n, _ in work]
+        t_gpu = sum((n - k) * w["cuda"] for (n, w), k in zip(work, on_cpu)) / caps[0]
+        t_cpu = sum(k * w["cpu"] for (n, w), k in zip(work, on_cpu)) / caps[1]
+        assert bound <= max(t_gpu, t_cpu) + 1e-9
 
 
 @settings(max_examples=12, deadline=None)
