@@ -578,7 +578,7 @@ class Agent:
         failed = self.failed.all()
         order = [e for e in ranked(self.model.experts, self.probabilities) if e not in failed]
         gpus = {s.name for s in self.slots if s.ex.device.startswith("cuda")}
-        loaded = fill_pools(list(self.pools.values()), order, self.cfg.pool_fill, gpus)
+        loaded = fill_pools(list(self.pools.values()), order, self.cfg.start_fill, gpus)
         if self.host_tier is not None:
             above = [self.pools[n] for n in [*self.gpu_pools, *self.cpu_demoters]]
             loaded[self.host_tier.name] = initialize_tier(self.host_tier, above, order)

@@ -229,15 +229,15 @@ class LineConfig(_Strict):
                               "(bench/sim_seeds.py, A1-B2, seeds 0-3; bench ablation '-admit') 'ranked' lowered "
                               "the mean p99 at 11.5 frames/s on every task, by 0.01-0.08 s, and moved the mean "
                               "flood throughput by -1.7% to +1.2%")
-    pool_fill: Literal["gpu-first", "round-robin"] = Field(
-        "gpu-first", description="how the executors' pools start, most probable experts first: 'gpu-first' (the "
-                                 "default): the GPU executors' pools, then the CPU executors' with the next ones; "
-                                 "'round-robin': dealt across every executor, as the CoServe paper does.  "
-                                 "Round-robin leaves two of every three of the hottest experts on two CPU executors, "
-                                 "which the GPU, running most requests, then reads from SSD.  In simulation "
-                                 "(bench/sim_seeds.py, A1-B2, seeds 0-3; bench ablation '-gpufirst') 'gpu-first' "
-                                 "raised the mean flood throughput by 11-16% and the efficiency against the lower "
-                                 "bound from 0.74-0.84 to 0.88-0.92.  No effect without a GPU")
+    pool_fill: Literal["gpu-first", "round-robin"] | None = Field(
+        None, description="how the executors' pools start, most probable experts first: 'gpu-first': the GPU "
+                          "executors' pools, then the CPU executors' with the next ones; 'round-robin': dealt "
+                          "across every executor, as the CoServe paper does.  Unset (the default): gpu-first under "
+                          "scheduler.policy coserve, round-robin under the paper's rule and the baselines.  "
+                          "Round-robin leaves two of every three of the hottest experts on two CPU executors, "
+                          "which the GPU, running most requests, then reads from SSD.  In simulation "
+                          "(bench/sim_seeds.py --systems coserve,-gpufirst, A1-B2, seeds 0-3) 'gpu-first' raised "
+                          "the mean flood throughput by 12-19%.  No effect without a GPU")
     ssd_read_ahead: bool = Field(
         True, description="with an exclusive host tier: while no executor reads the SSD, read the expert of the "
                           "earliest queued group behind a queue's head that no pool or tier holds into the host "
@@ -303,6 +303,13 @@ class LineConfig(_Strict):
                              "`coe-agent experts sync` does not copy to other boxes yet; use runtime: torch with "
                              "node executors")
         return self
+
+    @property
+    def start_fill(self) -> str:
+        """How the pools start (`pool_fill`; unset: CoServe's gpu-first, the paper's round-robin otherwise)."""
+        if self.pool_fill is not None:
+            return self.pool_fill
+        return "gpu-first" if self.scheduler.policy == "coserve" else "round-robin"
 
     @property
     def spec_path(self) -> Path:

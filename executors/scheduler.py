@@ -409,7 +409,8 @@ class Scheduler:
             x = request.expert_id
             group = self._join_target(q, x)
             at = len(q.groups)   # where a new group goes: the end, or (a frame's later step) behind the head
-            if group is None and self.policy.followups and request.stage > 0 and q.groups:
+            followup = group is None and self.policy.followups and request.stage > 0
+            if followup and q.groups:
                 at = 1
                 while at < len(q.groups) and q.groups[at].followup:
                     at += 1   # behind the earlier ones: frames in progress in the order they got here
@@ -420,7 +421,7 @@ class Scheduler:
                 due = self._now()
             if group is None:
                 group = _Group(x, switch, ssd)
-                group.followup = at < len(q.groups)
+                group.followup = followup   # even at the end: a later follow-up goes behind it, not in front
                 q.groups.insert(at, group)
                 q.by_expert[x] = group
                 q.ssd += ssd

@@ -107,7 +107,7 @@ def agent_levers(cfg=None) -> dict:
     return dict(cpu_host_reads=host_reads, read_ahead=bool(getattr(cfg, "ssd_read_ahead", True)),
                 cpu_demote=host_reads and victims == "always", cpu_demote_queued=host_reads and victims == "queued",
                 victim_admission=getattr(cfg, "host_tier_admission", "ranked") == "ranked",
-                fill=getattr(cfg, "pool_fill", "gpu-first"))
+                fill=getattr(cfg, "start_fill", "gpu-first"))
 
 
 def _system(dev: DeviceProfile, count: int, expert_memory: int, levers: dict | None = None) -> SimSystem:

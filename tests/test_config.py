@@ -97,7 +97,7 @@ def test_new_keys_defaults_and_unset_count(tmp_path):
     cfg = load_config(write(tmp_path, "line: T\nspec: spec.yaml\n"), env={})
     assert cfg.scheduler.max_wait == 2.0 and cfg.cpu_tier_mode == "exclusive" and cfg.cpu_reads_host_tier
     assert cfg.cpu_victims_to_host_tier == "queued" and cfg.ssd_read_ahead is True
-    assert cfg.host_tier_admission == "ranked" and cfg.pool_fill == "gpu-first"
+    assert cfg.host_tier_admission == "ranked" and cfg.pool_fill is None and cfg.start_fill == "gpu-first"
     assert cfg.executors[0].count == 1 and not cfg.executors[0].count_is_set   # the profile decides
     cfg = load_config(write(tmp_path, "line: T\nspec: spec.yaml\nscheduler: {max_wait: null}\n"
                                       "cpu_tier_mode: inclusive\neviction: coserve-paper\n"
@@ -106,7 +106,14 @@ def test_new_keys_defaults_and_unset_count(tmp_path):
                                       "executors: [{count: null}, {count: 2}]\n"), env={})
     assert cfg.scheduler.max_wait is None and cfg.cpu_tier_mode == "inclusive" and cfg.eviction == "coserve-paper"
     assert cfg.cpu_reads_host_tier is False and cfg.cpu_victims_to_host_tier == "always" and not cfg.ssd_read_ahead
-    assert cfg.host_tier_admission == "all" and cfg.pool_fill == "round-robin"
+    assert cfg.host_tier_admission == "all" and cfg.start_fill == "round-robin"
+    # unset, the paper's rule and the baselines start round-robin, as the paper does
+    for policy, fill in (("coserve", "gpu-first"), ("coserve-paper", "round-robin"), ("fcfs", "round-robin")):
+        other = load_config(write(tmp_path, f"line: T\nspec: spec.yaml\nscheduler: {{policy: {policy}}}\n"), env={})
+        assert other.start_fill == fill, policy
+    other = load_config(write(tmp_path, "line: T\nspec: spec.yaml\nscheduler: {policy: coserve-paper}\n"
+                                        "pool_fill: gpu-first\n"), env={})
+    assert other.start_fill == "gpu-first"                            # set, it holds under any policy
     assert [(e.count, e.count_is_set) for e in cfg.executors] == [(1, False), (2, True)]
     for given, read in (("false", "never"), ("never", "never"), ("queued", "queued"), ("always", "always"),
                         ("'true'", "always"), ("1", "always"), ("0", "never")):

@@ -208,6 +208,17 @@ def test_a_frames_later_step_that_starts_a_group_goes_right_behind_the_head(poli
     assert served == [(e, 2 if e == "c" else 1) for e in expected]
 
 
+def test_later_steps_keep_their_order_when_the_queue_holds_only_the_head_and_them():
+    """A follow-up that lands at the end (only the head ahead of it) is still one: the next goes behind it."""
+    s = Scheduler(["q"], "coserve", costs=FixedCosts(K=1.0, B=0.0, load=0.0, max_batch=8), max_wait=None)
+    s.submit(req("a", 0))
+    for i, e in enumerate("def"):
+        s.submit(stage(e, 1 + i, 1))
+    s.submit(req("x", 9))
+    s.submit(stage("g", 10, 1))
+    assert s.queued_groups("q") == ["a", "d", "e", "f", "g", "x"]
+
+
 def test_a_later_step_behind_the_head_is_due_after_the_time_ahead_of_it():
     """The age bound counts from the wait predicted where the group goes: behind the head (1 s of K), not
     behind the whole queue (4 s)."""
