@@ -237,7 +237,7 @@ class LineConfig(_Strict):
                           "Round-robin leaves two of every three of the hottest experts on two CPU executors, "
                           "which the GPU, running most requests, then reads from SSD.  In simulation "
                           "(bench/sim_seeds.py --systems coserve,-gpufirst, A1-B2, seeds 0-3) 'gpu-first' raised "
-                          "the mean flood throughput by 12-19%.  No effect without a GPU")
+                          "the mean flood throughput by 12-20%.  No effect without a GPU")
     ssd_read_ahead: bool = Field(
         True, description="with an exclusive host tier: while no executor reads the SSD, read the expert of the "
                           "earliest queued group behind a queue's head that no pool or tier holds into the host "
