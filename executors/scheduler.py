@@ -302,14 +302,17 @@ class Scheduler:
         q = self._q[executor]
         now = self._now()
         # a batch running past its prediction is still running: it counts as ending now, not in the past
-        return q.queued + sum(max(end - now, 0.0) for _, end, _ in q.inflight.values())
+        return q.queued + self._running(q, now)
+
+    @staticmethod
+    def _running(q: _Queue, now: float) -> float:
+        """Predicted seconds the batches handed out from `q` still run (one past its prediction: 0, not less)."""
+        return sum(max(end - now, 0.0) for _, end, _ in q.inflight.values())
 
     def _ahead(self, q: _Queue, at: int) -> float:
         """Predicted seconds before the group at position `at` of `q` starts: batches running, then the groups
         in front of it."""
-        now = self._now()
-        return (sum(max(end - now, 0.0) for _, end, _ in q.inflight.values())
-                + sum(g.cost for g in itertools.islice(q.groups, at)))
+        return self._running(q, self._now()) + sum(g.cost for g in itertools.islice(q.groups, at))
 
     def channel(self, executor: str) -> str:
         """The SSD channel `executor` reads from: its box's ('' when the cost model knows one SSD only)."""
@@ -556,7 +559,7 @@ class Scheduler:
         for name, o in self._q.items():
             if name == executor or not o.groups:
                 continue
-            ahead = sum(max(end - now, 0.0) for _, end, _ in o.inflight.values())
+            ahead = self._running(o, now)
             for g in o.groups:
                 finish_there = ahead + g.cost
                 ahead = finish_there

@@ -631,11 +631,6 @@ def lower_bound(workload: Workload, profile: Profile, system: SimSystem, initial
     kinds = {d.kind for d in devs.values()}
     n_by = uses(workload)
 
-    def per_request(expert_id: str) -> float:
-        arch = model.experts[expert_id].arch
-        return min(profile.arch(arch, k).K + profile.arch(arch, k).B / profile.arch(arch, k).max_batch
-                   for k in kinds)
-
     def single(expert_id: str) -> float:
         arch = model.experts[expert_id].arch
         return min(profile.arch(arch, k).batch_seconds(1) / max(d.speed(1, _configured(system, key))
@@ -652,8 +647,7 @@ def lower_bound(workload: Workload, profile: Profile, system: SimSystem, initial
             work[arch] = [0, {k: profile.arch(arch, k).K + profile.arch(arch, k).B / profile.arch(arch, k).max_batch
                               for k in kinds}]
         work[arch][0] += n
-    compute = max(sum(n * per_request(e) for e, n in n_by.items()) / sum(by_kind.values()),
-                  split_compute([(n, c) for n, c in work.values()], by_kind))
+    compute = split_compute([(n, c) for n, c in work.values()], by_kind)
     last = workload.arrivals[-1]
     cls = model.components[last.component].classifier
     nxt = model.experts[cls].next.get("ok") if last.ok else None
@@ -679,17 +673,15 @@ def split_compute(work: list[tuple[int, dict[str, float]]], capacity: dict[str, 
     With one kind: sum n c / capacity.  With two (a and b): for a given T, kind b must take at least
     total_a - capacity_a T of kind-a work while doing at most capacity_b T of its own, a fractional knapsack
     solved by moving items to b in ascending c_b / c_a, so T is found by moving them in that order until the two
-    kinds' times meet.  With more than two kinds this returns 0 (the caller's other terms still hold).
+    kinds' times meet.  With more than two kinds, the looser pooled form: every request at its cheapest kind's
+    cost, over all kinds' capacity (which the two-kind answer is never below).
     """
     kinds = [k for k, cap in capacity.items() if cap > 0]
     items = [(n, c) for n, c in work if n > 0]
-    if not items:
+    if not items or not kinds:
         return 0.0
-    if len(kinds) == 1:
-        k = kinds[0]
-        return sum(n * c[k] for n, c in items) / capacity[k]
     if len(kinds) != 2:
-        return 0.0
+        return sum(n * min(c[k] for k in kinds) for n, c in items) / sum(capacity[k] for k in kinds)
     a, b = kinds
     ca, cb = capacity[a], capacity[b]
     wa, wb = sum(n * c[a] for n, c in items), 0.0

@@ -141,6 +141,9 @@ def test_split_compute_on_one_kind_and_where_two_kinds_meet():
                          {"cuda": 1.0, "cpu": 2.0}) == pytest.approx(10.0)
     # a kind with no capacity takes nothing
     assert split_compute([(3, {"cuda": 1.0, "cpu": 0.1})], {"cuda": 1.0, "cpu": 0.0}) == pytest.approx(3.0)
+    # three kinds: the pooled form, every request at its cheapest kind over all capacity (3 x 0.5 / 3)
+    assert split_compute([(3, {"cuda": 1.0, "cpu": 2.0, "npu": 0.5})],
+                         {"cuda": 1.0, "cpu": 1.0, "npu": 1.0}) == pytest.approx(0.5)
 
 
 @settings(max_examples=60, deadline=None)
