@@ -468,7 +468,8 @@ def run_ablation(store: Path, profile: Trace, trace: Trace, *, share: float = 0.
         if pm.prefetcher is not None:
             st = pm.prefetcher.stats
             row.update(prefetch_precision=st.precision, prefetch_recall=st.recall, prefetch_issued=st.issued,
-                       prefetch_useful=st.useful, prefetch_yielded=st.yielded)
+                       prefetch_useful=st.useful, prefetch_yielded=st.yielded, prefetch_paused=st.paused,
+                       prefetch_adopted=st.adopted)
         if pm.split is not None:
             # an in-place expert is read from its file (dropped from the page cache after): disk bytes too
             in_place = pm.in_place.weights.reads.file_bytes / 2**30

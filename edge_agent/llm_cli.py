@@ -210,9 +210,10 @@ def llm_generate(model: str, prompt: str, max_new_tokens: int, memory: str | Non
                + stats.line(), err=True)
     if pm.prefetcher is not None:
         st = pm.prefetcher.stats
-        click.echo(f"prefetch: precision {st.precision:.2f}, recall {st.recall:.2f}, {st.issued} read in before "
-                   f"their layer ({st.useful} used), {st.yielded} gave way to the layers' own reads, {st.dropped} "
-                   f"dropped (no room, too late or failed)", err=True)
+        click.echo(f"prefetch: precision {st.precision:.2f}, recall {st.recall:.2f}, {st.issued} read in "
+                   f"({st.useful} used; {st.adopted} of them still being read when their layer asked, and joined), "
+                   f"{st.paused} pauses for the layers' own reads, {st.yielded} stopped (their layer did not ask), "
+                   f"{st.dropped} dropped (no room, too late or failed)", err=True)
     if pm.split is not None:
         sp, reads = pm.split.stats, pm.in_place.weights.reads
         where = "on a CPU thread (Fiddler)" if pm.in_place.threaded else "from the memory map"
@@ -583,7 +584,8 @@ def llm_bench(work: str, parts: str, prompts: int, decode: int, train_seconds: f
                 f"; {r['in_place']} computed in place ({r['gib_in_place']:.2f} GiB read from their files), "
                 f"{r['loaded']} layers loaded" if "in_place" in r else "") + (
                 f"; prefetch precision {r['prefetch_precision']:.2f} recall {r['prefetch_recall']:.2f}, "
-                f"{r['prefetch_useful']} of {r['prefetch_issued']} read in used, {r.get('prefetch_yielded', 0)} gave way"
+                f"{r['prefetch_useful']} of {r['prefetch_issued']} read in used ({r.get('prefetch_adopted', 0)} "
+                f"joined midway), {r.get('prefetch_paused', 0)} pauses, {r.get('prefetch_yielded', 0)} stopped"
                 if "prefetch_precision" in r else "")
             click.echo(f"{r['row']:46} {r['tokens_per_second']:>9.2f} {r['hit_rate']:>9.1%} {r['gib_read']:>9.2f} "
                        f"{r['tokens_per_second'] / base:>6.2f}  {note}")

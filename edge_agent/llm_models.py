@@ -152,3 +152,70 @@ def generated_model(out: str | Path, *, expert_gb: float, layers: int = 4, exper
     byte_tokenizer().save_pretrained(out)
     return {"experts_per_layer": experts, "layers": layers, "intermediate": inter,
             "expert_bytes": 3 * hidden * inter * item * experts * layers}
+
+
+def inflated_model(src: str | Path, out: str | Path, *, expert_mb: float, seed: int = 0) -> dict:
+    """The trained small MoE at a big model's expert size: its routing, hidden states and outputs, big bytes.
+
+    The generated big model (`generated_model`) has random weights, so its
+    router gives a predictor nothing to learn and its hidden states are noise;
+    traces of the trained model stand in for its routing, which leaves out
+    whatever needs real hidden states (the next-layer prefetch).  This widens
+    each expert of the trained model at `src` to about `expert_mb` MB with
+    padding that adds nothing: the intermediate size grows from I to I';
+    the new gate rows and down columns are random, the new up rows are zero,
+    so the new units' activation silu(g) * 0 is zero and their contribution
+    down[:, i] * 0 is zero.  The model computes what the small one computes
+    (up to float summation order: the logits agree to about 1e-5), at a big
+    expert's cost in bytes and matmul time.  One third of the padding is
+    zeros; reading zeros measured no faster than random bytes on this disk.
+    It holds both models in memory while it works: about twice the widened
+    model's size.
+    """
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    src, out = Path(src), Path(out)
+    cfg = AutoConfig.from_pretrained(src)
+    if cfg.model_type != "mixtral":     # elsewhere intermediate_size is a dense MLP's, not the experts'
+        raise ValueError(f"{src}: widening is for Mixtral-style models, whose experts' width is "
+                         f"intermediate_size; this is '{cfg.model_type}'")
+    small = AutoModelForCausalLM.from_pretrained(src, dtype=torch.float32)
+    inter_small, hidden = cfg.intermediate_size, cfg.hidden_size
+    inter = int(expert_mb * 1e6 / (3 * hidden * 4)) // 16 * 16 if expert_mb == expert_mb else 0   # 16s: grouped mm
+    if inter < inter_small:
+        raise ValueError(f"expert_mb {expert_mb}: an expert of {src} already takes "
+                         f"{3 * hidden * inter_small * 4 / 1e6:.3f} MB; widening needs a larger size")
+    cfg.intermediate_size = inter
+    cfg.dtype = "float32"
+    big = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    gen = torch.Generator().manual_seed(seed)
+    sd, wide = small.state_dict(), {}
+    for key, param in big.state_dict().items():
+        have = sd[key]
+        if key.endswith("experts.gate_up_proj"):                     # [E, 2I, H]: gate rows, then up rows
+            t = torch.zeros(param.shape)
+            t[:, :inter_small] = have[:, :inter_small]
+            t[:, inter_small:inter] = torch.randn(have.shape[0], inter - inter_small, hidden, generator=gen) * 0.05
+            t[:, inter:inter + inter_small] = have[:, inter_small:]  # the new up rows stay zero
+            wide[key] = t
+        elif key.endswith("experts.down_proj"):                      # [E, H, I]
+            t = torch.randn(param.shape, generator=gen) * 0.05
+            t[:, :, :inter_small] = have
+            wide[key] = t
+        elif have.shape != param.shape:
+            raise ValueError(f"{src}: {key} has shape {tuple(have.shape)}, the widened model wants "
+                             f"{tuple(param.shape)}; only the experts' intermediate size may grow")
+        else:
+            wide[key] = have
+    big.load_state_dict(wide)
+    big.save_pretrained(out, max_shard_size="500MB")
+    byte_tokenizer().save_pretrained(out)
+    if (src / "heldout.txt").exists():
+        (out / "heldout.txt").write_bytes((src / "heldout.txt").read_bytes())
+    ids = torch.tensor([[1] + [b + len(SPECIALS) for b in b"def main(self):\n    return "]])
+    with torch.no_grad():
+        diff = float((small(ids).logits - big(ids).logits).abs().max())
+    layers, experts = cfg.num_hidden_layers, cfg.num_local_experts
+    return {"intermediate": inter, "from_intermediate": inter_small, "max_logit_diff": diff,
+            "expert_bytes": 3 * hidden * inter * 4 * experts * layers}

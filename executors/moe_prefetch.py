@@ -12,12 +12,23 @@ whether it pays.
 Prefetches never delay the layer's own loads.  They run on a thread of
 their own, one at a time; room for one is made there, only when its read
 can start, and a prefetch that finds no room (pinned experts fill the pool)
-or whose layer has run meanwhile is dropped, not waited for.  Its file read
-gives way too (`storage.flat.yield_to`): it does not start while a layer's
-load is queued or running (`pooled_experts.demand_loads`), and stops between
-2 MiB chunks when one comes; the expert is then not loaded (`yielded`).
+or whose layer has run meanwhile without asking for it is dropped, not
+waited for.  Its file read gives way too (`storage.flat.yield_to`): it does
+not start while a layer's load is queued or running
+(`pooled_experts.demand_loads`), and pauses between 2 MiB chunks while one
+is (`paused`), keeping what it has read, then goes on where it stopped.
 Before this a wrong guess held the one disk while the real misses queued
-behind it.
+behind it; later, before reads could pause, a guess gave up its partial
+read at every layer load and started over, so it seldom finished in the gaps
+between them.
+When the guess's layer runs and asks for the expert being read, the read
+is that layer's from then on (`adopted`): it no longer pauses, and the
+layer joins it (`Pool.acquire_async(join=...)`) rather than reading the
+expert a second time.  A read stops (`yielded`) and the room it took is
+freed when its layer ran without asking for it, when a layer finds no room
+for its own experts (`pooled_experts.short_of_room`), or after
+`PAUSE_LIMIT_SECONDS` paused in all; a prefill pass voids the guesses for
+the layers it runs (`forget`).
 A prefetched expert is unpinned as soon as it is in, so it is an ordinary
 resident the policy may evict.  Prefetch changes only what is in memory,
 never the arithmetic: logits stay exact.
@@ -26,6 +37,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -38,6 +50,9 @@ from storage.pool import Pool
 log = logging.getLogger(__name__)
 
 IDLE_POLL_SECONDS = 0.005     # how often a waiting prefetch checks whether its guess is still of use
+# a read paused longer than this in all gives up its room: a guess for the next token waits out a few layers'
+# reads (tens of ms); a pause this long means something waits on the paused read that it cannot see
+PAUSE_LIMIT_SECONDS = 0.5
 
 
 @dataclass
@@ -45,10 +60,12 @@ class PrefetchStats:
     predicted: int = 0          # experts predicted for a next layer
     true_positive: int = 0      # predicted and then asked for
     actual: int = 0             # experts the predicted-for layers asked for
-    issued: int = 0             # read in before their layer ran (predicted and not in memory)
+    issued: int = 0             # read in (predicted and not in memory): before their layer ran, or joined by it
     useful: int = 0             # of those, asked for by the layer they were loaded for (a read saved)
     dropped: int = 0            # no room, its layer ran first (before or during the read), or failed
-    yielded: int = 0            # times a read stopped midway (a layer's own read came, or its layer ran)
+    yielded: int = 0            # reads stopped midway: their layer ran without asking, or a layer needed the room
+    paused: int = 0             # times a read paused for a layer's own read (to go on where it stopped, or stop)
+    adopted: int = 0            # reads still under way when their layer asked for the expert: joined, not repeated
 
     @property
     def precision(self) -> float:
@@ -59,12 +76,22 @@ class PrefetchStats:
         return self.true_positive / self.actual if self.actual else 0.0
 
 
+class _Guess:
+    """One prediction for one layer: its experts, and what the layer asked for once it ran (None until then)."""
+
+    __slots__ = ("experts", "asked")
+
+    def __init__(self, experts: set[int]) -> None:
+        self.experts = experts
+        self.asked: set[int] | None = None
+
+
 class _Prefetcher:
     """What both prefetchers share: scoring guesses against what a layer asks for, and loading them."""
 
     def __init__(self, ids: dict[int, list[str]], pool_of: Callable[[str], Pool]) -> None:
         self._ids, self._pool_of = ids, pool_of
-        self._pending: dict[int, set[int]] = {}          # per layer: the guesses awaiting their use
+        self._pending: dict[int, _Guess] = {}             # per layer: the guess awaiting its use
         self._loaded: dict[int, set[int]] = {}             # per layer: the guesses this prefetcher read in
         self._lock = threading.Lock()
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="coe-expert-prefetch")
@@ -78,7 +105,7 @@ class _Prefetcher:
         (measured: hit rate fell from 84% to 77% with prefetch on).
         """
         with self._lock:
-            return frozenset(self._ids[layer][e] for layer, guess in self._pending.items() for e in guess)
+            return frozenset(self._ids[layer][e] for layer, guess in self._pending.items() for e in guess.experts)
 
     def _score(self, layer: int, actual: set[int]) -> None:
         with self._lock:
@@ -86,64 +113,100 @@ class _Prefetcher:
             pred = self._pending.pop(layer, None)
             if pred is None:
                 return
-            self.stats.predicted += len(pred)
+            pred.asked = actual          # a read of one of these still under way is the layer's own now
+            self.stats.predicted += len(pred.experts)
             self.stats.actual += len(actual)
-            self.stats.true_positive += len(pred & actual)
+            self.stats.true_positive += len(pred.experts & actual)
+
+    def forget(self, layer: int) -> None:
+        """A pass that is not a decode step (a new prompt's prefill) ran `layer`: its pending guess is void.
+
+        Its read, if under way, stops, so nothing that pass waits on is
+        paused behind it.
+        """
+        with self._lock:
+            pred = self._pending.pop(layer, None)
+            self._loaded.pop(layer, None)
+            if pred is not None:
+                pred.asked = set()
 
     def _issue(self, layer: int, guess: set[int]) -> None:
         """Remember the guess for scoring; queue its experts that are not in memory for the prefetch thread."""
+        g = _Guess(guess)
         with self._lock:
-            self._pending[layer] = guess
+            self._pending[layer] = g
         for e in sorted(guess):
             eid = self._ids[layer][e]
             pool = self._pool_of(eid)
             if not pool.present(eid):
-                self._loader.submit(self._fetch, layer, guess, e, eid, pool)
+                self._loader.submit(self._fetch, layer, g, e, eid, pool)
 
-    def _fetch(self, layer: int, guess: set[int], e: int, eid: str, pool: Pool) -> None:
+    def _fetch(self, layer: int, guess: _Guess, e: int, eid: str, pool: Pool) -> None:
         """On the prefetch thread: load one guess when the disk is free, as long as its layer has not run.
 
         It waits while a layer's own read is queued or running; room is made
         only when its read can start (a read that gave way at once would have
-        evicted a resident for nothing); the read gives way between chunks
-        (`storage.flat.yield_to`) and is tried again when the disk is free.
+        evicted a resident for nothing).  Under way, the read pauses while a
+        layer's read is (`storage.flat.yield_to`) and goes on where it
+        stopped; once its layer has asked for the expert it is that layer's
+        read and pauses no more; it stops if its layer ran without asking.
         """
         from storage.flat import ReadYielded, yield_to
 
-        from .pooled_experts import demand_loads, wait_no_demand
+        from .pooled_experts import demand_loads, short_of_room, wait_no_demand
 
         if pool.present(eid):
             return
 
-        def stale() -> bool:
+        def ran() -> bool:              # its layer has run (or a newer guess replaced this one)
             with self._lock:
-                return self._pending.get(layer) is not guess
+                return guess.asked is not None or self._pending.get(layer) is not guess
 
-        def urgent() -> bool:           # a layer's own read wants the disk, or this guess's layer has run
-            return demand_loads() > 0 or stale()
-        while True:
-            # the disk is the layers' first: wait for it to be free, as long as the guess can still be of use
-            while not wait_no_demand(IDLE_POLL_SECONDS):
-                if stale():
-                    break
-            if stale():
+        def adopted() -> bool:          # its layer ran and asked for it: the layer waits on this read
+            with self._lock:
+                return guess.asked is not None and e in guess.asked
+
+        paused_since, paused_for = [None], [0.0]
+
+        def give_up() -> bool:          # of no use any more, a layer needs its room, or paused too long
+            if ran() and not adopted():
+                return True
+            if short_of_room() and not adopted():
+                return True
+            waited = paused_for[0] + (time.monotonic() - paused_since[0] if paused_since[0] is not None else 0.0)
+            return waited > PAUSE_LIMIT_SECONDS
+
+        def pause() -> bool:            # a layer's own read wants the disk, and this one is not the layer's yet
+            now = demand_loads() > 0 and not adopted()
+            if now and paused_since[0] is None:
+                paused_since[0] = time.monotonic()
                 with self._lock:
-                    self.stats.dropped += 1
-                return
-            try:
-                with yield_to(urgent):
-                    fut = pool.acquire_async(eid, _inline)
-                handle = fut.result() if fut is not None else None
-            except ReadYielded:         # a layer's read came (or the layer ran): try again when the disk is free
-                with self._lock:
-                    self.stats.yielded += 1
-                continue
-            except Exception as exc:    # the layer's own load of it will raise this, where it matters
-                log.debug("prefetch of %s failed: %s", eid, exc)
-                with self._lock:
-                    self.stats.dropped += 1
-                return
-            break
+                    self.stats.paused += 1
+            elif not now and paused_since[0] is not None:
+                paused_for[0] += time.monotonic() - paused_since[0]
+                paused_since[0] = None
+            return now
+        # the disk is the layers' first: wait for it to be free, as long as the guess can still be of use
+        while not wait_no_demand(IDLE_POLL_SECONDS):
+            if ran():
+                break
+        if ran():           # not started before its layer came: the layer reads it itself
+            with self._lock:
+                self.stats.dropped += 1
+            return
+        try:
+            with yield_to(give_up, pause=pause, wait=wait_no_demand):
+                fut = pool.acquire_async(eid, _inline)
+            handle = fut.result() if fut is not None else None
+        except ReadYielded:             # of no use, or its room wanted: the room it took is free again
+            with self._lock:
+                self.stats.yielded += 1
+            return
+        except Exception as exc:        # the layer's own load of it will raise this, where it matters
+            log.debug("prefetch of %s failed: %s", eid, exc)
+            with self._lock:
+                self.stats.dropped += 1
+            return
         if handle is None:              # no room beside pinned experts: not waited for
             with self._lock:
                 self.stats.dropped += 1
@@ -153,6 +216,10 @@ class _Prefetcher:
             if self._pending.get(layer) is guess:     # read in before its layer ran: it may save a read
                 self.stats.issued += 1
                 self._loaded.setdefault(layer, set()).add(e)
+            elif guess.asked is not None and e in guess.asked:   # its layer came during the read and joined it
+                self.stats.issued += 1
+                self.stats.useful += 1
+                self.stats.adopted += 1
             else:                                      # its layer ran meanwhile: too late to count
                 self.stats.dropped += 1
 
@@ -203,10 +270,11 @@ class TokenPrefetcher(_Prefetcher):
 
     Only guesses the predictor gives at least `min_prob` are loaded.  A right
     guess takes at most one read's stall off the critical path; a wrong one
-    spends one read of the disk the real misses queue for and also evicts a
-    resident to make room.  Counting the reads alone, a guess pays when
-    p > 1 - p, so the default 0.5 is a lower bound on the break-even (the
-    eviction makes the true one higher), not a fitted value.  0 loads every
+    evicts a resident to make room and reads in the disk's idle gaps (it
+    pauses for the layers' reads, so the real misses wait at most one 2 MiB
+    chunk for it).  When wrong reads also held the disk the real misses
+    queued for, counting the reads alone a guess paid when p > 1 - p; the
+    default 0.5 comes from there.  It is not a fitted value.  0 loads every
     top-m guess.
     """
 
@@ -222,7 +290,10 @@ class TokenPrefetcher(_Prefetcher):
     def on_router(self, layer: int, probs, chosen) -> None:
         """Called with each router call's scores [T, E] and choices [T, k] (decode: T is 1)."""
         x = self._live.observe(layer, probs)        # every call, a prefill's too: the next step's previous token
-        if x is None or len(probs) > 4:
+        if len(probs) > 4:
+            self.forget(layer)
+            return
+        if x is None:
             return
         self._score(layer, {int(e) for e in chosen.reshape(-1)})
         self._issue(layer, set(self._pred.confident(self._index[layer], x, self._m, self.min_prob)))

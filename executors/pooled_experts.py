@@ -43,6 +43,7 @@ _loader: ThreadPoolExecutor | None = None
 _loader_lock = threading.Lock()
 _demand = 0                 # layers' own loads submitted and not yet finished, in this process
 _demand_lock = threading.Condition()
+_short = 0                  # layers' waves that found no room for one of their experts, and have not ended
 
 
 def demand_loads() -> int:
@@ -56,6 +57,16 @@ def _demand_add(n: int) -> None:
         _demand += n
         if _demand == 0:
             _demand_lock.notify_all()
+
+
+def short_of_room() -> bool:
+    """Whether a layer's wave found its pool without room for one of its experts, and has not ended.
+
+    A prefetch under way holds the room it reserved; while a layer is short
+    of room it gives that up rather than pausing (`moe_prefetch`), so a
+    small pool never makes a layer run in extra waves for a guess.
+    """
+    return _short > 0
 
 
 def wait_no_demand(timeout: float) -> bool:
@@ -81,6 +92,8 @@ class PinnedWave:
     sequential acquires would give; the loads of that prefix run on the loader
     threads.  Iterating yields the handles in order, each as soon as its load
     is done, so the layer computes expert i while expert i+1 still loads.
+    An expert a prefetch is reading is joined, not read again and not waited
+    for while the others are reserved (`Pool.acquire_async(join=...)`).
     """
 
     def __init__(self, pool_of: Callable[[str], Pool], ids: Sequence[str], wait: float = WAIT_SECONDS,
@@ -92,13 +105,16 @@ class PinnedWave:
         self.handles: list[Handle] = []
         self._taken: dict[int, Handle] = {}
         self._ready = 0
+        self._short = False                 # found no room for one of its experts (counted in `short_of_room`)
 
     def __enter__(self) -> "PinnedWave":
         deadline = time.monotonic() + self._wait
         try:
             for eid in self._ids:
-                fut = self._pool_of(eid).acquire_async(eid, self._timed_submit)
+                fut = self._pool_of(eid).acquire_async(eid, self._timed_submit, join=self._timed_submit)
                 pause = 0.001
+                if fut is None:
+                    self._short_of_room()
                 while fut is None and not self._futures:
                     # nothing of ours is pinned, so others hold the room (another layer or request): wait for them
                     if time.monotonic() > deadline:
@@ -106,7 +122,7 @@ class PinnedWave:
                                        f"{self._wait:.0f} s")
                     time.sleep(pause)
                     pause = min(pause * 2, 0.05)
-                    fut = self._pool_of(eid).acquire_async(eid, self._timed_submit)
+                    fut = self._pool_of(eid).acquire_async(eid, self._timed_submit, join=self._timed_submit)
                 if fut is None:
                     break
                 self._futures.append(fut)
@@ -115,6 +131,14 @@ class PinnedWave:
             raise
         self._ready = sum(f.done() for f in self._futures)
         return self
+
+    def _short_of_room(self) -> None:
+        """This wave found no room: until it ends, prefetches under way give theirs up (`short_of_room`)."""
+        global _short
+        if not self._short:
+            self._short = True
+            with _demand_lock:
+                _short += 1
 
     def _timed_submit(self, load: Callable[[], Handle]) -> Future:
         """Submit one of this wave's loads; its end is noted before its future completes (no race with a reader).
@@ -165,6 +189,11 @@ class PinnedWave:
         return handle
 
     def __exit__(self, *exc) -> None:
+        global _short
+        if self._short:
+            self._short = False
+            with _demand_lock:
+                _short -= 1
         for i, fut in enumerate(self._futures):   # loads never waited for (an error cut the layer short)
             if i in self._taken:
                 continue
@@ -257,6 +286,8 @@ class PooledExperts(nn.Module):
         hits = [int(i) for i in expert_hit[:, 0].tolist() if int(i) < self.num_experts]
         prefetch = self.prefetcher if self.prefetcher is not None and self.prefetcher.wants(len(hidden_states)) \
             else None
+        if prefetch is None and self.prefetcher is not None:   # a prefill: a guess made for this layer is void
+            self.prefetcher.forget(self.layer)
         if prefetch is not None:
             prefetch.observe(self.layer, hits)
         out: dict[int, tuple] = {}

@@ -17,6 +17,7 @@ import os
 import queue
 import struct
 import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -44,18 +45,29 @@ _yielding = threading.local()
 
 
 @contextlib.contextmanager
-def yield_to(urgent: Callable[[], bool]):
+def yield_to(urgent: Callable[[], bool], *, pause: Callable[[], bool] | None = None,
+             wait: Callable[[float], object] | None = None):
     """Reads on this thread stop with `ReadYielded` (before they start, and between chunks) while `urgent()`.
 
     A prefetch reads under it, so it never holds the disk while a load that
     a layer waits for is queued behind it: at most one small chunk.
+
+    With `pause`, a read that `pause()` says must wait stops between chunks
+    without giving up: it keeps what it has read and its place, calls
+    `wait(PAUSE_POLL_SECONDS)` (which returns early when the disk is free, or
+    sleeps), and goes on when `pause()` is false, unless `urgent()` has become
+    true meanwhile.  A prefetch whose guess may still be of use pauses for a
+    layer's read instead of throwing its partial read away and starting over.
     """
-    before = getattr(_yielding, "urgent", None)
-    _yielding.urgent = urgent
+    before = getattr(_yielding, "urgent", None), getattr(_yielding, "pause", None), getattr(_yielding, "wait", None)
+    _yielding.urgent, _yielding.pause, _yielding.wait = urgent, pause, wait
     try:
         yield
     finally:
-        _yielding.urgent = before
+        _yielding.urgent, _yielding.pause, _yielding.wait = before
+
+
+PAUSE_POLL_SECONDS = 0.005      # how often a paused read looks again whether it may go on or must give up
 
 
 def may_yield(expert_id: str) -> None:
@@ -64,13 +76,18 @@ def may_yield(expert_id: str) -> None:
 
 
 def _chunk(expert_id: str) -> int:
-    """This thread's chunk size; raises `ReadYielded` if its reads must give way now."""
+    """This thread's chunk size; raises `ReadYielded` if its reads must give way now, waits while paused."""
     urgent = getattr(_yielding, "urgent", None)
     if urgent is None:
         return _CHUNK
-    if urgent():
-        raise ReadYielded(f"{expert_id}: a read that may yield gave way to a more urgent one")
-    return _YIELD_CHUNK
+    pause = getattr(_yielding, "pause", None)
+    while True:
+        if urgent():
+            raise ReadYielded(f"{expert_id}: a read that may yield gave way to a more urgent one")
+        if pause is None or not pause():
+            return _YIELD_CHUNK
+        wait = getattr(_yielding, "wait", None)
+        (wait or time.sleep)(PAUSE_POLL_SECONDS)
 
 
 @dataclass(frozen=True)

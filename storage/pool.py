@@ -89,6 +89,18 @@ class _Entry:
     pins: int = 0
     loading: bool = False
     drop_on_release: bool = False   # stale (a promotion): evicted by the release that leaves it unpinned
+    # callers that joined this load while it ran (`Pool.acquire_async(join=...)`): (their future, their submit)
+    joined: list = field(default_factory=list)
+
+
+def _copy_outcome(src: Future, dst: Future) -> None:
+    """Complete `dst` (already running) as `src` completed."""
+    if src.cancelled():
+        dst.set_exception(CoEError("the load that stood in for a failed joined load was cancelled"))
+    elif src.exception() is not None:
+        dst.set_exception(src.exception())
+    else:
+        dst.set_result(src.result())
 
 
 class PoolFullError(CoEError):
@@ -134,7 +146,8 @@ class Pool:
         got = self._reserve(expert_id, keep)
         return got if got is None or isinstance(got, Handle) else got()
 
-    def acquire_async(self, expert_id: str, submit: Callable[[Callable[[], Handle]], Future]) -> Future | None:
+    def acquire_async(self, expert_id: str, submit: Callable[[Callable[[], Handle]], Future], *,
+                      join: Callable[[Callable[[], Handle]], Future] | None = None) -> Future | None:
         """`acquire`, with the room reserved now and the load run by `submit` (e.g. a loader thread pool).
 
         Reservations happen in call order in the calling thread, so which
@@ -142,7 +155,19 @@ class Pool:
         decide; only the loads overlap.  Returns None when the expert cannot
         fit now; a hit is an already-completed future.  The future raises what
         a failed load raises, with the reservation cleared.
+
+        An expert another thread is loading (a prefetch) is waited for here,
+        in the calling thread, unless `join` is given: then it is pinned now,
+        so it cannot be evicted once in, and the future completes when that
+        load does (no thread waits for it), so the caller goes on with its
+        other experts meanwhile.  Its bytes move once: a hit, not a second
+        miss.  `join` is the submit that runs a load of the caller's own if
+        the joined one fails.
         """
+        if join is not None:
+            joined = self._join_loading(expert_id, join)
+            if joined is not None:
+                return joined
         got = self._reserve(expert_id)
         if got is None:
             return None
@@ -158,12 +183,66 @@ class Pool:
         fut.add_done_callback(lambda f: self._unreserve(expert_id) if f.cancelled() else None)
         return fut
 
+    def _join_loading(self, expert_id: str, submit: Callable[[Callable[[], Handle]], Future]) -> Future | None:
+        """If `expert_id` is loading, pin its entry and return a future of it (see `acquire_async`); else None.
+
+        No thread waits: the load that fills the entry hands the joiners their
+        handles (`_hand_over`); if it fails or is cancelled, each joiner's
+        `submit` runs a load of its own (`_rescue`).
+        """
+        with self._cond:
+            entry = self._entries.get(expert_id)
+            if entry is None or not entry.loading:
+                return None
+            entry.pins += 1         # ours from now: the load's own pin goes when its loader releases it
+            fut: Future = Future()
+            entry.joined.append((fut, submit))
+        return fut
+
+    def _hand_over(self, expert_id: str, entry: _Entry, joined: list) -> None:
+        """The joined load landed: each joiner gets a handle (a hit); a joiner that cancelled gives its pin back."""
+        for fut, _ in joined:
+            took = fut.set_running_or_notify_cancel()
+            with self._cond:
+                if took:                    # a hit on this load: its bytes moved once
+                    self._seq += 1
+                    entry.used_seq = self._seq
+                    self._stats.hits += 1
+                else:
+                    entry.pins -= 1
+                    self._cond.notify_all()
+            if took:
+                fut.set_result(Handle(expert_id, entry.value, entry.nbytes))
+
+    def _rescue(self, expert_id: str, joined: list) -> None:
+        """The joined load failed (its error goes to its own caller) and took the joiners' pins with it:
+        each joiner loads the expert itself, with its own submit."""
+        for fut, submit in joined:
+            if not fut.set_running_or_notify_cancel():
+                continue
+            try:
+                own = submit(lambda: self._acquire_or_fail(expert_id))
+            except BaseException as exc:
+                fut.set_exception(exc)
+                continue
+            own.add_done_callback(lambda f, fut=fut: _copy_outcome(f, fut))
+
+    def _acquire_or_fail(self, expert_id: str) -> Handle:
+        got = self.acquire(expert_id)
+        if got is None:
+            raise CoEError(f"expert '{expert_id}': a load it joined failed and pinned experts fill the "
+                           f"{self.tier} pool")
+        return got
+
     def _unreserve(self, expert_id: str) -> None:
+        joined = []
         with self._cond:
             entry = self._entries.get(expert_id)
             if entry is not None and entry.loading:
                 del self._entries[expert_id]
+                joined = entry.joined
             self._cond.notify_all()
+        self._rescue(expert_id, joined)
 
     def _reserve(self, expert_id: str, keep: Collection[str] = ()) -> "Handle | Callable[[], Handle] | None":
         """A hit's handle, None if it cannot fit now, or (a miss, room reserved) the call that loads it."""
@@ -231,12 +310,14 @@ class Pool:
             measured = self._measure(value) if self._measure and value is not None else need
         except BaseException:
             with self._cond:
-                del self._entries[expert_id]
+                joined = self._entries.pop(expert_id).joined
                 self._cond.notify_all()
+            self._rescue(expert_id, joined)
             raise
         with self._cond:
             entry = self._entries[expert_id]
             entry.value, entry.loading, entry.nbytes = value, False, max(measured, need)
+            joined, entry.joined = entry.joined, []
             if event == "load":
                 self._stats.misses += 1
                 self._stats.bytes_in += entry.nbytes
@@ -245,6 +326,7 @@ class Pool:
                 self._stats.admits += 1
             self._stats.manage_seconds += time.perf_counter() - entered - wall
             self._cond.notify_all()
+        self._hand_over(expert_id, entry, joined)
         self._on_event(PoolEvent(expert_id, self.tier, event, entry.nbytes, seconds, time.time()))
         return entry
 

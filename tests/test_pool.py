@@ -437,3 +437,91 @@ def test_gpu_first_without_a_gpu_is_round_robin_and_an_unknown_fill_is_named():
     assert fill_pools(a, order, "gpu-first", set()) == fill_pools(b, order, "round-robin", set())
     with pytest.raises(ValueError, match="unknown fill 'fastest' \\(known: gpu-first, round-robin\\)"):
         fill_pools(_sized_pools({"cpu": 10}), order, "fastest", set())
+
+
+class HeldSource(Source):
+    """A source whose first load waits at `gate` (a prefetch's read under way), and optionally fails."""
+
+    def __init__(self, sizes, *, fail_first=False):
+        super().__init__(sizes)
+        import threading
+        self.gate, self.started, self.fail_first, self.calls = threading.Event(), threading.Event(), fail_first, []
+
+    def load(self, eid):
+        self.calls.append(eid)
+        if len(self.calls) == 1:
+            self.started.set()
+            self.gate.wait(5)
+            if self.fail_first:
+                raise OSError("disk said no")
+        return super().load(eid)
+
+
+def test_acquire_async_join_pins_a_loading_expert_and_shares_its_load():
+    """join: an expert another thread is loading is pinned at once and handed over when that load lands."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    src = HeldSource({k: 30 for k in "abcd"})
+    gate, started = src.gate, src.started
+    p = Pool("cpu", 60, make_policy("lru"), src)
+    with ThreadPoolExecutor(2) as ex:
+        first = p.acquire_async("a", ex.submit)             # the prefetch's load, under way
+        assert started.wait(5)
+        joined = p.acquire_async("a", ex.submit, join=ex.submit)
+        assert joined is not None and not joined.done()     # did not block the caller, did not load again
+        with p._cond:
+            assert p._entries["a"].pins == 2                # pinned at the join, not when the load lands
+        gate.set()
+        p.release(first.result(5))
+        h = joined.result(5)
+        with pytest.raises(CoEError):
+            p.evict("a")                                    # still the joiner's
+    assert h.expert_id == "a" and src.loads == ["a"]
+    s = p.stats()
+    assert (s.misses, s.hits) == (1, 1)
+    hb = p.acquire("b")
+    assert p.acquire("c") is None                           # 'a' stays pinned by the joiner: no room for c
+    p.release(h)
+    assert p.acquire("c") is not None and not p.present("a")    # given back, it may go
+    p.release(hb)
+
+
+def test_acquire_async_join_of_a_load_that_fails_loads_the_expert_itself():
+    from concurrent.futures import ThreadPoolExecutor
+
+    src = HeldSource({k: 30 for k in "ab"}, fail_first=True)
+    gate, started, calls = src.gate, src.started, src.calls
+    p = Pool("cpu", 60, make_policy("lru"), src)
+    with ThreadPoolExecutor(2) as ex:
+        first = p.acquire_async("a", ex.submit)
+        assert started.wait(5)
+        joined = p.acquire_async("a", ex.submit, join=ex.submit)
+        gate.set()
+        with pytest.raises(OSError, match="disk said no"):
+            first.result(5)                                 # the failed load's error goes to its own caller
+        h = joined.result(5)                                # the joiner read it itself
+    assert h.expert_id == "a" and calls == ["a", "a"] and p.stats().misses == 1
+    p.release(h)
+
+
+def test_a_joiner_that_cancels_gives_its_pin_back_and_two_joiners_each_get_one():
+    from concurrent.futures import ThreadPoolExecutor
+
+    src = HeldSource({k: 30 for k in "ab"})
+    gate, started = src.gate, src.started
+    p = Pool("cpu", 60, make_policy("lru"), src)
+    with ThreadPoolExecutor(2) as ex:
+        first = p.acquire_async("a", ex.submit)
+        assert started.wait(5)
+        quitter = p.acquire_async("a", ex.submit, join=ex.submit)
+        one, two = (p.acquire_async("a", ex.submit, join=ex.submit) for _ in range(2))
+        assert quitter.cancel()
+        gate.set()
+        p.release(first.result(5))
+        h1, h2 = one.result(5), two.result(5)
+    assert src.loads == ["a"] and p.stats().hits == 2       # the one who left is not a hit
+    with p._cond:
+        assert p._entries["a"].pins == 2                    # the quitter's pin went back, each joiner holds one
+    p.release(h1)
+    p.release(h2)
+    assert p.evict("a")                                     # nothing holds it now

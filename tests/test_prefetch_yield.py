@@ -1,7 +1,10 @@
 """A prefetch's read gives way to the loads a layer waits for (issue 11: prefetches never delay them).
 
-The read checks before it starts and between small chunks; a prefetch that
-gives way loads nothing, leaves no reservation behind, and is counted.
+The read checks before it starts and between small chunks.  While a layer's
+load runs it pauses, keeping what it has read, and goes on where it stopped;
+once its layer has asked for the expert it is the layer's read (adopted, and
+joined rather than read twice); if its layer ran without asking for it, it
+stops, loads nothing, leaves no reservation behind, and is counted.
 """
 from __future__ import annotations
 
@@ -84,46 +87,125 @@ def test_a_prefetch_waits_for_the_layers_load_and_loads_once_the_disk_is_free(ti
         pre.close()
 
 
-def test_a_prefetch_whose_read_is_overtaken_stops_keeps_no_reservation_and_reads_again_later(tiny_zoo):
+def test_a_read_that_may_pause_waits_between_chunks_and_goes_on_where_it_stopped(big_file):
+    whole = read_flat(big_file, "e")
+    checks, waits = [], []
+
+    def pause():                            # the second and third checks find a layer's load under way
+        checks.append(1)
+        return len(checks) in (2, 3)
+    with yield_to(lambda: False, pause=pause, wait=waits.append):
+        got = read_flat(big_file, "e")
+    assert torch.equal(got.buffer, whole.buffer)            # paused, not started over: the same bytes
+    assert len(waits) == 2                                  # it waited twice, between chunks
+    stop = iter([False, False, True])                       # urgent on the third check: it gives up after all
+    paused = []
+
+    def always():                                           # a read that never re-checks `urgent` fails, not hangs
+        paused.append(1)
+        if len(paused) > 50:
+            raise AssertionError("a paused read must look again whether to give up")
+        return True
+    with yield_to(lambda: next(stop, True), pause=always, wait=waits.append), pytest.raises(ReadYielded):
+        read_flat(big_file, "e")
+    assert len(paused) == 2
+
+
+def test_a_prefetch_whose_read_is_overtaken_pauses_and_goes_on_reading_once(tiny_zoo):
     pool, eid, pre = _one_expert(tiny_zoo)
     load, calls = pool.source.load, []
+    release = __import__("threading").Event()
 
-    def overtaken(expert_id, reuse=None):       # a layer's load arrives as the prefetch's first read begins
+    def overtaken(expert_id, reuse=None):       # a layer's load arrives, from its own thread, as the read begins
         calls.append(pool.present(expert_id))   # the entry is 'loading' (reserved) while its read runs
-        if len(calls) > 1:
-            return load(expert_id, reuse)
         pooled_experts._demand_add(1)
-        try:
-            return load(expert_id, reuse)
-        finally:
-            pooled_experts._demand_add(-1)
+        __import__("threading").Timer(0.05, lambda: (release.set(), pooled_experts._demand_add(-1))).start()
+        from storage.flat import may_yield
+        may_yield(expert_id)                    # the read's next chunk: it waits here until the load is done
+        assert release.is_set()
+        return load(expert_id, reuse)
     pool.source.load = overtaken
     try:
         pre._issue(0, {0})
         _settle(pre)
-        assert len(calls) == 2 and pre.stats.yielded == 1 and pre.stats.issued == 1    # stopped, then read in
-        assert pool.present(eid) and calls == [True, True]      # reserved for each read; the first left none behind
+        assert calls == [True]                  # one read: paused, not stopped and started again
+        assert pre.stats.paused == 1 and pre.stats.yielded == 0 and pre.stats.issued == 1
+        assert pool.present(eid)
         pre._score(0, {0})
         assert pre.stats.useful == 1
     finally:
         pre.close()
 
 
-def test_a_read_stops_when_its_layer_runs_meanwhile_and_is_not_counted(tiny_zoo):
-    """The layer ran (all hits, no load of its own) while the guess was read: the read stops, counts nothing."""
+def test_a_read_stops_when_its_layer_runs_meanwhile_without_asking_for_it(tiny_zoo):
+    """The layer ran (asking for other experts) while the guess was read: the read stops and leaves nothing."""
     pool, eid, pre = _one_expert(tiny_zoo)
     load = pool.source.load
 
     def layer_runs(expert_id, reuse=None):
-        pre._score(0, {0})                          # the layer's tokens came and went
+        pre._score(0, set())                        # the layer's tokens came and went, and did not ask for it
+        from storage.flat import may_yield
+        may_yield(expert_id)
         return load(expert_id, reuse)
     pool.source.load = layer_runs
     try:
         pre._issue(0, {0})
         _settle(pre)
-        assert pre.stats.yielded == 1 and pre.stats.dropped == 1 and pre.stats.issued == 0
-        assert pre.stats.useful == 0 and not pool.present(eid)
+        assert pre.stats.yielded == 1 and pre.stats.issued == 0 and pre.stats.adopted == 0
+        assert pre.stats.useful == 0 and not pool.present(eid) and pool.stats().resident_bytes == 0
     finally:
+        pre.close()
+
+
+def test_a_read_its_layer_asks_for_meanwhile_is_adopted_and_joined_not_read_twice(tiny_zoo):
+    """The layer asks for the expert being read: the read goes on unpaused and the layer joins it.
+
+    A wrong implementation does not hang here: timers free the read and the
+    layer's other load after 3 s, and the assertions then fail.
+    """
+    import threading
+
+    pool, eid, pre = _one_expert(tiny_zoo)
+    load, reads = pool.source.load, []
+    started, go, other_load_done = threading.Event(), threading.Event(), threading.Event()
+
+    def slow(expert_id, reuse=None):
+        reads.append(expert_id)
+        started.set()
+        go.wait(3)                              # the layer comes while the read is under way
+        return load(expert_id, reuse)
+
+    def other_load_ends():
+        if not other_load_done.is_set():
+            other_load_done.set()
+            pooled_experts._demand_add(-1)
+    pool.source.load = slow
+    timers = [threading.Timer(3, go.set), threading.Timer(3, other_load_ends)]
+    try:
+        pre._issue(0, {0})
+        assert started.wait(5)
+        pre._score(0, {0})                      # the layer routes to it: the read is the layer's now
+        pooled_experts._demand_add(1)           # another of the layer's loads is under way: an adopted read goes on
+        for t in timers:
+            t.start()
+        with pooled_experts.PinnedWave(lambda _: pool, [eid]) as wave:
+            assert wave.ready == 0              # joined: reserving did not wait for the read
+            go.set()
+            got = [h.expert_id for _, h in wave.as_ready()]
+        other_load_ends()
+        _settle(pre)
+        assert got == [eid] and reads == [eid]  # read once, by the prefetch
+        st = pool.stats()
+        assert st.misses == 1 and st.hits == 1  # the layer's use is a hit on the prefetch's load
+        assert pre.stats.adopted == 1 and pre.stats.useful == 1
+        assert pre.stats.paused == 0 and pre.stats.yielded == 0
+        with pool._cond:
+            assert pool._entries[eid].pins == 0  # the prefetch's pin and the layer's both given back
+    finally:
+        go.set()
+        other_load_ends()
+        for t in timers:
+            t.cancel()
         pre.close()
 
 
@@ -187,3 +269,69 @@ def test_an_in_place_expert_from_its_file_counts_as_demand_and_one_from_the_host
         MappedInPlace(Weights(where), LoadComputeSplit()).start(compute, [(e, f"x{e}")], torch.ones(1, 2),
                                                                 torch.ones(1), torch.ones(1))
     assert seen == {0: before + 1, 1: before} and pooled_experts.demand_loads() == before
+
+
+def test_a_prefill_pass_voids_the_guess_and_its_read_stops(tiny_zoo):
+    """A new prompt's prefill runs the layer: the guess made for the next decode step is void, its read stops."""
+    import threading
+
+    pool, eid, pre = _one_expert(tiny_zoo)
+    load, started, go = pool.source.load, threading.Event(), threading.Event()
+
+    def slow(expert_id, reuse=None):
+        started.set()
+        go.wait(3)
+        return load(expert_id, reuse)
+    pool.source.load = slow
+    try:
+        pre._issue(0, {0})
+        assert started.wait(5)
+        pre.forget(0)                               # the prefill's pass through layer 0
+        go.set()
+        _settle(pre)
+        assert pre.stats.yielded == 1 and pre.stats.issued == 0 and not pool.present(eid)
+        assert pre.expected() == frozenset()        # nothing kept last for a guess that is void
+    finally:
+        go.set()
+        pre.close()
+
+
+def test_a_read_under_way_gives_its_room_to_a_layer_that_has_none(tiny_zoo):
+    """A pool with room for one expert: a layer that needs it makes the prefetch stop, and runs in one wave."""
+    import threading
+
+    store = ExpertStore(tiny_zoo)
+    entries = store.entries()
+    src = StoreSource(store)
+    size = max(src.size(e.id) for e in entries[:2])
+    pool = Pool("cpu", size, make_policy("lru"), src)
+    ids = [e.id for e in entries[:2]]
+    pre = _Prefetcher({0: ids}, lambda _: pool)
+    load, started, outside_done = pool.source.load, threading.Event(), threading.Event()
+
+    def outside_ends():
+        outside_done.set()
+        pooled_experts._demand_add(-1)
+
+    def slow(expert_id, reuse=None):
+        if expert_id == ids[0]:
+            started.set()
+            pooled_experts._demand_add(1)           # a layer's load elsewhere: the prefetch pauses, holding its room
+            threading.Timer(10, outside_ends).start()
+            from storage.flat import may_yield
+            may_yield(expert_id)
+        return load(expert_id, reuse)
+    pool.source.load = slow
+    try:
+        pre._issue(0, {0})
+        assert started.wait(5)
+        with pooled_experts.PinnedWave(lambda _: pool, [ids[1]], wait=20) as wave:
+            got = [h.expert_id for _, h in wave.as_ready()]
+        held_back = outside_done.is_set()           # the wave got its room only once the outside load ended
+        _settle(pre)
+        assert got == [ids[1]] and pre.stats.yielded == 1 and not pool.present(ids[0])
+        assert not held_back                        # the paused read gave its room up at once
+        assert not pooled_experts.short_of_room()   # the wave's mark went with it
+    finally:
+        pre.close()
+        outside_done.wait(15)
