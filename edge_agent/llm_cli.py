@@ -589,7 +589,7 @@ def llm_bench(work: str, parts: str, prompts: int, decode: int, train_seconds: f
                 if "prefetch_precision" in r else "")
             click.echo(f"{r['row']:46} {r['tokens_per_second']:>9.2f} {r['hit_rate']:>9.1%} {r['gib_read']:>9.2f} "
                        f"{r['tokens_per_second'] / base:>6.2f}  {note}")
-        click.echo("    not a row: next-layer prefetch (needs real hidden states; see llm generate --prefetch)")
+        click.echo("    not a row: next-layer prefetch (needs real hidden states; see bench/moe_real_decode.py)")
         ceiling = next((r for r in arows if r["row"] == lb.CEILING), None)
         if ceiling is not None:
             # the alpha 0.5 and 0.7 rows trade some quality for their speed: not candidates for "best", said apart
