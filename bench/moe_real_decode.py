@@ -5,7 +5,7 @@ routing from the trained small model's trace, so the next-layer prefetch,
 which guesses from real hidden states, cannot be a row there.  This bench
 widens the trained model's experts to the big model's size
 (`edge_agent.llm_models.inflated_model`: same routing and outputs, 34 MB
-experts, 2.1 GB), imports it, and decodes held-out text that no trace saw,
+experts, 2.2 GB), imports it, and decodes held-out text that no trace saw,
 token by token with teacher forcing (`executors.moe_quality.decode_quality`),
 through a pool of 25% of the experts, every miss read from SSD (page cache
 dropped).  The token-wise predictor and the popularity come from the first

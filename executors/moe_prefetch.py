@@ -169,9 +169,9 @@ class _Prefetcher:
         paused_since, paused_for = [None], [0.0]
 
         def give_up() -> bool:          # of no use any more, a layer needs its room, or paused too long
-            if ran() and not adopted():
-                return True
-            if short_of_room() and not adopted():
+            if adopted():               # the layer waits on this read: never stopped, whatever came before
+                return False
+            if ran() or short_of_room():
                 return True
             waited = paused_for[0] + (time.monotonic() - paused_since[0] if paused_since[0] is not None else 0.0)
             return waited > PAUSE_LIMIT_SECONDS

@@ -227,11 +227,16 @@ class Pool:
                 continue
             own.add_done_callback(lambda f, fut=fut: _copy_outcome(f, fut))
 
-    def _acquire_or_fail(self, expert_id: str) -> Handle:
-        got = self.acquire(expert_id)
-        if got is None:
-            raise CoEError(f"expert '{expert_id}': a load it joined failed and pinned experts fill the "
-                           f"{self.tier} pool")
+    def _acquire_or_fail(self, expert_id: str, wait: float = 60.0) -> Handle:
+        """Load `expert_id` for a joiner whose load failed, waiting (as a wave does) while pinned experts hold
+        the room the failed load freed."""
+        deadline, pause = time.monotonic() + wait, 0.001
+        while (got := self.acquire(expert_id)) is None:
+            if time.monotonic() > deadline:
+                raise CoEError(f"expert '{expert_id}': a load it joined failed and pinned experts filled the "
+                               f"{self.tier} pool for {wait:.0f} s")
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
         return got
 
     def _unreserve(self, expert_id: str) -> None:

@@ -296,9 +296,12 @@ def test_a_prefill_pass_voids_the_guess_and_its_read_stops(tiny_zoo):
         pre.close()
 
 
-def test_a_read_under_way_gives_its_room_to_a_layer_that_has_none(tiny_zoo):
+def test_a_read_under_way_gives_its_room_to_a_layer_that_has_none(tiny_zoo, monkeypatch):
     """A pool with room for one expert: a layer that needs it makes the prefetch stop, and runs in one wave."""
     import threading
+
+    from executors import moe_prefetch
+    monkeypatch.setattr(moe_prefetch, "PAUSE_LIMIT_SECONDS", 60.0)     # only the layer's want of room can stop it
 
     store = ExpertStore(tiny_zoo)
     entries = store.entries()
@@ -317,7 +320,7 @@ def test_a_read_under_way_gives_its_room_to_a_layer_that_has_none(tiny_zoo):
         if expert_id == ids[0]:
             started.set()
             pooled_experts._demand_add(1)           # a layer's load elsewhere: the prefetch pauses, holding its room
-            threading.Timer(10, outside_ends).start()
+            threading.Timer(3, outside_ends).start()
             from storage.flat import may_yield
             may_yield(expert_id)
         return load(expert_id, reuse)
@@ -335,3 +338,35 @@ def test_a_read_under_way_gives_its_room_to_a_layer_that_has_none(tiny_zoo):
     finally:
         pre.close()
         outside_done.wait(15)
+
+
+def test_a_read_paused_too_long_gives_up_but_not_once_adopted(tiny_zoo, monkeypatch):
+    """The pause limit stops a guess nobody waits on; a read its layer asked for is never stopped by it."""
+    import threading
+
+    from executors import moe_prefetch
+    from storage.flat import may_yield
+    monkeypatch.setattr(moe_prefetch, "PAUSE_LIMIT_SECONDS", 1.0)
+    for adopt in (False, True):
+        pool, eid, pre = _one_expert(tiny_zoo)
+        load, started = pool.source.load, threading.Event()
+
+        def held(expert_id, reuse=None, load=load, started=started):
+            pooled_experts._demand_add(1)           # a layer's load comes as the read starts, and stays
+            started.set()
+            may_yield(expert_id)                    # paused here: until adopted, or the limit
+            return load(expert_id, reuse)
+        pool.source.load = held
+        try:
+            pre._issue(0, {0})
+            assert started.wait(5)
+            if adopt:
+                pre._score(0, {0})                  # its layer asks for it while it is paused
+            _settle(pre)
+            if adopt:                               # read to the end under the layer's own load
+                assert pre.stats.adopted == 1 and pre.stats.yielded == 0 and pool.present(eid)
+            else:                                   # gave up after the limit; nothing left behind
+                assert pre.stats.yielded == 1 and pre.stats.paused == 1 and not pool.present(eid)
+        finally:
+            pooled_experts._demand_add(-1)
+            pre.close()
