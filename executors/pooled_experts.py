@@ -30,8 +30,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 from torch import nn
 
-from coe import CoEError
-from storage.pool import Handle, Pool
+from storage.pool import Handle, Pool, wait_for_room
 
 from .moe_split import FILE, HOST
 
@@ -111,18 +110,16 @@ class PinnedWave:
         deadline = time.monotonic() + self._wait
         try:
             for eid in self._ids:
-                fut = self._pool_of(eid).acquire_async(eid, self._timed_submit, join=self._timed_submit)
-                pause = 0.001
+                pool = self._pool_of(eid)
+                fut = pool.acquire_async(eid, self._timed_submit, join=self._timed_submit)
                 if fut is None:
                     self._short_of_room()
-                while fut is None and not self._futures:
-                    # nothing of ours is pinned, so others hold the room (another layer or request): wait for them
-                    if time.monotonic() > deadline:
-                        raise CoEError(f"expert '{eid}': its pool stayed full of pinned experts for "
-                                       f"{self._wait:.0f} s")
-                    time.sleep(pause)
-                    pause = min(pause * 2, 0.05)
-                    fut = self._pool_of(eid).acquire_async(eid, self._timed_submit, join=self._timed_submit)
+                    if not self._futures:
+                        # nothing of ours is pinned, so others hold the room (another layer or request): wait
+                        fut = wait_for_room(lambda: pool.acquire_async(eid, self._timed_submit,
+                                                                       join=self._timed_submit), deadline,
+                                            lambda: f"expert '{eid}': its pool stayed full of pinned experts "
+                                                    f"for {self._wait:.0f} s")
                 if fut is None:
                     break
                 self._futures.append(fut)

@@ -93,6 +93,19 @@ class _Entry:
     joined: list = field(default_factory=list)
 
 
+def wait_for_room(attempt: Callable[[], Any], deadline: float, why: Callable[[], str]) -> Any:
+    """`attempt()` until it returns something other than None (room was found), backing off from 1 to
+    50 ms; past `deadline` (time.monotonic()) raise CoEError(`why()`).  Pinned experts that hold the room
+    are released by their own batches or layers, so waiting for them is all a caller can do."""
+    pause = 0.001
+    while (got := attempt()) is None:
+        if time.monotonic() > deadline:
+            raise CoEError(why())
+        time.sleep(pause)
+        pause = min(pause * 2, 0.05)
+    return got
+
+
 def _copy_outcome(src: Future, dst: Future) -> None:
     """Complete `dst` (already running) as `src` completed."""
     if src.cancelled():
@@ -230,14 +243,9 @@ class Pool:
     def _acquire_or_fail(self, expert_id: str, wait: float = 60.0) -> Handle:
         """Load `expert_id` for a joiner whose load failed, waiting (as a wave does) while pinned experts hold
         the room the failed load freed."""
-        deadline, pause = time.monotonic() + wait, 0.001
-        while (got := self.acquire(expert_id)) is None:
-            if time.monotonic() > deadline:
-                raise CoEError(f"expert '{expert_id}': a load it joined failed and pinned experts filled the "
-                               f"{self.tier} pool for {wait:.0f} s")
-            time.sleep(pause)
-            pause = min(pause * 2, 0.05)
-        return got
+        return wait_for_room(lambda: self.acquire(expert_id), time.monotonic() + wait,
+                             lambda: f"expert '{expert_id}': a load it joined failed and pinned experts filled "
+                                     f"the {self.tier} pool for {wait:.0f} s")
 
     def _unreserve(self, expert_id: str) -> None:
         joined = []

@@ -525,3 +525,19 @@ def test_a_joiner_that_cancels_gives_its_pin_back_and_two_joiners_each_get_one()
     p.release(h1)
     p.release(h2)
     assert p.evict("a")                                     # nothing holds it now
+
+
+def test_wait_for_room_retries_until_room_and_names_the_expert_past_its_deadline():
+    import time
+
+    from storage.pool import wait_for_room
+
+    tries = iter([None, None, "in"])
+    assert wait_for_room(lambda: next(tries), time.monotonic() + 60, lambda: "never") == "in"
+    p = pool(cap=30)
+    held = p.acquire("a")                                   # pinned: no room for b
+    with pytest.raises(CoEError, match="expert 'b': pinned experts hold the room"):
+        wait_for_room(lambda: p.acquire("b"), time.monotonic() + 0.05,
+                      lambda: "expert 'b': pinned experts hold the room")
+    p.release(held)
+    assert wait_for_room(lambda: p.acquire("b"), time.monotonic() + 60, lambda: "never").expert_id == "b"
