@@ -405,6 +405,10 @@ ALPHA_WIDE = "next token + popularity, alpha 0.5"
 ALPHA_WIDER = "next token + popularity, alpha 0.7"
 NO_SUBSTITUTION = "next token + popularity, no substitution"
 WIDE_ROWS = (ALPHA_WIDE, ALPHA_WIDER)   # wider bands than the alpha <= 0.3 the quality target is set at
+ORACLE_LRU = "oracle: LRU + prefetch of exact guesses"
+ORACLE_BEST = "oracle: best row + prefetch, exact guesses"
+ORACLE_TOP = "oracle: best row + prefetch, exact top-score"
+ORACLE_ROWS = (ORACLE_LRU, ORACLE_BEST, ORACLE_TOP)     # bounds, not candidates for "best" or the LRU baseline
 ABLATION = (("lru", "LRU (baseline)", {}),
             ("gate-score", "eviction by windowed gate score", {}),
             ("gate-score", "+ substitution (alpha 0.3)", {"alpha": 0.3}),
@@ -421,6 +425,11 @@ ABLATION = (("lru", "LRU (baseline)", {}),
             # the eviction alone: with gate-score, the best baseline without substitution, which the importance
             # paper's latency reduction is measured against
             ("predicted", NO_SUBSTITUTION, {}),
+            # not realisable, not on top of anything: the token-wise prefetch with the trace's own next token as
+            # its guesses (`TraceGuesses`), so the table says whether the mechanism or the predictor holds it back
+            ("lru", ORACLE_LRU, {"prefetch": "token", "oracle": "all"}),
+            ("predicted", ORACLE_BEST, {"alpha": 0.3, "prefetch": "token", "oracle": "all"}),
+            ("predicted", ORACLE_TOP, {"alpha": 0.3, "prefetch": "token", "oracle": "top"}),
             ("lru", LRU_AGAIN, {}))
 
 
@@ -429,7 +438,8 @@ def run_ablation(store: Path, profile: Trace, trace: Trace, *, share: float = 0.
     """Issue 11's ablation on trace-driven decode: each row on top of the one before (the two prefetch rows
     are alternatives: every guess, or only confident ones; the split goes on top of the second), then the
     best row's settings at alpha 0.5 and 0.7 (not on top of the split), the same eviction without
-    substitution (with the gate score's row, the baselines `latency_cuts` compares with), LRU again and
+    substitution (with the gate score's row, the baselines `latency_cuts` compares with), three oracle
+    rows (the token-wise prefetch guessing the trace's own next token: `TraceGuesses`), LRU again and
     the ceiling.
 
     The importance paper's order, with one row of ours between substitution
@@ -444,7 +454,7 @@ def run_ablation(store: Path, profile: Trace, trace: Trace, *, share: float = 0.
     does not have: it is not a row.
     """
     from coe.moe import MoELayout
-    from executors.moe_decode import remap, trace_decode
+    from executors.moe_decode import TraceGuesses, remap, trace_decode
     from executors.moe_model import load_pooled
     from routing.moe_predictor import TokenPredictor
 
@@ -457,9 +467,13 @@ def run_ablation(store: Path, profile: Trace, trace: Trace, *, share: float = 0.
             progress(name)
         drop_store(store)
         wants = extra.get("prefetch") == "token" or policy == "predicted"
+        settings = {k: v for k, v in extra.items() if k != "oracle"}
         pm = load_pooled(store, memory=int(layout.expert_bytes * share), policy=policy, drop_after_read=True,
                          predictor=predictor if wants else None,
-                         popularity=popularity if policy == "predicted" else None, **extra)
+                         popularity=popularity if policy == "predicted" else None, **settings)
+        if "oracle" in extra:
+            pm.prefetcher.guess_with(TraceGuesses(trace, top_alpha=extra.get("alpha", 0.0)
+                                                  if extra["oracle"] == "top" else 0.0))
         r = trace_decode(pm, trace, prefill=False)
         pm.close()
         row = {"row": name, "policy": policy, **extra, "tokens_per_second": r.tokens_per_second,
@@ -500,7 +514,8 @@ def lru_baseline(rows: list) -> float:
     """LRU's tokens/s in (b) or (d): the mean of its first and last runs (rows as dicts or `DecodeRow`s)."""
     def get(r, key):
         return r[key] if isinstance(r, dict) else getattr(r, key)
-    lru = [get(r, "tokens_per_second") for r in rows if get(r, "policy") == "lru"]
+    lru = [get(r, "tokens_per_second") for r in rows
+           if get(r, "policy") == "lru" and not (isinstance(r, dict) and r.get("prefetch"))]
     if not lru:
         raise ValueError("no LRU row to compare with")
     return sum(lru) / len(lru)

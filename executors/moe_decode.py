@@ -21,7 +21,7 @@ from coe import CoEError
 
 from .moe_model import OffloadStats, PooledModel
 from .moe_threads import loader_friendly_threads
-from .pooled_experts import PooledExperts
+from .pooled_experts import DECODE_TOKENS, PooledExperts
 
 
 @dataclass(frozen=True)
@@ -93,6 +93,48 @@ def trace_decode(pm: PooledModel, trace, *, position: list[int] | None = None, s
                                                       after.bytes_in - before.bytes_in,
                                                       after.load_seconds - before.load_seconds, tokens, seconds,
                                                       after.pools))
+
+
+class TraceGuesses:
+    """An offline oracle for the token-wise prefetch (`TokenPrefetcher.guess_with`) in trace-driven decode.
+
+    Called once per router call of a layer that the prefetcher treats as a
+    decode step (at most `DECODE_TOKENS` rows), in trace order, it returns
+    what the trace's next decode token of the same prompt asks that layer for
+    (nothing at a prompt's last token).  With `top_alpha` > 0 only the experts
+    substitution at that alpha would not replace, those scoring above
+    (1 + alpha) x the token's (k+1)-th score (`routing.substitution`'s
+    top-score band): a missing expert below it is substituted, not read, so
+    prefetching it reads what the layer would not have.  Not realisable: it
+    bounds what prefetch can pay on this box, predictor aside.
+    """
+
+    def __init__(self, trace, top_alpha: float = 0.0) -> None:
+        calls = [(seq, step, rows) for seq, step, rows in trace.passes() if len(rows) <= DECODE_TOKENS]
+        k = trace.top_k
+        self._next: dict[int, list[list[int]]] = {}
+        for j, layer in enumerate(trace.layers):
+            sets = []
+            for i, (seq, _, _) in enumerate(calls):
+                nxt = calls[i + 1] if i + 1 < len(calls) else None
+                if nxt is None or nxt[0] != seq or nxt[1] == 0:
+                    sets.append([])
+                    continue
+                rows = nxt[2]
+                chosen = [int(e) for e in np.unique(trace.chosen[rows, j, :])]
+                if top_alpha > 0:           # as `routing.substitution.substitute`: the batch's top-score set
+                    scores = trace.probs[rows, j, :].astype(np.float32)      # as the decode routes them
+                    kth = -np.sort(-scores, axis=1)[:, k]
+                    chosen = [e for e in chosen if (scores[:, e] > (1 + top_alpha) * kth).any()]
+                sets.append(chosen)
+            self._next[layer] = sets
+        self._calls = {layer: 0 for layer in trace.layers}
+
+    def __call__(self, layer: int) -> list[int]:
+        i = self._calls[layer]
+        self._calls[layer] = i + 1
+        sets = self._next[layer]
+        return sets[i] if i < len(sets) else []
 
 
 def remap(trace, model: str):

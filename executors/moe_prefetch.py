@@ -47,6 +47,8 @@ import torch
 from routing.moe_predictor import LiveInputs
 from storage.pool import Pool
 
+from .pooled_experts import DECODE_TOKENS
+
 log = logging.getLogger(__name__)
 
 IDLE_POLL_SECONDS = 0.005     # how often a waiting prefetch checks whether its guess is still of use
@@ -66,6 +68,9 @@ class PrefetchStats:
     yielded: int = 0            # reads stopped midway: their layer ran without asking, or a layer needed the room
     paused: int = 0             # times a read paused for a layer's own read (to go on where it stopped, or stop)
     adopted: int = 0            # reads still under way when their layer asked for the expert: joined, not repeated
+    stopped_ran: int = 0        # of `yielded`: their layer ran without asking for the expert
+    stopped_room: int = 0       # of `yielded`: a layer found no room for its own experts
+    stopped_limit: int = 0      # of `yielded`: paused longer than PAUSE_LIMIT_SECONDS in all
 
     @property
     def precision(self) -> float:
@@ -93,19 +98,35 @@ class _Prefetcher:
         self._ids, self._pool_of = ids, pool_of
         self._pending: dict[int, _Guess] = {}             # per layer: the guess awaiting its use
         self._loaded: dict[int, set[int]] = {}             # per layer: the guesses this prefetcher read in
+        self._asking: frozenset[str] = frozenset()          # what the layer that routed last asked for
         self._lock = threading.Lock()
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="coe-expert-prefetch")
         self.stats = PrefetchStats()
 
     def expected(self) -> frozenset[str]:
-        """Experts guessed for a layer that has not run since: every eviction policy keeps them last.
+        """Experts guessed for a layer that has not run since, and those the layer that routed last asked for:
+        every eviction policy keeps them last.
 
-        Without this a guess is an ordinary resident the moment it is in, and
-        the next load evicts it by recency or score before its use comes
-        (measured: hit rate fell from 84% to 77% with prefetch on).
+        Without the guesses a guess is an ordinary resident the moment it is
+        in, and the next load evicts it by recency or score before its use
+        comes (measured: hit rate fell from 84% to 77% with prefetch on).
+        Without the layer's own: a guess is issued from the router call,
+        before the layer pins what it asked for, and the prefetch thread's
+        eviction then took one of those (the policy had just re-ranked them
+        for the next token); the layer read it straight back.  Measured on
+        the trace-driven decode with exact guesses (`--part d`'s best row):
+        15 more reads than with no prefetch at all, where it should be fewer.
         """
         with self._lock:
-            return frozenset(self._ids[layer][e] for layer, guess in self._pending.items() for e in guess.experts)
+            guessed = {self._ids[layer][e] for layer, guess in self._pending.items() for e in guess.experts}
+            return frozenset(guessed) | self._asking
+
+    def asking(self, layer: int, chosen) -> None:
+        """The router of `layer` chose `chosen` (after any substitution): kept until the next layer routes."""
+        ids = self._ids.get(layer)
+        if ids is not None:
+            with self._lock:
+                self._asking = frozenset(ids[int(e)] for e in set(chosen.reshape(-1).tolist()))
 
     def _score(self, layer: int, actual: set[int]) -> None:
         with self._lock:
@@ -166,15 +187,14 @@ class _Prefetcher:
             with self._lock:
                 return guess.asked is not None and e in guess.asked
 
-        paused_since, paused_for = [None], [0.0]
+        paused_since, paused_for, why = [None], [0.0], [""]
 
         def give_up() -> bool:          # of no use any more, a layer needs its room, or paused too long
             if adopted():               # the layer waits on this read: never stopped, whatever came before
                 return False
-            if ran() or short_of_room():
-                return True
             waited = paused_for[0] + (time.monotonic() - paused_since[0] if paused_since[0] is not None else 0.0)
-            return waited > PAUSE_LIMIT_SECONDS
+            why[0] = "ran" if ran() else "room" if short_of_room() else "limit" if waited > PAUSE_LIMIT_SECONDS else ""
+            return bool(why[0])
 
         def pause() -> bool:            # a layer's own read wants the disk, and this one is not the layer's yet
             now = demand_loads() > 0 and not adopted()
@@ -201,6 +221,9 @@ class _Prefetcher:
         except ReadYielded:             # of no use, or its room wanted: the room it took is free again
             with self._lock:
                 self.stats.yielded += 1
+                field = {"ran": "stopped_ran", "room": "stopped_room", "limit": "stopped_limit"}.get(why[0])
+                if field:
+                    setattr(self.stats, field, getattr(self.stats, field) + 1)
             return
         except Exception as exc:        # the layer's own load of it will raise this, where it matters
             log.debug("prefetch of %s failed: %s", eid, exc)
@@ -286,17 +309,31 @@ class TokenPrefetcher(_Prefetcher):
         self._pred, self._m, self.min_prob = predictor, m or predictor.top_k, min_prob
         self._index = {layer: j for j, layer in enumerate(predictor.layers)}
         self._live = LiveInputs(predictor)
+        self._oracle: Callable[[int], list[int]] | None = None
+
+    def guess_with(self, oracle: Callable[[int], list[int]] | None) -> None:
+        """Take the guesses from `oracle(layer)` (called once per decode router call) instead of the predictor.
+
+        For an offline bound only (`executors.moe_decode.TraceGuesses`, the
+        trace's own next token): how much prefetch could pay here if every
+        guess were right, which says whether the mechanism or the predictor
+        is what holds it back.
+        """
+        self._oracle = oracle
 
     def on_router(self, layer: int, probs, chosen) -> None:
         """Called with each router call's scores [T, E] and choices [T, k] (decode: T is 1)."""
+        self.asking(layer, chosen)
         x = self._live.observe(layer, probs)        # every call, a prefill's too: the next step's previous token
-        if len(probs) > 4:
+        if len(probs) > DECODE_TOKENS:
             self.forget(layer)
             return
         if x is None:
             return
         self._score(layer, {int(e) for e in chosen.reshape(-1)})
-        self._issue(layer, set(self._pred.confident(self._index[layer], x, self._m, self.min_prob)))
+        guess = self._oracle(layer) if self._oracle is not None else \
+            self._pred.confident(self._index[layer], x, self._m, self.min_prob)
+        self._issue(layer, set(guess))
 
 
 def _inline(load: Callable) -> Future:

@@ -179,11 +179,56 @@ def test_guesses_awaiting_their_use_are_evicted_last_and_scored_when_their_layer
     tp.on_router(layer, scores, np.array([[0, 1]]))
     tp.drain()
     tp.close()
-    guessed = set(tp.expected())
+    # what the layer that routed last asked for is kept last too (the next test): here another layer's E007
+    tp.asking(trace.layers[1], np.array([[7]]))
+    asked = {ids[trace.layers[1]][7]}
+    guessed = set(tp.expected()) - asked
     assert len(guessed) == 2 and guessed <= set(ids[layer]) and guessed == set(pool.resident())
     loaded = sorted(int(g[-3:]) for g in guessed)
     tp._score(layer, {loaded[0]})                    # the next token's layer runs and asks for one of the two
-    assert tp.expected() == frozenset() and tp.stats.useful == 1 and tp.stats.issued == 2
+    assert tp.expected() == asked and tp.stats.useful == 1 and tp.stats.issued == 2
+
+
+def test_what_a_layer_just_asked_for_is_not_the_victim_of_a_guess_issued_from_its_router_call():
+    """The guess is issued from the router call, before the layer pins its experts: the prefetch's eviction must
+    not take one of those (it did, and the layer read it straight back)."""
+    from executors.moe_prefetch import TokenPrefetcher
+    from storage.policies import make_policy
+    from storage.pool import Pool
+    from storage.tracesim import SizeSource
+
+    trace = synthetic(POP, tokens=600, top_k=2, locality=0.8, seed=1)
+    pred = TokenPredictor.train(trace, features="same-layer")
+    layer = trace.layers[0]
+    ids = {l: [f"m.L{l:02d}.E{e:03d}" for e in range(trace.num_experts)] for l in trace.layers}
+    for asked in (True, False):
+        tp = None
+        # as load_pooled wires it: the pools' eviction sees the prefetcher's `expected`
+        pool = Pool("p", 2, make_policy("lru"), SizeSource({e: 1 for v in ids.values() for e in v}),
+                    context=lambda: {"expected": tp.expected() if tp is not None else frozenset()})
+        for e in (0, 1):                              # E000 is the least recently used of the two residents
+            pool.release(pool.acquire(ids[layer][e]))
+        tp = TokenPrefetcher(pred, ids, lambda _: pool, m=2, min_prob=0.0)
+        try:
+            if asked:
+                tp.asking(layer, np.array([[0]]))     # the layer's router chose E000; its wave has not pinned it
+            assert (ids[layer][0] in tp.expected()) == asked
+            tp._issue(layer, {2})                     # a guess for the next token: room for it means a victim
+            tp.drain()
+        finally:
+            tp.close()
+        kept = set(pool.resident())
+        assert ids[layer][2] in kept
+        assert (ids[layer][0] in kept) == asked and (ids[layer][1] in kept) != asked   # LRU alone takes E000
+    roomy = Pool("q", 100, make_policy("lru"), SizeSource({e: 1 for v in ids.values() for e in v}))
+    tp = TokenPrefetcher(pred, ids, lambda _: roomy, m=2)
+    try:                                              # the router call itself records what the layer asked for
+        tp.on_router(layer, trace.probs[10:11, 0, :], np.array([[3, 5]]))
+        assert {ids[layer][3], ids[layer][5]} <= tp.expected()
+        tp.on_router(trace.layers[1], trace.probs[10:11, 1, :], np.array([[4, 6]]))     # the next layer routes
+        assert ids[layer][3] not in tp.expected() and ids[trace.layers[1]][4] in tp.expected()
+    finally:
+        tp.close()
 
 
 def test_a_prefill_leaves_the_later_layers_uniform_as_training_does_and_two_prompts_still_validate(tmp_path):

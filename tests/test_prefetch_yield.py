@@ -152,6 +152,7 @@ def test_a_read_stops_when_its_layer_runs_meanwhile_without_asking_for_it(tiny_z
         pre._issue(0, {0})
         _settle(pre)
         assert pre.stats.yielded == 1 and pre.stats.issued == 0 and pre.stats.adopted == 0
+        assert (pre.stats.stopped_ran, pre.stats.stopped_room, pre.stats.stopped_limit) == (1, 0, 0)   # why
         assert pre.stats.useful == 0 and not pool.present(eid) and pool.stats().resident_bytes == 0
     finally:
         pre.close()
@@ -290,6 +291,7 @@ def test_a_prefill_pass_voids_the_guess_and_its_read_stops(tiny_zoo):
         go.set()
         _settle(pre)
         assert pre.stats.yielded == 1 and pre.stats.issued == 0 and not pool.present(eid)
+        assert pre.stats.stopped_ran == 1          # a void guess stops as one whose layer ran
         assert pre.expected() == frozenset()        # nothing kept last for a guess that is void
     finally:
         go.set()
@@ -333,6 +335,7 @@ def test_a_read_under_way_gives_its_room_to_a_layer_that_has_none(tiny_zoo, monk
         held_back = outside_done.is_set()           # the wave got its room only once the outside load ended
         _settle(pre)
         assert got == [ids[1]] and pre.stats.yielded == 1 and not pool.present(ids[0])
+        assert (pre.stats.stopped_ran, pre.stats.stopped_room, pre.stats.stopped_limit) == (0, 1, 0)
         assert not held_back                        # the paused read gave its room up at once
         assert not pooled_experts.short_of_room()   # the wave's mark went with it
     finally:
@@ -367,6 +370,7 @@ def test_a_read_paused_too_long_gives_up_but_not_once_adopted(tiny_zoo, monkeypa
                 assert pre.stats.adopted == 1 and pre.stats.yielded == 0 and pool.present(eid)
             else:                                   # gave up after the limit; nothing left behind
                 assert pre.stats.yielded == 1 and pre.stats.paused == 1 and not pool.present(eid)
+                assert (pre.stats.stopped_ran, pre.stats.stopped_room, pre.stats.stopped_limit) == (0, 0, 1)
         finally:
             pooled_experts._demand_add(-1)
             pre.close()
