@@ -53,6 +53,46 @@ def split_trace(trace: Trace) -> tuple[Trace, Trace]:
     return trace.rows(trace.seq < cut), trace.rows(trace.seq >= cut)
 
 
+def batch_prompts(trace: Trace, batch: int) -> Trace:
+    """The trace's prompts decoded `batch` at a time: each decode pass holds one token of each of `batch` prompts.
+
+    Prompts are taken in order, `batch` to a group (a last group that is short
+    is left out); a group's prefills form one pass (step 0), then its prompts
+    decode side by side for as many steps as the shortest of them has.  Each
+    row keeps its own routing; only the grouping into passes changes, so the
+    pools see what a batched decode would ask of them.  The importance paper's
+    headline is at batch 3.
+    """
+    import numpy as np
+
+    if batch < 1:
+        raise ValueError(f"batch must be at least 1, got {batch}")
+    seqs = np.unique(trace.seq)
+    rows: list[int] = []
+    seq: list[int] = []
+    step: list[int] = []
+    for g in range(len(seqs) // batch):
+        group = seqs[g * batch:(g + 1) * batch]
+        prefill = [int(r) for s in group for r in np.flatnonzero((trace.seq == s) & (trace.step == 0))]
+        rows += prefill
+        seq += [g] * len(prefill)
+        step += [0] * len(prefill)
+        steps = min(int(trace.step[trace.seq == s].max()) for s in group)
+        for k in range(1, steps + 1):
+            for s in group:
+                hit = np.flatnonzero((trace.seq == s) & (trace.step == k))
+                if len(hit) != 1:
+                    raise ValueError(f"prompt {s} has {len(hit)} rows at decode step {k}, not one")
+                rows.append(int(hit[0]))
+                seq.append(g)
+                step.append(k)
+    if not rows:
+        raise ValueError(f"the trace has {len(seqs)} prompts: fewer than one batch of {batch}")
+    out = trace.rows(np.asarray(rows))
+    return Trace(out.model, out.layers, out.top_k, out.scoring, out.probs, out.chosen,
+                 np.asarray(seq, dtype=np.int32), np.asarray(step, dtype=np.int32))
+
+
 def mixtral_data_dir() -> Path:
     """Mixtral-8x7B's measured expert popularity, shipped in the package (configs/moe/; source in its README)."""
     import configs

@@ -513,3 +513,31 @@ def _layout_of(trace):
                      layers=tuple(MoELayer(layer=l, module=f"model.layers.{l}.mlp.experts",
                                            num_experts=trace.num_experts, hidden=8, intermediate=8, expert_nbytes=1)
                                   for l in trace.layers))
+
+
+def test_batching_prompts_puts_one_token_of_each_prompt_in_each_decode_pass_and_keeps_every_rows_routing():
+    from edge_agent.llm_bench import batch_prompts
+
+    # five prompts: prefills of 3 rows, decode steps 1..4 (prompt 2 stops at step 2)
+    seq, step = [], []
+    for s in range(5):
+        last = 2 if s == 2 else 4
+        seq += [s] * (3 + last)
+        step += [0, 0, 0] + list(range(1, last + 1))
+    n = len(seq)
+    rng = np.random.default_rng(0)
+    probs = rng.random((n, 2, 6)).astype(np.float16)
+    chosen = rng.integers(0, 6, (n, 2, 2)).astype(np.int16)
+    tr = Trace("m", (0, 1), 2, "softmax", probs, chosen, np.array(seq, np.int32), np.array(step, np.int32))
+    b = batch_prompts(tr, 2)                         # prompts (0, 1) and (2, 3); prompt 4 is left out
+    passes = list(b.passes())
+    assert [(s, k, len(r)) for s, k, r in passes] == [(0, 0, 6), (0, 1, 2), (0, 2, 2), (0, 3, 2), (0, 4, 2),
+                                                      (1, 0, 6), (1, 1, 2), (1, 2, 2)]   # the shorter one sets it
+    first = np.flatnonzero((tr.seq == 1) & (tr.step == 3))[0]          # prompt 1's step 3: second row of pass 3
+    assert np.array_equal(b.chosen[passes[3][2][1]], tr.chosen[first])
+    assert np.array_equal(b.probs[passes[3][2][1]], tr.probs[first])
+    assert batch_prompts(tr, 1).tokens == tr.tokens                     # batch 1: every row, same passes
+    with pytest.raises(ValueError, match="fewer than one batch"):
+        batch_prompts(tr, 6)
+    with pytest.raises(ValueError, match="at least 1"):
+        batch_prompts(tr, 0)
