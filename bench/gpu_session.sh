@@ -21,6 +21,9 @@
 #                                      # cold start)
 #   bash bench/gpu_session.sh OUT 9    # about 2 minutes: the GPU tests of the pinned buffers, the split and the
 #                                      # prefill stream, then (e) (the host tier keeping the stream's bytes)
+#   bash bench/gpu_session.sh OUT 10   # about 7 minutes: the GPU test of the token-wise prefetch into a CUDA pool,
+#                                      # then issue 11's (d) ablation on CUDA (prefetch, substitution and the oracle
+#                                      # rows with a GPU pool behind the pinned host tier)
 #
 # Run it after `bash .gpu/on-device.sh` installed the wheels (see ../shared/gpu/README.md), e.g.
 #   bash .gpu/on-device.sh 'bash bench/gpu_session.sh $OUT 1'
@@ -29,9 +32,9 @@
 # Every step has its own time limit and writes its whole output to OUT/<step>.log; a step that fails or
 # runs out of time does not stop the next.  Nothing here is a test: the figures are read off the logs.
 set -u
-OUT=${1:?usage: bash bench/gpu_session.sh OUT 1|2|3|4|5|6|7|8|9}
-PHASE=${2:?usage: bash bench/gpu_session.sh OUT 1|2|3|4|5|6|7|8|9}
-case "$PHASE" in 1|2|3|4|5|6|7|8|9) ;; *) echo "phase must be 1 to 9, got '$PHASE'" >&2; exit 2 ;; esac
+OUT=${1:?usage: bash bench/gpu_session.sh OUT 1|2|3|4|5|6|7|8|9|10}
+PHASE=${2:?usage: bash bench/gpu_session.sh OUT 1|2|3|4|5|6|7|8|9|10}
+case "$PHASE" in 1|2|3|4|5|6|7|8|9|10) ;; *) echo "phase must be 1 to 10, got '$PHASE'" >&2; exit 2 ;; esac
 mkdir -p "$OUT"
 export YOLO_OFFLINE=1 PYTHONUNBUFFERED=1 TQDM_DISABLE=1
 export COE_DATA_DIR="${COE_DATA_DIR:-var/line-paper}"
@@ -114,6 +117,11 @@ elif [ "$PHASE" = 9 ]; then
   llm_gpu_tests 60
   model_ready
   TAIL=12 step llm-e 70 coe-agent llm bench --work $W --part e
+elif [ "$PHASE" = 10 ]; then
+  model_start
+  TAIL=8 step gpu-tests 60 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_moe_pooled.py -k cuda_pool
+  model_ready
+  TAIL=24 step llm-d 330 coe-agent llm bench --work $W --part d --device cuda
 elif [ "$PHASE" = 8 ]; then
   model_start
   model_ready

@@ -473,8 +473,8 @@ ABLATION = (("lru", "LRU (baseline)", {}),
             ("lru", LRU_AGAIN, {}))
 
 
-def run_ablation(store: Path, profile: Trace, trace: Trace, *, share: float = 0.25,
-                 progress: Callable[[str], None] | None = None) -> list[dict]:
+def run_ablation(store: Path, profile: Trace, trace: Trace, *, share: float = 0.25, device: str = "cpu",
+                 host_share: float = 0.0, progress: Callable[[str], None] | None = None) -> list[dict]:
     """Issue 11's ablation on trace-driven decode: each row on top of the one before (the two prefetch rows
     are alternatives: every guess, or only confident ones; the split goes on top of the second), then the
     best row's settings at alpha 0.5 and 0.7 (not on top of the split), the same eviction without
@@ -491,7 +491,9 @@ def run_ablation(store: Path, profile: Trace, trace: Trace, *, share: float = 0.
     with the mean of the two (`lru_baseline`), so a box that speeds up or
     slows down over the run favours no row.
     The next-layer prefetch needs real hidden states, which a trace-driven run
-    does not have: it is not a row.
+    does not have: it is not a row.  On a CUDA `device` the pool is GPU memory
+    behind a pinned host tier of `host_share` of the experts, as in `run_decode`;
+    the split row is then the Fiddler split (CPU computation on the host copy).
     """
     from coe.moe import MoELayout
     from executors.moe_decode import TraceGuesses, remap, trace_decode
@@ -510,7 +512,8 @@ def run_ablation(store: Path, profile: Trace, trace: Trace, *, share: float = 0.
         settings = {k: v for k, v in extra.items() if k != "oracle"}
         pm = load_pooled(store, memory=int(layout.expert_bytes * share), policy=policy, drop_after_read=True,
                          predictor=predictor if wants else None,
-                         popularity=popularity if policy == "predicted" else None, **settings)
+                         popularity=popularity if policy == "predicted" else None, device=device,
+                         host_memory=int(layout.expert_bytes * host_share), **settings)
         if "oracle" in extra:
             pm.prefetcher.guess_with(TraceGuesses(trace, top_alpha=extra.get("alpha", 0.0)
                                                   if extra["oracle"] == "top" else 0.0))
@@ -530,7 +533,7 @@ def run_ablation(store: Path, profile: Trace, trace: Trace, *, share: float = 0.
             row.update(in_place=pm.split.stats.in_place, loaded=pm.split.stats.loaded, gib_in_place=in_place,
                        gib_read=row["gib_read"] + in_place)
         rows.append(row)
-    rows.append(_ceiling(store, layout, trace, progress))
+    rows.append(_ceiling(store, layout, trace, progress, device))
     return rows
 
 
@@ -564,7 +567,7 @@ def lru_baseline(rows: list) -> float:
 CEILING = "ceiling: every expert resident (no policy)"
 
 
-def _ceiling(store: Path, layout, trace: Trace, progress: Callable[[str], None] | None) -> dict:
+def _ceiling(store: Path, layout, trace: Trace, progress: Callable[[str], None] | None, device: str = "cpu") -> dict:
     """The same decode with every expert already in the pool: what no policy, prefetch or split can beat.
 
     The first pass loads each expert once; the second, timed, has no miss.
@@ -575,7 +578,7 @@ def _ceiling(store: Path, layout, trace: Trace, progress: Callable[[str], None] 
 
     if progress:
         progress(CEILING)
-    pm = load_pooled(store, memory=layout.expert_bytes, policy="lru")
+    pm = load_pooled(store, memory=layout.expert_bytes, policy="lru", device=device)
     try:
         trace_decode(pm, trace, prefill=False)
         r = trace_decode(pm, trace, prefill=False)

@@ -383,7 +383,7 @@ def _summarise_e2e(doc: dict, runs: list[dict], mem: dict, coe_runs: list[dict],
 @click.option("--e2e-tokens", default=24, show_default=True, type=click.IntRange(1, 100_000),
               help="(c): tokens each system generates.")
 @click.option("--device", default="cpu", show_default=True, callback=torch_device,
-              help="(b), (c): cpu, or cuda[:N] for a GPU pool at the budget behind a pinned host tier.")
+              help="(b), (c), (d): cpu, or cuda[:N] for a GPU pool at the budget behind a pinned host tier.")
 @click.option("--host-share", default=0.5, show_default=True, type=click.FloatRange(0, 1),
               help="With --device cuda: the pinned host tier, as a share of the experts.")
 @_fail_clearly
@@ -422,7 +422,7 @@ def llm_bench(work: str, parts: str, prompts: int, decode: int, train_seconds: f
       coe-agent llm bench --work var/llm                # all parts: ~25 min on 2 cores, first run trains
       coe-agent llm bench --part a --prompts 20
       coe-agent llm bench --part e                      # on a GPU box
-      coe-agent llm bench --part b,c --device cuda      # (b), (c) with a CUDA pool
+      coe-agent llm bench --part b,c,d --device cuda    # (b), (c), (d) with a CUDA pool
     """
     _need_transformers()
     import json
@@ -441,9 +441,8 @@ def llm_bench(work: str, parts: str, prompts: int, decode: int, train_seconds: f
     if not want or want - {"a", "b", "c", "d", "e"}:
         raise CoEError(f"--part {parts!r}: give a comma-separated subset of a, b, c, d, e")
     cuda = device.startswith("cuda")
-    if cuda and want & {"a", "d"}:
-        raise CoEError(f"--device {device} applies to (b) and (c); (a) is a simulation and (d) runs on the CPU: "
-                       "run them without it")
+    if cuda and "a" in want:
+        raise CoEError(f"--device {device} applies to (b), (c) and (d); (a) is a simulation: run it without it")
     if "e" in want or cuda:
         import torch
 
@@ -501,8 +500,8 @@ def llm_bench(work: str, parts: str, prompts: int, decode: int, train_seconds: f
         if cuda:
             res += (f"; pool and resident weights on {torch_device_name()}, behind a pinned host tier of "
                     f"{host_share * layout.expert_bytes / 1e9:.2f} GB ({host_share:.0%} of the experts)")
-        if want & {"b", "c"}:
-            doc["device"] = torch_device_name() if cuda else "cpu"     # where (b) and (c) ran; (e) says its own
+        if want & {"b", "c", "d"}:
+            doc["device"] = torch_device_name() if cuda else "cpu"     # where (b), (c) and (d) ran; (e) says its own
         doc["resources"] = res
         doc["disk_bytes_per_s"] = speed
     if "c" in want:   # the import's memory target sits with (c)'s: one checkpoint import in its own process
@@ -570,12 +569,13 @@ def llm_bench(work: str, parts: str, prompts: int, decode: int, train_seconds: f
     if "d" in want:
         trace = lb.decode_only(rep, decode_tokens)
         with tqdm(total=len(lb.ABLATION) + 1, desc="(d) ablation", disable=None) as bar:   # + the ceiling
-            arows = lb.run_ablation(big, profile, trace, progress=lambda _: bar.update(1))
+            arows = lb.run_ablation(big, profile, trace, device=device, host_share=host_share if cuda else 0.0,
+                                    progress=lambda _: bar.update(1))
         click.echo(f"(d) ablation, each row on top of the one before (the two prefetch rows are alternatives; "
                    f"from 'next token + popularity' on, that eviction replaces the gate score's; the alpha 0.5 and "
                    f"0.7 rows are that row's settings with a wider substitution band, not on top of the split, and "
                    f"'no substitution' is that eviction alone): "
-                   f"trace-driven real decode as (b), {res}")
+                   f"trace-driven real decode as (b), real run on {doc['device']}: {res}")
         base = lb.lru_baseline(arows)
         click.echo(f"{'row':46} {'tokens/s':>9} {'hit rate':>9} {'GiB read':>9} {'x LRU':>6}  notes "
                    f"(x LRU: against the mean of the two LRU rows, {base:.2f} tokens/s)")
@@ -612,14 +612,15 @@ def llm_bench(work: str, parts: str, prompts: int, decode: int, train_seconds: f
                            f"{-c['vs_best_baseline']:+.1%} against the best row without substitution "
                            f"({c['best_baseline']})")
             doc["d_latency_cuts"] = cuts
-        pf = lb.prefill_batching(big, list(range(40, 168)))
-        click.echo(f"prefill split on this CPU box = batching a prompt's tokens per expert: 128-token prompt in one "
-                   f"pass {pf['batched']['tokens_per_second']:.1f} tokens/s ({pf['batched']['gib_read']:.2f} GiB read) "
-                   f"vs token by token {pf['token-by-token']['tokens_per_second']:.1f} tokens/s "
-                   f"({pf['token-by-token']['gib_read']:.2f} GiB): {pf['speedup']:.1f}x")
         doc["d"] = arows
         doc["d_lru_baseline"] = base
-        doc["prefill"] = pf
+        if not cuda:        # on a GPU box the prefill split is (e)'s
+            pf = lb.prefill_batching(big, list(range(40, 168)))
+            click.echo(f"prefill split on this CPU box = batching a prompt's tokens per expert: 128-token prompt in "
+                       f"one pass {pf['batched']['tokens_per_second']:.1f} tokens/s ({pf['batched']['gib_read']:.2f} "
+                       f"GiB read) vs token by token {pf['token-by-token']['tokens_per_second']:.1f} tokens/s "
+                       f"({pf['token-by-token']['gib_read']:.2f} GiB): {pf['speedup']:.1f}x")
+            doc["prefill"] = pf
     if "e" in want:
         rows = lb.gpu_split_bench(big, list(range(40, 168)), min(decode_tokens, 64), device="cuda",
                                   progress=lambda what: click.echo(f"(e) {what}", err=True))

@@ -242,14 +242,14 @@ def test_generate_refuses_a_predictor_without_the_predicted_policy(tmp_path):
 
 
 def test_bench_device_is_checked_before_anything_is_made(tmp_path):
-    """--device takes cpu/cuda/cuda:N; CUDA applies to (b) and (c) only; nothing is generated when refused."""
+    """--device takes cpu/cuda/cuda:N; CUDA applies to (b), (c) and (d), not (a); nothing is generated when refused."""
     import torch
 
     work = tmp_path / "work"
     res = CliRunner().invoke(cli, ["llm", "bench", "--work", str(work), "--part", "b", "--device", "gpu0"])
     assert res.exit_code == 2 and "give cpu, cuda or cuda:N" in res.output
-    res = CliRunner().invoke(cli, ["llm", "bench", "--work", str(work), "--part", "b,d", "--device", "cuda"])
-    assert res.exit_code == 1 and "applies to (b) and (c)" in res.output
+    res = CliRunner().invoke(cli, ["llm", "bench", "--work", str(work), "--part", "a,d", "--device", "cuda"])
+    assert res.exit_code == 1 and "applies to (b), (c) and (d); (a) is a simulation" in res.output
     if not torch.cuda.is_available():
         res = CliRunner().invoke(cli, ["llm", "bench", "--work", str(work), "--part", "c", "--device", "cuda:0"])
         assert res.exit_code == 1 and "--device cuda:0: no CUDA device here" in res.output

@@ -406,6 +406,7 @@ def test_the_ablation_runs_every_row_and_gives_predicted_rows_the_profiles_predi
     seen = set()
     for (policy, _, extra), kw in zip(lb.ABLATION, calls):
         assert kw["policy"] == policy and kw["memory"] == calls[0]["memory"]      # one budget for every row
+        assert kw["device"] == "cpu" and kw["host_memory"] == 0                     # the defaults: no host tier
         assert all(kw.get(k) == v for k, v in extra.items() if k != "oracle"), (policy, extra)   # its own settings
         if policy == "predicted" or extra.get("prefetch") == "token":
             assert np.array_equal(kw["predictor"].W, from_profile.W)             # learnt on the profile only
@@ -423,6 +424,34 @@ def test_the_ablation_runs_every_row_and_gives_predicted_rows_the_profiles_predi
         assert by_name[name]["prefetch_precision"] == 1.0 and by_name[name]["prefetch_recall"] > 0, name
     assert by_name[lb.ORACLE_LRU]["prefetch_recall"] == 1.0     # and without substitution, all it asks for
     assert lb.lru_baseline(rows) == pytest.approx((rows[0]["tokens_per_second"] + rows[-2]["tokens_per_second"]) / 2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_token_prefetch_into_a_cuda_pool_behind_a_pinned_host_tier_leaves_the_logits_as_without_it(imported, tmp_path):
+    """(d) on a GPU box (`llm bench --part d --device cuda`): guesses are read into the GPU pool from the prefetch
+    thread, through the pinned host tier; the arithmetic is the same kernels' as without prefetch."""
+    from executors.moe_model import record_trace
+    from routing.moe_predictor import TokenPredictor
+
+    _, layout, store = imported("mixtral")
+    full = load_pooled(store, memory=layout.expert_bytes, policy="lru")
+    trace = record_trace(full, [_inputs(s)[0] for s in (10, 11, 12)], 6)
+    full.close()
+    pred = TokenPredictor.train(trace)
+    x = _inputs(13)[:1].cuda()
+    mem = layout.layers[0].expert_nbytes * (layout.top_k * len(layout.layers) + 2)
+    out = {}
+    for mode in (None, "token"):
+        pm = load_pooled(store, memory=mem, policy="lru", device="cuda", host_memory=layout.expert_bytes // 2,
+                         prefetch=mode, predictor=pred if mode else None, prefetch_min_prob=0.0 if mode else None)
+        out[mode] = pm.generate(x, 6)[0]
+        if mode:
+            pm.prefetcher.drain()
+            st = pm.prefetcher.stats
+            assert st.predicted > 0 and st.issued + st.yielded + st.dropped > 0     # guesses were acted on
+        pm.close()
+    assert out["token"] == out[None]
 
 
 def test_the_trace_oracle_guesses_the_next_decode_token_of_the_same_prompt_and_its_top_score_experts_alone():
