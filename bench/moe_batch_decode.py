@@ -18,7 +18,8 @@ cut is printed against the best baseline row and against the best row without
 substitution.  LRU runs first and last; ratios are against the mean of the two.
 
 Usage:  python bench/moe_batch_decode.py [--batch 3] [--work var/llm]
-            [--rows lru,lfu,fifo,probability,gate-score,predicted,gate-score:0.3,predicted:0.3,predicted:0.5,lru]
+            [--rows lru,lfu,fifo,probability,gate-score,predicted,gate-score:0.3,predicted:0.3,predicted:0.5,
+                    predicted:0.7,lru]
 Needs var/llm/big and the trained model's trace (`coe-agent llm bench --part b` makes both; docs/llm.md).
 Prints a table and one JSON line.
 """
@@ -31,7 +32,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-ROWS = "lru,lfu,fifo,probability,gate-score,predicted,gate-score:0.3,predicted:0.3,predicted:0.5,lru"
+ROWS = "lru,lfu,fifo,probability,gate-score,predicted,gate-score:0.3,predicted:0.3,predicted:0.5,predicted:0.7,lru"
 BASELINES = ("lru", "lfu", "fifo", "probability")
 
 
@@ -61,6 +62,15 @@ def main() -> None:
     profile = remap(profile, layout.model)
     trace = lb.batch_prompts(remap(replay, layout.model), args.batch)
     predictor, popularity = TokenPredictor.train(profile), profile.popularity()
+    from executors.moe_threads import usable_cores
+    from storage.expert_store import ExpertStore
+
+    first = ExpertStore(store, verify="never")
+    speed = lb.disk_read_speed([first.path(eid) for eid in layout.ids(layout.layers[0].layer)])
+    pool_bytes = int(layout.expert_bytes * args.share)
+    resources = (f"pool {pool_bytes / 1e9:.2f} GB ({args.share:.0%} of {layout.expert_bytes / 1e9:.2f} GB of experts) "
+                 f"+ {layout.resident_nbytes / 1e6:.0f} MB resident, every row; CPU, {usable_cores()} cores; "
+                 f"disk {speed / 1e9:.2f} GB/s cold")
     rows = []
     print(f"{'row':18} {'tokens/s':>9} {'hit rate':>9} {'GiB read':>9} {'x LRU':>6} {'substituted':>11}")
     for spec in args.rows.split(","):
@@ -100,11 +110,10 @@ def main() -> None:
                           if n in cut))
     passes = sum(1 for _, step, _ in trace.passes() if step > 0)
     print(f"batch {args.batch}: {passes} decode passes of {args.batch} prompts ({rows[0]['tokens']} tokens); "
-          f"model {store} ({layout.expert_bytes / 2**30:.2f} GiB of experts), pool {args.share:.0%} for every row; "
-          f"real run on this machine")
+          f"model {store}; {resources}; real run on this machine")
     print(json.dumps({"bench": "moe_batch_decode", "batch": args.batch, "share": args.share,
-                      "expert_gib": layout.expert_bytes / 2**30, "lru_baseline": base, "rows": rows,
-                      "latency_cuts": cuts}))
+                      "expert_gib": layout.expert_bytes / 2**30, "resources": resources, "disk_bytes_per_s": speed,
+                      "lru_baseline": base, "rows": rows, "latency_cuts": cuts}))
 
 
 if __name__ == "__main__":

@@ -95,7 +95,8 @@ def main() -> None:
         if pm.prefetcher is not None:
             s = pm.prefetcher.stats
             row.update(precision=s.precision, recall=s.recall, issued=s.issued, useful=s.useful, adopted=s.adopted,
-                       paused=s.paused, stopped=s.yielded, dropped=s.dropped)
+                       paused=s.paused, stopped=s.yielded, dropped=s.dropped, stopped_ran=s.stopped_ran,
+                       stopped_room=s.stopped_room, stopped_limit=s.stopped_limit)
         pm.close()
         rows.append(row)
     lrus = [r["tokens_per_second"] for r in rows if r["row"] == "lru"]
@@ -112,7 +113,9 @@ def main() -> None:
     for r in rows:
         r.pop("argmax")
         pf = (f"precision {r['precision']:.2f} recall {r['recall']:.2f}; {r['useful']} of {r['issued']} read in "
-              f"used ({r['adopted']} joined midway), {r['paused']} pauses, {r['stopped']} stopped"
+              f"used ({r['adopted']} joined midway), {r['paused']} pauses, {r['stopped']} stopped (layer ran "
+              f"without it {r['stopped_ran']}, room wanted {r['stopped_room']}, paused too long "
+              f"{r['stopped_limit']}), {r['dropped']} dropped"
               if r["prefetch"] else "")
         same = f"{r['x_same_without_prefetch']:.2f}" if r["x_same_without_prefetch"] is not None else ""
         print(f"{r['row']:24} {r['tokens_per_second']:>9.2f} {r['hit_rate']:>9.1%} {r['gib_read']:>9.2f} "

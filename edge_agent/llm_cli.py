@@ -580,14 +580,17 @@ def llm_bench(work: str, parts: str, prompts: int, decode: int, train_seconds: f
         click.echo(f"{'row':46} {'tokens/s':>9} {'hit rate':>9} {'GiB read':>9} {'x LRU':>6}  notes "
                    f"(x LRU: against the mean of the two LRU rows, {base:.2f} tokens/s)")
         for r in arows:
-            parts = [f"{r['substituted']} substituted" if r.get("alpha") else "",
+            notes = [f"{r['substituted']} substituted" if r.get("alpha") else "",
                      f"{r['in_place']} computed in place ({r['gib_in_place']:.2f} GiB read from their files), "
                      f"{r['loaded']} layers loaded" if "in_place" in r else "",
                      f"prefetch precision {r['prefetch_precision']:.2f} recall {r['prefetch_recall']:.2f}, "
                      f"{r['prefetch_useful']} of {r['prefetch_issued']} read in used ({r.get('prefetch_adopted', 0)} "
-                     f"joined midway), {r.get('prefetch_paused', 0)} pauses, {r.get('prefetch_yielded', 0)} stopped"
+                     f"joined midway), {r.get('prefetch_paused', 0)} pauses, {r.get('prefetch_yielded', 0)} stopped "
+                     f"(layer ran without it {r.get('prefetch_stopped_ran', 0)}, room wanted "
+                     f"{r.get('prefetch_stopped_room', 0)}, paused too long {r.get('prefetch_stopped_limit', 0)}), "
+                     f"{r.get('prefetch_dropped', 0)} dropped"
                      if "prefetch_precision" in r else ""]
-            note = "; ".join(p for p in parts if p)
+            note = "; ".join(n for n in notes if n)
             click.echo(f"{r['row']:46} {r['tokens_per_second']:>9.2f} {r['hit_rate']:>9.1%} {r['gib_read']:>9.2f} "
                        f"{r['tokens_per_second'] / base:>6.2f}  {note}")
         click.echo("    not a row: next-layer prefetch (needs real hidden states; see bench/moe_real_decode.py)")
@@ -597,9 +600,7 @@ def llm_bench(work: str, parts: str, prompts: int, decode: int, train_seconds: f
         ceiling = next((r for r in arows if r["row"] == lb.CEILING), None)
         if ceiling is not None:
             # the alpha 0.5 and 0.7 rows trade some quality for their speed: not candidates for "best", said apart
-            best = max((r for r in arows if r["policy"] not in ("lru", None)
-                        and r["row"] not in lb.WIDE_ROWS + lb.ORACLE_ROWS),
-                       key=lambda r: r["tokens_per_second"])
+            best = lb.best_row(arows)
             click.echo(f"    best row at alpha <= 0.3: {best['row']} at {best['tokens_per_second'] / base:.2f}x LRU; "
                        f"with every expert resident the same decode runs at "
                        f"{ceiling['tokens_per_second'] / base:.2f}x LRU (a ceiling no technique here can pass)")

@@ -121,11 +121,15 @@ class TraceGuesses:
                     sets.append([])
                     continue
                 rows = nxt[2]
-                chosen = [int(e) for e in np.unique(trace.chosen[rows, j, :])]
-                if top_alpha > 0:           # as `routing.substitution.substitute`: the batch's top-score set
-                    scores = trace.probs[rows, j, :].astype(np.float32)      # as the decode routes them
-                    kth = -np.sort(-scores, axis=1)[:, k]
-                    chosen = [e for e in chosen if (scores[:, e] > (1 + top_alpha) * kth).any()]
+                picked = trace.chosen[rows, j, :].astype(np.int64)
+                if top_alpha > 0 and trace.num_experts > k:
+                    # as `routing.substitution.substitute` sees it: the decode's float32 scores, compared in
+                    # float64; an expert is top-score when a token that chose it scores it above the band
+                    scores = trace.probs[rows, j, :].astype(np.float32).astype(np.float64)
+                    hi = (1 + top_alpha) * -np.sort(-scores, axis=1)[:, k]
+                    chosen = sorted({int(e) for t in range(len(rows)) for e in picked[t] if scores[t, e] > hi[t]})
+                else:
+                    chosen = sorted({int(e) for e in picked.reshape(-1)})
                 sets.append(chosen)
             self._next[layer] = sets
         self._calls = {layer: 0 for layer in trace.layers}

@@ -42,6 +42,7 @@ from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from routing.moe_predictor import LiveInputs
@@ -98,35 +99,41 @@ class _Prefetcher:
         self._ids, self._pool_of = ids, pool_of
         self._pending: dict[int, _Guess] = {}             # per layer: the guess awaiting its use
         self._loaded: dict[int, set[int]] = {}             # per layer: the guesses this prefetcher read in
-        self._asking: frozenset[str] = frozenset()          # what the layer that routed last asked for
+        self._asking: frozenset[str] = frozenset()          # what the layer that routed last asked for (`asking`)
         self._lock = threading.Lock()
         self._loader = ThreadPoolExecutor(max_workers=1, thread_name_prefix="coe-expert-prefetch")
         self.stats = PrefetchStats()
 
     def expected(self) -> frozenset[str]:
-        """Experts guessed for a layer that has not run since, and those the layer that routed last asked for:
-        every eviction policy keeps them last.
+        """Experts guessed for a layer that has not run since: every eviction policy keeps them last.
 
-        Without the guesses a guess is an ordinary resident the moment it is
-        in, and the next load evicts it by recency or score before its use
-        comes (measured: hit rate fell from 84% to 77% with prefetch on).
-        Without the layer's own: a guess is issued from the router call,
-        before the layer pins what it asked for, and the prefetch thread's
-        eviction then took one of those (the policy had just re-ranked them
-        for the next token); the layer read it straight back.  Measured on
-        the trace-driven decode with exact guesses (`--part d`'s best row):
-        15 more reads than with no prefetch at all, where it should be fewer.
+        Without this a guess is an ordinary resident the moment it is in, and
+        the next load evicts it by recency or score before its use comes
+        (measured: hit rate fell from 84% to 77% with prefetch on).
         """
         with self._lock:
-            guessed = {self._ids[layer][e] for layer, guess in self._pending.items() for e in guess.experts}
-            return frozenset(guessed) | self._asking
+            return frozenset(self._ids[layer][e] for layer, guess in self._pending.items() for e in guess.experts)
 
-    def asking(self, layer: int, chosen) -> None:
-        """The router of `layer` chose `chosen` (after any substitution): kept until the next layer routes."""
-        ids = self._ids.get(layer)
-        if ids is not None:
-            with self._lock:
-                self._asking = frozenset(ids[int(e)] for e in set(chosen.reshape(-1).tolist()))
+    def asking(self, layer: int, experts) -> None:
+        """`layer` asked for `experts` (its router's choice after any substitution): a prefetch may not evict them.
+
+        A guess is issued from the router call, before the layer pins what it
+        asked for (its wave comes after the router returns), and the prefetch
+        thread's eviction took one of those (the policy had just re-ranked
+        them for the next token); the layer read it straight back.  They are
+        held out of the prefetch's room (`Pool.acquire_async(keep=...)`) until
+        the next layer routes; a prefetch that finds no other room is dropped.
+        Indices outside the layer (a router's padding) are ignored.
+        """
+        ids = self._ids.get(layer, [])
+        asked = frozenset(ids[e] for e in {int(x) for x in np.asarray(experts).reshape(-1)} if 0 <= e < len(ids))
+        with self._lock:
+            self._asking = asked
+
+    def asked(self) -> frozenset[str]:
+        """What the layer that routed last asked for (held out of a prefetch's room)."""
+        with self._lock:
+            return self._asking
 
     def _score(self, layer: int, actual: set[int]) -> None:
         with self._lock:
@@ -216,7 +223,7 @@ class _Prefetcher:
             return
         try:
             with yield_to(give_up, pause=pause, wait=wait_no_demand):
-                fut = pool.acquire_async(eid, _inline)
+                fut = pool.acquire_async(eid, _inline, keep=self.asked())
             handle = fut.result() if fut is not None else None
         except ReadYielded:             # of no use, or its room wanted: the room it took is free again
             with self._lock:
@@ -269,7 +276,9 @@ class NextLayerPrefetcher(_Prefetcher):
         return tokens <= self._max_tokens
 
     def observe(self, layer: int, hits: list[int]) -> None:
-        """What `layer` really asks for: scores the prediction made for it, if any."""
+        """What `layer` really asks for: scores the prediction made for it, if any, and holds them out of a
+        prefetch's room until its wave has pinned them."""
+        self.asking(layer, hits)
         self._score(layer, set(hits))
 
     @torch.no_grad()
@@ -323,11 +332,12 @@ class TokenPrefetcher(_Prefetcher):
 
     def on_router(self, layer: int, probs, chosen) -> None:
         """Called with each router call's scores [T, E] and choices [T, k] (decode: T is 1)."""
-        self.asking(layer, chosen)
         x = self._live.observe(layer, probs)        # every call, a prefill's too: the next step's previous token
         if len(probs) > DECODE_TOKENS:
+            self.asking(layer, ())                  # a prefill issues no guess: nothing to hold out
             self.forget(layer)
             return
+        self.asking(layer, chosen)
         if x is None:
             return
         self._score(layer, {int(e) for e in chosen.reshape(-1)})

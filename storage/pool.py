@@ -160,7 +160,8 @@ class Pool:
         return got if got is None or isinstance(got, Handle) else got()
 
     def acquire_async(self, expert_id: str, submit: Callable[[Callable[[], Handle]], Future], *,
-                      join: Callable[[Callable[[], Handle]], Future] | None = None) -> Future | None:
+                      join: Callable[[Callable[[], Handle]], Future] | None = None,
+                      keep: Collection[str] = ()) -> Future | None:
         """`acquire`, with the room reserved now and the load run by `submit` (e.g. a loader thread pool).
 
         Reservations happen in call order in the calling thread, so which
@@ -175,13 +176,14 @@ class Pool:
         load does (no thread waits for it), so the caller goes on with its
         other experts meanwhile.  Its bytes move once: a hit, not a second
         miss.  `join` is the submit that runs a load of the caller's own if
-        the joined one fails.
+        the joined one fails.  `keep`, as in `acquire`: residents that must not
+        be evicted to make the room (they look pinned).
         """
         if join is not None:
             joined = self._join_loading(expert_id, join)
             if joined is not None:
                 return joined
-        got = self._reserve(expert_id)
+        got = self._reserve(expert_id, keep)
         if got is None:
             return None
         if isinstance(got, Handle):

@@ -154,6 +154,7 @@ def test_bench_parts_b_and_d_compare_with_the_mean_of_lru_run_first_and_last(hf_
     line = next(ln for ln in res.output.splitlines() if "best row at alpha <= 0.3:" in ln)
     named = line.split("best row at alpha <= 0.3:")[1].split(" at ")[0]
     assert "LRU" not in named and "alpha 0.5" not in named and "alpha 0.7" not in named   # nor a wide band
+    assert not named.startswith("oracle") and {r["row"] for r in d} >= set(lb_rows.ORACLE_ROWS)   # nor a bound
     assert any(ln.strip().startswith("at alpha 0.5") for ln in res.output.splitlines())   # that one is said apart
     cuts = doc["d_latency_cuts"]
     assert [c["row"] for c in cuts] == ["+ substitution (alpha 0.3)", "eviction by next token + popularity",

@@ -179,19 +179,16 @@ def test_guesses_awaiting_their_use_are_evicted_last_and_scored_when_their_layer
     tp.on_router(layer, scores, np.array([[0, 1]]))
     tp.drain()
     tp.close()
-    # what the layer that routed last asked for is kept last too (the next test): here another layer's E007
-    tp.asking(trace.layers[1], np.array([[7]]))
-    asked = {ids[trace.layers[1]][7]}
-    guessed = set(tp.expected()) - asked
+    guessed = set(tp.expected())
     assert len(guessed) == 2 and guessed <= set(ids[layer]) and guessed == set(pool.resident())
     loaded = sorted(int(g[-3:]) for g in guessed)
     tp._score(layer, {loaded[0]})                    # the next token's layer runs and asks for one of the two
-    assert tp.expected() == asked and tp.stats.useful == 1 and tp.stats.issued == 2
+    assert tp.expected() == frozenset() and tp.stats.useful == 1 and tp.stats.issued == 2
 
 
 def test_what_a_layer_just_asked_for_is_not_the_victim_of_a_guess_issued_from_its_router_call():
     """The guess is issued from the router call, before the layer pins its experts: the prefetch's eviction must
-    not take one of those (it did, and the layer read it straight back)."""
+    not take one of those (it did, and the layer read it straight back); with no other room it is dropped."""
     from executors.moe_prefetch import TokenPrefetcher
     from storage.policies import make_policy
     from storage.pool import Pool
@@ -201,32 +198,34 @@ def test_what_a_layer_just_asked_for_is_not_the_victim_of_a_guess_issued_from_it
     pred = TokenPredictor.train(trace, features="same-layer")
     layer = trace.layers[0]
     ids = {l: [f"m.L{l:02d}.E{e:03d}" for e in range(trace.num_experts)] for l in trace.layers}
-    for asked in (True, False):
-        tp = None
-        # as load_pooled wires it: the pools' eviction sees the prefetcher's `expected`
-        pool = Pool("p", 2, make_policy("lru"), SizeSource({e: 1 for v in ids.values() for e in v}),
-                    context=lambda: {"expected": tp.expected() if tp is not None else frozenset()})
+    sizes = SizeSource({e: 1 for v in ids.values() for e in v})
+    for asked in ([], [0], [0, 1]):
+        pool = Pool("p", 2, make_policy("lru"), sizes)
         for e in (0, 1):                              # E000 is the least recently used of the two residents
             pool.release(pool.acquire(ids[layer][e]))
         tp = TokenPrefetcher(pred, ids, lambda _: pool, m=2, min_prob=0.0)
         try:
-            if asked:
-                tp.asking(layer, np.array([[0]]))     # the layer's router chose E000; its wave has not pinned it
-            assert (ids[layer][0] in tp.expected()) == asked
+            tp.asking(layer, np.array([asked]))       # the layer's router chose these; its wave has not pinned them
             tp._issue(layer, {2})                     # a guess for the next token: room for it means a victim
             tp.drain()
         finally:
             tp.close()
         kept = set(pool.resident())
-        assert ids[layer][2] in kept
-        assert (ids[layer][0] in kept) == asked and (ids[layer][1] in kept) != asked   # LRU alone takes E000
-    roomy = Pool("q", 100, make_policy("lru"), SizeSource({e: 1 for v in ids.values() for e in v}))
-    tp = TokenPrefetcher(pred, ids, lambda _: roomy, m=2)
-    try:                                              # the router call itself records what the layer asked for
+        if len(asked) < 2:                            # LRU alone takes E000; held out, E001 goes instead
+            assert kept == {ids[layer][2], ids[layer][1 if not asked else 0]} and tp.stats.dropped == 0
+        else:                                         # both held out: no room, the guess is dropped, nothing evicted
+            assert kept == {ids[layer][0], ids[layer][1]} and tp.stats.dropped == 1
+    # the router call itself records what the layer asked for; the next layer's call replaces it; a prefill's
+    # call holds nothing (no guess comes from it); a router's padding index (E) is not an expert
+    tp = TokenPrefetcher(pred, ids, lambda _: pool, m=2, min_prob=1.0)     # min_prob 1: no guess is ever read
+    try:
         tp.on_router(layer, trace.probs[10:11, 0, :], np.array([[3, 5]]))
-        assert {ids[layer][3], ids[layer][5]} <= tp.expected()
-        tp.on_router(trace.layers[1], trace.probs[10:11, 1, :], np.array([[4, 6]]))     # the next layer routes
-        assert ids[layer][3] not in tp.expected() and ids[trace.layers[1]][4] in tp.expected()
+        assert tp.asked() == {ids[layer][3], ids[layer][5]}
+        nxt = trace.layers[1]
+        tp.on_router(nxt, trace.probs[10:11, 1, :], np.array([[4, trace.num_experts]]))
+        assert tp.asked() == {ids[nxt][4]}
+        tp.on_router(layer, trace.probs[10:16, 0, :], np.repeat(np.array([[3, 5]]), 6, axis=0))
+        assert tp.asked() == frozenset()
     finally:
         tp.close()
 

@@ -536,8 +536,21 @@ def test_batching_prompts_puts_one_token_of_each_prompt_in_each_decode_pass_and_
     first = np.flatnonzero((tr.seq == 1) & (tr.step == 3))[0]          # prompt 1's step 3: second row of pass 3
     assert np.array_equal(b.chosen[passes[3][2][1]], tr.chosen[first])
     assert np.array_equal(b.probs[passes[3][2][1]], tr.probs[first])
-    assert batch_prompts(tr, 1).tokens == tr.tokens                     # batch 1: every row, same passes
+    one = batch_prompts(tr, 1)                                          # batch 1: every row, the same passes
+    assert all(np.array_equal(getattr(one, f), getattr(tr, f)) for f in ("seq", "step", "chosen", "probs"))
     with pytest.raises(ValueError, match="fewer than one batch"):
         batch_prompts(tr, 6)
     with pytest.raises(ValueError, match="at least 1"):
         batch_prompts(tr, 0)
+
+
+def test_the_best_row_of_the_ablation_is_never_lru_a_wider_band_an_oracle_or_the_ceiling():
+    from edge_agent import llm_bench as lb
+
+    rows = [{"row": "LRU (baseline)", "policy": "lru", "tokens_per_second": 90.0},
+            {"row": "eviction by windowed gate score", "policy": "gate-score", "tokens_per_second": 20.0},
+            {"row": "eviction by next token + popularity", "policy": "predicted", "tokens_per_second": 30.0},
+            {"row": lb.ALPHA_WIDER, "policy": "predicted", "tokens_per_second": 60.0},
+            *({"row": name, "policy": "predicted", "tokens_per_second": 70.0} for name in lb.ORACLE_ROWS),
+            {"row": lb.CEILING, "policy": None, "tokens_per_second": 99.0}]
+    assert lb.best_row(rows)["row"] == "eviction by next token + popularity"
