@@ -575,7 +575,8 @@ def llm_bench(work: str, parts: str, prompts: int, decode: int, train_seconds: f
                    f"from 'next token + popularity' on, that eviction replaces the gate score's; the alpha 0.5 and "
                    f"0.7 rows are that row's settings with a wider substitution band, not on top of the split, and "
                    f"'no substitution' is that eviction alone): "
-                   f"trace-driven real decode as (b), real run on {doc['device']}: {res}")
+                   f"trace-driven real decode as (b), real run on {doc['device']}: {res}"
+                   + ("; GiB read: bytes into the GPU pool, from the host tier or the disk" if cuda else ""))
         base = lb.lru_baseline(arows)
         click.echo(f"{'row':46} {'tokens/s':>9} {'hit rate':>9} {'GiB read':>9} {'x LRU':>6}  notes "
                    f"(x LRU: against the mean of the two LRU rows, {base:.2f} tokens/s)")

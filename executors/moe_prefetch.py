@@ -105,14 +105,20 @@ class _Prefetcher:
         self.stats = PrefetchStats()
 
     def expected(self) -> frozenset[str]:
-        """Experts guessed for a layer that has not run since: every eviction policy keeps them last.
+        """Experts guessed for a layer that has not run since, and what the layer that routed last asked for:
+        every eviction policy, in every tier, keeps them last.
 
-        Without this a guess is an ordinary resident the moment it is in, and
-        the next load evicts it by recency or score before its use comes
-        (measured: hit rate fell from 84% to 77% with prefetch on).
+        Without the guesses a guess is an ordinary resident the moment it is
+        in, and the next load evicts it by recency or score before its use
+        comes (measured: hit rate fell from 84% to 77% with prefetch on).  The
+        layer's own experts are held out of the device pool's room for a
+        prefetch outright (`asking`); ranked last here, they also stay in a
+        host tier a prefetch's copy passes through, which takes room as the
+        tier's own load does and so cannot be given a `keep`.
         """
         with self._lock:
-            return frozenset(self._ids[layer][e] for layer, guess in self._pending.items() for e in guess.experts)
+            guessed = {self._ids[layer][e] for layer, guess in self._pending.items() for e in guess.experts}
+            return frozenset(guessed) | self._asking
 
     def asking(self, layer: int, experts) -> None:
         """`layer` asked for `experts` (its router's choice after any substitution): a prefetch may not evict them.
@@ -121,9 +127,13 @@ class _Prefetcher:
         asked for (its wave comes after the router returns), and the prefetch
         thread's eviction took one of those (the policy had just re-ranked
         them for the next token); the layer read it straight back.  They are
-        held out of the prefetch's room (`Pool.acquire_async(keep=...)`) until
-        the next layer routes; a prefetch that finds no other room is dropped.
-        Indices outside the layer (a router's padding) are ignored.
+        held out of the prefetch's room (`Pool.acquire_async(keep=...)`, read
+        under the pool's lock when the victims are chosen) until the next
+        layer routes or a prefill runs (`forget`); a prefetch that finds no
+        other room is dropped.  Indices outside the layer (a router's padding)
+        are ignored.  One window stays: substitution reads what is resident
+        before the router's listeners run, so a prefetch that evicts a chosen
+        substitute in between makes the layer load it.
         """
         ids = self._ids.get(layer, [])
         asked = frozenset(ids[e] for e in {int(x) for x in np.asarray(experts).reshape(-1)} if 0 <= e < len(ids))
@@ -155,6 +165,7 @@ class _Prefetcher:
         with self._lock:
             pred = self._pending.pop(layer, None)
             self._loaded.pop(layer, None)
+            self._asking = frozenset()              # a prefill issues no guess: nothing to hold out
             if pred is not None:
                 pred.asked = set()
 
@@ -223,7 +234,7 @@ class _Prefetcher:
             return
         try:
             with yield_to(give_up, pause=pause, wait=wait_no_demand):
-                fut = pool.acquire_async(eid, _inline, keep=self.asked())
+                fut = pool.acquire_async(eid, _inline, keep=self.asked)
             handle = fut.result() if fut is not None else None
         except ReadYielded:             # of no use, or its room wanted: the room it took is free again
             with self._lock:
@@ -334,7 +345,6 @@ class TokenPrefetcher(_Prefetcher):
         """Called with each router call's scores [T, E] and choices [T, k] (decode: T is 1)."""
         x = self._live.observe(layer, probs)        # every call, a prefill's too: the next step's previous token
         if len(probs) > DECODE_TOKENS:
-            self.asking(layer, ())                  # a prefill issues no guess: nothing to hold out
             self.forget(layer)
             return
         self.asking(layer, chosen)

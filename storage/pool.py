@@ -161,7 +161,7 @@ class Pool:
 
     def acquire_async(self, expert_id: str, submit: Callable[[Callable[[], Handle]], Future], *,
                       join: Callable[[Callable[[], Handle]], Future] | None = None,
-                      keep: Collection[str] = ()) -> Future | None:
+                      keep: Collection[str] | Callable[[], Collection[str]] = ()) -> Future | None:
         """`acquire`, with the room reserved now and the load run by `submit` (e.g. a loader thread pool).
 
         Reservations happen in call order in the calling thread, so which
@@ -177,7 +177,9 @@ class Pool:
         other experts meanwhile.  Its bytes move once: a hit, not a second
         miss.  `join` is the submit that runs a load of the caller's own if
         the joined one fails.  `keep`, as in `acquire`: residents that must not
-        be evicted to make the room (they look pinned).
+        be evicted to make the room (they look pinned); a callable is asked
+        under the pool's lock, when the victims are chosen, so what it names
+        is current then (a prefetch's: what the layer that routed last asked for).
         """
         if join is not None:
             joined = self._join_loading(expert_id, join)
@@ -259,7 +261,8 @@ class Pool:
             self._cond.notify_all()
         self._rescue(expert_id, joined)
 
-    def _reserve(self, expert_id: str, keep: Collection[str] = ()) -> "Handle | Callable[[], Handle] | None":
+    def _reserve(self, expert_id: str, keep: Collection[str] | Callable[[], Collection[str]] = ()
+                 ) -> "Handle | Callable[[], Handle] | None":
         """A hit's handle, None if it cannot fit now, or (a miss, room reserved) the call that loads it."""
         entered = time.perf_counter()
         ctx = self._context()
@@ -283,7 +286,8 @@ class Pool:
             if need > self.capacity:
                 raise PoolFullError(f"expert '{expert_id}' needs {need} bytes but the {self.tier} pool holds "
                                     f"{self.capacity}; raise the executor's memory budget")
-            victims = self.policy.choose_victims(self._state_locked(ctx, incoming=expert_id, keep=keep), need)
+            held = keep() if callable(keep) else keep
+            victims = self.policy.choose_victims(self._state_locked(ctx, incoming=expert_id, keep=held), need)
             if victims is None:
                 return None
             evicted = [self._evict_locked(v, incoming=expert_id) for v in victims]

@@ -428,7 +428,7 @@ def test_the_ablation_runs_every_row_and_gives_predicted_rows_the_profiles_predi
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
-def test_token_prefetch_into_a_cuda_pool_behind_a_pinned_host_tier_leaves_the_logits_as_without_it(imported, tmp_path):
+def test_token_prefetch_into_a_cuda_pool_behind_a_pinned_host_tier_leaves_the_tokens_as_without_it(imported, tmp_path):
     """(d) on a GPU box (`llm bench --part d --device cuda`): guesses are read into the GPU pool from the prefetch
     thread, through the pinned host tier; the arithmetic is the same kernels' as without prefetch."""
     from executors.moe_model import record_trace

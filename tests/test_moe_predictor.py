@@ -179,11 +179,13 @@ def test_guesses_awaiting_their_use_are_evicted_last_and_scored_when_their_layer
     tp.on_router(layer, scores, np.array([[0, 1]]))
     tp.drain()
     tp.close()
-    guessed = set(tp.expected())
+    assert tp.asked() == {ids[layer][0], ids[layer][1]}      # what the layer asked for is kept last too
+    tp.asking(trace.layers[1], [7])                  # until the next layer routes (its E007): the guesses apart
+    guessed = set(tp.expected()) - tp.asked()
     assert len(guessed) == 2 and guessed <= set(ids[layer]) and guessed == set(pool.resident())
     loaded = sorted(int(g[-3:]) for g in guessed)
     tp._score(layer, {loaded[0]})                    # the next token's layer runs and asks for one of the two
-    assert tp.expected() == frozenset() and tp.stats.useful == 1 and tp.stats.issued == 2
+    assert tp.expected() == tp.asked() and tp.stats.useful == 1 and tp.stats.issued == 2
 
 
 def test_what_a_layer_just_asked_for_is_not_the_victim_of_a_guess_issued_from_its_router_call():
@@ -224,10 +226,24 @@ def test_what_a_layer_just_asked_for_is_not_the_victim_of_a_guess_issued_from_it
         nxt = trace.layers[1]
         tp.on_router(nxt, trace.probs[10:11, 1, :], np.array([[4, trace.num_experts]]))
         assert tp.asked() == {ids[nxt][4]}
+        assert tp.expected() == tp.asked()            # ranked last in every tier too (a host tier takes no keep)
         tp.on_router(layer, trace.probs[10:16, 0, :], np.repeat(np.array([[3, 5]]), 6, axis=0))
         assert tp.asked() == frozenset()
     finally:
         tp.close()
+    import torch
+
+    from executors.moe_prefetch import NextLayerPrefetcher
+
+    routers = {l: torch.nn.Linear(4, trace.num_experts, bias=False) for l in trace.layers}
+    nl = NextLayerPrefetcher(routers, ids, 2, lambda _: pool)
+    try:                                              # the next-layer prefetch records it as its layer starts
+        nl.observe(layer, [1, 6])
+        assert nl.asked() == {ids[layer][1], ids[layer][6]}
+        nl.forget(layer)                              # a prefill through the layer
+        assert nl.asked() == frozenset()
+    finally:
+        nl.close()
 
 
 def test_a_prefill_leaves_the_later_layers_uniform_as_training_does_and_two_prompts_still_validate(tmp_path):
