@@ -232,6 +232,8 @@ class _Prefetcher:
             with self._lock:
                 self.stats.dropped += 1
             return
+        if pool.present(eid):   # a layer's own load brought it in while this waited: nothing to read or count
+            return
         try:
             with yield_to(give_up, pause=pause, wait=wait_no_demand):
                 fut = pool.acquire_async(eid, _inline, keep=self.asked)

@@ -87,6 +87,27 @@ def test_a_prefetch_waits_for_the_layers_load_and_loads_once_the_disk_is_free(ti
         pre.close()
 
 
+def test_a_guess_a_layers_own_load_brought_in_meanwhile_is_not_read_or_counted(tiny_zoo):
+    """The current token's layer may load the very expert guessed for the next token: the prefetch, waiting
+    for that load, then finds it in and neither takes a pool hit nor counts a read it did not do."""
+    pool, eid, pre = _one_expert(tiny_zoo)
+    try:
+        pooled_experts._demand_add(1)                       # the layer's load is queued: the prefetch waits
+        try:
+            pre._issue(0, {0})
+            time.sleep(0.1)
+            pool.release(pool.acquire(eid))                 # the layer's own load of the same expert
+        finally:
+            pooled_experts._demand_add(-1)
+        _settle(pre)
+        assert pre.stats.issued == 0 and pre.stats.dropped == 0
+        assert (pool.stats().misses, pool.stats().hits) == (1, 0)     # the layer's miss; no hit for the prefetch
+        pre._score(0, {0})
+        assert pre.stats.useful == 0                         # no read of the prefetch's saved the layer anything
+    finally:
+        pre.close()
+
+
 def test_a_read_that_may_pause_waits_between_chunks_and_goes_on_where_it_stopped(big_file):
     whole = read_flat(big_file, "e")
     checks, waits = [], []
