@@ -598,6 +598,12 @@ def llm_bench(work: str, parts: str, prompts: int, decode: int, train_seconds: f
         click.echo("    oracle rows: the token-wise prefetch guessing the trace's own next token (every expert it asks "
                    "for, or only those substitution would not replace): not realisable, a bound on what prefetch "
                    "pays on this box with a perfect predictor")
+        ratios = lb.oracle_ratios(arows)
+        if ratios:
+            click.echo("    oracle rows against the same without prefetch (LRU, or the best row's settings: the mean "
+                       "of their two runs): " + ", ".join(f"{name.removeprefix('oracle: ')} {x:.2f}x"
+                                                         for name, x in ratios.items()))
+            doc["d_oracle_ratios"] = ratios
         ceiling = next((r for r in arows if r["row"] == lb.CEILING), None)
         if ceiling is not None:
             # the alpha 0.5 and 0.7 rows trade some quality for their speed: not candidates for "best", said apart

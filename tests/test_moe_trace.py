@@ -552,5 +552,29 @@ def test_the_best_row_of_the_ablation_is_never_lru_a_wider_band_an_oracle_or_the
             {"row": "eviction by next token + popularity", "policy": "predicted", "tokens_per_second": 30.0},
             {"row": lb.ALPHA_WIDER, "policy": "predicted", "tokens_per_second": 60.0},
             *({"row": name, "policy": "predicted", "tokens_per_second": 70.0} for name in lb.ORACLE_ROWS),
+            {"row": lb.BEST_AGAIN, "policy": "predicted", "alpha": 0.3, "tokens_per_second": 40.0},
             {"row": lb.CEILING, "policy": None, "tokens_per_second": 99.0}]
     assert lb.best_row(rows)["row"] == "eviction by next token + popularity"
+
+
+def test_the_oracle_rows_are_compared_with_the_mean_of_the_two_runs_of_what_they_prefetch_on_top_of():
+    from edge_agent import llm_bench as lb
+
+    rows = [{"row": "LRU (baseline)", "policy": "lru", "tokens_per_second": 10.0},
+            {"row": "eviction by windowed gate score", "policy": "gate-score", "tokens_per_second": 15.0},
+            {"row": "eviction by next token + popularity", "policy": "predicted", "alpha": 0.3,
+             "tokens_per_second": 20.0},
+            {"row": "+ token-wise prefetch", "policy": "predicted", "alpha": 0.3, "prefetch": "token",
+             "tokens_per_second": 21.0},
+            {"row": "next token + popularity, alpha 0.5", "policy": "predicted", "alpha": 0.5, "tokens_per_second": 50.0},
+            {"row": lb.BEST_AGAIN, "policy": "predicted", "alpha": 0.3, "tokens_per_second": 30.0},
+            {"row": lb.ORACLE_LRU, "policy": "lru", "prefetch": "token", "oracle": "all", "tokens_per_second": 18.0},
+            {"row": lb.ORACLE_BEST, "policy": "predicted", "alpha": 0.3, "prefetch": "token", "oracle": "all",
+             "tokens_per_second": 25.0},
+            {"row": lb.ORACLE_TOP, "policy": "predicted", "alpha": 0.3, "prefetch": "token", "oracle": "top",
+             "tokens_per_second": 30.0},
+            {"row": lb.LRU_AGAIN, "policy": "lru", "tokens_per_second": 14.0}]
+    got = lb.oracle_ratios(rows)
+    assert got == {lb.ORACLE_LRU: 18.0 / 12.0, lb.ORACLE_BEST: 25.0 / 25.0, lb.ORACLE_TOP: 30.0 / 25.0}
+    assert [c["row"] for c in lb.latency_cuts(rows)] == ["eviction by next token + popularity",
+                                                         "next token + popularity, alpha 0.5"]   # not the rerun
