@@ -63,10 +63,8 @@ def main() -> None:
     trace = lb.batch_prompts(remap(replay, layout.model), args.batch)
     predictor, popularity = TokenPredictor.train(profile), profile.popularity()
     from executors.moe_threads import usable_cores
-    from storage.expert_store import ExpertStore
 
-    first = ExpertStore(store, verify="never")
-    speed = lb.disk_read_speed([first.path(eid) for eid in layout.ids(layout.layers[0].layer)])
+    speed = lb.store_read_speed(store, layout)
     pool_bytes = int(layout.expert_bytes * args.share)
     resources = (f"pool {pool_bytes / 1e9:.2f} GB ({args.share:.0%} of {layout.expert_bytes / 1e9:.2f} GB of experts) "
                  f"+ {layout.resident_nbytes / 1e6:.0f} MB resident, every row; CPU, {usable_cores()} cores; "

@@ -224,6 +224,15 @@ def disk_read_speed(files: list[Path], threads: int = 4) -> float:
     return best
 
 
+def store_read_speed(store: Path, layout) -> float:
+    """`disk_read_speed` of the store's first MoE layer's expert files, by its own manifest (a store imported by
+    hand may name its model otherwise than the bench does)."""
+    from storage.expert_store import ExpertStore
+
+    first = ExpertStore(store, verify="never")
+    return disk_read_speed([first.path(eid) for eid in layout.ids(layout.layers[0].layer)])
+
+
 def drop_store(root: Path) -> None:
     from storage.pagecache import drop_from_page_cache
 
@@ -466,11 +475,11 @@ ABLATION = (("lru", "LRU (baseline)", {}),
             # the eviction alone: with gate-score, the best baseline without substitution, which the importance
             # paper's latency reduction is measured against
             ("predicted", NO_SUBSTITUTION, {}),
-            # not realisable, not on top of anything: the token-wise prefetch with the trace's own next token as
-            # its guesses (`TraceGuesses`), so the table says whether the mechanism or the predictor holds it back
             # the best row's settings once more, right before the oracle rows: they are compared with the mean of
             # its two runs, so a box that speeds up or slows down over the run favours neither
             ("predicted", BEST_AGAIN, {"alpha": 0.3}),
+            # not realisable, not on top of anything: the token-wise prefetch with the trace's own next token as
+            # its guesses (`TraceGuesses`), so the table says whether the mechanism or the predictor holds it back
             ("lru", ORACLE_LRU, {"prefetch": "token", "oracle": "all"}),
             ("predicted", ORACLE_BEST, {"alpha": 0.3, "prefetch": "token", "oracle": "all"}),
             ("predicted", ORACLE_TOP, {"alpha": 0.3, "prefetch": "token", "oracle": "top"}),

@@ -431,7 +431,6 @@ def llm_bench(work: str, parts: str, prompts: int, decode: int, train_seconds: f
 
     from coe.moe import MoELayout
     from routing.moe_trace import Trace
-    from storage.expert_store import ExpertStore
     from storage.llm_import import import_checkpoint
 
     from . import llm_bench as lb
@@ -491,10 +490,7 @@ def llm_bench(work: str, parts: str, prompts: int, decode: int, train_seconds: f
         if not (big / "llm.json").is_file():
             import_checkpoint(big_hf, big, name="big")
         layout = MoELayout.load(big)
-        # the first MoE layer's expert files, by the store's own manifest (a store imported by hand may name its
-        # model otherwise than 'big')
-        first = ExpertStore(big, verify="never")
-        speed = lb.disk_read_speed([first.path(eid) for eid in layout.ids(layout.layers[0].layer)])
+        speed = lb.store_read_speed(big, layout)
         res = (f"pool {0.25 * layout.expert_bytes / 1e9:.2f} GB (25% of {layout.expert_bytes / 1e9:.2f} GB of "
                f"experts) + {layout.resident_nbytes / 1e6:.0f} MB resident; disk {speed / 1e9:.2f} GB/s cold")
         if cuda:

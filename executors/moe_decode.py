@@ -110,8 +110,9 @@ class TraceGuesses:
     """
 
     def __init__(self, trace, top_alpha: float = 0.0) -> None:
+        from routing.substitution import top_score
+
         calls = [(seq, step, rows) for seq, step, rows in trace.passes() if len(rows) <= DECODE_TOKENS]
-        k = trace.top_k
         self._next: dict[int, list[list[int]]] = {}
         for j, layer in enumerate(trace.layers):
             sets = []
@@ -122,15 +123,10 @@ class TraceGuesses:
                     continue
                 rows = nxt[2]
                 picked = trace.chosen[rows, j, :].astype(np.int64)
-                if top_alpha > 0 and trace.num_experts > k:
-                    # as `routing.substitution.substitute` sees it: the decode's float32 scores, compared in
-                    # float64; an expert is top-score when a token that chose it scores it above the band
-                    scores = trace.probs[rows, j, :].astype(np.float32).astype(np.float64)
-                    hi = (1 + top_alpha) * -np.sort(-scores, axis=1)[:, k]
-                    chosen = sorted({int(e) for t in range(len(rows)) for e in picked[t] if scores[t, e] > hi[t]})
+                if top_alpha > 0:       # substitution's own band, on the float32 scores the decode routes with
+                    sets.append(sorted(top_score(trace.probs[rows, j, :].astype(np.float32), picked, top_alpha)))
                 else:
-                    chosen = sorted({int(e) for e in picked.reshape(-1)})
-                sets.append(chosen)
+                    sets.append(sorted({int(e) for e in picked.reshape(-1)}))
             self._next[layer] = sets
         self._calls = {layer: 0 for layer in trace.layers}
 

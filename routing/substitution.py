@@ -60,6 +60,25 @@ class Substitution:
     missing_low: int            # low-score experts that were neither resident nor top-score
 
 
+def _top_set(scores: np.ndarray, chosen: np.ndarray, hi: np.ndarray) -> set[int]:
+    """The batch's top-score set: experts a token chose and scores above its `hi` (built before any token)."""
+    return {int(e) for t in range(len(chosen)) for e in chosen[t] if scores[t, e] > hi[t]}
+
+
+def top_score(scores: np.ndarray, chosen: np.ndarray, alpha: float) -> set[int]:
+    """The experts `substitute` at `alpha` always keeps (and loads if missing): the batch's top-score set.
+
+    Every chosen expert when k >= E (nothing is substituted then).  Used by
+    the trace oracle of the token-wise prefetch (`executors.moe_decode.TraceGuesses`).
+    """
+    scores = np.asarray(scores, dtype=np.float64)
+    chosen = np.asarray(chosen, dtype=np.int64)
+    k = chosen.shape[1]
+    if k >= scores.shape[1]:
+        return {int(e) for e in chosen.reshape(-1)}
+    return _top_set(scores, chosen, (1 + alpha) * -np.sort(-scores, axis=1)[:, k])
+
+
 def substitute(scores: np.ndarray, chosen: np.ndarray, resident: Collection[int], alpha: float,
                rule: WeightRule) -> Substitution:
     """Alg. 1 on one layer's batch: `scores` [T, E] gate scores, `chosen` [T, k] the router's experts."""
@@ -74,7 +93,7 @@ def substitute(scores: np.ndarray, chosen: np.ndarray, resident: Collection[int]
         return Substitution(chosen, rule.weights(np.take_along_axis(scores, chosen, 1)), changed, 0, 0)
     s_next = -np.sort(-scores, axis=1)[:, k]                  # the (k+1)-th score of each token
     hi, lo = (1 + alpha) * s_next, (1 - alpha) * s_next
-    top = {int(e) for t in range(T) for e in chosen[t] if scores[t, e] > hi[t]}   # the batch's top-score set
+    top = _top_set(scores, chosen, hi)                       # the batch's top-score set
     avail = set(int(e) for e in resident) | top
     replaced = missing_low = 0
     for t in range(T):

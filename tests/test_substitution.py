@@ -73,3 +73,16 @@ def test_pick_alpha_is_the_smallest_alpha_whose_fitted_time_meets_the_budget():
     assert pick_alpha(alphas, ms, 10.0)[0] is None           # no alpha measured gets there
     with pytest.raises(ValueError):
         pick_alpha([0.0], [1.0], 1.0)
+
+
+def test_the_top_score_set_is_what_substitution_always_keeps():
+    from routing.substitution import top_score
+
+    scores = np.array([[0.5, 0.3, 0.2], [0.36, 0.34, 0.30], [0.2, 0.45, 0.35]])
+    chosen = np.array([[0], [0], [2]])            # S = the 2nd score; top-score: s > 1.3 x S
+    assert top_score(scores, chosen, 0.3) == {0}  # token 0's expert 0 (0.5 > 0.39); token 1's 0.36 <= 0.442
+    assert top_score(scores, chosen, 0.0) == {0}  # token 2 chose 2 (0.35), not its top: never above its S
+    assert top_score(scores[:, :1], chosen[:, :1] * 0, 0.3) == {0}     # k >= E: every chosen expert
+    rule = WeightRule()
+    sub = substitute(scores[1:2], chosen[1:2], resident={1}, alpha=0.3, rule=rule)
+    assert sub.substituted == 1 and 0 not in top_score(scores[1:2], chosen[1:2], 0.3)   # low-score: replaced
