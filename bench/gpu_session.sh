@@ -21,9 +21,10 @@
 #                                      # cold start)
 #   bash bench/gpu_session.sh OUT 9    # about 2 minutes: the GPU tests of the pinned buffers, the split and the
 #                                      # prefill stream, then (e) (the host tier keeping the stream's bytes)
-#   bash bench/gpu_session.sh OUT 10   # about 7 minutes: the GPU test of the token-wise prefetch into a CUDA pool,
+#   bash bench/gpu_session.sh OUT 10   # about 9 minutes: the GPU test of the token-wise prefetch into a CUDA pool,
 #                                      # then issue 11's (d) ablation on CUDA (prefetch, substitution and the oracle
-#                                      # rows with a GPU pool behind the pinned host tier)
+#                                      # rows with a GPU pool behind the pinned host tier; each row is logged as it
+#                                      # ends), then (b) on CUDA for a third GPU run of the 1.3x target
 #
 # Run it after `bash .gpu/on-device.sh` installed the wheels (see ../shared/gpu/README.md), e.g.
 #   bash .gpu/on-device.sh 'bash bench/gpu_session.sh $OUT 1'
@@ -121,7 +122,8 @@ elif [ "$PHASE" = 10 ]; then
   model_start
   TAIL=8 step gpu-tests 60 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_moe_pooled.py -k cuda_pool
   model_ready
-  TAIL=24 step llm-d 330 coe-agent llm bench --work $W --part d --device cuda
+  TAIL=40 step llm-d 330 coe-agent llm bench --work $W --part d --device cuda
+  TAIL=16 step llm-b 110 coe-agent llm bench --work $W --part b --device cuda
 elif [ "$PHASE" = 8 ]; then
   model_start
   model_ready

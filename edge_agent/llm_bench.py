@@ -487,7 +487,8 @@ ABLATION = (("lru", "LRU (baseline)", {}),
 
 
 def run_ablation(store: Path, profile: Trace, trace: Trace, *, share: float = 0.25, device: str = "cpu",
-                 host_share: float = 0.0, progress: Callable[[str], None] | None = None) -> list[dict]:
+                 host_share: float = 0.0, progress: Callable[[str], None] | None = None,
+                 on_row: Callable[[dict], None] | None = None) -> list[dict]:
     """Issue 11's ablation on trace-driven decode: each row on top of the one before (the two prefetch rows
     are alternatives: every guess, or only confident ones; the split goes on top of the second), then the
     best row's settings at alpha 0.5 and 0.7 (not on top of the split), the same eviction without
@@ -507,6 +508,8 @@ def run_ablation(store: Path, profile: Trace, trace: Trace, *, share: float = 0.
     does not have: it is not a row.  On a CUDA `device` the pool is GPU memory
     behind a pinned host tier of `host_share` of the experts, as in `run_decode`;
     the split row is then the Fiddler split (CPU computation on the host copy).
+    `on_row` gets each row as it ends, so a run cut short by a time limit still
+    says what it measured.
     """
     from coe.moe import MoELayout
     from executors.moe_decode import TraceGuesses, remap, trace_decode
@@ -548,7 +551,11 @@ def run_ablation(store: Path, profile: Trace, trace: Trace, *, share: float = 0.
             row.update(in_place=pm.split.stats.in_place, loaded=pm.split.stats.loaded, gib_in_place=in_place,
                        gib_read=row["gib_read"] + in_place)
         rows.append(row)
+        if on_row:
+            on_row(row)
     rows.append(_ceiling(store, layout, trace, progress, device))
+    if on_row:
+        on_row(rows[-1])
     return rows
 
 

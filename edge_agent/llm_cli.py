@@ -566,7 +566,7 @@ def llm_bench(work: str, parts: str, prompts: int, decode: int, train_seconds: f
         trace = lb.decode_only(rep, decode_tokens)
         with tqdm(total=len(lb.ABLATION) + 1, desc="(d) ablation", disable=None) as bar:   # + the ceiling
             arows = lb.run_ablation(big, profile, trace, device=device, host_share=host_share if cuda else 0.0,
-                                    progress=lambda _: bar.update(1))
+                                    progress=lambda _: bar.update(1), on_row=_echo_row)
         click.echo(f"(d) ablation, each row on top of the one before (the two prefetch rows are alternatives; "
                    f"from 'next token + popularity' on, that eviction replaces the gate score's; the alpha 0.5 and "
                    f"0.7 rows are that row's settings with a wider substitution band, not on top of the split, and "
@@ -649,6 +649,12 @@ def torch_device_name() -> str:
     import torch
 
     return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def _echo_row(row: dict) -> None:
+    """One (d) row on stderr as it ends: a run stopped by a time limit keeps the rows it finished."""
+    click.echo(f"(d) row done: {row['row']}: {row['tokens_per_second']:.2f} tokens/s, hit rate {row['hit_rate']:.1%}, "
+               f"{row['gib_read']:.2f} GiB read", err=True)
 
 
 def _trained_trace(work_dir: Path, prompts: int, decode: int, train_seconds: float) -> Path:

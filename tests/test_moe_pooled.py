@@ -397,8 +397,12 @@ def test_the_ablation_runs_every_row_and_gives_predicted_rows_the_profiles_predi
         calls.append(kw)
         return real(root, **kw)
     monkeypatch.setattr(moe_model, "load_pooled", spy)
-    rows = lb.run_ablation(store, profile, decode, share=0.5)
+    ended = []
+    rows = lb.run_ablation(store, profile, decode, share=0.5,
+                           on_row=lambda r: ended.append((r["row"], len(calls))))
     assert [r["row"] for r in rows] == [name for _, name, _ in lb.ABLATION] + [lb.CEILING]
+    # each row is handed over as it ends, before the next row's pool is made (a run cut short keeps them)
+    assert ended == [(name, i + 1) for i, (_, name, _) in enumerate(lb.ABLATION)] + [(lb.CEILING, len(calls))]
     assert all(r["tokens"] == int((decode.step > 0).sum()) for r in rows)
     from_profile = TokenPredictor.train(remap(profile, layout.model))
     from_decoded = TokenPredictor.train(remap(decode, layout.model))
