@@ -250,13 +250,15 @@ def decode_only(trace: Trace, tokens: int) -> Trace:
 
 
 def run_decode(store: Path, profile: Trace, trace: Trace, *, share: float = 0.25, device: str = "cpu",
-               host_share: float = 0.0, progress: Callable[[str], None] | None = None) -> list[DecodeRow]:
+               host_share: float = 0.0, host_mode: str = "inclusive",
+               progress: Callable[[str], None] | None = None) -> list[DecodeRow]:
     """(b): each policy decodes `trace` through a pool of `share` of the experts, every miss read from SSD.
 
     Prefill passes are shown to the router tap but not computed (LFU is seeded by them, as live); the
     decode passes run real loads and matmuls.  On a CUDA `device` the pool is GPU memory behind a pinned
-    host tier of `host_share` of the experts (0: none), which keeps a copy of each load; a miss the host
-    tier holds is a host-to-device copy, any other an SSD read (page cache dropped) staged through it.
+    host tier of `host_share` of the experts (0: none), which keeps a copy of each load (`host_mode`
+    'inclusive') or holds the GPU pool's victims ('exclusive'); a miss the host tier holds is a
+    host-to-device copy, any other an SSD read (page cache dropped) staged through it.
     """
     from coe.moe import MoELayout
     from executors.moe_decode import future_accesses, remap, trace_decode
@@ -280,7 +282,7 @@ def run_decode(store: Path, profile: Trace, trace: Trace, *, share: float = 0.25
         pm = load_pooled(store, memory=int(layout.expert_bytes * share), policy=policy,
                          popularity=profile.popularity(), context=ctx, drop_after_read=True,
                          predictor=predictor if policy == "predicted" else None, device=device,
-                         host_memory=int(layout.expert_bytes * host_share))
+                         host_memory=int(layout.expert_bytes * host_share), host_mode=host_mode)
         r = trace_decode(pm, trace, position=pos, prefill=False)
         pm.close()
         rows.append(DecodeRow(policy, r.tokens, r.seconds, r.tokens_per_second, r.stats.hit_rate,
@@ -303,7 +305,7 @@ def failure(returncode: int, stderr: str) -> str:
 
 
 def run_e2e(hf: Path, store: Path, prompt_ids: list[int], tokens: int, *, share: float = 0.25,
-            device: str = "cpu", host_share: float = 0.0, headroom: int = 0,
+            device: str = "cpu", host_share: float = 0.0, host_mode: str = "inclusive", headroom: int = 0,
             progress: Callable[[str], None] | None = None) -> tuple[list[dict], dict]:
     """(c): each system generates `tokens` greedily in its own process at the same budget; see `llm_e2e`.
 
@@ -344,7 +346,7 @@ def run_e2e(hf: Path, store: Path, prompt_ids: list[int], tokens: int, *, share:
         cmd = [sys.executable, "-m", "edge_agent.llm_e2e", "--system", system, "--hf", str(hf), "--store",
                str(store), "--memory", str(memory), "--prompt-ids", ",".join(map(str, prompt_ids)), "--tokens",
                str(tokens), "--offload-dir", off] + (["--policy", policy] if policy else []) + extra + (
-            ["--device", device, "--host-memory", str(host_memory)] if cuda else [])
+            ["--device", device, "--host-memory", str(host_memory), "--host-mode", host_mode] if cuda else [])
         try:
             res = subprocess.run(cmd, capture_output=True, text=True, timeout=3600,
                                  preexec_fn=cgroup.enter if cgroup else None)
@@ -487,7 +489,7 @@ ABLATION = (("lru", "LRU (baseline)", {}),
 
 
 def run_ablation(store: Path, profile: Trace, trace: Trace, *, share: float = 0.25, device: str = "cpu",
-                 host_share: float = 0.0, progress: Callable[[str], None] | None = None,
+                 host_share: float = 0.0, host_mode: str = "inclusive", progress: Callable[[str], None] | None = None,
                  on_row: Callable[[dict], None] | None = None) -> list[dict]:
     """Issue 11's ablation on trace-driven decode: each row on top of the one before (the two prefetch rows
     are alternatives: every guess, or only confident ones; the split goes on top of the second), then the
@@ -529,7 +531,7 @@ def run_ablation(store: Path, profile: Trace, trace: Trace, *, share: float = 0.
         pm = load_pooled(store, memory=int(layout.expert_bytes * share), policy=policy, drop_after_read=True,
                          predictor=predictor if wants else None,
                          popularity=popularity if policy == "predicted" else None, device=device,
-                         host_memory=int(layout.expert_bytes * host_share), **settings)
+                         host_memory=int(layout.expert_bytes * host_share), host_mode=host_mode, **settings)
         if "oracle" in extra:
             pm.prefetcher.guess_with(TraceGuesses(trace, top_alpha=extra.get("alpha", 0.0)
                                                   if extra["oracle"] == "top" else 0.0))

@@ -151,8 +151,11 @@ def _popularity(trace_path: str | None, layout) -> dict[str, float] | None:
                    "(how many from measured costs).  CPU: from the file's memory map.  CUDA (Fiddler): on a CPU "
                    "thread from the host tier's copy or the memory map while the loads proceed.")
 @click.option("--host-memory", default=None,
-              help="A host tier in front of the pool (a size or a share of the experts) that keeps a copy of each "
-                   "load, pinned on CUDA; --split computes on its copies.  Default: none (a staging buffer).")
+              help="A host tier in front of the pool (a size or a share of the experts), pinned on CUDA; --split "
+                   "computes on its copies.  Default: none (a staging buffer).")
+@click.option("--host-mode", default="inclusive", show_default=True, type=click.Choice(["inclusive", "exclusive"]),
+              help="--host-memory's tier keeps a copy of each load (inclusive) or holds the pool's victims "
+                   "(exclusive, a victim cache: the pool and the tier hold more distinct experts).")
 @click.option("--prefill", default="batched", show_default=True, type=click.Choice(["batched", "balance", "queues"]),
               help="batched: every expert of the prompt runs through the pool on all its tokens at once.  "
                    "balance (CUDA only): each expert goes to the GPU when T_CPU(n) > T_GPU(n) + T_load "
@@ -161,7 +164,7 @@ def _popularity(trace_path: str | None, layout) -> dict[str, float] | None:
 @_fail_clearly
 def llm_generate(model: str, prompt: str, max_new_tokens: int, memory: str | None, policy: str, quota: str,
                  device: str, trace_path: str | None, window: int, predictor_path: str | None, alpha: float,
-                 prefetch: str, split: bool, host_memory: str | None, prefill: str) -> None:
+                 prefetch: str, split: bool, host_memory: str | None, host_mode: str, prefill: str) -> None:
     """Generate text greedily, streaming tokens, with experts paged SSD -> memory under a budget.
 
     Ends with the offload stats: hit rate, bytes read, load seconds, tokens/s.
@@ -172,7 +175,7 @@ def llm_generate(model: str, prompt: str, max_new_tokens: int, memory: str | Non
       coe-agent llm generate -m var/llm/qwen-moe -p "def fib(n):" --memory 25% --policy predicted \\
           --predictor var/llm/qwen.predictor
       coe-agent llm generate -m var/llm/qwen-moe -p "def fib(n):" --memory 25% --device cuda \\
-          --host-memory 50% --split --prefill balance
+          --host-memory 50% --host-mode exclusive --split --prefill balance
     """
     _need_transformers()
     import torch
@@ -186,7 +189,8 @@ def llm_generate(model: str, prompt: str, max_new_tokens: int, memory: str | Non
     popularity = _popularity(trace_path, layout)
     pm = load_pooled(root, memory=_memory(memory, layout), policy=policy, quota=quota, device=device,
                      popularity=popularity, window=window, alpha=alpha, prefetch=prefetch, split=split,
-                     host_memory=_memory(host_memory, layout) if host_memory else 0, prefill=prefill,
+                     host_memory=_memory(host_memory, layout) if host_memory else 0, host_mode=host_mode,
+                     prefill=prefill,
                      predictor=predictor_path)
     tok = pm.tokenizer()
     ids = torch.tensor([tok.encode(prompt)], dtype=torch.long)
@@ -386,10 +390,13 @@ def _summarise_e2e(doc: dict, runs: list[dict], mem: dict, coe_runs: list[dict],
               help="(b), (c), (d): cpu, or cuda[:N] for a GPU pool at the budget behind a pinned host tier.")
 @click.option("--host-share", default=0.5, show_default=True, type=click.FloatRange(0, 1),
               help="With --device cuda: the pinned host tier, as a share of the experts.")
+@click.option("--host-mode", default="inclusive", show_default=True, type=click.Choice(["inclusive", "exclusive"]),
+              help="With --device cuda: the host tier keeps a copy of each load (inclusive) or holds the GPU "
+                   "pool's victims (exclusive: GPU and host memory hold more distinct experts).")
 @_fail_clearly
 def llm_bench(work: str, parts: str, prompts: int, decode: int, train_seconds: float, mixtral_data: str | None,
               tokens: int, expert_gb: float, decode_tokens: int, e2e_tokens: int, device: str,
-              host_share: float) -> None:
+              host_share: float, host_mode: str) -> None:
     """Benchmark the MoE offload: (a) hit rates, (b) real decode per policy, (c) end to end.
 
     \b
@@ -494,8 +501,8 @@ def llm_bench(work: str, parts: str, prompts: int, decode: int, train_seconds: f
         res = (f"pool {0.25 * layout.expert_bytes / 1e9:.2f} GB (25% of {layout.expert_bytes / 1e9:.2f} GB of "
                f"experts) + {layout.resident_nbytes / 1e6:.0f} MB resident; disk {speed / 1e9:.2f} GB/s cold")
         if cuda:
-            res += (f"; pool and resident weights on {torch_device_name()}, behind a pinned host tier of "
-                    f"{host_share * layout.expert_bytes / 1e9:.2f} GB ({host_share:.0%} of the experts)")
+            res += (f"; pool and resident weights on {torch_device_name()}, behind a pinned {host_mode} host tier "
+                    f"of {host_share * layout.expert_bytes / 1e9:.2f} GB ({host_share:.0%} of the experts)")
         if want & {"b", "c", "d"}:
             doc["device"] = torch_device_name() if cuda else "cpu"     # where (b), (c) and (d) ran; (e) says its own
         doc["resources"] = res
@@ -512,7 +519,7 @@ def llm_bench(work: str, parts: str, prompts: int, decode: int, train_seconds: f
         trace = lb.decode_only(rep, decode_tokens)
         with tqdm(total=len(lb.DECODE_POLICIES), desc="(b) decoding", disable=None) as bar:
             drows = lb.run_decode(big, profile, trace, device=device, host_share=host_share if cuda else 0.0,
-                                  progress=lambda _: bar.update(1))
+                                  host_mode=host_mode, progress=lambda _: bar.update(1))
         n_dec = int((trace.step > 0).sum())
         click.echo(f"(b) trace-driven real decode, {n_dec} decode tokens of the trained trace (their prompts' "
                    f"prefills seed the router statistics, not computed), real run on {doc['device']}: {res}")
@@ -531,7 +538,8 @@ def llm_bench(work: str, parts: str, prompts: int, decode: int, train_seconds: f
         tok_ids = list(range(40, 56))
         with tqdm(total=len(lb.E2E_POLICIES) + 3, desc="(c) end to end", disable=None) as bar:
             runs, mem = lb.run_e2e(big_hf, big, tok_ids, e2e_tokens, device=device,
-                                   host_share=host_share if cuda else 0.0, progress=lambda _: bar.update(1))
+                                   host_share=host_share if cuda else 0.0, host_mode=host_mode,
+                                   progress=lambda _: bar.update(1))
         click.echo(f"(c) end to end, {e2e_tokens} tokens greedy, each system in its own process, real run on "
                    f"{doc['device']}: {res}")
         click.echo(f"    memory: {mem['note']}")
@@ -566,7 +574,7 @@ def llm_bench(work: str, parts: str, prompts: int, decode: int, train_seconds: f
         trace = lb.decode_only(rep, decode_tokens)
         with tqdm(total=len(lb.ABLATION) + 1, desc="(d) ablation", disable=None) as bar:   # + the ceiling
             arows = lb.run_ablation(big, profile, trace, device=device, host_share=host_share if cuda else 0.0,
-                                    progress=lambda _: bar.update(1), on_row=_echo_row)
+                                    host_mode=host_mode, progress=lambda _: bar.update(1), on_row=_echo_row)
         click.echo(f"(d) ablation, each row on top of the one before (the two prefetch rows are alternatives; "
                    f"from 'next token + popularity' on, that eviction replaces the gate score's; the alpha 0.5 and "
                    f"0.7 rows are that row's settings with a wider substitution band, not on top of the split, and "

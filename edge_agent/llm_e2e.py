@@ -66,7 +66,8 @@ def _bound(cgroup: str | None, limit: int) -> None:
 
 def run(system: str, hf_dir: str, store: str, memory: int, prompt_ids: list[int], tokens: int, policy: str,
         offload_dir: str | None, drop_after_read: bool = False, accelerate_share: float = 1.0,
-        bound_cgroup: str | None = None, bound: int = 0, device: str = "cpu", host_memory: int = 0) -> dict:
+        bound_cgroup: str | None = None, bound: int = 0, device: str = "cpu", host_memory: int = 0,
+        host_mode: str = "inclusive") -> dict:
     import torch
 
     torch.set_grad_enabled(False)
@@ -103,7 +104,7 @@ def run(system: str, hf_dir: str, store: str, memory: int, prompt_ids: list[int]
     t0 = time.perf_counter()
     if system == "coe":
         pm = load_pooled(store, memory=memory, policy=policy, drop_after_read=drop_after_read, device=device,
-                         host_memory=host_memory)
+                         host_memory=host_memory, host_mode=host_mode)
         out["load_seconds_model"] = time.perf_counter() - t0
         _bound(bound_cgroup, bound)
         out["rss_load_peak"] = peak.stop()
@@ -169,10 +170,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", default="cpu", help="cpu or cuda[:N]: where the budget (and coe-edge's pool) is")
     ap.add_argument("--host-memory", type=int, default=0,
                     help="with --device cuda: the pinned host tier (coe) / max_memory['cpu'] (accelerate), bytes")
+    ap.add_argument("--host-mode", default="inclusive", choices=("inclusive", "exclusive"),
+                    help="coe: the host tier keeps a copy of each load, or holds the GPU pool's victims")
     a = ap.parse_args(argv)
     ids = [int(x) for x in a.prompt_ids.split(",") if x]
     print(json.dumps(run(a.system, a.hf, a.store, a.memory, ids, a.tokens, a.policy, a.offload_dir,
-                         a.drop_after_read, a.accelerate_share, a.bound_cgroup, a.bound, a.device, a.host_memory)))
+                         a.drop_after_read, a.accelerate_share, a.bound_cgroup, a.bound, a.device, a.host_memory,
+                         a.host_mode)))
     sys.stdout.flush()
 
 

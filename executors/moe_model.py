@@ -9,7 +9,11 @@ so the process holds the budget plus the non-expert weights.
 Budgets.  `quota='shared'` gives all layers one pool (ranked together by the
 policy); `quota='per-layer'` gives each MoE layer an equal share.  On CUDA the
 device pool loads through a pinned host staging buffer (`TierSource`), or
-through a host tier of `host_memory` bytes that keeps a copy (inclusive).
+through a host tier of `host_memory` bytes: inclusive (`host_mode`, the
+default), it keeps a copy of each load; exclusive, it is a victim cache (a GPU
+victim moves down into it, a GPU miss found there is promoted out of it, one
+not there is read around it), so GPU and host memory hold more distinct
+experts, as the vision line's host tier does (`storage.tiers`).
 
 Where a missing expert may be computed instead of loaded (`split`): on a CPU
 pool from the file's memory map, on a CUDA pool on a CPU thread from the host
@@ -33,14 +37,15 @@ from storage.expert_store import ExpertStore, _sha256
 from storage.llm_import import MODEL_SUBDIR, load_config, meta_model
 from storage.moe_structure import find_experts
 from storage.policies import make_policy
-from storage.pool import Pool, PoolStats
-from storage.tiers import StoreSource, TierSource
+from storage.pool import Pool, PoolEvent, PoolStats
+from storage.tiers import StoreSource, TierSource, demote
 
 from .moe_prefill import PrefillCosts
 from .moe_threads import loader_friendly_threads
 from .pooled_experts import PooledExperts
 
 QUOTAS = ("shared", "per-layer")
+HOST_MODES = ("inclusive", "exclusive")     # the host tier keeps a copy of each load, or holds the victims
 SPLITS = ("mapped", "fiddler")      # in place from the memory map on the calling thread; on a CPU thread
 PREFILLS = ("batched", "balance", "queues")
 LLM_POLICIES = ("lru", "lfu", "gate-score", "probability", "fifo", "belady")
@@ -86,6 +91,7 @@ class PooledModel:
     in_place: object | None = None      # moe_fiddler.MappedInPlace / ThreadInPlace: where in-place misses run
     prefill: object | None = None       # moe_prefill.PrefillBalance
     host: Pool | None = None            # the host tier this model built (host_memory), if any
+    closing: bool = False               # set by close: an exclusive host tier takes no victim then
     _pool_by_layer: dict[int, Pool] = field(default_factory=dict)
 
     def pool_of(self, eid: str) -> Pool:
@@ -142,6 +148,7 @@ class PooledModel:
         return out, delta
 
     def close(self) -> None:
+        self.closing = True
         self.tap.detach()
         if self.prefetcher is not None:
             self.prefetcher.close()
@@ -160,7 +167,7 @@ def load_pooled(root: str | Path, *, memory: int, policy: str = "lru", quota: st
                 window: int = 8, popularity: dict[str, float] | None = None, verify: str = "first",
                 context: Callable[[], dict] | None = None, drop_after_read: bool = False,
                 shared_pool: Pool | None = None, alpha: float = 0.0, prefetch: str | None = None,
-                predictor=None, split: bool | str = False, host_memory: int = 0,
+                predictor=None, split: bool | str = False, host_memory: int = 0, host_mode: str = "inclusive",
                 prefill: str | PrefillCosts | None = None, prefetch_min_prob: float | None = None) -> PooledModel:
     """The imported model at `root` with `memory` bytes of expert pool; see the module docstring.
 
@@ -191,7 +198,10 @@ def load_pooled(root: str | Path, *, memory: int, policy: str = "lru", quota: st
     CPU pool runs the same thread with the CPU playing the device.  Exact on
     the CPU; on CUDA the CPU's parts round as the CPU does.
     `host_memory` > 0 puts a host tier of that many bytes (pinned on CUDA)
-    between the store and the device pools; it keeps a copy of each load.
+    between the store and the device pools; with `host_mode='inclusive'` it
+    keeps a copy of each load, with 'exclusive' it holds the device pools'
+    victims instead (ranked admission: a victim enters a full tier only if the
+    policy ranks it above what it would push out).
     `prefill='balance'` (CUDA) places each expert of a prefill pass on the
     GPU or the CPU by the papers' per-expert rule (`moe_prefill.place`) from
     costs profiled at load; 'queues' balances the two sides as queues
@@ -236,6 +246,8 @@ def load_pooled(root: str | Path, *, memory: int, policy: str = "lru", quota: st
     biggest = max(l.expert_nbytes for l in layout.layers)
     if host_memory and shared_pool is not None:
         raise CoEError("host_memory builds a host tier; a shared pool brings its own")
+    if host_mode not in HOST_MODES:
+        raise CoEError(f"host_mode must be one of {', '.join(HOST_MODES)}, got {host_mode!r}")
     if host_memory and host_memory < biggest:
         raise CoEError(f"host memory {host_memory} bytes cannot hold one expert ({biggest} bytes)")
     need = layout.top_k * biggest
@@ -271,15 +283,22 @@ def load_pooled(root: str | Path, *, memory: int, policy: str = "lru", quota: st
         pmodel.host = Pool("cpu", host_memory, make_policy(policy), StoreSource(
             store, pin=dev.type == "cuda", drop_after_read=drop_after_read), probabilities=popularity or {},
             context=ctx, name=f"{layout.model}:host")
+    exclusive = pmodel.host is not None and host_mode == "exclusive"
+
+    def on_event(e: PoolEvent) -> None:
+        # runs before the evicting pool reuses the victim's buffer, so the copy down reads the victim's own bytes
+        if e.event == "evict" and not e.stale and not pmodel.closing:
+            demote(e, pmodel.host, ranked=True)
+
     for key, cap in caps.items() if shared_pool is None else ():
         if pmodel.host is not None:
-            source = TierSource(pmodel.host, str(dev))
+            source = TierSource(pmodel.host, str(dev), exclusive=exclusive)
         else:
             source = StoreSource(store, pin=dev.type == "cuda", drop_after_read=drop_after_read)
             if dev.type == "cuda":
                 source = TierSource(source, str(dev))
         pools[key] = Pool(dev.type, cap, make_policy(policy), source, probabilities=popularity or {}, context=ctx,
-                          name=f"{layout.model}:{'all' if key is None else f'L{key:02d}'}")
+                          on_event=on_event if exclusive else None, name=f"{layout.model}:{'all' if key is None else f'L{key:02d}'}")
     pmodel.pools = list(pools.values())
     pmodel._pool_by_layer = {l.layer: pools[None if quota == "shared" else l.layer] for l in layout.layers}
 
