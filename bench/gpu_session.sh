@@ -25,6 +25,9 @@
 #                                      # then issue 11's (d) ablation on CUDA (prefetch, substitution and the oracle
 #                                      # rows with a GPU pool behind the pinned host tier; each row is logged as it
 #                                      # ends), then (b) on CUDA for a third GPU run of the 1.3x target
+#   bash bench/gpu_session.sh OUT 11   # about 7 minutes: the GPU tests of the exclusive host tier and the CUDA
+#                                      # prefetch, then (b) on CUDA with the inclusive and the exclusive host tier one
+#                                      # after the other, then (d) on CUDA with the exclusive one
 #
 # Run it after `bash .gpu/on-device.sh` installed the wheels (see ../shared/gpu/README.md), e.g.
 #   bash .gpu/on-device.sh 'bash bench/gpu_session.sh $OUT 1'
@@ -33,9 +36,9 @@
 # Every step has its own time limit and writes its whole output to OUT/<step>.log; a step that fails or
 # runs out of time does not stop the next.  Nothing here is a test: the figures are read off the logs.
 set -u
-OUT=${1:?usage: bash bench/gpu_session.sh OUT 1|2|3|4|5|6|7|8|9|10}
-PHASE=${2:?usage: bash bench/gpu_session.sh OUT 1|2|3|4|5|6|7|8|9|10}
-case "$PHASE" in 1|2|3|4|5|6|7|8|9|10) ;; *) echo "phase must be 1 to 10, got '$PHASE'" >&2; exit 2 ;; esac
+OUT=${1:?usage: bash bench/gpu_session.sh OUT 1|2|3|4|5|6|7|8|9|10|11}
+PHASE=${2:?usage: bash bench/gpu_session.sh OUT 1|2|3|4|5|6|7|8|9|10|11}
+case "$PHASE" in 1|2|3|4|5|6|7|8|9|10|11) ;; *) echo "phase must be 1 to 11, got '$PHASE'" >&2; exit 2 ;; esac
 mkdir -p "$OUT"
 export YOLO_OFFLINE=1 PYTHONUNBUFFERED=1 TQDM_DISABLE=1
 export COE_DATA_DIR="${COE_DATA_DIR:-var/line-paper}"
@@ -124,6 +127,14 @@ elif [ "$PHASE" = 10 ]; then
   model_ready
   TAIL=40 step llm-d 330 coe-agent llm bench --work $W --part d --device cuda
   TAIL=16 step llm-b 110 coe-agent llm bench --work $W --part b --device cuda
+elif [ "$PHASE" = 11 ]; then
+  model_start
+  TAIL=8 step gpu-tests 60 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_moe_host_tier.py \
+    tests/test_moe_pooled.py -k "cuda"
+  model_ready
+  TAIL=16 step llm-b-inclusive 100 coe-agent llm bench --work $W --part b --device cuda --host-mode inclusive
+  TAIL=16 step llm-b-exclusive 100 coe-agent llm bench --work $W --part b --device cuda --host-mode exclusive
+  TAIL=40 step llm-d-exclusive 200 coe-agent llm bench --work $W --part d --device cuda --host-mode exclusive
 elif [ "$PHASE" = 8 ]; then
   model_start
   model_ready
