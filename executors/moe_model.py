@@ -38,11 +38,11 @@ from storage.llm_import import MODEL_SUBDIR, load_config, meta_model
 from storage.moe_structure import find_experts
 from storage.policies import make_policy
 from storage.pool import Pool, PoolEvent, PoolStats
-from storage.tiers import StoreSource, TierSource, demote
+from storage.tiers import SpareBuffers, StoreSource, TierSource, demote
 
 from .moe_prefill import PrefillCosts
 from .moe_threads import loader_friendly_threads
-from .pooled_experts import PooledExperts
+from .pooled_experts import LOADERS, PooledExperts
 
 QUOTAS = ("shared", "per-layer")
 HOST_MODES = ("inclusive", "exclusive")     # the host tier keeps a copy of each load, or holds the victims
@@ -284,15 +284,17 @@ def load_pooled(root: str | Path, *, memory: int, policy: str = "lru", quota: st
             store, pin=dev.type == "cuda", drop_after_read=drop_after_read), probabilities=popularity or {},
             context=ctx, name=f"{layout.model}:host")
     exclusive = pmodel.host is not None and host_mode == "exclusive"
+    # host buffers an exclusive tier frees at a promotion, reused by staged reads and demotions (one per loader)
+    spares = SpareBuffers(LOADERS) if exclusive else None
 
     def on_event(e: PoolEvent) -> None:
         # runs before the evicting pool reuses the victim's buffer, so the copy down reads the victim's own bytes
         if e.event == "evict" and not e.stale and not pmodel.closing:
-            demote(e, pmodel.host, ranked=True)
+            demote(e, pmodel.host, ranked=True, spares=spares)
 
     for key, cap in caps.items() if shared_pool is None else ():
         if pmodel.host is not None:
-            source = TierSource(pmodel.host, str(dev), exclusive=exclusive)
+            source = TierSource(pmodel.host, str(dev), exclusive=exclusive, spares=spares if spares is not None else 0)
         else:
             source = StoreSource(store, pin=dev.type == "cuda", drop_after_read=drop_after_read)
             if dev.type == "cuda":

@@ -43,6 +43,12 @@ if TYPE_CHECKING:
     import torch
 
 
+def torch_cpu():
+    import torch
+
+    return torch.device("cpu")
+
+
 def source_dtype(setting: str) -> str:
     """What a StoreSource casts to for a config's compute dtype: 'stored' computes in the stored dtype."""
     return StoreSource.UNIFORM if setting == "stored" else setting
@@ -57,6 +63,46 @@ def take_buffer(reuse, nbytes: int, device, pinned: bool | None = None) -> FlatW
             reuse.remove(v)
             return v
     return None
+
+
+class SpareBuffers:
+    """A few host buffers kept for reuse instead of freed: an exclusive host tier's staging and promotions.
+
+    Page-locking a fresh host buffer for a GPU copy (`host_empty(pin=True)`)
+    and letting it go again cost milliseconds per expert, about as much as
+    the copy itself; an exclusive tier frees a buffer at each promotion and
+    needs one at each staged SSD read and each demotion.  Measured on an
+    H200 (`llm bench --part b --host-mode exclusive`, before this): load
+    time per token 1.9x the inclusive tier's, whose loads refill its own
+    victims' buffers.  At most `limit` buffers wait here, outside every
+    pool's accounting: what the staged reads in flight held anyway.
+    """
+
+    def __init__(self, limit: int) -> None:
+        self.limit = limit
+        self._free: list[FlatWeights] = []
+        self._lock = threading.Lock()
+        self.reused = 0        # buffers handed out again instead of allocated
+
+    def put(self, value: FlatWeights | None) -> None:
+        """Keep `value`'s buffer for a later take, if there is room; nobody else may still use it."""
+        if value is None or getattr(value, "buffer", None) is None:
+            return
+        with self._lock:
+            if len(self._free) < self.limit:
+                self._free.append(value)
+
+    def take(self, nbytes: int, device, pinned: bool | None = None) -> FlatWeights | None:
+        """A kept buffer of exactly `nbytes` on `device` (and pinning), or None."""
+        with self._lock:
+            out = take_buffer(self._free, nbytes, device, pinned)
+            self.reused += out is not None
+            return out
+
+    def held(self) -> int:
+        """Buffers waiting here now."""
+        with self._lock:
+            return len(self._free)
 
 
 class StoreSource:
@@ -139,11 +185,16 @@ class TierSource:
     reuses_memory = True
 
     def __init__(self, parent: Pool | StoreSource, device: str, *, wait: float = 60.0,
-                 exclusive: bool = False) -> None:
+                 exclusive: bool = False, spares: "int | SpareBuffers" = 0) -> None:
         import torch
 
         self.parent, self.device, self._wait = parent, torch.device(device), wait
         self.exclusive = exclusive and isinstance(parent, Pool)
+        # exclusive, same-sized experts (an LLM's): promoted and staging host buffers are reused, not freed
+        # (an int: that many of its own; a SpareBuffers: shared with other device tiers and their demotions)
+        if isinstance(spares, int):
+            spares = SpareBuffers(spares) if spares > 0 else None
+        self.spares = spares if self.exclusive else None
         self.promoted = 0      # exclusive: loads served from the parent pool (and discarded there)
         self.staged = 0        # exclusive: loads read around the parent pool, from its source
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
@@ -185,13 +236,22 @@ class TierSource:
         handle = self.parent.hold(expert_id)
         if handle is None:
             self.staged += 1
-            return self._copy(self.parent.source.load(expert_id), reuse)   # the staging buffer dies with this call
+            if self.spares is None:
+                return self._copy(self.parent.source.load(expert_id), reuse)   # the staging buffer dies here
+            source = self.parent.source
+            spare = self.spares.take(source.size(expert_id), torch_cpu(), getattr(source, "pin", None))
+            staged = source.load(expert_id, reuse=[spare]) if spare is not None else source.load(expert_id)
+            out = self._copy(staged, reuse)
+            self.spares.put(staged)          # the copy has finished (`_copy_bytes` waits for it)
+            return out
         try:
             out = self._copy(handle.value, reuse)
         finally:
             self.parent.release(handle)
         self.promoted += 1
-        self.parent.discard(expert_id)   # stays only if another tier's copy still pins it
+        # stays only if another tier's copy still pins it; once gone, nobody holds its buffer
+        if self.parent.discard(expert_id) and self.spares is not None:
+            self.spares.put(handle.value)
         return out
 
     def _copy(self, src: FlatWeights, reuse) -> FlatWeights:
@@ -302,12 +362,13 @@ class HostReadSource:
                 and value.nbytes == self.fallback.size(expert_id))
 
 
-def host_copy(src: FlatWeights, reuse: list, *, pin: bool) -> FlatWeights:
+def host_copy(src: FlatWeights, reuse: list, *, pin: bool, spares: SpareBuffers | None = None) -> FlatWeights:
     """A host-memory copy of `src`, finished when this returns.
 
     Into a buffer from `reuse` (values just evicted from the host tier) when
     one has the same size and pinning, else a new one, pinned if `pin` (so
-    a later host-to-device copy can be asynchronous).  From CUDA the copy runs
+    a later host-to-device copy can be asynchronous); before a new one, a
+    kept buffer from `spares`.  From CUDA the copy runs
     on a side stream and is synchronised: the caller may hand the device
     buffer to the next load as soon as we return.
     """
@@ -316,6 +377,8 @@ def host_copy(src: FlatWeights, reuse: list, *, pin: bool) -> FlatWeights:
     cpu = torch.device("cpu")
     old = take_buffer(reuse, src.nbytes, cpu, pin) if reuse else None
     reuse.clear()   # the victims we did not take are freed before we allocate
+    if old is None and spares is not None:
+        old = spares.take(src.nbytes, cpu, pin)
     dst = old.buffer if old is not None else host_empty(src.nbytes, pin)
     if src.buffer.device.type == "cuda":
         stream = torch.cuda.Stream(src.buffer.device)
@@ -329,7 +392,8 @@ def host_copy(src: FlatWeights, reuse: list, *, pin: bool) -> FlatWeights:
     return out
 
 
-def demote(event: PoolEvent, host: Pool, *, pin: bool | None = None, ranked: bool = False) -> bool:
+def demote(event: PoolEvent, host: Pool, *, pin: bool | None = None, ranked: bool = False,
+           spares: SpareBuffers | None = None) -> bool:
     """Move a device pool's victim (its evict `event`) down into the `host` tier; True if it was admitted.
 
     Call it from the device pool's evict callback: the pool hands the victim's
@@ -342,7 +406,8 @@ def demote(event: PoolEvent, host: Pool, *, pin: bool | None = None, ranked: boo
     defaults to pinning when the victim comes from CUDA.  `ranked`: the
     victim enters a full tier only if the tier's policy ranks it above what
     it would push out (`Pool.admit(worth_keeping=True)`; the config's
-    `host_tier_admission: ranked`).
+    `host_tier_admission: ranked`).  `spares`: kept buffers to copy into
+    before allocating (`TierSource(spares=...)`).
     """
     value = event.value
     if getattr(value, "buffer", None) is None:
@@ -350,7 +415,8 @@ def demote(event: PoolEvent, host: Pool, *, pin: bool | None = None, ranked: boo
     if pin is None:
         pin = value.buffer.device.type == "cuda"
     try:
-        return host.admit(event.expert_id, lambda reuse: host_copy(value, reuse, pin=pin), keep=(event.incoming,),
+        return host.admit(event.expert_id, lambda reuse: host_copy(value, reuse, pin=pin, spares=spares),
+                          keep=(event.incoming,),
                           worth_keeping=ranked)
     except Exception as exc:  # noqa: BLE001 - a victim cache may always decline
         log.warning("could not demote '%s' into the %s tier (%s: %s); it stays on SSD only",

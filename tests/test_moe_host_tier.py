@@ -133,3 +133,60 @@ def test_an_exclusive_pinned_host_tier_behind_a_cuda_pool_gives_the_inclusive_ti
         pm.close()
     assert out["exclusive"] == out["inclusive"]
     assert reads["exclusive"] <= reads["inclusive"], reads
+
+
+def test_spare_buffers_hand_back_only_an_exact_size_and_keep_at_most_their_limit():
+    from storage.flat import FlatWeights  # noqa: F401  (the values the tiers hold)
+    from storage.tiers import SpareBuffers
+
+    class V:        # a tier value: only its buffer matters here
+        def __init__(self, n):
+            self.buffer = torch.empty(n, dtype=torch.uint8)
+    spares = SpareBuffers(2)
+    a, b, c = V(8), V(16), V(8)
+    for v in (a, b, c, None):
+        spares.put(v)
+    assert spares.held() == 2                                    # c found no room, None is ignored
+    assert spares.take(8, torch.device("cpu"), False) is a
+    assert spares.take(8, torch.device("cpu"), False) is None    # b is 16 bytes: never handed out for 8
+    assert spares.take(16, torch.device("cpu"), True) is None    # nor as pinned when it is not
+    assert spares.take(16, torch.device("cpu"), False) is b and spares.held() == 0 and spares.reused == 2
+
+
+def test_an_exclusive_tier_reuses_a_promoted_buffer_only_once_nobody_holds_it(mixtral):
+    from storage.expert_store import ExpertStore
+    from storage.policies import make_policy
+    from storage.pool import Pool
+
+    _, layout, store = mixtral
+    ids = layout.ids()
+    per = layout.layers[0].expert_nbytes
+    host = Pool("cpu", per * 4, make_policy("lru"), StoreSource(ExpertStore(store)))
+    for eid in ids[:2]:
+        host.release(host.acquire(eid))
+    tier = TierSource(host, "cpu", exclusive=True, spares=2)
+    other = host.hold(ids[0])                     # someone else computes on the host copy (the Fiddler thread)
+    first = tier.load(ids[0])
+    assert tier.promoted == 1 and host.contains(ids[0]) and tier.spares.held() == 0   # still theirs: not reused
+    host.release(other)
+    kept = host.peek(ids[1])
+    tier.load(ids[1])
+    assert not host.contains(ids[1]) and tier.spares.held() == 1                      # promoted, its buffer kept
+    staged = tier.load(ids[2])                    # not in the host tier: read around it into the kept buffer
+    assert tier.staged == 1 and tier.spares.reused == 1 and tier.spares.held() == 1
+    assert not host.contains(ids[2])
+    assert torch.equal(staged.buffer, ExpertStore(store).read_flat(ids[2]).buffer)   # the right bytes
+    back = tier.spares.take(kept.buffer.numel(), torch.device("cpu"), False)
+    assert back.buffer.data_ptr() == kept.buffer.data_ptr()      # the staging read went into the promoted buffer
+    assert first.buffer.data_ptr() != kept.buffer.data_ptr()     # and the device copies are their own
+
+
+def test_an_exclusive_llm_tier_recycles_its_host_buffers(mixtral):
+    ref, layout, store = mixtral
+    pm = _pooled(store, layout, "exclusive")
+    with torch.no_grad():
+        for x in _batches(8):
+            assert torch.equal(pm.model(x).logits, ref(x).logits)
+    spares = pm.pools[0].source.spares
+    assert spares is not None and spares.reused > 0          # staged reads and demotions took kept buffers
+    pm.close()

@@ -285,7 +285,8 @@ def test_a_cpu_victim_is_pinned_when_the_host_tier_pins(store, monkeypatch):
     t.host_ssd.pin = True
     seen = []
     real = tiers.host_copy
-    monkeypatch.setattr(tiers, "host_copy", lambda src, reuse, *, pin: seen.append(pin) or real(src, reuse, pin=False))
+    monkeypatch.setattr(tiers, "host_copy",
+                        lambda src, reuse, *, pin, **kw: seen.append(pin) or real(src, reuse, pin=False, **kw))
     t.use("a")
     t.use("b")
     assert seen == [True] and t.host.resident() == ["a"]
