@@ -189,6 +189,7 @@ class DecodeRow:
     hit_rate: float
     gib_read: float
     load_seconds: float
+    gib_from_files: float = 0.0     # of which read from expert files (the rest: copies from a host tier)
 
 
 def disk_read_speed(files: list[Path], threads: int = 4) -> float:
@@ -283,10 +284,12 @@ def run_decode(store: Path, profile: Trace, trace: Trace, *, share: float = 0.25
                          popularity=profile.popularity(), context=ctx, drop_after_read=True,
                          predictor=predictor if policy == "predicted" else None, device=device,
                          host_memory=int(layout.expert_bytes * host_share), host_mode=host_mode)
+        before = pm.file_bytes()
         r = trace_decode(pm, trace, position=pos, prefill=False)
+        files = (pm.file_bytes() - before) / 2**30
         pm.close()
         rows.append(DecodeRow(policy, r.tokens, r.seconds, r.tokens_per_second, r.stats.hit_rate,
-                              r.stats.bytes_in / 2**30, r.stats.load_seconds))
+                              r.stats.bytes_in / 2**30, r.stats.load_seconds, files))
     return rows
 
 
@@ -535,11 +538,13 @@ def run_ablation(store: Path, profile: Trace, trace: Trace, *, share: float = 0.
         if "oracle" in extra:
             pm.prefetcher.guess_with(TraceGuesses(trace, top_alpha=extra.get("alpha", 0.0)
                                                   if extra["oracle"] == "top" else 0.0))
+        before = pm.file_bytes()
         r = trace_decode(pm, trace, prefill=False)
+        files = (pm.file_bytes() - before) / 2**30
         pm.close()
         row = {"row": name, "policy": policy, **extra, "tokens_per_second": r.tokens_per_second,
-               "hit_rate": r.stats.hit_rate, "gib_read": r.stats.bytes_in / 2**30, "tokens": r.tokens,
-               "substituted": pm.tap.substituted}
+               "hit_rate": r.stats.hit_rate, "gib_read": r.stats.bytes_in / 2**30, "gib_from_files": files,
+               "tokens": r.tokens, "substituted": pm.tap.substituted}
         if pm.prefetcher is not None:
             st = pm.prefetcher.stats
             row.update(prefetch_precision=st.precision, prefetch_recall=st.recall, prefetch_issued=st.issued,
@@ -551,7 +556,7 @@ def run_ablation(store: Path, profile: Trace, trace: Trace, *, share: float = 0.
             # an in-place expert is read from its file (dropped from the page cache after): disk bytes too
             in_place = pm.in_place.weights.reads.file_bytes / 2**30
             row.update(in_place=pm.split.stats.in_place, loaded=pm.split.stats.loaded, gib_in_place=in_place,
-                       gib_read=row["gib_read"] + in_place)
+                       gib_read=row["gib_read"] + in_place, gib_from_files=row["gib_from_files"] + in_place)
         rows.append(row)
         if on_row:
             on_row(row)
@@ -633,7 +638,7 @@ def _ceiling(store: Path, layout, trace: Trace, progress: Callable[[str], None] 
     finally:
         pm.close()
     return {"row": CEILING, "policy": None, "tokens_per_second": r.tokens_per_second, "hit_rate": r.stats.hit_rate,
-            "gib_read": r.stats.bytes_in / 2**30, "tokens": r.tokens, "substituted": 0}
+            "gib_read": r.stats.bytes_in / 2**30, "gib_from_files": 0.0, "tokens": r.tokens, "substituted": 0}
 
 
 def prefill_batching(store: Path, prompt_ids: list[int], *, share: float = 0.25) -> dict:

@@ -524,12 +524,13 @@ def llm_bench(work: str, parts: str, prompts: int, decode: int, train_seconds: f
         click.echo(f"(b) trace-driven real decode, {n_dec} decode tokens of the trained trace (their prompts' "
                    f"prefills seed the router statistics, not computed), real run on {doc['device']}: {res}")
         lru = lb.lru_baseline(drows)              # LRU runs first and last: the box's drift favours no policy
-        click.echo(f"{'policy':12} {'tokens/s':>9} {'hit rate':>9} {'GiB read':>9} {'load s':>7} {'x LRU':>6}  "
-                   f"(x LRU: against the mean of the first and last LRU runs, {lru:.2f} tokens/s)")
+        click.echo(f"{'policy':12} {'tokens/s':>9} {'hit rate':>9} {'GiB read':>9} {'of files':>9} {'load s':>7} "
+                   f"{'x LRU':>6}  (x LRU: against the mean of the first and last LRU runs, {lru:.2f} tokens/s; "
+                   f"of files: read from expert files, the rest copied from the host tier)")
         for i, r in enumerate(drows):
             name = "lru (last)" if r.policy == "lru" and i > 0 else r.policy
             click.echo(f"{name:12} {r.tokens_per_second:>9.2f} {r.hit_rate:>9.1%} {r.gib_read:>9.2f} "
-                       f"{r.load_seconds:>7.1f} {r.tokens_per_second / lru:>6.2f}")
+                       f"{r.gib_from_files:>9.2f} {r.load_seconds:>7.1f} {r.tokens_per_second / lru:>6.2f}")
         best = max((r for r in drows if r.policy not in ("belady", "lru")), key=lambda r: r.tokens_per_second)
         click.echo(f"best {best.policy}: {best.tokens_per_second / lru:.2f}x LRU tokens/s (target 1.3x)")
         doc["b"] = {"rows": [dataclasses.asdict(r) for r in drows], "best": best.policy, "lru_baseline": lru,
@@ -582,8 +583,9 @@ def llm_bench(work: str, parts: str, prompts: int, decode: int, train_seconds: f
                    f"trace-driven real decode as (b), real run on {doc['device']}: {res}"
                    + ("; GiB read: bytes into the GPU pool, from the host tier or the disk" if cuda else ""))
         base = lb.lru_baseline(arows)
-        click.echo(f"{'row':46} {'tokens/s':>9} {'hit rate':>9} {'GiB read':>9} {'x LRU':>6}  notes "
-                   f"(x LRU: against the mean of the two LRU rows, {base:.2f} tokens/s)")
+        click.echo(f"{'row':46} {'tokens/s':>9} {'hit rate':>9} {'GiB read':>9} {'of files':>9} {'x LRU':>6}  notes "
+                   f"(x LRU: against the mean of the two LRU rows, {base:.2f} tokens/s; of files: read from "
+                   f"expert files, the rest copied from the host tier)")
         for r in arows:
             notes = [f"{r['substituted']} substituted" if r.get("alpha") else "",
                      f"{r['in_place']} computed in place ({r['gib_in_place']:.2f} GiB read from their files), "
@@ -597,7 +599,7 @@ def llm_bench(work: str, parts: str, prompts: int, decode: int, train_seconds: f
                      if "prefetch_precision" in r else ""]
             note = "; ".join(n for n in notes if n)
             click.echo(f"{r['row']:46} {r['tokens_per_second']:>9.2f} {r['hit_rate']:>9.1%} {r['gib_read']:>9.2f} "
-                       f"{r['tokens_per_second'] / base:>6.2f}  {note}")
+                       f"{r.get('gib_from_files', 0.0):>9.2f} {r['tokens_per_second'] / base:>6.2f}  {note}")
         click.echo("    not a row: next-layer prefetch (needs real hidden states; see bench/moe_real_decode.py)")
         click.echo("    oracle rows: the token-wise prefetch guessing the trace's own next token (every expert it asks "
                    "for, or only those substitution would not replace): not realisable, a bound on what prefetch "

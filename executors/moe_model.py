@@ -108,6 +108,21 @@ class PooledModel:
             out.pools.append(s)
         return out
 
+    def file_bytes(self) -> int:
+        """Bytes the pools and the host tier read from expert files so far (SSD, or the page cache).
+
+        A GPU pool's loads that a host tier served are copies, not file
+        reads: with a host tier these are fewer than the pools' `bytes_in`.
+        """
+        sources = {}
+        for p in [*self.pools, *([self.host] if self.host is not None else [])]:
+            src = p.source
+            if isinstance(src, TierSource):
+                src = src.parent.source if isinstance(src.parent, Pool) else src.parent
+            if isinstance(src, StoreSource):
+                sources[id(src)] = src
+        return sum(s.bytes_read for s in sources.values())
+
     def tokenizer(self):
         from transformers import AutoTokenizer
 

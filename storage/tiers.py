@@ -133,6 +133,9 @@ class StoreSource:
         self.drop_after_read = drop_after_read
         self._cpu = torch.device("cpu")
         self.reused = 0
+        self.files_read = 0     # expert files read (whole experts: from SSD, or the page cache if it had them)
+        self.bytes_read = 0
+        self._count = threading.Lock()
 
     def _dtype(self, expert_id: str) -> str | None:
         if self.dtype != self.UNIFORM:
@@ -161,6 +164,9 @@ class StoreSource:
             raise
         if self.drop_after_read:
             self._drop(expert_id)
+        with self._count:
+            self.files_read += 1
+            self.bytes_read += flat.nbytes
         return flat
 
     def _drop(self, expert_id: str, *, quiet: bool = False) -> None:

@@ -91,6 +91,8 @@ def test_an_exclusive_host_tier_reads_fewer_files_than_an_inclusive_one_of_the_s
         else:
             assert not on_device & in_host
         reads[mode] = len(store_reads)
+        assert pm.file_bytes() == reads[mode] * layout.layers[0].expert_nbytes    # what the bench reports
+        assert pm.file_bytes() < pm.stats().bytes_in        # the rest of the pool's loads were host-tier copies
         pm.close()
     assert all(torch.equal(a, b) for a, b in zip(logits["inclusive"], logits["exclusive"]))
     # inclusive holds half the experts in memory, exclusive three quarters: the same passes read fewer files

@@ -428,6 +428,9 @@ def test_the_ablation_runs_every_row_and_gives_predicted_rows_the_profiles_predi
         assert by_name[name]["prefetch_precision"] == 1.0 and by_name[name]["prefetch_recall"] > 0, name
     assert by_name[lb.ORACLE_LRU]["prefetch_recall"] == 1.0     # and without substitution, all it asks for
     assert lb.lru_baseline(rows) == pytest.approx((rows[0]["tokens_per_second"] + rows[-2]["tokens_per_second"]) / 2)
+    for r in rows[:-1]:     # no host tier: every byte into the pool (and computed in place) was read from its file
+        assert r["gib_from_files"] == pytest.approx(r["gib_read"]) and r["gib_read"] > 0, r["row"]
+    assert rows[-1]["gib_from_files"] == 0.0
 
 
 @pytest.mark.gpu
@@ -502,3 +505,8 @@ def test_part_b_decodes_every_policy_with_lru_first_and_last_and_belady_hits_mos
     assert all(r.tokens == int((decode.step > 0).sum()) and r.tokens_per_second > 0 for r in rows)
     belady = next(r for r in rows if r.policy == "belady")
     assert all(belady.hit_rate >= r.hit_rate for r in rows)                    # the oracle is never beaten
+    # no host tier: every byte into the pool is a file read
+    assert all(r.gib_from_files == pytest.approx(r.gib_read) and r.gib_read > 0 for r in rows)
+    host = lb.run_decode(store, profile, decode, share=0.25, host_share=0.5, host_mode="exclusive")
+    # a host tier behind the pool: fewer bytes from the files than into the pool, for every policy
+    assert all(0 < r.gib_from_files < r.gib_read for r in host), [(r.policy, r.gib_from_files, r.gib_read) for r in host]
