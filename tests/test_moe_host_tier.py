@@ -138,7 +138,6 @@ def test_an_exclusive_pinned_host_tier_behind_a_cuda_pool_gives_the_inclusive_ti
 
 
 def test_spare_buffers_hand_back_only_an_exact_size_and_keep_at_most_their_limit():
-    from storage.flat import FlatWeights  # noqa: F401  (the values the tiers hold)
     from storage.tiers import SpareBuffers
 
     class V:        # a tier value: only its buffer matters here
