@@ -22,6 +22,8 @@ from .files import write_json_atomic
 LAYOUT_FILE = "llm.json"
 LAYOUT_FORMAT = "coe-edge/moe-layout"
 LAYOUT_VERSION = 1
+# a pooled model's host tier (GPU pools): a copy of each load, or a victim cache of the pools
+HOST_MODES = ("inclusive", "exclusive")
 _DTYPES = ("float32", "float16", "bfloat16")    # what `coe-agent llm import` stores
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,63}$")
 _ID = re.compile(r"^(?P<model>.+)\.L(?P<layer>\d{2,})\.E(?P<expert>\d{3,})$")

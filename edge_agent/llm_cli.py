@@ -13,6 +13,7 @@ from pathlib import Path
 import click
 
 from coe import CoEError
+from coe.moe import HOST_MODES
 
 from .cli import _fail_clearly, dtype_option, torch_device
 from .config import parse_bytes
@@ -153,7 +154,7 @@ def _popularity(trace_path: str | None, layout) -> dict[str, float] | None:
 @click.option("--host-memory", default=None,
               help="A host tier in front of the pool (a size or a share of the experts), pinned on CUDA; --split "
                    "computes on its copies.  Default: none (a staging buffer).")
-@click.option("--host-mode", default="inclusive", show_default=True, type=click.Choice(["inclusive", "exclusive"]),
+@click.option("--host-mode", default="inclusive", show_default=True, type=click.Choice(HOST_MODES),
               help="--host-memory's tier keeps a copy of each load (inclusive) or holds the pool's victims "
                    "(exclusive, a victim cache: the pool and the tier hold more distinct experts).")
 @click.option("--prefill", default="batched", show_default=True, type=click.Choice(["batched", "balance", "queues"]),
@@ -390,7 +391,7 @@ def _summarise_e2e(doc: dict, runs: list[dict], mem: dict, coe_runs: list[dict],
               help="(b), (c), (d): cpu, or cuda[:N] for a GPU pool at the budget behind a pinned host tier.")
 @click.option("--host-share", default=0.5, show_default=True, type=click.FloatRange(0, 1),
               help="With --device cuda: the pinned host tier, as a share of the experts.")
-@click.option("--host-mode", default="inclusive", show_default=True, type=click.Choice(["inclusive", "exclusive"]),
+@click.option("--host-mode", default="inclusive", show_default=True, type=click.Choice(HOST_MODES),
               help="With --device cuda: the host tier keeps a copy of each load (inclusive) or holds the GPU "
                    "pool's victims (exclusive: GPU and host memory hold more distinct experts).")
 @_fail_clearly
@@ -449,6 +450,9 @@ def llm_bench(work: str, parts: str, prompts: int, decode: int, train_seconds: f
     cuda = device.startswith("cuda")
     if cuda and "a" in want:
         raise CoEError(f"--device {device} applies to (b), (c) and (d); (a) is a simulation: run it without it")
+    if host_mode == "exclusive" and not (cuda and host_share > 0):
+        raise CoEError("--host-mode exclusive makes the host tier a victim cache of a GPU pool: give --device cuda "
+                       "and a --host-share above 0")
     if "e" in want or cuda:
         import torch
 

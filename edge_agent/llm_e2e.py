@@ -18,6 +18,8 @@ import sys
 import time
 from pathlib import Path
 
+from coe.moe import HOST_MODES
+
 
 def _rss() -> int:
     import psutil
@@ -170,7 +172,7 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--device", default="cpu", help="cpu or cuda[:N]: where the budget (and coe-edge's pool) is")
     ap.add_argument("--host-memory", type=int, default=0,
                     help="with --device cuda: the pinned host tier (coe) / max_memory['cpu'] (accelerate), bytes")
-    ap.add_argument("--host-mode", default="inclusive", choices=("inclusive", "exclusive"),
+    ap.add_argument("--host-mode", default="inclusive", choices=HOST_MODES,
                     help="coe: the host tier keeps a copy of each load, or holds the GPU pool's victims")
     a = ap.parse_args(argv)
     ids = [int(x) for x in a.prompt_ids.split(",") if x]

@@ -31,7 +31,7 @@ from pathlib import Path
 import torch
 
 from coe import CoEError
-from coe.moe import MoELayout, expert_id, parse_expert_id
+from coe.moe import HOST_MODES, MoELayout, expert_id, parse_expert_id
 from routing.moe_router import RouterTap
 from storage.expert_store import ExpertStore, _sha256
 from storage.llm_import import MODEL_SUBDIR, load_config, meta_model
@@ -45,7 +45,6 @@ from .moe_threads import loader_friendly_threads
 from .pooled_experts import LOADERS, PooledExperts
 
 QUOTAS = ("shared", "per-layer")
-HOST_MODES = ("inclusive", "exclusive")     # the host tier keeps a copy of each load, or holds the victims
 SPLITS = ("mapped", "fiddler")      # in place from the memory map on the calling thread; on a CPU thread
 PREFILLS = ("batched", "balance", "queues")
 LLM_POLICIES = ("lru", "lfu", "gate-score", "probability", "fifo", "belady")
@@ -263,6 +262,9 @@ def load_pooled(root: str | Path, *, memory: int, policy: str = "lru", quota: st
         raise CoEError("host_memory builds a host tier; a shared pool brings its own")
     if host_mode not in HOST_MODES:
         raise CoEError(f"host_mode must be one of {', '.join(HOST_MODES)}, got {host_mode!r}")
+    if host_mode == "exclusive" and not host_memory:
+        raise CoEError("host mode 'exclusive' makes the host tier a victim cache of the pools: give it host memory "
+                       "(--host-memory)")
     if host_memory and host_memory < biggest:
         raise CoEError(f"host memory {host_memory} bytes cannot hold one expert ({biggest} bytes)")
     need = layout.top_k * biggest

@@ -68,14 +68,16 @@ def take_buffer(reuse, nbytes: int, device, pinned: bool | None = None) -> FlatW
 class SpareBuffers:
     """A few host buffers kept for reuse instead of freed: an exclusive host tier's staging and promotions.
 
-    Page-locking a fresh host buffer for a GPU copy (`host_empty(pin=True)`)
-    and letting it go again cost milliseconds per expert, about as much as
-    the copy itself; an exclusive tier frees a buffer at each promotion and
-    needs one at each staged SSD read and each demotion.  Measured on an
-    H200 (`llm bench --part b --host-mode exclusive`, before this): load
-    time per token 1.9x the inclusive tier's, whose loads refill its own
-    victims' buffers.  At most `limit` buffers wait here, outside every
-    pool's accounting: what the staged reads in flight held anyway.
+    An exclusive tier frees a host buffer at each promotion and needs one at
+    each staged SSD read and each demotion; without these, each is a fresh
+    page-locked allocation (`host_empty(pin=True)`, `cudaHostRegister`) and
+    a release.  On an H200 (`llm bench --part b --host-mode exclusive`,
+    before this) loads took 1.9x the inclusive tier's time for the same
+    bytes; the inclusive tier's loads refill its own victims' buffers.  That
+    page-locking is the likely cause (not measured apart from the demotion's
+    device-to-host copy, which this does not remove).
+    Memory: up to `limit` buffers wait here, page-locked while idle, outside
+    every pool's accounting, beside the buffers of the staged reads in flight.
     """
 
     def __init__(self, limit: int) -> None:
@@ -133,7 +135,8 @@ class StoreSource:
         self.drop_after_read = drop_after_read
         self._cpu = torch.device("cpu")
         self.reused = 0
-        self.files_read = 0     # expert files read (whole experts: from SSD, or the page cache if it had them)
+        # bytes of whole experts read from their files (from SSD, or the page cache if it had them), as loaded:
+        # after a dtype cast, the cast size
         self.bytes_read = 0
         self._count = threading.Lock()
 
@@ -165,7 +168,6 @@ class StoreSource:
         if self.drop_after_read:
             self._drop(expert_id)
         with self._count:
-            self.files_read += 1
             self.bytes_read += flat.nbytes
         return flat
 
@@ -203,6 +205,7 @@ class TierSource:
         self.spares = spares if self.exclusive else None
         self.promoted = 0      # exclusive: loads served from the parent pool (and discarded there)
         self.staged = 0        # exclusive: loads read around the parent pool, from its source
+        self._counts = threading.Lock()    # the loader threads count at once
         self._stream = torch.cuda.Stream(self.device) if self.device.type == "cuda" else None
         self._lock = threading.Lock()  # one copy at a time per device tier keeps the measurement honest
         self.reused = 0
@@ -241,7 +244,8 @@ class TierSource:
         """Exclusive: copy from the parent tier if it holds the expert, then let it go there; else stage from SSD."""
         handle = self.parent.hold(expert_id)
         if handle is None:
-            self.staged += 1
+            with self._counts:
+                self.staged += 1
             if self.spares is None:
                 return self._copy(self.parent.source.load(expert_id), reuse)   # the staging buffer dies here
             source = self.parent.source
@@ -254,7 +258,8 @@ class TierSource:
             out = self._copy(handle.value, reuse)
         finally:
             self.parent.release(handle)
-        self.promoted += 1
+        with self._counts:
+            self.promoted += 1
         # stays only if another tier's copy still pins it; once gone, nobody holds its buffer
         if self.parent.discard(expert_id) and self.spares is not None:
             self.spares.put(handle.value)
