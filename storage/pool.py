@@ -91,6 +91,9 @@ class _Entry:
     drop_on_release: bool = False   # stale (a promotion): evicted by the release that leaves it unpinned
     # callers that joined this load while it ran (`Pool.acquire_async(join=...)`): (their future, their submit)
     joined: list = field(default_factory=list)
+    # loading: the evict events of the victims its reservation made, reported when its load runs (`_fill`), or
+    # by `_unreserve` if it never does; either empties the list, so each is reported once
+    victims: list = field(default_factory=list)
 
 
 def wait_for_room(attempt: Callable[[], Any], deadline: float, why: Callable[[], str]) -> Any:
@@ -252,13 +255,19 @@ class Pool:
                                      f"the {self.tier} pool for {wait:.0f} s")
 
     def _unreserve(self, expert_id: str) -> None:
-        joined = []
+        """A reserved load that will never run (cancelled, or its submit failed): drop the entry, report the
+        evictions its reservation made (their listeners, e.g. a victim cache below, must still see them) and
+        hand the joiners their own loads."""
+        joined, victims = [], []
         with self._cond:
             entry = self._entries.get(expert_id)
             if entry is not None and entry.loading:
                 del self._entries[expert_id]
-                joined = entry.joined
+                joined, victims = entry.joined, list(entry.victims)
+                entry.victims.clear()
             self._cond.notify_all()
+        for ev in victims:
+            self._on_event(ev)
         self._rescue(expert_id, joined)
 
     def _reserve(self, expert_id: str, keep: Collection[str] | Callable[[], Collection[str]] = ()
@@ -291,7 +300,8 @@ class Pool:
             if victims is None:
                 return None
             evicted = [self._evict_locked(v, incoming=expert_id) for v in victims]
-            self._entries[expert_id] = _Entry(None, need, self._seq, self._seq, pins=1, loading=True)
+            self._entries[expert_id] = _Entry(None, need, self._seq, self._seq, pins=1, loading=True,
+                                              victims=evicted)
         managed = time.perf_counter() - entered
 
         def load() -> Handle:

@@ -400,6 +400,36 @@ def test_acquire_async_never_leaves_a_reservation_behind():
     assert not pool.present("b") and pool.used_bytes() == 4
 
 
+def test_a_reservation_that_never_loads_still_reports_the_victims_it_evicted():
+    """An exclusive host tier takes the device pool's victims from their evict events: a cancelled
+    reservation (a prefetch that gave way before its read began) evicted them too, so they are reported,
+    once; a reservation whose load runs reports its victims from the load, once."""
+    from concurrent.futures import Future
+
+    events = []
+    p = pool(cap=60, events=events)
+    use(p, "a")
+    use(p, "b")                                             # full: a and b
+    fut = p.acquire_async("c", lambda fn: Future())         # never started: room made by evicting a
+    assert not p.contains("a") and [e.expert_id for e in events if e.event == "evict"] == []
+    assert fut.cancel()
+    assert [(e.expert_id, e.event, e.incoming) for e in events if e.event == "evict"] == [("a", "evict", "c")]
+    assert not p.present("c") and p.used_bytes() == 30
+    use(p, "e")                                             # full again: b and e
+    events.clear()
+    ran = p.acquire_async("d", lambda fn: _done(fn))        # the load runs: b evicted, reported by it
+    p.release(ran.result())
+    assert [(e.expert_id, e.event) for e in events] == [("b", "evict"), ("d", "load")]
+
+
+def _done(fn):
+    from concurrent.futures import Future
+
+    f = Future()
+    f.set_result(fn())
+    return f
+
+
 # -- how the executors' pools start (pool_fill) --------------------------------------------------------
 
 def _sized_pools(sizes: dict[str, int]) -> list[Pool]:
