@@ -28,6 +28,8 @@
 #   bash bench/gpu_session.sh OUT 11   # about 7 minutes: the GPU tests of the exclusive host tier and the CUDA
 #                                      # prefetch, then (b) on CUDA with the inclusive and the exclusive host tier one
 #                                      # after the other, then (d) on CUDA with the exclusive one
+#   bash bench/gpu_session.sh OUT 12   # about 7 minutes: (b) on CUDA with the inclusive and the exclusive host tier,
+#                                      # then (c) with the exclusive one at 128 tokens (against accelerate, as phase 8)
 #
 # Run it after `bash .gpu/on-device.sh` installed the wheels (see ../shared/gpu/README.md), e.g.
 #   bash .gpu/on-device.sh 'bash bench/gpu_session.sh $OUT 1'
@@ -36,9 +38,9 @@
 # Every step has its own time limit and writes its whole output to OUT/<step>.log; a step that fails or
 # runs out of time does not stop the next.  Nothing here is a test: the figures are read off the logs.
 set -u
-OUT=${1:?usage: bash bench/gpu_session.sh OUT 1|2|3|4|5|6|7|8|9|10|11}
-PHASE=${2:?usage: bash bench/gpu_session.sh OUT 1|2|3|4|5|6|7|8|9|10|11}
-case "$PHASE" in 1|2|3|4|5|6|7|8|9|10|11) ;; *) echo "phase must be 1 to 11, got '$PHASE'" >&2; exit 2 ;; esac
+OUT=${1:?usage: bash bench/gpu_session.sh OUT 1|2|3|4|5|6|7|8|9|10|11|12}
+PHASE=${2:?usage: bash bench/gpu_session.sh OUT 1|2|3|4|5|6|7|8|9|10|11|12}
+case "$PHASE" in 1|2|3|4|5|6|7|8|9|10|11|12) ;; *) echo "phase must be 1 to 12, got '$PHASE'" >&2; exit 2 ;; esac
 mkdir -p "$OUT"
 export YOLO_OFFLINE=1 PYTHONUNBUFFERED=1 TQDM_DISABLE=1
 export COE_DATA_DIR="${COE_DATA_DIR:-var/line-paper}"
@@ -135,6 +137,13 @@ elif [ "$PHASE" = 11 ]; then
   TAIL=16 step llm-b-inclusive 100 coe-agent llm bench --work $W --part b --device cuda --host-mode inclusive
   TAIL=16 step llm-b-exclusive 100 coe-agent llm bench --work $W --part b --device cuda --host-mode exclusive
   TAIL=40 step llm-d-exclusive 200 coe-agent llm bench --work $W --part d --device cuda --host-mode exclusive
+elif [ "$PHASE" = 12 ]; then
+  model_start
+  model_ready
+  TAIL=16 step llm-b-inclusive 100 coe-agent llm bench --work $W --part b --device cuda --host-mode inclusive
+  TAIL=16 step llm-b-exclusive 100 coe-agent llm bench --work $W --part b --device cuda --host-mode exclusive
+  TAIL=20 step llm-c-exclusive 240 coe-agent llm bench --work $W --part c --device cuda --e2e-tokens 128 \
+    --host-mode exclusive
 elif [ "$PHASE" = 8 ]; then
   model_start
   model_ready

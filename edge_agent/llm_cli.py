@@ -213,6 +213,11 @@ def llm_generate(model: str, prompt: str, max_new_tokens: int, memory: str | Non
     budget = sum(p.capacity for p in pm.pools)
     click.echo(f"[{policy}, {quota}, pool {budget / 2**20:.1f} MiB of {layout.expert_bytes / 2**20:.1f} MiB experts] "
                + stats.line(), err=True)
+    if pm.host is not None:
+        hs = pm.host.stats()
+        click.echo(f"host tier ({host_mode}, {pm.host.capacity / 2**20:.1f} MiB): {pm.file_bytes() / 2**20:.1f} MiB "
+                   f"read from expert files in all; the rest of the pool's loads were copies from it "
+                   f"({hs.hits} hits, {hs.admits} victims taken)", err=True)
     if pm.prefetcher is not None:
         st = pm.prefetcher.stats
         click.echo(f"prefetch: precision {st.precision:.2f}, recall {st.recall:.2f}, {st.issued} read in "

@@ -52,6 +52,11 @@ def test_import_generate_and_trace(hf_model, tmp_path):
                "--policy", "lru", "--prefetch", "next-layer")
     assert res.exit_code == 0 and res.output.startswith("def " + tok.decode(want, skip_special_tokens=True))
     assert "prefetch: precision" in res.output
+    res = _run("llm", "generate", "--model", str(store), "--prompt", "def ", "-n", "6", "--memory", "25%",
+               "--host-memory", "50%", "--host-mode", "exclusive")
+    assert res.exit_code == 0 and res.output.startswith("def " + tok.decode(want, skip_special_tokens=True))
+    line = next(x for x in res.output.splitlines() if x.startswith("host tier (exclusive"))
+    assert "MiB read from expert files" in line and " 0 victims" not in line    # victims moved down into it
 
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("# a comment\nimport os\n\nclass A:\n", encoding="utf-8")
