@@ -214,10 +214,12 @@ def llm_generate(model: str, prompt: str, max_new_tokens: int, memory: str | Non
     click.echo(f"[{policy}, {quota}, pool {budget / 2**20:.1f} MiB of {layout.expert_bytes / 2**20:.1f} MiB experts] "
                + stats.line(), err=True)
     if pm.host is not None:
-        hs = pm.host.stats()
-        click.echo(f"host tier ({host_mode}, {pm.host.capacity / 2**20:.1f} MiB): {pm.file_bytes() / 2**20:.1f} MiB "
-                   f"read from expert files in all; the rest of the pool's loads were copies from it "
-                   f"({hs.hits} hits, {hs.admits} victims taken)", err=True)
+        tiers = [p.source for p in pm.pools if isinstance(getattr(p.source, "parent", None), type(pm.host))]
+        how = ("every pool load was a copy from it" if host_mode == "inclusive" else
+               f"{sum(t.promoted for t in tiers)} pool loads were copies from it, {sum(t.staged for t in tiers)} "
+               f"read from their files around it; {pm.host.stats().admits} experts moved down into it")
+        click.echo(f"host tier ({host_mode}, {pm.host.capacity / 2**20:.1f} MiB): {how}; "
+                   f"{pm.file_bytes() / 2**20:.1f} MiB read from expert files", err=True)
     if pm.prefetcher is not None:
         st = pm.prefetcher.stats
         click.echo(f"prefetch: precision {st.precision:.2f}, recall {st.recall:.2f}, {st.issued} read in "

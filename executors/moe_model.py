@@ -120,6 +120,9 @@ class PooledModel:
                 src = src.parent.source if isinstance(src.parent, Pool) else src.parent
             if isinstance(src, StoreSource):
                 sources[id(src)] = src
+        stream = getattr(self.prefill, "source", None)      # the prefill balance streams from files of its own
+        if isinstance(stream, StoreSource):
+            sources[id(stream)] = stream
         return sum(s.bytes_read for s in sources.values())
 
     def tokenizer(self):

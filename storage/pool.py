@@ -266,9 +266,12 @@ class Pool:
                 joined, victims = entry.joined, list(entry.victims)
                 entry.victims.clear()
             self._cond.notify_all()
-        for ev in victims:
-            self._on_event(ev)
-        self._rescue(expert_id, joined)
+        try:
+            for ev in victims:
+                self._on_event(ev)
+        finally:
+            victims = ev = None
+            self._rescue(expert_id, joined)   # the joiners load for themselves, whatever a listener raised
 
     def _reserve(self, expert_id: str, keep: Collection[str] | Callable[[], Collection[str]] = ()
                  ) -> "Handle | Callable[[], Handle] | None":
@@ -327,11 +330,14 @@ class Pool:
         t0 = self._clock()
         started = time.perf_counter()
         try:
-            for ev in evicted:
+            with self._cond:   # taken under the lock: a reservation dropped meanwhile (`_unreserve`) reports none
+                events = list(evicted)
+                evicted.clear()
+            for ev in events:
                 self._on_event(ev)
             ev = None
-            reuse = [e.value for e in evicted if e.value is not None] if reuse_victims else []
-            evicted.clear()
+            reuse = [e.value for e in events if e.value is not None] if reuse_victims else []
+            events.clear()
             value = make(reuse)
             reuse.clear()
             seconds = self._clock() - t0
