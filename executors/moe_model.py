@@ -317,8 +317,8 @@ def load_pooled(root: str | Path, *, memory: int, policy: str = "lru", quota: st
             source = TierSource(pmodel.host, str(dev), exclusive=exclusive, spares=spares if spares is not None else 0)
         else:
             source = StoreSource(store, pin=dev.type == "cuda", drop_after_read=drop_after_read)
-            if dev.type == "cuda":
-                source = TierSource(source, str(dev))
+            if dev.type == "cuda":   # staged through pinned host buffers, kept for the next loads
+                source = TierSource(source, str(dev), spares=LOADERS)
         pools[key] = Pool(dev.type, cap, make_policy(policy), source, probabilities=popularity or {}, context=ctx,
                           on_event=on_event if exclusive else None, name=f"{layout.model}:{'all' if key is None else f'L{key:02d}'}")
     pmodel.pools = list(pools.values())

@@ -198,11 +198,13 @@ class TierSource:
 
         self.parent, self.device, self._wait = parent, torch.device(device), wait
         self.exclusive = exclusive and isinstance(parent, Pool)
-        # exclusive, same-sized experts (an LLM's): promoted and staging host buffers are reused, not freed
-        # (an int: that many of its own; a SpareBuffers: shared with other device tiers and their demotions)
+        # same-sized experts (an LLM's): staging host buffers (a plain source's, or an exclusive tier's reads
+        # around it) and promoted host copies are reused, not freed; an inclusive tier's loads refill its own
+        # victims' buffers and need none (an int: that many of its own; a SpareBuffers: shared with other
+        # device tiers and their demotions)
         if isinstance(spares, int):
             spares = SpareBuffers(spares) if spares > 0 else None
-        self.spares = spares if self.exclusive else None
+        self.spares = spares if self.exclusive or not isinstance(parent, Pool) else None
         self.promoted = 0      # exclusive: loads served from the parent pool (and discarded there)
         self.staged = 0        # exclusive: loads read around the parent pool, from its source
         self._counts = threading.Lock()    # the loader threads count at once
@@ -227,7 +229,7 @@ class TierSource:
     def load(self, expert_id: str, reuse=None) -> FlatWeights:
         reuse = reuse if reuse is not None else []
         if not isinstance(self.parent, Pool):
-            return self._copy(self.parent.load(expert_id), reuse)
+            return self._staged(self.parent, expert_id, reuse)
         if self.exclusive:
             return self._promote(expert_id, reuse)
         deadline = time.monotonic() + self._wait
@@ -246,14 +248,7 @@ class TierSource:
         if handle is None:
             with self._counts:
                 self.staged += 1
-            if self.spares is None:
-                return self._copy(self.parent.source.load(expert_id), reuse)   # the staging buffer dies here
-            source = self.parent.source
-            spare = self.spares.take(source.size(expert_id), torch_cpu(), getattr(source, "pin", None))
-            staged = source.load(expert_id, reuse=[spare]) if spare is not None else source.load(expert_id)
-            out = self._copy(staged, reuse)
-            self.spares.put(staged)          # the copy has finished (`_copy_bytes` waits for it)
-            return out
+            return self._staged(self.parent.source, expert_id, reuse)
         try:
             out = self._copy(handle.value, reuse)
         finally:
@@ -263,6 +258,16 @@ class TierSource:
         # stays only if another tier's copy still pins it; once gone, nobody holds its buffer
         if self.parent.discard(expert_id) and self.spares is not None:
             self.spares.put(handle.value)
+        return out
+
+    def _staged(self, source, expert_id: str, reuse) -> FlatWeights:
+        """Read `expert_id` from `source` into a host staging buffer (a kept one when there is one) and copy it."""
+        if self.spares is None:
+            return self._copy(source.load(expert_id), reuse)      # the staging buffer dies with this call
+        spare = self.spares.take(source.size(expert_id), torch_cpu(), getattr(source, "pin", None))
+        staged = source.load(expert_id, reuse=[spare]) if spare is not None else source.load(expert_id)
+        out = self._copy(staged, reuse)
+        self.spares.put(staged)          # the copy has finished (`_copy_bytes` waits for it)
         return out
 
     def _copy(self, src: FlatWeights, reuse) -> FlatWeights:

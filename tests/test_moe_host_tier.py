@@ -204,3 +204,21 @@ def test_an_exclusive_llm_tier_recycles_its_host_buffers(mixtral):
     spares = pm.pools[0].source.spares
     assert spares is not None and spares.reused > 0          # staged reads and demotions took kept buffers
     pm.close()
+
+
+def test_a_device_tier_without_a_host_tier_stages_through_kept_buffers(mixtral):
+    """On CUDA with no host tier each load is staged through a host buffer (pinned there): kept and reused,
+    not a fresh one each load; the device copies are the files' bytes and their own memory."""
+    from storage.expert_store import ExpertStore
+
+    _, layout, store = mixtral
+    ids = layout.ids()[:3]
+    tier = TierSource(StoreSource(ExpertStore(store)), "cpu", spares=2)
+    got = [tier.load(eid) for eid in ids]
+    assert tier.spares.reused == 2 and tier.spares.held() == 1      # one staging buffer served all three reads
+    for eid, g in zip(ids, got):
+        assert torch.equal(g.buffer, ExpertStore(store).read_flat(eid).buffer), eid
+    assert len({g.buffer.data_ptr() for g in got}) == 3              # each copy has its own memory
+    plain = TierSource(StoreSource(ExpertStore(store)), "cpu")
+    plain.load(ids[0])
+    assert plain.spares is None                                      # off unless asked for (vision experts vary in size)
