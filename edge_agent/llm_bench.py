@@ -493,7 +493,7 @@ ABLATION = (("lru", "LRU (baseline)", {}),
 
 def run_ablation(store: Path, profile: Trace, trace: Trace, *, share: float = 0.25, device: str = "cpu",
                  host_share: float = 0.0, host_mode: str = "inclusive", progress: Callable[[str], None] | None = None,
-                 on_row: Callable[[dict], None] | None = None) -> list[dict]:
+                 on_row: Callable[[dict], None] | None = None, rows_to_run: tuple = ()) -> list[dict]:
     """Issue 11's ablation on trace-driven decode: each row on top of the one before (the two prefetch rows
     are alternatives: every guess, or only confident ones; the split goes on top of the second), then the
     best row's settings at alpha 0.5 and 0.7 (not on top of the split), the same eviction without
@@ -514,7 +514,8 @@ def run_ablation(store: Path, profile: Trace, trace: Trace, *, share: float = 0.
     behind a pinned host tier of `host_share` of the experts, as in `run_decode`;
     the split row is then the Fiddler split (CPU computation on the host copy).
     `on_row` gets each row as it ends, so a run cut short by a time limit still
-    says what it measured.
+    says what it measured.  `rows_to_run` replaces `ABLATION`'s rows (policy, name,
+    settings) with others (bench/moe_prefetch_gates.py); the ceiling still ends it.
     """
     from coe.moe import MoELayout
     from executors.moe_decode import TraceGuesses, remap, trace_decode
@@ -525,7 +526,7 @@ def run_ablation(store: Path, profile: Trace, trace: Trace, *, share: float = 0.
     trace, profile = remap(trace, layout.model), remap(profile, layout.model)
     predictor, popularity = TokenPredictor.train(profile), profile.popularity()
     rows = []
-    for policy, name, extra in ABLATION:
+    for policy, name, extra in rows_to_run or ABLATION:
         if progress:
             progress(name)
         drop_store(store)

@@ -433,6 +433,24 @@ def test_the_ablation_runs_every_row_and_gives_predicted_rows_the_profiles_predi
     assert rows[-1]["gib_from_files"] == 0.0
 
 
+def test_the_ablation_runs_the_rows_it_is_given_then_the_ceiling(imported):
+    """bench/moe_prefetch_gates.py: other rows than (d)'s, each with its own settings, in the order given."""
+    from edge_agent import llm_bench as lb
+    from executors.moe_model import record_trace
+
+    _, layout, store = imported("mixtral")
+    pm = load_pooled(store, memory=layout.expert_bytes, policy="lru")
+    trace = record_trace(pm, [_inputs(s)[0] for s in (3, 4, 5, 6)], 4)
+    pm.close()
+    profile, decode = lb.split_trace(trace)
+    mine = (("lru", "plain", {}), ("lru", "gated", {"prefetch": "token", "prefetch_min_prob": 0.7}),
+            ("lru", "plain", {}))
+    rows = lb.run_ablation(store, profile, decode, share=0.5, rows_to_run=mine)
+    assert [r["row"] for r in rows] == ["plain", "gated", "plain", lb.CEILING]
+    assert "prefetch_precision" in rows[1] and "prefetch_precision" not in rows[0]
+    assert rows[1]["prefetch_min_prob"] == 0.7
+
+
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_token_prefetch_into_a_cuda_pool_behind_a_pinned_host_tier_leaves_the_tokens_as_without_it(imported, tmp_path):
