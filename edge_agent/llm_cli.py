@@ -214,7 +214,7 @@ def llm_generate(model: str, prompt: str, max_new_tokens: int, memory: str | Non
     click.echo(f"[{policy}, {quota}, pool {budget / 2**20:.1f} MiB of {layout.expert_bytes / 2**20:.1f} MiB experts] "
                + stats.line(), err=True)
     if pm.host is not None:
-        tiers = [p.source for p in pm.pools if isinstance(getattr(p.source, "parent", None), type(pm.host))]
+        tiers = [p.source for p in pm.pools if getattr(p.source, "exclusive", False)]   # the pools' TierSources
         how = ("every pool load was a copy from it" if host_mode == "inclusive" else
                f"{sum(t.promoted for t in tiers)} pool loads were copies from it, {sum(t.staged for t in tiers)} "
                f"read from their files around it; {pm.host.stats().admits} experts moved down into it")

@@ -299,13 +299,15 @@ def load_pooled(root: str | Path, *, memory: int, policy: str = "lru", quota: st
 
     pmodel = PooledModel(model, layout, store, [], tap, dev, root, owns_pools=shared_pool is None)
     pools = {None: shared_pool} if shared_pool is not None else {}
+    # an exclusive tier's kept buffers (reused by staged reads and demotions; one per loader, at most an eighth of
+    # the tier) come out of its host memory, so host memory is the same whichever the mode: the tier holds less
+    n_spares = min(LOADERS, host_memory // biggest // 8) if host_mode == "exclusive" else 0
     if host_memory:
-        pmodel.host = Pool("cpu", host_memory, make_policy(policy), StoreSource(
+        pmodel.host = Pool("cpu", host_memory - n_spares * biggest, make_policy(policy), StoreSource(
             store, pin=dev.type == "cuda", drop_after_read=drop_after_read), probabilities=popularity or {},
             context=ctx, name=f"{layout.model}:host")
     exclusive = pmodel.host is not None and host_mode == "exclusive"
-    # host buffers an exclusive tier frees at a promotion, reused by staged reads and demotions (one per loader)
-    spares = SpareBuffers(LOADERS) if exclusive else None
+    spares = SpareBuffers(n_spares) if exclusive and n_spares > 0 else None
 
     def on_event(e: PoolEvent) -> None:
         # runs before the evicting pool reuses the victim's buffer, so the copy down reads the victim's own bytes

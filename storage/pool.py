@@ -263,8 +263,7 @@ class Pool:
             entry = self._entries.get(expert_id)
             if entry is not None and entry.loading:
                 del self._entries[expert_id]
-                joined, victims = entry.joined, list(entry.victims)
-                entry.victims.clear()
+                joined, victims, entry.victims = entry.joined, entry.victims, []
             self._cond.notify_all()
         try:
             for ev in victims:

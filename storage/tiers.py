@@ -43,12 +43,6 @@ if TYPE_CHECKING:
     import torch
 
 
-def torch_cpu():
-    import torch
-
-    return torch.device("cpu")
-
-
 def source_dtype(setting: str) -> str:
     """What a StoreSource casts to for a config's compute dtype: 'stored' computes in the stored dtype."""
     return StoreSource.UNIFORM if setting == "stored" else setting
@@ -66,7 +60,7 @@ def take_buffer(reuse, nbytes: int, device, pinned: bool | None = None) -> FlatW
 
 
 class SpareBuffers:
-    """A few host buffers kept for reuse instead of freed: an exclusive host tier's staging and promotions.
+    """Host buffers kept for reuse instead of freed: a device tier's staging, an exclusive tier's promotions.
 
     An exclusive tier frees a host buffer at each promotion and needs one at
     each staged SSD read and each demotion; without these, each is a fresh
@@ -77,7 +71,9 @@ class SpareBuffers:
     page-locking is the likely cause (not measured apart from the demotion's
     device-to-host copy, which this does not remove).
     Memory: up to `limit` buffers wait here, page-locked while idle, outside
-    every pool's accounting, beside the buffers of the staged reads in flight.
+    every pool's accounting, beside the buffers of the staged reads in flight
+    (`load_pooled` sizes an exclusive host tier that much smaller, so a
+    model's host memory is the same in either mode).
     """
 
     def __init__(self, limit: int) -> None:
@@ -197,6 +193,7 @@ class TierSource:
         import torch
 
         self.parent, self.device, self._wait = parent, torch.device(device), wait
+        self._cpu = torch.device("cpu")
         self.exclusive = exclusive and isinstance(parent, Pool)
         # same-sized experts (an LLM's): staging host buffers (a plain source's, or an exclusive tier's reads
         # around it) and promoted host copies are reused, not freed; an inclusive tier's loads refill its own
@@ -264,7 +261,7 @@ class TierSource:
         """Read `expert_id` from `source` into a host staging buffer (a kept one when there is one) and copy it."""
         if self.spares is None:
             return self._copy(source.load(expert_id), reuse)      # the staging buffer dies with this call
-        spare = self.spares.take(source.size(expert_id), torch_cpu(), getattr(source, "pin", None))
+        spare = self.spares.take(source.size(expert_id), self._cpu, getattr(source, "pin", None))
         staged = source.load(expert_id, reuse=[spare]) if spare is not None else source.load(expert_id)
         out = self._copy(staged, reuse)
         self.spares.put(staged)          # the copy has finished (`_copy_bytes` waits for it)

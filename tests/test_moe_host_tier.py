@@ -64,6 +64,9 @@ def test_an_exclusive_host_tier_is_bit_exact_and_never_holds_what_the_device_poo
     pm = _pooled(store, layout, "exclusive", policy)
     source = pm.pools[0].source
     assert isinstance(source, TierSource) and source.exclusive and source.parent is pm.host
+    per, total = layout.layers[0].expert_nbytes, sum(l.num_experts for l in layout.layers)
+    # its kept buffers come out of the host memory it was given: the same host memory as an inclusive tier's
+    assert pm.host.capacity + source.spares.limit * per == per * (total // 2) and source.spares.limit > 0
     with torch.no_grad():
         for i, x in enumerate(_batches(8)):
             assert torch.equal(pm.model(x).logits, ref(x).logits), f"pass {i}: logits differ"

@@ -47,6 +47,17 @@ def _inputs(seed=0):
     return torch.randint(3, VOCAB, (2, 11), generator=g)
 
 
+def _profile_and_decode(store, layout, steps: int):
+    """A trace of four prompts on the full model, split as llm bench splits it: (profile, decode)."""
+    from edge_agent import llm_bench as lb
+    from executors.moe_model import record_trace
+
+    pm = load_pooled(store, memory=layout.expert_bytes, policy="lru")
+    trace = record_trace(pm, [_inputs(s)[0] for s in (3, 4, 5, 6)], steps)
+    pm.close()
+    return lb.split_trace(trace)
+
+
 @pytest.mark.parametrize("policy", POLICIES)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_logits_bit_exact_under_every_policy_and_pool_size(imported, family, policy):
@@ -382,14 +393,10 @@ def test_the_ablation_runs_every_row_and_gives_predicted_rows_the_profiles_predi
     import executors.moe_model as moe_model
     from edge_agent import llm_bench as lb
     from executors.moe_decode import remap
-    from executors.moe_model import record_trace
     from routing.moe_predictor import TokenPredictor
 
     _, layout, store = imported("mixtral")
-    pm = load_pooled(store, memory=layout.expert_bytes, policy="lru")
-    trace = record_trace(pm, [_inputs(s)[0] for s in (3, 4, 5, 6)], 4)
-    pm.close()
-    profile, decode = lb.split_trace(trace)
+    profile, decode = _profile_and_decode(store, layout, 4)
     calls = []
     real = moe_model.load_pooled
 
@@ -436,13 +443,9 @@ def test_the_ablation_runs_every_row_and_gives_predicted_rows_the_profiles_predi
 def test_the_ablation_runs_the_rows_it_is_given_then_the_ceiling(imported):
     """bench/moe_prefetch_gates.py: other rows than (d)'s, each with its own settings, in the order given."""
     from edge_agent import llm_bench as lb
-    from executors.moe_model import record_trace
 
     _, layout, store = imported("mixtral")
-    pm = load_pooled(store, memory=layout.expert_bytes, policy="lru")
-    trace = record_trace(pm, [_inputs(s)[0] for s in (3, 4, 5, 6)], 4)
-    pm.close()
-    profile, decode = lb.split_trace(trace)
+    profile, decode = _profile_and_decode(store, layout, 4)
     mine = (("lru", "plain", {}), ("lru", "gated", {"prefetch": "token", "prefetch_min_prob": 0.7}),
             ("lru", "plain", {}))
     rows = lb.run_ablation(store, profile, decode, share=0.5, rows_to_run=mine)
@@ -509,13 +512,9 @@ def test_the_trace_oracle_guesses_the_next_decode_token_of_the_same_prompt_and_i
 def test_part_b_decodes_every_policy_with_lru_first_and_last_and_belady_hits_most(imported):
     """(b): each policy decodes the same trace for real; LRU runs again last (the box's drift), reading the same."""
     from edge_agent import llm_bench as lb
-    from executors.moe_model import record_trace
 
     _, layout, store = imported("mixtral")
-    pm = load_pooled(store, memory=layout.expert_bytes, policy="lru")
-    trace = record_trace(pm, [_inputs(s)[0] for s in (3, 4, 5, 6)], 5)
-    pm.close()
-    profile, decode = lb.split_trace(trace)
+    profile, decode = _profile_and_decode(store, layout, 5)
     rows = lb.run_decode(store, profile, decode, share=0.5)
     assert [r.policy for r in rows] == list(lb.DECODE_POLICIES)
     assert rows[0].policy == rows[-1].policy == "lru"
