@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from coe import CoEModel, ExpertLoadError, StepOutput
 
 from .backends import get_backend
-from .prefetch import Prefetcher
+from .prefetch import Deferred, Prefetcher
 from .scheduler import Batch, Scheduler
 from .skeletons import Skeletons
 
@@ -111,6 +111,64 @@ class Executor:
         except Exception:  # noqa: BLE001 - an estimate only: a prefetch goes ahead without one
             return 0.0
 
+    def _acquire(self, expert_id: str):
+        """Pin the batch's expert, and plan the next group's expert's prefetch between reserving and loading it.
+
+        The plan is made here, when the batch is taken, so the scheduler sees the
+        next expert as arriving (and its SSD read in the backlog) from now on;
+        its read starts once this load has returned (`Prefetcher.go`), behind
+        the reads issued before it.  The simulator does the same
+        (`executors.simdevice`: `plan_prefetch`, `book_prefetch`).
+        """
+        pf = self.prefetcher
+        since = pf.now() if pf is not None else 0.0
+        mine = self._load_estimate(expert_id) if pf is not None else 0.0   # before it is reserved
+        own = got = None
+        while got is None:
+            own = Deferred()             # this thread loads it, once the next one is planned
+            got = self.pool.acquire_async(expert_id, own)
+            if got is None:  # pinned experts hold the room; wait for a release
+                time.sleep(0.002)
+        try:
+            if pf is not None:
+                self._plan_next(expert_id, mine, since)
+            own.run()
+        finally:
+            if own.future is not None and not own.future.done():
+                own.future.cancel()      # never ran (interrupted): give the room back
+            if pf is not None:
+                try:
+                    pf.go()
+                except Exception:  # noqa: BLE001 - the batch's own load and its error come first
+                    log.exception("%s: starting the prefetch after %s failed", self.name, expert_id)
+        return got.result()
+
+    def _plan_next(self, current: str, mine: float, since: float) -> None:
+        """Plan the prefetch of the next queued group's expert; `mine`: this batch's own load estimate, made at
+        `since`."""
+        read = None
+        try:
+            nxt = self.scheduler.next_expert(self.name, current)
+            if nxt is None:
+                return
+            expected = mine + self._load_estimate(nxt)
+            read = self._planned_read(nxt)
+            self.prefetcher.plan(nxt, expected, since=since, read=read)
+        except Exception:  # noqa: BLE001 - a prefetch is only a gain; the batch goes on without one
+            if read is not None:
+                read.end()
+            log.exception("%s: planning the prefetch after %s failed", self.name, current)
+
+    def _planned_read(self, expert_id: str):
+        """The scheduler's count of the prefetch's SSD read (None when it reads no SSD, or the scheduler
+        cannot count it: a remote executor's hints)."""
+        costs = getattr(self.scheduler, "costs", None)
+        plan_read = getattr(self.scheduler, "plan_read", None)
+        if costs is None or plan_read is None:
+            return None
+        seconds = float(costs.ssd_seconds(self.name, expert_id)) if hasattr(costs, "ssd_seconds") else 0.0
+        return plan_read(seconds, self.scheduler.channel(self.name)) if seconds > 0 else None
+
     def prefetch_remaining(self, expert_id: str) -> float:
         """Seconds this executor's prefetch of `expert_id` still needs, estimated (0: none under way)."""
         return self.prefetcher.remaining(expert_id) if self.prefetcher is not None else 0.0
@@ -176,14 +234,7 @@ class Executor:
             known = self.failed.reason(batch.expert_id)
             if known is not None:
                 raise ExpertLoadError(batch.expert_id, expert.uri or "<store>", f"marked failed earlier: {known}")
-            while handle is None:
-                handle = self.pool.acquire(batch.expert_id)
-                if handle is None:  # pinned experts hold the room; wait for a release
-                    time.sleep(0.002)
-            if self.prefetcher is not None:
-                nxt = self.scheduler.next_expert(self.name, batch.expert_id)
-                if nxt is not None:
-                    self.prefetcher.hint(nxt, self._load_estimate(nxt))
+            handle = self._acquire(batch.expert_id)
             module = self.skeletons.bind(expert, handle.value)
             images = [r.frame.image for r in batch.requests]
             outputs = self._run_splitting(module, expert, images)

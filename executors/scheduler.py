@@ -113,6 +113,22 @@ class Batch:
         return len(self.requests)
 
 
+class PlannedRead:
+    """A read the scheduler counts in its SSD backlog (`Scheduler.plan_read`): `start` when it starts, `end`
+    when it is over or will never happen (either may come more than once; only the first counts)."""
+
+    def __init__(self, scheduler: "Scheduler", key: int) -> None:
+        self._scheduler, self._key, self._started = scheduler, key, False
+
+    def start(self) -> None:
+        if not self._started:
+            self._started = True
+            self._scheduler._start_read(self._key)
+
+    def end(self) -> None:
+        self._scheduler._end_read(self._key)
+
+
 @dataclass(frozen=True)
 class SchedulerPolicy:
     name: str
@@ -276,7 +292,8 @@ class Scheduler:
         self._due: dict[int, float] = {}   # request id -> its due time, while it is handed back (retire, lost batch)
         self._waiting: deque[tuple[Request, float]] = deque()   # (request, due) while no executor is active
         self.given_up = 0        # requests `requeue` refused after `max_lost` losses
-        self._reads: dict[int, tuple[float, float, str]] = {}   # reads not of a batch: id -> (start, s, channel)
+        # reads not of a batch: id -> (start, s, channel); start None: planned, not started (counted whole)
+        self._reads: dict[int, tuple[float | None, float, str]] = {}
         self._read_ids = itertools.count()
 
     # -- costs ----------------------------------------------------------------------
@@ -334,7 +351,8 @@ class Scheduler:
             return watched
         now = self._now()
         with self._cond:
-            other = sum(max(start + ssd - now, 0.0) for start, ssd, ch in self._reads.values() if ch == channel)
+            other = sum(ssd if start is None else max(start + ssd - now, 0.0)
+                        for start, ssd, ch in self._reads.values() if ch == channel)
             return other + sum(max(start + ssd - now, 0.0) for n, q in self._q.items()
                                if self.channel(n) == channel for start, _, ssd in q.inflight.values())
 
@@ -344,16 +362,32 @@ class Scheduler:
         `executors.readahead`): while it runs it counts in `ssd_inflight` like a batch's read, so a switch
         predicted meanwhile waits behind it, as it will on the SSD.  Where the cost model watches the
         device (the simulator) its own count already holds the read, and this adds nothing."""
+        read = self.plan_read(seconds, channel)
+        read.start()
+        try:
+            yield
+        finally:
+            read.end()
+
+    def plan_read(self, seconds: float, channel: str = "") -> "PlannedRead":
+        """An SSD read decided now that starts later (a prefetch, `executors.prefetch`): `ssd_inflight`
+        counts all its seconds until `start`, then what is left of them, until `end`."""
         if not (math.isfinite(seconds) and seconds >= 0):
             raise ValueError(f"a read takes a finite number of seconds >= 0, got {seconds}")
         with self._cond:
             key = next(self._read_ids)
-            self._reads[key] = (self._now(), seconds, channel)
-        try:
-            yield
-        finally:
-            with self._cond:
-                del self._reads[key]
+            self._reads[key] = (None, seconds, channel)
+        return PlannedRead(self, key)
+
+    def _start_read(self, key: int) -> None:
+        with self._cond:
+            if key in self._reads:
+                _, seconds, channel = self._reads[key]
+                self._reads[key] = (self._now(), seconds, channel)
+
+    def _end_read(self, key: int) -> None:
+        with self._cond:
+            self._reads.pop(key, None)
 
     def ssd_backlog(self, channel: str = "") -> float:
         """Predicted SSD seconds on `channel`: reads under way plus the SSD switch of every group queued on it."""

@@ -17,8 +17,10 @@ when the classifier finishes).  Only time is simulated:
   those of their victims a queued request still needs, each charged one host copy
   on the evicting executor's load (the agent copies RAM to RAM on that
   executor's loader thread before its load);
-- as the real executor's Prefetcher does, once a batch's expert is in, the
-  next group's expert starts loading while the batch computes (`prefetch`);
+- as the real executor's Prefetcher does, the next group's expert is decided
+  and its room reserved when a batch is dispatched, and its read starts once
+  the batch's own expert is in, while the batch computes, behind the demand
+  reads issued before that (`plan_prefetch`, `book_prefetch`);
 - with `read_ahead` (an exclusive host tier), as the agent's ReadAhead does,
   whenever the front box's SSD is idle it reads the earliest queued group's
   expert behind a queue's head that no pool or tier holds into the host tier (the same policy,
@@ -190,9 +192,12 @@ class SimReport:
     sustained_rate: float = 0.0   # highest steady arrival rate it sustains (bench --load), 0: not measured
     latency: dict = field(default_factory=dict)        # F -> p50/p99 at F x the sustained rate (bench --load)
     order: list[tuple] = field(default_factory=list)   # (executor, expert, frame ids, start, end) per batch
+    # with record_order, every SSD read: (box, expert, kind, due, begin, end); kind is 'demand' (a batch's own,
+    # due when its batch was dispatched), 'prefetch' (due when its batch began to compute) or 'ahead'
+    reads: list[tuple] = field(default_factory=list)
 
     def to_json(self) -> dict:
-        d = {k: v for k, v in vars(self).items() if k != "order"}
+        d = {k: v for k, v in vars(self).items() if k not in ("order", "reads")}
         return {k: (round(v, 4) if isinstance(v, float) else v) for k, v in d.items()}
 
 
@@ -315,7 +320,8 @@ def simulate(workload: Workload, profile: Profile, system: SimSystem, *, record_
     exclusive = system.host_mode == "exclusive"
     clock = [0.0]
     box: list[Scheduler] = []
-    ready: dict[tuple[str, str], float] = {}   # (executor, expert) -> when its prefetch lands
+    ready: dict[tuple[str, str], float] = {}   # (executor, expert) -> when its prefetch lands (estimated until booked)
+    planned: dict[int, tuple[str, str, list]] = {}   # job id -> (executor, its prefetch's expert, loads to book)
     # (box, expert) -> when the host tier's copy is there to copy from: the end of the SSD read that filled it,
     # or when a victim moved down landed (a pool and the host tier change when a load is issued, its read may
     # still be queued on the SSD); absent: there from the start
@@ -388,7 +394,8 @@ def simulate(workload: Workload, profile: Profile, system: SimSystem, *, record_
     ssd_free = [0.0] * system.boxes         # per box: when its SSD channel is free
     link_free = [0.0] * system.boxes        # per box: when the link to it is free (box 0 has none)
     costs = ProfileCosts(model, infos, profile, host=host,
-                         ssd_inflight=lambda channel="0": max(ssd_free[int(channel)] - clock[0], 0.0),
+                         ssd_inflight=lambda channel="0": max(ssd_free[int(channel)] - clock[0], 0.0)
+                         + planned_ssd(int(channel)),
                          arriving=lambda name, e: max(ready.get((name, e), 0.0) - clock[0], 0.0), stored=stored,
                          frame_bytes=system.frame_bytes)
     sched = Scheduler([e.name for e in system.executors], system.scheduler, costs=costs,
@@ -423,36 +430,48 @@ def simulate(workload: Workload, profile: Profile, system: SimSystem, *, record_
     ssd_busy = 0.0
     ssd_loads = host_loads = batches = batched = demotions = ahead_loads = 0
     record: list[tuple] = []
+    reads_log: list[tuple] = []
     jobs = itertools.count()
     now = 0.0
 
-    def read(name: str, start: float, loads: list[tuple[str, str]]) -> float:
+    def read(name: str, start: float, loads: list[tuple[str, str]], *, book: bool = True,
+             kind: str = "demand") -> float:
         """Time the loads the pool just asked its source for, from `start`; returns when they are done.
 
         A copy from the host tier starts no earlier than the host tier's copy is there (`avail`); an SSD read
-        into an inclusive host tier makes its copy available when the read ends."""
+        into an inclusive host tier makes its copy available when the read ends.  `book=False` (a planned
+        prefetch) estimates, behind the reads booked and planned on the box: the SSD and the counters are
+        left as they are, but the host tier's copies these loads make, already in its books, get the
+        estimated time in `avail` (nobody copies them sooner; the booking sets the real one)."""
         nonlocal ssd_busy, ssd_loads, host_loads, demotions
         t = start
         b = execs[name].box
         src = sources[name]
         fills_host = isinstance(src, _TierSource) and src.host is not None and not src.exclusive
+        ssd_at = ssd_free[b] if book else max(ssd_free[b], clock[0]) + planned_ssd(b)
         for expert_id, tier in loads:
             if tier == "demote":   # a CPU victim copied down into the host tier: one host copy, not a load
-                t = max(t, demoting.pop((name, expert_id), 0.0)) + costs.load_seconds(name, expert_id, "host")
-                avail[(b, expert_id)] = t
-                demotions += 1
+                landed = demoting.pop((name, expert_id), 0.0) if book else demoting.get((name, expert_id), 0.0)
+                t = avail[(b, expert_id)] = max(t, landed) + costs.load_seconds(name, expert_id, "host")
+                if book:
+                    demotions += 1
                 continue
             secs = costs.load_seconds(name, expert_id, tier)
             if tier == "ssd":
-                begin = max(t, ssd_free[b])
-                t = ssd_free[b] = begin + secs
-                ssd_busy += secs
-                ssd_loads += 1
+                begin = max(t, ssd_at)
+                t = ssd_at = begin + secs
+                if book:
+                    if record_order:
+                        reads_log.append((b, expert_id, kind, start, begin, t))
+                    ssd_free[b] = ssd_at
+                    ssd_busy += secs
+                    ssd_loads += 1
                 if fills_host:
                     avail[(b, expert_id)] = t
             else:
                 t = max(t, avail.get((b, expert_id), 0.0)) + secs
-                host_loads += 1
+                if book:
+                    host_loads += 1
         return t
 
     def dispatch() -> None:
@@ -474,13 +493,13 @@ def simulate(workload: Workload, profile: Profile, system: SimSystem, *, record_
                 per_frame, latency = costs.transfer(name)
                 sent = link_free[ex.box] = max(now, link_free[ex.box]) + per_frame * len(b)
                 t = max(t, sent + latency)
+            jid = next(jobs)
             if system.prefetch:
-                prefetch(name, b.expert_id, t)
+                plan_prefetch(name, b.expert_id, t, jid)
             a = costs.arch(name, b.expert_id)
             busy[name] = True
             batches += 1
             batched += len(b)
-            jid = next(jobs)
             running[jid] = (name, b, handle, now, a.K * len(b) + a.B)
             heapq.heappush(events, (t, next(seq), "compute", jid))
 
@@ -501,14 +520,18 @@ def simulate(workload: Workload, profile: Profile, system: SimSystem, *, record_
             return
         secs = min(costs.load_seconds(n, eid, "ssd") for n in local)
         t = ssd_free[0] = now + secs
+        if record_order:
+            reads_log.append((0, eid, "ahead", now, now, t))
         avail[(0, eid)] = t
         ssd_busy += secs
         ssd_loads += 1
         ahead_loads += 1
         heapq.heappush(events, (t, next(seq), "ssd-free", None))   # the SSD is free again: look once more
 
-    def prefetch(name: str, current: str, start: float) -> None:
-        """As the executor's Prefetcher: load the next group's expert while this batch computes."""
+    def plan_prefetch(name: str, current: str, start: float, jid: int) -> None:
+        """As the executor's Prefetcher: decide the next group's expert when the batch is dispatched and reserve
+        its room, so the scheduler sees it arriving from now on (`ready` holds an estimate); its reads are
+        booked when the batch computes (`book_prefetch`), behind the demand reads issued before that."""
         nxt = sched.next_expert(name, current)
         pool, src = pools[name], sources[name]
         if nxt is None or pool.present(nxt):
@@ -518,7 +541,23 @@ def simulate(workload: Workload, profile: Profile, system: SimSystem, *, record_
         if h is None:
             return   # it cannot fit next to pinned experts now; the batch will load it
         pool.release(h)
-        ready[(name, nxt)] = read(name, start, src.loads[n_loads:])
+        loads = src.loads[n_loads:]
+        ready[(name, nxt)] = read(name, start, loads, book=False)
+        planned[jid] = (name, nxt, loads)
+
+    def planned_ssd(b: int) -> float:
+        """SSD seconds of box b's planned prefetches that have not taken their place on the SSD yet."""
+        return sum(costs.load_seconds(n, e, "ssd") for n, _, loads in planned.values() if execs[n].box == b
+                   for e, tier in loads if tier == "ssd")
+
+    def book_prefetch(jid: int) -> None:
+        """The batch computes: the planned prefetch's reads take their place on the SSD now."""
+        got = planned.pop(jid, None)
+        if got is None:
+            return
+        name, nxt, loads = got
+        if (name, nxt) in ready:   # not evicted since it was planned
+            ready[(name, nxt)] = read(name, now, loads, kind="prefetch")
 
     def reschedule(finishes: list) -> None:
         for t, jid, version in finishes:
@@ -536,6 +575,7 @@ def simulate(workload: Workload, profile: Profile, system: SimSystem, *, record_
         elif kind == "ssd-free":
             pass
         elif kind == "compute":
+            book_prefetch(data)
             name, b, handle, t0, work = running[data]
             reschedule(devices[(execs[name].box, execs[name].device)].change(now, add=(data, work)))
         else:
@@ -578,6 +618,7 @@ def simulate(workload: Workload, profile: Profile, system: SimSystem, *, record_
         efficiency=lb / makespan if makespan else 0.0,
         decision_us=1e6 * sched.decision_seconds / max(sched.decisions, 1),
         busy_fraction=sum(busy_time.values()) / (makespan * len(execs)) if makespan else 0.0, order=record,
+        reads=reads_log,
         sched_share=sched.decision_seconds / (makespan * len(execs)) if makespan else 0.0,
         manage_share=sum(p.stats().manage_seconds for p in pools.values()) / (makespan * len(execs))
         if makespan else 0.0, ssd_busy=ssd_busy, aged=sched.aged, stolen=sched.stolen, cpu_demotions=demotions, read_ahead=ahead_loads,

@@ -123,9 +123,10 @@ def test_a_2000_type_board_scales_over_boxes_and_switches_per_frame_stay_near_th
 
     Switches: measured on seeds 0..4 of all four tasks (docs/cluster.md), CoServe's switches on 1, 2 and 4 boxes
     stayed within 2.8% of the floor (every expert the frames use loaded once; the hard lower bound) and within
-    2.5% of one box's.  Without the scheduler's work terms ('-work') the worst box count of every task and seed
-    was 5.7-12% above the floor, so the 3% bound on the floor is what tells the two apart; the bound on one
-    box's keeps the rise with boxes small.  One seed (0) here: ~3 s a task."""
+    2.5% of one box's; since a prefetch reads when its batch computes, as the agent's does (docs/scheduling.md),
+    within 3.4% and 3.0%.  Without the scheduler's work terms ('-work') the worst box count of every task and
+    seed was 5.7-12% above the floor, so the 3.5% bound on the floor is what tells the two apart; the bound on
+    one box's keeps the rise with boxes small.  One seed (0) here: ~3 s a task."""
     from edge_agent.bench import run_boxes
 
     prof = Profile.load(GPU_CLASS)
@@ -135,8 +136,8 @@ def test_a_2000_type_board_scales_over_boxes_and_switches_per_frame_stay_near_th
     assert by[2]["speedup"] >= 1.8 and by[4]["speedup"] >= 3.4
     for n in (1, 2, 4):
         assert by[n]["floor"] == by[1]["floor"] > 0                            # the same frames, the same floor
-        assert by[n]["switches"] <= 1.03 * by[n]["floor"], (n, by[n]["switches"], by[n]["floor"])
-        assert by[n]["switches_per_frame"] <= 1.025 * by[1]["switches_per_frame"], \
+        assert by[n]["switches"] <= 1.035 * by[n]["floor"], (n, by[n]["switches"], by[n]["floor"])
+        assert by[n]["switches_per_frame"] <= 1.03 * by[1]["switches_per_frame"], \
             (n, by[n]["switches_per_frame"], by[1]["switches_per_frame"])
     assert all(r["lower_bound"] <= r["makespan"] + 1e-9 for r in rows)
 

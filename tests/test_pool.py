@@ -571,3 +571,29 @@ def test_wait_for_room_retries_until_room_and_names_the_expert_past_its_deadline
                       lambda: "expert 'b': pinned experts hold the room")
     p.release(held)
     assert wait_for_room(lambda: p.acquire("b"), time.monotonic() + 60, lambda: "never").expert_id == "b"
+
+
+def test_a_held_back_reservation_can_report_its_victims_at_once_and_its_load_reports_none_again():
+    """`acquire_async(report_victims=True)` (a prefetch planned now and read later): the victims go now, so a
+    victim cache below takes them at once; the load, when it runs, reports only its own load."""
+    from concurrent.futures import Future
+    events = []
+    p = pool(events=events, cap=60)
+    use(p, "a")
+    use(p, "b")
+    held = []
+
+    def later(load):
+        held.append(load)
+        return Future()
+    p.acquire_async("c", later, report_victims=True)
+    assert [(e.expert_id, e.event) for e in events if e.event == "evict"] == [("a", "evict")]
+    assert "c" not in p.resident() and p.present("c") and p.source.loads == ["a", "b"]
+    n = len(events)
+    p.release(held[0]())
+    assert [(e.expert_id, e.event) for e in events[n:]] == [("c", "load")]
+    # by default the victims are reported when the load runs
+    p.acquire_async("d", later)
+    assert [e.event for e in events[n + 1:]] == []
+    p.release(held[1]())
+    assert [(e.expert_id, e.event) for e in events[n + 1:]] == [("b", "evict"), ("d", "load")]

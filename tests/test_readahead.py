@@ -146,6 +146,31 @@ def test_a_noted_read_runs_down_with_time_and_ends_even_when_it_fails():
         pass
 
 
+def test_a_planned_read_counts_whole_until_it_starts_then_runs_down_and_ends_once():
+    """A prefetch decided now and read later (`Scheduler.plan_read`): its seconds are in the SSD backlog at
+    once, all of them while it waits, then what is left of them; ended (done or dropped), nothing."""
+    now = [10.0]
+    s = Scheduler(["q"], "coserve", costs=Unwatched(load=1.0), now=lambda: now[0])
+    read = s.plan_read(4.0)
+    now[0] = 13.0
+    assert s.ssd_inflight() == pytest.approx(4.0)          # not started: every second still to come
+    assert s.ssd_inflight("box1") == 0.0
+    read.start()
+    now[0] = 14.0
+    assert s.ssd_inflight() == pytest.approx(3.0)
+    read.start()                                            # a second start does not restart it
+    assert s.ssd_inflight() == pytest.approx(3.0)
+    read.end()
+    read.end()
+    assert s.ssd_inflight() == 0.0
+    dropped = s.plan_read(2.0)
+    assert s.ssd_inflight() == pytest.approx(2.0)
+    dropped.end()                                           # never started
+    assert s.ssd_inflight() == 0.0
+    with pytest.raises(ValueError, match="seconds"):
+        s.plan_read(float("nan"))
+
+
 def test_an_idle_ssd_reads_a_queued_expert_into_the_host_tier_and_the_switch_is_a_host_copy(store):
     box = Box(store)
     for eid in ("a", "b"):

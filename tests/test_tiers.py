@@ -153,6 +153,102 @@ def test_prefetcher_loads_the_hinted_expert(tiny_zoo):
         pf.close()
 
 
+class _Watched:
+    """An in-memory source that notes, as each load begins, what the pool holds and what the executor's
+    prefetcher says is still coming."""
+
+    def __init__(self, sizes: dict[str, int]) -> None:
+        self.sizes, self.order, self.seen = sizes, [], {}
+        self.pool = self.executor = None
+
+    def size(self, eid: str) -> int:
+        return self.sizes[eid]
+
+    def load(self, eid: str) -> bytearray:
+        self.order.append(eid)
+        coming = self.executor.prefetch_remaining("b") if self.executor is not None else 0.0
+        self.seen[eid] = (sorted(self.pool.resident()), self.pool.present("b"), coming)
+        return bytearray(self.sizes[eid])
+
+
+class _Next:
+    """The executor's view of a scheduler: 'b' is queued next; every switch costs 1 s, 0.5 s of it reading the
+    SSD; the reads it is told of are noted."""
+
+    def __init__(self) -> None:
+        self.reads: list[str] = []
+
+    class costs:
+        @staticmethod
+        def switch_cost(executor: str, expert_id: str) -> float:
+            return 1.0
+
+        @staticmethod
+        def ssd_seconds(executor: str, expert_id: str) -> float:
+            return 0.5
+
+    def next_expert(self, executor: str, current: str) -> str | None:
+        return "b"
+
+    def channel(self, executor: str) -> str:
+        return ""
+
+    def plan_read(self, seconds: float, channel: str = ""):
+        sched = self
+
+        class Read:
+            def start(self):
+                sched.reads.append(f"start {seconds}")
+
+            def end(self):
+                sched.reads.append("end")
+        sched.reads.append(f"plan {seconds}")
+        return Read()
+
+
+def test_the_executor_plans_its_prefetch_when_it_takes_a_batch_and_reads_it_after_its_own_load():
+    """The next group's expert is reserved before the batch's own load runs (the pool and the scheduler's
+    `arriving` see it coming: 1 s for the batch's load + 1 s for its own), and read only after it."""
+    from executors.executor import Executor
+
+    src = _Watched({"a": 30, "b": 30, "c": 30})
+    pool = src.pool = Pool("cpu", 100, make_policy("lru"), src)
+    pool.release(pool.acquire("c"))
+    ex = src.executor = Executor("cpu#0", "cpu", pool, _Next(), model=None, on_result=lambda r: None)
+    try:
+        handle = ex._acquire("a")
+        assert ex.prefetcher.idle(10)
+        pool.release(handle)
+        assert src.order == ["c", "a", "b"]                 # its own load first, then the prefetch's read
+        # its SSD read counted in the scheduler's backlog from the plan, started with the read, ended after it
+        assert ex.scheduler.reads[:3] == ["plan 0.5", "start 0.5", "end"]
+        resident, b_present, coming = src.seen["a"]
+        assert b_present and "b" not in resident            # reserved, not yet read, while 'a' loaded
+        assert 1.0 < coming <= 2.0
+        assert sorted(pool.resident()) == ["a", "b", "c"] and ex.prefetcher.loaded == 1
+        assert ex.prefetch_remaining("b") == 0.0            # in: nothing left to wait for
+    finally:
+        ex.prefetcher.close()
+
+
+def test_a_newer_prefetch_plan_drops_one_not_yet_read_and_gives_its_room_back():
+    src = _Watched({"a": 40, "b": 40, "c": 40})
+    pool = src.pool = Pool("cpu", 100, make_policy("lru"), src)
+    pf = Prefetcher(pool, "t")
+    try:
+        assert pf.plan("a", 1.0) and pool.present("a") and not pool.contains("a") and pf.remaining("a") > 0
+        assert pf.plan("b", 1.0)                             # 'a' never read: dropped, its room free again
+        assert not pool.present("a") and pool.present("b") and pf.dropped == 1 and pf.remaining("a") == 0.0
+        pf.go()
+        assert pf.idle(10) and src.order == ["b"] and pool.resident() == ["b"]
+        assert not pf.plan("b")                              # already in: nothing to plan
+        assert pf.plan("c") and pool.present("c")
+    finally:
+        pf.close()
+    assert not pool.present("c") and src.order == ["b"]     # closing drops the plan not yet read
+    assert not pf.plan("a") and not pool.present("a")       # closed: nothing is reserved that no one would read
+
+
 def test_corrupt_expert_gives_error_verdicts_and_the_rest_is_served(tmp_path, tiny_zoo, tiny_recording):
     from conftest import write_line
     store, path = corrupt_copy(tiny_zoo, tmp_path, "flip")
