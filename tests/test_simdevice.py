@@ -684,15 +684,17 @@ def test_the_ssd_takes_reads_in_the_order_they_are_issued_and_a_prefetch_is_issu
     a prefetch when its batch begins to compute, a read-ahead when the SSD is idle), on two tasks.  Booked at
     dispatch, as before, a prefetch went ahead of reads issued while its batch's own expert still loaded."""
     prof = Profile.load(GPU_CLASS)
-    for name in ("A1", "B2"):
-        rep = simulate(make_workload(task(name, requests=300)), prof, build_system("coserve", prof),
-                       record_order=True)
+    two = build_system("coserve", prof, boxes=2, link=Link.ethernet(10, 0.1), init="cold")
+    for name, system in (("A1", build_system("coserve", prof)), ("B2", build_system("coserve", prof)), ("A1", two)):
+        rep = simulate(make_workload(task(name, requests=300)), prof, system, record_order=True)
         kinds = [r[2] for r in rep.reads]
         assert kinds.count("prefetch") > 10 and set(kinds) <= {"demand", "prefetch", "ahead"}
-        served = sorted(rep.reads, key=lambda r: r[4])
-        for a, b in zip(served, served[1:]):
-            assert a[5] <= b[4] + 1e-9 and a[3] <= b[3] + 1e-9, (name, a, b)   # one at a time, first come first
+        for box in {r[0] for r in rep.reads}:       # each box's SSD
+            served = sorted((r for r in rep.reads if r[0] == box), key=lambda r: r[4])
+            for a, b in zip(served, served[1:]):
+                assert a[5] <= b[4] + 1e-9 and a[3] <= b[3] + 1e-9, (name, a, b)   # one at a time, first come first
         assert all(end > begin >= due for *_, due, begin, end in rep.reads)
+        assert {r[0] for r in rep.reads} == set(range(system.boxes))
         assert sum(end - begin for *_, begin, end in rep.reads) == pytest.approx(rep.ssd_busy)
 
 
