@@ -678,6 +678,13 @@ def _echo_row(row: dict) -> None:
                f"{row['gib_read']:.2f} GiB read", err=True)
 
 
+def trace_prompts(hf: Path, prompts: int) -> list[str]:
+    """The trained model's trace prompts: `prompts` evenly spaced 160-character slices of its held-out text."""
+    held = (hf / "heldout.txt").read_bytes().decode("utf-8", "replace")
+    step = max(1, len(held) // prompts)
+    return [held[i * step:i * step + 160] for i in range(prompts)]
+
+
 def _trained_trace(work_dir: Path, prompts: int, decode: int, train_seconds: float) -> Path:
     """The trained small MoE's trace on held-out text: trained, imported and traced on first use, then reused."""
     import torch
@@ -700,10 +707,7 @@ def _trained_trace(work_dir: Path, prompts: int, decode: int, train_seconds: flo
         layout = MoELayout.load(store)
         pm = load_pooled(store, memory=layout.expert_bytes, policy="lru")
         tok = pm.tokenizer()
-        held = (hf / "heldout.txt").read_bytes().decode("utf-8", "replace")
-        step = max(1, len(held) // prompts)
-        texts = [held[i * step:i * step + 160] for i in range(prompts)]
-        ids = [torch.tensor(tok.encode(t), dtype=torch.long) for t in texts]
+        ids = [torch.tensor(tok.encode(t), dtype=torch.long) for t in trace_prompts(hf, prompts)]
         with tqdm(total=len(ids), desc="tracing the trained model", unit=" prompts", disable=None) as bar:
             record_trace(pm, ids, decode, progress=lambda n: bar.update(n - bar.n)).save(trace_path)
         pm.close()
