@@ -13,14 +13,15 @@ and the scheduler does not send its next frames to read it somewhere else.
 The read itself waits for `go`, which the executor gives once its own load
 has returned: a prefetch never goes ahead of its own batch's load, nor of the
 demand reads other executors issued before it (the simulator books the SSD in
-the same order, `executors/simdevice.py`).  A plan that was never started is
-dropped when a newer one comes: only the latest matters.
+the same order, `executors/simdevice.py`).  A plan not yet released is dropped
+when a newer one comes; released plans are read in order.
 """
 from __future__ import annotations
 
 import logging
 import threading
 import time
+from collections import deque
 from concurrent.futures import Future
 
 log = logging.getLogger(__name__)
@@ -62,7 +63,7 @@ class Prefetcher:
         self._stop = False
         self._busy = False
         self._planned: tuple[str, Deferred] | None = None   # reserved, waiting for `go`
-        self._ready: tuple[str, Deferred] | None = None     # released by `go`, not yet taken by the thread
+        self._ready: deque[tuple[str, Deferred]] = deque()  # released by `go`, not yet taken by the thread
         self._loading: dict[str, tuple[Deferred, float, float]] = {}   # expert -> (its plan, from, expected s)
         self.loaded = 0
         self.dropped = 0      # plans a newer plan replaced before they read
@@ -118,17 +119,18 @@ class Prefetcher:
         return self._clock()
 
     def go(self) -> None:
-        """The batch's own load has returned: the planned read may start.  A released plan the thread has
-        not taken yet (it is still reading an older one) is dropped: only the latest matters."""
+        """The batch's own load has returned: the planned read may start.  Released plans are read in
+        order, each after the one before: its room is taken and its victims are gone already, and the
+        simulator reads every plan too."""
         with self._cond:
-            if self._planned is None:
+            plan, self._planned = self._planned, None
+            if plan is None:
                 return
-            if self._stop:
-                stale, self._planned = [self._planned], None
-            else:
-                stale, self._ready, self._planned = [self._ready], self._planned, None
+            if not self._stop:
+                self._ready.append(plan)
                 self._cond.notify_all()
-        self._drop(stale[0])
+                return
+        self._drop(plan)
 
     def hint(self, expert_id: str | None, expected: float = 0.0) -> None:
         """Load `expert_id` now: `plan` and `go` at once."""
@@ -149,13 +151,14 @@ class Prefetcher:
     def idle(self, timeout: float = 5.0) -> bool:
         """Wait until no released plan is pending or loading (tests and benchmarks use this)."""
         with self._cond:
-            return self._cond.wait_for(lambda: self._ready is None and not self._busy, timeout)
+            return self._cond.wait_for(lambda: not self._ready and not self._busy, timeout)
 
     def close(self) -> None:
         with self._cond:
             self._stop = True
-            stale = [self._planned, self._ready]
-            self._planned = self._ready = None
+            stale = [self._planned, *self._ready]
+            self._planned = None
+            self._ready.clear()
             self._cond.notify_all()
         for s in stale:
             self._drop(s)
@@ -181,10 +184,10 @@ class Prefetcher:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._ready is not None or self._stop)
+                self._cond.wait_for(lambda: self._ready or self._stop)
                 if self._stop:
                     return
-                (eid, held), self._ready, self._busy = self._ready, None, True
+                (eid, held), self._busy = self._ready.popleft(), True
             try:
                 if held.read is not None:
                     held.read.start()

@@ -249,6 +249,35 @@ def test_a_newer_prefetch_plan_drops_one_not_yet_read_and_gives_its_room_back():
     assert not pf.plan("a") and not pool.present("a")       # closed: nothing is reserved that no one would read
 
 
+def test_released_prefetch_plans_are_read_in_order_though_the_thread_is_busy():
+    """Two plans released while the prefetch thread is still reading: both are read, in order (their room
+    and victims are taken already; the simulator reads every plan too)."""
+    import threading
+
+    gate = threading.Event()
+
+    class Slow(_Watched):
+        def load(self, eid):
+            if eid == "a":
+                gate.wait(10)
+            return super().load(eid)
+
+    src = Slow({"a": 20, "b": 20, "c": 20})
+    pool = src.pool = Pool("cpu", 100, make_policy("lru"), src)
+    pf = Prefetcher(pool, "t")
+    try:
+        pf.hint("a")                                          # the thread blocks in a's read
+        assert pf.plan("b")
+        pf.go()
+        assert pf.plan("c")
+        pf.go()
+        gate.set()
+        assert pf.idle(10) and src.order == ["a", "b", "c"] and pf.loaded == 3 and pf.dropped == 0
+    finally:
+        gate.set()
+        pf.close()
+
+
 def test_corrupt_expert_gives_error_verdicts_and_the_rest_is_served(tmp_path, tiny_zoo, tiny_recording):
     from conftest import write_line
     store, path = corrupt_copy(tiny_zoo, tmp_path, "flip")
