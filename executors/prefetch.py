@@ -64,6 +64,7 @@ class Prefetcher:
         self._busy = False
         self._planned: tuple[str, Deferred] | None = None   # reserved, waiting for `go`
         self._ready: deque[tuple[str, Deferred]] = deque()  # released by `go`, not yet taken by the thread
+        self._reports: deque[str] = deque()       # planned experts whose victims this thread reports next
         self._loading: dict[str, tuple[Deferred, float, float]] = {}   # expert -> (its plan, from, expected s)
         self.loaded = 0
         self.dropped = 0      # plans a newer plan replaced before they read
@@ -74,8 +75,9 @@ class Prefetcher:
              read=None) -> bool:
         """Reserve room for `expert_id` now; its read waits for `go`.  `expected`: seconds until it is in,
         by the cost model (the batch's own load included), counted from `since` on this prefetcher's clock
-        (default now), which `remaining` counts down.  The reservation's victims are reported at once (a
-        GPU victim moves down into the host tier now, not when the read starts).  False when there is
+        (default now), which `remaining` counts down.  The reservation's victims are reported by this
+        prefetcher's thread as soon as it is free, ahead of any read (a GPU victim's copy down into the
+        host tier runs there, not in the caller's thread, and not only when the read starts).  False when there is
         nothing to do: no expert, already present or loading, closed, or no room next to pinned experts
         now (the batch that needs it will load it).  `read`: the scheduler's count of this read in its SSD
         backlog (`Scheduler.plan_read`), started when the read starts and ended when it is over or dropped."""
@@ -97,7 +99,7 @@ class Prefetcher:
         held = Deferred()                 # the read waits for `go`
         held.read = read
         try:
-            got = self.pool.acquire_async(expert_id, held, report_victims=True)
+            got = self.pool.acquire_async(expert_id, held)
         except Exception as exc:  # noqa: BLE001 - the batch that needs it meets the same error
             log.debug("prefetch of %s on %s not planned: %s", expert_id, self.name, exc)
             return False
@@ -110,6 +112,8 @@ class Prefetcher:
             if not self._stop:
                 self._planned = (expert_id, held)
                 self._loading[expert_id] = (held, self._clock() if since is None else since, expected)
+                self._reports.append(expert_id)      # its victims move down on this thread, not the caller's
+                self._cond.notify_all()
                 return True
         self._drop((expert_id, held))     # closed meanwhile: no thread will read it
         return False
@@ -149,9 +153,10 @@ class Prefetcher:
         return max(expected - (self._clock() - started), 0.0)
 
     def idle(self, timeout: float = 5.0) -> bool:
-        """Wait until no released plan is pending or loading (tests and benchmarks use this)."""
+        """Wait until nothing released is pending or loading, and every plan's victims are reported (tests and
+        benchmarks use this)."""
         with self._cond:
-            return self._cond.wait_for(lambda: not self._ready and not self._busy, timeout)
+            return self._cond.wait_for(lambda: not self._ready and not self._reports and not self._busy, timeout)
 
     def close(self) -> None:
         with self._cond:
@@ -184,10 +189,23 @@ class Prefetcher:
     def _loop(self) -> None:
         while True:
             with self._cond:
-                self._cond.wait_for(lambda: self._ready or self._stop)
+                self._cond.wait_for(lambda: self._ready or self._reports or self._stop)
                 if self._stop:
                     return
-                (eid, held), self._busy = self._ready.popleft(), True
+                self._busy = True
+                report = self._reports.popleft() if self._reports else None
+                if report is None:
+                    eid, held = self._ready.popleft()
+            if report is not None:
+                try:
+                    self.pool.report_victims(report)
+                except Exception:  # noqa: BLE001 - a listener's failure must not stop the prefetches
+                    log.exception("prefetch %s: reporting the victims of %s failed", self.name, report)
+                finally:
+                    with self._cond:
+                        self._busy = False
+                        self._cond.notify_all()
+                continue
             try:
                 if held.read is not None:
                     held.read.start()

@@ -164,8 +164,7 @@ class Pool:
 
     def acquire_async(self, expert_id: str, submit: Callable[[Callable[[], Handle]], Future], *,
                       join: Callable[[Callable[[], Handle]], Future] | None = None,
-                      keep: Collection[str] | Callable[[], Collection[str]] = (),
-                      report_victims: bool = False) -> Future | None:
+                      keep: Collection[str] | Callable[[], Collection[str]] = ()) -> Future | None:
         """`acquire`, with the room reserved now and the load run by `submit` (e.g. a loader thread pool).
 
         Reservations happen in call order in the calling thread, so which
@@ -184,11 +183,6 @@ class Pool:
         be evicted to make the room (they look pinned); a callable is asked
         under the pool's lock, when the victims are chosen, so what it names
         is current then (a prefetch's: what the layer that routed last asked for).
-
-        `report_victims`: report the evictions now rather than when the load
-        starts (a load held back for a while, `executors.prefetch`): its victims
-        then move down into a victim cache at once instead of being in no tier
-        meanwhile.  Their memory is not reused for the load.
         """
         if join is not None:
             joined = self._join_loading(expert_id, join)
@@ -201,8 +195,6 @@ class Pool:
             done: Future = Future()
             done.set_result(got)
             return done
-        if report_victims:
-            self._report_victims(expert_id)
         try:
             fut = submit(got)
         except BaseException:
@@ -211,8 +203,15 @@ class Pool:
         fut.add_done_callback(lambda f: self._unreserve(expert_id) if f.cancelled() else None)
         return fut
 
-    def _report_victims(self, expert_id: str) -> None:
-        """Report the evictions the reservation of `expert_id` made, now; its load then reports none."""
+    def report_victims(self, expert_id: str) -> None:
+        """Report the evictions the reservation of `expert_id` made, now, if its load has not yet.
+
+        For a load held back for a while after `acquire_async` reserved it
+        (`executors.prefetch`): its victims then move down into a victim cache
+        now instead of being in no tier until the load starts.  Their memory is
+        not reused for the load.  Each eviction is reported once, here or by
+        the load.
+        """
         with self._cond:
             entry = self._entries.get(expert_id)
             if entry is None or not entry.loading:

@@ -574,8 +574,9 @@ def test_wait_for_room_retries_until_room_and_names_the_expert_past_its_deadline
 
 
 def test_a_held_back_reservation_can_report_its_victims_at_once_and_its_load_reports_none_again():
-    """`acquire_async(report_victims=True)` (a prefetch planned now and read later): the victims go now, so a
-    victim cache below takes them at once; the load, when it runs, reports only its own load."""
+    """`report_victims` after `acquire_async` (a prefetch planned now and read later): the victims go now, so
+    a victim cache below takes them at once; the load, when it runs, reports only its own load.  Once the
+    load has run (or the reservation is gone), there is nothing left to report."""
     from concurrent.futures import Future
     events = []
     p = pool(events=events, cap=60)
@@ -586,13 +587,20 @@ def test_a_held_back_reservation_can_report_its_victims_at_once_and_its_load_rep
     def later(load):
         held.append(load)
         return Future()
-    p.acquire_async("c", later, report_victims=True)
+    p.acquire_async("c", later)
+    assert [e.event for e in events if e.event == "evict"] == []       # by default, reported when it loads
+    p.report_victims("c")
     assert [(e.expert_id, e.event) for e in events if e.event == "evict"] == [("a", "evict")]
     assert "c" not in p.resident() and p.present("c") and p.source.loads == ["a", "b"]
     n = len(events)
+    p.report_victims("c")                                                # once only
+    assert len(events) == n
     p.release(held[0]())
     assert [(e.expert_id, e.event) for e in events[n:]] == [("c", "load")]
-    # by default the victims are reported when the load runs
+    p.report_victims("c")                                                # loaded: nothing left
+    p.report_victims("zz")                                               # never reserved: nothing
+    assert len(events) == n + 1
+    # without it the victims are reported when the load runs
     p.acquire_async("d", later)
     assert [e.event for e in events[n + 1:]] == []
     p.release(held[1]())

@@ -231,6 +231,28 @@ def test_the_executor_plans_its_prefetch_when_it_takes_a_batch_and_reads_it_afte
         ex.prefetcher.close()
 
 
+def test_a_prefetch_plans_victims_move_down_on_its_thread_before_its_read():
+    """The victims of a planned prefetch are reported by the prefetch thread as soon as it is free (a GPU
+    victim's copy into the host tier runs there), not only when the read starts after `go`."""
+    events = []
+    src = _Watched({"a": 50, "b": 50, "c": 50})
+    pool = src.pool = Pool("cpu", 100, make_policy("lru"), src, on_event=events.append)
+    pf = Prefetcher(pool, "t")
+    try:
+        pool.release(pool.acquire("a"))
+        pool.release(pool.acquire("b"))
+        assert not pf.plan("a")                                     # resident: nothing to plan
+        assert pf.plan("c")
+        assert pf.idle(10)                                          # no go yet: only the report ran
+        assert [e.expert_id for e in events if e.event == "evict"] == ["a"]
+        assert src.order == ["a", "b"] and pool.present("c") and not pool.contains("c")
+        pf.go()
+        assert pf.idle(10) and src.order == ["a", "b", "c"]
+        assert [e.expert_id for e in events if e.event == "evict"] == ["a"]   # reported once
+    finally:
+        pf.close()
+
+
 def test_a_newer_prefetch_plan_drops_one_not_yet_read_and_gives_its_room_back():
     src = _Watched({"a": 40, "b": 40, "c": 40})
     pool = src.pool = Pool("cpu", 100, make_policy("lru"), src)
