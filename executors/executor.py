@@ -166,7 +166,10 @@ class Executor:
         plan_read = getattr(self.scheduler, "plan_read", None)
         if costs is None or plan_read is None:
             return None
-        seconds = float(costs.ssd_seconds(self.name, expert_id)) if hasattr(costs, "ssd_seconds") else 0.0
+        try:
+            seconds = float(costs.ssd_seconds(self.name, expert_id)) if hasattr(costs, "ssd_seconds") else 0.0
+        except Exception:  # noqa: BLE001 - an estimate only, as `_load_estimate`: the prefetch goes ahead uncounted
+            return None
         return plan_read(seconds, self.scheduler.channel(self.name)) if seconds > 0 else None
 
     def prefetch_remaining(self, expert_id: str) -> float:

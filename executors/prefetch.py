@@ -64,10 +64,10 @@ class Prefetcher:
         self._busy = False
         self._planned: tuple[str, Deferred] | None = None   # reserved, waiting for `go`
         self._ready: deque[tuple[str, Deferred]] = deque()  # released by `go`, not yet taken by the thread
-        self._reports: deque[str] = deque()       # planned experts whose victims this thread reports next
+        self._reports: deque[tuple[str, Deferred]] = deque()   # plans whose victims this thread reports next
         self._loading: dict[str, tuple[Deferred, float, float]] = {}   # expert -> (its plan, from, expected s)
         self.loaded = 0
-        self.dropped = 0      # plans a newer plan replaced before they read
+        self.dropped = 0      # plans given up before they read (a newer plan came, or the prefetcher closed)
         self._thread = threading.Thread(target=self._loop, name=f"prefetch-{name}", daemon=True)
         self._thread.start()
 
@@ -112,7 +112,7 @@ class Prefetcher:
             if not self._stop:
                 self._planned = (expert_id, held)
                 self._loading[expert_id] = (held, self._clock() if since is None else since, expected)
-                self._reports.append(expert_id)      # its victims move down on this thread, not the caller's
+                self._reports.append((expert_id, held))   # its victims move down on this thread, not the caller's
                 self._cond.notify_all()
                 return True
         self._drop((expert_id, held))     # closed meanwhile: no thread will read it
@@ -196,29 +196,40 @@ class Prefetcher:
                 report = self._reports.popleft() if self._reports else None
                 if report is None:
                     eid, held = self._ready.popleft()
-            if report is not None:
-                try:
-                    self.pool.report_victims(report)
-                except Exception:  # noqa: BLE001 - a listener's failure must not stop the prefetches
-                    log.exception("prefetch %s: reporting the victims of %s failed", self.name, report)
-                finally:
-                    with self._cond:
-                        self._busy = False
-                        self._cond.notify_all()
-                continue
+                else:
+                    eid, held = report
             try:
-                if held.read is not None:
-                    held.read.start()
-                handle = held.run()
-                if handle is not None:
-                    self.pool.release(handle)
-                    self.loaded += 1
-            except Exception as exc:  # noqa: BLE001 - the executor reports it when it needs the expert
-                log.debug("prefetch of %s on %s failed: %s", eid, self.name, exc)
+                if report is not None:
+                    # only while the plan stands: a dropped plan's report must not take a newer reservation's
+                    if not held.future.done():
+                        self.pool.report_victims(eid, held.future)
+                else:
+                    self._read(eid, held)
+            except Exception:  # noqa: BLE001 - nothing here may stop the prefetches
+                log.exception("prefetch %s: handling %s failed", self.name, eid)
             finally:
-                if held.read is not None:
-                    held.read.end()
-                self._forget(eid, held)
+                held = report = None       # a failed load's traceback must not keep its victims' memory
                 with self._cond:
                     self._busy = False
                     self._cond.notify_all()
+
+    def _read(self, eid: str, held: Deferred) -> None:
+        """Run a released plan's load; whatever happens, its reservation is filled or given back."""
+        try:
+            if held.read is not None:
+                try:
+                    held.read.start()
+                except Exception:  # noqa: BLE001 - only the backlog's count: the read goes on
+                    log.exception("prefetch %s: counting the read of %s failed", self.name, eid)
+            handle = held.run()
+            if handle is not None:
+                self.pool.release(handle)
+                self.loaded += 1
+        except Exception as exc:  # noqa: BLE001 - the executor reports it when it needs the expert
+            log.debug("prefetch of %s on %s failed: %s", eid, self.name, exc)
+        finally:
+            if not held.future.done():
+                held.future.cancel()           # never ran: give the room back, no entry stays loading
+            if held.read is not None:
+                held.read.end()
+            self._forget(eid, held)

@@ -349,8 +349,8 @@ class Scheduler:
         watched = (f(channel) if channel else f()) if f is not None else None
         if watched is not None:
             return watched
-        now = self._now()
         with self._cond:
+            now = self._now()   # under the lock, as `_start_read` stamps: a read never counts more than its seconds
             other = sum(ssd if start is None else max(start + ssd - now, 0.0)
                         for start, ssd, ch in self._reads.values() if ch == channel)
             return other + sum(max(start + ssd - now, 0.0) for n, q in self._q.items()

@@ -16,6 +16,7 @@ policy picks the victims, pinned experts stay, capacity is never exceeded.
 """
 from __future__ import annotations
 
+import logging
 import threading
 import time
 from collections.abc import Callable, Collection, Iterable
@@ -26,6 +27,8 @@ from typing import Any, Protocol
 from coe import CoEError
 
 from .policies import EvictionPolicy, PoolState, Resident, ranks_by_value
+
+log = logging.getLogger(__name__)
 
 
 class ExpertSource(Protocol):
@@ -96,6 +99,8 @@ class _Entry:
     victims: list = field(default_factory=list)
     # loading: the values of victims already reported (`report_victims`), still offered to its load for reuse
     reported: list = field(default_factory=list)
+    # loading, reserved by `acquire_async`: the future its submit returned (`report_victims` checks it is this one)
+    reservation: Any = None
 
 
 def wait_for_room(attempt: Callable[[], Any], deadline: float, why: Callable[[], str]) -> Any:
@@ -202,10 +207,14 @@ class Pool:
         except BaseException:
             self._unreserve(expert_id)   # the load will never run: no entry may stay 'loading' with its pin
             raise
+        with self._cond:
+            entry = self._entries.get(expert_id)
+            if entry is not None and entry.loading and entry.reservation is None:
+                entry.reservation = fut
         fut.add_done_callback(lambda f: self._unreserve(expert_id) if f.cancelled() else None)
         return fut
 
-    def report_victims(self, expert_id: str) -> None:
+    def report_victims(self, expert_id: str, reservation: Future | None = None) -> None:
         """Report the evictions the reservation of `expert_id` made, now, if its load has not yet.
 
         For a load held back for a while after `acquire_async` reserved it
@@ -213,10 +222,14 @@ class Pool:
         now instead of being in no tier until the load starts.  Their memory is
         still offered to the load for reuse (a listener copies what it keeps
         while it is told).  Each eviction is reported once, here or by the load.
+        `reservation`: the future `acquire_async` returned; when given, nothing
+        is reported unless the entry is still that reservation's (a report left
+        behind by a dropped plan must not take a newer reservation's victims).
+        A listener that raises is logged and the others are still told.
         """
         with self._cond:
             entry = self._entries.get(expert_id)
-            if entry is None or not entry.loading:
+            if entry is None or not entry.loading or (reservation is not None and entry.reservation is not reservation):
                 return
             events = list(entry.victims)
             entry.victims.clear()        # the list its load reports from (`_fill`) and `_unreserve` reads
@@ -224,7 +237,11 @@ class Pool:
             # instead cost a real CPU run a quarter of Samba-CoE's throughput
             entry.reported.extend(e.value for e in events if e.value is not None)
         for ev in events:
-            self._on_event(ev)
+            try:
+                self._on_event(ev)
+            except Exception:  # noqa: BLE001 - the other victims must still be told before their memory is reused
+                log.exception("%s pool: a listener failed on the eviction of %s", self.tier, ev.expert_id)
+        events = ev = None
 
     def _join_loading(self, expert_id: str, submit: Callable[[Callable[[], Handle]], Future]) -> Future | None:
         """If `expert_id` is loading, pin its entry and return a future of it (see `acquire_async`); else None.
@@ -351,12 +368,15 @@ class Pool:
         """
         t0 = self._clock()
         started = time.perf_counter()
+        reuse = None
         try:
             with self._cond:   # taken under the lock: a reservation dropped meanwhile (`_unreserve`) reports none
                 events = list(evicted)
                 evicted.clear()
                 entry = self._entries.get(expert_id)
-                early, entry.reported = (entry.reported, []) if entry is not None else ([], [])
+                early = []
+                if entry is not None:
+                    early, entry.reported = entry.reported, []
             for ev in events:
                 self._on_event(ev)
             ev = entry = None
@@ -369,6 +389,9 @@ class Pool:
             wall = time.perf_counter() - started
             measured = self._measure(value) if self._measure and value is not None else need
         except BaseException:
+            if reuse:
+                reuse.clear()               # the traceback keeps the load's frames, which hold this list
+            events = early = reuse = None   # ... and this frame: let the victims' memory go
             with self._cond:
                 joined = self._entries.pop(expert_id).joined
                 self._cond.notify_all()

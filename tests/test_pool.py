@@ -643,3 +643,54 @@ def test_victims_reported_early_still_give_their_memory_to_the_load():
     fut.cancel()
     assert [e.expert_id for e in events if e.event == "evict"] == evicted == ["a", "b"]
     assert not p.present("a") and p.resident() == ["c"]
+
+
+def test_a_stale_report_takes_nothing_from_a_newer_reservation_and_a_failed_load_lets_its_victims_go():
+    """`report_victims(eid, reservation)` reports only for that reservation: a dropped plan's report must not
+    take the victims of a newer reservation of the same expert.  A load that fails after an early report
+    lets the victims' memory go though its error is kept (a future keeps it; checked with the collector
+    off)."""
+    import gc
+    import weakref
+    from concurrent.futures import Future
+
+    class Buf(bytearray):
+        pass
+
+    class Failing(Source):
+        reuses_memory = True
+
+        def load(self, eid, reuse=None):
+            if eid == "c":
+                raise OSError("disk error reading c")
+            self.loads.append(eid)
+            return Buf(self.sizes[eid])
+
+    events = []
+    src = Failing({k: 30 for k in "abc"})
+    p = Pool("cpu", 60, make_policy("lru"), src, on_event=events.append)
+    use(p, "a")
+    use(p, "b")
+    held = []
+    old = p.acquire_async("c", lambda load: held.append(load) or Future())
+    old.cancel()                                        # the plan is dropped: its victim 'a' is reported there
+    assert [e.expert_id for e in events if e.event == "evict"] == ["a"]
+    use(p, "a")                                         # back in; 'b' is now the least recent
+    victim = weakref.ref(p.peek("b"))
+    new = p.acquire_async("c", lambda load: held.append(load) or Future())
+    p.report_victims("c", old)                          # the stale report: nothing
+    assert [e.expert_id for e in events if e.event == "evict"] == ["a"]
+    p.report_victims("c", new)                          # the standing one: its victim 'b' goes now
+    assert [e.expert_id for e in events if e.event == "evict"] == ["a", "b"]
+    events.clear()
+    gc.disable()
+    try:
+        kept = None
+        try:
+            held[1]()
+        except OSError as exc:
+            kept = exc                                  # kept, as a future keeps a failed load's error
+        assert "disk error" in str(kept) and kept.__traceback__ is not None
+        assert victim() is None and not p.present("c")  # its traceback does not keep the victim's memory
+    finally:
+        gc.enable()

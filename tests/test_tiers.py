@@ -276,11 +276,12 @@ def test_released_prefetch_plans_are_read_in_order_though_the_thread_is_busy():
     and victims are taken already; the simulator reads every plan too)."""
     import threading
 
-    gate = threading.Event()
+    gate, reading = threading.Event(), threading.Event()
 
     class Slow(_Watched):
         def load(self, eid):
             if eid == "a":
+                reading.set()
                 gate.wait(10)
             return super().load(eid)
 
@@ -288,7 +289,8 @@ def test_released_prefetch_plans_are_read_in_order_though_the_thread_is_busy():
     pool = src.pool = Pool("cpu", 100, make_policy("lru"), src)
     pf = Prefetcher(pool, "t")
     try:
-        pf.hint("a")                                          # the thread blocks in a's read
+        pf.hint("a")
+        assert reading.wait(10)                               # the thread is in a's read
         assert pf.plan("b")
         pf.go()
         assert pf.plan("c")
