@@ -816,7 +816,7 @@ class Agent:
         if e.event == "evict" and executor is not None:
             if self.exclusive and not self._closing and not e.stale:   # a promotion's stale copy is dropped
                 if executor in self.gpu_pools:
-                    demote(e, self.host_tier, ranked=self.ranked_admission)
+                    demote(e, self.host_tier, ranked=self.ranked_admission, held=self.pools[executor].present)
                 elif executor in self.cpu_demoters and self._still_queued(e.expert_id):
                     # same dtype and current version only (HostReadSource)
                     self.cpu_demoters[executor].demote(e, ranked=self.ranked_admission)

@@ -104,7 +104,8 @@ def run_real(workload: Workload, model: CoEModel, store, profile: Profile | None
     def on_event(e, name: str, kind: str) -> None:
         if e.event == "evict":
             if exclusive and kind == "cuda" and not e.stale and not closing:
-                demote(e, host, ranked=system.victim_admission)       # the GPU victim moves down into the host tier
+                # the GPU victim moves down into the host tier (unless read back in before a late report)
+                demote(e, host, ranked=system.victim_admission, held=pools[name].present)
             elif (exclusive and system.cpu_demote_queued and name in host_readers and not e.stale and not closing
                   and box and box[0].has_queued(e.expert_id)):
                 # as the agent: a CPU victim a queued request still needs

@@ -31,6 +31,7 @@ import contextlib
 import logging
 import threading
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from .flat import FlatWeights
@@ -406,7 +407,7 @@ def host_copy(src: FlatWeights, reuse: list, *, pin: bool, spares: SpareBuffers 
 
 
 def demote(event: PoolEvent, host: Pool, *, pin: bool | None = None, ranked: bool = False,
-           spares: SpareBuffers | None = None) -> bool:
+           spares: SpareBuffers | None = None, held: Callable[[str], bool] | None = None) -> bool:
     """Move a device pool's victim (its evict `event`) down into the `host` tier; True if it was admitted.
 
     Call it from the device pool's evict callback: the pool hands the victim's
@@ -420,11 +421,16 @@ def demote(event: PoolEvent, host: Pool, *, pin: bool | None = None, ranked: boo
     victim enters a full tier only if the tier's policy ranks it above what
     it would push out (`Pool.admit(worth_keeping=True)`; the config's
     `host_tier_admission: ranked`).  `spares`: kept buffers to copy into
-    before allocating (`TierSource(spares=...)`).
+    before allocating (`TierSource(spares=...)`).  `held`: the evicting
+    pool's `present`; a victim it holds again is not copied down (an eviction
+    reported late, `Pool.report_victims`, after the victim was read back in:
+    one expert would sit in both tiers).
     """
     value = event.value
     if getattr(value, "buffer", None) is None:
         return False   # nothing to copy (a weightless value): the simulator calls `host.admit` itself
+    if held is not None and held(event.expert_id):
+        return False
     if pin is None:
         pin = value.buffer.device.type == "cuda"
     try:

@@ -100,6 +100,30 @@ def test_gpu_victim_moves_down_and_is_served_from_host_next_time(store):
     assert t.host.resident() == ["b"]                                   # and b, the new victim, moved down
 
 
+def test_a_victim_read_back_in_before_its_late_report_is_not_copied_down_too(store):
+    """A prefetch's victims may be reported late (`Pool.report_victims`, on the prefetch thread, after a read
+    under way).  If the executor has read the victim back in meanwhile, demoting it would hold it in both
+    tiers: `demote(held=pool.present)` skips it, as the agent and the real runner call it."""
+    from concurrent.futures import Future
+
+    class Guarded(Tiers):
+        def _on_event(self, e) -> None:
+            if e.event == "evict":
+                self.demoted.append((e.expert_id, demote(e, self.host, held=self.gpu.present)))
+
+    t = Guarded(store, gpu_bytes=2 * SMALL, host_bytes=2 * SMALL)
+    gpu, moved = t.gpu, t.demoted
+    t.use("a")
+    t.use("b")
+    plan = gpu.acquire_async("c", lambda load: Future())        # a prefetch's reservation: 'a' is its victim
+    assert not gpu.present("a") and moved == []
+    t.use("a")                                                    # the executor reads 'a' back (evicts 'b')
+    gpu.report_victims("c", plan)                                 # the late report of 'a'
+    assert ("a", False) in moved and "a" not in t.host.resident() and gpu.present("a")
+    assert ("b", True) in moved and t.host.resident() == ["b"]    # an ordinary victim still moves down
+    plan.cancel()
+
+
 def test_moving_a_victim_down_never_pushes_out_the_expert_coming_up(store):
     t = Tiers(store, gpu_bytes=LARGE + 2 * SMALL, host_bytes=LARGE + SMALL)
     t.use("X")
