@@ -231,6 +231,30 @@ def test_the_executor_plans_its_prefetch_when_it_takes_a_batch_and_reads_it_afte
         ex.prefetcher.close()
 
 
+def test_when_the_batchs_own_load_fails_its_room_is_given_back_and_the_planned_prefetch_still_reads():
+    """The own load raises (a corrupt file): the error reaches the batch, no entry stays 'loading' (a later
+    acquire of that expert would hang on it), and the next group's prefetch, planned before, is read."""
+    from executors.executor import Executor
+
+    class Broken(_Watched):
+        def load(self, eid):
+            if eid == "a":
+                raise OSError("a.safetensors: checksum mismatch")
+            return super().load(eid)
+
+    src = Broken({"a": 30, "b": 30})
+    pool = src.pool = Pool("cpu", 100, make_policy("lru"), src)
+    ex = src.executor = Executor("cpu#0", "cpu", pool, _Next(), model=None, on_result=lambda r: None)
+    try:
+        with pytest.raises(OSError, match="checksum mismatch"):
+            ex._acquire("a")
+        assert not pool.present("a")                        # no half entry: a later acquire does not hang
+        assert ex.prefetcher.idle(10) and src.order == ["b"] and pool.resident() == ["b"]
+        assert ex.scheduler.reads == ["plan 0.5", "start 0.5", "end"]
+    finally:
+        ex.prefetcher.close()
+
+
 def test_a_prefetch_plans_victims_move_down_on_its_thread_before_its_read():
     """The victims of a planned prefetch are reported by the prefetch thread as soon as it is free (a GPU
     victim's copy into the host tier runs there), not only when the read starts after `go`."""
