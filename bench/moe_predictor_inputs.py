@@ -35,6 +35,7 @@ import torch  # noqa: E402
 import edge_agent.cli  # noqa: E402,F401  (loads the CLI package first: llm_cli imports it)
 from edge_agent.llm_bench import split_trace  # noqa: E402
 from edge_agent.llm_cli import trace_prompts  # noqa: E402
+from routing.moe_predictor import inputs as predictor_inputs  # noqa: E402
 from routing.moe_trace import Trace  # noqa: E402
 
 PROMPTS, DECODE = 40, 32          # the trace `llm bench` records (trained-40x32.trace)
@@ -84,12 +85,11 @@ def replay(hf: Path, store: Path, trace: Trace):
     return H, probs, np.concatenate(ids), int(model.config.vocab_size)
 
 
-def features(kind: str, rows: np.ndarray, j: int, H, probs, ids, vocab: int) -> np.ndarray:
+def features(kind: str, trace: Trace, rows: np.ndarray, j: int, H, probs, ids, vocab: int) -> np.ndarray:
     """Inputs for predicting row t+1's experts at layer j, for each row t in `rows`."""
     E = probs.shape[2]
-    if kind == "freshest":
-        prev = np.maximum(rows - 1, 0)
-        return np.concatenate([probs[rows, :j + 1], probs[prev, j + 1:]], 1).reshape(len(rows), -1) * E
+    if kind == "freshest":      # exactly what the shipped predictor reads
+        return predictor_inputs(trace, rows, j, "freshest")
     if kind == "hidden":
         return H[rows, j]
     onehot = np.eye(vocab, dtype=np.float32)[ids[rows + 1]]
@@ -138,8 +138,8 @@ def main() -> None:
             np.put_along_axis(ytr, chosen[train + 1, j], 1.0, axis=1)
             yte = np.zeros((len(test), probs.shape[2]), np.float32)
             np.put_along_axis(yte, chosen[test + 1, j], 1.0, axis=1)
-            scorer = fit(features(kind, train, j, H, probs, ids, vocab), ytr)
-            score = scorer(features(kind, test, j, H, probs, ids, vocab))
+            scorer = fit(features(kind, trace, train, j, H, probs, ids, vocab), ytr)
+            score = scorer(features(kind, trace, test, j, H, probs, ids, vocab))
             top = np.argsort(-score, 1)[:, :k]
             got = int(np.take_along_axis(yte, top, 1).sum())
             per_layer.append(got / yte.sum())

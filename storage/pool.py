@@ -241,7 +241,6 @@ class Pool:
                 self._on_event(ev)
             except Exception:  # noqa: BLE001 - the other victims must still be told before their memory is reused
                 log.exception("%s pool: a listener failed on the eviction of %s", self.tier, ev.expert_id)
-        events = ev = None
 
     def _join_loading(self, expert_id: str, submit: Callable[[Callable[[], Handle]], Future]) -> Future | None:
         """If `expert_id` is loading, pin its entry and return a future of it (see `acquire_async`); else None.
