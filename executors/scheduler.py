@@ -201,25 +201,32 @@ class FixedCosts:
 
     def __init__(self, K: float = 1.0, B: float = 1.0, load: float = 10.0, max_batch: int = 16,
                  resident: Callable[[str], set[str]] | None = None,
-                 loading: Callable[[str], dict[str, float]] | None = None) -> None:
+                 loading: Callable[[str], dict[str, float]] | None = None,
+                 host: Callable[[str], set[str]] | None = None, host_load: float = 1.0) -> None:
         self.K, self.B, self.load, self.mb = K, B, load, max_batch
         self._resident = resident or (lambda name: set())
         self._loading = loading or (lambda name: {})   # per executor: expert -> seconds its load still needs
+        self._host = host or (lambda name: set())      # per executor: experts it copies from the host tier
+        self.host_load = host_load
 
     def exec_cost(self, executor: str, expert_id: str) -> tuple[float, float]:
         return self.K, self.B
 
     def tier_of(self, executor: str, expert_id: str) -> str:
-        """'resident' (loading counts as arriving) or 'ssd'."""
-        return "resident" if expert_id in self._resident(executor) or expert_id in self._loading(executor) else "ssd"
+        """'resident' (loading counts as arriving), 'host' or 'ssd'."""
+        if expert_id in self._resident(executor) or expert_id in self._loading(executor):
+            return "resident"
+        return "host" if expert_id in self._host(executor) else "ssd"
 
     def switch_cost(self, executor: str, expert_id: str) -> float:
-        if expert_id in self._loading(executor):
-            return self._loading(executor)[expert_id]
-        return 0.0 if expert_id in self._resident(executor) else self.load
+        tier = self.tier_of(executor, expert_id)
+        if tier == "resident":
+            return self._loading(executor).get(expert_id, 0.0)
+        return self.host_load if tier == "host" else self.load
 
     def ssd_seconds(self, executor: str, expert_id: str) -> float:
-        return self.switch_cost(executor, expert_id)
+        """A read under way counts what is left of it (every load here is a read, but a copy from the host tier)."""
+        return 0.0 if self.tier_of(executor, expert_id) == "host" else self.switch_cost(executor, expert_id)
 
     def ssd_inflight(self) -> float:
         return 0.0
@@ -662,7 +669,7 @@ class Scheduler:
         return pick
 
     def _fill(self, executor: str, q: _Queue, head: _Group) -> _Group:
-        """The head, or a resident group to serve while the head's expert loads (policy `fill`).
+        """The head, or a group to serve while the head's expert loads (policy `fill`).
 
         A batch waits for its expert's load, and the executor with it.  If the
         head's expert is already loading (the executor's prefetcher took it up
@@ -674,6 +681,15 @@ class Scheduler:
         bounded by the load's.  One batch only (`_pick` does not drain the
         filler on), and never for a head the age bound has made due: an
         overdue head is served as it is.
+
+        With no resident group that fits, a group whose expert this executor
+        copies from the host tier fills too, if its copy and the whole group
+        in one batch end within the wait.  On a line the slowest frames were
+        rare types whose experts sat in the host tier, queued behind a head
+        whose SSD read waited behind other reads (A2 at F = 0.8, simulated:
+        2.5 s for a 0.02 s copy and batch).  Resident groups go first (a copy
+        costs a victim); only a whole group, or the copy is made again for the
+        rest of it (B1 with 500 types, flood: +41 switches, -10% throughput).
         """
         if self.max_wait is not None and head.times and self._now() - head.times[0] > self.max_wait:
             return head
@@ -683,14 +699,24 @@ class Scheduler:
         wait = self.costs.switch_cost(executor, head.expert_id)   # what its load under way still needs
         if wait <= 0:
             return head
+        copier = None
         for g in itertools.islice(q.groups, 1, FILL_WINDOW):
             x = g.expert_id
-            if self.costs.switch_cost(executor, x) > 0:
+            tier = tier_of(executor, x)
+            if tier == "ssd" or (tier == "resident" and self.costs.switch_cost(executor, x) > 0):
                 continue
+            cap = self._cap(executor, x)
             K, B = self.costs.exec_cost(executor, x)
-            if K * min(len(g.requests), self._cap(executor, x)) + B <= wait:
-                self.filled += 1
-                return g
+            if tier == "resident":
+                if K * min(len(g.requests), cap) + B <= wait:
+                    self.filled += 1
+                    return g
+            elif copier is None and len(g.requests) <= cap and \
+                    self.costs.switch_cost(executor, x) + K * len(g.requests) + B <= wait:
+                copier = g
+        if copier is not None:
+            self.filled += 1
+            return copier
         return head
 
     def finished(self, batch: Batch, *, lost: bool = False) -> None:

@@ -128,6 +128,47 @@ def test_the_head_runs_first_unless_a_resident_group_ends_within_its_load(case):
         assert s2.next_batch("q", timeout=0).expert_id == "b" and s2.filled == 1
 
 
+def _host_queue(groups: list[tuple[str, int]], *, resident=(), host=(), wait: float = 3.0, max_batch: int = 4):
+    """One queue: head 'h' (its load under way, `wait` s left), then `groups` (expert, requests) in order.
+    K = B = 0.5 s; a copy from the host tier 1 s, a read from the SSD 10 s."""
+    s = Scheduler(["q"], "coserve", costs=FixedCosts(K=0.5, B=0.5, load=10.0, max_batch=max_batch,
+                                                     resident=lambda n: set(resident), loading=lambda n: {"h": wait},
+                                                     host=lambda n: set(host), host_load=1.0))
+    i = 0
+    for e, n in [("h", 1), *groups]:
+        for _ in range(n):
+            s.submit(req(e, i))
+            i += 1
+    assert s.queued_groups("q") == ["h", *(e for e, _ in groups)]
+    return s
+
+
+def test_a_group_in_the_host_tier_fills_when_its_copy_and_batch_end_within_the_heads_load():
+    """A2 at F = 0.8 (simulated): rare types whose experts sat in the host tier waited 2.5 s behind a head
+    whose SSD read was queued, though their copy and batch took 0.02 s.  Copy 1 + K 0.5 * 2 + B 0.5 = 2.5 s
+    fits a 3 s wait, not a 2.4 s one; an SSD group never fills."""
+    s = _host_queue([("s", 1), ("c", 2)], host={"c"})
+    b = s.next_batch("q", timeout=0)
+    assert b.expert_id == "c" and len(b) == 2 and s.filled == 1
+    s2 = _host_queue([("s", 1), ("c", 2)], host={"c"}, wait=2.4)
+    assert s2.next_batch("q", timeout=0).expert_id == "h" and s2.filled == 0
+
+
+def test_a_resident_filler_goes_before_an_earlier_group_that_needs_a_copy():
+    """A copy costs a victim and the copy's time; a resident group fills for free, so it is preferred."""
+    s = _host_queue([("c", 1), ("r", 1)], resident={"r"}, host={"c"})
+    assert s.next_batch("q", timeout=0).expert_id == "r"
+
+
+def test_a_group_in_the_host_tier_fills_only_if_one_batch_takes_all_of_it():
+    """A copy made for part of a group would be made again for the rest (B1 with 500 types, skew 0.5,
+    flood: 41 more switches and -10% throughput when partial groups filled)."""
+    s = _host_queue([("c", 5)], host={"c"}, wait=100.0, max_batch=4)
+    assert s.next_batch("q", timeout=0).expert_id == "h" and s.filled == 0
+    s2 = _host_queue([("c", 4)], host={"c"}, wait=100.0, max_batch=4)
+    assert len(s2.next_batch("q", timeout=0)) == 4 and s2.filled == 1
+
+
 def test_fill_finds_a_resident_group_far_behind_the_head():
     """The head's expert loads; 40 groups behind it need loads too; the 42nd group is resident.  Fill looks
     that far back (FILL_WINDOW): with a window of 8, a hot resident group (a shared detector) queued behind
