@@ -376,6 +376,24 @@ class HostReadSource:
                 and value.nbytes == self.fallback.size(expert_id))
 
 
+_streams = threading.local()
+
+
+def _side_stream(device):
+    """This thread's side stream on `device`, made once: a demotion runs on whichever thread evicts (an
+    executor's, a prefetcher's), each copy is synchronised before it returns, so one stream per thread
+    and device serves every copy; making a stream per demotion cost a driver call each time."""
+    import torch
+
+    cache = getattr(_streams, "by_device", None)
+    if cache is None:
+        cache = _streams.by_device = {}
+    stream = cache.get(device)
+    if stream is None:
+        stream = cache[device] = torch.cuda.Stream(device)
+    return stream
+
+
 def host_copy(src: FlatWeights, reuse: list, *, pin: bool, spares: SpareBuffers | None = None) -> FlatWeights:
     """A host-memory copy of `src`, finished when this returns.
 
@@ -395,7 +413,7 @@ def host_copy(src: FlatWeights, reuse: list, *, pin: bool, spares: SpareBuffers 
         old = spares.take(src.nbytes, cpu, pin)
     dst = old.buffer if old is not None else host_empty(src.nbytes, pin)
     if src.buffer.device.type == "cuda":
-        stream = torch.cuda.Stream(src.buffer.device)
+        stream = _side_stream(src.buffer.device)
         with torch.cuda.stream(stream):
             dst.copy_(src.buffer, non_blocking=dst.is_pinned())
         stream.synchronize()

@@ -415,3 +415,30 @@ def test_present_above_counts_the_queued_and_what_the_pools_above_hold():
     assert present_above([{"det-x"}, set()], [gpu]) == {"cls-a", "det-x"}
     assert present_above([], [gpu]) == {"cls-a"}
     assert present_above([{"det-x"}], []) == {"det-x"}
+
+
+def test_a_demotion_copies_on_its_threads_one_side_stream_not_a_new_stream_each_time(monkeypatch):
+    """host_copy used to make a CUDA stream per demotion.  On this CPU box torch.cuda.Stream is played by a
+    recorder (a test double for the GPU only): one stream per thread and device, made once."""
+    import threading
+
+    import torch
+
+    from storage import tiers
+
+    made = []
+
+    class Recorder:
+        def __init__(self, device):
+            made.append((threading.get_ident(), device))
+
+    monkeypatch.setattr(torch.cuda, "Stream", Recorder)
+    monkeypatch.setattr(tiers, "_streams", threading.local())
+    a, b = torch.device("cuda", 0), torch.device("cuda", 1)
+    s1, s2, s3 = tiers._side_stream(a), tiers._side_stream(a), tiers._side_stream(b)
+    assert s1 is s2 and s3 is not s1 and len(made) == 2
+    other = []
+    t = threading.Thread(target=lambda: other.append(tiers._side_stream(a)))
+    t.start()
+    t.join()
+    assert other[0] is not s1 and len(made) == 3
