@@ -84,8 +84,8 @@ class _SchedulerCollector:
                                                         "of the head group", labels=["line"])
         fam.add_metric([self.line], float(getattr(self.scheduler, "aged", 0)))
         yield fam
-        fam = CounterMetricFamily("coe_scheduler_filled", "Batches of a resident expert served while the head "
-                                                          "group's expert was still to load", labels=["line"])
+        fam = CounterMetricFamily("coe_scheduler_filled", "Batches served while the head group's expert was still "
+                                                          "to load (a resident expert, or one copied from the host tier)", labels=["line"])
         fam.add_metric([self.line], float(getattr(self.scheduler, "filled", 0)))
         yield fam
         if self.read_ahead is not None:

@@ -147,7 +147,7 @@ class ProfileCosts:
     """
 
     def __init__(self, model: CoEModel, executors: dict[str, ExecutorInfo], profile: Profile | None = None, *,
-                 host=None, default_max_batch: int = 16, ssd_inflight=None, arriving=None,
+                 host=None, default_max_batch: int = 16, ssd_inflight=None, arriving=None, host_arriving=None,
                  stored: StoredLookup | None = None, frame_bytes: int = DEFAULT_FRAME_BYTES) -> None:
         self.model, self.executors, self.profile, self.host = model, executors, profile, host
         self.frame_bytes = frame_bytes
@@ -160,6 +160,10 @@ class ProfileCosts:
                             "switches are predicted at the plain load (rerun `coe-agent profile`)", packed)
         self._ssd_inflight = ssd_inflight
         self._arriving = arriving or (lambda executor, expert_id: 0.0)
+        # seconds until the host tier's copy of an expert is there to copy from: the simulator admits an SSD
+        # read into the host tier when it is issued, so a copy may still be on its way (the agent's host tier
+        # holds an expert only once its read is in, so there it is 0)
+        self._host_arriving = host_arriving or (lambda executor, expert_id: 0.0)
         self._speed = {name: self._full_load_speed(name) for name in executors}
         self._arch: dict[tuple[str, str], ArchProfile] = {}
         self.estimated: set[str] = set()
@@ -241,10 +245,13 @@ class ProfileCosts:
 
     def switch_cost(self, executor: str, expert_id: str) -> float:
         """The load time from the tier where the expert lives; for one already loading (resident in the
-        pool's books), what is left of its load where that is known (the simulator's prefetches)."""
+        pool's books), what is left of its load where that is known (the simulator's prefetches); from the
+        host tier, after its copy there has arrived (`host_arriving`)."""
         tier = self.tier_of(executor, expert_id)
         if tier == "resident":
             return self._arriving(executor, expert_id)
+        if tier == "host":
+            return self._host_arriving(executor, expert_id) + self.load_seconds(executor, expert_id, tier)
         return self.load_seconds(executor, expert_id, tier)
 
     def load_seconds(self, executor: str, expert_id: str, tier: str) -> float:

@@ -86,7 +86,8 @@ from typing import Protocol
 
 from coe import CoEError, Request
 
-# Groups past the head that `fill` looks at (each one a cost-model call; the scan stops at the first that fits).
+# Groups past the head that `fill` looks at (each one a cost-model call; the scan stops at the first resident
+# group that fits, and runs the whole window only when none does).
 # 8 left a hot resident group queued far back (a shared detector behind many switches) waiting out every load
 # until the end of a flood; at 256 the simulated decision cost rose from 34 to 38 us (A2 flood).
 FILL_WINDOW = 256
@@ -138,7 +139,8 @@ class SchedulerPolicy:
     ssd_aware: bool = False   # the shared SSD is a resource in the assignment objective
     steal: bool = False       # an idle executor takes a waiting group that would finish sooner on it
     work_aware: bool = False  # the objective also charges what a choice adds to the executors' mean time
-    fill: bool = False        # while the head group's expert loads, serve a resident group that ends before it
+    fill: bool = False        # while the head group's expert loads, serve a group that ends before it (a resident
+    #                           one, else one copied whole from the host tier)
     followups: bool = False   # a frame's later step that starts a new group goes right behind the head
 
 

@@ -393,10 +393,13 @@ def simulate(workload: Workload, profile: Profile, system: SimSystem, *, record_
     host = hosts.get(0)
     ssd_free = [0.0] * system.boxes         # per box: when its SSD channel is free
     link_free = [0.0] * system.boxes        # per box: when the link to it is free (box 0 has none)
+    box_of = {e.name: e.box for e in system.executors}
     costs = ProfileCosts(model, infos, profile, host=host,
                          ssd_inflight=lambda channel="0": max(ssd_free[int(channel)] - clock[0], 0.0)
                          + planned_ssd(int(channel)),
-                         arriving=lambda name, e: max(ready.get((name, e), 0.0) - clock[0], 0.0), stored=stored,
+                         arriving=lambda name, e: max(ready.get((name, e), 0.0) - clock[0], 0.0),
+                         host_arriving=lambda name, e: max(avail.get((box_of[name], e), 0.0) - clock[0], 0.0),
+                         stored=stored,
                          frame_bytes=system.frame_bytes)
     sched = Scheduler([e.name for e in system.executors], system.scheduler, costs=costs,
                       tie_seconds=system.tie_seconds, now=lambda: clock[0], max_wait=system.max_wait)

@@ -120,6 +120,26 @@ def test_splitter_never_exceeds_memory(act, weight, resident, memory, max_batch)
         assert n == 1 or used + n * act <= memory      # one request always runs; more only if they fit
 
 
+def test_a_host_tier_copy_still_on_its_way_costs_its_wait_before_the_copy():
+    """In the simulator the host tier takes an SSD read's expert when the read is issued (`avail` says when
+    it lands); a copy from it starts then, so the switch is that wait plus the copy, not the copy alone
+    (fill would otherwise run a host-tier group that blocks past the head's load)."""
+    model = parse_spec(TINY_SPEC).with_sizes({e: 10 for e in parse_spec(TINY_SPEC).experts})
+    x = next(iter(model.experts))
+    pool = Pool("cpu", 100, make_policy("lru"), SizedSource({e: 10 for e in model.experts}))
+    host = Pool("host", 100, make_policy("lru"), SizedSource({e: 10 for e in model.experts}))
+    host.release(host.acquire(x))
+    prof = tiny_profile()
+    copy = prof.archs[Profile.key(model.experts[x].arch, "cpu")].load("host")
+    wait = {x: 0.25}
+    costs = ProfileCosts(model, {"q": ExecutorInfo("cpu", 100, pool, host_reads=True)}, prof, host=host,
+                         host_arriving=lambda n, e: wait.get(e, 0.0))
+    assert costs.tier_of("q", x) == "host"
+    assert costs.switch_cost("q", x) == pytest.approx(0.25 + copy)
+    wait.clear()
+    assert costs.switch_cost("q", x) == pytest.approx(copy)
+
+
 def tiny_profile() -> Profile:
     archs = [ArchProfile("torchvision/mobilenet_v3_small", "cpu", 0.004, 0.006, 8, 3_700_000, 2_000_000,
                          {"ssd": 0.02, "host": 0.005}),

@@ -154,10 +154,22 @@ def test_a_group_in_the_host_tier_fills_when_its_copy_and_batch_end_within_the_h
     assert s2.next_batch("q", timeout=0).expert_id == "h" and s2.filled == 0
 
 
+def test_a_group_that_needs_an_ssd_read_never_fills_however_long_the_wait():
+    """Its read would queue on the SSD with the head's own: load 10 s + batch 1 s fits a 100 s wait, and still
+    the head is served."""
+    s = _host_queue([("s", 1)], wait=100.0)
+    assert s.next_batch("q", timeout=0).expert_id == "h" and s.filled == 0
+
+
+def test_of_two_host_groups_that_fit_the_first_in_queue_order_fills():
+    s = _host_queue([("c", 1), ("d", 1)], host={"c", "d"}, wait=100.0)
+    assert s.next_batch("q", timeout=0).expert_id == "c" and s.filled == 1
+
+
 def test_a_resident_filler_goes_before_an_earlier_group_that_needs_a_copy():
     """A copy costs a victim and the copy's time; a resident group fills for free, so it is preferred."""
     s = _host_queue([("c", 1), ("r", 1)], resident={"r"}, host={"c"})
-    assert s.next_batch("q", timeout=0).expert_id == "r"
+    assert s.next_batch("q", timeout=0).expert_id == "r" and s.filled == 1
 
 
 def test_a_group_in_the_host_tier_fills_only_if_one_batch_takes_all_of_it():
