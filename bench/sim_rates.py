@@ -5,7 +5,7 @@ this gives it side by side at the same rates (frames evenly spaced), so a
 lever that raises the sustained rate is not judged at a higher rate.
 Simulation on profiled costs (virtual clock), not a real run.
 
-Usage:  python bench/sim_rates.py [--systems coserve,-readahead,-fill] [--rates 8.6,10,11.5,11.9]
+Usage:  python bench/sim_rates.py [--systems coserve,-readahead,-fill] [--rates 8.6,10,11.5,11.9] [--plot PNG]
 Prints a table and one JSON line.
 """
 from __future__ import annotations
@@ -18,7 +18,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from edge_agent.bench import GPU_CLASS, build_system, make_workload, simulate, task  # noqa: E402
+from edge_agent.bench import GPU_CLASS, build_system, latency_chart, make_workload, simulate, task  # noqa: E402
 from executors.profile import Profile  # noqa: E402
 
 
@@ -28,6 +28,7 @@ def main() -> None:
     ap.add_argument("--rates", default="8.6,10,11.5,11.9", help="frames/s, comma separated")
     ap.add_argument("-w", "--workload", default="A1,A2,B1,B2")
     ap.add_argument("--profile", default=str(GPU_CLASS))
+    ap.add_argument("--plot", metavar="PNG", help="also draw p99 against the rate, a panel per task, to this PNG")
     args = ap.parse_args()
     prof = Profile.load(args.profile)
     tasks, systems = args.workload.split(","), args.systems.split(",")
@@ -43,6 +44,16 @@ def main() -> None:
             out.setdefault(s, {})[str(rate)] = dict(zip(tasks, (round(p, 3) for p in p99)))
             cells.append(" / ".join(f"{p:.2f}" for p in p99))
         print(f"{rate:6.1f}  " + "  ".join(f"{c:>32}" for c in cells), flush=True)
+    if args.plot:
+        import matplotlib.pyplot as plt
+
+        fig = latency_chart({s: {float(r): v for r, v in by_rate.items()} for s, by_rate in out.items()},
+                            f"p99 against the arrival rate, frames evenly spaced; simulation on {Path(args.profile).name}, "
+                            "not a real run")
+        Path(args.plot).parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(args.plot, dpi=110)
+        plt.close(fig)
+        print(f"chart: {args.plot}")
     print(json.dumps({"bench": "sim_rates", "profile": args.profile, "p99_s": out}))
 
 

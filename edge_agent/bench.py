@@ -441,6 +441,43 @@ def chart(results: dict[str, list[dict]], title: str):
     return fig
 
 
+def latency_chart(p99: dict[str, dict[float, dict[str, float]]], title: str, target: float = 2.0):
+    """p99 against the arrival rate, one panel per task and one line per system, log scale, with the target.
+
+    `p99[system][rate][task]` in seconds (what `bench/sim_rates.py` measures).  A
+    table of p99 per rate hides where each system's latency turns up; beyond
+    its sustained rate a backlog grows through the run and p99 climbs by orders
+    of magnitude, so the y axis is logarithmic.
+    """
+    import textwrap
+
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    systems = list(p99)
+    rates = sorted({r for by_rate in p99.values() for r in by_rate})
+    tasks = list(next(iter(p99[systems[0]].values())))
+    fig, axes = plt.subplots(1, len(tasks), figsize=(3.2 * len(tasks), 3.6), sharey=True, squeeze=False,
+                             layout="constrained")
+    colors = plt.get_cmap("tab10").colors
+    for ax, t in zip(axes[0], tasks):
+        for i, s in enumerate(systems):
+            xs = [r for r in rates if r in p99[s]]
+            ax.plot(xs, [max(p99[s][r][t], 1e-3) for r in xs], marker="o", ms=3, label=s,
+                    color=colors[i % len(colors)])
+        ax.axhline(target, ls="--", lw=0.8, color="grey")
+        ax.set_yscale("log")
+        ax.set_title(t, fontsize=9)
+        ax.set_xlabel("frames/s")
+    axes[0][0].set_ylabel(f"p99 latency, s (dashed: {target:g} s)")
+    fig.suptitle("\n".join(textwrap.wrap(title, 110)), fontsize=8)
+    fig.legend(*axes[0][0].get_legend_handles_labels(), loc="outside lower center", ncol=min(len(systems), 6),
+               fontsize=7, frameon=False)
+    return fig
+
+
 def machine() -> str:
     return f"{platform.node()} ({os.cpu_count()} CPU cores)"
 

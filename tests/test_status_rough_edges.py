@@ -135,3 +135,31 @@ def test_the_bench_chart_keeps_its_whole_title_and_legend_inside_the_figure(work
         assert len(colours) == systems                                         # one colour per system
     finally:
         plt.close(fig)
+
+
+def test_the_latency_chart_draws_a_panel_per_task_a_line_per_system_and_the_target():
+    """`bench/sim_rates.py --plot`: p99 against the rate.  Each system's points are where it was measured,
+    the y axis is logarithmic (past a system's sustained rate p99 climbs by orders of magnitude), and the
+    dashed target line is on every panel."""
+    import matplotlib.pyplot as plt
+
+    from edge_agent.bench import latency_chart
+
+    p99 = {"coserve": {8.6: {"A1": 0.9, "B2": 0.7}, 16.7: {"A1": 1.8, "B2": 2.1}},
+           "samba": {8.6: {"A1": 40.0, "B2": 35.0}}}
+    fig = latency_chart(p99, "test")
+    try:
+        fig.canvas.draw()
+        assert [ax.get_title() for ax in fig.axes] == ["A1", "B2"]
+        for ax, t in zip(fig.axes, ["A1", "B2"]):
+            assert ax.get_yscale() == "log"
+            lines = {ln.get_label(): ln for ln in ax.get_lines() if not ln.get_label().startswith("_")}
+            assert set(lines) == {"coserve", "samba"}
+            assert list(lines["coserve"].get_xdata()) == [8.6, 16.7]
+            assert list(lines["coserve"].get_ydata()) == [p99["coserve"][8.6][t], p99["coserve"][16.7][t]]
+            assert list(lines["samba"].get_xdata()) == [8.6]
+            target = [ln for ln in ax.get_lines() if ln.get_linestyle() == "--"]
+            assert len(target) == 1 and list(target[0].get_ydata()) == [2.0, 2.0]
+        assert {t.get_text() for t in fig.legends[0].get_texts()} == {"coserve", "samba"}
+    finally:
+        plt.close(fig)
