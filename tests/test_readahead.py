@@ -368,6 +368,56 @@ def test_fill_runs_a_resident_batch_while_a_real_prefetch_is_loading_the_head(st
         pf.close()
 
 
+def test_fill_copies_a_host_tier_group_in_while_a_real_prefetch_is_loading_the_head(store, monkeypatch):
+    """The same chain with the filler in the host tier, not the pool: a CPU executor's pool copies it from
+    the real host tier (`HostReadSource`) while the head's prefetch is still held on its SSD read, and the
+    copy's bytes are the expert's.  Copy 0.1 s + batch 0.2 s fit the head's 5 s; the head runs next."""
+    import time
+
+    from executors.prefetch import Prefetcher
+    from storage.tiers import HostReadSource
+
+    src = StoreSource(store)
+    gate = threading.Event()
+    real = src.load
+    monkeypatch.setattr(src, "load", lambda eid, reuse=None: (gate.wait(10) if eid == "a" else True)
+                        and real(eid, reuse))
+    host = Pool("host", 4 * N, make_policy("lru"), StoreSource(store), name="host")
+    host.release(host.acquire("b"))
+    reader = HostReadSource(host, src)
+    pool = Pool("cpu", 4 * N, make_policy("lru"), reader, name="cpu")
+    pf = Prefetcher(pool, "q", clock=lambda: 100.0)
+    costs = FixedCosts(K=0.1, B=0.1, load=5.0, resident=lambda n: set(pool.resident()),
+                       loading=lambda n: {e: pf.remaining(e) for e in ("a",) if pf.remaining(e) > 0},
+                       host=lambda n: {e for e in host.resident() if reader.compatible(e)}, host_load=0.1)
+    s = Scheduler(["q"], "coserve", costs=costs)
+    try:
+        for i, e in enumerate("aab"):
+            s.submit(req(e, i))
+        pf.hint("a", expected=5.0)
+        for _ in range(500):
+            if pool.present("a"):
+                break
+            time.sleep(0.01)
+        first = s.next_batch("q", timeout=0)
+        assert first.expert_id == "b" and s.filled == 1
+        handle = pool.acquire("b")                          # what the executor does with the batch
+        try:
+            assert torch.equal(handle.value.tensors()["w"], torch.full((N // 4,), FILL["b"]))
+        finally:
+            pool.release(handle)
+        # b was copied from the host tier; the one SSD read is a's, still held on the gate
+        assert reader.from_host == 1 and reader.from_ssd == 1 and not pool.contains("a")
+        s.finished(first)
+        gate.set()
+        assert pf.idle(10)
+        second = s.next_batch("q", timeout=0)
+        assert second.expert_id == "a" and s.filled == 1
+    finally:
+        gate.set()
+        pf.close()
+
+
 def test_a_head_its_executor_cannot_take_from_the_host_tier_still_counts_as_the_head(store):
     """The head is left to its executor whatever it is; the group right behind it is the first candidate."""
     box = Box(store)
