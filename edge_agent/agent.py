@@ -88,6 +88,10 @@ class _SchedulerCollector:
                                                           "to load (a resident expert, or one copied from the host tier)", labels=["line"])
         fam.add_metric([self.line], float(getattr(self.scheduler, "filled", 0)))
         yield fam
+        fam = CounterMetricFamily("coe_scheduler_held", "Head groups an executor waited on, free for fillers, "
+                                                        "while their expert loaded", labels=["line"])
+        fam.add_metric([self.line], float(getattr(self.scheduler, "held", 0)))
+        yield fam
         if self.read_ahead is not None:
             fam = CounterMetricFamily("coe_read_ahead_reads", "Experts an idle SSD read into the host tier ahead "
                                                               "of their queued batch", labels=["line"])

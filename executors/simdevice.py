@@ -547,6 +547,12 @@ def simulate(workload: Workload, profile: Profile, system: SimSystem, *, record_
         loads = src.loads[n_loads:]
         ready[(name, nxt)] = read(name, start, loads, book=False)
         planned[jid] = (name, nxt, loads)
+        wake(ready[(name, nxt)])
+
+    def wake(t: float) -> None:
+        """Look at the executors again at `t`, when a prefetch lands: one holding its head for that load
+        (the scheduler's `hold`) takes it then, as the agent's executor wakes on the pool's load event."""
+        heapq.heappush(events, (t, next(seq), "wake", None))
 
     def planned_ssd(b: int) -> float:
         """SSD seconds of box b's planned prefetches that have not taken their place on the SSD yet."""
@@ -561,6 +567,7 @@ def simulate(workload: Workload, profile: Profile, system: SimSystem, *, record_
         name, nxt, loads = got
         if (name, nxt) in ready:   # not evicted since it was planned
             ready[(name, nxt)] = read(name, now, loads, kind="prefetch")
+            wake(ready[(name, nxt)])
 
     def reschedule(finishes: list) -> None:
         for t, jid, version in finishes:
@@ -575,7 +582,7 @@ def simulate(workload: Workload, profile: Profile, system: SimSystem, *, record_
             ok[a.frame_id] = a.ok
             frame = Frame(a.frame_id, "sim", "sim", a.component, a.t, None, received_at=a.t)
             sched.submit(Request(frame, model.components[a.component].classifier))
-        elif kind == "ssd-free":
+        elif kind in ("ssd-free", "wake"):
             pass
         elif kind == "compute":
             book_prefetch(data)

@@ -24,7 +24,7 @@ the host memory behind them.  How each spends it:
   own SSD, and the front box reaches the others over `link`.
 - Samba-CoE FIFO and Parallel, and CoServe's ablations (the paper's: none, em,
   em+ra; ours: -ssd, -steal, -exclusive, -age, -protect, -work, -hostread,
-  -readahead, -fill, -cpuqueued, -admit, -ties, -gpufirst, -followup, each CoServe with one lever
+  -readahead, -fill, -hold, -cpuqueued, -admit, -ties, -gpufirst, -followup, each CoServe with one lever
   off),
   change one knob each.  In CoServe a victim moving down enters a full host
   tier only if the eviction policy ranks it above what it would push out,
@@ -64,7 +64,7 @@ from .simdevice import SimExecutor, SimSystem
 
 SYSTEMS = ("coserve", "coserve-paper", "samba", "samba-fifo", "samba-parallel", "none", "em", "em+ra",
            "-ssd", "-steal", "-exclusive", "-age", "-protect", "-work", "-hostread", "-readahead", "-fill",
-           "-cpuqueued", "-admit", "-ties", "-gpufirst", "-followup", "+cpudemote")
+           "-hold", "-cpuqueued", "-admit", "-ties", "-gpufirst", "-followup", "+cpudemote")
 DEFAULT = SYSTEMS
 MAX_WAIT = 2.0   # seconds: CoServe's age bound in the benchmark (the agent's default, scheduler.max_wait)
 
@@ -138,6 +138,7 @@ def build_system(name: str, profile: Profile, *, init: str = "warm", boxes: int 
         "-readahead": (co, "coserve", "coserve", host, "exclusive", MAX_WAIT),
         "+cpudemote": (co, "coserve", "coserve", host, "exclusive", MAX_WAIT),
         "-fill": (co, "coserve-nofill", "coserve", host, "exclusive", MAX_WAIT),
+        "-hold": (co, "coserve-nohold", "coserve", host, "exclusive", MAX_WAIT),
         "-cpuqueued": (co, "coserve", "coserve", host, "exclusive", MAX_WAIT),
         "-admit": (co, "coserve", "coserve", host, "exclusive", MAX_WAIT),
         "-ties": (co, "coserve", "coserve-recencyties", host, "exclusive", MAX_WAIT),

@@ -87,6 +87,7 @@ def test_every_frame_gets_exactly_one_verdict(agent, tiny_recording):
     assert "coe_expert_evictions_total" in text and "coe_queue_depth" in text
     assert f'coe_scheduler_aged_total{{line="T"}} {float(agent.scheduler.aged)}' in text
     assert f'coe_scheduler_filled_total{{line="T"}} {float(agent.scheduler.filled)}' in text
+    assert f'coe_scheduler_held_total{{line="T"}} {float(agent.scheduler.held)}' in text
     assert "coe_read_ahead_reads" not in text          # a CPU-only line has no host tier to read ahead into
 
 

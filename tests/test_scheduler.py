@@ -116,7 +116,8 @@ def test_a_resident_group_runs_while_the_head_expert_loads():
 @pytest.mark.parametrize("case", ["paper rule", "no fill lever", "head resident", "head not loading",
                                   "other not resident", "other too long"])
 def test_the_head_runs_first_unless_a_resident_group_ends_within_its_load(case):
-    policy = {"paper rule": "coserve-paper", "no fill lever": "coserve-nofill"}.get(case, "coserve")
+    # fill's choice alone: with `hold` (coserve) a head still loading that nothing fills is waited on, not taken
+    policy = {"paper rule": "coserve-paper", "no fill lever": "coserve-nofill"}.get(case, "coserve-nohold")
     resident = {"head resident": {"a", "b"}, "other not resident": set()}.get(case, {"b"})
     loading = {} if case in ("head not loading", "head resident") else {"a": 2.5}
     K = 1.6 if case == "other too long" else 1.0      # b's batch: K + B = 2.0 s fits a 2.5 s wait, 2.6 s does not
@@ -128,10 +129,12 @@ def test_the_head_runs_first_unless_a_resident_group_ends_within_its_load(case):
         assert s2.next_batch("q", timeout=0).expert_id == "b" and s2.filled == 1
 
 
-def _host_queue(groups: list[tuple[str, int]], *, resident=(), host=(), wait: float = 3.0, max_batch: int = 4):
+def _host_queue(groups: list[tuple[str, int]], *, resident=(), host=(), wait: float = 3.0, max_batch: int = 4,
+                policy: str = "coserve-nohold"):
     """One queue: head 'h' (its load under way, `wait` s left), then `groups` (expert, requests) in order.
-    K = B = 0.5 s; a copy from the host tier 1 s, a read from the SSD 10 s."""
-    s = Scheduler(["q"], "coserve", costs=FixedCosts(K=0.5, B=0.5, load=10.0, max_batch=max_batch,
+    K = B = 0.5 s; a copy from the host tier 1 s, a read from the SSD 10 s.  Fill's choice alone (no `hold`:
+    a head that nothing fills is taken, not waited on)."""
+    s = Scheduler(["q"], policy, costs=FixedCosts(K=0.5, B=0.5, load=10.0, max_batch=max_batch,
                                                      resident=lambda n: set(resident), loading=lambda n: {"h": wait},
                                                      host=lambda n: set(host), host_load=1.0))
     i = 0
@@ -181,6 +184,84 @@ def test_a_group_in_the_host_tier_fills_only_if_one_batch_takes_all_of_it():
     assert len(s2.next_batch("q", timeout=0)) == 4 and s2.filled == 1
 
 
+# -- hold: while the head's expert loads and nothing fills, wait for the load (or a filler), do not block on it --
+
+def test_a_head_still_loading_that_nothing_fills_is_waited_on_not_taken():
+    loading = {"a": 2.0}
+    s = _queue("coserve", set(), loading=loading)          # b needs a load too: nothing fills
+    assert s.next_batch("q", timeout=0) is None and s.held == 1 and s.filled == 0
+    assert s.next_batch("q", timeout=0) is None and s.held == 1       # the same head: counted once
+    loading.clear()                                         # its load is in
+    s.costs._resident = lambda n: {"a"}
+    b = s.next_batch("q", timeout=0)
+    assert b.expert_id == "a" and len(b) == 2
+    s2 = _queue("coserve-nohold", set(), loading={"a": 2.0})
+    assert s2.next_batch("q", timeout=0).expert_id == "a" and s2.held == 0   # the lever off: taken, as before
+    s3 = _queue("coserve-nofill", set(), loading={"a": 2.0})
+    assert s3.next_batch("q", timeout=0).expert_id == "a" and s3.held == 0   # hold is part of fill
+
+
+def test_a_queue_in_backlog_takes_its_loading_head_rather_than_hold():
+    """Hold only while the queue holds at most `max_wait` of predicted work: deeper, throughput comes first.
+    Here the queue predicts a's load (2 s) + 2 x K + B (3 s) + b's switch and batch: over a 1 s bound, under
+    a 100 s one."""
+    s = _queue("coserve", set(), loading={"a": 2.0}, max_wait=1.0)
+    assert s.estimate("q") > 1.0
+    assert s.next_batch("q", timeout=0).expert_id == "a" and s.held == 0
+    s2 = _queue("coserve", set(), loading={"a": 2.0}, max_wait=100.0)
+    assert s2.next_batch("q", timeout=0) is None and s2.held == 1
+
+
+def test_a_held_executor_takes_a_filler_submitted_while_it_waits():
+    """The executor is inside next_batch, waiting on a head whose load needs 100 s more; a request for a
+    resident expert arrives: it is handed out at once (submit notifies), well before the load's estimate."""
+    s = _queue("coserve", {"r"}, loading={"a": 100.0})
+    got = []
+    t = threading.Thread(target=lambda: got.append(s.next_batch("q", timeout=None)))
+    t.start()
+    for _ in range(200):
+        if s.held:
+            break
+        threading.Event().wait(0.01)
+    assert s.held == 1 and not got
+    s.submit(req("r", 9))
+    t.join(10)
+    assert not t.is_alive() and got[0].expert_id == "r" and s.filled == 1
+
+
+def test_a_held_executor_takes_the_head_when_its_load_lands():
+    """The pool's load event calls `refresh`, which wakes an executor holding for that load, rather than
+    leaving it to sleep out the estimate (100 s here)."""
+    loading = {"a": 100.0}
+    s = _queue("coserve", set(), loading=loading)
+    got = []
+    t = threading.Thread(target=lambda: got.append(s.next_batch("q", timeout=None)))
+    t.start()
+    for _ in range(200):
+        if s.held:
+            break
+        threading.Event().wait(0.01)
+    assert s.held == 1 and not got
+    loading.clear()
+    s.costs._resident = lambda n: {"a"}
+    s.refresh("a", "q")
+    t.join(10)
+    assert not t.is_alive() and got[0].expert_id == "a"
+
+
+def test_a_group_being_drained_is_never_held():
+    """A group picked with more requests than one batch is served to the end, even if its expert is reported
+    as loading again meanwhile (evicted and being read back)."""
+    loading: dict = {}
+    s = _queue("coserve", {"a", "b"}, loading=loading, max_batch=1)
+    first = s.next_batch("q", timeout=0)
+    assert first.expert_id == "a"
+    s.finished(first)
+    loading["a"] = 5.0
+    second = s.next_batch("q", timeout=0)
+    assert second is not None and second.expert_id == "a" and s.held == 0
+
+
 def test_fill_finds_a_resident_group_far_behind_the_head():
     """The head's expert loads; 40 groups behind it need loads too; the 42nd group is resident.  Fill looks
     that far back (FILL_WINDOW): with a window of 8, a hot resident group (a shared detector) queued behind
@@ -219,7 +300,7 @@ def test_fill_never_passes_over_an_overdue_head():
     """The head itself has waited past max_wait: it is served now, even with its load under way and a
     resident group behind it."""
     clock = [0.0]
-    s = _queue("coserve", {"b"}, loading={"a": 10.0}, now=lambda: clock[0], max_wait=1.0)
+    s = _queue("coserve-nohold", {"b"}, loading={"a": 10.0}, now=lambda: clock[0], max_wait=1.0)
     clock[0] = 50.0
     assert s.next_batch("q", timeout=0).expert_id == "a" and s.filled == 0
 
@@ -227,7 +308,7 @@ def test_fill_never_passes_over_an_overdue_head():
 def test_a_filler_runs_one_batch_then_the_head_once_its_load_is_in():
     """Fill checks one batch against the head's load, so it serves one batch of the filler, not the group."""
     loading = {"a": 2.5}
-    s = _queue("coserve", {"b"}, loading=loading, max_batch=1, bs=5)
+    s = _queue("coserve-nohold", {"b"}, loading=loading, max_batch=1, bs=5)
     b = s.next_batch("q", timeout=0)
     assert b.expert_id == "b" and len(b) == 1 and s.filled == 1
     s.finished(b)
