@@ -212,18 +212,24 @@ def test_a_queue_in_backlog_takes_its_loading_head_rather_than_hold():
     assert s2.next_batch("q", timeout=0) is None and s2.held == 1
 
 
-def test_a_held_executor_takes_a_filler_submitted_while_it_waits():
-    """The executor is inside next_batch, waiting on a head whose load needs 100 s more; a request for a
-    resident expert arrives: it is handed out at once (submit notifies), well before the load's estimate."""
-    s = _queue("coserve", {"r"}, loading={"a": 100.0})
-    got = []
+def _holding(s: Scheduler) -> tuple[threading.Thread, list]:
+    """An executor thread inside `next_batch` (no timeout), once it holds its head; what it gets goes in the list."""
+    got: list = []
     t = threading.Thread(target=lambda: got.append(s.next_batch("q", timeout=None)))
     t.start()
-    for _ in range(200):
+    for _ in range(500):
         if s.held:
             break
         threading.Event().wait(0.01)
     assert s.held == 1 and not got
+    return t, got
+
+
+def test_a_held_executor_takes_a_filler_submitted_while_it_waits():
+    """The executor is inside next_batch, waiting on a head whose load needs 100 s more; a request for a
+    resident expert arrives: it is handed out at once (submit notifies), well before the load's estimate."""
+    s = _queue("coserve", {"r"}, loading={"a": 100.0})
+    t, got = _holding(s)
     s.submit(req("r", 9))
     t.join(10)
     assert not t.is_alive() and got[0].expert_id == "r" and s.filled == 1
@@ -234,14 +240,7 @@ def test_a_held_executor_takes_the_head_when_its_load_lands():
     leaving it to sleep out the estimate (100 s here)."""
     loading = {"a": 100.0}
     s = _queue("coserve", set(), loading=loading)
-    got = []
-    t = threading.Thread(target=lambda: got.append(s.next_batch("q", timeout=None)))
-    t.start()
-    for _ in range(200):
-        if s.held:
-            break
-        threading.Event().wait(0.01)
-    assert s.held == 1 and not got
+    t, got = _holding(s)
     loading.clear()
     s.costs._resident = lambda n: {"a"}
     s.refresh("a", "q")
