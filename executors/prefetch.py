@@ -144,7 +144,8 @@ class Prefetcher:
     def remaining(self, expert_id: str) -> float:
         """Seconds until `expert_id`, planned or loading here, is in, by the cost model's estimate made when it
         was planned (0 when it is neither, or has run past the estimate).  The scheduler's `fill` reads it
-        through the cost model's `arriving`: a head whose expert is still coming is a wait."""
+        through the cost model's `arriving`: a head whose expert is still coming is a wait; its `hold`
+        waits that long at most for the load (the pool's load event wakes it sooner)."""
         with self._cond:
             got = self._loading.get(expert_id)
         if got is None or self.pool.contains(expert_id):   # in already: the pool's load event runs before this clears

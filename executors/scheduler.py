@@ -34,6 +34,10 @@ same code as CoServe:
   SSD seconds the move adds are charged once more (see `_steal`).
 - arranging: a request goes right behind the last queued request for the same
   expert (`arrange=True`); otherwise arrival order, and only neighbours batch.
+- hold (`coserve`, with fill): while the head's expert still loads, nothing
+  fills and the queue holds at most `max_wait` of predicted work, the
+  executor waits for the load, or for a filler to arrive, instead of taking
+  the head and blocking on the load (`_hold`).
 - frames in progress first (`coserve`, policy `followups`): a frame's later
   step (a detector after its classifier) that starts a new group goes right
   behind the queue's head (behind the earlier such groups), not at the end.
@@ -562,6 +566,10 @@ class Scheduler:
                 if left is not None and left <= 0:
                     return None
                 self._cond.wait(wait if left is None else min(wait, left))
+                if executor not in self.names:   # retired while it waited: its queue went back for requeue
+                    return None
+                q = self._q[executor]
+            group.held = False
             x = group.expert_id
             cap = self._cap(executor, x)
             take = min(cap, len(group.requests))
@@ -701,17 +709,20 @@ class Scheduler:
         from 0.19-0.21 s to 0.03-0.04 s.  A group being drained is never held.
 
         Only while the queue holds at most `max_wait` of predicted work (the
-        latency the line is meant to keep to).  Deeper, the line is in a
+        latency the line is meant to keep to; with the age bound off, never),
+        and not for a head the age bound has made due.  Deeper, the line is in a
         backlog and throughput comes first: a held executor serves each
         resident request as it comes, in batches of one, where the blocked one
         let them gather into larger batches.  Holding under every backlog cost
         a cold 2,000-type flood on 4 boxes 25 more switches (897 against 872,
         5.8% over the floor) and 3% of its throughput (simulation, A2).
         """
-        if not (self.policy.fill and self.policy.hold) or group is not q.groups[0]:
+        if not (self.policy.fill and self.policy.hold) or group is not q.groups[0] or self.max_wait is None:
             return 0.0
-        if self.max_wait is not None and self.estimate(executor) > self.max_wait:
+        if self.estimate(executor) > self.max_wait:
             return 0.0                  # a backlog: batches grow while the load runs, so take it (throughput)
+        if group.times and self._now() - group.times[0] > self.max_wait:
+            return 0.0                  # overdue: fill serves nothing ahead of it, so waiting frees nothing
         tier_of = getattr(self.costs, "tier_of", None)
         if tier_of is None or tier_of(executor, group.expert_id) != "resident":
             return 0.0
@@ -719,7 +730,7 @@ class Scheduler:
         if wait <= _EPS:
             return 0.0
         group.drain = 0                 # not picked after all: `_pick` looks again when the wait ends
-        if not group.held:
+        if not group.held:              # waited on now (cleared when a batch of it is taken)
             group.held = True
             self.held += 1
         return wait

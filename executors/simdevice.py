@@ -1,7 +1,7 @@
 """The simulated device: production scheduler and pools on a virtual clock and profiled costs.
 
 Everything that decides is the production code: `Scheduler` (assign, arrange,
-split, steal, age bound), `Pool` with the configured eviction policy,
+split, steal, age bound, fill, hold), `Pool` with the configured eviction policy,
 `ProfileCosts`, chain semantics (a classifier's "ok" submits its detector step
 when the classifier finishes).  Only time is simulated:
 
@@ -20,7 +20,10 @@ when the classifier finishes).  Only time is simulated:
 - as the real executor's Prefetcher does, the next group's expert is decided
   and its room reserved when a batch is dispatched, and its read starts once
   the batch's own expert is in, while the batch computes, behind the demand
-  reads issued before that (`plan_prefetch`, `book_prefetch`);
+  reads issued before that (`plan_prefetch`, `book_prefetch`); with the
+  scheduler's `hold`, a `wake` event at each prefetch's landing lets an
+  executor that waited on its head take it then, as the agent's executor is
+  woken by the pool's load event; a request never dispatched raises;
 - with `read_ahead` (an exclusive host tier), as the agent's ReadAhead does,
   whenever the front box's SSD is idle it reads the earliest queued group's
   expert behind a queue's head that no pool or tier holds into the host tier (the same policy,
@@ -427,6 +430,7 @@ def simulate(workload: Workload, profile: Profile, system: SimSystem, *, record_
     start: dict[str, float] = {}
     ok: dict[str, bool] = {}
     latencies: list[float] = []
+    last_done = 0.0        # the makespan: when the last batch ended (a later no-op event, a wake, is not work)
     busy = {n: False for n in execs}
     busy_time = {n: 0.0 for n in execs}
     running: dict[int, tuple] = {}   # job id -> (executor, batch, handle, dispatched at, work)
@@ -551,8 +555,10 @@ def simulate(workload: Workload, profile: Profile, system: SimSystem, *, record_
 
     def wake(t: float) -> None:
         """Look at the executors again at `t`, when a prefetch lands: one holding its head for that load
-        (the scheduler's `hold`) takes it then, as the agent's executor wakes on the pool's load event."""
-        heapq.heappush(events, (t, next(seq), "wake", None))
+        (the scheduler's `hold`) takes it then, as the agent's executor wakes on the pool's load event.
+        Only for a policy that holds, so every other system's events are as they were."""
+        if sched.policy.hold:
+            heapq.heappush(events, (t, next(seq), "wake", None))
 
     def planned_ssd(b: int) -> float:
         """SSD seconds of box b's planned prefetches that have not taken their place on the SSD yet."""
@@ -597,6 +603,7 @@ def simulate(workload: Workload, profile: Profile, system: SimSystem, *, record_
             if dev.jobs.get(jid, (0, -1))[1] != version:
                 continue   # superseded: the device's sharing changed since this finish was predicted
             del running[jid]
+            last_done = now
             reschedule(dev.change(now, remove=jid))
             pools[name].release(handle)
             sched.finished(b)
@@ -616,7 +623,9 @@ def simulate(workload: Workload, profile: Profile, system: SimSystem, *, record_
         dispatch()
         read_ahead()
 
-    makespan = now
+    if sched.depth():
+        raise RuntimeError(f"{system.name}: {sched.depth()} request(s) were never dispatched")
+    makespan = last_done
     frames = len(workload.arrivals)
     lat = sorted(latencies)
     lb = lower_bound(workload, profile, system, initial, stored=stored)

@@ -188,17 +188,19 @@ def test_a_group_in_the_host_tier_fills_only_if_one_batch_takes_all_of_it():
 
 def test_a_head_still_loading_that_nothing_fills_is_waited_on_not_taken():
     loading = {"a": 2.0}
-    s = _queue("coserve", set(), loading=loading)          # b needs a load too: nothing fills
+    s = _queue("coserve", set(), loading=loading, max_wait=100.0)   # b needs a load too: nothing fills
     assert s.next_batch("q", timeout=0) is None and s.held == 1 and s.filled == 0
     assert s.next_batch("q", timeout=0) is None and s.held == 1       # the same head: counted once
     loading.clear()                                         # its load is in
     s.costs._resident = lambda n: {"a"}
     b = s.next_batch("q", timeout=0)
     assert b.expert_id == "a" and len(b) == 2
-    s2 = _queue("coserve-nohold", set(), loading={"a": 2.0})
+    s2 = _queue("coserve-nohold", set(), loading={"a": 2.0}, max_wait=100.0)
     assert s2.next_batch("q", timeout=0).expert_id == "a" and s2.held == 0   # the lever off: taken, as before
-    s3 = _queue("coserve-nofill", set(), loading={"a": 2.0})
+    s3 = _queue("coserve-nofill", set(), loading={"a": 2.0}, max_wait=100.0)
     assert s3.next_batch("q", timeout=0).expert_id == "a" and s3.held == 0   # hold is part of fill
+    s4 = _queue("coserve", set(), loading={"a": 2.0}, max_wait=None)
+    assert s4.next_batch("q", timeout=0).expert_id == "a" and s4.held == 0   # no age bound: no backlog rule, no hold
 
 
 def test_a_queue_in_backlog_takes_its_loading_head_rather_than_hold():
@@ -212,10 +214,20 @@ def test_a_queue_in_backlog_takes_its_loading_head_rather_than_hold():
     assert s2.next_batch("q", timeout=0) is None and s2.held == 1
 
 
+def test_an_overdue_head_is_not_waited_on():
+    """Fill serves nothing ahead of a head the age bound has made due, so waiting would free nothing."""
+    clock = [0.0]
+    s = _queue("coserve", set(), loading={"a": 2.0}, now=lambda: clock[0], max_wait=100.0)
+    assert s.next_batch("q", timeout=0) is None and s.held == 1
+    clock[0] = 101.0
+    s.costs._loading = lambda n: {"a": 2.0}
+    assert s.next_batch("q", timeout=0).expert_id == "a"
+
+
 def _holding(s: Scheduler) -> tuple[threading.Thread, list]:
     """An executor thread inside `next_batch` (no timeout), once it holds its head; what it gets goes in the list."""
     got: list = []
-    t = threading.Thread(target=lambda: got.append(s.next_batch("q", timeout=None)))
+    t = threading.Thread(target=lambda: got.append(s.next_batch("q", timeout=None)), daemon=True)
     t.start()
     for _ in range(500):
         if s.held:
@@ -228,7 +240,7 @@ def _holding(s: Scheduler) -> tuple[threading.Thread, list]:
 def test_a_held_executor_takes_a_filler_submitted_while_it_waits():
     """The executor is inside next_batch, waiting on a head whose load needs 100 s more; a request for a
     resident expert arrives: it is handed out at once (submit notifies), well before the load's estimate."""
-    s = _queue("coserve", {"r"}, loading={"a": 100.0})
+    s = _queue("coserve", {"r"}, loading={"a": 100.0}, max_wait=1000.0)
     t, got = _holding(s)
     s.submit(req("r", 9))
     t.join(10)
@@ -239,7 +251,7 @@ def test_a_held_executor_takes_the_head_when_its_load_lands():
     """The pool's load event calls `refresh`, which wakes an executor holding for that load, rather than
     leaving it to sleep out the estimate (100 s here)."""
     loading = {"a": 100.0}
-    s = _queue("coserve", set(), loading=loading)
+    s = _queue("coserve", set(), loading=loading, max_wait=1000.0)
     t, got = _holding(s)
     loading.clear()
     s.costs._resident = lambda n: {"a"}
@@ -248,11 +260,21 @@ def test_a_held_executor_takes_the_head_when_its_load_lands():
     assert not t.is_alive() and got[0].expert_id == "a"
 
 
+def test_an_executor_retired_while_it_holds_hands_out_nothing_of_its_old_queue():
+    """`retire` hands the queue back for requeue; a thread still waiting on that queue must not then serve
+    the same requests (they would run twice)."""
+    s = _queue("coserve", set(), loading={"a": 100.0}, max_wait=1000.0)
+    t, got = _holding(s)
+    back = s.retire("q")
+    t.join(10)
+    assert not t.is_alive() and got == [None] and sorted(r.expert_id for r in back) == ["a", "a", "b"]
+
+
 def test_a_group_being_drained_is_never_held():
     """A group picked with more requests than one batch is served to the end, even if its expert is reported
     as loading again meanwhile (evicted and being read back)."""
     loading: dict = {}
-    s = _queue("coserve", {"a", "b"}, loading=loading, max_batch=1)
+    s = _queue("coserve", {"a", "b"}, loading=loading, max_batch=1, max_wait=100.0)
     first = s.next_batch("q", timeout=0)
     assert first.expert_id == "a"
     s.finished(first)
