@@ -693,6 +693,18 @@ class Scheduler:
         pick.drain = len(pick.requests)
         return pick
 
+    def _overdue(self, group: _Group) -> bool:
+        """True if `group`'s oldest request has waited past the age bound."""
+        return self.max_wait is not None and bool(group.times) and self._now() - group.times[0] > self.max_wait
+
+    def _loading_left(self, executor: str, group: _Group) -> float:
+        """Seconds `group`'s expert still needs to load on `executor` (a load under way: the pool counts it
+        present and the cost model says what is left); 0 when it is in, or its load has not started."""
+        tier_of = getattr(self.costs, "tier_of", None)
+        if tier_of is None or tier_of(executor, group.expert_id) != "resident":
+            return 0.0
+        return self.costs.switch_cost(executor, group.expert_id)
+
     def _hold(self, executor: str, q: _Queue, group: _Group) -> float:
         """Seconds to wait instead of taking `group` (policy `hold`): 0 to take it now.
 
@@ -721,12 +733,9 @@ class Scheduler:
             return 0.0
         if self.estimate(executor) > self.max_wait:
             return 0.0                  # a backlog: batches grow while the load runs, so take it (throughput)
-        if group.times and self._now() - group.times[0] > self.max_wait:
-            return 0.0                  # overdue: fill serves nothing ahead of it, so waiting frees nothing
-        tier_of = getattr(self.costs, "tier_of", None)
-        if tier_of is None or tier_of(executor, group.expert_id) != "resident":
-            return 0.0
-        wait = self.costs.switch_cost(executor, group.expert_id)
+        if self._overdue(group):
+            return 0.0                  # fill serves nothing ahead of it, so waiting frees nothing
+        wait = self._loading_left(executor, group)
         if wait <= _EPS:
             return 0.0
         group.drain = 0                 # not picked after all: `_pick` looks again when the wait ends
@@ -758,14 +767,12 @@ class Scheduler:
         costs a victim); only a whole group, or the copy is made again for the
         rest of it (B1 with 500 types, flood: +41 switches, -10% throughput).
         """
-        if self.max_wait is not None and head.times and self._now() - head.times[0] > self.max_wait:
+        if self._overdue(head):
             return head
-        tier_of = getattr(self.costs, "tier_of", None)
-        if tier_of is None or tier_of(executor, head.expert_id) != "resident":
-            return head                 # its load has not started: nothing runs meanwhile to fill
-        wait = self.costs.switch_cost(executor, head.expert_id)   # what its load under way still needs
+        wait = self._loading_left(executor, head)   # 0 when its load has not started: nothing to fill
         if wait <= 0:
             return head
+        tier_of = self.costs.tier_of
         copier = None
         for g in itertools.islice(q.groups, 1, FILL_WINDOW):
             x = g.expert_id

@@ -381,8 +381,10 @@ _streams = threading.local()
 
 def _side_stream(device):
     """This thread's side stream on `device`, made once: a demotion runs on whichever thread evicts (an
-    executor's, a prefetcher's), each copy is synchronised before it returns, so one stream per thread
-    and device serves every copy; making a stream per demotion cost a driver call each time."""
+    executor's, a prefetcher's), and each copy is synchronised before it returns, so one stream per thread
+    and device serves every copy.  (torch hands streams out of a fixed per-device pool, so a new Stream per
+    demotion was a wrapper and a pool slot each time, not a driver allocation; the saving is small and
+    unmeasured.)"""
     import torch
 
     cache = getattr(_streams, "by_device", None)
