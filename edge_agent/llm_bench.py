@@ -24,8 +24,11 @@ from routing.moe_trace import Trace, load_popularity, synthetic
 from .memory_cgroup import OVER_THE_BOUND, MemoryCgroup
 
 SIZES = (0.125, 0.25, 0.5)
-POLICIES = ("lru", "fifo", "lfu", "gate-score", "predicted", "probability", "belady")
-REALISABLE = ("lfu", "gate-score", "predicted", "probability", "fifo")
+# 'P+admission': policy P, and a miss it ranks below what it would push out is read for its one use and never
+# enters the pool (`Pool.admissions`); its scratch buffer is one expert of the same memory
+ADMITTING = ("lfu+admission", "gate-score+admission", "probability+admission", "predicted+admission")
+POLICIES = ("lru", "fifo", "lfu", "gate-score", "predicted", "probability", *ADMITTING, "belady", "belady+admission")
+REALISABLE = ("lfu", "gate-score", "predicted", "probability", "fifo", *ADMITTING)
 MIXTRAL_EXPERT_BYTES = 3 * 4096 * 14336 * 2      # one Mixtral-8x7B expert in bf16: w1, w3 [14336, 4096], w2
 QUOTAS = ("shared", "per-layer")
 
@@ -37,9 +40,9 @@ class Row:
     quota: str
     policy: str
     hit_rate: float | None
-    loads: int | None
+    loads: int | None       # misses: loads into the pools, plus the reads of misses they declined (admission)
     gib_moved: float | None
-    experts: int            # pool capacity in experts, all pools together
+    experts: int            # memory in experts, all pools together (and admission's scratch buffer)
 
 
 def split_trace(trace: Trace) -> tuple[Trace, Trace]:
@@ -126,15 +129,20 @@ def run_replays(kind: str, profile: Trace, trace: Trace, *, expert_nbytes: int =
             for policy in POLICIES:
                 if progress:
                     progress(f"{kind} {size:.1%} {quota} {policy}")
+                name, _, extra = policy.partition("+")
+                if extra and quota == "per-layer":   # equal per-layer pools would each give up a share of the
+                    rows.append(Row(kind, size, quota, policy, None, None, None, experts))   # scratch: n/a
+                    continue
                 try:
-                    r = replay(trace, policy=policy, capacity=experts * expert_nbytes, expert_nbytes=expert_nbytes,
-                               quota=quota, popularity=popularity, predictor=predictor)
+                    r = replay(trace, policy=name, capacity=experts * expert_nbytes, expert_nbytes=expert_nbytes,
+                               quota=quota, popularity=popularity, predictor=predictor,
+                               admission=extra == "admission")
                 except Exception as exc:  # a per-layer share below top-k experts: reported, not fatal
                     if "cannot hold" not in str(exc):
                         raise
                     rows.append(Row(kind, size, quota, policy, None, None, None, experts))
                     continue
-                rows.append(Row(kind, size, quota, policy, r.hit_rate, r.loads, r.bytes_loaded / 2**30, experts))
+                rows.append(Row(kind, size, quota, policy, r.hit_rate, r.misses, r.bytes_loaded / 2**30, experts))
     return rows
 
 
@@ -145,7 +153,7 @@ def summary(rows: list[Row]) -> dict:
         at = [r for r in rows if r.trace == kind and r.size == 0.25 and r.loads is not None]
         lru = min((r for r in at if r.policy == "lru"), key=lambda r: r.loads)
         best = min((r for r in at if r.policy in REALISABLE + ("lru",)), key=lambda r: r.loads)
-        oracle = min((r for r in at if r.policy == "belady"), key=lambda r: r.loads)
+        oracle = min((r for r in at if r.policy.startswith("belady")), key=lambda r: r.loads)
         by_quota = {q: max((r.hit_rate for r in at if r.quota == q and r.policy in REALISABLE + ("lru",)),
                            default=None) for q in QUOTAS}
         out[kind] = {"lru_hit_rate": round(lru.hit_rate, 4), "lru_quota": lru.quota,
@@ -159,7 +167,8 @@ def summary(rows: list[Row]) -> dict:
 
 
 def table(rows: list[Row]) -> str:
-    lines = [f"{'trace':8} {'size':>6} {'quota':9} " + " ".join(f"{p:>12}" for p in POLICIES)]
+    head = [p.replace("+admission", "+a") for p in POLICIES]      # +a: with admission
+    lines = [f"{'trace':8} {'size':>6} {'quota':9} " + " ".join(f"{p:>12}" for p in head)]
     keys = sorted({(r.trace, r.size, r.quota) for r in rows}, key=lambda k: (k[0], k[1], QUOTAS.index(k[2])))
     for k in keys:
         cells = []
@@ -175,7 +184,9 @@ def as_json(rows: list[Row]) -> list[dict]:
 
 
 # -- (b) trace-driven real decode and (c) end to end ------------------------------------------------------------
-DECODE_POLICIES = ("lru", "fifo", "lfu", "gate-score", "predicted", "probability", "belady", "lru")  # LRU last too
+# a '+admission' row lets the pools decline misses worth less than what they would push out (`Pool.admissions`)
+DECODE_POLICIES = ("lru", "fifo", "lfu", "gate-score", "predicted", "probability", "predicted+admission",
+                   "belady", "lru")  # LRU last too
 E2E_POLICIES = ("lru", "fifo", "lfu", "gate-score")
 ACCELERATE_SHARES = (1.0, 0.75, 0.5, 0.25, 0.0)
 
@@ -273,9 +284,10 @@ def run_decode(store: Path, profile: Trace, trace: Trace, *, share: float = 0.25
     flat = future_accesses(trace, prefill=False)
     predictor = TokenPredictor.train(profile)   # for 'predicted': learnt on other prompts than the decoded ones
     rows = []
-    for policy in DECODE_POLICIES:
+    for row in DECODE_POLICIES:
         if progress:
-            progress(policy)
+            progress(row)
+        policy, _, extra = row.partition("+")
         pos = [0]
         oracle = getattr(POLICIES[policy], "oracle", False)
         ctx = (lambda: {"future": FutureView(flat, pos[0])}) if oracle else None
@@ -283,13 +295,16 @@ def run_decode(store: Path, profile: Trace, trace: Trace, *, share: float = 0.25
         pm = load_pooled(store, memory=int(layout.expert_bytes * share), policy=policy,
                          popularity=profile.popularity(), context=ctx, drop_after_read=True,
                          predictor=predictor if policy == "predicted" else None, device=device,
-                         host_memory=int(layout.expert_bytes * host_share), host_mode=host_mode)
+                         host_memory=int(layout.expert_bytes * host_share), host_mode=host_mode,
+                         admission=extra == "admission")
         before = pm.file_bytes()
         r = trace_decode(pm, trace, position=pos, prefill=False)
-        files = (pm.file_bytes() - before) / 2**30
+        # a declined miss is read from its file for its one use: bytes moved all the same
+        declined = pm.in_place.weights.reads.file_bytes if pm.in_place is not None else 0
+        files = (pm.file_bytes() - before + declined) / 2**30
         pm.close()
-        rows.append(DecodeRow(policy, r.tokens, r.seconds, r.tokens_per_second, r.stats.hit_rate,
-                              r.stats.bytes_in / 2**30, r.stats.load_seconds, files))
+        rows.append(DecodeRow(row, r.tokens, r.seconds, r.tokens_per_second, r.stats.hit_rate,
+                              (r.stats.bytes_in + declined) / 2**30, r.stats.load_seconds, files))
     return rows
 
 

@@ -151,6 +151,11 @@ def _popularity(trace_path: str | None, layout) -> dict[str, float] | None:
               help="Decode: compute low-score missing experts where their weights are instead of loading them "
                    "(how many from measured costs).  CPU: from the file's memory map.  CUDA (Fiddler): on a CPU "
                    "thread from the host tier's copy or the memory map while the loads proceed.")
+@click.option("--admission/--no-admission", default=False, show_default=True,
+              help="A missing expert the policy ranks below what it would push out is read into one scratch "
+                   "buffer (one expert of --memory) and computed there for that use; the residents stay.  Exact.  "
+                   "Pays with a policy that ranks by value (predicted, probability, lfu, gate-score), above all "
+                   "where prompts' prefills would otherwise sweep the pool; no effect under lru or fifo.")
 @click.option("--host-memory", default=None,
               help="A host tier in front of the pool (a size or a share of the experts), pinned on CUDA; --split "
                    "computes on its copies.  Default: none (a staging buffer).")
@@ -165,7 +170,8 @@ def _popularity(trace_path: str | None, layout) -> dict[str, float] | None:
 @_fail_clearly
 def llm_generate(model: str, prompt: str, max_new_tokens: int, memory: str | None, policy: str, quota: str,
                  device: str, trace_path: str | None, window: int, predictor_path: str | None, alpha: float,
-                 prefetch: str, split: bool, host_memory: str | None, host_mode: str, prefill: str) -> None:
+                 prefetch: str, split: bool, admission: bool, host_memory: str | None, host_mode: str,
+                 prefill: str) -> None:
     """Generate text greedily, streaming tokens, with experts paged SSD -> memory under a budget.
 
     Ends with the offload stats: hit rate, bytes read, load seconds, tokens/s.
@@ -174,7 +180,7 @@ def llm_generate(model: str, prompt: str, max_new_tokens: int, memory: str | Non
     Example:
       coe-agent llm generate --model var/llm/qwen-moe --prompt "def fib(n):" --memory 2GB --policy lfu
       coe-agent llm generate -m var/llm/qwen-moe -p "def fib(n):" --memory 25% --policy predicted \\
-          --predictor var/llm/qwen.predictor
+          --predictor var/llm/qwen.predictor --trace var/llm/qwen.trace --admission
       coe-agent llm generate -m var/llm/qwen-moe -p "def fib(n):" --memory 25% --device cuda \\
           --host-memory 50% --host-mode exclusive --split --prefill balance
     """
@@ -191,7 +197,7 @@ def llm_generate(model: str, prompt: str, max_new_tokens: int, memory: str | Non
     pm = load_pooled(root, memory=_memory(memory, layout), policy=policy, quota=quota, device=device,
                      popularity=popularity, window=window, alpha=alpha, prefetch=prefetch, split=split,
                      host_memory=_memory(host_memory, layout) if host_memory else 0, host_mode=host_mode,
-                     prefill=prefill,
+                     prefill=prefill, admission=admission,
                      predictor=predictor_path)
     tok = pm.tokenizer()
     ids = torch.tensor([tok.encode(prompt)], dtype=torch.long)
@@ -231,6 +237,10 @@ def llm_generate(model: str, prompt: str, max_new_tokens: int, memory: str | Non
         where = "on a CPU thread (Fiddler)" if pm.in_place.threaded else "from the memory map"
         click.echo(f"load/compute split: {sp.in_place} misses computed in place {where} ({reads.from_host} from the "
                    f"host tier, {reads.from_file} from the file), {sp.loaded} loaded", err=True)
+    if admission:
+        reads = pm.in_place.weights.reads
+        click.echo(f"admission: {stats.bypassed} misses declined and computed in the scratch buffer "
+                   f"({reads.from_file} read from their files, {reads.file_bytes / 2**20:.1f} MiB)", err=True)
     if pm.prefill is not None:
         pf = pm.prefill.stats
         click.echo(f"prefill balance ({pm.prefill.costs.source}): {pf.resident} experts on the GPU from the pool, "
@@ -481,7 +491,9 @@ def llm_bench(work: str, parts: str, prompts: int, decode: int, train_seconds: f
                      "mixtral": lb.MIXTRAL_EXPERT_BYTES}
             for kind, p, r in (("trained", profile, rep), ("mixtral", mprof, mrep)):
                 rows += lb.run_replays(kind, p, r, expert_nbytes=sizes[kind], progress=lambda _: bar.update(1))
-        click.echo("(a) hit rate per policy (simulation on real pools; belady = offline oracle, a bound)")
+        click.echo("(a) hit rate per policy (simulation on real pools; belady = offline oracle, a bound; +a: with "
+                   "admission, a miss worth less than what it would push out is read for its one use into a scratch "
+                   "buffer of one expert, taken from the same memory, shared quota only; belady+a bounds those)")
         click.echo(f"    trained: {len(rep.layers)} layers x {rep.num_experts} experts, top-{rep.top_k}, replay "
                    f"{rep.tokens} tokens, profile {profile.tokens}; mixtral: {len(mrep.layers)} x "
                    f"{mrep.num_experts}, top-{mrep.top_k}, {mrep.tokens} tokens, no temporal locality assumed")

@@ -89,10 +89,7 @@ def trace_decode(pm: PooledModel, trace, *, position: list[int] | None = None, s
         torch.cuda.synchronize(pm.device)   # the last layer's kernels are queued, not done
     seconds = time.perf_counter() - start
     after = pm.stats()
-    return DecodeResult(tokens, seconds, OffloadStats(after.hits - before.hits, after.misses - before.misses,
-                                                      after.bytes_in - before.bytes_in,
-                                                      after.load_seconds - before.load_seconds, tokens, seconds,
-                                                      after.pools))
+    return DecodeResult(tokens, seconds, after.since(before, tokens, seconds))
 
 
 class TraceGuesses:

@@ -70,16 +70,23 @@ class HostReads:
 class HostWeights:
     """An expert's weights in host memory, taken without loading it into any pool."""
 
-    def __init__(self, store: "ExpertStore", host: Pool | None = None, *, drop_after_read: bool = False) -> None:
+    def __init__(self, store: "ExpertStore", host: Pool | None = None, *, drop_after_read: bool = False,
+                 scratch: bool = False) -> None:
         self.store, self.host = store, host
         # as the pools' `drop_after_read`: a box whose RAM is the budget has no page cache to keep the files
         # in, so an in-place expert is dropped from it once computed and the next one reads the disk again
         self.drop_after_read = drop_after_read
+        # `scratch`: a file is read sequentially into one reused buffer (the pools' own read, verified behind it)
+        # instead of memory-mapped and copied into fresh memory each time: the buffer admission reserves out of
+        # the budget (`load_pooled(admission=True)`); a second reader while it is lent gets fresh memory
+        self.scratch = scratch
+        self._spare = None                  # the scratch buffer when nobody holds it
+        self._lent: dict[int, object] = {}  # thread -> the scratch buffer it holds between open and close
         self.reads = HostReads()
         self._lock = threading.Lock()
 
     def open(self, expert_id: str) -> tuple[dict, Handle | None]:
-        """(tensors, handle): the handle pins the host tier's copy until `close`; None for a memory map."""
+        """(tensors, handle): the handle pins the host tier's copy until `close`; None for a file's bytes."""
         handle = self.host.hold(expert_id) if self.host is not None else None
         with self._lock:
             if handle is not None:
@@ -87,12 +94,29 @@ class HostWeights:
             else:
                 self.reads.from_file += 1
                 self.reads.file_bytes += self.store.nbytes(expert_id)
+            spare, self._spare = (self._spare, None) if handle is None and self.scratch else (None, self._spare)
         if handle is not None:
             return handle.value.tensors(), handle
-        return self.store.read(expert_id), None
+        if not self.scratch:
+            return self.store.read(expert_id), None
+        try:
+            fits = spare is not None and spare.nbytes == self.store.nbytes(expert_id)
+            flat = self.store.read_flat(expert_id, out=spare if fits else None)
+        except BaseException:
+            self._give_back(spare)
+            raise
+        self._lent[threading.get_ident()] = flat
+        return flat.tensors(), None
+
+    def _give_back(self, flat) -> None:
+        if flat is not None:
+            with self._lock:
+                if self._spare is None:
+                    self._spare = flat
 
     def close(self, handle: Handle | None, expert_id: str | None = None) -> None:
-        """Unpin the host tier's copy; a memory-mapped file leaves the page cache with `drop_after_read`."""
+        """Unpin the host tier's copy; a file read leaves the page cache with `drop_after_read`."""
+        self._give_back(self._lent.pop(threading.get_ident(), None))
         if handle is not None:
             self.host.release(handle)
         elif self.drop_after_read and expert_id is not None:
@@ -136,7 +160,7 @@ class MappedInPlace:
         # the in-place cost the split weighs is all the time this expert holds its thread: taking its weights
         # (a file read when neither the host tier nor the page cache holds it) and the matmuls; timing the
         # matmuls alone left the read out
-        from .pooled_experts import _demand_add
+        from .pooled_experts import DECODE_TOKENS, _demand_add
 
         t0 = time.perf_counter()
         _demand_add(1)          # a layer waits for this expert: a prefetch's read gives way to its file's pages
@@ -148,7 +172,8 @@ class MappedInPlace:
                 counted = False
             try:
                 part = compute(e, tensors, hidden_states, expert_mask, top_k_weights)
-                self.split.measured(compute=time.perf_counter() - t0, source=FILE if handle is None else HOST)
+                if len(hidden_states) <= DECODE_TOKENS:  # a prefill's (a declined expert's) cost is not a step's
+                    self.split.measured(compute=time.perf_counter() - t0, source=FILE if handle is None else HOST)
                 return part
             finally:
                 del tensors   # the views into the memory map go before its pages are dropped

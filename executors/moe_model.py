@@ -59,18 +59,26 @@ class OffloadStats:
     tokens: int = 0
     seconds: float = 0.0
     pools: list[PoolStats] = field(default_factory=list)
+    bypassed: int = 0           # misses the pools declined (`admission`): computed from their files, never loaded
 
     @property
     def hit_rate(self) -> float:
-        n = self.hits + self.misses
+        n = self.hits + self.misses + self.bypassed
         return self.hits / n if n else 0.0
 
     @property
     def tokens_per_second(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
+    def since(self, before: "OffloadStats", tokens: int, seconds: float) -> "OffloadStats":
+        """What happened between `before` and these counters, over `tokens` in `seconds` (the pools as now)."""
+        return OffloadStats(self.hits - before.hits, self.misses - before.misses, self.bytes_in - before.bytes_in,
+                            self.load_seconds - before.load_seconds, tokens, seconds, self.pools,
+                            self.bypassed - before.bypassed)
+
     def line(self) -> str:
-        return (f"hit rate {self.hit_rate:.1%} ({self.hits} hits, {self.misses} loads), "
+        declined = f", {self.bypassed} declined" if self.bypassed else ""
+        return (f"hit rate {self.hit_rate:.1%} ({self.hits} hits, {self.misses} loads{declined}), "
                 f"{self.bytes_in / 2**20:.1f} MiB read, {self.load_seconds:.2f} s loading, "
                 f"{self.tokens} tokens in {self.seconds:.2f} s = {self.tokens_per_second:.2f} tokens/s")
 
@@ -102,6 +110,7 @@ class PooledModel:
             s = p.stats()
             out.hits += s.hits
             out.misses += s.misses
+            out.bypassed += s.bypassed
             out.bytes_in += s.bytes_in
             out.load_seconds += s.load_seconds
             out.pools.append(s)
@@ -159,9 +168,7 @@ class PooledModel:
                     break
                 nxt = torch.tensor([[tok]], device=self.device)
         after = self.stats()
-        delta = OffloadStats(after.hits - before.hits, after.misses - before.misses, after.bytes_in - before.bytes_in,
-                             after.load_seconds - before.load_seconds, len(out), time.perf_counter() - start,
-                             after.pools)
+        delta = after.since(before, len(out), time.perf_counter() - start)
         return out, delta
 
     def close(self) -> None:
@@ -185,7 +192,8 @@ def load_pooled(root: str | Path, *, memory: int, policy: str = "lru", quota: st
                 context: Callable[[], dict] | None = None, drop_after_read: bool = False,
                 shared_pool: Pool | None = None, alpha: float = 0.0, prefetch: str | None = None,
                 predictor=None, split: bool | str = False, host_memory: int = 0, host_mode: str = "inclusive",
-                prefill: str | PrefillCosts | None = None, prefetch_min_prob: float | None = None) -> PooledModel:
+                prefill: str | PrefillCosts | None = None, prefetch_min_prob: float | None = None,
+                admission: bool = False) -> PooledModel:
     """The imported model at `root` with `memory` bytes of expert pool; see the module docstring.
 
     `popularity` (expert id -> per-layer share, e.g. `Trace.popularity()`)
@@ -225,6 +233,13 @@ def load_pooled(root: str | Path, *, memory: int, policy: str = "lru", quota: st
     instead (`moe_prefill.place_balanced`); a `PrefillCosts` gives the costs
     instead (any device, the per-expert rule).  'batched' (the
     default) runs every expert through the pool.
+    `admission` lets the pools decline a miss (a prefill's or a decode
+    step's) that the policy ranks below what it would push out
+    (`Pool.admissions`): the expert is read from its file into one scratch
+    buffer and computed there for that use, on a CPU thread beside the
+    layer's loads, and the residents stay.  The scratch buffer is one expert
+    of `memory`, so the pools get the rest: the same memory in all.  Exact; no
+    effect under LRU or FIFO, which rank by recency alone.
     """
     if prefetch not in (None, "none", "next-layer", "token"):
         raise CoEError(f"prefetch must be 'next-layer', 'token' or none, got {prefetch!r}")
@@ -265,6 +280,16 @@ def load_pooled(root: str | Path, *, memory: int, policy: str = "lru", quota: st
         raise CoEError("host_memory builds a host tier; a shared pool brings its own")
     if host_mode not in HOST_MODES:
         raise CoEError(f"host_mode must be one of {', '.join(HOST_MODES)}, got {host_mode!r}")
+    if admission and shared_pool is not None:
+        raise CoEError("admission computes declined experts in a scratch buffer taken from the pools' memory; "
+                       "a shared pool's memory is its owner's")
+    scratch = ""
+    if admission:       # the declined experts' scratch buffer (host memory) comes out of the budget that holds it
+        if dev.type != "cuda":
+            memory -= biggest
+            scratch = f" (one {biggest}-byte expert of it is admission's scratch buffer)"
+        elif host_memory:
+            host_memory -= biggest
     if host_mode == "exclusive" and not host_memory:
         raise CoEError("host mode 'exclusive' makes the host tier a victim cache of the pools: give it host memory "
                        "(--host-memory)")
@@ -273,7 +298,8 @@ def load_pooled(root: str | Path, *, memory: int, policy: str = "lru", quota: st
     need = layout.top_k * biggest
     if quota == "shared":
         if memory < need:
-            raise CoEError(f"memory {memory} bytes cannot hold one token's {layout.top_k} experts ({need} bytes)")
+            raise CoEError(f"memory {memory} bytes{scratch} cannot hold one token's {layout.top_k} experts "
+                           f"({need} bytes)")
         caps = {None: memory}
     else:
         share = memory // len(layout.layers)
@@ -358,8 +384,8 @@ def load_pooled(root: str | Path, *, memory: int, policy: str = "lru", quota: st
         pmodel.prefetcher = TokenPrefetcher(pred, {l.layer: layout.ids(l.layer) for l in layout.layers},
                                             pmodel.pool_of, **gate)
         tap.listen(pmodel.prefetcher.on_router)
-    if split_mode is not None or prefill not in (None, "batched"):
-        _split_and_prefill(pmodel, split_mode, prefill, drop_after_read=drop_after_read)
+    if split_mode is not None or prefill not in (None, "batched") or admission:
+        _split_and_prefill(pmodel, split_mode, prefill, drop_after_read=drop_after_read, admission=admission)
     if alpha:
         from routing.substitution import WeightRule
 
@@ -395,19 +421,28 @@ def _split_mode(split: bool | str | None, dev: torch.device) -> str | None:
     return split
 
 
-def _split_and_prefill(pm: PooledModel, split_mode: str | None, prefill, *, drop_after_read: bool = False) -> None:
-    """Wire the decode split (`moe_split` + `moe_fiddler`) and the prefill balance (`moe_prefill`) into the layers."""
+def _split_and_prefill(pm: PooledModel, split_mode: str | None, prefill, *, drop_after_read: bool = False,
+                       admission: bool = False) -> None:
+    """Wire the decode split (`moe_split` + `moe_fiddler`), admission and the prefill balance (`moe_prefill`)
+    into the layers."""
     from .moe_fiddler import HostWeights, MappedInPlace, ThreadInPlace, host_tier_of
     from .moe_split import LoadComputeSplit
 
     layers = [m for m in pm.model.modules() if isinstance(m, PooledExperts)]
     weights = HostWeights(pm.store, pm.host if pm.host is not None else host_tier_of(pm.pools[0]),
                           drop_after_read=drop_after_read)
-    if split_mode is not None:
-        pm.split = LoadComputeSplit()
-        pm.in_place = (ThreadInPlace if split_mode == "fiddler" else MappedInPlace)(weights, pm.split)
+    if split_mode is not None or admission:
+        # declined misses run where the split's in-place ones would: on the calling thread from the memory map on
+        # a CPU pool, on a CPU thread beside a CUDA pool (the split's own costs are measured all the same)
+        split = LoadComputeSplit()
+        weights.scratch = admission     # declined experts are read into one buffer reserved out of the budget
+        if split_mode is None:          # admission alone: they read and compute beside the layer's loads
+            pm.in_place = ThreadInPlace(weights, split)
+        else:
+            pm.in_place = (ThreadInPlace if split_mode == "fiddler" else MappedInPlace)(weights, split)
+        pm.split = split if split_mode is not None else None
         for m in layers:
-            m.split, m.in_place = pm.split, pm.in_place
+            m.split, m.in_place, m.admission = pm.split, pm.in_place, admission
     if prefill in (None, "batched"):
         return
     from .moe_prefill import PrefillBalance, profile_costs

@@ -218,13 +218,31 @@ class PooledExperts(nn.Module):
         self.prefetcher = None      # a NextLayerPrefetcher, set by the model builder when prefetch is on
         self.split = None           # a LoadComputeSplit (the rule), with `in_place` (moe_fiddler: where misses run)
         self.in_place = None
+        self.admission = False      # decode misses the pool declines (`Pool.admissions`) run in place, never enter
         self.prefill = None         # a PrefillBalance (moe_prefill): prefill's GPU/CPU placement, set on a GPU box
 
     def extra_repr(self) -> str:
         return f"layer={self.layer}, experts={self.num_experts}, pooled"
 
-    def _split_misses(self, hits: list[int], hidden_states, expert_mask, top_k_weights):
-        """Load the high-score misses; start the low-score ones in place.
+    def _declined(self, misses: list[int]) -> list[int]:
+        """The misses their pools would not admit, weighed in the given order (`Pool.admissions`).
+
+        Cache admission: a miss worth less than what it would push out (the
+        policy ranks it below the residents it would evict) is computed from
+        its file for this one use, and the residents stay.  Under LRU or FIFO
+        every miss is admitted.
+        """
+        by_pool: dict[int, tuple[Pool, list[int]]] = {}
+        for e in misses:
+            pool = self._pool_of(self.ids[e])
+            by_pool.setdefault(id(pool), (pool, []))[1].append(e)
+        out = set()
+        for pool, es in by_pool.values():
+            out.update(e for e, ok in zip(es, pool.admissions([self.ids[e] for e in es])) if not ok)
+        return [e for e in misses if e in out]
+
+    def _split_misses(self, hits: list[int], hidden_states, expert_mask, top_k_weights, *, split: bool = True):
+        """Load the high-score misses; start the low-score ones (`split`), and those the pools decline, in place.
 
         Returns (to acquire, in-place parts, the source of the loads): the
         source is False when nothing is loaded, None when the loads come from
@@ -238,9 +256,14 @@ class PooledExperts(nn.Module):
             pos, tok = torch.where(expert_mask[e])
             score[e] = float(top_k_weights[tok, pos].sum())
         misses.sort(key=lambda e: -score[e])
+        declined = self._declined(misses) if self.admission else []
+        for e in declined:
+            self._pool_of(self.ids[e]).bypass(self.ids[e])
+        misses = [e for e in misses if e not in declined]
         host = self.in_place.weights.host
         source = {e: HOST if host is not None and host.present(self.ids[e]) else FILE for e in misses}
-        _, in_place = self.split.split(misses, [source[e] for e in misses])
+        in_place = declined + (self.split.split(misses, [source[e] for e in misses])[1]
+                               if split and self.split is not None and misses else [])
         parts = self.in_place.start(self._expert, [(e, self.ids[e]) for e in in_place], hidden_states, expert_mask,
                                     top_k_weights) if in_place else None
         # the source of this layer's loads when they are all one (a mixed layer's wall time is not either's cost)
@@ -292,8 +315,10 @@ class PooledExperts(nn.Module):
         if self.prefill is not None and len(hidden_states) > DECODE_TOKENS:     # prefill on a GPU box
             out = self.prefill.run(self, hits, hidden_states, expert_mask, top_k_weights)
             pending = []
-        elif self.split is not None and len(hidden_states) <= DECODE_TOKENS:   # decode: some misses may stay out
-            pending, in_place, load_source = self._split_misses(hits, hidden_states, expert_mask, top_k_weights)
+        elif self.admission or (self.split is not None and len(hidden_states) <= DECODE_TOKENS):
+            # some misses stay out of the pool: those it declines (a prefill's too), and in decode the split's
+            pending, in_place, load_source = self._split_misses(hits, hidden_states, expert_mask, top_k_weights,
+                                                                split=len(hidden_states) <= DECODE_TOKENS)
         loads, loads_wall, t_loads = 0, 0.0, time.perf_counter()
         while pending:
             with PinnedWave(self._pool_of, [self.ids[e] for e in pending]) as wave:
@@ -317,7 +342,8 @@ class PooledExperts(nn.Module):
             pending = pending[len(experts):]
         if in_place is not None:        # the CPU's parts (Fiddler: computed meanwhile on its own thread)
             out.update(in_place.results())
-        if load_source is not False and loads:        # what this layer's loads cost, for the next split
+        if (self.split is not None and load_source is not False and loads
+                and len(hidden_states) <= DECODE_TOKENS):     # what a step's loads cost, for the next split
             # the wall time until the last load finished, per load: the loads run LOADERS at a time, so one
             # load's own duration (what the pool's stats add up) overstates what n of them cost together by up to
             # LOADERS times (H200 box: C_load 9.5 ms per load against 14.5 ms in place, and still 89 misses

@@ -40,6 +40,12 @@ class ReplayResult:
     hits: int
     loads: int
     bytes_loaded: int
+    bypassed: int = 0       # misses the pools declined (`admission`): read for one use, never resident
+
+    @property
+    def misses(self) -> int:
+        """Every request that found its expert absent: loads plus bypassed reads."""
+        return self.loads + self.bypassed
 
     @property
     def hit_rate(self) -> float:
@@ -64,11 +70,16 @@ class FutureView:
 
 def replay(trace: Trace, *, policy: "str | EvictionPolicy", capacity: int, expert_nbytes: int,
            quota: str = "shared", popularity: Mapping[str, float] | None = None, window: int = 8,
-           predictor=None) -> ReplayResult:
+           predictor=None, admission: bool = False) -> ReplayResult:
     """Replay `trace` with `capacity` bytes of pool (split per layer with quota='per-layer').
 
     `policy` is a name from `storage.policies` or a policy object (an analysis
     oracle, say); one whose `oracle` attribute is true sees `future`.
+    `admission`: a miss the pool declines (`Pool.admissions`: worth less than
+    what it would push out) is read for its one use and never enters the
+    pool, as a pooled layer computes it from its file; it counts as a miss and
+    its bytes as moved.  That scratch buffer is one expert of `capacity`, as
+    `load_pooled(admission=True)` reserves it: the pools get the rest.
     """
     chooser = make_policy(policy) if isinstance(policy, str) else policy
     policy = chooser.name
@@ -100,7 +111,8 @@ def replay(trace: Trace, *, policy: "str | EvictionPolicy", capacity: int, exper
         return {"counts": counts, "gate_scores": scores, "predicted": predicted,
                 "future": FutureView(flat, pos[0]) if oracle else ()}
 
-    per = capacity // len(trace.layers) if quota == "per-layer" else capacity
+    pools_capacity = capacity - expert_nbytes if admission else capacity
+    per = pools_capacity // len(trace.layers) if quota == "per-layer" else pools_capacity
     if per < trace.top_k * expert_nbytes:
         raise CoEError(f"a {quota} pool of {per} bytes cannot hold one token's {trace.top_k} experts")
     sizes = SizeSource(dict.fromkeys(trace.ids(), expert_nbytes))
@@ -124,6 +136,13 @@ def replay(trace: Trace, *, policy: "str | EvictionPolicy", capacity: int, exper
         while pending:
             held = []
             for eid in pending:
+                if admission and not pool.present(eid):
+                    pos[0] += 1             # the oracle weighs the uses after this one
+                    if not pool.admissions([eid])[0]:
+                        pool.bypass(eid)    # served beside the pool: no pin, no eviction
+                        held.append(None)
+                        continue
+                    pos[0] -= 1
                 h = pool.acquire(eid)
                 pos[0] += 1
                 if h is None:
@@ -133,8 +152,11 @@ def replay(trace: Trace, *, policy: "str | EvictionPolicy", capacity: int, exper
             if not held:
                 raise CoEError(f"layer {layer}: the pool cannot hold even one expert")
             for h in held:
-                pool.release(h)
+                if h is not None:
+                    pool.release(h)
             pending = pending[len(held):]
     stats = [p.stats() for p in pools.values()]
     hits, loads = sum(s.hits for s in stats), sum(s.misses for s in stats)
-    return ReplayResult(policy, quota, per * len(pools), hits + loads, hits, loads, sum(s.bytes_in for s in stats))
+    bypassed = sum(s.bypassed for s in stats)
+    return ReplayResult(policy, quota, capacity, hits + loads + bypassed, hits, loads,
+                        sum(s.bytes_in + s.bypassed_bytes for s in stats), bypassed)

@@ -19,7 +19,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Callable, Collection, Iterable
+from collections.abc import Callable, Collection, Iterable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
@@ -69,6 +69,8 @@ class PoolStats:
     manage_seconds: float = 0.0   # bookkeeping and eviction decisions, loads excluded
     admits: int = 0               # experts handed down from a tier above (`Pool.admit`): not loads, not misses
     declined: int = 0             # experts `admit(worth_keeping=True)` turned away: worth less than what they'd push out
+    bypassed: int = 0             # misses served beside the pool (`admissions` said no): read, never resident
+    bypassed_bytes: int = 0       # what those misses read
 
     @property
     def switches(self) -> int:
@@ -485,6 +487,52 @@ class Pool:
         self._fill(expert_id, evicted, need, entered, "admit", reuse_victims=True,
                    make=lambda reuse: produce(reuse) if produce is not None else None)
         return True
+
+    def admissions(self, expert_ids: Sequence[str]) -> list[bool]:
+        """Would the policy take each of these misses in turn, or is each worth less than what it pushes out?
+
+        Cache admission for a caller that can serve a miss without the pool
+        (an MoE layer computes a declined expert straight from its file,
+        `executors.pooled_experts`): a miss that the policy, shown it as one
+        more resident, would evict before enough of the others (`_worth_less`,
+        the victim cache's test) is declined, and the residents it would have
+        pushed out stay.  Without it, every miss evicts: an expert the next
+        tokens are unlikely to ask for pushes out one they are likely to.
+        The answers are in turn: an earlier admitted miss fills free room or
+        displaces its victims before the next is weighed, as loading them one
+        after another would.  It is then the most recently used resident, and
+        not pinned: a layer with more experts than the pool runs in waves, and
+        a later wave's miss may push out an earlier wave's expert (the policy
+        decides, as it will when that wave loads).  A miss that fits in free
+        room, one whose room pinned experts hold (the caller's wait decides),
+        and any miss under a recency-only policy (LRU, FIFO: a newcomer could
+        never outrank a resident) are admitted.  Nothing changes here;
+        `bypass` counts a declined miss once it is served.
+        """
+        ctx = self._context()
+        with self._cond:
+            state = self._state_locked(ctx)
+        seq = max((r.used_seq for r in state.residents), default=0)
+        out = []
+        for eid in expert_ids:
+            need = self.source.size(eid)
+            if eid in {r.expert_id for r in state.residents}:
+                out.append(True)
+                continue
+            victims = self.policy.choose_victims(replace(state, incoming=eid), need) if need > state.free else []
+            admit = not victims or not ranks_by_value(self.policy) or not self._worth_less(state, eid, need)
+            out.append(admit)
+            if admit and victims is not None:    # it is resident, just used, and its victims are gone
+                seq += 1
+                kept = tuple(r for r in state.residents if r.expert_id not in victims)
+                state = replace(state, residents=(*kept, Resident(eid, need, seq, seq)))
+        return out
+
+    def bypass(self, expert_id: str) -> None:
+        """Count a miss served beside the pool: read for one use and dropped, never resident (`admissions`)."""
+        with self._cond:
+            self._stats.bypassed += 1
+            self._stats.bypassed_bytes += self.source.size(expert_id)
 
     def discard(self, expert_id: str, *, when_free: bool = False) -> bool:
         """Evict `expert_id` if it is resident and nobody holds it; False otherwise.  Never raises.

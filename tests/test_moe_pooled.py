@@ -521,7 +521,10 @@ def test_part_b_decodes_every_policy_with_lru_first_and_last_and_belady_hits_mos
     assert (rows[0].hit_rate, rows[0].gib_read) == (rows[-1].hit_rate, rows[-1].gib_read)     # same decode twice
     assert all(r.tokens == int((decode.step > 0).sum()) and r.tokens_per_second > 0 for r in rows)
     belady = next(r for r in rows if r.policy == "belady")
-    assert all(belady.hit_rate >= r.hit_rate for r in rows)                    # the oracle is never beaten
+    # the oracle is never beaten by a policy that admits every miss (it bounds those; admission declines some)
+    assert all(belady.hit_rate >= r.hit_rate for r in rows if "+admission" not in r.policy)
+    adm = next(r for r in rows if r.policy == "predicted+admission")
+    assert adm.gib_read > 0 and adm.tokens == belady.tokens
     # no host tier: every byte into the pool is a file read
     assert all(r.gib_from_files == pytest.approx(r.gib_read) and r.gib_read > 0 for r in rows)
     host = lb.run_decode(store, profile, decode, share=0.25, host_share=0.5, host_mode="exclusive")

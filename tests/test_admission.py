@@ -1,0 +1,205 @@
+"""Cache admission: a miss worth less than what it would push out is computed beside the pool, never resident.
+
+`Pool.admissions` asks the pool's own policy; the MoE layer computes a
+declined expert in a scratch buffer that comes out of the same memory
+(`load_pooled(admission=True)`), and the trace replay charges it the same way.
+"""
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from test_pool import Source
+
+from coe import CoEError
+from storage.policies import make_policy
+from storage.pool import Pool
+
+
+PROBS = {"a": 0.5, "b": 0.4, "c": 0.3, "d": 0.1, "e": 0.9, "f": 0.35}
+
+
+def _full(policy="probability", probs=PROBS):
+    p = Pool("cpu", 3, make_policy(policy), Source(dict.fromkeys("abcdef", 1)), probabilities=probs)
+    for e in "abc":
+        p.release(p.acquire(e))
+    return p
+
+
+def test_a_miss_worth_less_than_its_victim_is_declined_and_one_worth_more_is_admitted():
+    p = _full()
+    assert p.admissions(["d"]) == [False]       # 0.1 would push out c (0.3)
+    assert p.admissions(["e"]) == [True]        # 0.9 beats c
+    assert p.admissions(["f"]) == [True]        # 0.35 beats c (0.3) alone
+    assert p.admissions(["a"]) == [True]        # resident: nothing to decide
+    assert sorted(p.resident()) == ["a", "b", "c"] and p.source.loads == list("abc")   # asking changes nothing
+
+
+def test_admissions_are_weighed_in_turn():
+    """After e takes c's place, f (0.35) would push out b (0.4): declined, though alone it would be admitted."""
+    p = _full()
+    assert p.admissions(["e", "f"]) == [True, False]
+    assert p.admissions(["f", "e"]) == [True, True]     # f takes c's place, e then beats b
+
+
+def test_free_room_pinned_room_and_recency_only_policies_admit():
+    p = Pool("cpu", 3, make_policy("probability"), Source(dict.fromkeys("abcd", 1)), probabilities=PROBS)
+    held = [p.acquire("a")]
+    assert p.admissions(["d"]) == [True]        # room is free: nothing is pushed out
+    held += [p.acquire(e) for e in "bc"]
+    assert p.admissions(["d"]) == [True]        # only pinned experts hold the room: the caller's wait decides
+    p.release(held.pop())
+    assert p.admissions(["d"]) == [False]       # c (0.3) is free to go, and worth more than d
+    for h in held:
+        p.release(h)
+    assert _full("lru").admissions(["d"]) == [True]      # a newcomer never outranks anything by recency alone
+    assert _full("fifo").admissions(["d"]) == [True]
+
+
+def test_bypass_counts_a_declined_miss_and_its_bytes():
+    p = _full()
+    p.bypass("d")
+    s = p.stats()
+    assert (s.bypassed, s.bypassed_bytes, s.misses) == (1, 1, 3)
+    assert "d" not in p.resident()
+
+
+def _sweep_trace():
+    """One prompt: a prefill that asks for every expert of each layer, then decode tokens that reuse two."""
+    from routing.moe_trace import Trace
+
+    L, E, k, prompt = 2, 8, 2, 4
+    rows = prompt + 12
+    probs = np.full((rows, L, E), 1.0 / E, dtype=np.float16)
+    chosen = np.zeros((rows, L, k), dtype=np.int16)
+    for t in range(prompt):                 # the prompt's four tokens ask for all eight experts
+        chosen[t] = [[2 * t, 2 * t + 1]] * L
+    for t in range(prompt, rows):
+        chosen[t] = [[0, 1]] * L if t % 3 else [[t % E, (t + 3) % E]] * L
+    seq = np.zeros(rows, dtype=np.int32)
+    step = np.concatenate([np.zeros(prompt), np.arange(1, rows - prompt + 1)]).astype(np.int32)
+    return Trace(model="m", layers=(0, 1), top_k=k, scoring="softmax", probs=probs, chosen=chosen, seq=seq, step=step)
+
+
+def test_the_replay_charges_the_scratch_buffer_and_counts_declined_misses():
+    from routing.moe_replay import replay
+
+    tr = _sweep_trace()
+    pop = {f"m.L{l:02d}.E{e:03d}": (1.0 if e < 2 else 0.01) for l in tr.layers for e in range(8)}
+    plain = replay(tr, policy="probability", capacity=5, expert_nbytes=1, popularity=pop)
+    adm = replay(tr, policy="probability", capacity=5, expert_nbytes=1, popularity=pop, admission=True)
+    assert adm.accesses == plain.accesses and adm.capacity == plain.capacity == 5
+    assert adm.bypassed > 0 and adm.misses == adm.loads + adm.bypassed
+    assert adm.hits + adm.misses == adm.accesses
+    # the scratch buffer is one expert of the capacity: the pools hold 4, so top-k 2 of 2 layers just fit, 3 do not
+    with pytest.raises(CoEError, match="cannot hold"):
+        replay(tr, policy="probability", capacity=2, expert_nbytes=1, popularity=pop, admission=True)
+    replay(tr, policy="probability", capacity=2, expert_nbytes=1, popularity=pop)    # without it, 2 fit
+
+
+torch = pytest.importorskip("torch")
+pytest.importorskip("transformers")
+
+
+@pytest.fixture(scope="module")
+def mixtral(tmp_path_factory):
+    from moe_models import build
+
+    from storage.llm_import import import_checkpoint
+
+    root = tmp_path_factory.mktemp("admission")
+    ref = build("mixtral", root / "hf")
+    layout = import_checkpoint(root / "hf", root / "store")
+    return ref, layout, root / "store"
+
+
+def _inputs(seed):
+    from moe_models import VOCAB
+
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, VOCAB, (1, 11), generator=g)
+
+
+@pytest.mark.parametrize("policy", ["probability", "lfu"])
+def test_declined_experts_leave_the_logits_and_the_generation_exact(mixtral, policy):
+    from coe.moe import parse_expert_id
+    from executors.moe_model import load_pooled
+
+    ref, layout, store = mixtral
+    per = layout.layers[0].expert_nbytes
+    # the low-numbered experts are the popular ones: the prompt's sweep over the rest is declined
+    popularity = {eid: 1.0 / (1 + parse_expert_id(eid)[2]) for eid in layout.ids()}
+    x = _inputs(21)
+    with torch.no_grad():
+        want = ref(x).logits
+    pm = load_pooled(store, memory=per * (layout.top_k + 3), policy=policy, popularity=popularity, admission=True)
+    assert sum(p.capacity for p in pm.pools) == per * (layout.top_k + 2)      # one expert is the scratch buffer
+    with torch.no_grad():
+        got = pm.model(x).logits
+    assert torch.equal(got, want)
+    s = pm.stats()
+    assert s.bypassed > 0 and all(p.resident_bytes <= p.capacity for p in s.pools)   # a prefill's sweep, declined
+    reads = pm.in_place.weights.reads
+    assert reads.from_file == s.bypassed and reads.file_bytes == s.bypassed * per
+    pm.close()
+    gen = ref.generate(x, max_new_tokens=8, min_new_tokens=8, do_sample=False)[0, x.shape[1]:].tolist()
+    pm = load_pooled(store, memory=per * (layout.top_k + 3), policy=policy, popularity=popularity, admission=True)
+    out, stats = pm.generate(x, 8)
+    pm.close()
+    assert out == gen and stats.bypassed > 0
+    assert stats.hit_rate == stats.hits / (stats.hits + stats.misses + stats.bypassed)
+
+
+def test_admission_keeps_the_residents_a_sweep_would_push_out(mixtral):
+    """The same prompt twice: with admission its second prefill finds every popular expert still resident."""
+    from coe.moe import parse_expert_id
+    from executors.moe_model import load_pooled
+
+    _, layout, store = mixtral
+    per = layout.layers[0].expert_nbytes
+    x = _inputs(22)
+    full = load_pooled(store, memory=layout.expert_bytes, policy="lfu")
+    with torch.no_grad():
+        full.model(x)
+    counts = full.tap.context()["counts"]
+    full.close()
+    popular = {e for l in layout.layers for e in sorted((e for e in layout.ids(l.layer) if counts.get(e)),
+                                                         key=lambda e: -counts[e])[:2]}
+    asked = {e for e in layout.ids() if counts.get(e)}
+    assert len(popular) == 2 * len(layout.layers) and len(asked) > len(popular) + 1      # a sweep past the pool
+    popularity = {eid: (1.0 if eid in popular else 0.01 / (1 + parse_expert_id(eid)[2])) for eid in layout.ids()}
+    second = {}
+    for admission in (False, True):
+        pm = load_pooled(store, memory=per * (len(popular) + 1), policy="probability", popularity=popularity,
+                         admission=admission)
+        with torch.no_grad():
+            pm.model(x)
+            before = pm.stats()
+            pm.model(x)
+        second[admission] = (pm.stats().misses - before.misses, pm.stats().bypassed - before.bypassed)
+        pm.close()
+    assert second[True] == (0, len(asked) - len(popular))     # the popular ones hit; the rest declined again
+    assert second[False][0] > 0                               # without it the sweep loads, and pushes out
+
+
+def test_the_scratch_buffer_is_reused_and_admission_needs_its_own_pools(mixtral):
+    from executors.moe_fiddler import HostWeights
+    from executors.moe_model import load_pooled
+    from storage.expert_store import ExpertStore
+
+    _, layout, store = mixtral
+    w = HostWeights(ExpertStore(store), scratch=True)
+    first, _ = w.open(layout.ids()[0])
+    ptr = next(iter(first.values())).untyped_storage().data_ptr()
+    w.close(None, layout.ids()[0])
+    second, _ = w.open(layout.ids()[1])
+    assert next(iter(second.values())).untyped_storage().data_ptr() == ptr      # the same buffer, refilled
+    want = ExpertStore(store).read(layout.ids()[1])
+    assert all(torch.equal(second[k], want[k]) for k in want)
+    w.close(None, layout.ids()[1])
+    per = layout.layers[0].expert_nbytes
+    with pytest.raises(CoEError, match="scratch buffer"):
+        load_pooled(store, memory=per * layout.top_k, policy="lfu", admission=True)    # nothing left for a token
+    pool = Pool("cpu", per * 4, make_policy("lru"), Source({}))
+    with pytest.raises(CoEError, match="shared pool"):
+        load_pooled(store, memory=0, shared_pool=pool, admission=True)
