@@ -24,8 +24,9 @@ from routing.moe_trace import Trace, load_popularity, synthetic
 from .memory_cgroup import OVER_THE_BOUND, MemoryCgroup
 
 SIZES = (0.125, 0.25, 0.5)
-# 'P+admission': policy P, and a miss it ranks below what it would push out is read for its one use and never
-# enters the pool (`Pool.admissions`); its scratch buffer is one expert of the same memory
+# 'P+admission': policy P, and a miss it ranks below what it would push out is read for its one use (computed
+# over its file's memory map) and never enters the pool (`Pool.admissions`); one expert of the memory is set
+# aside for it
 ADMITTING = ("lfu+admission", "gate-score+admission", "probability+admission", "predicted+admission")
 POLICIES = ("lru", "fifo", "lfu", "gate-score", "predicted", "probability", *ADMITTING, "belady", "belady+admission")
 REALISABLE = ("lfu", "gate-score", "predicted", "probability", "fifo", *ADMITTING)
@@ -42,7 +43,7 @@ class Row:
     hit_rate: float | None
     loads: int | None       # misses: loads into the pools, plus the reads of misses they declined (admission)
     gib_moved: float | None
-    experts: int            # memory in experts, all pools together (and admission's scratch buffer)
+    experts: int            # pool capacity in experts, all pools together
 
 
 def split_trace(trace: Trace) -> tuple[Trace, Trace]:
@@ -131,7 +132,7 @@ def run_replays(kind: str, profile: Trace, trace: Trace, *, expert_nbytes: int =
                     progress(f"{kind} {size:.1%} {quota} {policy}")
                 name, _, extra = policy.partition("+")
                 if extra and quota == "per-layer":   # equal per-layer pools would each give up a share of the
-                    rows.append(Row(kind, size, quota, policy, None, None, None, experts))   # scratch: n/a
+                    rows.append(Row(kind, size, quota, policy, None, None, None, experts))   # expert set aside
                     continue
                 try:
                     r = replay(trace, policy=name, capacity=experts * expert_nbytes, expert_nbytes=expert_nbytes,

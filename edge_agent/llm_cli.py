@@ -152,10 +152,10 @@ def _popularity(trace_path: str | None, layout) -> dict[str, float] | None:
                    "(how many from measured costs).  CPU: from the file's memory map.  CUDA (Fiddler): on a CPU "
                    "thread from the host tier's copy or the memory map while the loads proceed.")
 @click.option("--admission/--no-admission", default=False, show_default=True,
-              help="A missing expert the policy ranks below what it would push out is read into one scratch "
-                   "buffer (one expert of --memory) and computed there for that use; the residents stay.  Exact.  "
-                   "Pays with a policy that ranks by value (predicted, probability, lfu, gate-score), above all "
-                   "where prompts' prefills would otherwise sweep the pool; no effect under lru or fifo.")
+              help="A missing expert the policy ranks below what it would push out is computed for that use "
+                   "over its file's memory map, and the residents stay; one expert of --memory is set aside for "
+                   "it.  Exact.  For a policy that ranks by value (predicted, probability, lfu, gate-score), above "
+                   "all where prompts' prefills would otherwise sweep the pool; no effect under lru or fifo.")
 @click.option("--host-memory", default=None,
               help="A host tier in front of the pool (a size or a share of the experts), pinned on CUDA; --split "
                    "computes on its copies.  Default: none (a staging buffer).")
@@ -239,8 +239,8 @@ def llm_generate(model: str, prompt: str, max_new_tokens: int, memory: str | Non
                    f"host tier, {reads.from_file} from the file), {sp.loaded} loaded", err=True)
     if admission:
         reads = pm.in_place.weights.reads
-        click.echo(f"admission: {stats.bypassed} misses declined and computed in the scratch buffer "
-                   f"({reads.from_file} read from their files, {reads.file_bytes / 2**20:.1f} MiB)", err=True)
+        click.echo(f"admission: {stats.bypassed} misses declined and computed over their files' memory maps "
+                   f"({reads.file_bytes / 2**20:.1f} MiB), never entering the pool", err=True)
     if pm.prefill is not None:
         pf = pm.prefill.stats
         click.echo(f"prefill balance ({pm.prefill.costs.source}): {pf.resident} experts on the GPU from the pool, "
@@ -492,8 +492,9 @@ def llm_bench(work: str, parts: str, prompts: int, decode: int, train_seconds: f
             for kind, p, r in (("trained", profile, rep), ("mixtral", mprof, mrep)):
                 rows += lb.run_replays(kind, p, r, expert_nbytes=sizes[kind], progress=lambda _: bar.update(1))
         click.echo("(a) hit rate per policy (simulation on real pools; belady = offline oracle, a bound; +a: with "
-                   "admission, a miss worth less than what it would push out is read for its one use into a scratch "
-                   "buffer of one expert, taken from the same memory, shared quota only; belady+a bounds those)")
+                   "admission, a miss worth less than what it would push out is read for its one use and never "
+                   "enters the pool, with one expert of the memory set aside for it, shared quota only; belady+a "
+                   "bounds those)")
         click.echo(f"    trained: {len(rep.layers)} layers x {rep.num_experts} experts, top-{rep.top_k}, replay "
                    f"{rep.tokens} tokens, profile {profile.tokens}; mixtral: {len(mrep.layers)} x "
                    f"{mrep.num_experts}, top-{mrep.top_k}, {mrep.tokens} tokens, no temporal locality assumed")
@@ -547,12 +548,12 @@ def llm_bench(work: str, parts: str, prompts: int, decode: int, train_seconds: f
         click.echo(f"(b) trace-driven real decode, {n_dec} decode tokens of the trained trace (their prompts' "
                    f"prefills seed the router statistics, not computed), real run on {doc['device']}: {res}")
         lru = lb.lru_baseline(drows)              # LRU runs first and last: the box's drift favours no policy
-        click.echo(f"{'policy':12} {'tokens/s':>9} {'hit rate':>9} {'GiB read':>9} {'of files':>9} {'load s':>7} "
+        click.echo(f"{'policy':20} {'tokens/s':>9} {'hit rate':>9} {'GiB read':>9} {'of files':>9} {'load s':>7} "
                    f"{'x LRU':>6}  (x LRU: against the mean of the first and last LRU runs, {lru:.2f} tokens/s; "
                    f"of files: read from expert files, the rest copied from the host tier)")
         for i, r in enumerate(drows):
             name = "lru (last)" if r.policy == "lru" and i > 0 else r.policy
-            click.echo(f"{name:12} {r.tokens_per_second:>9.2f} {r.hit_rate:>9.1%} {r.gib_read:>9.2f} "
+            click.echo(f"{name:20} {r.tokens_per_second:>9.2f} {r.hit_rate:>9.1%} {r.gib_read:>9.2f} "
                        f"{r.gib_from_files:>9.2f} {r.load_seconds:>7.1f} {r.tokens_per_second / lru:>6.2f}")
         best = max((r for r in drows if r.policy not in ("belady", "lru")), key=lambda r: r.tokens_per_second)
         click.echo(f"best {best.policy}: {best.tokens_per_second / lru:.2f}x LRU tokens/s (target 1.3x)")

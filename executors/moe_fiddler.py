@@ -71,17 +71,15 @@ class HostWeights:
     """An expert's weights in host memory, taken without loading it into any pool."""
 
     def __init__(self, store: "ExpertStore", host: Pool | None = None, *, drop_after_read: bool = False,
-                 scratch: bool = False) -> None:
+                 mapped: bool = False) -> None:
         self.store, self.host = store, host
         # as the pools' `drop_after_read`: a box whose RAM is the budget has no page cache to keep the files
         # in, so an in-place expert is dropped from it once computed and the next one reads the disk again
         self.drop_after_read = drop_after_read
-        # `scratch`: a file is read sequentially into one reused buffer (the pools' own read, verified behind it)
-        # instead of memory-mapped and copied into fresh memory each time: the buffer admission reserves out of
-        # the budget (`load_pooled(admission=True)`); a second reader while it is lent gets fresh memory
-        self.scratch = scratch
-        self._spare = None                  # the scratch buffer when nobody holds it
-        self._lent: dict[int, object] = {}  # thread -> the scratch buffer it holds between open and close
+        # `mapped`: a file's tensors are views of its memory map (`ExpertStore.map_flat`), not a copy in fresh
+        # memory: the bytes pass through the page cache as a pool load's do, and no buffer holds them
+        self.mapped = mapped
+        self._maps: dict[int, object] = {}   # thread -> the MappedFlat it holds between open and close
         self.reads = HostReads()
         self._lock = threading.Lock()
 
@@ -94,29 +92,19 @@ class HostWeights:
             else:
                 self.reads.from_file += 1
                 self.reads.file_bytes += self.store.nbytes(expert_id)
-            spare, self._spare = (self._spare, None) if handle is None and self.scratch else (None, self._spare)
         if handle is not None:
             return handle.value.tensors(), handle
-        if not self.scratch:
+        mapped = self.store.map_flat(expert_id) if self.mapped else None
+        if mapped is None:      # not asked for, or a compressed file (no plain bytes to map): a private copy
             return self.store.read(expert_id), None
-        try:
-            fits = spare is not None and spare.nbytes == self.store.nbytes(expert_id)
-            flat = self.store.read_flat(expert_id, out=spare if fits else None)
-        except BaseException:
-            self._give_back(spare)
-            raise
-        self._lent[threading.get_ident()] = flat
-        return flat.tensors(), None
-
-    def _give_back(self, flat) -> None:
-        if flat is not None:
-            with self._lock:
-                if self._spare is None:
-                    self._spare = flat
+        self._maps[threading.get_ident()] = mapped
+        return mapped.tensors(), None
 
     def close(self, handle: Handle | None, expert_id: str | None = None) -> None:
-        """Unpin the host tier's copy; a file read leaves the page cache with `drop_after_read`."""
-        self._give_back(self._lent.pop(threading.get_ident(), None))
+        """Unpin the host tier's copy, unmap a mapped file; a file's pages leave the cache with `drop_after_read`."""
+        mapped = self._maps.pop(threading.get_ident(), None)
+        if mapped is not None:
+            mapped.close()
         if handle is not None:
             self.host.release(handle)
         elif self.drop_after_read and expert_id is not None:

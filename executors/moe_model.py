@@ -36,7 +36,7 @@ from routing.moe_router import RouterTap
 from storage.expert_store import ExpertStore, _sha256
 from storage.llm_import import MODEL_SUBDIR, load_config, meta_model
 from storage.moe_structure import find_experts
-from storage.policies import make_policy
+from storage.policies import make_policy, ranks_by_value
 from storage.pool import Pool, PoolEvent, PoolStats
 from storage.tiers import SpareBuffers, StoreSource, TierSource, demote
 
@@ -235,11 +235,14 @@ def load_pooled(root: str | Path, *, memory: int, policy: str = "lru", quota: st
     default) runs every expert through the pool.
     `admission` lets the pools decline a miss (a prefill's or a decode
     step's) that the policy ranks below what it would push out
-    (`Pool.admissions`): the expert is read from its file into one scratch
-    buffer and computed there for that use, on a CPU thread beside the
-    layer's loads, and the residents stay.  The scratch buffer is one expert
-    of `memory`, so the pools get the rest: the same memory in all.  Exact; no
-    effect under LRU or FIFO, which rank by recency alone.
+    (`Pool.admissions`): the expert is computed for that use over its file's
+    memory map, one at a time on a CPU thread beside the layer's loads, and
+    the residents stay.  The page cache holds that one expert while it is
+    computed, so one expert of `memory` is set aside for it and the pools get
+    the rest: the same memory in all (measured: `bench/moe_admission.py`).
+    Exact; under LRU or FIFO, which rank by recency alone and so never
+    decline, it is off (nothing is set aside).  On a CUDA pool the expert set
+    aside comes out of `host_memory`, when given.
     """
     if prefetch not in (None, "none", "next-layer", "token"):
         raise CoEError(f"prefetch must be 'next-layer', 'token' or none, got {prefetch!r}")
@@ -281,13 +284,14 @@ def load_pooled(root: str | Path, *, memory: int, policy: str = "lru", quota: st
     if host_mode not in HOST_MODES:
         raise CoEError(f"host_mode must be one of {', '.join(HOST_MODES)}, got {host_mode!r}")
     if admission and shared_pool is not None:
-        raise CoEError("admission computes declined experts in a scratch buffer taken from the pools' memory; "
-                       "a shared pool's memory is its owner's")
-    scratch = ""
-    if admission:       # the declined experts' scratch buffer (host memory) comes out of the budget that holds it
+        raise CoEError("admission declines misses on the pools' behalf; a shared pool's owner (the line agent) "
+                       "decides what enters it")
+    set_aside = ""
+    admission = admission and ranks_by_value(make_policy(policy))   # LRU, FIFO never decline: nothing to set aside
+    if admission:       # the declined expert's pages, one at a time: out of the budget that holds host memory
         if dev.type != "cuda":
             memory -= biggest
-            scratch = f" (one {biggest}-byte expert of it is admission's scratch buffer)"
+            set_aside = f" (less one {biggest}-byte expert set aside for admission's declined experts)"
         elif host_memory:
             host_memory -= biggest
     if host_mode == "exclusive" and not host_memory:
@@ -298,7 +302,7 @@ def load_pooled(root: str | Path, *, memory: int, policy: str = "lru", quota: st
     need = layout.top_k * biggest
     if quota == "shared":
         if memory < need:
-            raise CoEError(f"memory {memory} bytes{scratch} cannot hold one token's {layout.top_k} experts "
+            raise CoEError(f"memory {memory} bytes{set_aside} cannot hold one token's {layout.top_k} experts "
                            f"({need} bytes)")
         caps = {None: memory}
     else:
@@ -435,8 +439,8 @@ def _split_and_prefill(pm: PooledModel, split_mode: str | None, prefill, *, drop
         # declined misses run where the split's in-place ones would: on the calling thread from the memory map on
         # a CPU pool, on a CPU thread beside a CUDA pool (the split's own costs are measured all the same)
         split = LoadComputeSplit()
-        weights.scratch = admission     # declined experts are read into one buffer reserved out of the budget
-        if split_mode is None:          # admission alone: they read and compute beside the layer's loads
+        weights.mapped = admission      # declined experts: views of the file's map, no buffer of their own
+        if split_mode is None:          # admission alone: one at a time on a CPU thread, beside the layer's loads
             pm.in_place = ThreadInPlace(weights, split)
         else:
             pm.in_place = (ThreadInPlace if split_mode == "fiddler" else MappedInPlace)(weights, split)

@@ -24,7 +24,7 @@ import numpy as np
 
 from coe import CoEError
 from coe.moe import expert_id
-from storage.policies import EvictionPolicy, make_policy
+from storage.policies import EvictionPolicy, make_policy, ranks_by_value
 from storage.pool import Pool
 from storage.tracesim import SizeSource
 
@@ -77,9 +77,10 @@ def replay(trace: Trace, *, policy: "str | EvictionPolicy", capacity: int, exper
     oracle, say); one whose `oracle` attribute is true sees `future`.
     `admission`: a miss the pool declines (`Pool.admissions`: worth less than
     what it would push out) is read for its one use and never enters the
-    pool, as a pooled layer computes it from its file; it counts as a miss and
-    its bytes as moved.  That scratch buffer is one expert of `capacity`, as
-    `load_pooled(admission=True)` reserves it: the pools get the rest.
+    pool, as a pooled layer computes it over its file's memory map; it counts
+    as a miss and its bytes as moved.  Its pages take one expert of
+    `capacity` while it is computed, as `load_pooled(admission=True)` sets
+    them aside: the pools get the rest.
     """
     chooser = make_policy(policy) if isinstance(policy, str) else policy
     policy = chooser.name
@@ -111,6 +112,7 @@ def replay(trace: Trace, *, policy: "str | EvictionPolicy", capacity: int, exper
         return {"counts": counts, "gate_scores": scores, "predicted": predicted,
                 "future": FutureView(flat, pos[0]) if oracle else ()}
 
+    admission = admission and ranks_by_value(chooser)     # LRU, FIFO never decline: nothing is set aside
     pools_capacity = capacity - expert_nbytes if admission else capacity
     per = pools_capacity // len(trace.layers) if quota == "per-layer" else pools_capacity
     if per < trace.top_k * expert_nbytes:
@@ -158,5 +160,6 @@ def replay(trace: Trace, *, policy: "str | EvictionPolicy", capacity: int, exper
     stats = [p.stats() for p in pools.values()]
     hits, loads = sum(s.hits for s in stats), sum(s.misses for s in stats)
     bypassed = sum(s.bypassed for s in stats)
-    return ReplayResult(policy, quota, capacity, hits + loads + bypassed, hits, loads,
+    return ReplayResult(policy, quota, per * len(pools) + (expert_nbytes if admission else 0),
+                        hits + loads + bypassed, hits, loads,
                         sum(s.bytes_in + s.bypassed_bytes for s in stats), bypassed)

@@ -60,7 +60,7 @@ except ImportError:  # pragma: no cover - non-POSIX
 if TYPE_CHECKING:
     import torch
 
-    from .flat import FlatWeights
+    from .flat import FlatWeights, MappedFlat
 
 MANIFEST = "manifest.json"
 MANIFEST_FORMAT = "coe-edge/expert-store"
@@ -614,16 +614,7 @@ class ExpertStore:
         if entry.compression != "none":
             return self._read_flat(expert_id, entry=entry).tensors()
         where = str(path)
-        key = (expert_id, entry.sha256)
-        if self.verify == "always" or (self.verify == "first" and (key not in self._verified
-                                                                   or self._replaced(*key, path))):
-            try:
-                digest = _sha256(path)
-            except OSError as exc:
-                raise ExpertLoadError(expert_id, where, f"cannot read: {exc.strerror or exc}") from None
-            if digest != entry.sha256:
-                raise ExpertLoadError(expert_id, where,
-                                      f"sha256 mismatch: manifest {entry.sha256[:12]}…, file {digest[:12]}…")
+        checked = self._check_whole_file(expert_id, entry, path, mark=False)
         try:
             tensors = load_file(str(path))
         except Exception as exc:  # safetensors raises its own SafetensorError, plus OSError
@@ -631,9 +622,52 @@ class ExpertStore:
         got = sum(t.numel() * t.element_size() for t in tensors.values())
         if got != entry.nbytes:
             raise ExpertLoadError(expert_id, where, f"file holds {got} tensor bytes, manifest says {entry.nbytes}")
-        if self.verify == "first":
-            self._mark_verified(key, path)
+        if checked and self.verify == "first":
+            self._mark_verified((expert_id, entry.sha256), path)
         return tensors
+
+    def _check_whole_file(self, expert_id: str, entry: ManifestEntry, path: Path, *, mark: bool = True) -> bool:
+        """Hash the file when the store's policy asks (always, or the first time for these bytes); True if it did.
+
+        A mismatch raises `ExpertLoadError` naming the file; a match is marked
+        verified here unless `mark` is False (the caller marks it once the rest
+        of its checks pass)."""
+        key = (expert_id, entry.sha256)
+        if not (self.verify == "always" or (self.verify == "first" and (key not in self._verified
+                                                                       or self._replaced(*key, path)))):
+            return False
+        try:
+            digest = _sha256(path)
+        except OSError as exc:
+            raise ExpertLoadError(expert_id, str(path), f"cannot read: {exc.strerror or exc}") from None
+        if digest != entry.sha256:
+            raise ExpertLoadError(expert_id, str(path),
+                                  f"sha256 mismatch: manifest {entry.sha256[:12]}…, file {digest[:12]}…")
+        if mark and self.verify == "first":
+            self._mark_verified(key, path)
+        return True
+
+    def map_flat(self, expert_id: str) -> "MappedFlat | None":
+        """The expert's tensors over its file's memory map, verified per the store's policy; None if compressed.
+
+        No copy and no buffer of its own (`storage.flat.MappedFlat`): for a
+        computation that must not take memory beside the pools.  A compressed
+        file has no plain bytes to map; the caller reads it instead.  The first
+        verified read hashes the file, which also brings it into the page cache
+        the computation then reads.
+        """
+        from .flat import MappedFlat
+
+        entry, path = self._current(expert_id)
+        if entry.compression != "none":
+            return None
+        self._check_whole_file(expert_id, entry, path)
+        mapped = MappedFlat(path, expert_id)
+        if mapped.flat.nbytes != entry.nbytes:
+            mapped.close()
+            raise ExpertLoadError(expert_id, str(path),
+                                  f"file holds {mapped.flat.nbytes} tensor bytes, manifest says {entry.nbytes}")
+        return mapped
 
     def read_flat(self, expert_id: str, *, pin: bool = False, method: str = "read",
                   out: "FlatWeights | None" = None, dtype: str | None = None) -> "FlatWeights":

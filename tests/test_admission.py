@@ -1,8 +1,8 @@
 """Cache admission: a miss worth less than what it would push out is computed beside the pool, never resident.
 
 `Pool.admissions` asks the pool's own policy; the MoE layer computes a
-declined expert in a scratch buffer that comes out of the same memory
-(`load_pooled(admission=True)`), and the trace replay charges it the same way.
+declined expert straight over its file's memory map (`load_pooled(admission=True)`,
+`ExpertStore.map_flat`), and the trace replay counts it as a miss that moved its bytes.
 """
 from __future__ import annotations
 
@@ -81,20 +81,23 @@ def _sweep_trace():
     return Trace(model="m", layers=(0, 1), top_k=k, scoring="softmax", probs=probs, chosen=chosen, seq=seq, step=step)
 
 
-def test_the_replay_charges_the_scratch_buffer_and_counts_declined_misses():
+def test_the_replay_counts_declined_misses_and_their_bytes():
     from routing.moe_replay import replay
 
     tr = _sweep_trace()
     pop = {f"m.L{l:02d}.E{e:03d}": (1.0 if e < 2 else 0.01) for l in tr.layers for e in range(8)}
-    plain = replay(tr, policy="probability", capacity=5, expert_nbytes=1, popularity=pop)
-    adm = replay(tr, policy="probability", capacity=5, expert_nbytes=1, popularity=pop, admission=True)
-    assert adm.accesses == plain.accesses and adm.capacity == plain.capacity == 5
+    plain = replay(tr, policy="probability", capacity=12, expert_nbytes=3, popularity=pop)
+    adm = replay(tr, policy="probability", capacity=15, expert_nbytes=3, popularity=pop, admission=True)
+    assert adm.accesses == plain.accesses and adm.capacity == 15 and plain.capacity == 12   # the same pools
     assert adm.bypassed > 0 and adm.misses == adm.loads + adm.bypassed
-    assert adm.hits + adm.misses == adm.accesses
-    # the scratch buffer is one expert of the capacity: the pools hold 4, so top-k 2 of 2 layers just fit, 3 do not
+    assert adm.hits + adm.misses == adm.accesses and adm.bytes_loaded == 3 * adm.misses
+    assert adm.misses < plain.misses        # the prompt's sweep no longer pushes out the two popular experts
+    # one expert of the capacity is set aside for the declined one: 2 x top-2 fit in 5 without it, not with it
+    replay(tr, policy="probability", capacity=12, expert_nbytes=3, popularity=pop)
     with pytest.raises(CoEError, match="cannot hold"):
-        replay(tr, policy="probability", capacity=2, expert_nbytes=1, popularity=pop, admission=True)
-    replay(tr, policy="probability", capacity=2, expert_nbytes=1, popularity=pop)    # without it, 2 fit
+        replay(tr, policy="probability", capacity=6, expert_nbytes=3, popularity=pop, admission=True)
+    lru = replay(tr, policy="lru", capacity=15, expert_nbytes=3, admission=True)
+    assert lru.bypassed == 0 and lru.loads == replay(tr, policy="lru", capacity=15, expert_nbytes=3).loads
 
 
 torch = pytest.importorskip("torch")
@@ -133,7 +136,7 @@ def test_declined_experts_leave_the_logits_and_the_generation_exact(mixtral, pol
     with torch.no_grad():
         want = ref(x).logits
     pm = load_pooled(store, memory=per * (layout.top_k + 3), policy=policy, popularity=popularity, admission=True)
-    assert sum(p.capacity for p in pm.pools) == per * (layout.top_k + 2)      # one expert is the scratch buffer
+    assert sum(p.capacity for p in pm.pools) == per * (layout.top_k + 2)      # one expert is set aside
     with torch.no_grad():
         got = pm.model(x).logits
     assert torch.equal(got, want)
@@ -170,7 +173,7 @@ def test_admission_keeps_the_residents_a_sweep_would_push_out(mixtral):
     popularity = {eid: (1.0 if eid in popular else 0.01 / (1 + parse_expert_id(eid)[2])) for eid in layout.ids()}
     second = {}
     for admission in (False, True):
-        pm = load_pooled(store, memory=per * (len(popular) + 1), policy="probability", popularity=popularity,
+        pm = load_pooled(store, memory=per * (len(popular) + admission), policy="probability", popularity=popularity,
                          admission=admission)
         with torch.no_grad():
             pm.model(x)
@@ -182,24 +185,43 @@ def test_admission_keeps_the_residents_a_sweep_would_push_out(mixtral):
     assert second[False][0] > 0                               # without it the sweep loads, and pushes out
 
 
-def test_the_scratch_buffer_is_reused_and_admission_needs_its_own_pools(mixtral):
+def test_a_mapped_expert_is_the_files_bytes_and_a_corrupt_file_is_named(mixtral, tmp_path):
+    import shutil
+
+    from coe import ExpertLoadError
     from executors.moe_fiddler import HostWeights
-    from executors.moe_model import load_pooled
     from storage.expert_store import ExpertStore
 
     _, layout, store = mixtral
-    w = HostWeights(ExpertStore(store), scratch=True)
-    first, _ = w.open(layout.ids()[0])
-    ptr = next(iter(first.values())).untyped_storage().data_ptr()
-    w.close(None, layout.ids()[0])
-    second, _ = w.open(layout.ids()[1])
-    assert next(iter(second.values())).untyped_storage().data_ptr() == ptr      # the same buffer, refilled
-    want = ExpertStore(store).read(layout.ids()[1])
-    assert all(torch.equal(second[k], want[k]) for k in want)
-    w.close(None, layout.ids()[1])
+    eid = layout.ids()[1]
+    w = HostWeights(ExpertStore(store), mapped=True)
+    got, handle = w.open(eid)
+    want = ExpertStore(store).read(eid)
+    assert handle is None and all(torch.equal(got[k], want[k]) for k in want)
+    del got
+    w.close(None, eid)
+    assert w._maps == {} and w.reads.from_file == 1
+    copy = tmp_path / "store"
+    shutil.copytree(store, copy)
+    path = ExpertStore(copy).path(eid)
+    raw = bytearray(path.read_bytes())
+    raw[-1] ^= 0xFF                                             # one flipped bit in the last weight
+    path.write_bytes(bytes(raw))
+    with pytest.raises(ExpertLoadError, match=f"{eid}.*sha256 mismatch"):
+        ExpertStore(copy).map_flat(eid)
+    path.write_bytes(bytes(raw[:-100]))                         # truncated, and not verified
+    with pytest.raises(ExpertLoadError, match="truncated"):
+        ExpertStore(copy, verify="never").map_flat(eid)
+
+
+def test_admission_sets_one_expert_aside_and_needs_its_own_pools(mixtral):
+    from executors.moe_model import load_pooled
+
+    _, layout, store = mixtral
     per = layout.layers[0].expert_nbytes
-    with pytest.raises(CoEError, match="scratch buffer"):
+    with pytest.raises(CoEError, match="set aside for admission"):
         load_pooled(store, memory=per * layout.top_k, policy="lfu", admission=True)    # nothing left for a token
-    pool = Pool("cpu", per * 4, make_policy("lru"), Source({}))
+    load_pooled(store, memory=per * layout.top_k, policy="lfu").close()
+    pool = Pool("cpu", layout.layers[0].expert_nbytes * 4, make_policy("lru"), Source({}))
     with pytest.raises(CoEError, match="shared pool"):
         load_pooled(store, memory=0, shared_pool=pool, admission=True)
