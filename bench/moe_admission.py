@@ -54,12 +54,11 @@ def run_row(work: Path, policy: str, admission: bool, decode_tokens: int, share:
     pm = load_pooled(store, memory=memory, policy=policy, popularity=profile.popularity(), drop_after_read=True,
                      predictor=predictor, admission=admission)
     r = trace_decode(pm, trace, prefill=True)
-    declined = pm.in_place.weights.reads.file_bytes if pm.in_place is not None else 0
     pm.close()
     return {"policy": policy, "admission": admission, "tokens": r.tokens, "decode_tokens": int((trace.step > 0).sum()),
             "seconds": r.seconds, "tokens_per_second": r.tokens_per_second, "hit_rate": r.stats.hit_rate,
             "loads": r.stats.misses, "declined": r.stats.bypassed,
-            "gib_read": (r.stats.bytes_in + declined) / 2**30, "memory": memory,
+            "gib_read": (r.stats.bytes_in + r.stats.bypassed_bytes) / 2**30, "memory": memory,
             "expert_bytes": layout.expert_bytes, "line": r.stats.line()}
 
 

@@ -202,6 +202,7 @@ class DecodeRow:
     gib_read: float
     load_seconds: float
     gib_from_files: float = 0.0     # of which read from expert files (the rest: copies from a host tier)
+    declined: int = 0               # misses the pools declined (admission rows): read for one use, never loaded
 
 
 def disk_read_speed(files: list[Path], threads: int = 4) -> float:
@@ -301,11 +302,12 @@ def run_decode(store: Path, profile: Trace, trace: Trace, *, share: float = 0.25
         before = pm.file_bytes()
         r = trace_decode(pm, trace, position=pos, prefill=False)
         # a declined miss is read from its file for its one use: bytes moved all the same
-        declined = pm.in_place.weights.reads.file_bytes if pm.in_place is not None else 0
+        declined = r.stats.bypassed_bytes
         files = (pm.file_bytes() - before + declined) / 2**30
         pm.close()
         rows.append(DecodeRow(row, r.tokens, r.seconds, r.tokens_per_second, r.stats.hit_rate,
-                              (r.stats.bytes_in + declined) / 2**30, r.stats.load_seconds, files))
+                              (r.stats.bytes_in + declined) / 2**30, r.stats.load_seconds, files,
+                              r.stats.bypassed))
     return rows
 
 

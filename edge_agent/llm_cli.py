@@ -153,9 +153,10 @@ def _popularity(trace_path: str | None, layout) -> dict[str, float] | None:
                    "thread from the host tier's copy or the memory map while the loads proceed.")
 @click.option("--admission/--no-admission", default=False, show_default=True,
               help="A missing expert the policy ranks below what it would push out is computed for that use "
-                   "over its file's memory map, and the residents stay; one expert of --memory is set aside for "
-                   "it.  Exact.  For a policy that ranks by value (predicted, probability, lfu, gate-score), above "
-                   "all where prompts' prefills would otherwise sweep the pool; no effect under lru or fifo.")
+                   "on the CPU over its file's memory map, and the residents stay; one expert of --memory (on CUDA: "
+                   "of --host-memory) is set aside for it.  Exact on the CPU.  For a policy that ranks by value "
+                   "(predicted, probability, lfu, gate-score) and --quota shared, above all where prompts' "
+                   "prefills would otherwise sweep the pool; off under lru or fifo, which never decline.")
 @click.option("--host-memory", default=None,
               help="A host tier in front of the pool (a size or a share of the experts), pinned on CUDA; --split "
                    "computes on its copies.  Default: none (a staging buffer).")
@@ -237,10 +238,9 @@ def llm_generate(model: str, prompt: str, max_new_tokens: int, memory: str | Non
         where = "on a CPU thread (Fiddler)" if pm.in_place.threaded else "from the memory map"
         click.echo(f"load/compute split: {sp.in_place} misses computed in place {where} ({reads.from_host} from the "
                    f"host tier, {reads.from_file} from the file), {sp.loaded} loaded", err=True)
-    if admission:
-        reads = pm.in_place.weights.reads
+    if admission:           # off under lru and fifo, which never decline (nothing was set aside)
         click.echo(f"admission: {stats.bypassed} misses declined and computed over their files' memory maps "
-                   f"({reads.file_bytes / 2**20:.1f} MiB), never entering the pool", err=True)
+                   f"({stats.bypassed_bytes / 2**20:.1f} MiB), never entering the pool", err=True)
     if pm.prefill is not None:
         pf = pm.prefill.stats
         click.echo(f"prefill balance ({pm.prefill.costs.source}): {pf.resident} experts on the GPU from the pool, "

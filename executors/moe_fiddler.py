@@ -77,7 +77,7 @@ class HostWeights:
         # in, so an in-place expert is dropped from it once computed and the next one reads the disk again
         self.drop_after_read = drop_after_read
         # `mapped`: a file's tensors are views of its memory map (`ExpertStore.map_flat`), not a copy in fresh
-        # memory: the bytes pass through the page cache as a pool load's do, and no buffer holds them
+        # memory: the page cache holds the expert while it is computed (admission sets that much aside)
         self.mapped = mapped
         self._maps: dict[int, object] = {}   # thread -> the MappedFlat it holds between open and close
         self.reads = HostReads()
@@ -94,9 +94,14 @@ class HostWeights:
                 self.reads.file_bytes += self.store.nbytes(expert_id)
         if handle is not None:
             return handle.value.tensors(), handle
-        mapped = self.store.map_flat(expert_id) if self.mapped else None
-        if mapped is None:      # not asked for, or a compressed file (no plain bytes to map): a private copy
+        if not self.mapped:
             return self.store.read(expert_id), None
+        from storage.tiers import uniform_dtype
+
+        dtype = uniform_dtype(self.store, expert_id)        # what the pools load it in, so the arithmetic is theirs
+        mapped = self.store.map_flat(expert_id, dtype=dtype)
+        if mapped is None:      # compressed, or cast on the way in: no plain bytes to map, a private copy instead
+            return self.store.read_flat(expert_id, dtype=dtype).tensors(), None
         self._maps[threading.get_ident()] = mapped
         return mapped.tensors(), None
 

@@ -60,6 +60,7 @@ class OffloadStats:
     seconds: float = 0.0
     pools: list[PoolStats] = field(default_factory=list)
     bypassed: int = 0           # misses the pools declined (`admission`): computed from their files, never loaded
+    bypassed_bytes: int = 0     # what those misses read
 
     @property
     def hit_rate(self) -> float:
@@ -74,7 +75,7 @@ class OffloadStats:
         """What happened between `before` and these counters, over `tokens` in `seconds` (the pools as now)."""
         return OffloadStats(self.hits - before.hits, self.misses - before.misses, self.bytes_in - before.bytes_in,
                             self.load_seconds - before.load_seconds, tokens, seconds, self.pools,
-                            self.bypassed - before.bypassed)
+                            self.bypassed - before.bypassed, self.bypassed_bytes - before.bypassed_bytes)
 
     def line(self) -> str:
         declined = f", {self.bypassed} declined" if self.bypassed else ""
@@ -111,6 +112,7 @@ class PooledModel:
             out.hits += s.hits
             out.misses += s.misses
             out.bypassed += s.bypassed
+            out.bypassed_bytes += s.bypassed_bytes
             out.bytes_in += s.bytes_in
             out.load_seconds += s.load_seconds
             out.pools.append(s)
@@ -235,14 +237,16 @@ def load_pooled(root: str | Path, *, memory: int, policy: str = "lru", quota: st
     default) runs every expert through the pool.
     `admission` lets the pools decline a miss (a prefill's or a decode
     step's) that the policy ranks below what it would push out
-    (`Pool.admissions`): the expert is computed for that use over its file's
-    memory map, one at a time on a CPU thread beside the layer's loads, and
-    the residents stay.  The page cache holds that one expert while it is
-    computed, so one expert of `memory` is set aside for it and the pools get
-    the rest: the same memory in all (measured: `bench/moe_admission.py`).
-    Exact; under LRU or FIFO, which rank by recency alone and so never
-    decline, it is off (nothing is set aside).  On a CUDA pool the expert set
-    aside comes out of `host_memory`, when given.
+    (`Pool.admissions`): the expert is computed for that use on the CPU over
+    its file's memory map, one at a time (on a CPU thread beside the layer's
+    loads; with a CPU split, on the calling thread before them), and the
+    residents stay.  The page cache holds that one expert while it is
+    computed, so one expert of `memory` (of `host_memory` on CUDA, when
+    given) is set aside for it and the pools get the rest: the same memory
+    in all (measured: `bench/moe_admission.py`).  Exact on the CPU.  Under
+    LRU or FIFO, which rank by recency alone and so never decline, it is off
+    and nothing is set aside; it needs `quota='shared'`.  A CUDA prefill
+    placed by `prefill='balance'|'queues'` follows that rule instead.
     """
     if prefetch not in (None, "none", "next-layer", "token"):
         raise CoEError(f"prefetch must be 'next-layer', 'token' or none, got {prefetch!r}")
@@ -288,6 +292,9 @@ def load_pooled(root: str | Path, *, memory: int, policy: str = "lru", quota: st
                        "decides what enters it")
     set_aside = ""
     admission = admission and ranks_by_value(make_policy(policy))   # LRU, FIFO never decline: nothing to set aside
+    if admission and quota != "shared":
+        raise CoEError("admission sets one expert of the memory aside for the declined ones; equal per-layer pools "
+                       "would each give up a slot for it: use --quota shared")
     if admission:       # the declined expert's pages, one at a time: out of the budget that holds host memory
         if dev.type != "cuda":
             memory -= biggest
@@ -436,8 +443,8 @@ def _split_and_prefill(pm: PooledModel, split_mode: str | None, prefill, *, drop
     weights = HostWeights(pm.store, pm.host if pm.host is not None else host_tier_of(pm.pools[0]),
                           drop_after_read=drop_after_read)
     if split_mode is not None or admission:
-        # declined misses run where the split's in-place ones would: on the calling thread from the memory map on
-        # a CPU pool, on a CPU thread beside a CUDA pool (the split's own costs are measured all the same)
+        # declined misses run where the split's in-place ones run when there is a split (on the calling thread on a
+        # CPU pool, on a CPU thread beside a CUDA pool); with admission alone, on a CPU thread beside the loads
         split = LoadComputeSplit()
         weights.mapped = admission      # declined experts: views of the file's map, no buffer of their own
         if split_mode is None:          # admission alone: one at a time on a CPU thread, beside the layer's loads

@@ -218,27 +218,30 @@ class PooledExperts(nn.Module):
         self.prefetcher = None      # a NextLayerPrefetcher, set by the model builder when prefetch is on
         self.split = None           # a LoadComputeSplit (the rule), with `in_place` (moe_fiddler: where misses run)
         self.in_place = None
-        self.admission = False      # decode misses the pool declines (`Pool.admissions`) run in place, never enter
+        self.admission = False      # misses the pool declines (`Pool.admissions`) run in place and never enter it
         self.prefill = None         # a PrefillBalance (moe_prefill): prefill's GPU/CPU placement, set on a GPU box
 
     def extra_repr(self) -> str:
         return f"layer={self.layer}, experts={self.num_experts}, pooled"
 
-    def _declined(self, misses: list[int]) -> list[int]:
+    def _declined(self, misses: list[int], hits: list[int]) -> list[int]:
         """The misses their pools would not admit, weighed in the given order (`Pool.admissions`).
 
         Cache admission: a miss worth less than what it would push out (the
-        policy ranks it below the residents it would evict) is computed from
-        its file for this one use, and the residents stay.  Under LRU or FIFO
+        policy ranks it below the residents it would evict, the layer's own
+        resident experts aside: they are pinned with it) is computed from its
+        file for this one use, and the residents stay.  Under LRU or FIFO
         every miss is admitted.
         """
+        resident = [self.ids[e] for e in hits if e not in set(misses)]
         by_pool: dict[int, tuple[Pool, list[int]]] = {}
         for e in misses:
             pool = self._pool_of(self.ids[e])
             by_pool.setdefault(id(pool), (pool, []))[1].append(e)
         out = set()
         for pool, es in by_pool.values():
-            out.update(e for e, ok in zip(es, pool.admissions([self.ids[e] for e in es])) if not ok)
+            answers = pool.admissions([self.ids[e] for e in es], keep=resident)
+            out.update(e for e, ok in zip(es, answers) if not ok)
         return [e for e in misses if e in out]
 
     def _split_misses(self, hits: list[int], hidden_states, expert_mask, top_k_weights, *, split: bool = True):
@@ -256,7 +259,7 @@ class PooledExperts(nn.Module):
             pos, tok = torch.where(expert_mask[e])
             score[e] = float(top_k_weights[tok, pos].sum())
         misses.sort(key=lambda e: -score[e])
-        declined = self._declined(misses) if self.admission else []
+        declined = self._declined(misses, hits) if self.admission else []
         for e in declined:
             self._pool_of(self.ids[e]).bypass(self.ids[e])
         misses = [e for e in misses if e not in declined]

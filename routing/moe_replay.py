@@ -113,6 +113,9 @@ def replay(trace: Trace, *, policy: "str | EvictionPolicy", capacity: int, exper
                 "future": FutureView(flat, pos[0]) if oracle else ()}
 
     admission = admission and ranks_by_value(chooser)     # LRU, FIFO never decline: nothing is set aside
+    if admission and quota != "shared":
+        raise CoEError("admission sets one expert of the capacity aside; equal per-layer pools would each give up "
+                       "a slot for it: use quota 'shared'")
     pools_capacity = capacity - expert_nbytes if admission else capacity
     per = pools_capacity // len(trace.layers) if quota == "per-layer" else pools_capacity
     if per < trace.top_k * expert_nbytes:

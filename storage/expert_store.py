@@ -647,26 +647,35 @@ class ExpertStore:
             self._mark_verified(key, path)
         return True
 
-    def map_flat(self, expert_id: str) -> "MappedFlat | None":
-        """The expert's tensors over its file's memory map, verified per the store's policy; None if compressed.
+    def map_flat(self, expert_id: str, *, dtype: str | None = None) -> "MappedFlat | None":
+        """The expert's tensors over its file's memory map, verified per the store's policy; None if it cannot be.
 
         No copy and no buffer of its own (`storage.flat.MappedFlat`): for a
-        computation that must not take memory beside the pools.  A compressed
-        file has no plain bytes to map; the caller reads it instead.  The first
-        verified read hashes the file, which also brings it into the page cache
-        the computation then reads.
+        computation that must not take memory beside the pools.  None when the
+        file holds no such bytes: a compressed one, or one that `dtype` would
+        cast on the way in (`storage.convert`; the pools load it so); the caller
+        reads it instead.  The first verified read hashes the file, which also
+        brings it into the page cache.  A read that raced a promotion is retried
+        once on the new entry, as `read` is.
         """
+        return self._retried(expert_id, lambda entry: self._map_flat(expert_id, dtype, entry))
+
+    def _map_flat(self, expert_id: str, dtype: str | None, entry: ManifestEntry | None) -> "MappedFlat | None":
+        from .convert import converted_layout
         from .flat import MappedFlat
 
-        entry, path = self._current(expert_id)
-        if entry.compression != "none":
+        entry, path = self._current(expert_id, entry)
+        if entry.compression != "none" or converted_layout(self._layout(expert_id, entry), dtype) \
+                is not self._layout(expert_id, entry):
             return None
-        self._check_whole_file(expert_id, entry, path)
+        checked = self._check_whole_file(expert_id, entry, path, mark=False)
         mapped = MappedFlat(path, expert_id)
         if mapped.flat.nbytes != entry.nbytes:
+            got = mapped.flat.nbytes
             mapped.close()
-            raise ExpertLoadError(expert_id, str(path),
-                                  f"file holds {mapped.flat.nbytes} tensor bytes, manifest says {entry.nbytes}")
+            raise ExpertLoadError(expert_id, str(path), f"file holds {got} tensor bytes, manifest says {entry.nbytes}")
+        if checked and self.verify == "first":
+            self._mark_verified((expert_id, entry.sha256), path)
         return mapped
 
     def read_flat(self, expert_id: str, *, pin: bool = False, method: str = "read",

@@ -209,53 +209,46 @@ class FlatWeights:
 READ_METHODS = ("mmap", "read")
 
 
-class MappedFlat:
-    """An expert's tensors straight over its file's memory map: the page cache's pages, no copy, no buffer.
+_bounce = threading.local()     # each thread's 1 MiB buffer for `MappedFlat`'s read-through
 
-    What a computation that must not take memory of its own reads from (a
-    pooled MoE layer's declined miss, `executors.moe_fiddler.HostWeights`):
-    the bytes pass through the page cache as a load's do on their way into a
-    pool buffer, and nothing else holds them.  The file is first read through
-    a 1 MiB bounce buffer, as a load reads it: sequential reads at disk speed
-    bring it into the page cache, where the computation then finds it (left
-    to the map's page faults, the same bytes came in at about 0.8x the speed
-    on this box, `bench/moe_admission.py`).  `close` unmaps once the caller
-    has let go of every view; a view still held keeps the map open until it
-    is collected.
+
+class MappedFlat:
+    """An expert's tensors over its file's memory map: the page cache's pages, no copy, no buffer of its own.
+
+    What a computation that must not take memory beside the pools reads from
+    (a pooled MoE layer's declined miss, `executors.moe_fiddler.HostWeights`).
+    The file is first read through a reused 1 MiB bounce buffer
+    (`storage.pagecache.warm_page_cache`), as a load reads it: sequential reads
+    at disk speed bring it into the page cache, where the computation then
+    finds it (left to the map's page faults, the same bytes came in at about
+    0.8x the speed on this box, `bench/moe_admission.py`).  The map is private
+    (copy on write), so the tensors are as writable as any and the file never
+    changes.  It is unmapped when the last view of it is gone: torch's
+    storage keeps the map object alive, so `close` only lets go of it.
     """
 
     def __init__(self, path: str | os.PathLike, expert_id: str) -> None:
-        import warnings
-
         import torch
 
-        layout, _ = read_layout(path, expert_id)
-        where = str(path)
+        from .pagecache import warm_page_cache
+
+        layout, _ = read_layout(path, expert_id)     # a short or corrupt file is refused here, named
+        buf = getattr(_bounce, "buf", None)
+        if buf is None:
+            buf = _bounce.buf = bytearray(_HASH_CHUNK)
+        warm_page_cache(path, buf)
         with open(path, "rb") as fh:
-            size = os.fstat(fh.fileno()).st_size
-            if size < layout.data_offset + layout.nbytes:
-                raise ExpertLoadError(expert_id, where, f"truncated: {size} bytes, tensors need "
-                                                        f"{layout.data_offset + layout.nbytes}")
-            fh.seek(layout.data_offset)
-            bounce = bytearray(_HASH_CHUNK)
-            while fh.readinto(bounce):
-                pass
-            self._mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_READ)
-        with warnings.catch_warnings():     # read-only memory: nothing here writes into it
-            warnings.simplefilter("ignore", UserWarning)
-            buf = (torch.frombuffer(self._mm, dtype=torch.uint8, count=layout.nbytes, offset=layout.data_offset)
-                   if layout.nbytes else torch.empty(0, dtype=torch.uint8))
-        self.flat: FlatWeights | None = FlatWeights(layout, buf)
+            mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
+        data = (torch.frombuffer(mm, dtype=torch.uint8, count=layout.nbytes, offset=layout.data_offset)
+                if layout.nbytes else torch.empty(0, dtype=torch.uint8))
+        self.flat: FlatWeights | None = FlatWeights(layout, data)
 
     def tensors(self) -> dict[str, "torch.Tensor"]:
         return self.flat.tensors()
 
     def close(self) -> None:
+        """Let go of the map; it is unmapped with the last view (an error's traceback may still hold one)."""
         self.flat = None
-        try:
-            self._mm.close()
-        except BufferError:     # a view is still alive somewhere: the map goes when it does
-            pass
 
 
 def read_flat(path: str | os.PathLike, expert_id: str, *, pin: bool = False,

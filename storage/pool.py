@@ -488,7 +488,7 @@ class Pool:
                    make=lambda reuse: produce(reuse) if produce is not None else None)
         return True
 
-    def admissions(self, expert_ids: Sequence[str]) -> list[bool]:
+    def admissions(self, expert_ids: Sequence[str], *, keep: Collection[str] = ()) -> list[bool]:
         """Would the policy take each of these misses in turn, or is each worth less than what it pushes out?
 
         Cache admission for a caller that can serve a miss without the pool
@@ -498,21 +498,22 @@ class Pool:
         the victim cache's test) is declined, and the residents it would have
         pushed out stay.  Without it, every miss evicts: an expert the next
         tokens are unlikely to ask for pushes out one they are likely to.
-        The answers are in turn: an earlier admitted miss fills free room or
-        displaces its victims before the next is weighed, as loading them one
-        after another would.  It is then the most recently used resident, and
-        not pinned: a layer with more experts than the pool runs in waves, and
-        a later wave's miss may push out an earlier wave's expert (the policy
-        decides, as it will when that wave loads).  A miss that fits in free
-        room, one whose room pinned experts hold (the caller's wait decides),
-        and any miss under a recency-only policy (LRU, FIFO: a newcomer could
-        never outrank a resident) are admitted.  Nothing changes here;
-        `bypass` counts a declined miss once it is served.
+
+        The answers are in turn, as the caller's wave will pin them
+        (`PinnedWave`): the residents in `keep` (the layer's own hits) and each
+        admitted miss are pinned, so a later miss is weighed against the other
+        residents only.  When a miss no longer fits beside that wave, a new
+        wave begins, as it will when the layer runs: the earlier wave's experts
+        are released then, and the policy may push them out.  A miss that fits
+        in free room, one whose room others' pins hold (the caller's wait
+        decides), and any miss under a recency-only policy (LRU, FIFO: a
+        newcomer could never outrank a resident) are admitted.  Nothing
+        changes here; `bypass` counts a declined miss once it is served.
         """
         ctx = self._context()
         with self._cond:
-            state = self._state_locked(ctx)
-        seq = max((r.used_seq for r in state.residents), default=0)
+            state = self._state_locked(ctx, keep=keep)
+        wave = {r.expert_id for r in state.residents if r.expert_id in keep}
         out = []
         for eid in expert_ids:
             need = self.source.size(eid)
@@ -520,12 +521,17 @@ class Pool:
                 out.append(True)
                 continue
             victims = self.policy.choose_victims(replace(state, incoming=eid), need) if need > state.free else []
+            if victims is None and wave:            # the wave is full: the next one finds it released
+                state = replace(state, residents=tuple(replace(r, pinned=False) if r.expert_id in wave else r
+                                                       for r in state.residents))
+                wave = set()
+                victims = self.policy.choose_victims(replace(state, incoming=eid), need)
             admit = not victims or not ranks_by_value(self.policy) or not self._worth_less(state, eid, need)
             out.append(admit)
-            if admit and victims is not None:    # it is resident, just used, and its victims are gone
-                seq += 1
+            if admit and victims is not None:    # it is resident, pinned in the wave, and its victims are gone
                 kept = tuple(r for r in state.residents if r.expert_id not in victims)
-                state = replace(state, residents=(*kept, Resident(eid, need, seq, seq)))
+                state = replace(state, residents=(*kept, Resident(eid, need, -1, -1, pinned=True)))
+                wave.add(eid)
         return out
 
     def bypass(self, expert_id: str) -> None:

@@ -104,6 +104,14 @@ class SpareBuffers:
             return len(self._free)
 
 
+def uniform_dtype(store, expert_id: str) -> str | None:
+    """The dtype `StoreSource`'s default ('uniform') loads `expert_id` in: its dominant floating dtype, if any."""
+    from .convert import FLOATING
+
+    dominant = store.entry(expert_id).dtype
+    return dominant if dominant in FLOATING else None
+
+
 class StoreSource:
     """SSD tier: the expert store, read into host memory (into an evicted expert's buffer when sizes match).
 
@@ -138,12 +146,7 @@ class StoreSource:
         self._count = threading.Lock()
 
     def _dtype(self, expert_id: str) -> str | None:
-        if self.dtype != self.UNIFORM:
-            return self.dtype
-        from .convert import FLOATING
-
-        dominant = self.store.entry(expert_id).dtype
-        return dominant if dominant in FLOATING else None
+        return uniform_dtype(self.store, expert_id) if self.dtype == self.UNIFORM else self.dtype
 
     def size(self, expert_id: str) -> int:
         dtype = self._dtype(expert_id)

@@ -55,6 +55,11 @@ def test_import_generate_and_trace(hf_model, tmp_path):
     declined = int(line.split()[1])
     assert declined > 0 and f"{declined} declined" in res.output                 # counted in the hit rate too
     assert f"pool {7 * layout.layers[0].expert_nbytes / 2**20:.1f} MiB" in res.output   # 8 experts, one set aside
+    res = _run("llm", "generate", "--model", str(store), "--prompt", "def ", "-n", "6", "--memory", "50%",
+               "--policy", "lru", "--admission")                                 # lru never declines: no-op
+    assert res.exit_code == 0 and res.output.startswith("def " + tok.decode(want, skip_special_tokens=True))
+    assert "admission: 0 misses declined" in res.output and f"pool {8 * layout.layers[0].expert_nbytes / 2**20:.1f}" \
+        in res.output
     res = _run("llm", "generate", "--model", str(store), "--prompt", "def ", "-n", "6", "--memory", "25%",
                "--policy", "lru", "--prefetch", "next-layer")
     assert res.exit_code == 0 and res.output.startswith("def " + tok.decode(want, skip_special_tokens=True))

@@ -524,7 +524,9 @@ def test_part_b_decodes_every_policy_with_lru_first_and_last_and_belady_hits_mos
     # the oracle is never beaten by a policy that admits every miss (it bounds those; admission declines some)
     assert all(belady.hit_rate >= r.hit_rate for r in rows if "+admission" not in r.policy)
     adm = next(r for r in rows if r.policy == "predicted+admission")
-    assert adm.gib_read > 0 and adm.tokens == belady.tokens
+    pred = next(r for r in rows if r.policy == "predicted")
+    assert adm.tokens == belady.tokens and adm.gib_read > 0
+    assert adm.declined > 0 and pred.declined == 0             # it declined some misses; the plain policy none
     # no host tier: every byte into the pool is a file read
     assert all(r.gib_from_files == pytest.approx(r.gib_read) and r.gib_read > 0 for r in rows)
     host = lb.run_decode(store, profile, decode, share=0.25, host_share=0.5, host_mode="exclusive")
