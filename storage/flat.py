@@ -217,11 +217,12 @@ class MappedFlat:
 
     What a computation that must not take memory beside the pools reads from
     (a pooled MoE layer's declined miss, `executors.moe_fiddler.HostWeights`).
-    The file is first read through a reused 1 MiB bounce buffer
-    (`storage.pagecache.warm_page_cache`), as a load reads it: sequential reads
-    at disk speed bring it into the page cache, where the computation then
-    finds it (left to the map's page faults, the same bytes came in at about
-    0.8x the speed on this box, `bench/moe_admission.py`).  The map is private
+    The file is first read through a reused 1 MiB bounce buffer, as a load
+    reads it: sequential reads at disk speed bring it into the page cache,
+    where the computation then finds it.  Left to the map's page faults, the
+    same bytes came in at about 0.8x the speed on this box, and with
+    `posix_fadvise(WILLNEED)` first (`storage.pagecache.warm_page_cache`) the
+    decode beside the pools' loads ran at 0.85x (`bench/moe_admission.py`).  The map is private
     (copy on write), so the tensors are as writable as any and the file never
     changes.  It is unmapped when the last view of it is gone: torch's
     storage keeps the map object alive, so `close` only lets go of it.
@@ -230,14 +231,14 @@ class MappedFlat:
     def __init__(self, path: str | os.PathLike, expert_id: str) -> None:
         import torch
 
-        from .pagecache import warm_page_cache
-
         layout, _ = read_layout(path, expert_id)     # a short or corrupt file is refused here, named
         buf = getattr(_bounce, "buf", None)
         if buf is None:
             buf = _bounce.buf = bytearray(_HASH_CHUNK)
-        warm_page_cache(path, buf)
         with open(path, "rb") as fh:
+            fh.seek(layout.data_offset)
+            while fh.readinto(buf):
+                pass
             mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
         data = (torch.frombuffer(mm, dtype=torch.uint8, count=layout.nbytes, offset=layout.data_offset)
                 if layout.nbytes else torch.empty(0, dtype=torch.uint8))
