@@ -395,8 +395,8 @@ def test_fill_copies_a_host_tier_group_in_while_a_real_prefetch_is_loading_the_h
         for i, e in enumerate("aab"):
             s.submit(req(e, i))
         pf.hint("a", expected=5.0)
-        for _ in range(500):
-            if pool.present("a"):
+        for _ in range(500):        # the prefetch thread has reserved a and reached its SSD read (held on the gate)
+            if pool.present("a") and reader.from_ssd == 1:
                 break
             time.sleep(0.01)
         first = s.next_batch("q", timeout=0)
