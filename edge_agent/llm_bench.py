@@ -301,9 +301,10 @@ def run_decode(store: Path, profile: Trace, trace: Trace, *, share: float = 0.25
                          admission=extra == "admission")
         before = pm.file_bytes()
         r = trace_decode(pm, trace, position=pos, prefill=False)
-        # a declined miss is read from its file for its one use: bytes moved all the same
+        # a declined miss is read for its one use: bytes moved all the same (from its file, or the host tier's copy)
         declined = r.stats.bypassed_bytes
-        files = (pm.file_bytes() - before + declined) / 2**30
+        in_files = pm.in_place.weights.reads.file_bytes if pm.in_place is not None else 0
+        files = (pm.file_bytes() - before + in_files) / 2**30
         pm.close()
         rows.append(DecodeRow(row, r.tokens, r.seconds, r.tokens_per_second, r.stats.hit_rate,
                               (r.stats.bytes_in + declined) / 2**30, r.stats.load_seconds, files,

@@ -100,7 +100,9 @@ class HostWeights:
 
         dtype = uniform_dtype(self.store, expert_id)        # what the pools load it in, so the arithmetic is theirs
         mapped = self.store.map_flat(expert_id, dtype=dtype)
-        if mapped is None:      # compressed, or cast on the way in: no plain bytes to map, a private copy instead
+        # compressed, or cast on the way in: no plain bytes to map; a private copy instead, the size of the expert
+        # set aside (its file's pages pass through the page cache on the way, as a pool load's do)
+        if mapped is None:
             return self.store.read_flat(expert_id, dtype=dtype).tensors(), None
         self._maps[threading.get_ident()] = mapped
         return mapped.tensors(), None

@@ -273,6 +273,9 @@ class PooledExperts(nn.Module):
         computed = set(in_place)
         loaded = {source[e] for e in misses if e not in computed}
         load_source = (loaded.pop() if len(loaded) == 1 else None) if loaded else False
+        if self.admission:      # as `Pool.admissions` weighed them: the resident experts first, then the misses
+            gone = set(misses) | computed
+            return [e for e in hits if e not in gone] + [e for e in misses if e not in computed], parts, load_source
         return [e for e in hits if e not in computed], parts, load_source
 
     def _expert(self, e: int, weights: dict, hidden_states: torch.Tensor, expert_mask: torch.Tensor,

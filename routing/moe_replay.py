@@ -138,16 +138,11 @@ def replay(trace: Trace, *, policy: "str | EvictionPolicy", capacity: int, exper
         scores.update((expert_id(trace.model, layer, e), float(v)) for e, v in enumerate(mean))
         pool = pools[layer if quota == "per-layer" else None]
         pending = list(ids)
+        if admission:
+            pending = _admitted(pool, trace, rows, j, layer, pending, pos)
         while pending:
             held = []
             for eid in pending:
-                if admission and not pool.present(eid):
-                    pos[0] += 1             # the oracle weighs the uses after this one
-                    if not pool.admissions([eid])[0]:
-                        pool.bypass(eid)    # served beside the pool: no pin, no eviction
-                        held.append(None)
-                        continue
-                    pos[0] -= 1
                 h = pool.acquire(eid)
                 pos[0] += 1
                 if h is None:
@@ -157,8 +152,7 @@ def replay(trace: Trace, *, policy: "str | EvictionPolicy", capacity: int, exper
             if not held:
                 raise CoEError(f"layer {layer}: the pool cannot hold even one expert")
             for h in held:
-                if h is not None:
-                    pool.release(h)
+                pool.release(h)
             pending = pending[len(held):]
     stats = [p.stats() for p in pools.values()]
     hits, loads = sum(s.hits for s in stats), sum(s.misses for s in stats)
@@ -166,3 +160,24 @@ def replay(trace: Trace, *, policy: "str | EvictionPolicy", capacity: int, exper
     return ReplayResult(policy, quota, per * len(pools) + (expert_nbytes if admission else 0),
                         hits + loads + bypassed, hits, loads,
                         sum(s.bytes_in + s.bypassed_bytes for s in stats), bypassed)
+
+
+def _admitted(pool: Pool, trace: Trace, rows, j: int, layer: int, ids: list[str], pos: list[int]) -> list[str]:
+    """What the layer acquires under admission, as `PooledExperts` decides it: the misses weighed in descending
+    gate score with the layer's resident experts pinned (`Pool.admissions`), the declined ones counted and
+    served beside the pool; the resident ones first, then the admitted misses in that order."""
+    present = [e for e in ids if pool.present(e)]
+    chosen = trace.chosen[rows, j, :].astype(np.int64)
+    probs = trace.probs[rows, j, :].astype(np.float32)
+    weight = {expert_id(trace.model, layer, int(e)): float(probs[:, e][(chosen == e).any(axis=1)].sum())
+              for e in np.unique(chosen)}
+    misses = sorted((e for e in ids if e not in set(present)), key=lambda e: -weight[e])
+    start = pos[0]
+    pos[0] = start + len(ids)           # an oracle weighs the uses after this layer's
+    answers = pool.admissions(misses, keep=present)
+    pos[0] = start
+    declined = [e for e, ok in zip(misses, answers) if not ok]
+    for e in declined:
+        pool.bypass(e)                  # served beside the pool: no pin, no eviction
+        pos[0] += 1
+    return present + [e for e in misses if e not in set(declined)]

@@ -665,8 +665,8 @@ class ExpertStore:
         from .flat import MappedFlat
 
         entry, path = self._current(expert_id, entry)
-        if entry.compression != "none" or converted_layout(self._layout(expert_id, entry), dtype) \
-                is not self._layout(expert_id, entry):
+        stored = self._layout(expert_id, entry)
+        if entry.compression != "none" or converted_layout(stored, dtype) != stored:
             return None
         checked = self._check_whole_file(expert_id, entry, path, mark=False)
         mapped = MappedFlat(path, expert_id)

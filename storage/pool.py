@@ -502,9 +502,11 @@ class Pool:
         The answers are in turn, as the caller's wave will pin them
         (`PinnedWave`): the residents in `keep` (the layer's own hits) and each
         admitted miss are pinned, so a later miss is weighed against the other
-        residents only.  When a miss no longer fits beside that wave, a new
-        wave begins, as it will when the layer runs: the earlier wave's experts
-        are released then, and the policy may push them out.  A miss that fits
+        residents only (the caller acquires its resident experts first, then
+        the admitted misses in the order given).  When a miss no longer fits
+        beside that wave, a new wave begins, as it will when the layer runs:
+        the earlier wave's experts are released then, the most recently used,
+        and the policy may push them out.  A miss that fits
         in free room, one whose room others' pins hold (the caller's wait
         decides), and any miss under a recency-only policy (LRU, FIFO: a
         newcomer could never outrank a resident) are admitted.  Nothing
@@ -513,7 +515,11 @@ class Pool:
         ctx = self._context()
         with self._cond:
             state = self._state_locked(ctx, keep=keep)
+        seq = max((r.used_seq for r in state.residents), default=0)
         wave = {r.expert_id for r in state.residents if r.expert_id in keep}
+        state = replace(state, residents=tuple(replace(r, used_seq=seq + 1) if r.expert_id in wave else r
+                                               for r in state.residents))    # the layer uses them now
+        seq += 1
         out = []
         for eid in expert_ids:
             need = self.source.size(eid)
@@ -528,9 +534,10 @@ class Pool:
                 victims = self.policy.choose_victims(replace(state, incoming=eid), need)
             admit = not victims or not ranks_by_value(self.policy) or not self._worth_less(state, eid, need)
             out.append(admit)
-            if admit and victims is not None:    # it is resident, pinned in the wave, and its victims are gone
+            if admit and victims is not None:    # resident, just used, pinned in the wave; its victims are gone
+                seq += 1
                 kept = tuple(r for r in state.residents if r.expert_id not in victims)
-                state = replace(state, residents=(*kept, Resident(eid, need, -1, -1, pinned=True)))
+                state = replace(state, residents=(*kept, Resident(eid, need, seq, seq, pinned=True)))
                 wave.add(eid)
         return out
 
