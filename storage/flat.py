@@ -222,7 +222,8 @@ class MappedFlat:
     where the computation then finds it.  Left to the map's page faults, the
     same bytes came in at about 0.8x the speed on this box, and with
     `posix_fadvise(WILLNEED)` first (`storage.pagecache.warm_page_cache`) the
-    decode beside the pools' loads ran at 0.85x (`bench/moe_admission.py`).  The map is private
+    decode beside the pools' loads ran at 0.75-0.84x the speed of this read
+    (`bench/moe_admission.py`, two runs).  The map is private
     (copy on write), so the tensors are as writable as any and the file never
     changes.  It is unmapped when the last view of it is gone: torch's
     storage keeps the map object alive, so `close` only lets go of it.
