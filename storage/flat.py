@@ -219,13 +219,13 @@ class MappedFlat:
     (a pooled MoE layer's declined miss, `executors.moe_fiddler.HostWeights`).
     The file is first read through a reused 1 MiB bounce buffer, as a load
     reads it: sequential reads at disk speed bring it into the page cache,
-    where the computation then finds it.  Left to the map's page faults, the
-    same bytes came in at about 0.8x the speed on this box, and with
-    `posix_fadvise(WILLNEED)` first (`storage.pagecache.warm_page_cache`) the
-    decode beside the pools' loads ran at 0.75-0.84x the speed of this read
-    (`bench/moe_admission.py`, two runs).  The map is private
-    (copy on write), so the tensors are as writable as any and the file never
-    changes.  It is unmapped when the last view of it is gone: torch's
+    where the computation then finds it.  On this box (`bench/moe_admission.py`)
+    the decode beside the pools' loads ran at 0.94-1.01x the same policy
+    without admission with this read, 0.78x left to the map's page faults (an
+    earlier form, on four threads), and 0.75-0.84x with
+    `posix_fadvise(WILLNEED)` first (`storage.pagecache.warm_page_cache`).
+    The map is private (copy on write), so the tensors are as writable as any
+    and the file never changes.  It is unmapped when the last view of it is gone: torch's
     storage keeps the map object alive, so `close` only lets go of it.
     """
 
