@@ -39,7 +39,6 @@ import os
 import random
 import resource
 import shutil
-import sqlite3
 import statistics
 import subprocess
 import sys

@@ -26,7 +26,6 @@ from collections.abc import Iterator
 from collections import deque
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
-from pathlib import Path
 
 import numpy as np
 
@@ -407,7 +406,7 @@ def _decode_pipelined(path, header: CompressedHeader, expert_id: str, dest: np.n
     reader, decoder = _reader(), _decoder()
     reads: deque = deque()     # (block index, read future): at most READ_AHEAD + 1 buffers in use
     decodes: deque = deque()   # (block index, group, decode future), in file order
-    next_read = next_decode = 0
+    next_read = 0
     queue: deque = deque()     # (block index, group, read future) waiting for a decode slot
     try:
         while next_read < len(blocks) or reads or queue or decodes:

@@ -29,7 +29,7 @@ from dataclasses import replace
 
 import numpy as np
 
-from .synthetic import (CATHODE_BAND, COPPER, LEAD, LED_MARK, SOLDER, TIN, Footprint, Scene, Shape, family_of,
+from .synthetic import (CATHODE_BAND, LEAD, LED_MARK, SOLDER, TIN, Footprint, Scene, Shape, family_of,
                         footprint, no_leads, render)
 
 SOLDER_DEFECTS = ("solder_bridge", "tombstone", "insufficient_solder", "lifted_lead", "polarity_mark")
