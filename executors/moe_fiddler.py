@@ -70,15 +70,13 @@ class HostReads:
 class HostWeights:
     """An expert's weights in host memory, taken without loading it into any pool."""
 
-    def __init__(self, store: "ExpertStore", host: Pool | None = None, *, drop_after_read: bool = False,
-                 mapped: bool = False) -> None:
+    def __init__(self, store: "ExpertStore", host: Pool | None = None, *, drop_after_read: bool = False) -> None:
         self.store, self.host = store, host
         # as the pools' `drop_after_read`: a box whose RAM is the budget has no page cache to keep the files
         # in, so an in-place expert is dropped from it once computed and the next one reads the disk again
         self.drop_after_read = drop_after_read
-        # `mapped`: a file's tensors are views of its memory map (`ExpertStore.map_flat`), not a copy in fresh
-        # memory: the page cache holds the expert while it is computed (admission sets that much aside)
-        self.mapped = mapped
+        # a file's tensors are views of its memory map (`ExpertStore.map_flat`), not a copy in fresh memory: the
+        # page cache holds the expert while it is computed (admission sets that much aside)
         self._maps: dict[int, object] = {}   # thread -> the MappedFlat it holds between open and close
         self.reads = HostReads()
         self._lock = threading.Lock()
@@ -94,8 +92,6 @@ class HostWeights:
                 self.reads.file_bytes += self.store.nbytes(expert_id)
         if handle is not None:
             return handle.value.tensors(), handle
-        if not self.mapped:
-            return self.store.read(expert_id), None
         from storage.tiers import uniform_dtype
 
         dtype = uniform_dtype(self.store, expert_id)        # what the pools load it in, so the arithmetic is theirs

@@ -446,7 +446,6 @@ def _split_and_prefill(pm: PooledModel, split_mode: str | None, prefill, *, drop
         # declined misses run where the split's in-place ones run when there is a split (on the calling thread on a
         # CPU pool, on a CPU thread beside a CUDA pool); with admission alone, on a CPU thread beside the loads
         split = LoadComputeSplit()
-        weights.mapped = admission      # declined experts: views of the file's map, no buffer of their own
         if split_mode is None:          # admission alone: one at a time on a CPU thread, beside the layer's loads
             pm.in_place = ThreadInPlace(weights, split)
         else:

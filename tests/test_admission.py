@@ -215,7 +215,7 @@ def test_a_mapped_expert_is_the_files_bytes_and_a_corrupt_file_is_named(mixtral,
 
     _, layout, store = mixtral
     eid = layout.ids()[1]
-    w = HostWeights(ExpertStore(store), mapped=True)
+    w = HostWeights(ExpertStore(store))
     got, handle = w.open(eid)
     want = ExpertStore(store).read(eid)
     assert handle is None and all(torch.equal(got[k], want[k]) for k in want)
