@@ -76,7 +76,7 @@ class HostWeights:
         # in, so an in-place expert is dropped from it once computed and the next one reads the disk again
         self.drop_after_read = drop_after_read
         # a file's tensors are views of its memory map (`ExpertStore.map_flat`), not a copy in fresh memory: the
-        # page cache holds the expert while it is computed (admission sets that much aside)
+        # page cache holds the expert while it is computed (with admission, that much memory is set aside)
         self._maps: dict[int, object] = {}   # thread -> the MappedFlat it holds between open and close
         self.reads = HostReads()
         self._lock = threading.Lock()
@@ -96,8 +96,8 @@ class HostWeights:
 
         dtype = uniform_dtype(self.store, expert_id)        # what the pools load it in, so the arithmetic is theirs
         mapped = self.store.map_flat(expert_id, dtype=dtype)
-        # compressed, or cast on the way in: no plain bytes to map; a private copy instead, the size of the expert
-        # set aside (its file's pages pass through the page cache on the way, as a pool load's do)
+        # compressed, or cast on the way in: no plain bytes to map; a private copy instead, one expert's size (what
+        # admission sets aside; its file's pages pass through the page cache on the way, as a pool load's do)
         if mapped is None:
             return self.store.read_flat(expert_id, dtype=dtype).tensors(), None
         self._maps[threading.get_ident()] = mapped
