@@ -72,9 +72,10 @@ def main() -> None:
     ap.add_argument("--row", default=None, help=argparse.SUPPRESS)     # POLICY or POLICY+admission: one child's row
     args = ap.parse_args()
     work = Path(args.work)
+    from edge_agent.llm_bench import row_policy
+
     if args.row:
-        policy, _, extra = args.row.partition("+")
-        print(json.dumps(run_row(work, policy, extra == "admission", args.decode_tokens, args.share)))
+        print(json.dumps(run_row(work, *row_policy(args.row), args.decode_tokens, args.share)))
         return
 
     import subprocess
@@ -82,8 +83,7 @@ def main() -> None:
     from edge_agent.memory_cgroup import MemoryCgroup
 
     rows = []
-    wanted = ([(r.partition("+")[0], r.partition("+")[2] == "admission") for r in args.rows.split(",")]
-              if args.rows else ROWS)
+    wanted = [row_policy(r) for r in args.rows.split(",")] if args.rows else ROWS
     for policy, admission in wanted:
         # each row in its own process, in a memory cgroup when the box has one: its peak counts RSS and page cache
         # together, so a load's pass through the page cache and a declined expert's mapped pages count alike

@@ -27,6 +27,14 @@ SIZES = (0.125, 0.25, 0.5)
 # 'P+admission': policy P, and a miss it ranks below what it would push out is read for its one use (computed
 # over its file's memory map) and never enters the pool (`Pool.admissions`); one expert of the memory is set
 # aside for it
+def row_policy(row: str) -> tuple[str, bool]:
+    """(policy, admission) of a bench row's name: 'predicted+admission' -> ('predicted', True)."""
+    policy, _, extra = row.partition("+")
+    if extra not in ("", "admission"):
+        raise ValueError(f"row {row!r}: expected POLICY or POLICY+admission")
+    return policy, bool(extra)
+
+
 ADMITTING = ("lfu+admission", "gate-score+admission", "probability+admission", "predicted+admission")
 POLICIES = ("lru", "fifo", "lfu", "gate-score", "predicted", "probability", *ADMITTING, "belady", "belady+admission")
 REALISABLE = ("lfu", "gate-score", "predicted", "probability", "fifo", *ADMITTING)
@@ -130,14 +138,14 @@ def run_replays(kind: str, profile: Trace, trace: Trace, *, expert_nbytes: int =
             for policy in POLICIES:
                 if progress:
                     progress(f"{kind} {size:.1%} {quota} {policy}")
-                name, _, extra = policy.partition("+")
-                if extra and quota == "per-layer":   # equal per-layer pools would each give up a share of the
+                name, admission = row_policy(policy)
+                if admission and quota == "per-layer":   # equal per-layer pools would each give up a share of the
                     rows.append(Row(kind, size, quota, policy, None, None, None, experts))   # expert set aside
                     continue
                 try:
                     r = replay(trace, policy=name, capacity=experts * expert_nbytes, expert_nbytes=expert_nbytes,
                                quota=quota, popularity=popularity, predictor=predictor,
-                               admission=extra == "admission")
+                               admission=admission)
                 except Exception as exc:  # a per-layer share below top-k experts: reported, not fatal
                     if "cannot hold" not in str(exc):
                         raise
@@ -289,7 +297,7 @@ def run_decode(store: Path, profile: Trace, trace: Trace, *, share: float = 0.25
     for row in DECODE_POLICIES:
         if progress:
             progress(row)
-        policy, _, extra = row.partition("+")
+        policy, admission = row_policy(row)
         pos = [0]
         oracle = getattr(POLICIES[policy], "oracle", False)
         ctx = (lambda: {"future": FutureView(flat, pos[0])}) if oracle else None
@@ -298,7 +306,7 @@ def run_decode(store: Path, profile: Trace, trace: Trace, *, share: float = 0.25
                          popularity=profile.popularity(), context=ctx, drop_after_read=True,
                          predictor=predictor if policy == "predicted" else None, device=device,
                          host_memory=int(layout.expert_bytes * host_share), host_mode=host_mode,
-                         admission=extra == "admission")
+                         admission=admission)
         before = pm.file_bytes()
         r = trace_decode(pm, trace, position=pos, prefill=False)
         # a declined miss is read for its one use: bytes moved all the same (from its file, or the host tier's copy)

@@ -38,6 +38,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from storage.pool import Handle, Pool
+from storage.tiers import uniform_dtype
 
 from .moe_split import FILE, HOST
 
@@ -92,8 +93,6 @@ class HostWeights:
                 self.reads.file_bytes += self.store.nbytes(expert_id)
         if handle is not None:
             return handle.value.tensors(), handle
-        from storage.tiers import uniform_dtype
-
         dtype = uniform_dtype(self.store, expert_id)        # what the pools load it in, so the arithmetic is theirs
         mapped = self.store.map_flat(expert_id, dtype=dtype)
         # compressed, or cast on the way in: no plain bytes to map; a private copy instead, one expert's size (what

@@ -443,10 +443,10 @@ def _split_and_prefill(pm: PooledModel, split_mode: str | None, prefill, *, drop
     weights = HostWeights(pm.store, pm.host if pm.host is not None else host_tier_of(pm.pools[0]),
                           drop_after_read=drop_after_read)
     if split_mode is not None or admission:
-        # declined misses run where the split's in-place ones run when there is a split (on the calling thread on a
-        # CPU pool, on a CPU thread beside a CUDA pool); with admission alone, on a CPU thread beside the loads
+        # declined misses run where the split's in-place ones do; with admission alone, one at a time on a CPU
+        # thread beside the layer's loads (its costs are measured into a split nobody consults)
         split = LoadComputeSplit()
-        if split_mode is None:          # admission alone: one at a time on a CPU thread, beside the layer's loads
+        if split_mode is None:
             pm.in_place = ThreadInPlace(weights, split)
         else:
             pm.in_place = (ThreadInPlace if split_mode == "fiddler" else MappedInPlace)(weights, split)

@@ -233,7 +233,8 @@ class PooledExperts(nn.Module):
         file for this one use, and the residents stay.  Under LRU or FIFO
         every miss is admitted.
         """
-        resident = [self.ids[e] for e in hits if e not in set(misses)]
+        missing = set(misses)
+        resident = [self.ids[e] for e in hits if e not in missing]
         by_pool: dict[int, tuple[Pool, list[int]]] = {}
         for e in misses:
             pool = self._pool_of(self.ids[e])
@@ -262,7 +263,8 @@ class PooledExperts(nn.Module):
         declined = self._declined(misses, hits) if self.admission else []
         for e in declined:
             self._pool_of(self.ids[e]).bypass(self.ids[e])
-        misses = [e for e in misses if e not in declined]
+        refused = set(declined)
+        misses = [e for e in misses if e not in refused]
         host = self.in_place.weights.host
         source = {e: HOST if host is not None and host.present(self.ids[e]) else FILE for e in misses}
         in_place = declined + (self.split.split(misses, [source[e] for e in misses])[1]

@@ -167,17 +167,21 @@ def _admitted(pool: Pool, trace: Trace, rows, j: int, layer: int, ids: list[str]
     gate score with the layer's resident experts pinned (`Pool.admissions`), the declined ones counted and
     served beside the pool; the resident ones first, then the admitted misses in that order."""
     present = [e for e in ids if pool.present(e)]
+    resident = set(present)
     chosen = trace.chosen[rows, j, :].astype(np.int64)
     probs = trace.probs[rows, j, :].astype(np.float32)
     weight = {expert_id(trace.model, layer, int(e)): float(probs[:, e][(chosen == e).any(axis=1)].sum())
               for e in np.unique(chosen)}
-    misses = sorted((e for e in ids if e not in set(present)), key=lambda e: -weight[e])
+    misses = sorted((e for e in ids if e not in resident), key=lambda e: -weight[e])
     start = pos[0]
     pos[0] = start + len(ids)           # an oracle weighs the uses after this layer's
     answers = pool.admissions(misses, keep=present)
     pos[0] = start
-    declined = [e for e, ok in zip(misses, answers) if not ok]
-    for e in declined:
-        pool.bypass(e)                  # served beside the pool: no pin, no eviction
-        pos[0] += 1
-    return present + [e for e in misses if e not in set(declined)]
+    admitted = []
+    for e, ok in zip(misses, answers):
+        if ok:
+            admitted.append(e)
+        else:
+            pool.bypass(e)              # served beside the pool: no pin, no eviction
+            pos[0] += 1
+    return present + admitted

@@ -626,6 +626,11 @@ class ExpertStore:
             self._mark_verified((expert_id, entry.sha256), path)
         return tensors
 
+    def _needs_check(self, key: tuple[str, str], path: Path) -> bool:
+        """Whether the store's policy hashes this read: always, or the first time for these bytes at this path."""
+        return self.verify == "always" or (self.verify == "first" and (key not in self._verified
+                                                                       or self._replaced(*key, path)))
+
     def _check_whole_file(self, expert_id: str, entry: ManifestEntry, path: Path, *, mark: bool = True) -> bool:
         """Hash the file when the store's policy asks (always, or the first time for these bytes); True if it did.
 
@@ -633,8 +638,7 @@ class ExpertStore:
         verified here unless `mark` is False (the caller marks it once the rest
         of its checks pass)."""
         key = (expert_id, entry.sha256)
-        if not (self.verify == "always" or (self.verify == "first" and (key not in self._verified
-                                                                       or self._replaced(*key, path)))):
+        if not self._needs_check(key, path):
             return False
         try:
             digest = _sha256(path)
@@ -654,9 +658,10 @@ class ExpertStore:
         computation that must not take memory beside the pools.  None when the
         file holds no such bytes: a compressed one, or one that `dtype` would
         cast on the way in (`storage.convert`; the pools load it so); the caller
-        reads it instead.  The first verified read hashes the file, which also
-        brings it into the page cache.  A read that raced a promotion is retried
-        once on the new entry, as `read` is.
+        reads it instead.  A verified read hashes the bytes as they stream into
+        the page cache (`MappedFlat`'s read-through), so the disk is read once.
+        A read that raced a promotion is retried once on the new entry, as
+        `read` is.
         """
         return self._retried(expert_id, lambda entry: self._map_flat(expert_id, dtype, entry))
 
@@ -668,14 +673,15 @@ class ExpertStore:
         stored = self._layout(expert_id, entry)
         if entry.compression != "none" or converted_layout(stored, dtype) != stored:
             return None
-        checked = self._check_whole_file(expert_id, entry, path, mark=False)
-        mapped = MappedFlat(path, expert_id)
+        key = (expert_id, entry.sha256)
+        checked = self._needs_check(key, path)
+        mapped = MappedFlat(path, expert_id, expect_sha256=entry.sha256 if checked else None)
         if mapped.flat.nbytes != entry.nbytes:
             got = mapped.flat.nbytes
             mapped.close()
             raise ExpertLoadError(expert_id, str(path), f"file holds {got} tensor bytes, manifest says {entry.nbytes}")
         if checked and self.verify == "first":
-            self._mark_verified((expert_id, entry.sha256), path)
+            self._mark_verified(key, path)
         return mapped
 
     def read_flat(self, expert_id: str, *, pin: bool = False, method: str = "read",
@@ -722,8 +728,7 @@ class ExpertStore:
 
         entry, path = self._current(expert_id, entry)
         key = (expert_id, entry.sha256)
-        check = self.verify == "always" or (self.verify == "first" and (key not in self._verified
-                                                                        or self._replaced(*key, path)))
+        check = self._needs_check(key, path)
         expect = entry.sha256 if check else None
         from .convert import converted_layout
 

@@ -229,17 +229,24 @@ class MappedFlat:
     storage keeps the map object alive, so `close` only lets go of it.
     """
 
-    def __init__(self, path: str | os.PathLike, expert_id: str) -> None:
+    def __init__(self, path: str | os.PathLike, expert_id: str, *, expect_sha256: str | None = None) -> None:
+        """`expect_sha256`: the whole file's digest, checked on the read-through (one pass over the bytes)."""
         import torch
 
-        layout, _ = read_layout(path, expert_id)     # a short or corrupt file is refused here, named
+        layout, header = read_layout(path, expert_id)     # a short or corrupt file is refused here, named
+        hasher = hashlib.sha256(header) if expect_sha256 else None
         buf = getattr(_bounce, "buf", None)
         if buf is None:
             buf = _bounce.buf = bytearray(_HASH_CHUNK)
+        view = memoryview(buf)
         with open(path, "rb") as fh:
             fh.seek(layout.data_offset)
-            while fh.readinto(buf):
-                pass
+            while n := fh.readinto(buf):
+                if hasher is not None:
+                    hasher.update(view[:n])
+            if hasher is not None and hasher.hexdigest() != expect_sha256:
+                raise ExpertLoadError(expert_id, str(path), f"sha256 mismatch: manifest {expect_sha256[:12]}…, "
+                                                            f"file {hasher.hexdigest()[:12]}…")
             mm = mmap.mmap(fh.fileno(), 0, access=mmap.ACCESS_COPY)
         data = (torch.frombuffer(mm, dtype=torch.uint8, count=layout.nbytes, offset=layout.data_offset)
                 if layout.nbytes else torch.empty(0, dtype=torch.uint8))
