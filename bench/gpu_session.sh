@@ -30,6 +30,11 @@
 #                                      # after the other, then (d) on CUDA with the exclusive one
 #   bash bench/gpu_session.sh OUT 12   # about 7 minutes: (b) on CUDA with the inclusive and the exclusive host tier,
 #                                      # then (c) with the exclusive one at 128 tokens (against accelerate, as phase 8)
+#   bash bench/gpu_session.sh OUT 13   # about 8 minutes: every GPU test; line A profiled on CUDA and the CPU, then
+#                                      # bench --real --device cuda saturated (read-ahead, fill, hold and the
+#                                      # prefetch decided at dispatch, none measured on a GPU before); (b) on CUDA
+#                                      # with the inclusive tier (its predicted+admission row: declined experts on
+#                                      # the CPU beside a GPU pool) and with the exclusive tier (its buffers reused)
 #
 # Run it after `bash .gpu/on-device.sh` installed the wheels (see ../shared/gpu/README.md), e.g.
 #   bash .gpu/on-device.sh 'bash bench/gpu_session.sh $OUT 1'
@@ -38,9 +43,9 @@
 # Every step has its own time limit and writes its whole output to OUT/<step>.log; a step that fails or
 # runs out of time does not stop the next.  Nothing here is a test: the figures are read off the logs.
 set -u
-OUT=${1:?usage: bash bench/gpu_session.sh OUT 1|2|3|4|5|6|7|8|9|10|11|12}
-PHASE=${2:?usage: bash bench/gpu_session.sh OUT 1|2|3|4|5|6|7|8|9|10|11|12}
-case "$PHASE" in 1|2|3|4|5|6|7|8|9|10|11|12) ;; *) echo "phase must be 1 to 12, got '$PHASE'" >&2; exit 2 ;; esac
+OUT=${1:?usage: bash bench/gpu_session.sh OUT 1|2|...|13}
+PHASE=${2:?usage: bash bench/gpu_session.sh OUT 1|2|...|13}
+case "$PHASE" in 1|2|3|4|5|6|7|8|9|10|11|12|13) ;; *) echo "phase must be 1 to 13, got '$PHASE'" >&2; exit 2 ;; esac
 mkdir -p "$OUT"
 export YOLO_OFFLINE=1 PYTHONUNBUFFERED=1 TQDM_DISABLE=1
 export COE_DATA_DIR="${COE_DATA_DIR:-var/line-paper}"
@@ -84,6 +89,17 @@ model_ready() {   # wait for model_start's maker; never beside a timed step
 llm_gpu_tests() {   # llm_gpu_tests SECONDS: the GPU tests of the pinned buffers, the split and the prefill stream
   TAIL=8 step gpu-tests "$1" python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_pinned.py \
     tests/test_moe_fiddler.py tests/test_moe_prefill.py
+}
+
+line_a_config() {   # line A with a GPU executor and a CPU executor (the systems `bench --real --device cuda`
+  # compares), so the real run's scheduler reads measured costs of its architectures on both devices
+  python3 -c '
+import os, yaml
+cfg = yaml.safe_load(open("configs/line-A.yaml"))
+cfg.update(spec=os.path.abspath("configs/specs/line-A.coe.yaml"), data_dir="var/line-A-gpu", cpu_tier="400MB",
+           executors=[{"device": "cuda", "memory": "400MB"}, {"device": "cpu", "memory": "400MB"}])
+cfg["metrics"] = {"enabled": False}
+yaml.safe_dump(cfg, open("/tmp/line-A-gpu.yaml", "w"))'
 }
 
 if [ "$PHASE" = 1 ]; then
@@ -153,15 +169,7 @@ elif [ "$PHASE" = 3 ] || [ "$PHASE" = 4 ]; then
     model_start
     TAIL=8 step gpu-tests 60 python3 -m pytest -q -m gpu -p no:cacheprovider tests/test_moe_fiddler.py
   fi
-  # line A with a GPU executor and a CPU executor (the systems `bench --real --device cuda` compares), so
-  # the real run's scheduler reads measured costs of its architectures on both devices
-  python3 -c '
-import os, yaml
-cfg = yaml.safe_load(open("configs/line-A.yaml"))
-cfg.update(spec=os.path.abspath("configs/specs/line-A.coe.yaml"), data_dir="var/line-A-gpu", cpu_tier="400MB",
-           executors=[{"device": "cuda", "memory": "400MB"}, {"device": "cpu", "memory": "400MB"}])
-cfg["metrics"] = {"enabled": False}
-yaml.safe_dump(cfg, open("/tmp/line-A-gpu.yaml", "w"))'
+  line_a_config
   export COE_DATA_DIR=var/line-A-gpu
   step zoo-A 90 coe-agent zoo build --config /tmp/line-A-gpu.yaml
   # the model is made while the untimed steps run, never beside a profile or a timed run
@@ -174,6 +182,20 @@ yaml.safe_dump(cfg, open("/tmp/line-A-gpu.yaml", "w"))'
   if [ "$PHASE" = 4 ]; then
     TAIL=12 step llm-e 110 coe-agent llm bench --work $W --part e
   fi
+elif [ "$PHASE" = 13 ]; then
+  model_start
+  TAIL=10 step gpu-all 100 python3 -m pytest -q -m gpu -p no:cacheprovider tests
+  line_a_config
+  export COE_DATA_DIR=var/line-A-gpu
+  step zoo-A 90 coe-agent zoo build --config /tmp/line-A-gpu.yaml
+  model_ready
+  TAIL=14 step profile-A 140 coe-agent profile --config /tmp/line-A-gpu.yaml --out var/line-A-gpu/profile.json \
+    --no-plots
+  cp var/line-A-gpu/profile.json "$OUT/line-A.json"
+  TAIL=30 step real-saturated 110 coe-agent bench --real --device cuda --repeats 3 --arrival-ms 0.5
+  export COE_DATA_DIR=var/line-paper
+  TAIL=16 step llm-b-inclusive 100 coe-agent llm bench --work $W --part b --device cuda --host-mode inclusive
+  TAIL=16 step llm-b-exclusive 100 coe-agent llm bench --work $W --part b --device cuda --host-mode exclusive
 else
   # the profile again, without plots (a call brings back a few files only; phase 1's profile dir was too many)
   TAIL=8 step profile2 150 coe-agent profile --config configs/line-paper.yaml --out "$OUT/gpu.json" --no-plots

@@ -22,6 +22,7 @@ mechanism).  Prefill's GPU/CPU placement (`prefill='balance'`) is `moe_prefill`.
 """
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 from contextlib import nullcontext
@@ -43,6 +44,8 @@ from storage.tiers import SpareBuffers, StoreSource, TierSource, demote
 from .moe_prefill import PrefillCosts
 from .moe_threads import loader_friendly_threads
 from .pooled_experts import LOADERS, PooledExperts
+
+log = logging.getLogger(__name__)
 
 QUOTAS = ("shared", "per-layer")
 SPLITS = ("mapped", "fiddler")      # in place from the memory map on the calling thread; on a CPU thread
@@ -246,7 +249,12 @@ def load_pooled(root: str | Path, *, memory: int, policy: str = "lru", quota: st
     in all (measured: `bench/moe_admission.py`).  Exact on the CPU.  Under
     LRU or FIFO, which rank by recency alone and so never decline, it is off
     and nothing is set aside; it needs `quota='shared'`.  A CUDA prefill
-    placed by `prefill='balance'|'queues'` follows that rule instead.
+    placed by `prefill='balance'|'queues'` follows that rule instead.  On
+    CUDA it is allowed but warned about: measured on an H200 it ran at 0.80x
+    and 0.67x the same policy without it (`llm bench --part b --device cuda`,
+    docs/llm.md), since a declined expert is read from its file and computed
+    on the CPU where a load would have been one host-to-GPU copy, and the
+    host tier would have kept it.
     """
     if prefetch not in (None, "none", "next-layer", "token"):
         raise CoEError(f"prefetch must be 'next-layer', 'token' or none, got {prefetch!r}")
@@ -299,8 +307,11 @@ def load_pooled(root: str | Path, *, memory: int, policy: str = "lru", quota: st
         if dev.type != "cuda":
             memory -= biggest
             set_aside = f" (less one {biggest}-byte expert set aside for admission's declined experts)"
-        elif host_memory:
-            host_memory -= biggest
+        else:
+            log.warning("admission on %s: a declined expert is read from its file and computed on the CPU; on an "
+                        "H200 that ran at 0.67-0.80x the same policy without admission (docs/llm.md)", dev)
+            if host_memory:
+                host_memory -= biggest
     if host_mode == "exclusive" and not host_memory:
         raise CoEError("host mode 'exclusive' makes the host tier a victim cache of the pools: give it host memory "
                        "(--host-memory)")
