@@ -259,7 +259,7 @@ def test_admission_sets_one_expert_aside_and_needs_its_own_pools(mixtral):
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_on_a_cuda_box_declined_experts_run_on_the_cpu_beside_the_gpu_pool_and_the_logits_match(mixtral, caplog):
     """Fiddler's path for admission (`llm bench --part b --device cuda`, row predicted+admission): a declined miss
-    is computed on the CPU, over the host tier's copy or its file's map, and never enters the GPU pool; the
+    is computed on the CPU, over the host tier's copy or its file's map, one CPU read per declined use; the
     expert set aside comes out of the host memory, not the GPU budget."""
     from coe.moe import parse_expert_id
     from executors.moe_model import load_pooled
@@ -269,14 +269,16 @@ def test_on_a_cuda_box_declined_experts_run_on_the_cpu_beside_the_gpu_pool_and_t
     popularity = {eid: 1.0 / (1 + parse_expert_id(eid)[2]) for eid in layout.ids()}
     pm = load_pooled(store, memory=per * (layout.top_k + 2), policy="probability", popularity=popularity,
                      admission=True, device="cuda", host_memory=per * (layout.top_k + 3))
-    assert "0.67-0.80x" in caplog.text                  # measured not to pay on an H200: said when asked for
-    assert sum(p.capacity for p in pm.pools) == per * (layout.top_k + 2)
-    assert pm.host.capacity == per * (layout.top_k + 2)
-    with torch.no_grad():
-        for seed in (21, 23, 24):
-            x = _inputs(seed)
-            torch.testing.assert_close(pm.model(x.cuda()).logits.cpu(), ref(x).logits, rtol=1e-4, atol=1e-4)
-    s = pm.stats()
-    reads = pm.in_place.weights.reads
-    assert s.bypassed > 0 and reads.from_file + reads.from_host == s.bypassed
-    pm.close()
+    try:
+        assert "0.67-0.74x" in caplog.text                  # measured not to pay on an H200: said when asked for
+        assert sum(p.capacity for p in pm.pools) == per * (layout.top_k + 2)
+        assert pm.host.capacity == per * (layout.top_k + 2)
+        with torch.no_grad():
+            for seed in (21, 23, 24):
+                x = _inputs(seed)
+                torch.testing.assert_close(pm.model(x.cuda()).logits.cpu(), ref(x).logits, rtol=1e-4, atol=1e-4)
+        s = pm.stats()
+        reads = pm.in_place.weights.reads
+        assert s.bypassed > 0 and reads.from_file + reads.from_host == s.bypassed
+    finally:
+        pm.close()
