@@ -36,6 +36,8 @@
 #                                      # with the inclusive tier (its predicted+admission row: declined experts on
 #                                      # the CPU beside a GPU pool) and with the exclusive tier (its buffers reused)
 #
+# The phases that profile (1, 2, 3, 4, 13) need zstandard on the box: put its wheel in .gpu/whl beside the others
+# (docs/gpu-runs/README.md has the pip download line).
 # Run it after `bash .gpu/on-device.sh` installed the wheels (see ../shared/gpu/README.md), e.g.
 #   bash .gpu/on-device.sh 'bash bench/gpu_session.sh $OUT 1'
 # with var/llm/trained-40x32.trace, var/llm/trained-hf/config.json and var/llm/trained/llm.json carried
