@@ -146,7 +146,7 @@ def _inputs(seed):
 
 
 @pytest.mark.parametrize("policy", ["probability", "lfu"])
-def test_declined_experts_leave_the_logits_and_the_generation_exact(mixtral, policy):
+def test_declined_experts_leave_the_logits_and_the_generation_exact(mixtral, policy, caplog):
     from coe.moe import parse_expert_id
     from executors.moe_model import load_pooled
 
@@ -159,6 +159,7 @@ def test_declined_experts_leave_the_logits_and_the_generation_exact(mixtral, pol
         want = ref(x).logits
     pm = load_pooled(store, memory=per * (layout.top_k + 3), policy=policy, popularity=popularity, admission=True)
     assert sum(p.capacity for p in pm.pools) == per * (layout.top_k + 2)      # one expert is set aside
+    assert "0.67-0.74x" not in caplog.text       # the CUDA measurement's warning is not for the CPU, where it pays
     with torch.no_grad():
         got = pm.model(x).logits
     assert torch.equal(got, want)
