@@ -169,14 +169,30 @@ def test_the_line_s_own_experts_decode_rate_wins_over_the_sample_and_is_measured
     assert comp.storage.decode_total_bps == 0.5e9 and comp.ratio == comp.storage.ratio == 0.66
 
 
-def test_the_measurements_give_positive_rates(tmp_path):
+def test_the_measured_rates_are_the_bytes_over_the_timed_span(tmp_path, monkeypatch):
+    import types
+
+    from executors import storage_profiler
+
     f = tmp_path / "blob"
     f.write_bytes(b"\x01" * (4 << 20))
     disk, _cold = measure_disk_rate([f], repeats=1)
     assert disk > 0
     assert measure_decode_contended(2, 2 << 20, repeats=1) > 0
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="threads must be at least 1"):
         measure_decode_contended(0)
+    # on a clock that moves 0.25 s per reading, each timed read or decode takes exactly 0.25 s: the rates are the
+    # bytes over that (a rate over the wrong bytes, or not over the timed span, fails)
+    now = [0.0]
+
+    def tick() -> float:
+        now[0] += 0.25
+        return now[0]
+    monkeypatch.setattr(storage_profiler, "time", types.SimpleNamespace(perf_counter=tick))
+    disk, _cold = measure_disk_rate([f], repeats=1)
+    assert disk == pytest.approx((4 << 20) / 0.25)
+    decoded = storage_profiler._bf16_sample(2 << 20).size
+    assert measure_decode_contended(1, 2 << 20, repeats=1) == pytest.approx(decoded / 0.25)
 
 
 # -- the simulation ----------------------------------------------------------------------------------

@@ -246,8 +246,10 @@ def test_what_a_layer_just_asked_for_is_not_the_victim_of_a_guess_issued_from_it
         nl.close()
 
 
-def test_a_prefill_leaves_the_later_layers_uniform_as_training_does_and_two_prompts_still_validate(tmp_path):
-    from routing.moe_predictor import choose_features, validation_split
+def test_a_prefill_leaves_the_later_layers_uniform_as_training_does_and_two_prompts_still_validate(tmp_path,
+                                                                                                    monkeypatch):
+    from routing import moe_predictor
+    from routing.moe_predictor import _next_pairs, choose_features, validation_split
 
     trace = _decode_trace(120, 0.5, 3, cross=False)                   # prompts of 50 tokens: step 0 is the prompt
     pred = TokenPredictor.train(trace, features="freshest")
@@ -260,7 +262,17 @@ def test_a_prefill_leaves_the_later_layers_uniform_as_training_does_and_two_prom
     two = trace.rows(np.flatnonzero(trace.seq <= 1))                   # two prompts: each part gets one
     fit, val = validation_split(two)
     assert len(np.unique(fit.seq)) == 1 and len(np.unique(val.seq)) == 1
-    assert choose_features(two) in ("freshest", "same-layer")
+    assert len(_next_pairs(fit)) > 0 and len(_next_pairs(val)) > 0   # each part has decode pairs to learn and score
+    trained = []
+    real_train = TokenPredictor.train.__func__
+
+    def counting(cls, tr, **kw):
+        trained.append(kw.get("features"))
+        return real_train(cls, tr, **kw)
+    monkeypatch.setattr(moe_predictor.TokenPredictor, "train", classmethod(counting))
+    choose_features(two)
+    assert sorted(trained) == sorted(moe_predictor.FEATURES)         # validated both inputs, not a fallback
+    monkeypatch.undo()
     from safetensors.numpy import save_file
     half = {"W": pred.W.astype(np.float32), "b": pred.b.astype(np.float32), "mu": pred.mu.astype(np.float32)}
     save_file(half, str(tmp_path / "half"), metadata={"coe": __import__("json").dumps(

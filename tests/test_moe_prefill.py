@@ -272,15 +272,37 @@ def test_balance_on_a_cpu_box_says_it_reduces_to_batching(qwen3):
         load_pooled(store, memory=layout.expert_bytes, prefill="greedy")
 
 
-def test_profile_costs_times_this_box():
+def test_profile_costs_times_this_box(monkeypatch):
+    import types
+
     from torch import nn
 
+    from executors import moe_prefill
     from executors.moe_prefill import profile_costs
 
     w = {"gate_up_proj": torch.randn(64, 32), "down_proj": torch.randn(32, 32)}
     c = profile_costs(w, nn.SiLU(), torch.device("cpu"), ns=(1, 64), repeats=2)
     assert c.load > 0 and c.cpu(64) > 0 and c.gpu(64) > 0
     assert c.cpu.per_token >= 0 and c.cpu.fixed >= 0 and "profiled" in c.source
+    # on a clock that moves 2 ms per reading every timed run takes 2 ms: the fits are flat at 2 ms, from `repeats`
+    # points at each token count on each device, and the load is one timed copy
+    now, fitted = [0.0], []
+
+    def tick() -> float:
+        now[0] += 0.002
+        return now[0]
+    real_fit = moe_prefill.fit_linear
+
+    def spy(points):
+        fitted.append(sorted(n for n, _ in points))
+        return real_fit(points)
+    monkeypatch.setattr(moe_prefill, "time", types.SimpleNamespace(perf_counter=tick))
+    monkeypatch.setattr(moe_prefill, "fit_linear", spy)
+    c = profile_costs(w, nn.SiLU(), torch.device("cpu"), ns=(1, 64), repeats=3)
+    assert fitted == [[1, 1, 1, 64, 64, 64]] * 2                     # the CPU's points, then the device's
+    for cost in (c.cpu, c.gpu):
+        assert cost.per_token == pytest.approx(0.0, abs=1e-12) and cost.fixed == pytest.approx(0.002)
+    assert c.load == pytest.approx(0.002)
 
 
 def test_generate_help_documents_the_new_options():
@@ -318,8 +340,6 @@ def test_prefill_balance_on_cuda_matches_the_reference_within_tolerance(qwen3, c
 
 def _decode_after_prefill(qwen3, offer: bool) -> tuple:
     """(experts the host tier kept from the stream, host-tier misses of the decode passes after the prefill)."""
-    from executors import moe_prefill as mp
-
     ref, layout, store = qwen3
     per = layout.layers[0].expert_nbytes
     pm = load_pooled(store, memory=per * (layout.top_k + 2), policy="lru", prefill=MIXED,

@@ -12,7 +12,9 @@ from coe import CoEError
 from routing.moe_trace import TRACE_FORMAT, TRACE_VERSION, Trace, load_popularity, synthetic
 from storage.policies import GateScore, LFU, PoolState, Resident, make_policy
 
-POPULARITY = Path("/work/shared/data/mixtral-expert-popularity/international_law.json")
+# the packaged copy of the measured Mixtral popularity (configs/moe/; its README names the source)
+POPULARITY = (Path(__file__).resolve().parents[1] / "configs" / "moe" / "mixtral-expert-popularity"
+              / "international_law.json")
 
 
 # -- recording from a real model ----------------------------------------------------------------------
@@ -295,8 +297,6 @@ def test_synthetic_refuses_bad_popularity():
 
 
 def test_load_popularity_of_mixtral():
-    if not POPULARITY.is_file():
-        pytest.skip(f"{POPULARITY} not present")
     pop = load_popularity(POPULARITY)
     assert len(pop) == 32 and all(len(r) == 8 for r in pop)
     raw = json.loads(POPULARITY.read_text())["expert_popularity"]

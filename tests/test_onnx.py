@@ -137,6 +137,10 @@ def test_export_import_and_a_line_that_serves_an_onnx_detector(tmp_path, tiny_zo
 
     verdicts, _ = _verdicts_through_agent(config, tiny_recording)
     assert len(verdicts) == len(Recording(tiny_recording)) and set(verdicts.values()) <= {"pass", "defect"}
+    # the same line with det-2term in torch, from the same weights, gives every frame the same verdict
+    shutil.copytree(tiny_zoo, tmp_path / "plain" / "experts")
+    plain = write_line(tmp_path / "plain" / "line", store=tmp_path / "plain" / "experts")
+    assert _verdicts_through_agent(plain, tiny_recording)[0] == verdicts
     import sqlite3
 
     con = sqlite3.connect(load_config(config, env={}).db_path)

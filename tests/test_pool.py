@@ -155,8 +155,9 @@ def test_two_threads_share_one_load_and_a_failed_load_leaves_no_placeholder():
     assert isinstance(errors[0], OSError) and not waiter.is_alive()
     assert "bad" not in p.resident() and p.used_bytes() == 10                      # no leaked reservation
     src.sizes["bad"] = 10
-    with pytest.raises(OSError):
+    with pytest.raises(OSError, match="disk on fire"):
         p.acquire("bad")                                                           # retried, not hung
+    assert src.calls == 3                      # the retry read again: the failure was not remembered and re-raised
 
 
 def _try(pool, eid):

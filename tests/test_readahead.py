@@ -10,7 +10,7 @@ import threading
 import pytest
 import torch
 
-from coe import Expert, Frame, Request
+from coe import Expert, ExpertLoadError, Frame, Request
 from executors.readahead import ReadAhead, next_read_ahead, scheduler_note
 from executors.scheduler import FixedCosts, Scheduler
 from storage.disk_activity import DiskActivity
@@ -219,7 +219,7 @@ def test_read_ahead_never_evicts_a_pool_above_and_skips_an_expert_that_failed(st
     assert box.ahead.step() is None                         # the host tier (one expert) holds f, queued: no room
     assert box.ahead.stats.no_room == 1 and box.host.resident() == ["f"]
     assert set(box.gpu.resident()) == {"a", "b"}            # nothing above was touched
-    with pytest.raises(Exception, match="sha256"):          # the executor meets the failure itself, and reports it
+    with pytest.raises(ExpertLoadError, match="e.*sha256"):  # the executor meets the failure itself, and reports it
         box.gpu.acquire("e")
 
 

@@ -54,10 +54,23 @@ def test_measurements_are_taken_once_per_arch_and_kept(tmp_path):
         measured_choices(path, experts, threads=4, measure=measure)
 
 
-def test_the_probe_measures_both_runtimes_at_each_batch():
+def test_the_probe_measures_both_runtimes_at_each_batch(monkeypatch):
+    from executors import runtime_probe
+    from executors.runtime_choice import choose_runtime
+
     row = measure_arch(MODEL.experts["cls-r0402"], repeats=2, switches=False)
-    assert row["auto"] in ("onnx", "torch") and row["parity"] <= 1e-4
+    assert row["parity"] <= 1e-4
     assert all(row[f"{rt}_ms_b{n}"] > 0 for rt in ("torch", "onnx") for n in (1, 8, 16))
+    assert row["auto"] == choose_runtime({n: (row[f"torch_ms_b{n}"], row[f"onnx_ms_b{n}"]) for n in (1, 8, 16)})
+    # each batch times torch, then ONNX: with made-up timings the row holds them, each in its place, and `auto`
+    # follows them both ways (a probe that swapped the two, or fixed its answer, fails one of the two)
+    for torch_ms, onnx_ms, want in ((10.0, 2.0, "onnx"), (2.0, 10.0, "torch")):
+        timings = iter([torch_ms, onnx_ms] * 3)
+        monkeypatch.setattr(runtime_probe, "median_ms", lambda fn, repeats: next(timings))
+        row = measure_arch(MODEL.experts["cls-r0402"], repeats=1, switches=False)
+        assert row["auto"] == want
+        assert [row[f"torch_ms_b{n}"] for n in (1, 8, 16)] == [torch_ms] * 3
+        assert [row[f"onnx_ms_b{n}"] for n in (1, 8, 16)] == [onnx_ms] * 3
 
 
 def _verdicts(config, recording):

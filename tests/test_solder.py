@@ -52,6 +52,8 @@ def test_drawing_is_reproducible():
     a = draw_solder_defect("U-SOIC8", "lifted_lead", np.random.default_rng(9))
     b = draw_solder_defect("U-SOIC8", "lifted_lead", np.random.default_rng(9))
     assert np.array_equal(a[0], b[0]) and a[1] == b[1]
+    c = draw_solder_defect("U-SOIC8", "lifted_lead", np.random.default_rng(10))
+    assert not np.array_equal(a[0], c[0])          # the generator draws it: another seed, another picture
 
 
 def test_impossible_requests_are_refused_by_name():

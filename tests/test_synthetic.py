@@ -14,7 +14,7 @@ from coe import load_spec
 from coe.spec import CoEModel
 from storage.recording import MANIFEST, Recording, RecordingError
 from storage.synthetic import (CODE_BITS, EPOCH, FRAME_INTERVAL_S, LABELS, board_layout, designator,
-                               draw_component, family_of, footprint, record_synthetic, silkscreen)
+                               draw_component, footprint, record_synthetic, silkscreen)
 
 SPEC = Path(__file__).resolve().parents[1] / "configs" / "specs" / "line-A.coe.yaml"
 
@@ -158,11 +158,14 @@ def test_refuses_to_overwrite_without_consent(model: CoEModel, tmp_path: Path) -
     assert len(Recording(tmp_path / "r")) == 2
 
 
-@pytest.mark.parametrize("kwargs", [{"frames": -1}, {"seed": -1}, {"encoding": "gif"}, {"line": ""},
-                                    {"boards_components": 0}])
-def test_bad_arguments_raise(model: CoEModel, tmp_path: Path, kwargs: dict) -> None:
+@pytest.mark.parametrize("kwargs,match", [({"frames": -1}, "frames must be a non-negative integer"),
+                                          ({"seed": -1}, "seed must be a non-negative integer"),
+                                          ({"encoding": "gif"}, "encoding must be one of"),
+                                          ({"line": ""}, "line must be a non-empty string"),
+                                          ({"boards_components": 0}, "a board needs at least one component")])
+def test_bad_arguments_raise(model: CoEModel, tmp_path: Path, kwargs: dict, match: str) -> None:
     args = {"frames": 3, "line": "A", **kwargs}
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match=match):      # our check, naming the argument, not a library's error
         record_synthetic(model, tmp_path / "r", **args)
     assert not (tmp_path / "r" / MANIFEST).exists()
 

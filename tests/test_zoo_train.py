@@ -43,6 +43,9 @@ def test_training_is_reproducible(tmp_path):
     wa = ExpertStore(tmp_path / "a").read(CLASSIFIERS[0].id)
     wb = ExpertStore(tmp_path / "b").read(CLASSIFIERS[0].id)
     assert a[0].heldout_accuracy == b[0].heldout_accuracy and all(torch.equal(wa[k], wb[k]) for k in wa)
+    train_classifiers(MODEL, ExpertStore(tmp_path / "c"), steps=5, batch=8, seed=4)
+    wc = ExpertStore(tmp_path / "c").read(CLASSIFIERS[0].id)
+    assert not all(torch.equal(wa[k], wc[k]) for k in wa)      # the seed decides: another seed, other weights
 
 
 def test_classes_the_frames_cannot_show_are_refused():
