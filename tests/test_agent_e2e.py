@@ -38,22 +38,41 @@ def db_rows(agent, sql):
 
 
 def subscribe(endpoint: str, got: list, stop: threading.Event) -> threading.Thread:
+    """A SUB socket on the agent's verdicts: returns once its connection's handshake is done (a PUB drops what it
+    sends before a subscriber joins), then a short wait for the subscription itself to reach the agent."""
+    from zmq.utils.monitor import recv_monitor_message
+
     ready = threading.Event()
 
     def loop():
         sub = zmq.Context.instance().socket(zmq.SUB)
         sub.setsockopt(zmq.SUBSCRIBE, b"")
+        mon = sub.get_monitor_socket(zmq.EVENT_HANDSHAKE_SUCCEEDED)
         sub.connect(endpoint)
-        ready.set()
+        if mon.poll(30_000):
+            recv_monitor_message(mon)
+            ready.set()
+        sub.disable_monitor()
+        mon.close(linger=0)
         while not stop.is_set():
             if sub.poll(50):
                 got.append(sub.recv_multipart())
         sub.close(linger=0)
     t = threading.Thread(target=loop, daemon=True)
     t.start()
-    ready.wait(2)
+    assert ready.wait(30), f"no handshake with {endpoint}"
     time.sleep(0.3)
     return t
+
+
+def _until(cond, seconds: float = 30.0) -> bool:
+    """Poll `cond` until true or `seconds` pass (a liveness bound, not a timing assertion)."""
+    deadline = time.monotonic() + seconds
+    while not cond():
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.01)
+    return True
 
 
 def test_every_frame_gets_exactly_one_verdict(agent, tiny_recording):
@@ -63,9 +82,9 @@ def test_every_frame_gets_exactly_one_verdict(agent, tiny_recording):
     report = replay(rec, agent.endpoints["ingest"], window=16)
     assert (report.accepted, report.rejected, report.unacked) == (len(rec), 0, [])
     assert agent.wait_verdicts(len(rec), timeout=120)
-    time.sleep(0.3)
+    assert _until(lambda: len(got) >= len(rec))          # the last verdicts published may still be on their way
     stop.set()
-    t.join(2)
+    t.join(10)
     rows = verdict_rows(agent.cfg.db_path)
     ids = [r["frame_id"] for r in rows]
     assert sorted(ids) == sorted(f.header["frame_id"] for f in rec)

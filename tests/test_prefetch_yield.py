@@ -132,7 +132,9 @@ def test_a_read_that_may_pause_waits_between_chunks_and_goes_on_where_it_stopped
     assert len(paused) == 2
 
 
-def test_a_prefetch_whose_read_is_overtaken_pauses_and_goes_on_reading_once(tiny_zoo):
+def test_a_prefetch_whose_read_is_overtaken_pauses_and_goes_on_reading_once(tiny_zoo, monkeypatch):
+    from executors import moe_prefetch
+    monkeypatch.setattr(moe_prefetch, "PAUSE_LIMIT_SECONDS", 60.0)    # a slow timer thread must not look like a limit
     pool, eid, pre = _one_expert(tiny_zoo)
     load, calls = pool.source.load, []
     release = __import__("threading").Event()
@@ -183,26 +185,28 @@ def test_a_read_its_layer_asks_for_meanwhile_is_adopted_and_joined_not_read_twic
     """The layer asks for the expert being read: the read goes on unpaused and the layer joins it.
 
     A wrong implementation does not hang here: timers free the read and the
-    layer's other load after 3 s, and the assertions then fail.
+    layer's other load after 30 s, and the assertions then fail.
     """
     import threading
 
     pool, eid, pre = _one_expert(tiny_zoo)
     load, reads = pool.source.load, []
     started, go, other_load_done = threading.Event(), threading.Event(), threading.Event()
+    ending = threading.Lock()
 
     def slow(expert_id, reuse=None):
         reads.append(expert_id)
         started.set()
-        go.wait(3)                              # the layer comes while the read is under way
+        go.wait(30)                             # the layer comes while the read is under way
         return load(expert_id, reuse)
 
-    def other_load_ends():
-        if not other_load_done.is_set():
-            other_load_done.set()
-            pooled_experts._demand_add(-1)
+    def other_load_ends():                      # once, whoever calls it first (a timer or the test)
+        with ending:
+            if not other_load_done.is_set():
+                other_load_done.set()
+                pooled_experts._demand_add(-1)
     pool.source.load = slow
-    timers = [threading.Timer(3, go.set), threading.Timer(3, other_load_ends)]
+    timers = [threading.Timer(30, go.set), threading.Timer(30, other_load_ends)]
     try:
         pre._issue(0, {0})
         assert started.wait(5)
@@ -302,7 +306,7 @@ def test_a_prefill_pass_voids_the_guess_and_its_read_stops(tiny_zoo):
 
     def slow(expert_id, reuse=None):
         started.set()
-        go.wait(3)
+        go.wait(30)                                 # until the prefill below has run (a wrong read fails, not hangs)
         return load(expert_id, reuse)
     pool.source.load = slow
     try:
@@ -335,15 +339,18 @@ def test_a_read_under_way_gives_its_room_to_a_layer_that_has_none(tiny_zoo, monk
     pre = _Prefetcher({0: ids}, lambda _: pool)
     load, started, outside_done = pool.source.load, threading.Event(), threading.Event()
 
+    ending = threading.Lock()
+
     def outside_ends():
-        outside_done.set()
-        pooled_experts._demand_add(-1)
+        with ending:
+            if not outside_done.is_set():
+                outside_done.set()
+                pooled_experts._demand_add(-1)
 
     def slow(expert_id, reuse=None):
         if expert_id == ids[0]:
             started.set()
             pooled_experts._demand_add(1)           # a layer's load elsewhere: the prefetch pauses, holding its room
-            threading.Timer(3, outside_ends).start()
             from storage.flat import may_yield
             may_yield(expert_id)
         return load(expert_id, reuse)
@@ -351,41 +358,54 @@ def test_a_read_under_way_gives_its_room_to_a_layer_that_has_none(tiny_zoo, monk
     try:
         pre._issue(0, {0})
         assert started.wait(5)
+        # the outside load stays under way through the wave: a paused read that kept its room until that load
+        # ended would leave the wave nothing, and it raises after 20 s
         with pooled_experts.PinnedWave(lambda _: pool, [ids[1]], wait=20) as wave:
             got = [h.expert_id for _, h in wave.as_ready()]
-        held_back = outside_done.is_set()           # the wave got its room only once the outside load ended
+        assert not outside_done.is_set()
+        outside_ends()
         _settle(pre)
         assert got == [ids[1]] and pre.stats.yielded == 1 and not pool.present(ids[0])
         assert (pre.stats.stopped_ran, pre.stats.stopped_room, pre.stats.stopped_limit) == (0, 1, 0)
-        assert not held_back                        # the paused read gave its room up at once
         assert not pooled_experts.short_of_room()   # the wave's mark went with it
     finally:
+        outside_ends()
         pre.close()
-        outside_done.wait(15)
 
 
 def test_a_read_paused_too_long_gives_up_but_not_once_adopted(tiny_zoo, monkeypatch):
-    """The pause limit stops a guess nobody waits on; a read its layer asked for is never stopped by it."""
+    """The pause limit stops a guess nobody waits on; a read its layer asked for is never stopped by it.
+
+    The limit runs on a clock the test moves (no thread's timing decides it):
+    the read pauses, then (adopted or not) the clock jumps past the limit.
+    """
     import threading
+    import types
 
     from executors import moe_prefetch
     from storage.flat import may_yield
     monkeypatch.setattr(moe_prefetch, "PAUSE_LIMIT_SECONDS", 1.0)
+    clock = [0.0]
+    monkeypatch.setattr(moe_prefetch, "time", types.SimpleNamespace(monotonic=lambda: clock[0]))
     for adopt in (False, True):
+        clock[0] = 0.0
         pool, eid, pre = _one_expert(tiny_zoo)
-        load, started = pool.source.load, threading.Event()
+        load = pool.source.load
 
-        def held(expert_id, reuse=None, load=load, started=started):
+        def held(expert_id, reuse=None, load=load):
             pooled_experts._demand_add(1)           # a layer's load comes as the read starts, and stays
-            started.set()
             may_yield(expert_id)                    # paused here: until adopted, or the limit
             return load(expert_id, reuse)
         pool.source.load = held
         try:
             pre._issue(0, {0})
-            assert started.wait(5)
+            deadline = __import__("time").monotonic() + 30
+            while pre.stats.paused == 0:            # the read is paused (a liveness bound only)
+                assert __import__("time").monotonic() < deadline, "the read never paused"
+                threading.Event().wait(0.005)
             if adopt:
                 pre._score(0, {0})                  # its layer asks for it while it is paused
+            clock[0] = 5.0                          # long past the limit
             _settle(pre)
             if adopt:                               # read to the end under the layer's own load
                 assert pre.stats.adopted == 1 and pre.stats.yielded == 0 and pool.present(eid)

@@ -70,9 +70,6 @@ def test_profile_line_measures_each_arch_once_per_device(measured, tiny_config):
         assert same_arch and all(a.weight_bytes == store.nbytes(e.id) for e in same_arch)
         assert a.activation_bytes > 0
         assert a.load_seconds["ssd"] > 0 and a.load_seconds["host"] > 0
-    # the yolov8n detector costs more per request than the 32-px classifier
-    assert (prof.arch("ultralytics/yolov8n", "cpu").batch_seconds(4)
-            > prof.arch("torchvision/mobilenet_v3_small", "cpu").batch_seconds(4))
     cpu = prof.devices["cpu"]
     cores = os.cpu_count() or 1
     assert executor_threads(cfg) == 1                       # the config's threads: 1 ...

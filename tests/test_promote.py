@@ -95,15 +95,17 @@ def test_promotion_under_a_running_replay_loses_and_duplicates_nothing(tmp_path,
         sender = threading.Thread(target=lambda: out.setdefault("a", send_messages(first, agent.endpoints["ingest"],
                                                                                    rate=20, window=8)))
         sender.start()
-        time.sleep(0.3)                                                     # frames are in flight
+        assert agent.wait_verdicts(1, timeout=60)                          # frames are in flight, on version 1
         res = CliRunner().invoke(cli, ["experts", "promote", str(cand.root), "--config", str(config)])
         assert res.exit_code == 0, res.output
         sender.join(60)
         assert agent.wait_verdicts(len(first), timeout=120)
-        deadline = time.monotonic() + 10
+        deadline = time.monotonic() + 30
         while (agent.store_watch.store.entry("cls-r0402").version != 2 or agent.store_watch.pending()) \
                 and time.monotonic() < deadline:
             time.sleep(0.02)                         # the watcher has seen the promotion and settled every pool
+        assert agent.store_watch.store.entry("cls-r0402").version == 2 and not agent.store_watch.pending(), \
+            "the store watcher did not settle the promotion within 30 s"
         later = send_messages(second, agent.endpoints["ingest"], window=8)
         assert out["a"].accepted + later.accepted == len(rec) and not out["a"].unacked and not later.unacked
         assert agent.wait_verdicts(len(rec), timeout=120)

@@ -61,7 +61,8 @@ def test_a_late_answer_to_a_request_given_up_is_dropped_not_taken_for_the_next()
 
 
 def test_a_dead_actor_ends_the_wait_through_the_liveness_check():
-    server = ChannelServer(lambda b: time.sleep(5) or b"", "127.0.0.1")
+    never = threading.Event()                            # the handler never answers: only the liveness check ends it
+    server = ChannelServer(lambda b: never.wait(60) and b"", "127.0.0.1")
     client = ChannelClient(server.endpoint)
     checks = []
 
@@ -71,11 +72,11 @@ def test_a_dead_actor_ends_the_wait_through_the_liveness_check():
             raise RuntimeError("ActorDiedError: the actor died")
 
     try:
-        t0 = time.monotonic()
         with pytest.raises(RuntimeError, match="ActorDiedError"):
             client.call(b"x", timeout=30, alive=alive, check_s=0.05)
-        assert len(checks) == 2 and time.monotonic() - t0 < 5   # not the 30 s timeout, not the handler's 5 s
+        assert len(checks) == 2                          # ended by the second check, not by the 30 s timeout
     finally:
+        never.set()
         client.close()
         server.close()
 
@@ -136,7 +137,7 @@ def test_an_echo_nobody_answers_times_out_naming_the_endpoint():
             t0 = time.monotonic()
             with pytest.raises(TimeoutError, match=rf"no answer from tcp://127\.0\.0\.1:{port} to an echo in 0.3 s"):
                 client.echo(0.3)
-            assert 0.25 < time.monotonic() - t0 < 3
+            assert time.monotonic() - t0 > 0.25         # it waited its 0.3 s (an upper bound would be timing)
         finally:
             client.close()
     silent.close()
@@ -148,10 +149,8 @@ def test_the_connect_handshake_names_the_executor_node_address_and_port():
     from executors.remote import channel_handshake
 
     port = _free_port()
-    t0 = time.monotonic()
     with pytest.raises(CoEError) as err:
         channel_handshake(f"tcp://127.0.0.1:{port}", name="box-2/cpu-1.0", node="box-2", timeout=0.3)
-    assert time.monotonic() - t0 < 3
     msg = str(err.value)
     for part in ("executor box-2/cpu-1.0 on node box-2", "address 127.0.0.1", f"port {port}",
                  "did not answer an echo", "cluster.channel: ray"):

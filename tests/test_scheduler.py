@@ -77,7 +77,7 @@ def test_close_wakes_waiters_and_drains():
     t = threading.Thread(target=lambda: got.append(s.next_batch("x")))
     t.start()
     s.close()
-    t.join(2)
+    t.join(10)
     assert got == [None] and not t.is_alive()
     s2 = grouping(["x"])
     s2.submit(req("a"))
