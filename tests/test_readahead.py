@@ -229,7 +229,7 @@ def test_the_thread_reads_ahead_on_its_own_and_stops(store):
     try:
         for i, eid in enumerate("ag"):
             box.sched.submit(req(eid, i))
-        for _ in range(500):
+        for _ in range(3000):
             if box.host.contains("g"):
                 break
             threading.Event().wait(0.01)
@@ -297,10 +297,11 @@ def test_the_prefetcher_says_how_long_its_load_still_needs(store, monkeypatch):
     pf = Prefetcher(pool, "cpu", clock=lambda: clock[0])
     try:
         pf.hint("b", expected=5.0)
-        for _ in range(500):
+        for _ in range(3000):
             if pool.present("b"):
                 break
             time.sleep(0.01)
+        assert pool.present("b"), "the prefetch never reserved b"
         clock[0] += 1.5                                     # the load has run 1.5 s of its estimated 5
         assert pf.remaining("b") == pytest.approx(3.5) and pf.remaining("a") == 0.0
         clock[0] += 10.0                                    # past its estimate and still loading: 0, not negative
@@ -352,10 +353,11 @@ def test_fill_runs_a_resident_batch_while_a_real_prefetch_is_loading_the_head(st
         for i, e in enumerate("aab"):
             s.submit(req(e, i))
         pf.hint("a", expected=5.0)                          # what the executor does when a batch starts
-        for _ in range(500):
+        for _ in range(3000):
             if pool.present("a"):
                 break
             time.sleep(0.01)
+        assert pool.present("a"), "the prefetch never reserved a"
         first = s.next_batch("q", timeout=0)
         assert first.expert_id == "b" and s.filled == 1     # a is loading: b's 0.2 s batch runs meanwhile
         s.finished(first)
@@ -395,10 +397,11 @@ def test_fill_copies_a_host_tier_group_in_while_a_real_prefetch_is_loading_the_h
         for i, e in enumerate("aab"):
             s.submit(req(e, i))
         pf.hint("a", expected=5.0)
-        for _ in range(500):        # the prefetch thread has reserved a and reached its SSD read (held on the gate)
+        for _ in range(3000):       # the prefetch thread has reserved a and reached its SSD read (held on the gate)
             if pool.present("a") and reader.from_ssd == 1:
                 break
             time.sleep(0.01)
+        assert pool.present("a") and reader.from_ssd == 1, "the prefetch never reached its held SSD read"
         first = s.next_batch("q", timeout=0)
         assert first.expert_id == "b" and s.filled == 1
         handle = pool.acquire("b")                          # what the executor does with the batch
