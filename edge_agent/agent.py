@@ -14,7 +14,7 @@ import os
 import signal
 import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -23,7 +23,7 @@ import zmq
 from coe import CoEModel, Frame, Request, decide, load_spec
 from coe.probabilities import ranked
 from executors.costs import ExecutorInfo, ProfileCosts, store_forms
-from executors.executor import BatchResult, Executor, FailedExperts
+from executors.executor import BatchResult, Executor, FailedExperts, result_problem
 from executors.profile import Profile
 from executors.readahead import ReadAhead, scheduler_note, usable_from_host
 from executors.scheduler import Scheduler
@@ -742,6 +742,9 @@ class Agent:
 
     def _on_batch(self, result: BatchResult) -> None:
         b = result.batch
+        problem = result_problem(result)
+        if problem is not None:       # every frame of the batch gets an error verdict: none is left without one
+            result = replace(result, outputs=None, error=problem, error_kind=result.error_kind or "expert_run")
         self.metrics.batch_size.observe(len(b))
         self.status.batch(result.executor, len(b))
         if result.error is not None:

@@ -41,6 +41,23 @@ class BatchResult:
     expert_version: int | None = None    # the store version of the weights that ran (None: not from a store)
 
 
+def result_problem(result: BatchResult) -> str | None:
+    """Why a result without an error cannot be delivered as it is (outputs missing, or not one per request), or None.
+
+    The agent checks every result before it reads outputs request by request:
+    a short list would leave the requests past its end without a verdict.
+    """
+    if result.error is not None:
+        return None
+    n = len(result.batch.requests)
+    if not isinstance(result.outputs, list):
+        return f"{result.executor} returned no outputs list for the {n} frame(s) of batch {result.batch.id}"
+    if len(result.outputs) != n:
+        return (f"{result.executor} returned {len(result.outputs)} output(s) for the {n} frame(s) of batch "
+                f"{result.batch.id} (expert {result.batch.expert_id})")
+    return None
+
+
 def is_out_of_memory(exc: BaseException) -> bool:
     """CUDA OOM, host MemoryError, or a backend's 'out of memory' RuntimeError."""
     if isinstance(exc, MemoryError):

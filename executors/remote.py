@@ -444,6 +444,31 @@ def channel_handshake(endpoint: str, *, name: str, node: str, timeout: float):
                        f"firewall between the boxes?), or set cluster.channel: ray") from None
 
 
+REPLY_KEYS = ("outputs", "error", "error_kind", "started_at", "seconds", "version", "report")
+
+
+def reply_problem(reply: object, frames: int) -> str | None:
+    """What is wrong with a node's answer to a batch of `frames` frames (`NodeExecutor.run`), or None.
+
+    A reply of another shape (a node on another coe-edge version) must not
+    be read key by key: a missing key would end the call as a lost node, and
+    fewer outputs than frames would leave the rest without a verdict.
+    """
+    if not isinstance(reply, dict):
+        return f"a {type(reply).__name__}, not a dict"
+    missing = [k for k in REPLY_KEYS if k not in reply]
+    if missing:
+        return f"missing {', '.join(missing)}"
+    if reply["error"] is not None:
+        return None if isinstance(reply["error"], str) else f"error {type(reply['error']).__name__}, not a string"
+    outputs = reply["outputs"]
+    if not isinstance(outputs, list):
+        return f"outputs {type(outputs).__name__}, not a list"
+    if len(outputs) != frames:
+        return f"{len(outputs)} outputs for {frames} frames"
+    return None
+
+
 class RemoteExecutor:
     """The front box's stand-in for an executor on another node: same surface as `Executor`.
 
@@ -650,6 +675,10 @@ class RemoteExecutor:
             reply = pickle.loads(raw)
         except Exception as exc:  # noqa: BLE001 - an answer this box cannot read: the batch ran, its result is lost
             self._front_error(batch, f"cannot read node {self.node}'s answer: {short_error(exc)}")
+            return
+        problem = reply_problem(reply, len(batch.requests))
+        if problem is not None:   # another coe-edge version on the node, say: its frames get errors, none is lost
+            self._front_error(batch, f"node {self.node} ({self.name}) answered batch {batch.id} malformed: {problem}")
             return
         self._contact = time.monotonic()
         self._ping = None   # the answer proves the actor alive; an earlier ping's answer adds nothing

@@ -234,3 +234,34 @@ def test_hostile_messages_are_rejected_and_ingest_survives(agent):
     assert got["after"][1] == "accepted"
     assert agent.wait_verdicts(1, timeout=60)
     assert agent.dead_threads() == []
+
+
+def test_a_result_with_fewer_outputs_than_frames_gives_every_frame_a_verdict(tiny_line, tiny_recording, monkeypatch):
+    """An executor (or a node on another version) that answers a batch with one output short: the frames past the
+    end of its list must not be left without a verdict; the whole batch gets error verdicts naming the fault."""
+    from executors.executor import Executor
+
+    run_batch = Executor.run_batch
+    short = []
+
+    def one_short(self, batch):
+        result = run_batch(self, batch)
+        if result.error is None and len(result.outputs) >= 2 and not short:
+            short.append(batch.id)
+            result.outputs = result.outputs[:-1]
+        return result
+    monkeypatch.setattr(Executor, "run_batch", one_short)
+    rec = Recording(tiny_recording)
+    agent = Agent(load_config(tiny_line, env={})).start()
+    try:
+        report = replay(rec, agent.endpoints["ingest"], window=16)
+        assert report.accepted == len(rec)
+        assert agent.wait_verdicts(len(rec), timeout=120)
+        rows = verdict_rows(agent.cfg.db_path)
+        assert sorted(r["frame_id"] for r in rows) == sorted(f.header["frame_id"] for f in rec)   # one each
+        assert short, "no batch of two or more frames ran"
+        failed = [r for r in rows if r["verdict"] == "error"]
+        assert len(failed) >= 2 and all("output(s) for the" in r["reason"] and f"batch {short[0]}" in r["reason"]
+                                        for r in failed)
+    finally:
+        agent.stop()

@@ -162,3 +162,28 @@ def test_the_connect_handshake_names_the_executor_node_address_and_port():
         client.close()
     finally:
         server.close()
+
+
+@pytest.mark.parametrize("reply,why", [
+    (["not", "a", "dict"], "a list, not a dict"),
+    ({"outputs": [1, 2]}, "missing error, error_kind, started_at, seconds, version, report"),
+    ({"outputs": [1], "error": None, "error_kind": "", "started_at": 0.0, "seconds": 0.1, "version": 1,
+      "report": None}, "1 outputs for 2 frames"),
+    ({"outputs": None, "error": None, "error_kind": "", "started_at": 0.0, "seconds": 0.1, "version": 1,
+      "report": None}, "outputs NoneType, not a list"),
+    ({"outputs": None, "error": 3, "error_kind": "", "started_at": 0.0, "seconds": 0.1, "version": 1,
+      "report": None}, "error int, not a string")])
+def test_a_nodes_malformed_answer_is_named_before_it_is_read(reply, why):
+    """`RemoteExecutor._serve` checks a node's answer before reading it key by key (executors/remote.py)."""
+    from executors.remote import reply_problem
+
+    assert reply_problem(reply, 2) == why
+
+
+def test_a_nodes_well_formed_answers_pass():
+    from executors.remote import reply_problem
+
+    ok = {"outputs": [1, 2], "error": None, "error_kind": "", "started_at": 0.0, "seconds": 0.1, "version": 1,
+          "report": None}
+    assert reply_problem(ok, 2) is None
+    assert reply_problem({**ok, "outputs": None, "error": "node box-2: out of memory"}, 2) is None   # an error result
