@@ -26,6 +26,7 @@ from typing import Any
 log = logging.getLogger(__name__)
 
 MAX_BODY = 1 << 20
+BODY_TIMEOUT = 30.0     # seconds a connection may take to send what it announced: a stalled one pins a thread
 
 
 class RequestError(Exception):
@@ -79,6 +80,10 @@ class LLMService:
         self._server.daemon_threads = True
         self.port = self._server.server_address[1]
         self._thread = threading.Thread(target=self._server.serve_forever, name="llm-http", daemon=True)
+        # the context the model was built for: a prompt and its completion must fit it (a prompt of a megabyte
+        # would otherwise run one prefill of a million tokens while every other request waits)
+        config = getattr(getattr(pooled, "model", None), "config", None)
+        self.context = getattr(config, "max_position_embeddings", None)
 
     def start(self) -> "LLMService":
         self._thread.start()
@@ -95,15 +100,18 @@ class LLMService:
         """Greedy completion; `on_text(delta)` sees the text as it grows.  Raises RequestError(503) when busy."""
         import torch
 
+        ids = self.tok.encode(prompt)
+        if not ids:
+            raise RequestError(400, "'prompt' encodes to no tokens", "prompt")
+        if self.context and len(ids) + max_tokens > self.context:
+            raise RequestError(400, f"'prompt' is {len(ids)} tokens and 'max_tokens' {max_tokens}: together more than "
+                               f"the model's context of {self.context} tokens", "prompt")
         with self._count:
             if self._waiting > self.max_waiting:
                 raise RequestError(503, f"busy: {self._waiting} completions are waiting", kind="server_busy")
             self._waiting += 1
         try:
             with self._run:
-                ids = self.tok.encode(prompt)
-                if not ids:
-                    raise RequestError(400, "'prompt' encodes to no tokens", "prompt")
                 out: list[int] = []
                 shown = [0]
 
@@ -128,6 +136,7 @@ class LLMService:
 
         class Handler(BaseHTTPRequestHandler):
             protocol_version = "HTTP/1.1"
+            timeout = BODY_TIMEOUT      # the socket's: a request line, headers or body that stalls ends the connection
 
             def log_message(self, fmt: str, *args: Any) -> None:  # route through logging, not stderr
                 log.debug("llm http: " + fmt, *args)
@@ -152,20 +161,50 @@ class LLMService:
                 else:
                     self._error(RequestError(404, f"no such endpoint: {self.path}", kind="not_found"))
 
+            def _not_allowed(self) -> None:
+                self.close_connection = True      # whatever body came with it is not read
+                self._error(RequestError(405, f"{self.command} is not served; use POST /v1/completions or "
+                                              f"GET /v1/models"))
+
+            do_PUT = do_DELETE = do_PATCH = _not_allowed
+
             def do_POST(self) -> None:
                 if self.path != "/v1/completions":
+                    self.close_connection = True
                     self._error(RequestError(404, f"no such endpoint: {self.path}", kind="not_found"))
+                    return
+                if self.headers.get("Transfer-Encoding"):     # a chunked body is not read: the connection ends
+                    self.close_connection = True
+                    self._error(RequestError(411, "a Content-Length header is required (no Transfer-Encoding)"))
                     return
                 try:
                     length = int(self.headers.get("Content-Length", ""))
                 except ValueError:
+                    self.close_connection = True
                     self._error(RequestError(411, "a Content-Length header is required"))
                     return
-                if length > MAX_BODY or length < 0:
+                if length < 0:
+                    self.close_connection = True
+                    self._error(RequestError(400, f"Content-Length must not be negative, got {length}"))
+                    return
+                if length > MAX_BODY:
                     self.close_connection = True
                     self._error(RequestError(413, f"body of {length} bytes exceeds {MAX_BODY}"))
                     return
-                body = self.rfile.read(length)
+                body = b""
+                try:
+                    while len(body) < length:         # piece by piece, so a stall still says how far it came
+                        piece = self.rfile.read1(length - len(body))
+                        if not piece:
+                            break
+                        body += piece
+                except OSError:                   # the socket's timeout: it announced more than it sent
+                    pass
+                if len(body) < length:
+                    self.close_connection = True
+                    self._error(RequestError(400, f"the body ended after {len(body)} of its {length} bytes "
+                                                  f"(Content-Length), or stalled for {BODY_TIMEOUT:g} s"))
+                    return
                 try:
                     req = parse_request(body, model=service.model_name, default_tokens=service.default_tokens,
                                         limit=service.limit)

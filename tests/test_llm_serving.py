@@ -198,6 +198,57 @@ def test_streaming_and_malformed_requests(tmp_path, tiny_zoo, llm_store):
         agent.stop()
 
 
+def _raw(port: int, data: bytes, *, read_timeout: float = 30.0) -> bytes:
+    """Send `data` as it is on a fresh connection; return everything the server answers until it closes."""
+    import socket
+
+    with socket.create_connection(("127.0.0.1", port), timeout=read_timeout) as sock:
+        sock.sendall(data)
+        got = b""
+        while chunk := sock.recv(65536):
+            got += chunk
+        return got
+
+
+def test_http_framing_that_is_not_served_is_refused_and_a_stalled_body_does_not_pin_the_server(tmp_path, tiny_zoo,
+                                                                                                llm_store,
+                                                                                                monkeypatch):
+    """Raw HTTP the OpenAI client would never send: each gets a JSON error and the connection is closed (a body
+    left unread would be parsed as the next request), a body that stalls ends after the server's timeout, and a
+    prompt past the model's context is refused before it holds the model."""
+    from edge_agent import llm_service
+
+    store, want = llm_store
+    monkeypatch.setattr(llm_service, "BODY_TIMEOUT", 0.5)      # the handler reads it when the server is made
+    agent = Agent(load_config(_line(tmp_path, tiny_zoo, store, "raw"), env={})).start()
+    try:
+        port = agent.llm.port
+        head = "POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+        cases = [
+            (head + "Content-Length: 100\r\n\r\n" + '{"prompt": "x"', "400", "ended after 14 of its 100 bytes"),
+            (head + "Content-Length: -5\r\n\r\n", "400", "must not be negative"),
+            (head + "Transfer-Encoding: chunked\r\n\r\n5\r\nhello\r\n0\r\n\r\n", "411", "no Transfer-Encoding"),
+            (head + "\r\n" + '{"prompt": "x"}', "411", "Content-Length header is required"),
+            ("PUT /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 2\r\n\r\n{}", "405", "PUT is not served"),
+            ("DELETE /v1/models HTTP/1.1\r\nHost: x\r\n\r\n", "405", "DELETE is not served")]
+        for text, status, needle in cases:
+            raw = _raw(port, text.encode())          # returns only once the server has closed the connection
+            status_line, _, rest = raw.partition(b"\r\n")
+            assert status_line.split()[1].decode() == status, (text, raw)
+            doc = json.loads(rest.split(b"\r\n\r\n", 1)[1])
+            assert needle in doc["error"]["message"], (text, doc)
+        context = agent.llm.context
+        assert context == 256                                   # the test model's max_position_embeddings
+        got, text = _post(port, {"prompt": "a" * (context - 3), "max_tokens": TOKENS})
+        err = json.loads(text)["error"]
+        assert got == 400 and err["param"] == "prompt" and f"context of {context} tokens" in err["message"]
+        # the server survived every one of them
+        assert json.loads(_post(port, {"prompt": PROMPTS[0], "max_tokens": TOKENS})[1])["choices"][0]["text"] \
+            == want[PROMPTS[0]]
+    finally:
+        agent.stop()
+
+
 def test_llm_config_errors(tmp_path, tiny_zoo, llm_store):
     store, _ = llm_store
     path = write_line(tmp_path / "bad", store=tiny_zoo, llm={"store": str(store), "port": 70000})
