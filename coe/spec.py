@@ -6,6 +6,7 @@ and the reason, not at 3 a.m. when the first frame of that component arrives.
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -94,6 +95,8 @@ def load_spec(path: str | Path) -> CoEModel:
         raw = yaml.safe_load(path.read_text(encoding="utf-8"))
     except yaml.YAMLError as exc:
         raise SpecError(src, "<file>", f"not valid YAML: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise SpecError(src, "<file>", f"not UTF-8 text: {exc.reason} at byte {exc.start}") from None
     return parse_spec(raw, src)
 
 
@@ -134,8 +137,9 @@ def parse_spec(raw: Any, src: str = "<spec>") -> CoEModel:
             raise SpecError(src, f"{key}.classifier", f"unknown expert '{cls}'")
         if experts[cls].kind != "classifier":
             raise SpecError(src, f"{key}.classifier", f"expert '{cls}' is a {experts[cls].kind}, not a classifier")
-        if not isinstance(freq, (int, float)) or isinstance(freq, bool) or freq <= 0:
-            raise SpecError(src, f"{key}.frequency", f"must be a positive number, got {freq!r}")
+        if not isinstance(freq, (int, float)) or isinstance(freq, bool) or not 0 < freq < math.inf:
+            # NaN fails both comparisons: it would make every usage probability NaN (eviction, pool fill)
+            raise SpecError(src, f"{key}.frequency", f"must be a positive finite number, got {freq!r}")
         if cname in components:
             raise SpecError(src, f"{key}.name", f"duplicate component '{cname}'")
         components[cname] = Component(cname, cls, float(freq))

@@ -29,6 +29,8 @@ def parse_bytes(value: Any) -> int:
     if isinstance(value, (int, float)):
         if value < 0:
             raise ValueError("a size cannot be negative")
+        if value != value or value == float("inf"):
+            raise ValueError(f"a size must be a finite number of bytes, got {value!r}")
         return int(value)
     m = re.fullmatch(r"\s*([0-9]+(?:\.[0-9]+)?)\s*([a-zA-Z]*)\s*", str(value))
     if not m or m.group(2).lower() not in _UNITS:
@@ -357,11 +359,16 @@ def load_config(path: str | Path, env: Mapping[str, str] | None = None, **overri
         raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
     except yaml.YAMLError as exc:
         raise SpecError(src, "<file>", f"not valid YAML: {exc}") from None
+    except UnicodeDecodeError as exc:
+        raise SpecError(src, "<file>", f"not UTF-8 text: {exc.reason} at byte {exc.start}") from None
     if not isinstance(raw, dict):
         raise SpecError(src, "<root>", "expected a mapping of config keys")
-    env_keys = apply_env(raw, os.environ if env is None else env)
+    env_keys = apply_env(raw, os.environ if env is None else env, src)
     for key, val in overrides.items():
-        _set_path(raw, key.split("."), val)
+        try:
+            _set_path(raw, key.split("."), val)
+        except ValueError as exc:
+            raise SpecError(src, key, str(exc)) from None
     try:
         cfg = LineConfig(**raw)
     except ValidationError as exc:
@@ -370,7 +377,7 @@ def load_config(path: str | Path, env: Mapping[str, str] | None = None, **overri
         reason = err["msg"].removeprefix("Value error, ")
         where = src
         for var, dotted in env_keys.items():
-            if key == dotted or key.startswith(dotted + "."):
+            if key == dotted or key.startswith(dotted + ".") or dotted.startswith(key + "."):
                 where = f"{var} (overriding {src})"
         if "." not in key and ":" in reason and key == "<root>":
             key, reason = reason.split(":", 1)
@@ -379,8 +386,12 @@ def load_config(path: str | Path, env: Mapping[str, str] | None = None, **overri
     return _resolve(cfg, path)
 
 
-def apply_env(raw: dict, env: Mapping[str, str]) -> dict[str, str]:
-    """Apply COE_KEY / COE_SECTION__KEY variables to the raw config; returns var -> dotted key."""
+def apply_env(raw: dict, env: Mapping[str, str], src: str = "<config>") -> dict[str, str]:
+    """Apply COE_KEY / COE_SECTION__KEY variables to the raw config; returns var -> dotted key.
+
+    A variable whose path does not fit the config (an index past a list's
+    end, a word where a list index goes) is a SpecError naming it.
+    """
     applied = {}
     for var, value in sorted(env.items()):
         if not var.startswith(ENV_PREFIX) or var in ("COE_CONFIG_DIR",):
@@ -394,50 +405,80 @@ def apply_env(raw: dict, env: Mapping[str, str]) -> dict[str, str]:
             parsed = value
         if isinstance(parsed, (dict, list)) and len(parts) == 1 and parts[0] not in ("executors",):
             parsed = value
-        _set_path(raw, parts, parsed)
+        try:
+            _set_path(raw, parts, parsed)
+        except ValueError as exc:
+            raise SpecError(f"{var} (overriding {src})", ".".join(parts), str(exc)) from None
         applied[var] = ".".join(parts)
     return applied
 
 
 def _set_path(raw: Any, parts: list[str], value: Any) -> None:
+    """Set raw[parts[0]][parts[1]]... = value, making mappings and lists on the way; ValueError says why not."""
     node = raw
     for i, part in enumerate(parts[:-1]):
         nxt_is_index = parts[i + 1].isdigit()
         if isinstance(node, list):
+            if not part.isdigit():
+                raise ValueError(f"'{part}' is not a list index (0, 1, ...)")
+            if int(part) >= len(node):
+                raise ValueError(f"index {part} is past the end of a list of {len(node)}")
             node = node[int(part)]
             continue
+        if not isinstance(node, dict):
+            raise ValueError(f"'{parts[i - 1] if i else part}' is a {type(node).__name__}, not a section")
         if part not in node or node[part] is None:
             node[part] = [] if nxt_is_index else {}
         node = node[part]
     last = parts[-1]
     if isinstance(node, list):
+        if not last.isdigit():
+            raise ValueError(f"'{last}' is not a list index (0, 1, ...)")
         idx = int(last)
         while len(node) <= idx:
             node.append({})
         node[idx] = value
-    else:
+    elif isinstance(node, dict):
         node[last] = value
+    else:
+        raise ValueError(f"'{parts[-2] if len(parts) > 1 else last}' is a {type(node).__name__}, not a section")
+
+
+def _placeholders(template: str, key: str, src: str, **subs: str) -> str:
+    """`template` with its {line}/{data_dir} filled in; a SpecError naming the key for any other brace."""
+    try:
+        return template.format(**subs)
+    except KeyError as exc:
+        raise SpecError(src, key, f"unknown placeholder {{{exc.args[0]}}} in {template!r} (known: "
+                                  f"{', '.join('{' + k + '}' for k in subs)})") from None
+    except (ValueError, IndexError) as exc:
+        raise SpecError(src, key, f"{template!r}: {exc} (a literal brace is written {{{{ or }}}})") from None
 
 
 def _resolve(cfg: LineConfig, path: Path) -> LineConfig:
     """Expand {line}/{data_dir}; the spec is relative to the config file, data to the CWD."""
-    data_dir = Path(cfg.data_dir.format(line=cfg.line)).expanduser()
+    src = str(path)
+    data_dir = Path(_placeholders(cfg.data_dir, "data_dir", src, line=cfg.line)).expanduser()
     subs = {"line": cfg.line, "data_dir": str(data_dir)}
-    spec = Path(cfg.spec.format(**subs)).expanduser()
+
+    def fill(template: str, key: str) -> str:
+        return _placeholders(template, key, src, **subs)
+    spec = Path(fill(cfg.spec, "spec")).expanduser()
     if not spec.is_absolute():
         spec = (path.parent / spec).resolve()
-    scheduler = cfg.scheduler.model_copy(update={"profile": str(Path(cfg.scheduler.profile.format(**subs)))})
+    scheduler = cfg.scheduler.model_copy(update={"profile": str(Path(fill(cfg.scheduler.profile,
+                                                                          "scheduler.profile")))})
     llm = cfg.llm
     if llm is not None:
         llm = llm.model_copy(update={
-            "store": str(Path(llm.store.format(**subs)).expanduser()),
-            "trace": str(Path(llm.trace.format(**subs)).expanduser()) if llm.trace else None})
+            "store": str(Path(fill(llm.store, "llm.store")).expanduser()),
+            "trace": str(Path(fill(llm.trace, "llm.trace")).expanduser()) if llm.trace else None})
     return cfg.model_copy(update={
         "llm": llm,
         "scheduler": scheduler,
         "data_dir": str(data_dir),
-        "results_db": str(Path(cfg.results_db.format(**subs)).expanduser()),
-        "expert_store": str(Path(cfg.expert_store.format(**subs)).expanduser()),
+        "results_db": str(Path(fill(cfg.results_db, "results_db")).expanduser()),
+        "expert_store": str(Path(fill(cfg.expert_store, "expert_store")).expanduser()),
         "spec": str(spec),
         "source": str(path),
     })

@@ -51,6 +51,9 @@ def test_env_overrides_nested_keys():
     ("line: T\nspec: spec.yaml\nhost_tier_admission: best\n", "host_tier_admission", "'ranked' or 'all'"),
     ("line: T\nspec: spec.yaml\npool_fill: fastest\n", "pool_fill", "'gpu-first' or 'round-robin'"),
     ("line: T\nspec: spec.yaml\nexecutors: [{count: 0}]\n", "executors.0.count", "greater than or equal to 1"),
+    ("line: T\nspec: spec.yaml\nexecutors: [{memory: .inf}]\n", "executors.0.memory", "finite number of bytes"),
+    ("line: T\nspec: spec.yaml\ndata_dir: var/{site}\n", "data_dir", "unknown placeholder {site}"),
+    ("line: T\nspec: spec.yaml\nresults_db: '{data_dir'\n", "results_db", "a literal brace"),
 ])
 def test_invalid_config_names_file_key_reason(tmp_path, text, key, reason):
     p = write(tmp_path, text)
@@ -66,6 +69,38 @@ def test_env_error_names_the_variable(tmp_path):
     with pytest.raises(SpecError) as ei:
         load_config(p, env={"COE_MAX_INFLIGHT": "-3"})
     assert "COE_MAX_INFLIGHT" in str(ei.value) and ei.value.key == "max_inflight"
+
+
+@pytest.mark.parametrize("var,reason", [
+    ("COE_EXECUTORS__1__MEMORY", "index 1 is past the end of a list of 1"),
+    ("COE_EXECUTORS__x__MEMORY", "'x' is not a list index"),
+    ("COE_INGEST__X", "valid string"),                  # made a section where a string goes: the variable named
+])
+def test_an_env_variable_whose_path_does_not_fit_is_named(tmp_path, var, reason):
+    p = write(tmp_path, "line: T\nspec: spec.yaml\nexecutors: [{device: cpu}]\n")
+    with pytest.raises(SpecError) as ei:
+        load_config(p, env={var: "1GiB"})
+    assert var in str(ei.value) and str(p) in str(ei.value) and reason in ei.value.reason
+
+
+def test_an_env_variable_under_a_key_that_is_not_a_section_is_named(tmp_path):
+    p = write(tmp_path, "line: T\nspec: spec.yaml\nscheduler: fast\n")
+    with pytest.raises(SpecError) as ei:
+        load_config(p, env={"COE_SCHEDULER__MAX_BATCH": "4"})
+    assert "COE_SCHEDULER__MAX_BATCH" in str(ei.value) and "'scheduler' is a str, not a section" in ei.value.reason
+
+
+def test_a_config_or_spec_that_is_not_utf8_is_named(tmp_path):
+    from coe.spec import load_spec
+
+    p = tmp_path / "latin1.yaml"
+    p.write_bytes("line: T\nspec: caf\xe9.yaml\n".encode("latin-1"))
+    with pytest.raises(SpecError, match="not UTF-8 text") as ei:
+        load_config(p, env={})
+    assert str(p) in str(ei.value)
+    with pytest.raises(SpecError, match="not UTF-8 text") as ei:
+        load_spec(p)
+    assert str(p) in str(ei.value)
 
 
 def test_broken_yaml_and_missing_file(tmp_path):

@@ -62,6 +62,8 @@ def test_chain_decisions():
     (lambda r: r["experts"][0].pop("arch"), "experts[0].arch"),
     (lambda r: r["components"][0].update(classifier="d"), "components[0].classifier"),
     (lambda r: r["components"][0].update(frequency=-1), "components[0].frequency"),
+    (lambda r: r["components"][0].update(frequency=float("nan")), "components[0].frequency"),
+    (lambda r: r["components"][0].update(frequency=float("inf")), "components[0].frequency"),
     (lambda r: r["components"][1].update(name="R1"), "components[1].name"),
     (lambda r: r.update(colour="blue"), "colour"),
 ])
