@@ -58,6 +58,9 @@ CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' 
        "base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
 LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1", "[::1]")
 
+MAX_QUERY_FIELDS = 64
+TOO_MANY = None     # the key `_parse` answers with when parse_qs found more fields than the limit (never a name)
+
 
 @dataclass(frozen=True)
 class HttpError(Exception):
@@ -277,15 +280,18 @@ class StatusServer:
                 parts = urlsplit(self.path)
                 try:
                     params = parse_qs(parts.query, keep_blank_values=True, strict_parsing=False,
-                                      max_num_fields=64)
+                                      max_num_fields=MAX_QUERY_FIELDS)
                 except ValueError:
-                    params = {"": ["too many parameters"]}
+                    params = {TOO_MANY: []}     # answered 400 once the host is checked, before the token
                 return parts.path, params
 
             def _gate(self, params: dict[str, list[str]], *, head: bool = False) -> bool:
                 """Host and token checks, for every method; False when refused (the answer is sent)."""
                 if not server.host_ok(self.headers.get("Host")):
                     self._error(HttpError(403, "this agent answers only to a loopback host name"), head=head)
+                    return False
+                if TOO_MANY in params:          # its token, if any, was never read: say what is wrong instead
+                    self._error(HttpError(400, f"too many query parameters (at most {MAX_QUERY_FIELDS})"), head=head)
                     return False
                 if not server.authorized(self.headers, params):
                     self._error(HttpError(401, "a token is required: 'Authorization: Bearer <token>' or "

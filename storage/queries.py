@@ -105,7 +105,7 @@ def parse_cursor(text: str) -> tuple[float, int]:
         value = (float(at), int(rowid))
     except ValueError:
         raise QueryError("next", f"not a cursor from a previous page: '{text[:40]}'") from None
-    if not math.isfinite(value[0]):
+    if not math.isfinite(value[0]) or not 0 <= value[1] < 2**63:     # SQLite's rowids are 64-bit
         raise QueryError("next", f"not a cursor from a previous page: '{text[:40]}'")
     return value
 

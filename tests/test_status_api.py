@@ -175,10 +175,17 @@ def test_status_pools_health_and_metrics_tell_what_the_agent_did(served):
     ("limit=abc", "limit"), ("limit=0", "limit"), ("limit=5000", "limit"), ("verdict=maybe", "verdict"),
     ("since=yesterday", "since"), ("since=nan", "since"), ("next=garbage", "next"), ("verdicts=defect", "verdicts"),
     ("limit=5&limit=6", "limit"), ("component=", "component"),
+    ("next=1.0:99999999999999999999", "next"), ("next=1.0:-1", "next"),     # past SQLite's 64-bit rowids
 ])
 def test_malformed_parameters_get_a_400_naming_them(served, query, param):
     status, doc = get_json(served.metrics_port, f"/api/verdicts?{query}")
     assert status == 400 and doc["param"] == param and f"'{param}'" in doc["error"]
+
+
+def test_too_many_query_parameters_are_a_400_even_with_the_token_among_them(served):
+    query = "&".join(f"p{i}=1" for i in range(80)) + f"&token={TOKEN}"
+    status, _, body = get(served.metrics_port, f"/api/verdicts?{query}", auth=False)
+    assert status == 400 and "too many query parameters (at most 64)" in json.loads(body)["error"]
 
 
 def test_nothing_can_be_written(served):
