@@ -84,11 +84,20 @@ class Links:
     def load(cls, path: str | Path) -> "Links":
         path = Path(path)
         try:
-            raw = json.loads(path.read_text())
-            links = {str(n): Link(float(v["bandwidth_bps"]), float(v["latency_s"]), str(v.get("source", "")))
-                     for n, v in raw.get("links", {}).items()}
-            return cls(links, int(raw.get("frame_bytes", DEFAULT_FRAME_BYTES)), str(raw.get("source", "")))
+            raw = json.loads(path.read_text(encoding="utf-8"))
+            if not isinstance(raw, dict) or not isinstance(raw.get("links", {}), dict):
+                raise ValueError("expected an object with a 'links' object of node -> link")
+            links = {}
+            for n, v in raw.get("links", {}).items():
+                try:
+                    links[str(n)] = Link(float(v["bandwidth_bps"]), float(v["latency_s"]), str(v.get("source", "")))
+                except (ValueError, KeyError, TypeError) as exc:
+                    raise ValueError(f"links.{n}: {exc}") from None
+            frame_bytes = raw.get("frame_bytes", DEFAULT_FRAME_BYTES)
+            if not isinstance(frame_bytes, int) or isinstance(frame_bytes, bool) or frame_bytes < 1:
+                raise ValueError(f"frame_bytes: must be a positive integer, got {frame_bytes!r}")
+            return cls(links, frame_bytes, str(raw.get("source", "")))
         except FileNotFoundError:
             raise CoEError(f"{path}: no link profile (run `coe-agent profile` or `coe-agent cluster profile`)") from None
-        except (ValueError, KeyError, TypeError) as exc:
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:     # UnicodeDecodeError is a ValueError
             raise CoEError(f"{path}: malformed link profile: {exc}") from None

@@ -215,7 +215,9 @@ class Profile:
                                      for m, c in enumerate(curve, 1))):
                     raise ValueError(f"devices.{k}.concurrency: must start at 1.0 and hold positive numbers, "
                                      f"on a GPU c(m) <= m (m executors cannot beat m GPUs), got {list(curve)}")
-                devices[k] = DeviceProfile(**v)
+                d = DeviceProfile(**v)
+                _check_device(k, d)
+                devices[k] = d
             archs = {}
             for k, v in raw["archs"].items():
                 v = dict(v)
@@ -235,12 +237,38 @@ class Profile:
     def load(cls, path: str | Path) -> "Profile":
         path = Path(path)
         try:
-            raw = json.loads(path.read_text())
+            raw = json.loads(path.read_text(encoding="utf-8"))
         except FileNotFoundError:
             raise CoEError(f"{path}: profile does not exist (run `coe-agent profile`)") from None
         except json.JSONDecodeError as exc:
             raise CoEError(f"{path}: malformed profile: not JSON ({exc})") from None
+        except UnicodeDecodeError as exc:
+            raise CoEError(f"{path}: malformed profile: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+        if not isinstance(raw, dict):
+            raise CoEError(f"{path}: malformed profile: expected a JSON object, got {type(raw).__name__}")
         return cls.from_json(raw, str(path))
+
+
+MAX_EXECUTORS = 64      # what a line config allows per device (`ExecutorConfig.count`)
+
+
+def _check_device(name: str, d: DeviceProfile) -> None:
+    """A device entry's numbers are what the agent will use as they are: refuse any it could not (ValueError)."""
+    def whole(x) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool)
+    if d.kind not in ("cpu", "cuda"):
+        raise ValueError(f"devices.{name}.kind: must be 'cpu' or 'cuda', got {d.kind!r}")
+    if not (whole(d.memory) and d.memory > 0):
+        raise ValueError(f"devices.{name}.memory: must be a positive number of bytes, got {d.memory!r}")
+    if not (whole(d.executors) and 1 <= d.executors <= MAX_EXECUTORS):
+        raise ValueError(f"devices.{name}.executors: must be an integer from 1 to {MAX_EXECUTORS}, got {d.executors!r}")
+    if d.expert_memory is not None and not (whole(d.expert_memory) and 0 <= d.expert_memory <= d.memory):
+        raise ValueError(f"devices.{name}.expert_memory: must be bytes from 0 to its memory ({d.memory}), "
+                         f"got {d.expert_memory!r}")
+    if not (whole(d.host_tier) and d.host_tier >= 0):
+        raise ValueError(f"devices.{name}.host_tier: must be a number of bytes >= 0, got {d.host_tier!r}")
+    if not (whole(d.profiled_executors) and d.profiled_executors >= 1):
+        raise ValueError(f"devices.{name}.profiled_executors: must be an integer >= 1, got {d.profiled_executors!r}")
 
 
 def fit_latency(points: list[tuple[int, float]]) -> tuple[float, float]:

@@ -2,6 +2,8 @@
 tier, the link's transfer in the scheduler's costs, the lower bound, and scaling on the GPU-class profile."""
 from __future__ import annotations
 
+import re
+
 import pytest
 
 from coe.workload import make_workload, task
@@ -99,6 +101,20 @@ def test_links_round_trip_and_a_bad_file_is_named(tmp_path):
     assert back.get("box-2") == links.get("box-2") and back.frame_bytes == 20_000 and back.get("box-3") is None
     (tmp_path / "bad.json").write_text('{"links": {"box-2": {"bandwidth_bps": -1, "latency_s": 0}}}')
     with pytest.raises(Exception, match="bad.json: malformed link profile"):
+        Links.load(tmp_path / "bad.json")
+    from coe import CoEError
+
+    for text, says in (("[]", "expected an object with a 'links' object"),
+                       ('{"links": []}', "expected an object with a 'links' object"),
+                       ('{"links": {"box-2": {"bandwidth_bps": 1e9, "latency_s": "slow"}}}', "could not convert"),
+                       ('{"links": {"box-2": {"bandwidth_bps": Infinity, "latency_s": 0}}}', "links.box-2"),
+                       ('{"links": {}, "frame_bytes": "big"}', "frame_bytes: must be a positive integer"),
+                       ('{"links": {"box-2": {"latency_s": 0}}}', "bandwidth_bps")):
+        (tmp_path / "bad.json").write_text(text)
+        with pytest.raises(CoEError, match=f"bad.json: malformed link profile: .*{re.escape(says)}"):
+            Links.load(tmp_path / "bad.json")
+    (tmp_path / "bad.json").write_bytes(b'{"source": "caf\xe9"}')
+    with pytest.raises(CoEError, match="bad.json: malformed link profile"):
         Links.load(tmp_path / "bad.json")
 
 

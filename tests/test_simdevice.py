@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import re
 from dataclasses import replace
 
 import pytest
@@ -620,6 +621,41 @@ def test_a_curve_that_beats_one_device_per_executor_is_rejected():
     raw["devices"]["cuda:0"]["concurrency"] = [1.0, 2.5]
     with pytest.raises(Exception, match=r"c\(m\) <= m"):
         Profile.from_json(raw, "test.json")
+
+
+@pytest.mark.parametrize("field,value,says", [
+    ("executors", "4", "devices.cuda:0.executors: must be an integer from 1 to 64"),
+    ("executors", 1000, "devices.cuda:0.executors: must be an integer from 1 to 64"),
+    ("memory", "2GB", "devices.cuda:0.memory: must be a positive number of bytes"),
+    ("expert_memory", 13_000_000_000, "devices.cuda:0.expert_memory: must be bytes from 0 to its memory"),
+    ("kind", "tpu", "devices.cuda:0.kind: must be 'cpu' or 'cuda'"),
+    ("host_tier", -1, "devices.cuda:0.host_tier"),
+])
+def test_a_profile_device_the_agent_could_not_use_is_refused_naming_the_field(tmp_path, field, value, says):
+    """The agent uses a profile's executor count and split as they are (`coe-agent profile` writes them); a hand-
+    edited or foreign file with a count of "4" or 1000 must fail at load, naming the file and the field."""
+    import json
+
+    from coe import CoEError
+
+    raw = Profile.load(GPU_CLASS).to_json()
+    raw["devices"]["cuda:0"][field] = value
+    path = tmp_path / "profile.json"
+    path.write_text(json.dumps(raw))
+    with pytest.raises(CoEError, match=f"{path}: malformed profile: .*{re.escape(says)}"):
+        Profile.load(path)
+
+
+def test_a_profile_that_is_not_an_object_or_not_utf8_is_named(tmp_path):
+    from coe import CoEError
+
+    path = tmp_path / "profile.json"
+    path.write_text("[1, 2]")
+    with pytest.raises(CoEError, match=f"{path}: malformed profile: expected a JSON object, got list"):
+        Profile.load(path)
+    path.write_bytes(b'{"source": "caf\xe9"}')
+    with pytest.raises(CoEError, match=f"{path}: malformed profile: not UTF-8 text"):
+        Profile.load(path)
 
 
 def test_gpu_victims_come_back_from_the_exclusive_host_tier():
