@@ -506,3 +506,19 @@ def test_a_malformed_generation_is_a_clear_error(tmp_path: Path, key: str, value
     with pytest.raises(CoEError, match=error) as err:
         ExpertStore(tmp_path)
     assert "manifest.json" in str(err.value)
+
+
+def test_a_header_whose_shape_disagrees_with_its_bytes_is_named(tmp_path: Path) -> None:
+    """Unverified (or written badly and hashed as written): a tensor whose shape needs other bytes than its offsets
+    span must fail at the read, naming the expert, the file and the tensor, not at the first batch in torch."""
+    import json
+    import struct
+
+    store = ExpertStore(tmp_path, verify="never")
+    store.write(expert(), tensors())
+    header = json.dumps({"w": {"dtype": "F32", "shape": [3, 4], "data_offsets": [0, 8]}}).encode()
+    replace_bytes(tmp_path / "cls-a.safetensors", struct.pack("<Q", len(header)) + header + b"\0" * 8)
+    with pytest.raises(ExpertLoadError, match=r"cls-a.*tensor 'w' of shape \[3, 4\] float32 needs 48 bytes, its "
+                                              r"offsets span 8") as err:
+        store.read_flat("cls-a")
+    assert err.value.path.endswith("cls-a.safetensors")
