@@ -177,6 +177,13 @@ def test_missing_and_unknown_files_are_clear_errors(tmp_path):
     junk.write_bytes(b"not a torch file")
     with pytest.raises(CoEError, match="cannot read .*junk.pt with torch.load"):
         import_expert(store, CLS, junk, trust=True)
+    for name, data in (("garbage.safetensors", b"\x80\x04 not safetensors at all"),
+                       ("short.safetensors", b"\x10\x00")):            # a header length, then nothing
+        bad = tmp_path / name
+        bad.write_bytes(data)
+        with pytest.raises(CoEError, match=f"expert 'cls-r0402': cannot read .*{name} as safetensors"):
+            import_expert(store, CLS, bad)
+    assert store_files(store) == []                                       # nothing half-written is left
 
 
 def test_dtype_casts_floating_weights_before_the_check_and_keeps_integer_buffers(tmp_path, cls_weights):

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import re
 import shutil
 from pathlib import Path
 
@@ -287,3 +288,27 @@ def test_a_detectors_boxes_are_compared_as_fractions_of_its_input(exports):
     assert max_output_difference(e, tensors, _shifted(blob, 0, 3e-3, rows)) == pytest.approx(3e-3 / e.input_size,
                                                                                              rel=0.05)
     assert max_output_difference(e, tensors, _shifted(blob, 4, 3e-3, rows)) == pytest.approx(3e-3, rel=0.05)
+
+
+@pytest.mark.parametrize("meta,says", [
+    ("not json", "unreadable coe-edge metadata"),
+    ('{"format": "someone-else/v1"}', "unreadable coe-edge metadata: format 'someone-else/v1'"),
+    ('{"format": "coe-edge/onnx-expert", "task": "logits", "preprocess": "sepia"}', "unknown preprocess 'sepia'"),
+    ('{"format": "coe-edge/onnx-expert", "task": "logits", "preprocess": "imagenet", '
+     '"activation_bytes_per_sample": "x"}', "activation_bytes_per_sample must be a whole number"),
+])
+def test_an_onnx_files_coe_edge_metadata_is_checked_naming_the_expert(tmp_path, meta, says):
+    """The metadata `export_onnx` writes, rewritten as a foreign or hand-edited file might carry it."""
+    import onnx
+    import onnxruntime as ort
+
+    from executors.backends.onnx_backend import META_KEY, model_meta
+
+    cls = MODEL.experts["cls-r0402"]
+    model = onnx.load_from_string(export_onnx(cls, get_backend(cls.arch).init_weights(cls, 0)))
+    for prop in model.metadata_props:
+        if prop.key == META_KEY:
+            prop.value = meta
+    session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    with pytest.raises(ExpertLoadError, match=f"cls-r0402.*{re.escape(says)}"):
+        model_meta(session, cls)

@@ -77,6 +77,10 @@ def model_meta(session, expert: Expert) -> dict:
     if meta["preprocess"] not in PREPROCESS:
         raise ExpertLoadError(expert.id, expert.uri or "<onnx>",
                               f"unknown preprocess {meta['preprocess']!r} (known: {', '.join(PREPROCESS)})")
+    act = meta["activation_bytes_per_sample"]
+    if not isinstance(act, int) or isinstance(act, bool) or act < 0:
+        raise ExpertLoadError(expert.id, expert.uri or "<onnx>",
+                              f"activation_bytes_per_sample must be a whole number of bytes >= 0, got {act!r}")
     return meta
 
 
