@@ -36,15 +36,33 @@ def load_keys(path: str | Path, *, secret: bool) -> tuple[bytes, bytes | None]:
         public, sec = zmq.auth.load_certificate(str(p))
     except (OSError, ValueError) as exc:
         raise CoEError(f"CURVE key file {p} is not a ZeroMQ certificate: {exc}") from None
+    if not _is_z85_key(public):
+        raise CoEError(f"CURVE key file {p}: its public key is not 40 characters of z85")
     if secret and not sec:
         raise CoEError(f"CURVE key file {p} holds no secret key (use the *.key_secret file)")
     return public, sec
 
 
-def client_key(entry: str) -> bytes:
-    """An allow-list entry: a 40-character z85 public key, or a certificate file holding one."""
+_Z85 = frozenset(b"0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ.-:+=^!/*?&<>()[]{}@%$#")
+
+
+def _is_z85_key(key: bytes) -> bool:
+    return len(key) == 40 and all(c in _Z85 for c in key)
+
+
+def client_key(entry: str, where: str = "curve.allowed_clients") -> bytes:
+    """An allow-list entry: a 40-character z85 public key, or a certificate file holding one.
+
+    A 40-character entry that is not a file must be a z85 key: a mistyped
+    path or key would otherwise be taken as a key no client has, and that
+    client would be refused without a word.
+    """
     if len(entry) == 40 and not Path(entry).exists():
-        return entry.encode("ascii")
+        key = entry.encode("ascii", errors="replace")
+        if not _is_z85_key(key):
+            raise CoEError(f"{where}: {entry!r} is neither a z85 public key (40 characters of the z85 alphabet) nor "
+                           f"an existing certificate file")
+        return key
     return load_keys(entry, secret=False)[0]
 
 
@@ -63,7 +81,7 @@ class _AllowList:
 
 def start_authenticator(ctx: zmq.Context, curve) -> tuple[ThreadAuthenticator, tuple[bytes, bytes]]:
     public, secret = load_keys(curve.server_key, secret=True)
-    allowed = {client_key(c) for c in curve.allowed_clients}
+    allowed = {client_key(c, f"curve.allowed_clients[{i}]") for i, c in enumerate(curve.allowed_clients)}
     auth = ThreadAuthenticator(ctx)
     auth.start()
     auth.configure_curve_callback(domain="*", credentials_provider=_AllowList(allowed))

@@ -16,11 +16,10 @@ from pathlib import Path
 
 import pytest
 import yaml
-import zmq
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from coe import parse_spec
+from coe import CoEError, parse_spec
 from edge_agent import protocol as P
 from edge_agent.agent import Agent
 from edge_agent.config import load_config
@@ -186,6 +185,28 @@ def test_curve_refuses_unknown_clients(tmp_path, tiny_zoo, tiny_recording):
     assert plain.acked == 0
     assert friend.accepted == 4
     assert db_one(cfg.db_path, "SELECT count(*) FROM frames")[0][0] == 4
+
+
+def test_curve_keys_that_would_refuse_every_client_silently_are_named(tmp_path):
+    """An allow-list entry of 40 characters that is neither a file nor a z85 key (a mistyped path), a certificate
+    with no public key, and a secret-key path holding only a public key: each is an error naming it."""
+    from edge_agent.security import client_key, generate, load_keys
+
+    keys = tmp_path / "keys"
+    pub, sec = generate(keys, "good")
+    assert client_key(str(pub)) == load_keys(pub, secret=False)[0]
+    good = load_keys(pub, secret=False)[0].decode()
+    assert client_key(good) == good.encode()                           # a key given inline
+    typo = "/etc/coe/keys/clients/line-a.key_secrexx"                 # 40 characters, no such file
+    assert len(typo) == 40
+    with pytest.raises(CoEError, match=r"curve.allowed_clients\[2\]: '/etc/coe.*' is neither a z85 public key"):
+        client_key(typo, "curve.allowed_clients[2]")
+    with pytest.raises(CoEError, match="holds no secret key"):
+        load_keys(pub, secret=True)
+    empty = tmp_path / "empty.key"
+    empty.write_text("metadata\ncurve\n")
+    with pytest.raises(CoEError, match=f"{empty} is not a ZeroMQ certificate: No public key found"):
+        load_keys(empty, secret=False)
 
 
 def test_retention_prunes_old_rows_keeps_verdicts_and_pending_frames(tmp_path):
