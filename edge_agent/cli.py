@@ -400,6 +400,9 @@ def replay(recording: str, line: str, config_path: str | None, endpoint: str | N
         click.echo(f"sent {report.sent}  accepted {report.accepted}  duplicate {report.duplicate}  "
                    f"rejected {report.rejected} ({reasons})  busy {report.busy}  resent {report.resent}  "
                    f"unacked {len(report.unacked)}  in {report.seconds:.1f} s")
+    if report.malformed_acks:
+        click.echo(f"warning: {report.malformed_acks} answer(s) from {endpoint} were not acks (is it a coe-edge agent "
+                   f"of this version?), e.g. {'; '.join(report.malformed[:3])}", err=True)
     if report.unacked:
         raise click.ClickException(f"{len(report.unacked)} frame(s) never acked, e.g. {report.unacked[:3]} "
                                    f"(is the agent running on {endpoint}?)")

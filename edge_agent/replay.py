@@ -32,6 +32,8 @@ class ReplayReport:
     rejected_ids: list[str] = field(default_factory=list)
     unacked: list[str] = field(default_factory=list)
     seconds: float = 0.0
+    malformed_acks: int = 0       # answers that were not (frame id, status, detail) with a known status: not counted
+    malformed: list[str] = field(default_factory=list)   # the first few, described (frame id and what was wrong)
 
     @property
     def acked(self) -> int:
@@ -40,7 +42,7 @@ class ReplayReport:
     def to_json(self) -> dict:
         return {"sent": self.sent, "resent": self.resent, "accepted": self.accepted, "duplicate": self.duplicate,
                 "rejected": self.rejected, "busy": self.busy, "reasons": dict(self.reasons), "unacked": len(self.unacked),
-                "seconds": round(self.seconds, 3)}
+                "malformed_acks": self.malformed_acks, "seconds": round(self.seconds, 3)}
 
 
 def recording_messages(rec: Recording) -> Iterable[tuple[str, list[bytes]]]:
@@ -142,10 +144,27 @@ def _is_busy(msg: list[bytes], inflight: dict) -> bool:
             and msg[0].decode("utf-8", "replace") in inflight)
 
 
+MALFORMED_SHOWN = 10
+STATUSES = (P.ACCEPTED, P.DUPLICATE, P.REJECTED)
+
+
+def _malformed(report: ReplayReport, what: str) -> None:
+    """An answer that is not an ack: counted and described, never taken as one (its frame stays in flight and is
+    sent again, which the agent answers as a duplicate if it had taken it)."""
+    report.malformed_acks += 1
+    if len(report.malformed) < MALFORMED_SHOWN:
+        report.malformed.append(what)
+
+
 def _count_ack(msg: list[bytes], inflight: dict, done: set, report: ReplayReport) -> None:
     if len(msg) != 3:
+        first = msg[0].decode("utf-8", "replace")[:P.MAX_ID_LEN] if msg else ""
+        _malformed(report, f"an answer of {len(msg)} part(s), not 3 (first part {first!r})")
         return
     fid, status, detail = (m.decode("utf-8", "replace") for m in msg)
+    if status not in STATUSES:
+        _malformed(report, f"frame {fid!r}: unknown status {status[:40]!r} (known: {', '.join(STATUSES)})")
+        return
     if fid not in inflight and len(fid) == P.MAX_ID_LEN:  # the agent cuts long ids in its acks
         fid = next((k for k in inflight if k.startswith(fid)), fid)
     if fid not in inflight:

@@ -265,3 +265,42 @@ def test_a_result_with_fewer_outputs_than_frames_gives_every_frame_a_verdict(tin
                                         for r in failed)
     finally:
         agent.stop()
+
+
+def test_the_replay_client_counts_answers_that_are_not_acks_and_still_gets_every_frame_acked():
+    """A peer on the ingest port that answers the first send of each frame with something that is not an ack (two
+    parts, or an unknown status): those are counted and described, never taken as acks, and the frames are sent
+    again until a real ack comes."""
+    ctx = zmq.Context.instance()
+    router = ctx.socket(zmq.ROUTER)
+    port = router.bind_to_random_port("tcp://127.0.0.1")
+    seen, stop = {}, threading.Event()
+
+    def serve():
+        while not stop.is_set():
+            if not router.poll(20):
+                continue
+            peer, *parts = router.recv_multipart()
+            fid = json.loads(parts[0])["frame_id"]
+            seen[fid] = seen.get(fid, 0) + 1
+            if seen[fid] == 1:       # first send: a malformed answer, by frame
+                bad = [fid.encode(), b"accepted"] if fid.endswith("0") else [fid.encode(), b"acceptd", b""]
+                router.send_multipart([peer, *bad])
+            else:
+                router.send_multipart([peer, fid.encode(), b"accepted", b""])
+    t = threading.Thread(target=serve, daemon=True)
+    t.start()
+    header = {"v": 1, "line": "T", "board_id": "b", "component": "R0402", "image": {"encoding": "raw", "height": 1,
+                                                                                     "width": 1, "channels": 3}}
+    msgs = [(f"f{i}", [P.encode_header({**header, "frame_id": f"f{i}"}), b"\0\0\0"]) for i in range(4)]
+    try:
+        report = send_messages(msgs, f"tcp://127.0.0.1:{port}", ack_timeout=0.3, deadline=30)
+    finally:
+        stop.set()
+        t.join(10)
+        router.close(linger=0)
+    assert report.accepted == 4 and report.rejected == 0 and report.unacked == []
+    assert report.malformed_acks == 4 and report.resent >= 4 and all(n >= 2 for n in seen.values())
+    assert any("1 part(s), not 3" in m or "2 part(s), not 3" in m for m in report.malformed)
+    assert any("unknown status 'acceptd'" in m for m in report.malformed)
+    assert report.to_json()["malformed_acks"] == 4
