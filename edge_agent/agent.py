@@ -50,6 +50,11 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
+def ingest_hard_cap(max_payload: int) -> int:
+    """The largest message part ZeroMQ lets the ingest socket hold: 4x the payload limit plus 1 MiB for headers."""
+    return 4 * max_payload + (1 << 20)
+
+
 @dataclass
 class _InFlight:
     frame: Frame
@@ -592,6 +597,10 @@ class Agent:
         _, bind, addr = endpoint_parts(endpoint)
         sock = self.ctx.socket(kind)
         sock.setsockopt(zmq.LINGER, 1000)
+        if kind == zmq.ROUTER:
+            # a frame up to a few times the payload limit is read and rejected as oversize, by name; one far past
+            # it is refused by ZeroMQ before it is held in memory, and its sender disconnected (it gets no ack)
+            sock.setsockopt(zmq.MAXMSGSIZE, ingest_hard_cap(self.cfg.max_payload_bytes))
         if self.cfg.curve is not None:
             self._curve_server(sock)
         try:

@@ -304,3 +304,25 @@ def test_the_replay_client_counts_answers_that_are_not_acks_and_still_gets_every
     assert any("1 part(s), not 3" in m or "2 part(s), not 3" in m for m in report.malformed)
     assert any("unknown status 'acceptd'" in m for m in report.malformed)
     assert report.to_json()["malformed_acks"] == 4
+
+
+def test_a_payload_far_past_the_limit_is_refused_before_it_is_held_and_the_agent_serves_on(agent, tiny_recording):
+    """64 KiB limit (the test line): a payload a little over it is read and rejected by name; one past the ingest
+    socket's hard cap (4x + 1 MiB) is dropped by ZeroMQ, its sender disconnected, unacked; a good frame after it
+    from another client is served."""
+    from edge_agent.agent import ingest_hard_cap
+
+    limit = agent.cfg.max_payload_bytes
+    cap = ingest_hard_cap(limit)
+    assert limit == 64 * 1024 and cap == 4 * limit + (1 << 20)
+    near = [("near", [_header("near", encoding="raw", shape=[300, 300, 3]), bytes(300 * 300 * 3)])]   # 270 KB
+    rep = send_messages(near, agent.endpoints["ingest"], ack_timeout=5, deadline=30)
+    assert rep.rejected == 1 and rep.reasons[P.OVERSIZE] == 1
+    huge = [("huge", [_header("huge", encoding="raw", shape=[1, cap, 1]), bytes(cap + 1)])]
+    rep = send_messages(huge, agent.endpoints["ingest"], ack_timeout=1, deadline=3)
+    assert rep.acked == 0 and rep.unacked == ["huge"]              # never read: no ack to give
+    rec = Recording(tiny_recording)
+    f = next(iter(rec))
+    good = [(f.header["frame_id"], [P.encode_header(f.header), rec.payload(f)])]
+    rep = send_messages(good, agent.endpoints["ingest"], ack_timeout=5, deadline=30)
+    assert rep.accepted == 1 and agent.wait_verdicts(1, timeout=60)
