@@ -316,9 +316,11 @@ def sync_store(cfg: "LineConfig", nodes: list[str] | None = None, *, progress=la
     import json
 
     try:   # replaced versions a running agent still serves are the front's business, not the nodes'
-        retired = set(json.loads((src / "manifest.json").read_text()).get("retired", []))
-    except (OSError, ValueError, AttributeError):
-        retired = set()
+        retired = set(json.loads((src / "manifest.json").read_text(encoding="utf-8")).get("retired", []))
+    except (OSError, ValueError, AttributeError, TypeError) as exc:
+        # a manifest this box cannot read must not be pushed to every node as if it were the store's
+        raise CoEError(f"experts sync: {src / 'manifest.json'} is unreadable ({exc}); nothing was sent "
+                       f"(check it with `coe-agent experts verify --line {cfg.line}`)") from None
     files = sorted((p for p in src.iterdir() if p.is_file() and not p.name.startswith(".")
                     and not p.name.endswith((".part", ".tmp")) and p.name not in retired),
                    key=lambda p: p.name == "manifest.json")

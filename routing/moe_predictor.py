@@ -248,7 +248,12 @@ class TokenPredictor:
             raise CoEError(f"{src}: not a token predictor file: {exc}") from None
         if not isinstance(meta, dict) or meta.get("format") != FORMAT:
             raise CoEError(f"{src}: not a token predictor (metadata format must be '{FORMAT}')")
-        layers = tuple(meta.get("layers") or ())
+        raw_layers, top_k = meta.get("layers") or [], meta.get("top_k", 1)
+        if not (isinstance(raw_layers, list) and all(isinstance(l, int) and not isinstance(l, bool) for l in raw_layers)):
+            raise CoEError(f"{src}: metadata 'layers' must be a list of layer numbers, got {raw_layers!r}")
+        if not (isinstance(top_k, int) and not isinstance(top_k, bool) and top_k >= 1):
+            raise CoEError(f"{src}: metadata 'top_k' must be an integer >= 1, got {top_k!r}")
+        layers = tuple(raw_layers)
         features = meta.get("features", "same-layer")
         if features not in FEATURES:
             raise CoEError(f"{src}: features {features!r}: expected one of {', '.join(FEATURES)}")
@@ -262,7 +267,7 @@ class TokenPredictor:
             raise CoEError(f"{src}: mu {list(mu.shape)} and sd {list(sd.shape)} must be {list(W.shape[:2])}, "
                            "sd positive")
         as64 = (lambda a: None if a is None else a.astype(np.float64))
-        return cls(layers, int(meta.get("top_k", 1)), W.astype(np.float64), b.astype(np.float64), features,
+        return cls(layers, top_k, W.astype(np.float64), b.astype(np.float64), features,
                    as64(mu), as64(sd))
 
 

@@ -57,9 +57,15 @@ def load_config(model_dir: str | Path):
     if not (path / "config.json").is_file():
         raise CoEError(f"{path}: no config.json; point at a local Hugging Face model directory")
     try:
+        from huggingface_hub.errors import StrictDataclassError   # a field of the wrong type (transformers 5)
+    except ImportError:
+        StrictDataclassError = TypeError
+    try:
         return AutoConfig.from_pretrained(str(path), local_files_only=True)
-    except (ValueError, OSError, KeyError) as exc:
-        raise CoEError(f"{path}/config.json: transformers cannot read it: {exc}") from None
+    except (ValueError, OSError, KeyError, TypeError, StrictDataclassError) as exc:
+        first = str(exc).strip().splitlines()
+        raise CoEError(f"{path}/config.json: transformers cannot read it: {first[0] if first else exc!r}"
+                       + (f" {first[1].strip()}" if len(first) > 1 else "")) from None
 
 
 def meta_model(config):

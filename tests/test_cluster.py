@@ -10,6 +10,7 @@ import re
 import sqlite3
 import threading
 import time
+from pathlib import Path
 from collections import Counter
 
 import pytest
@@ -85,6 +86,17 @@ LOCAL = {"device": "cpu", "count": 1, "memory": "20MB", "threads": 1}
 
 def _remote(node):
     return {**LOCAL, "node": node}
+
+
+def test_a_store_whose_manifest_is_unreadable_is_not_synced(cluster, tiny_zoo, tmp_path):
+    from coe import CoEError
+    from edge_agent.cluster import sync_store
+
+    cfg = load_config(_line(tmp_path, tiny_zoo, cluster, [LOCAL, _remote("box-2")]), env={})
+    (Path(cfg.store_path) / "manifest.json").write_text("{not json")
+    with pytest.raises(CoEError, match="manifest.json is unreadable .*nothing was sent"):
+        sync_store(cfg)
+    assert not (tmp_path / "box-2-experts").exists()                 # the node's store was not touched
 
 
 def test_a_replay_across_two_nodes_gives_one_verdict_per_frame_and_the_same_verdicts(

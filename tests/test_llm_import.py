@@ -292,6 +292,19 @@ def _copy(src: Path, dst: Path) -> Path:
     return dst
 
 
+@pytest.mark.parametrize("field,value", [("num_local_experts", "eight"), ("hidden_size", 0.5),
+                                         ("num_experts_per_tok", None)])
+def test_a_config_field_of_the_wrong_type_is_named_not_a_traceback(built, tmp_path, field, value):
+    _, legacy, _ = built("mixtral")
+    hf = _copy(legacy, tmp_path / "hf")
+    cfg = json.loads((hf / "config.json").read_text())
+    cfg[field] = value
+    (hf / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(CoEError, match=rf"config.json: transformers cannot read it: .*'{field}'"):
+        import_checkpoint(hf, tmp_path / "out")
+    assert not (tmp_path / "out" / "llm.json").exists()
+
+
 def test_no_config_json(tmp_path):
     (tmp_path / "hf").mkdir()
     with pytest.raises(CoEError, match=r"hf: no config.json"):

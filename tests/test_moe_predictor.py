@@ -34,6 +34,17 @@ def test_save_load_and_bad_files(tmp_path):
         TokenPredictor.load(tmp_path / "junk")
     with pytest.raises(CoEError, match="not found"):
         TokenPredictor.load(tmp_path / "missing")
+    import json
+
+    from safetensors.numpy import save_file
+    arrays = {"W": pred.W.astype(np.float32), "b": pred.b.astype(np.float32)}
+    for meta, says in (({"layers": "0,1", "top_k": 2}, "'layers' must be a list of layer numbers"),
+                       ({"layers": list(pred.layers), "top_k": "two"}, "'top_k' must be an integer >= 1"),
+                       ({"layers": list(pred.layers), "top_k": 0}, "'top_k' must be an integer >= 1")):
+        save_file(arrays, str(tmp_path / "odd"), metadata={"coe": json.dumps(
+            {"format": "coe-edge/moe-token-predictor", "features": "same-layer", **meta})})
+        with pytest.raises(CoEError, match=f"odd: metadata {says}"):
+            TokenPredictor.load(tmp_path / "odd")
     other = synthetic([[1, 1, 1, 1]] * 2, tokens=20, top_k=2, seed=0)
     with pytest.raises(CoEError, match="does not fit"):
         pred.evaluate(other)
