@@ -100,17 +100,18 @@ class LLMService:
         """Greedy completion; `on_text(delta)` sees the text as it grows.  Raises RequestError(503) when busy."""
         import torch
 
-        ids = self.tok.encode(prompt)
-        if not ids:
-            raise RequestError(400, "'prompt' encodes to no tokens", "prompt")
-        if self.context and len(ids) + max_tokens > self.context:
-            raise RequestError(400, f"'prompt' is {len(ids)} tokens and 'max_tokens' {max_tokens}: together more than "
-                               f"the model's context of {self.context} tokens", "prompt")
         with self._count:
             if self._waiting > self.max_waiting:
                 raise RequestError(503, f"busy: {self._waiting} completions are waiting", kind="server_busy")
             self._waiting += 1
         try:
+            ids = self.tok.encode(prompt)
+            if not ids:
+                raise RequestError(400, "'prompt' encodes to no tokens", "prompt")
+            # positions the model takes: the prompt, then every generated token but the last (never fed back)
+            if self.context and len(ids) + max_tokens - 1 > self.context:
+                raise RequestError(400, f"'prompt' is {len(ids)} tokens and 'max_tokens' {max_tokens}: together more "
+                                   f"than the model's context of {self.context} tokens", "prompt")
             with self._run:
                 out: list[int] = []
                 shown = [0]
@@ -192,14 +193,21 @@ class LLMService:
                     self._error(RequestError(413, f"body of {length} bytes exceeds {MAX_BODY}"))
                     return
                 body = b""
-                try:
+                deadline = time.monotonic() + BODY_TIMEOUT    # for the whole body, not per read: a client that
+                try:                                          # dribbles a byte now and then is cut off too
                     while len(body) < length:         # piece by piece, so a stall still says how far it came
+                        left = deadline - time.monotonic()
+                        if left <= 0:
+                            break
+                        self.connection.settimeout(left)
                         piece = self.rfile.read1(length - len(body))
                         if not piece:
                             break
                         body += piece
                 except OSError:                   # the socket's timeout: it announced more than it sent
                     pass
+                finally:
+                    self.connection.settimeout(BODY_TIMEOUT)
                 if len(body) < length:
                     self.close_connection = True
                     self._error(RequestError(400, f"the body ended after {len(body)} of its {length} bytes "

@@ -55,10 +55,13 @@ def client_key(entry: str, where: str = "curve.allowed_clients") -> bytes:
 
     A 40-character entry that is not a file must be a z85 key: a mistyped
     path or key would otherwise be taken as a key no client has, and that
-    client would be refused without a word.
+    client would be refused without a word.  One ending in `.key` (what
+    `coe-agent keys generate` writes) is read as a path.  A mistyped path of
+    z85 characters only (letters, digits, `/`, `.`, `-`) cannot be told from
+    a key and is still taken as one.
     """
-    if len(entry) == 40 and not Path(entry).exists():
-        key = entry.encode("ascii", errors="replace")
+    if len(entry) == 40 and not Path(entry).exists() and not entry.endswith((".key", ".key_secret")):
+        key = entry.encode("ascii", errors="replace") if entry.isascii() else b""
         if not _is_z85_key(key):
             raise CoEError(f"{where}: {entry!r} is neither a z85 public key (40 characters of the z85 alphabet) nor "
                            f"an existing certificate file")

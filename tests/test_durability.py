@@ -201,6 +201,10 @@ def test_curve_keys_that_would_refuse_every_client_silently_are_named(tmp_path):
     assert len(typo) == 40
     with pytest.raises(CoEError, match=r"curve.allowed_clients\[2\]: '/etc/coe.*' is neither a z85 public key"):
         client_key(typo, "curve.allowed_clients[2]")
+    with pytest.raises(CoEError, match=r"is neither a z85 public key"):
+        client_key("\u00e9" + "a" * 39)                                # a paste error outside ASCII
+    with pytest.raises(CoEError, match="does not exist"):
+        client_key("keys/clients/station-04-client-oopsy.key")  # 40 characters ending .key: a path, missing
     with pytest.raises(CoEError, match="holds no secret key"):
         load_keys(pub, secret=True)
     empty = tmp_path / "empty.key"

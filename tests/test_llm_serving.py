@@ -237,6 +237,24 @@ def test_http_framing_that_is_not_served_is_refused_and_a_stalled_body_does_not_
             assert status_line.split()[1].decode() == status, (text, raw)
             doc = json.loads(rest.split(b"\r\n\r\n", 1)[1])
             assert needle in doc["error"]["message"], (text, doc)
+        # a client that dribbles a byte now and then: the timeout is for the whole body, not per read
+        import socket
+        import time as _time
+
+        with socket.create_connection(("127.0.0.1", port), timeout=30) as sock:
+            sock.sendall((head + "Content-Length: 100\r\n\r\n").encode())
+            t0 = _time.monotonic()
+            try:
+                for _ in range(20):                             # 4 s of dribble if nobody stopped it
+                    sock.sendall(b" ")
+                    _time.sleep(0.2)
+            except OSError:                                      # the server answered and closed
+                pass
+            raw = b""
+            while chunk := sock.recv(65536):
+                raw += chunk
+        assert raw.split()[1] == b"400" and b"of its 100 bytes" in raw
+        assert _time.monotonic() - t0 < 30                      # liveness only: it did not read all 20
         context = agent.llm.context
         assert context == 256                                   # the test model's max_position_embeddings
         got, text = _post(port, {"prompt": "a" * (context - 3), "max_tokens": TOKENS})
