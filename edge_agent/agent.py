@@ -765,20 +765,39 @@ class Agent:
             return
         latency_ms = result.seconds * 1000.0
         for req, out in zip(b.requests, result.outputs or []):
-            self.writer.put_inference({"frame_id": req.frame.frame_id, "stage": req.stage, "expert_id": b.expert_id,
-                                       "device": result.device, "executor": result.executor, "batch_id": b.id,
-                                       "output": json.dumps(out.to_json()), "latency_ms": latency_ms,
-                                       "started_at": result.started_at, "expert_version": result.expert_version})
-            flight = self._flight(req.frame)
-            flight.versions[b.expert_id] = result.expert_version
-            flight.steps.append({"expert_id": b.expert_id, "output": out.to_json(), "version": result.expert_version})
-            decision = decide(self.model, b.expert_id, out)
-            if decision.next_expert is not None:
-                flight.chain.append(b.expert_id)
-                self.scheduler.submit(Request(req.frame, decision.next_expert, stage=req.stage + 1))
-            else:
-                self._finish(flight, decision.verdict or "error", decision.reason, expert=b.expert_id)
+            # each frame on its own: one whose output cannot be handled gets an error verdict, and the frames
+            # before it (finished, or handed to their next expert) are not given a second one by a batch-wide
+            # fallback (`Executor._deliver`)
+            handed = [False]
+            try:
+                self._on_output(result, req, out, latency_ms, handed)
+            except Exception as exc:  # noqa: BLE001 - a malformed output, a decision that fails: this frame only
+                log.exception("handling %s's output for frame %s failed", b.expert_id, req.frame.frame_id)
+                if not handed[0]:
+                    msg = f"handling {b.expert_id}'s output failed: {type(exc).__name__}: {exc}"
+                    self.writer.put_error({"frame_id": req.frame.frame_id, "kind": "output", "message": msg,
+                                           "at": time.time()})
+                    self._finish(self._flight(req.frame), "error", msg, expert=b.expert_id)
 
+    def _on_output(self, result: BatchResult, req: Request, out, latency_ms: float, handed: list) -> None:
+        """One frame's step output: recorded, then the frame goes to its next expert or gets its verdict
+        (`handed[0]` turns true once it has: a failure before that, the submit or the verdict's own included,
+        leaves the frame to the caller's error verdict)."""
+        b = result.batch
+        self.writer.put_inference({"frame_id": req.frame.frame_id, "stage": req.stage, "expert_id": b.expert_id,
+                                   "device": result.device, "executor": result.executor, "batch_id": b.id,
+                                   "output": json.dumps(out.to_json()), "latency_ms": latency_ms,
+                                   "started_at": result.started_at, "expert_version": result.expert_version})
+        flight = self._flight(req.frame)
+        flight.versions[b.expert_id] = result.expert_version
+        flight.steps.append({"expert_id": b.expert_id, "output": out.to_json(), "version": result.expert_version})
+        decision = decide(self.model, b.expert_id, out)
+        if decision.next_expert is not None:
+            flight.chain.append(b.expert_id)
+            self.scheduler.submit(Request(req.frame, decision.next_expert, stage=req.stage + 1))
+        else:
+            self._finish(flight, decision.verdict or "error", decision.reason, expert=b.expert_id)
+        handed[0] = True
     def _flight(self, frame: Frame) -> _InFlight:
         with self._lock:
             return self._inflight.setdefault(frame.frame_id, _InFlight(frame))
@@ -792,7 +811,11 @@ class Agent:
                 self._inflight[flight.frame.frame_id] = flight
         now = time.time()
         frame = flight.frame
-        thumb = self._defect(flight, reason, now) if verdict == "defect" and self.cfg.metrics.enabled else None
+        try:
+            thumb = self._defect(flight, reason, now) if verdict == "defect" and self.cfg.metrics.enabled else None
+        except Exception:  # noqa: BLE001 - a thumbnail the page cannot have must not cost the frame its verdict
+            log.exception("the status page's defect entry for frame %s failed", flight.frame.frame_id)
+            thumb = None
         self.writer.put_verdict({"frame_id": frame.frame_id, "verdict": verdict, "reason": reason,
                                  "decided_at": now, "latency_ms": (now - frame.received_at) * 1000.0,
                                  "chain": json.dumps(flight.chain), "versions": json.dumps(flight.versions),

@@ -147,7 +147,17 @@ class ResultWriter:
                     return
                 log.error("result write failed (attempt %d), retrying: %s", attempt, exc)
                 time.sleep(min(0.1 * 2 ** attempt, 2.0))
-        committed = [v for v in p.verdicts if v["frame_id"] in stored]
+        # one verdict per frame: the store keeps a frame's first row, so only that one is published and reported
+        # (a second row for a frame in the same flush would otherwise go out on PUB beside the first)
+        first, seen = [], set()
+        for v in p.verdicts:
+            if v["frame_id"] not in seen:
+                seen.add(v["frame_id"])
+                first.append(v)
+        if len(first) < len(p.verdicts):
+            log.error("%d second verdict(s) for frames in one flush were not stored or published: a bug upstream",
+                      len(p.verdicts) - len(first))
+        committed = [v for v in first if v["frame_id"] in stored]
         for v in committed:
             msg = dict(v)
             msg["chain"] = json.loads(msg["chain"]) if msg.get("chain") else []
@@ -157,6 +167,6 @@ class ResultWriter:
             except zmq.Again:
                 pass  # PUB never blocks; a slow subscriber misses messages, the database has them all
         try:
-            self._on_committed(p.verdicts, stored)
+            self._on_committed(first, stored)
         except Exception:  # noqa: BLE001 - bookkeeping after a commit must not stop the writer
             log.exception("after-commit callback failed")

@@ -326,3 +326,42 @@ def test_a_payload_far_past_the_limit_is_refused_before_it_is_held_and_the_agent
     good = [(f.header["frame_id"], [P.encode_header(f.header), rec.payload(f)])]
     rep = send_messages(good, agent.endpoints["ingest"], ack_timeout=5, deadline=30)
     assert rep.accepted == 1 and agent.wait_verdicts(1, timeout=60)
+
+
+def test_one_frames_output_that_cannot_be_handled_costs_that_frame_alone(tiny_line, tiny_recording):
+    """A decision that raises for one frame of a batch: that frame gets an error verdict naming the failure; the
+    frames beside it in the batch keep their own verdicts (finished or handed on), and every frame is published
+    exactly once (a batch-wide fallback used to give them all a second, 'error' verdict)."""
+    rec = Recording(tiny_recording)
+    ids = [f.header["frame_id"] for f in rec]
+    victim = ids[len(ids) // 2]
+    calls = {"n": 0}
+    agent = Agent(load_config(tiny_line, env={})).start()
+    # which frame a decision is for is known in `_on_output`: fail there for the victim, first stage only
+    real_on_output = agent._on_output
+
+    def on_output(result, req, out, latency_ms, handed):
+        if req.frame.frame_id == victim and req.stage == 0:
+            calls["n"] += 1
+            raise ValueError("a box tuple of the wrong length")
+        return real_on_output(result, req, out, latency_ms, handed)
+    agent._on_output = on_output
+    got, stop = [], threading.Event()
+    try:
+        t = subscribe(agent.endpoints["publish"], got, stop)
+        report = replay(rec, agent.endpoints["ingest"], window=16)
+        assert report.accepted == len(rec)
+        assert agent.wait_verdicts(len(rec), timeout=120)
+        assert _until(lambda: len(got) >= len(rec))
+        time.sleep(0.5)                                          # a second verdict would be published by now
+        stop.set()
+        t.join(10)
+        rows = {r["frame_id"]: r for r in verdict_rows(agent.cfg.db_path)}
+    finally:
+        agent.stop()
+    assert calls["n"] == 1 and sorted(rows) == sorted(ids)
+    assert rows[victim]["verdict"] == "error" and "a box tuple of the wrong length" in rows[victim]["reason"]
+    others = [r for fid, r in rows.items() if fid != victim]
+    assert all(r["verdict"] in ("pass", "defect") for r in others)        # its batch mates kept their verdicts
+    published = Counter(json.loads(m[1])["frame_id"] for m in got)
+    assert set(published) == set(ids) and max(published.values()) == 1   # each frame published once

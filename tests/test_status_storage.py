@@ -146,3 +146,36 @@ def test_the_result_writer_prunes_thumbnails_under_the_retention_policy(tmp_path
     assert [r[0] for r in con.execute("SELECT frame_id FROM thumbnails")] == ["f2"]
     assert con.execute("SELECT count(*) FROM verdicts").fetchone()[0] == 3     # keep_verdicts: they stay
     con.close()
+
+
+def test_two_verdicts_for_one_frame_in_one_flush_publish_and_report_only_the_stored_first(tmp_path):
+    """The store keeps a frame's first verdict; the writer must publish and report that one alone (a second row
+    in the same flush went out on PUB beside it)."""
+    import json as _json
+
+    import zmq
+
+    from edge_agent.writer import ResultWriter
+
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.bind("inproc://dupes")
+    sub = ctx.socket(zmq.SUB)
+    sub.setsockopt(zmq.SUBSCRIBE, b"")
+    sub.connect("inproc://dupes")
+    reported = []
+    w = ResultWriter(str(tmp_path / "r.db"), pub, "A", flush_ms=200,
+                     on_committed=lambda rows, stored: reported.extend((r["frame_id"], r["verdict"]) for r in rows
+                                                                       if r["frame_id"] in stored))
+    row = {"frame_id": "f1", "reason": "", "decided_at": time.time(), "latency_ms": 1.0, "chain": "[]"}
+    w.put_verdict({**row, "verdict": "pass"})             # both queued before the writer's first flush
+    w.put_verdict({**row, "verdict": "error"})
+    w.start()
+    w.stop()
+    got = []
+    while sub.poll(200):
+        got.append(_json.loads(sub.recv_multipart()[1])["verdict"])
+    sub.close(linger=0)
+    pub.close(linger=0)
+    ctx.term()
+    assert got == ["pass"] and reported == [("f1", "pass")]
