@@ -179,19 +179,27 @@ class Ingest:
         fresh = self._journal(entries, errors)
         fresh_iter = iter(fresh)
         accepted: list[Accepted] = []
+        acks: list[tuple[bytes, list[bytes], str]] = []
         for identity, c in checked:
             if isinstance(c, P.Reject):
-                self.metrics.reject(c.reason)
-                self._send(identity, P.ack(c.frame_id, P.REJECTED, c.ack_detail))
+                acks.append((identity, P.ack(c.frame_id, P.REJECTED, c.ack_detail), c.reason))
             elif next(fresh_iter):
                 accepted.append(c)
-                self.metrics.frames_accepted.inc()
-                self._send(identity, P.ack(c.frame.frame_id, P.ACCEPTED, ""))
+                acks.append((identity, P.ack(c.frame.frame_id, P.ACCEPTED, ""), P.ACCEPTED))
             else:
-                self.metrics.duplicates.inc()
-                self._send(identity, P.ack(c.frame.frame_id, P.DUPLICATE, "frame_id already accepted"))
-        if accepted:
-            self._on_accepted(accepted)
+                acks.append((identity, P.ack(c.frame.frame_id, P.DUPLICATE, "frame_id already accepted"), P.DUPLICATE))
+        try:
+            for identity, ack, kind in acks:
+                if kind == P.ACCEPTED:
+                    self.metrics.frames_accepted.inc()
+                elif kind == P.DUPLICATE:
+                    self.metrics.duplicates.inc()
+                else:
+                    self.metrics.reject(kind)
+                self._send(identity, ack)
+        finally:   # journaled frames go to the agent whatever an ack's send or a metric did: none waits for a restart
+            if accepted:
+                self._on_accepted(accepted)
 
     def _journal(self, entries, errors) -> list[bool]:
         """Journal with retries: nothing is acked until this commits, so waiting is always safe."""

@@ -365,3 +365,30 @@ def test_one_frames_output_that_cannot_be_handled_costs_that_frame_alone(tiny_li
     assert all(r["verdict"] in ("pass", "defect") for r in others)        # its batch mates kept their verdicts
     published = Counter(json.loads(m[1])["frame_id"] for m in got)
     assert set(published) == set(ids) and max(published.values()) == 1   # each frame published once
+
+
+def test_a_journaled_frame_whose_ack_cannot_be_sent_still_gets_its_verdict(tiny_line, tiny_recording, monkeypatch):
+    """Ingest commits a frame to the journal, then fails to send its ack (a ZeroMQ error, say): the frame is handed
+    to the agent anyway and gets its verdict, rather than waiting in the journal for a restart."""
+    from edge_agent import ingest as ingest_mod
+
+    real_send = ingest_mod.Ingest._send
+    failed = []
+
+    def send(self, identity, ack):
+        if ack[1] == P.ACCEPTED.encode() and not failed:
+            failed.append(ack[0].decode())
+            raise RuntimeError("the socket went away")
+        return real_send(self, identity, ack)
+    monkeypatch.setattr(ingest_mod.Ingest, "_send", send)
+    rec = Recording(tiny_recording)
+    f = next(iter(rec))
+    agent = Agent(load_config(tiny_line, env={})).start()
+    try:
+        send_messages([(f.header["frame_id"], [P.encode_header(f.header), rec.payload(f)])],
+                      agent.endpoints["ingest"], ack_timeout=1, deadline=2)
+        assert failed == [f.header["frame_id"]]
+        assert agent.wait_verdicts(1, timeout=60)
+        assert [r["frame_id"] for r in verdict_rows(agent.cfg.db_path)] == failed
+    finally:
+        agent.stop()
