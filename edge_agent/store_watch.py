@@ -42,6 +42,7 @@ class StoreWatcher:
         self._on_switch = on_switch
         self._closed_at: float | None = None   # when the gate closed for a pending switch
         self.switches: list[dict] = []          # one per switch: versions, frames drained and held, seconds
+        self.failed_switches: list[dict] = []   # one per switch that failed: why, and the held frames released
         # run on this thread for each expert with a new version, before its stale copies go (ONNX twins:
         # the export happens here, not on a load that sizes it under a pool's lock)
         self._prepare = prepare
@@ -116,11 +117,21 @@ class StoreWatcher:
                     log.warning("expert switch: %d frame(s) still in flight after %.0f s; switching anyway, their "
                                 "remaining steps run on the new versions (their verdicts' versions say which)",
                                 left, waited)
-                changed = self._switch()
-                # the stale copies go before the held frames run: released first, a held frame could take a
-                # version-1 copy still in a pool for its classifier and meet version 2 of its detector (seen
-                # once in tests/test_promote.py: ten frames mixed).  Drained, no batch holds one now.
-                dropped = self._drop_stale()
+                try:
+                    changed = self._switch()
+                    # the stale copies go before the held frames run: released first, a held frame could take a
+                    # version-1 copy still in a pool for its classifier and meet version 2 of its detector (seen
+                    # once in tests/test_promote.py: ten frames mixed).  Drained, no batch holds one now.
+                    dropped = self._drop_stale()
+                except Exception as exc:  # noqa: BLE001 - a store that cannot be switched to must not stop the line
+                    # the held frames run on the versions already served; a later change of the manifest (a fixed
+                    # promotion) is tried again (`_mtime` moved on).  Retrying here would hold them for good
+                    held = self._gate.open()
+                    self._closed_at = None
+                    self.failed_switches.append({"error": f"{type(exc).__name__}: {exc}", "held": held})
+                    log.error("expert switch failed (%s); %d held frame(s) released on the versions served before; "
+                              "the next change of the manifest is tried again", exc, held)
+                    return dropped
                 held = self._gate.open()
                 self._closed_at = None
                 self.switches.append({"experts": changed, "held": held, "late": left, "seconds": waited})

@@ -124,6 +124,29 @@ def test_a_drain_that_outlasts_its_timeout_switches_anyway_and_says_how_many_wer
     store.close_reader()
 
 
+def test_a_switch_that_fails_releases_the_held_frames_on_the_versions_served(tmp_path, tiny_zoo, monkeypatch):
+    """The promotion's manifest cannot be loaded when the drain ends (corrupt, say): the gate must not stay closed
+    for good, holding every new frame until the agent answers busy to all; the held frames run on the versions
+    already served, and a later change of the manifest is tried again."""
+    store = _line(tmp_path, tiny_zoo)
+    line = _Line()
+    watch = StoreWatcher(store, lambda: [], forget=lambda e: None, gate=line.gate, drain_timeout=0.0)
+    _promote(store.root)
+    real = store.reload
+    monkeypatch.setattr(store, "reload", lambda: (_ for _ in ()).throw(ValueError("manifest.json: truncated")))
+    line.accept("early")                           # in flight: the gate closes for it, then the switch is due
+    watch.tick()
+    assert not line.gate.closed and watch.switches == []
+    assert watch.failed_switches and "manifest.json: truncated" in watch.failed_switches[0]["error"]
+    line.accept("later")                           # served at once, on the old versions
+    assert line.scheduled[-1] == "later" and store.entry("det-2term").version == 1
+    monkeypatch.setattr(store, "reload", real)     # fixed, and the manifest written again: switched this time
+    _promote(store.root)
+    watch.tick()
+    assert watch.switches and store.entry("det-2term").version >= 2
+    store.close_reader()
+
+
 def test_a_manifest_rewrite_with_the_same_versions_holds_nothing(tmp_path, tiny_zoo):
     store = _line(tmp_path, tiny_zoo)
     line = _Line()
