@@ -721,8 +721,15 @@ class Agent:
         self._schedule_accepted(now)
 
     def _schedule_accepted(self, accepted) -> None:
-        for a in accepted:
-            self.scheduler.submit(Request(a.frame, a.expert_id))
+        for a in accepted:      # each on its own: a frame the scheduler cannot take gets an error verdict, the
+            try:                # rest are still scheduled (none left in flight with nothing to run it)
+                self.scheduler.submit(Request(a.frame, a.expert_id))
+            except Exception as exc:  # noqa: BLE001 - a scheduler fault must cost one frame, not the ones after it
+                log.exception("scheduling frame %s failed", a.frame.frame_id)
+                msg = f"scheduling failed: {type(exc).__name__}: {exc}"
+                self.writer.put_error({"frame_id": a.frame.frame_id, "kind": "schedule", "message": msg,
+                                       "at": time.time()})
+                self._finish(self._flight(a.frame), "error", msg)
 
     def _recover(self) -> None:
         """Re-run frames a previous run accepted but never gave a verdict."""

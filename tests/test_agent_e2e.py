@@ -392,3 +392,31 @@ def test_a_journaled_frame_whose_ack_cannot_be_sent_still_gets_its_verdict(tiny_
         assert [r["frame_id"] for r in verdict_rows(agent.cfg.db_path)] == failed
     finally:
         agent.stop()
+
+
+def test_a_frame_the_scheduler_cannot_take_gets_an_error_verdict_and_the_rest_are_scheduled(tiny_line,
+                                                                                             tiny_recording):
+    """A scheduler fault on one frame's first step (a cost estimate that raises, say): that frame gets an error
+    verdict naming it, and the frames accepted after it in the same read are still scheduled and served."""
+    rec = Recording(tiny_recording)
+    msgs = [(f.header["frame_id"], [P.encode_header(f.header), rec.payload(f)]) for f in list(rec)[:6]]
+    victim = msgs[2][0]
+    agent = Agent(load_config(tiny_line, env={})).start()
+    real = agent.scheduler.submit
+
+    def submit(req):
+        if req.frame.frame_id == victim and req.stage == 0:
+            raise RuntimeError("negative estimate")
+        return real(req)
+    agent.scheduler.submit = submit
+    try:
+        rep = send_messages(msgs, agent.endpoints["ingest"], window=16)
+        assert rep.accepted == 6
+        assert agent.wait_verdicts(6, timeout=60)
+        rows = {r["frame_id"]: r for r in verdict_rows(agent.cfg.db_path)}
+    finally:
+        agent.stop()
+    assert sorted(rows) == sorted(fid for fid, _ in msgs)
+    assert rows[victim]["verdict"] == "error" and "scheduling failed: RuntimeError: negative estimate" in \
+        rows[victim]["reason"]
+    assert all(r["verdict"] in ("pass", "defect") for fid, r in rows.items() if fid != victim)
