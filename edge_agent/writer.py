@@ -84,8 +84,11 @@ class ResultWriter:
         return self._thread.is_alive()
 
     def _loop(self) -> None:
-        store = ResultStore(self._db_path, synchronous="FULL")  # a published verdict survives a power cut
+        store = None
         try:
+            # opened here, inside the try: a database locked or unwritable at start is recorded as why the
+            # writer stopped (the agent's health names it), not a thread that ends without a word
+            store = ResultStore(self._db_path, synchronous="FULL")  # a published verdict survives a power cut
             while True:
                 pending = _Pending()
                 deadline = time.monotonic() + self._flush_s
@@ -110,7 +113,8 @@ class ResultWriter:
             log.exception("result writer stopped on an unexpected error")
             raise
         finally:
-            store.close()
+            if store is not None:
+                store.close()
             self._pub.close(linger=1000)
 
     def _maybe_prune(self, store: ResultStore) -> None:

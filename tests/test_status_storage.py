@@ -179,3 +179,22 @@ def test_two_verdicts_for_one_frame_in_one_flush_publish_and_report_only_the_sto
     pub.close(linger=0)
     ctx.term()
     assert got == ["pass"] and reported == [("f1", "pass")]
+
+
+@pytest.mark.filterwarnings("ignore::pytest.PytestUnhandledThreadExceptionWarning")   # the writer re-raises
+def test_a_result_writer_whose_database_cannot_be_opened_says_why_it_stopped(tmp_path):
+    """The agent's health names a dead writer by `writer.error`: a database that cannot be opened at start must be
+    recorded there, not end the thread without a word."""
+    import zmq
+
+    from edge_agent.writer import ResultWriter
+
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.bind("inproc://nodb")
+    (tmp_path / "adir").mkdir()                      # a directory where the database file should be
+    w = ResultWriter(str(tmp_path / "adir"), pub, "A")
+    w.start()
+    w._thread.join(10)
+    ctx.destroy(linger=0)                            # not term(): a writer that never closed its socket must not hang us
+    assert not w.alive() and w.error is not None
