@@ -12,7 +12,6 @@ import contextlib
 import functools
 import hashlib
 import json
-import math
 import mmap
 import os
 import queue
@@ -26,14 +25,13 @@ from typing import TYPE_CHECKING
 from coe import ExpertLoadError
 
 from .pinned import host_empty
+from .safetensors_io import _itemsize, _numel
 
 if TYPE_CHECKING:
     import torch
 
 _DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
            "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
-_ITEMSIZE = {"float64": 8, "float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "int16": 2,
-             "int8": 1, "uint8": 1, "bool": 1}
 _MAX_HEADER = 100 * 2**20
 _CHUNK = 16 * 2**20
 _YIELD_CHUNK = 2 * 2**20        # a read that may yield checks this often (about a millisecond of disk)
@@ -153,7 +151,7 @@ def parse_layout(raw: bytes, data: int, data_offset: int, expert_id: str, where:
             start, end = (int(x) for x in info["data_offsets"])
         except (KeyError, TypeError, ValueError):
             raise ExpertLoadError(expert_id, where, f"corrupt safetensors header entry for '{name}'") from None
-        want = math.prod(shape) * _ITEMSIZE[dtype]
+        want = _numel(shape) * _itemsize(dtype)
         if min(shape, default=0) < 0 or end - start != want:     # else the first batch fails in torch, unnamed
             raise ExpertLoadError(expert_id, where, f"corrupt safetensors: tensor '{name}' of shape {list(shape)} "
                                                     f"{dtype} needs {want} bytes, its offsets span {end - start}")
