@@ -726,10 +726,7 @@ class Agent:
                 self.scheduler.submit(Request(a.frame, a.expert_id))
             except Exception as exc:  # noqa: BLE001 - a scheduler fault must cost one frame, not the ones after it
                 log.exception("scheduling frame %s failed", a.frame.frame_id)
-                msg = f"scheduling failed: {type(exc).__name__}: {exc}"
-                self.writer.put_error({"frame_id": a.frame.frame_id, "kind": "schedule", "message": msg,
-                                       "at": time.time()})
-                self._finish(self._flight(a.frame), "error", msg)
+                self._fail(a.frame, "schedule", f"scheduling failed: {type(exc).__name__}: {exc}")
 
     def _recover(self) -> None:
         """Re-run frames a previous run accepted but never gave a verdict."""
@@ -766,9 +763,7 @@ class Agent:
         if result.error is not None:
             self.status.error(result.error_kind or "executor", len(b.requests))
             for req in b.requests:
-                self.writer.put_error({"frame_id": req.frame.frame_id, "kind": result.error_kind,
-                                       "message": result.error, "at": time.time()})
-                self._finish(self._flight(req.frame), "error", result.error, expert=b.expert_id)
+                self._fail(req.frame, result.error_kind, result.error, expert=b.expert_id)
             return
         latency_ms = result.seconds * 1000.0
         for req, out in zip(b.requests, result.outputs or []):
@@ -781,10 +776,13 @@ class Agent:
             except Exception as exc:  # noqa: BLE001 - a malformed output, a decision that fails: this frame only
                 log.exception("handling %s's output for frame %s failed", b.expert_id, req.frame.frame_id)
                 if not handed[0]:
-                    msg = f"handling {b.expert_id}'s output failed: {type(exc).__name__}: {exc}"
-                    self.writer.put_error({"frame_id": req.frame.frame_id, "kind": "output", "message": msg,
-                                           "at": time.time()})
-                    self._finish(self._flight(req.frame), "error", msg, expert=b.expert_id)
+                    self._fail(req.frame, "output", f"handling {b.expert_id}'s output failed: "
+                                                    f"{type(exc).__name__}: {exc}", expert=b.expert_id)
+
+    def _fail(self, frame: Frame, kind: str, message: str, *, expert: str | None = None) -> None:
+        """The frame's error verdict, and an `errors` row saying why."""
+        self.writer.put_error({"frame_id": frame.frame_id, "kind": kind, "message": message, "at": time.time()})
+        self._finish(self._flight(frame), "error", message, expert=expert)
 
     def _on_output(self, result: BatchResult, req: Request, out, latency_ms: float, handed: list) -> None:
         """One frame's step output: recorded, then the frame goes to its next expert or gets its verdict
