@@ -729,16 +729,17 @@ class RemoteExecutor:
         self._ping = None
         log.error("executor %s on node %s lost (%s); requeueing its requests", self.name, self.node, why)
         queued = self.scheduler.retire(self.name)
-        self.pool.forget()
-        self._close_channel()
-        try:
-            ray.kill(self.actor)
-        except Exception:  # noqa: BLE001 - it is already gone
-            pass
-        self.actor = None
+        # its requests go back before anything else is tried: a clean-up step that raises must not strand
+        # the requests this thread alone holds between `retire` and `requeue`
         again = (list(batch.requests) if batch is not None else []) + queued
         gone = self.scheduler.requeue(again)
         self.requeued += len(again) - len(gone)
+        for step in (self.pool.forget, self._close_channel, lambda: ray.kill(self.actor)):
+            try:
+                step()
+            except Exception:  # noqa: BLE001 - a dead actor or a closed channel: nothing left to clean
+                log.debug("clean-up after losing %s failed", self.name, exc_info=True)
+        self.actor = None
         self.lost += 1   # counted once its requests are back with the scheduler: `lost` says the loss is handled
         if gone:
             frames = ", ".join(r.frame.frame_id for r in gone[:8]) + (" ..." if len(gone) > 8 else "")
