@@ -49,6 +49,10 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+# result writes failing this long make the agent not ready: a brief lock is retried quietly, an unwritable
+# database (full disk, read-only mount, corrupt file) is named in the health an orchestrator or operator reads
+WRITER_STALL_S = 10.0
+
 
 def ingest_hard_cap(max_payload: int) -> int:
     """The largest message part ZeroMQ lets the ingest socket hold: 4x the payload limit plus 1 MiB for headers."""
@@ -541,6 +545,10 @@ class Agent:
                            "new frames are acked busy")
         warnings = [f"expert {e} failed: {why}" for e, why in sorted(self.failed.all().items())]
         writer = getattr(self, "writer", None)
+        stalled = writer.stalled() if writer is not None and writer.failing_since is not None else None
+        if stalled is not None and stalled >= WRITER_STALL_S:
+            reasons.append(f"result database {self.cfg.db_path}: writes failing for {stalled:.0f} s "
+                           f"({writer.last_failure}); verdicts wait and their frames stay journaled")
         if writer is not None and writer.failures:
             warnings.append(f"result writes failed {writer.failures} time(s) and were retried")
         return Health(ready=not reasons, reasons=reasons, warnings=warnings, inflight=inflight,

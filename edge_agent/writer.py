@@ -53,6 +53,9 @@ class ResultWriter:
         self.pruned: dict[str, int] = {}
         self.failures = 0
         self.gave_up = 0
+        self.set_aside = 0        # rows no write could store while the rows beside them went in (`_write_apart`)
+        self.failing_since: float | None = None   # monotonic start of the current run of failed writes
+        self.last_failure = ""                     # why the latest write failed (the health reason names it)
         self.error: BaseException | None = None
 
     def start(self) -> None:
@@ -82,6 +85,17 @@ class ResultWriter:
 
     def alive(self) -> bool:
         return self._thread.is_alive()
+
+    def stalled(self, now: float | None = None) -> float:
+        """Seconds the writes have failed without one succeeding (0.0 while they succeed).
+
+        Verdicts wait in memory and their frames stay journaled while it
+        retries, so nothing is lost; but a database that stays unwritable (a
+        full disk, a read-only mount, a corrupt file) needs an operator, and
+        the agent's health says so instead of only counting retries.
+        """
+        since = self.failing_since
+        return 0.0 if since is None else (time.monotonic() if now is None else now) - since
 
     def _loop(self) -> None:
         store = None
@@ -139,16 +153,26 @@ class ResultWriter:
                 stored = set(store.write(inferences=p.inferences, verdicts=p.verdicts, errors=p.errors,
                                          events=p.events, thumbnails=p.thumbnails,
                                          keep_thumbnails=self._keep_thumbnails))
+                self.failing_since = None
                 break
             except Exception as exc:  # noqa: BLE001 - a locked or full disk must not kill the writer
                 attempt += 1
                 self.failures += 1
+                self.last_failure = f"{type(exc).__name__}: {exc}"
+                if self.failing_since is None:
+                    self.failing_since = time.monotonic()
                 if self._stop.is_set() and attempt >= 3:
                     # stopping: the frames stay journaled without a verdict and are re-run at next start
                     log.error("result write failed %d times while stopping; giving up on %d verdict(s), "
                               "they are re-run from the journal at next start: %s", attempt, len(p.verdicts), exc)
                     self.gave_up += len(p.verdicts)
                     return
+                if attempt >= 3 and len(p) > 1:
+                    apart = self._write_apart(store, p)
+                    if apart is not None:
+                        stored = apart
+                        self.failing_since = None
+                        break
                 log.error("result write failed (attempt %d), retrying: %s", attempt, exc)
                 time.sleep(min(0.1 * 2 ** attempt, 2.0))
         # one verdict per frame: the store keeps a frame's first row, so only that one is published and reported
@@ -171,6 +195,51 @@ class ResultWriter:
             except zmq.Again:
                 pass  # PUB never blocks; a slow subscriber misses messages, the database has them all
         try:
-            self._on_committed(first, stored)
+            self._on_committed(first, stored)   # a verdict not in `stored` leaves the in-flight set either way
         except Exception:  # noqa: BLE001 - bookkeeping after a commit must not stop the writer
             log.exception("after-commit callback failed")
+
+    def _write_apart(self, store: ResultStore, p: _Pending) -> set[str] | None:
+        """A batch that keeps failing, written a row at a time: the stored verdicts, or None if no row went in.
+
+        When some rows go in and others do not, the database is fine and the
+        others are at fault (a row no schema takes: a bug upstream).  They are
+        set aside, named in the log and the errors table, so they stop blocking
+        every verdict queued behind them; their frames stay journaled without a
+        verdict and are re-run at the next start.  When no row goes in, the
+        database is at fault (full, read-only, corrupt): the batch is kept and
+        retried whole, and the health says so.
+        """
+        thumbs = {t["frame_id"]: t for t in p.thumbnails}
+        units = ([_Pending(verdicts=[v], thumbnails=[thumbs[v["frame_id"]]] if v["frame_id"] in thumbs else [])
+                  for v in p.verdicts]
+                 + [_Pending(inferences=[r]) for r in p.inferences] + [_Pending(errors=[r]) for r in p.errors]
+                 + [_Pending(events=[r]) for r in p.events])
+        stored: set[str] = set()
+        bad: list[tuple[_Pending, str]] = []
+        for u in units:
+            try:
+                stored |= set(store.write(inferences=u.inferences, verdicts=u.verdicts, errors=u.errors,
+                                          events=u.events, thumbnails=u.thumbnails,
+                                          keep_thumbnails=self._keep_thumbnails))
+            except Exception as exc:  # noqa: BLE001 - the row's own fault, or the database's: decided below
+                bad.append((u, f"{type(exc).__name__}: {exc}"))
+        if len(bad) == len(units):
+            return None
+        notes = []
+        for u, why in bad:
+            row = (u.verdicts or u.inferences or u.errors or u.events)[0]
+            kind = next(k for k in ("verdicts", "inferences", "errors", "events") if getattr(u, k))
+            self.set_aside += 1
+            log.error("a %s row for frame %s could not be stored and was set aside (%s); the rows beside it "
+                      "were stored%s", kind[:-1], row.get("frame_id"), why,
+                      "; the frame stays journaled and is re-run at next start" if u.verdicts else "")
+            if u.verdicts:
+                notes.append({"frame_id": row.get("frame_id"), "kind": "unstorable_verdict",
+                              "message": f"its verdict row could not be stored: {why}", "at": time.time()})
+        if notes:
+            try:
+                store.write(errors=notes)
+            except Exception:  # noqa: BLE001 - the log above already names them
+                log.exception("recording the set-aside verdicts in the errors table failed")
+        return stored
