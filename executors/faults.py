@@ -7,6 +7,7 @@ reachable from a config file; production code never injects faults.
 """
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -18,6 +19,7 @@ class Faults:
     raise_for: set[str] = field(default_factory=set)       # expert ids whose run always raises
     oom_above: dict[str, int] = field(default_factory=dict)  # expert id -> largest batch that fits
     delay: float = 0.0                                        # seconds added to every run (overload)
+    block: threading.Event | None = None                      # while clear, every run hangs (a stuck driver)
     calls: list[tuple[str, int]] = field(default_factory=list)
 
 
@@ -33,6 +35,8 @@ class _Faulty:
         if self.faults.delay:
             import time
             time.sleep(self.faults.delay)
+        if self.faults.block is not None:
+            self.faults.block.wait()
         if expert.id in self.faults.raise_for:
             raise ValueError(f"injected fault in {expert.id}")
         limit = self.faults.oom_above.get(expert.id)
