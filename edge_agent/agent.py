@@ -551,6 +551,9 @@ class Agent:
                            f"({writer.last_failure}); verdicts wait and their frames stay journaled")
         if writer is not None and writer.failures:
             warnings.append(f"result writes failed {writer.failures} time(s) and were retried")
+        if writer is not None and writer.set_aside:
+            warnings.append(f"{writer.set_aside} result row(s) no write could store were set aside (the log names "
+                            "them; a set-aside verdict's frame is re-run at next start)")
         return Health(ready=not reasons, reasons=reasons, warnings=warnings, inflight=inflight,
                       max_inflight=self.cfg.max_inflight)
 
@@ -680,6 +683,9 @@ class Agent:
             left = len(self._inflight)
         if left:
             log.error("stopped with %d frame(s) still in flight; they are journaled and re-run at next start", left)
+        if self.writer.set_aside:
+            log.error("%d result row(s) were set aside as unstorable while serving (see the log above); a set-aside "
+                      "verdict's frame is journaled and re-run at next start", self.writer.set_aside)
         elif not drained:
             log.info("the drain timed out after %.1f s, but every frame committed while the agent closed", timeout)
         return not left

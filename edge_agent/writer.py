@@ -28,6 +28,7 @@ class _Pending:
     errors: list[dict] = field(default_factory=list)
     events: list[dict] = field(default_factory=list)
     thumbnails: list[dict] = field(default_factory=list)
+    thumb_of: dict[int, dict] = field(default_factory=dict)   # id(verdict row) -> its thumbnail
 
     def __len__(self) -> int:
         return len(self.inferences) + len(self.verdicts) + len(self.errors) + len(self.events) + len(self.thumbnails)
@@ -115,6 +116,7 @@ class ResultWriter:
                     if kind == "verdict+thumbnail":
                         pending.verdicts.append(row[0])
                         pending.thumbnails.append(row[1])
+                        pending.thumb_of[id(row[0])] = row[1]
                     else:
                         getattr(pending, kind).append(row)
                 if pending:
@@ -146,37 +148,22 @@ class ResultWriter:
         if any(got.values()):
             log.info("retention: pruned %s", ", ".join(f"{v} {k}" for k, v in got.items() if v))
 
+    def _write(self, store: ResultStore, p: _Pending) -> set[str]:
+        return set(store.write(inferences=p.inferences, verdicts=p.verdicts, errors=p.errors, events=p.events,
+                               thumbnails=p.thumbnails, keep_thumbnails=self._keep_thumbnails))
+
+    def _failed(self, exc: BaseException) -> str:
+        """Count a failed write; the reason, clipped, as the health and the log give it."""
+        why = _clip(f"{type(exc).__name__}: {exc}")
+        if self.failing_since is None:      # set before the count: whoever sees the count sees the reason
+            self.failing_since = time.monotonic()
+        self.last_failure = why
+        self.failures += 1
+        return why
+
     def _flush(self, store: ResultStore, p: _Pending) -> None:
-        attempt = 0
-        while True:  # frames are journaled, so retrying (not dropping) is always safe
-            try:
-                stored = set(store.write(inferences=p.inferences, verdicts=p.verdicts, errors=p.errors,
-                                         events=p.events, thumbnails=p.thumbnails,
-                                         keep_thumbnails=self._keep_thumbnails))
-                self.failing_since = None
-                break
-            except Exception as exc:  # noqa: BLE001 - a locked or full disk must not kill the writer
-                attempt += 1
-                self.failures += 1
-                self.last_failure = f"{type(exc).__name__}: {exc}"
-                if self.failing_since is None:
-                    self.failing_since = time.monotonic()
-                if self._stop.is_set() and attempt >= 3:
-                    # stopping: the frames stay journaled without a verdict and are re-run at next start
-                    log.error("result write failed %d times while stopping; giving up on %d verdict(s), "
-                              "they are re-run from the journal at next start: %s", attempt, len(p.verdicts), exc)
-                    self.gave_up += len(p.verdicts)
-                    return
-                if attempt >= 3 and len(p) > 1:
-                    apart = self._write_apart(store, p)
-                    if apart is not None:
-                        stored = apart
-                        self.failing_since = None
-                        break
-                log.error("result write failed (attempt %d), retrying: %s", attempt, exc)
-                time.sleep(min(0.1 * 2 ** attempt, 2.0))
-        # one verdict per frame: the store keeps a frame's first row, so only that one is published and reported
-        # (a second row for a frame in the same flush would otherwise go out on PUB beside the first)
+        # one verdict per frame: the store keeps a frame's first row, so only that one is written, published
+        # and reported (a second row for a frame in the same flush would otherwise go out on PUB beside the first)
         first, seen = [], set()
         for v in p.verdicts:
             if v["frame_id"] not in seen:
@@ -185,8 +172,36 @@ class ResultWriter:
         if len(first) < len(p.verdicts):
             log.error("%d second verdict(s) for frames in one flush were not stored or published: a bug upstream",
                       len(p.verdicts) - len(first))
-        committed = [v for v in first if v["frame_id"] in stored]
-        for v in committed:
+            keep = {id(v) for v in first}
+            p.thumb_of = {k: t for k, t in p.thumb_of.items() if k in keep}
+            p.thumbnails = list(p.thumb_of.values())
+            p.verdicts = first
+        attempt = 0
+        while True:  # frames are journaled, so retrying (not dropping) is always safe
+            try:
+                stored = self._write(store, p)
+                self.failing_since = None
+                break
+            except Exception as exc:  # noqa: BLE001 - a locked or full disk must not kill the writer
+                attempt += 1
+                why = self._failed(exc)
+                if self._stop.is_set() and attempt >= 3:
+                    # stopping: the frames stay journaled without a verdict and are re-run at next start
+                    log.error("result write failed %d times while stopping; giving up on %d verdict(s), "
+                              "they are re-run from the journal at next start: %s", attempt, len(p.verdicts), why)
+                    self.gave_up += len(p.verdicts)
+                    return
+                if attempt >= 3 and len(p) > 1 and not _database_fault(exc):
+                    apart = self._write_apart(store, p)
+                    if apart is not None:
+                        stored = apart
+                        self.failing_since = None
+                        break
+                log.error("result write failed (attempt %d), retrying: %s", attempt, why)
+                time.sleep(min(0.1 * 2 ** attempt, 2.0))
+        for v in p.verdicts:
+            if v["frame_id"] not in stored:
+                continue
             msg = dict(v)
             msg["chain"] = json.loads(msg["chain"]) if msg.get("chain") else []
             msg["line"] = self._line.decode()
@@ -195,46 +210,61 @@ class ResultWriter:
             except zmq.Again:
                 pass  # PUB never blocks; a slow subscriber misses messages, the database has them all
         try:
-            self._on_committed(first, stored)   # a verdict not in `stored` leaves the in-flight set either way
+            self._on_committed(p.verdicts, stored)   # a verdict not in `stored` leaves the in-flight set either way
         except Exception:  # noqa: BLE001 - bookkeeping after a commit must not stop the writer
             log.exception("after-commit callback failed")
 
     def _write_apart(self, store: ResultStore, p: _Pending) -> set[str] | None:
-        """A batch that keeps failing, written a row at a time: the stored verdicts, or None if no row went in.
+        """A batch that keeps failing on its rows, written a row at a time: the stored verdicts, or None.
 
-        When some rows go in and others do not, the database is fine and the
-        others are at fault (a row no schema takes: a bug upstream).  They are
-        set aside, named in the log and the errors table, so they stop blocking
-        every verdict queued behind them; their frames stay journaled without a
-        verdict and are re-run at the next start.  When no row goes in, the
-        database is at fault (full, read-only, corrupt): the batch is kept and
-        retried whole, and the health says so.
+        Called only for an error that is not the database's own (`_database_fault`):
+        when some rows go in and others do not, the others are at fault (a row
+        no schema takes: a bug upstream).  They are set aside, named in the log
+        and the errors table, so they stop blocking every verdict queued behind
+        them.  A verdict whose thumbnail is the bad part is stored without it.
+        A set-aside verdict's frame stays journaled and is re-run at the next
+        start; a set-aside inference, error or event row is dropped (it is
+        bookkeeping, not journaled).  None, and the batch retried whole, when
+        no row goes in, the database fails on one (full, locked, read-only,
+        corrupt), or the writer is stopping.
         """
-        thumbs = {t["frame_id"]: t for t in p.thumbnails}
-        units = ([_Pending(verdicts=[v], thumbnails=[thumbs[v["frame_id"]]] if v["frame_id"] in thumbs else [])
+        units = ([_Pending(verdicts=[v], thumbnails=[p.thumb_of[id(v)]] if id(v) in p.thumb_of else [])
                   for v in p.verdicts]
                  + [_Pending(inferences=[r]) for r in p.inferences] + [_Pending(errors=[r]) for r in p.errors]
                  + [_Pending(events=[r]) for r in p.events])
         stored: set[str] = set()
         bad: list[tuple[_Pending, str]] = []
+        went_in = 0
         for u in units:
-            try:
-                stored |= set(store.write(inferences=u.inferences, verdicts=u.verdicts, errors=u.errors,
-                                          events=u.events, thumbnails=u.thumbnails,
-                                          keep_thumbnails=self._keep_thumbnails))
-            except Exception as exc:  # noqa: BLE001 - the row's own fault, or the database's: decided below
-                bad.append((u, f"{type(exc).__name__}: {exc}"))
-        if len(bad) == len(units):
+            if self._stop.is_set():
+                return None
+            why = ""
+            for attempt in (u, _Pending(verdicts=u.verdicts)) if u.thumbnails else (u,):
+                try:
+                    stored |= self._write(store, attempt)
+                    went_in += 1
+                    if attempt is not u:
+                        log.error("the thumbnail of frame %s could not be stored (%s); its verdict was, without it",
+                                  u.verdicts[0].get("frame_id"), why)
+                    break
+                except Exception as exc:  # noqa: BLE001 - the row's own fault, or the database's
+                    if _database_fault(exc):
+                        return None
+                    why = _clip(f"{type(exc).__name__}: {exc}")
+            else:
+                bad.append((u, why))
+        if not went_in:
             return None
         notes = []
         for u, why in bad:
-            row = (u.verdicts or u.inferences or u.errors or u.events)[0]
             kind = next(k for k in ("verdicts", "inferences", "errors", "events") if getattr(u, k))
+            row = getattr(u, kind)[0]
+            what = (f"expert {row.get('expert_id')}" if kind == "events" else f"frame {row.get('frame_id')}")
             self.set_aside += 1
-            log.error("a %s row for frame %s could not be stored and was set aside (%s); the rows beside it "
-                      "were stored%s", kind[:-1], row.get("frame_id"), why,
-                      "; the frame stays journaled and is re-run at next start" if u.verdicts else "")
-            if u.verdicts:
+            log.error("%s row for %s could not be stored and was set aside (%s); the rows beside it were stored%s",
+                      _ROW_NAMES[kind], what, why, "; the frame stays journaled and is re-run at next start"
+                      if kind == "verdicts" else "; the row is dropped")
+            if kind == "verdicts":
                 notes.append({"frame_id": row.get("frame_id"), "kind": "unstorable_verdict",
                               "message": f"its verdict row could not be stored: {why}", "at": time.time()})
         if notes:
@@ -243,3 +273,27 @@ class ResultWriter:
             except Exception:  # noqa: BLE001 - the log above already names them
                 log.exception("recording the set-aside verdicts in the errors table failed")
         return stored
+
+
+_ROW_NAMES = {"verdicts": "a verdict", "inferences": "an inference", "errors": "an error", "events": "an event"}
+
+# SQLite's words for a fault of the database itself, not of a row: retrying later is the cure
+_DB_FAULTS = ("locked", "busy", "full", "readonly", "read-only", "disk i/o", "malformed", "not a database",
+              "unable to open", "no such table")
+
+
+def _database_fault(exc: BaseException) -> bool:
+    """True when the database, not the row, failed the write (a row is never set aside for it)."""
+    import sqlite3
+
+    if isinstance(exc, OSError):
+        return True
+    if isinstance(exc, (sqlite3.IntegrityError, sqlite3.ProgrammingError, sqlite3.InterfaceError)):
+        return False          # a constraint, a binding, a type: the row's
+    if isinstance(exc, sqlite3.OperationalError):   # both kinds: 'database is locked', 'has no column named x'
+        return any(w in str(exc).lower() for w in _DB_FAULTS)
+    return isinstance(exc, sqlite3.DatabaseError)   # 'database disk image is malformed', 'file is not a database'
+
+
+def _clip(text: str, limit: int = 400) -> str:
+    return text if len(text) <= limit else text[:limit] + " ..."

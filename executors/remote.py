@@ -558,9 +558,9 @@ class RemoteExecutor:
 
     def _close_channel(self) -> None:
         self._probe = None
-        if self._client is not None:
-            self._client.close()
-            self._client = None
+        client, self._client = self._client, None
+        if client is not None:
+            client.close()
 
     def _alive(self) -> None:
         """While a batch is out on the channel: raise if Ray says the actor or its node died."""
@@ -577,15 +577,25 @@ class RemoteExecutor:
     def _close_actor(self) -> None:
         import ray
 
-        self._close_channel()
         try:
             self._apply(ray.get(self.actor.close.remote(), timeout=10))
         except Exception:  # noqa: BLE001 - closing a dead actor has nothing to flush
             pass
+        self._drop_actor()
+
+    def _drop_actor(self) -> None:
+        """Close the batch channel and kill the actor (already dead, or not): it is not used again."""
+        import ray
+
         try:
-            ray.kill(self.actor)
-        except Exception:  # noqa: BLE001
-            pass
+            self._close_channel()
+        except Exception:  # noqa: BLE001 - a socket that will not close is dropped with its client
+            log.warning("closing %s's batch channel failed", self.name, exc_info=True)
+        if self.actor is not None:
+            try:
+                ray.kill(self.actor)
+            except Exception:  # noqa: BLE001 - it is already gone
+                pass
         self.actor = None
 
     def _apply(self, report: dict) -> None:
@@ -722,8 +732,6 @@ class RemoteExecutor:
         instead: they get an error result, as a failing expert's frames do on
         the front box, naming the frames, the expert, the node and why.
         """
-        import ray
-
         why = short_error(exc)
         self.up, self.state = False, f"lost: {why}"
         self._ping = None
@@ -734,12 +742,11 @@ class RemoteExecutor:
         again = (list(batch.requests) if batch is not None else []) + queued
         gone = self.scheduler.requeue(again)
         self.requeued += len(again) - len(gone)
-        for step in (self.pool.forget, self._close_channel, lambda: ray.kill(self.actor)):
-            try:
-                step()
-            except Exception:  # noqa: BLE001 - a dead actor or a closed channel: nothing left to clean
-                log.debug("clean-up after losing %s failed", self.name, exc_info=True)
-        self.actor = None
+        try:
+            self.pool.forget()
+        except Exception:  # noqa: BLE001 - a bug, but its requests are already back: this thread goes on
+            log.warning("forgetting %s's residency after its loss failed", self.name, exc_info=True)
+        self._drop_actor()
         self.lost += 1   # counted once its requests are back with the scheduler: `lost` says the loss is handled
         if gone:
             frames = ", ".join(r.frame.frame_id for r in gone[:8]) + (" ..." if len(gone) > 8 else "")

@@ -135,3 +135,36 @@ def qwen3(tmp_path_factory):
     ref = build("qwen3_moe", root / "hf")
     layout = import_checkpoint(root / "hf", root / "store")
     return ref, layout, root / "store"
+
+
+def db_rows(db, sql: str) -> list[tuple]:
+    """Rows of `sql` on the SQLite file `db`, on a connection of its own (closed after)."""
+    import sqlite3
+
+    con = sqlite3.connect(db)
+    try:
+        return con.execute(sql).fetchall()
+    finally:
+        con.close()
+
+
+def frame_messages(rec, frames, prefix: str = "") -> list[tuple[str, list[bytes]]]:
+    """`(frame_id, parts)` messages of recorded frames for `send_messages`, frame ids prefixed."""
+    from edge_agent import protocol as P
+
+    out = []
+    for fr in frames:
+        header = {**fr.header, "frame_id": prefix + fr.header["frame_id"]}
+        out.append((header["frame_id"], [P.encode_header(header), rec.payload(fr)]))
+    return out
+
+
+def until(cond, seconds: float, what: str) -> None:
+    """Poll `cond` until true; fail naming `what` after `seconds` (a guard against a hang, not a timing bound)."""
+    import time
+
+    deadline = time.monotonic() + seconds
+    while not cond():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"not within {seconds} s: {what}")
+        time.sleep(0.02)

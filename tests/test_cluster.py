@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import sqlite3
 import threading
 import time
 from pathlib import Path
@@ -29,7 +28,7 @@ from edge_agent.config import load_config  # noqa: E402
 from edge_agent.replay import replay  # noqa: E402
 from storage.recording import Recording  # noqa: E402
 
-from conftest import TINY_SPEC, verdict_rows, write_line  # noqa: E402
+from conftest import TINY_SPEC, db_rows, frame_messages, until, verdict_rows, write_line  # noqa: E402
 
 NODE_ARGS = {"num_cpus": 1, "include_dashboard": False}   # on this machine: every node is a local process
 
@@ -71,14 +70,6 @@ def _line(tmp_path, tiny_zoo, cluster, executors, call_timeout_s=60, channel="zm
                       cluster={"address": cluster.address, "stores": stores, "rejoin_s": 0.5,
                                "connect_timeout_s": 60, "call_timeout_s": call_timeout_s, "channel": channel},
                       **extra)
-
-
-def _rows(db, sql):
-    con = sqlite3.connect(db)
-    try:
-        return con.execute(sql).fetchall()
-    finally:
-        con.close()
 
 
 LOCAL = {"device": "cpu", "count": 1, "memory": "20MB", "threads": 1}
@@ -146,42 +137,24 @@ def test_a_replay_across_two_nodes_gives_one_verdict_per_frame_and_the_same_verd
             with urllib.request.urlopen(base + "/api/cluster", timeout=10) as r:
                 view = {e["name"]: e for e in json.loads(r.read())["executors"]}["box-2/cpu-1.0"]
             return view["resident"] == sorted(remote.pool.resident()) and view["batches"] == remote.batches
-        _until(fresh, 15, "the cluster view follows the remote pool's residency")   # rewritten every second
+        until(fresh, 15, "the cluster view follows the remote pool's residency")   # rewritten every second
         # idle, the heartbeat carries what changed since the last batch (a prefetch landing after its reply):
         # the front's view of the remote pool comes to equal what the actor's pool really holds
-        _until(lambda: sorted(remote.pool.resident()) == ray.get(remote.actor.resident.remote(), timeout=10),
+        until(lambda: sorted(remote.pool.resident()) == ray.get(remote.actor.resident.remote(), timeout=10),
                15, "the front's view of the remote pool equals the actor's own residency")
     finally:
         agent.stop()
     rows = verdict_rows(cfg.db_path)
     assert Counter(r["frame_id"] for r in rows) == Counter(list(reference))  # exactly one verdict per frame
     assert {r["frame_id"]: (r["verdict"], r["reason"]) for r in rows} == reference
-    by_exec = dict(_rows(cfg.db_path, "SELECT executor, count(*) FROM inferences GROUP BY executor"))
+    by_exec = dict(db_rows(cfg.db_path, "SELECT executor, count(*) FROM inferences GROUP BY executor"))
     assert by_exec.get("box-2/cpu-1.0", 0) > 0 and by_exec.get("cpu-0.0", 0) > 0, by_exec
     # the remote pool's loads came back as events of that node's tier
-    tiers = dict(_rows(cfg.db_path, "SELECT tier, count(*) FROM expert_events WHERE event='load' GROUP BY tier"))
+    tiers = dict(db_rows(cfg.db_path, "SELECT tier, count(*) FROM expert_events WHERE event='load' GROUP BY tier"))
     assert tiers.get("cpu@box-2", 0) > 0, tiers
     doc = json.loads(status.read_text())
     ex = {e["name"]: e for e in doc["executors"]}
     assert ex["box-2/cpu-1.0"]["node"] == "box-2" and doc["nodes"]["box-2"]["alive"]
-
-
-def _messages(rec, frames, prefix=""):
-    from edge_agent import protocol as P
-
-    out = []
-    for fr in frames:
-        header = {**fr.header, "frame_id": prefix + fr.header["frame_id"]}
-        out.append((header["frame_id"], [P.encode_header(header), rec.payload(fr)]))
-    return out
-
-
-def _until(cond, seconds, what):
-    deadline = time.monotonic() + seconds
-    while not cond():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"not within {seconds} s: {what}")
-        time.sleep(0.02)
 
 
 def test_killing_a_node_mid_replay_loses_and_duplicates_nothing_and_the_node_rejoins(
@@ -208,7 +181,7 @@ def test_killing_a_node_mid_replay_loses_and_duplicates_nothing_and_the_node_rej
         assert victim.call_timeout == 600 and victim.channel == "zmq"
         assert victim.where["channel"].startswith("tcp://") and victim.where["channel_echo_ms"] > 0   # handshake
         ingest = agent.endpoints["ingest"]
-        assert send_messages(_messages(rec, first), ingest, window=40).accepted == len(first)
+        assert send_messages(frame_messages(rec, first), ingest, window=40).accepted == len(first)
         assert agent.wait_verdicts(len(first), timeout=120)
         assert victim.batches >= 1, "box-3 served nothing of the first part"
 
@@ -218,9 +191,9 @@ def test_killing_a_node_mid_replay_loses_and_duplicates_nothing_and_the_node_rej
         sent_before = victim.sent
         done = {}
         sender = threading.Thread(target=lambda: done.setdefault(
-            "r", send_messages(_messages(rec, second), ingest, window=40)), daemon=True)
+            "r", send_messages(frame_messages(rec, second), ingest, window=40)), daemon=True)
         sender.start()
-        _until(lambda: victim.sent > sent_before and victim.inflight is not None, 120,
+        until(lambda: victim.sent > sent_before and victim.inflight is not None, 120,
                "box-3 was sent a batch after it hung")
         stuck = victim.inflight
         assert stuck is not None and len(stuck) >= 1 and victim.batches == victim.sent - 1
@@ -228,13 +201,13 @@ def test_killing_a_node_mid_replay_loses_and_duplicates_nothing_and_the_node_rej
         # the batch is out on the ZeroMQ channel, and the channel's wait has sent its liveness ping through Ray
         # (every second; the frozen actor does not answer it)
         assert victim._client is not None
-        _until(lambda: victim._probe is not None, 10, "the channel's wait pinged box-3's actor through Ray")
+        until(lambda: victim._probe is not None, 10, "the channel's wait pinged box-3's actor through Ray")
 
         cluster.remove_node(cluster.boxes.pop("box-3"), allow_graceful=False)   # kill its raylet and workers
         os.kill(frozen, signal.SIGKILL)   # the frozen worker cannot notice its raylet is gone
         frozen = None
         killed = time.monotonic()
-        _until(lambda: victim.lost == 1, 60, "the front noticed box-3 is gone")
+        until(lambda: victim.lost == 1, 60, "the front noticed box-3 is gone")
         noticed = time.monotonic() - killed
         state = victim.state
         assert not victim.up and "box-3/cpu-2.0" not in agent.scheduler.active()
@@ -246,28 +219,28 @@ def test_killing_a_node_mid_replay_loses_and_duplicates_nothing_and_the_node_rej
         assert victim.requeued >= len(stuck) > 0     # the batch in flight there was handed back
         sender.join(120)
         assert done["r"].accepted == len(second)
-        assert send_messages(_messages(rec, rest), ingest, window=16).accepted == len(rest)
+        assert send_messages(frame_messages(rec, rest), ingest, window=16).accepted == len(rest)
         assert agent.wait_verdicts(len(rec), timeout=180)
 
         # exactly one verdict per frame, and every step of every frame ran to a row once
         rows = verdict_rows(cfg.db_path)
         assert sorted(r["frame_id"] for r in rows) == sorted(f.header["frame_id"] for f in rec)
         assert all(r["verdict"] in ("pass", "defect") for r in rows), Counter(r["reason"] for r in rows)
-        steps = _rows(cfg.db_path, "SELECT frame_id, stage, count(*) FROM inferences GROUP BY 1, 2 HAVING count(*) > 1")
+        steps = db_rows(cfg.db_path, "SELECT frame_id, stage, count(*) FROM inferences GROUP BY 1, 2 HAVING count(*) > 1")
         assert steps == []
         # the stuck batch's frames were run elsewhere, never on box-3
-        ran = _rows(cfg.db_path, "SELECT frame_id, executor FROM inferences WHERE batch_id = %d" % stuck.id)
-        assert ran == [] and {f for f, in _rows(cfg.db_path, "SELECT frame_id FROM inferences")} >= stuck_ids
+        ran = db_rows(cfg.db_path, "SELECT frame_id, executor FROM inferences WHERE batch_id = %d" % stuck.id)
+        assert ran == [] and {f for f, in db_rows(cfg.db_path, "SELECT frame_id FROM inferences")} >= stuck_ids
 
         # the node comes back: the executor rejoins and serves again
         cluster.boxes["box-3"] = cluster.add_node(**NODE_ARGS, resources={"coe:box-3": 1})
-        _until(lambda: victim.up, 90, "box-3's executor rejoined")
+        until(lambda: victim.up, 90, "box-3's executor rejoined")
         assert victim.rejoined == 1 and "box-3/cpu-2.0" in agent.scheduler.active()
         # warmed with its share of the start's plan again, not with what the other executors hold
         assert victim.pool.planned and set(victim.pool.resident()) <= set(victim.pool.planned), \
             (victim.pool.resident(), victim.pool.planned)
         before = victim.batches
-        msgs = _messages(rec, frames, prefix="again-")
+        msgs = frame_messages(rec, frames, prefix="again-")
         assert send_messages(msgs, ingest, window=16).accepted == len(msgs)
         assert agent.wait_verdicts(2 * len(rec), timeout=180)
         assert victim.batches > before
@@ -313,17 +286,17 @@ def test_a_batch_that_kills_every_actor_it_reaches_is_given_up_with_an_error_ver
         assert "mate-" not in why
         # its batch mates ran alone once it had been lost, and got their verdicts; nothing ran twice
         assert {rows[m]["verdict"] for m in ("mate-1", "mate-2")} <= {"pass", "defect"}
-        errors = _rows(cfg.db_path, "SELECT frame_id, kind FROM errors")
+        errors = db_rows(cfg.db_path, "SELECT frame_id, kind FROM errors")
         assert errors == [("poison-1", "executor_lost")]
-        assert _rows(cfg.db_path, "SELECT frame_id, stage, count(*) FROM inferences GROUP BY 1, 2 "
+        assert db_rows(cfg.db_path, "SELECT frame_id, stage, count(*) FROM inferences GROUP BY 1, 2 "
                                   "HAVING count(*) > 1") == []
-        assert {f for f, in _rows(cfg.db_path, "SELECT frame_id FROM inferences")} == {"mate-1", "mate-2"}
+        assert {f for f, in db_rows(cfg.db_path, "SELECT frame_id FROM inferences")} == {"mate-1", "mate-2"}
 
         # the executor came back after each crash and serves the line as before
-        _until(lambda: remote.up, 90, "box-2's executor rejoined")
+        until(lambda: remote.up, 90, "box-2's executor rejoined")
         rec = Recording(recording)
         frames = list(rec)[:20]
-        assert send_messages(_messages(rec, frames), agent.endpoints["ingest"], window=20).accepted == len(frames)
+        assert send_messages(frame_messages(rec, frames), agent.endpoints["ingest"], window=20).accepted == len(frames)
         assert agent.wait_verdicts(3 + len(frames), timeout=180)
         verdicts = Counter(r["verdict"] for r in verdict_rows(cfg.db_path))
         assert verdicts["error"] == 1 and verdicts["pass"] + verdicts["defect"] == 2 + len(frames), verdicts
@@ -373,9 +346,9 @@ def test_an_expert_that_fails_on_a_node_gives_error_verdicts_that_name_the_node(
         shutil.copytree(tiny_zoo, fixed)
         res = CliRunner().invoke(cli, ["experts", "promote", str(fixed), "--config", str(path)])
         assert res.exit_code == 0, res.output
-        _until(lambda: agent.store_watch.switches, 60, "the agent switched to the promoted set")
+        until(lambda: agent.store_watch.switches, 60, "the agent switched to the promoted set")
         assert node_store.read_manifest()["cls-r0402"].version == 2            # box-2's own store
-        again = _messages(rec, list(rec), prefix="again-")
+        again = frame_messages(rec, list(rec), prefix="again-")
         assert send_messages(again, agent.endpoints["ingest"], window=16).accepted == len(again)
         assert agent.wait_verdicts(2 * len(rec), timeout=180)
     finally:
@@ -383,7 +356,7 @@ def test_an_expert_that_fails_on_a_node_gives_error_verdicts_that_name_the_node(
     later = [r for r in verdict_rows(cfg.db_path) if r["frame_id"].startswith("again-")]
     assert len(later) == len(rec) and {r["verdict"] for r in later} <= {"pass", "defect"}, \
         Counter(r["reason"] for r in later)
-    ran = _rows(cfg.db_path, "SELECT DISTINCT expert_id, expert_version, executor FROM inferences "
+    ran = db_rows(cfg.db_path, "SELECT DISTINCT expert_id, expert_version, executor FROM inferences "
                              "WHERE frame_id LIKE 'again-%' AND expert_id = 'cls-r0402'")
     assert ran == [("cls-r0402", 2, "box-2/cpu-0.0")], ran
 
@@ -425,7 +398,7 @@ def test_a_batch_that_outlasts_the_call_timeout_every_time_is_given_up(cluster, 
         assert row["frame_id"] == "stall-1" and row["verdict"] == "error"
         for part in ("stall-1", "cls-r0402", "box-2", "lost 3 times", says, "in 2 s" if channel == "zmq" else ""):
             assert part in row["reason"], row["reason"]
-        _until(lambda: remote.up, 90, "box-2's executor rejoined")   # each hung actor was killed, a new one serves
+        until(lambda: remote.up, 90, "box-2's executor rejoined")   # each hung actor was killed, a new one serves
     finally:
         agent.stop()
 

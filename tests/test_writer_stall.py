@@ -1,7 +1,8 @@
-"""A result writer whose writes keep failing: the health names it, and one bad row blocks no other verdict.
+"""A result writer whose writes keep failing: the health names it, a bad row blocks no other verdict, and a
+database fault sets nothing aside.
 
-Real SQLite files and a real PUB socket.  The bad row is one no schema takes (a column the table lacks), as a
-bug upstream would send; the verdicts queued beside it must still be stored, published and reported.
+Real SQLite files and a real PUB socket.  A bad row is one no schema takes (a column the table lacks), as a
+bug upstream would send.  A full database is SQLite's own `max_page_count` limit on the writer's connection.
 """
 from __future__ import annotations
 
@@ -9,10 +10,14 @@ import json
 import sqlite3
 import time
 
+import pytest
 import zmq
 
+from edge_agent import writer as writer_mod
 from edge_agent.writer import ResultWriter
 from storage.results import JournalEntry, ResultStore
+
+from conftest import db_rows, until
 
 
 def _verdict(fid: str, **extra) -> dict:
@@ -20,59 +25,139 @@ def _verdict(fid: str, **extra) -> dict:
             "chain": "[]", **extra}
 
 
-def _until(cond, seconds: float, what: str) -> None:
-    deadline = time.monotonic() + seconds
-    while not cond():
-        assert time.monotonic() < deadline, f"timed out waiting for {what}"
-        time.sleep(0.02)
+def _thumb(fid: str, nbytes: int = 64, **extra) -> dict:
+    return {"frame_id": fid, "mime": "image/jpeg", "data": b"j" * nbytes, "at": time.time(), **extra}
+
+
+class _Line:
+    """A writer on a journaled database with a subscriber on its PUB socket; `reported` is what it committed."""
+
+    def __init__(self, tmp_path, frames, name: str, **kw) -> None:
+        self.db = tmp_path / "r.db"
+        rs = ResultStore(self.db)
+        rs.journal([JournalEntry(f, "A", "B0", "R0402", 1.0, 1.0, "{}", b"x") for f in frames])
+        rs.close()
+        self.ctx = zmq.Context()
+        pub = self.ctx.socket(zmq.PUB)
+        pub.bind(f"inproc://{name}")
+        self.sub = self.ctx.socket(zmq.SUB)
+        self.sub.setsockopt(zmq.SUBSCRIBE, b"")
+        self.sub.setsockopt(zmq.RCVTIMEO, 5000)
+        self.sub.connect(f"inproc://{name}")
+        self.reported: list[tuple[str, bool]] = []
+        kw.setdefault("flush_ms", 200)
+        self.w = ResultWriter(str(self.db), pub, "A", on_committed=lambda rows, stored:
+                              self.reported.extend((r["frame_id"], r["frame_id"] in stored) for r in rows), **kw)
+
+    def published(self, n: int) -> list[str]:
+        """The n verdicts published, then nothing more."""
+        got = [json.loads(self.sub.recv_multipart()[1])["frame_id"] for _ in range(n)]
+        self.sub.setsockopt(zmq.RCVTIMEO, 300)
+        with pytest.raises(zmq.Again):
+            self.sub.recv_multipart()
+        return got
+
+    def close(self) -> None:
+        self.w.stop()
+        self.sub.close()
+        self.ctx.term()
 
 
 def test_a_row_no_schema_takes_is_set_aside_and_the_verdicts_beside_it_are_stored_and_published(tmp_path):
-    db = tmp_path / "r.db"
-    rs = ResultStore(db)
-    rs.journal([JournalEntry(f, "A", "B0", "R0402", 1.0, 1.0, "{}", b"x") for f in ("f1", "bad", "f2")])
-    rs.close()
-    ctx = zmq.Context()
-    pub = ctx.socket(zmq.PUB)
-    pub.bind("inproc://stall")
-    sub = ctx.socket(zmq.SUB)
-    sub.setsockopt(zmq.SUBSCRIBE, b"")
-    sub.connect("inproc://stall")
-    reported: list[tuple[str, bool]] = []
-    w = ResultWriter(str(db), pub, "A", flush_ms=200,
-                     on_committed=lambda rows, stored: reported.extend((r["frame_id"], r["frame_id"] in stored)
-                                                                       for r in rows))
-    w.put_verdict(_verdict("f1"))
-    w.put_verdict(_verdict("bad", no_such_column=1))       # all three in the writer's first flush
-    w.put_verdict(_verdict("f2"))
-    w.start()
-    _until(lambda: len(reported) == 3, 30, "the flush to be reported")
-    published = [json.loads(sub.recv_multipart()[1])["frame_id"] for _ in range(2)]
-    w.stop()
-    sub.close()
-    ctx.term()
-    assert sorted(reported) == [("bad", False), ("f1", True), ("f2", True)]   # all three leave the in-flight set
+    line = _Line(tmp_path, ("f1", "bad", "f2"), "aside")
+    line.w.put_verdict(_verdict("f1"))
+    line.w.put_verdict(_verdict("bad", no_such_column=1))       # all three in the writer's first flush
+    line.w.put_verdict(_verdict("f2"))
+    line.w.start()
+    until(lambda: len(line.reported) == 3, 30, "the flush to be reported")
+    published = line.published(2)
+    line.close()
+    assert sorted(line.reported) == [("bad", False), ("f1", True), ("f2", True)]   # all leave the in-flight set
     assert sorted(published) == ["f1", "f2"]
-    assert w.failures == 3 and w.set_aside == 1 and w.stalled() == 0.0
-    con = sqlite3.connect(db)
-    assert sorted(r[0] for r in con.execute("SELECT frame_id FROM verdicts")) == ["f1", "f2"]
-    assert [r[0] for r in con.execute("SELECT frame_id FROM journal")] == ["bad"]       # re-run at next start
-    (kind, message), = con.execute("SELECT kind, message FROM errors WHERE frame_id='bad'")
+    assert line.w.failures == 3 and line.w.set_aside == 1 and line.w.stalled() == 0.0
+    assert sorted(r[0] for r in db_rows(line.db, "SELECT frame_id FROM verdicts")) == ["f1", "f2"]
+    assert db_rows(line.db, "SELECT frame_id FROM journal") == [("bad",)]             # re-run at next start
+    (kind, message), = db_rows(line.db, "SELECT kind, message FROM errors WHERE frame_id='bad'")
     assert kind == "unstorable_verdict" and "no_such_column" in message
-    con.close()
 
 
-def test_a_lone_row_that_keeps_failing_is_retried_and_the_stall_is_measured(tmp_path):
+def test_a_frames_second_verdict_is_never_published_in_place_of_its_unstorable_first(tmp_path):
+    """The store keeps a frame's first row; when that row cannot be stored, the second must not go out on PUB
+    as if it were the verdict, nor be stored behind the journal's back."""
+    line = _Line(tmp_path, ("x", "f2"), "second")
+    line.w.put_verdict(_verdict("x", no_such_column=1))
+    line.w.put_verdict(_verdict("x", verdict="defect"))
+    line.w.put_verdict(_verdict("f2"))
+    line.w.start()
+    until(lambda: len(line.reported) == 2, 30, "the flush to be reported")
+    published = line.published(1)
+    line.close()
+    assert published == ["f2"] and sorted(line.reported) == [("f2", True), ("x", False)]
+    assert db_rows(line.db, "SELECT frame_id FROM verdicts") == [("f2",)]
+    assert db_rows(line.db, "SELECT frame_id FROM journal") == [("x",)]
+
+
+def test_a_verdict_whose_thumbnail_no_schema_takes_is_stored_without_it(tmp_path):
+    line = _Line(tmp_path, ("d1", "f2"), "thumb")
+    line.w.put_verdict(_verdict("d1", verdict="defect"), _thumb("d1", no_such_column=1))
+    line.w.put_verdict(_verdict("f2"))
+    line.w.start()
+    until(lambda: len(line.reported) == 2, 30, "the flush to be reported")
+    published = line.published(2)
+    line.close()
+    assert sorted(published) == ["d1", "f2"] and line.w.set_aside == 0
+    assert sorted(r[0] for r in db_rows(line.db, "SELECT frame_id FROM verdicts")) == ["d1", "f2"]
+    assert db_rows(line.db, "SELECT count(*) FROM thumbnails") == [(0,)]
+    assert db_rows(line.db, "SELECT count(*) FROM journal") == [(0,)]
+
+
+def test_a_full_database_sets_nothing_aside_and_every_row_goes_in_once_there_is_room(tmp_path, monkeypatch):
+    """A database fault fails every row alike; setting rows aside for it would drop live verdicts.  The batch
+    waits whole, the stall grows from its first failure, and it all commits once the database has room."""
+    made: list[ResultStore] = []
+
+    class Capped(ResultStore):
+        def __init__(self, *a, **k) -> None:
+            super().__init__(*a, **k)
+            pages = self.db.execute("PRAGMA page_count").fetchone()[0]
+            self.db.execute(f"PRAGMA max_page_count = {pages}")   # not one page more: SQLITE_FULL
+            made.append(self)
+
+    monkeypatch.setattr(writer_mod, "ResultStore", Capped)
+    line = _Line(tmp_path, ("d1", "f2", "f3"), "full", flush_ms=5)
+    line.w.put_verdict(_verdict("d1", verdict="defect"), _thumb("d1", 200_000))
+    line.w.put_verdict(_verdict("f2"))
+    line.w.put_verdict(_verdict("f3"))
+    line.w.start()
+    until(lambda: line.w.failing_since is not None, 30, "a failed write")
+    since = line.w.failing_since
+    until(lambda: line.w.failures >= 4, 30, "four failed attempts")    # past the third, where rows may split
+    assert "full" in line.w.last_failure and line.w.failing_since == since and line.w.stalled() > 0
+    assert line.w.set_aside == 0 and line.reported == []
+    made[0].db.execute("PRAGMA max_page_count = 1073741823")           # room again
+    until(lambda: len(line.reported) == 3, 30, "the batch to commit")
+    published = line.published(3)
+    line.close()
+    assert sorted(published) == ["d1", "f2", "f3"] and all(ok for _, ok in line.reported)
+    assert line.w.stalled() == 0.0 and line.w.set_aside == 0
+    assert db_rows(line.db, "SELECT count(*) FROM verdicts") == [(3,)]
+    assert db_rows(line.db, "SELECT frame_id FROM thumbnails") == [("d1",)]
+    assert db_rows(line.db, "SELECT count(*) FROM journal") == [(0,)]
+
+
+def test_a_lone_row_that_keeps_failing_is_retried_and_the_stall_is_measured_from_its_first_failure(tmp_path):
     """One row alone cannot say whether it or the database is at fault, so it is not set aside: it is retried,
-    and `stalled` grows, which the agent's health turns into a reason."""
+    and `stalled` grows from the first failure, which the agent's health turns into a reason."""
     ctx = zmq.Context()
     pub = ctx.socket(zmq.PUB)
     w = ResultWriter(str(tmp_path / "r.db"), pub, "A", flush_ms=5)
     w.put_verdict(_verdict("bad", no_such_column=1))
     w.start()
-    _until(lambda: w.failures >= 4, 30, "four failed attempts")
-    assert w.set_aside == 0 and w.stalled() > 0 and "no_such_column" in w.last_failure
-    assert w.stalled(now=time.monotonic() + 60) >= 60
+    until(lambda: w.failing_since is not None, 30, "a failed write")
+    since = w.failing_since
+    until(lambda: w.failures >= 4, 30, "four failed attempts")
+    assert w.set_aside == 0 and w.failing_since == since and "no_such_column" in w.last_failure
+    assert w.stalled(now=since + 60) == 60
     w.stop()
     ctx.term()
     assert w.gave_up == 1    # given up only while stopping: its frame stays journaled for the next start
@@ -88,10 +173,22 @@ def test_the_agent_is_not_ready_while_its_result_writes_keep_failing(tiny_line, 
     try:
         assert agent.health().ready
         agent.writer.put_verdict(_verdict("bad", no_such_column=1))
-        _until(lambda: agent.writer.failures >= 1, 30, "a failed write")
+        until(lambda: agent.writer.failing_since is not None, 30, "a failed write")
         h = agent.health()
         assert not h.ready
         (reason,) = [r for r in h.reasons if "result database" in r]
         assert str(agent.cfg.db_path) in reason and "no_such_column" in reason
     finally:
         agent.stop()
+
+
+def test_sqlites_own_faults_are_the_databases_and_a_rows_faults_are_the_rows():
+    fault = writer_mod._database_fault
+    assert fault(sqlite3.OperationalError("database is locked"))
+    assert fault(sqlite3.OperationalError("database or disk is full"))
+    assert fault(sqlite3.OperationalError("attempt to write a readonly database"))
+    assert fault(sqlite3.DatabaseError("database disk image is malformed"))
+    assert fault(OSError(28, "No space left on device"))
+    assert not fault(sqlite3.OperationalError("table verdicts has no column named no_such_column"))
+    assert not fault(sqlite3.IntegrityError("NOT NULL constraint failed: verdicts.verdict"))
+    assert not fault(KeyError("frame_id"))
