@@ -337,8 +337,16 @@ class Agent:
         """The executor whose pool and device the LLM shares: `llm.executor` (a name or an entry), else the first."""
         want = self.cfg.llm.executor
         for slot in self.slots:
+            if want is None and slot.ex.node is not None:
+                continue                     # the LLM computes here, on a pool of this box
             if want is None or slot.name == want or slot.name.startswith(want + "."):
+                if slot.ex.node is not None:
+                    raise ValueError(f"llm.executor: '{slot.name}' runs on node '{slot.ex.node}'; the LLM shares the "
+                                     "pool of an executor on this box (name one without 'node:')")
                 return slot
+        if want is None:
+            raise ValueError("llm: every executor runs on another node; the LLM needs one on this box "
+                             "(set llm.executor to an executor without 'node:')")
         raise ValueError(f"llm.executor: '{want}' names no executor (they are "
                          f"{', '.join(s.name for s in self.slots)})")
 
@@ -447,6 +455,44 @@ class Agent:
             from .cluster import connect
 
             connect(cfg.cluster, sorted({s.ex.node for s in self.slots if s.ex.node}))
+        try:
+            self._start_parts(cfg)
+        except BaseException:
+            self._abort_start()
+            raise
+        self._started = True
+        self.phase = "serving"
+        log.info("line %s agent up: ingest %s, publish %s, %d executor(s), metrics %s", cfg.line,
+                 self.endpoints["ingest"], self.endpoints["publish"], len(self.executors),
+                 self.metrics_port or "off")
+        return self
+
+    def _abort_start(self) -> None:
+        """A start that failed part-way (a port taken, an LLM that does not fit): undo what it started, so no
+        thread keeps running and no port stays bound, and the error reaches the caller as it was."""
+        steps = [("llm", lambda: self.llm.stop(timeout=5) if getattr(self, "llm", None) else None),
+                 ("store watch", lambda: self.store_watch.stop() if getattr(self, "store_watch", None) else None),
+                 ("cluster status", lambda: self.cluster_status.stop() if getattr(self, "cluster_status", None)
+                  else None),
+                 ("read-ahead", lambda: self.read_ahead.close() if self.read_ahead is not None else None),
+                 ("scheduler", self.scheduler.close),
+                 ("executors", lambda: [ex.join(timeout=10) for ex in self.executors if ex.alive()]),
+                 ("pools", lambda: [pool.close() for pool in self._all_pools().values()]),
+                 ("writer", lambda: self.writer.stop() if getattr(self, "writer", None) and self.writer.alive()
+                  else None),
+                 ("status", lambda: (self.status_server.close() if self.status_server is not None else None,
+                                     self.status.stop())),
+                 ("journal", lambda: self.journal.close() if getattr(self, "journal", None) else None),
+                 ("store", lambda: self._line_store.close_reader() if getattr(self, "_line_store", None) else None),
+                 ("sockets", lambda: self.ctx.destroy(linger=0))]
+        for what, step in steps:
+            try:
+                step()
+            except Exception:  # noqa: BLE001 - the start's own error is the one to report
+                log.warning("undoing a failed start: closing the %s failed", what, exc_info=True)
+        self.phase = "stopped"
+
+    def _start_parts(self, cfg: LineConfig) -> None:
         router_sock = self._socket(zmq.ROUTER, cfg.ingest, "ingest")
         pub_sock = self._socket(zmq.PUB, cfg.publish, "publish")
         self.journal = ResultStore(cfg.db_path, synchronous="FULL")
@@ -488,12 +534,6 @@ class Agent:
 
             self.cluster_status = StatusFile(self).start()
         self.ingest.start()
-        self._started = True
-        self.phase = "serving"
-        log.info("line %s agent up: ingest %s, publish %s, %d executor(s), metrics %s", cfg.line,
-                 self.endpoints["ingest"], self.endpoints["publish"], len(self.executors),
-                 self.metrics_port or "off")
-        return self
 
     def _promote_remote(self, changed: dict[str, int]) -> None:
         """A promotion switched the line's store (frames in flight drained): sync it to every node that runs an
@@ -637,8 +677,9 @@ class Agent:
     def stop(self, timeout: float = 60.0) -> bool:
         """Stop taking frames, finish every accepted one, flush, close.  True if fully drained."""
         if not self._started:
-            self._line_store.close_reader()
-            self.ctx.term()
+            if self.phase != "stopped":         # a start that failed has closed everything already
+                self._line_store.close_reader()
+                self.ctx.term()
             return True
         self._started = False
         self.phase = "stopping"

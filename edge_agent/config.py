@@ -174,6 +174,12 @@ class LLMConfig(_Strict):
     trace: str | None = Field(None, description="a trace (coe-agent llm trace) whose per-layer popularity ranks "
                                                 "the LLM's experts against the vision experts; default: uniform")
 
+    @model_validator(mode="after")
+    def _default_within_limit(self) -> "LLMConfig":
+        if self.max_tokens > self.max_tokens_limit:   # every request that gives no max_tokens would get a 400
+            raise ValueError(f"max_tokens ({self.max_tokens}) exceeds max_tokens_limit ({self.max_tokens_limit})")
+        return self
+
 
 class LineConfig(_Strict):
     """Everything one line agent needs.  Paths are resolved by `load_config`."""

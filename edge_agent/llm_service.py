@@ -35,33 +35,89 @@ class RequestError(Exception):
         self.status, self.message, self.param, self.kind = status, message, param, kind
 
 
+# fields a client may send; each one this server cannot honour must be absent, null or its neutral value, else
+# the request gets a 400 naming it: a silently ignored field would be a wrong answer with a 200
+_NEUTRAL = {"top_p": (1, 1.0), "n": (1,), "best_of": (1,), "echo": (False,), "suffix": ("",), "logprobs": (0,),
+            "logit_bias": ({},), "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0)}
+_IGNORED = {"seed", "user", "stream_options"}   # no effect on greedy decoding, or always honoured (usage is sent)
+_FIELDS = {"model", "prompt", "max_tokens", "temperature", "stream", "stop", *_NEUTRAL, *_IGNORED}
+MAX_STOP = 4
+
+
 def parse_request(body: bytes, *, model: str, default_tokens: int, limit: int) -> dict:
-    """A completion request's fields, checked; RequestError (400) naming the field otherwise."""
+    """A completion request's fields, checked; RequestError (400) naming the field otherwise.
+
+    A field given as null means its default, as in OpenAI's API.  Returns the
+    prompt, max_tokens, stream and the stop strings (a list, maybe empty).
+    """
     try:
         req = json.loads(body.decode("utf-8"))
     except (UnicodeDecodeError, ValueError) as exc:
         raise RequestError(400, f"body is not JSON: {exc}") from None
+    except RecursionError:
+        raise RequestError(400, "body is not JSON this server reads: nested too deeply") from None
     if not isinstance(req, dict):
         raise RequestError(400, "body must be a JSON object")
+    for key in req:
+        if key not in _FIELDS:
+            raise RequestError(400, f"unknown field '{key}' (fields served: {', '.join(sorted(_FIELDS))})", key)
+    for key, neutral in _NEUTRAL.items():
+        value = req.get(key)
+        if value is not None and not any(_same(value, v) for v in neutral):
+            raise RequestError(400, f"'{key}' is not served here: it must be absent, null or "
+                               f"{' / '.join(json.dumps(v) for v in neutral)} (greedy decoding, one choice)", key)
     prompt = req.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
     if not isinstance(prompt, str) or not prompt:
         raise RequestError(400, "'prompt' must be a non-empty string", "prompt")
+    try:
+        prompt.encode("utf-8")
+    except UnicodeEncodeError as exc:
+        raise RequestError(400, f"'prompt' is not valid Unicode: {exc.reason} at character {exc.start}",
+                           "prompt") from None
     if req.get("model") not in (None, model):
         raise RequestError(404, f"model '{req.get('model')}' is not served here (this agent serves '{model}')",
                            "model", "model_not_found")
-    n = req.get("max_tokens", default_tokens)
+    n = _default(req, "max_tokens", default_tokens)
     if not isinstance(n, int) or isinstance(n, bool) or not 1 <= n <= limit:
         raise RequestError(400, f"'max_tokens' must be an integer from 1 to {limit}", "max_tokens")
-    temp = req.get("temperature", 0)
+    temp = _default(req, "temperature", 0)
     if not isinstance(temp, (int, float)) or isinstance(temp, bool) or temp != 0:
         raise RequestError(400, "only greedy decoding is served: 'temperature' must be 0 (or absent)",
                            "temperature")
-    stream = req.get("stream", False)
+    stream = _default(req, "stream", False)
     if not isinstance(stream, bool):
         raise RequestError(400, "'stream' must be true or false", "stream")
-    return {"prompt": prompt, "max_tokens": n, "stream": stream}
+    stop = _default(req, "stop", [])
+    stop = [stop] if isinstance(stop, str) else stop
+    if not isinstance(stop, list) or len(stop) > MAX_STOP or not all(isinstance(x, str) and x for x in stop):
+        raise RequestError(400, f"'stop' must be a non-empty string or a list of up to {MAX_STOP} of them", "stop")
+    return {"prompt": prompt, "max_tokens": n, "stream": stream, "stop": stop}
+
+
+def _same(value, neutral) -> bool:
+    """`value` is `neutral` as JSON means it: 1 and 1.0 alike, but true is not 1 and "" is not 0."""
+    return value == neutral and isinstance(value, bool) == isinstance(neutral, bool) \
+        and (type(value) is type(neutral) or isinstance(value, (int, float)) and isinstance(neutral, (int, float)))
+
+
+def _default(req: dict, key: str, default):
+    value = req.get(key)
+    return default if value is None else value
+
+
+class _StopSequence(Exception):
+    """A stop string appeared in the text: generation ends there (raised from the token callback)."""
+
+
+def _held_back(text: str, stop: list[str]) -> int:
+    """Characters at the end of `text` not to stream yet: a partly decoded character (a byte-level tokenizer's
+    U+FFFD until the rest of its bytes come), or the start of a stop string that may still complete."""
+    if text.endswith("\ufffd"):
+        return len(text) - len(text.rstrip("\ufffd"))
+    return max((k for x in stop for k in range(min(len(x) - 1, len(text)), 0, -1) if text.endswith(x[:k])),
+               default=0)
 
 
 class LLMService:
@@ -76,7 +132,10 @@ class LLMService:
         self._run = threading.Lock()
         self._count = threading.Lock()
         self._waiting = 0
-        self._server = ThreadingHTTPServer((bind, port), self._handler())
+        try:
+            self._server = ThreadingHTTPServer((bind, port), self._handler())
+        except OSError as exc:
+            raise OSError(f"llm.port {bind}:{port}: {exc.strerror or exc} (is another agent running on it?)") from None
         self._server.daemon_threads = True
         self.port = self._server.server_address[1]
         self._thread = threading.Thread(target=self._server.serve_forever, name="llm-http", daemon=True)
@@ -84,23 +143,46 @@ class LLMService:
         # would otherwise run one prefill of a million tokens while every other request waits)
         config = getattr(getattr(pooled, "model", None), "config", None)
         self.context = getattr(config, "max_position_embeddings", None)
+        from executors.moe_model import _eos_ids
+
+        self._eos = _eos_ids(pooled.model)
+        self._closing = False
 
     def start(self) -> "LLMService":
         self._thread.start()
         log.info("LLM '%s' serving /v1/completions on port %d", self.model_name, self.port)
         return self
 
-    def stop(self) -> None:
+    def stop(self, timeout: float = 30.0) -> None:
+        """Refuse new completions, end the running one at its next token, then close the model.
+
+        The running completion's client gets a 503 (or, streaming, an error
+        event and `[DONE]`); those waiting get a 503 when their turn comes.
+        Waits up to `timeout` s for the running one, so the pools it pins are
+        not closed under it.
+        """
+        self._closing = True
         self._server.shutdown()
         self._server.server_close()
+        if self._run.acquire(timeout=timeout):
+            self._run.release()
+        else:
+            log.error("the running completion did not end within %.0f s of stopping", timeout)
         self.pm.close()
 
     # -- generation ---------------------------------------------------------------
-    def complete(self, prompt: str, max_tokens: int, on_text=None) -> dict:
-        """Greedy completion; `on_text(delta)` sees the text as it grows.  Raises RequestError(503) when busy."""
+    def complete(self, prompt: str, max_tokens: int, on_text=None, stop: list[str] | tuple = ()) -> dict:
+        """Greedy completion, ending at EOS, `max_tokens` or the first stop string (not included).
+
+        `on_text(delta)` sees the text as it grows: a partly decoded
+        character, or what may be the start of a stop string, is sent only
+        once it is known.  Raises RequestError(503) when busy or stopping.
+        """
         import torch
 
         with self._count:
+            if self._closing:
+                raise RequestError(503, "the agent is shutting down", kind="server_busy")
             if self._waiting > self.max_waiting:
                 raise RequestError(503, f"busy: {self._waiting} completions are waiting", kind="server_busy")
             self._waiting += 1
@@ -110,26 +192,46 @@ class LLMService:
                 raise RequestError(400, "'prompt' encodes to no tokens", "prompt")
             # positions the model takes: the prompt, then every generated token but the last (never fed back)
             if self.context and len(ids) + max_tokens - 1 > self.context:
+                param = "max_tokens" if len(ids) < self.context else "prompt"
                 raise RequestError(400, f"'prompt' is {len(ids)} tokens and 'max_tokens' {max_tokens}: together more "
-                                   f"than the model's context of {self.context} tokens", "prompt")
+                                   f"than the model's context of {self.context} tokens", param)
             with self._run:
                 out: list[int] = []
                 shown = [0]
+                cut: list[int] = []          # where a stop string begins, once one appears
 
                 def token(t: int) -> None:
+                    if self._closing:
+                        raise RequestError(503, "the agent is shutting down", kind="server_busy")
                     out.append(t)
-                    if on_text is not None:
-                        text = self.tok.decode(out, skip_special_tokens=True)
-                        on_text(text[shown[0]:])
-                        shown[0] = len(text)
+                    if on_text is None and not stop:
+                        return
+                    text = self.tok.decode(out, skip_special_tokens=True)
+                    at = min((i for i in (text.find(x, max(shown[0] - len(x), 0)) for x in stop) if i >= 0),
+                             default=-1)
+                    end = at if at >= 0 else len(text) - _held_back(text, stop)
+                    if on_text is not None and end > shown[0]:
+                        on_text(text[shown[0]:end])
+                        shown[0] = end
+                    if at >= 0:
+                        cut.append(at)
+                        raise _StopSequence
 
-                _, stats = self.pm.generate(torch.tensor([ids], dtype=torch.long), max_tokens, on_token=token)
+                if self._closing:
+                    raise RequestError(503, "the agent is shutting down", kind="server_busy")
+                try:
+                    self.pm.generate(torch.tensor([ids], dtype=torch.long), max_tokens, on_token=token)
+                except _StopSequence:
+                    pass
         finally:
             with self._count:
                 self._waiting -= 1
-        eos = bool(out) and len(out) < max_tokens
-        return {"text": self.tok.decode(out, skip_special_tokens=True), "tokens": out, "prompt_tokens": len(ids),
-                "finish_reason": "stop" if eos else "length", "stats": stats}
+        text = self.tok.decode(out, skip_special_tokens=True)
+        text = text[:cut[0]] if cut else text
+        if on_text is not None and len(text) > shown[0]:      # what was held back: the text is complete now
+            on_text(text[shown[0]:])
+        ended = bool(cut) or bool(out) and out[-1] in self._eos
+        return {"text": text, "tokens": out, "prompt_tokens": len(ids), "finish_reason": "stop" if ended else "length"}
 
     # -- HTTP -------------------------------------------------------------------------
     def _handler(self):
@@ -219,8 +321,11 @@ class LLMService:
                     if req["stream"]:
                         self._stream(req)
                     else:
-                        res = service.complete(req["prompt"], req["max_tokens"])
+                        res = service.complete(req["prompt"], req["max_tokens"], stop=req["stop"])
                         self._json(200, _completion(service.model_name, res))
+                except ConnectionError:        # the client left: nobody to answer
+                    self.close_connection = True
+                    log.info("a completion's client disconnected before its answer")
                 except RequestError as err:
                     self._error(err)
                 except Exception as exc:  # a failing expert load: the client learns why, the agent goes on
@@ -249,7 +354,12 @@ class LLMService:
                           "model": service.model_name, "choices": [{"text": text, "index": 0,
                                                                     "finish_reason": None}]})
                 try:
-                    res = service.complete(req["prompt"], req["max_tokens"], on_text=delta)
+                    res = service.complete(req["prompt"], req["max_tokens"], on_text=delta, stop=req["stop"])
+                except ConnectionError:
+                    if not started:
+                        raise
+                    log.info("a streamed completion's client disconnected; its generation ended")
+                    return
                 except Exception as exc:
                     if not started:
                         raise

@@ -19,7 +19,7 @@ pytest.importorskip("transformers")
 from moe_models import build  # noqa: E402
 
 from coe import SpecError  # noqa: E402
-from conftest import verdict_rows, write_line  # noqa: E402
+from conftest import until, verdict_rows, write_line  # noqa: E402
 from edge_agent.agent import Agent  # noqa: E402
 from edge_agent.config import load_config  # noqa: E402
 from edge_agent.llm_models import byte_tokenizer  # noqa: E402
@@ -258,7 +258,10 @@ def test_http_framing_that_is_not_served_is_refused_and_a_stalled_body_does_not_
         context = agent.llm.context
         assert context == 256                                   # the test model's max_position_embeddings
         got, text = _post(port, {"prompt": "a" * (context - 3), "max_tokens": TOKENS})
-        err = json.loads(text)["error"]
+        err = json.loads(text)["error"]      # the prompt fits: what it asks for past it is the fault
+        assert got == 400 and err["param"] == "max_tokens" and f"context of {context} tokens" in err["message"]
+        got, text = _post(port, {"prompt": "a" * (context + 1), "max_tokens": 1})
+        err = json.loads(text)["error"]      # the prompt alone does not fit
         assert got == 400 and err["param"] == "prompt" and f"context of {context} tokens" in err["message"]
         # the server survived every one of them
         assert json.loads(_post(port, {"prompt": PROMPTS[0], "max_tokens": TOKENS})[1])["choices"][0]["text"] \
@@ -281,13 +284,185 @@ def test_llm_config_errors(tmp_path, tiny_zoo, llm_store):
     path = write_line(tmp_path / "bad4", store=tiny_zoo, llm={"store": str(tmp_path / "nowhere")})
     with pytest.raises(Exception, match="llm.json"):
         Agent(load_config(path, env={}))
+    path = write_line(tmp_path / "bad5", store=tiny_zoo, llm={"store": str(store), "max_tokens": 300,
+                                                               "max_tokens_limit": 200})
+    with pytest.raises(SpecError, match="max_tokens_limit"):
+        load_config(path, env={})
+    remote = {"device": "cpu", "count": 1, "memory": "20MB", "threads": 1, "node": "box-2"}
+    local = {"device": "cpu", "count": 1, "memory": "20MB", "threads": 1}
+    cluster = {"address": "127.0.0.1:1"}
+    path = write_line(tmp_path / "bad6", store=tiny_zoo, executors=[remote, local], cluster=cluster,
+                      llm={"store": str(store), "executor": "box-2/cpu-0.0"})
+    with pytest.raises(ValueError, match="llm.executor: 'box-2/cpu-0.0' runs on node 'box-2'"):
+        Agent(load_config(path, env={}))
+    path = write_line(tmp_path / "ok7", store=tiny_zoo, executors=[remote, local], cluster=cluster,
+                      llm={"store": str(store)})
+    agent = Agent(load_config(path, env={}))        # by default the first executor on this box, not the node's
+    try:
+        assert agent.llm_slot.ex.node is None
+    finally:
+        agent.stop()
 
 
 def test_parse_request_limits():
     ok = parse_request(b'{"prompt": ["hi"], "max_tokens": 4}', model="m", default_tokens=16, limit=8)
-    assert ok == {"prompt": "hi", "max_tokens": 4, "stream": False}
+    assert ok == {"prompt": "hi", "max_tokens": 4, "stream": False, "stop": []}
     assert parse_request(b'{"prompt": "hi"}', model="m", default_tokens=16, limit=32)["max_tokens"] == 16
     with pytest.raises(RequestError, match="1 to 8"):
         parse_request(b'{"prompt": "hi", "max_tokens": 9}', model="m", default_tokens=4, limit=8)
     with pytest.raises(RequestError, match="not JSON"):
         parse_request(b"\xff", model="m", default_tokens=4, limit=8)
+
+
+def test_unserved_fields_are_refused_by_name_and_null_means_the_default():
+    def parse(doc):
+        return parse_request(json.dumps(doc).encode(), model="m", default_tokens=4, limit=8)
+
+    for doc, param in (({"prompt": "x", "n": 2}, "n"), ({"prompt": "x", "best_of": 3}, "best_of"),
+                       ({"prompt": "x", "echo": True}, "echo"), ({"prompt": "x", "logprobs": 5}, "logprobs"),
+                       ({"prompt": "x", "logit_bias": {"5": 100}}, "logit_bias"), ({"prompt": "x", "top_p": 0.9}, "top_p"),
+                       ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
+                       ({"prompt": "x", "frequency_penalty": 1}, "frequency_penalty"),
+                       ({"prompt": "x", "suffix": "}"}, "suffix"), ({"prompt": "x", "n": True}, "n"),
+                       ({"prompt": "x", "max_token": 5}, "max_token"),       # a typo is not the default of 4
+                       ({"prompt": "x", "stop": [""]}, "stop"), ({"prompt": "x", "stop": ["a"] * 5}, "stop"),
+                       ({"prompt": "x", "stop": 7}, "stop")):
+        with pytest.raises(RequestError) as err:
+            parse(doc)
+        assert err.value.status == 400 and err.value.param == param, doc
+    neutral = {"prompt": "x", "n": 1, "best_of": 1, "echo": False, "logprobs": None, "logit_bias": {}, "top_p": 1.0,
+               "presence_penalty": 0, "frequency_penalty": 0.0, "suffix": "", "seed": 7, "user": "line-A",
+               "max_tokens": None, "temperature": None, "stream": None, "stop": None}
+    assert parse(neutral) == {"prompt": "x", "max_tokens": 4, "stream": False, "stop": []}
+    assert parse({"prompt": "x", "stop": "\n"})["stop"] == ["\n"]
+    with pytest.raises(RequestError, match="not valid Unicode") as err:
+        parse_request(b'{"prompt": "\\ud800"}', model="m", default_tokens=4, limit=8)     # a lone surrogate
+    assert err.value.param == "prompt"
+    with pytest.raises(RequestError, match="nested too deeply"):
+        parse_request(b"[" * 100_000 + b"]" * 100_000, model="m", default_tokens=4, limit=8)
+
+
+def _stream(port: int, doc: dict) -> list[str]:
+    con = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
+    con.request("POST", "/v1/completions", body=json.dumps({**doc, "stream": True}))
+    res = con.getresponse()
+    assert res.status == 200
+    events = [ln[len("data: "):] for ln in res.read().decode().split("\n\n") if ln.startswith("data: ")]
+    con.close()
+    return events
+
+
+def test_streamed_text_is_the_complete_text_even_where_a_character_spans_tokens_and_stop_strings_end_it(
+        tmp_path, tiny_zoo, llm_store):
+    """The byte tokenizer sends a multi-byte character as several tokens; a delta must never carry the U+FFFD a
+    half-decoded character shows.  A stop string ends the completion just before it, streamed or not."""
+    store, _ = llm_store
+    agent = Agent(load_config(_line(tmp_path, tiny_zoo, store, "utf8"), env={})).start()
+    try:
+        port = agent.llm.port
+        found = None
+        for prompt in ("\u00ff", "def main(", "é", "日本", "ü\n", "x = "):   # \u00ff: its text has U+04CA
+            status, body = _post(port, {"prompt": prompt, "max_tokens": 48})
+            assert status == 200, body
+            text = json.loads(body)["choices"][0]["text"]
+            if any(ord(c) > 127 and c != "\ufffd" for c in text):
+                found = prompt, text
+                break
+        assert found, "no prompt gave the random model's text a multi-byte character"
+        prompt, text = found
+        events = _stream(port, {"prompt": prompt, "max_tokens": 48})
+        assert events[-1] == "[DONE]"
+        deltas = [json.loads(e)["choices"][0]["text"] for e in events[:-1]]
+        assert "".join(deltas) == text
+        assert not any(d.endswith("\ufffd") and not text.endswith(d) for d in deltas if d)
+
+        stop = text[len(text) // 2: len(text) // 2 + 2]
+        at = text.index(stop)
+        status, body = _post(port, {"prompt": prompt, "max_tokens": 48, "stop": [stop, "\x00never"]})
+        choice = json.loads(body)["choices"][0]
+        assert status == 200 and choice["text"] == text[:at] and choice["finish_reason"] == "stop"
+        events = _stream(port, {"prompt": prompt, "max_tokens": 48, "stop": stop})
+        chunks = [json.loads(e) for e in events[:-1]]
+        assert "".join(c["choices"][0]["text"] for c in chunks) == text[:at]
+        assert chunks[-1]["choices"][0]["finish_reason"] == "stop"
+        status, body = _post(port, {"prompt": prompt, "max_tokens": 48})
+        assert json.loads(body)["choices"][0]["finish_reason"] in ("length", "stop")
+    finally:
+        agent.stop()
+
+
+def test_stopping_the_agent_ends_the_running_completion_and_refuses_the_waiting_one(tmp_path, tiny_zoo, llm_store):
+    """The running stream gets an error event and [DONE], the waiting request a 503, and stop() returns only
+    once the model is free (so the pools are not closed under it).  The generation is paused after its second
+    token (its own token callback waits), so the order does not depend on the box's speed."""
+    store, _ = llm_store
+    agent = Agent(load_config(_line(tmp_path, tiny_zoo, store, "stop"), env={})).start()
+    port, service = agent.llm.port, agent.llm
+    reached, go = threading.Event(), threading.Event()
+    real = service.pm.generate
+
+    def paused(ids, n, on_token=None):
+        seen = []
+
+        def tok(t):
+            on_token(t)
+            seen.append(t)
+            if len(seen) == 2:
+                reached.set()
+                go.wait(30)
+        return real(ids, n, on_token=tok)
+    service.pm.generate = paused
+    got = {}
+    streaming = threading.Thread(target=lambda: got.setdefault("stream", _stream(port, {"prompt": "x",
+                                                                                        "max_tokens": 100})))
+    streaming.start()
+    assert reached.wait(60)
+    waiting = threading.Thread(target=lambda: got.setdefault("waiting", _post(port, {"prompt": "y"})))
+    waiting.start()
+    until(lambda: service._waiting == 2, 30, "the second request to wait for the model")
+    stopper = threading.Thread(target=agent.stop)
+    stopper.start()
+    until(lambda: service._closing, 30, "the service to be closing")
+    go.set()
+    for t in (streaming, waiting, stopper):
+        t.join(60)
+        assert not t.is_alive()
+    events = got["stream"]
+    assert events[-1] == "[DONE]" and "shutting down" in json.loads(events[-2])["error"]["message"]
+    assert len(events) <= 4                      # two tokens' deltas at most, the error, [DONE]
+    status, body = got["waiting"]
+    assert status == 503 and "shutting down" in json.loads(body)["error"]["message"]
+
+
+def test_an_llm_port_already_taken_fails_the_start_naming_it_and_leaves_nothing_running(tmp_path, tiny_zoo,
+                                                                                         llm_store):
+    import socket
+
+    import zmq
+
+    store, _ = llm_store
+    taken = socket.socket()
+    taken.bind(("127.0.0.1", 0))
+    taken.listen(1)
+    port = taken.getsockname()[1]
+    shutil.copytree(tiny_zoo, tmp_path / "experts")
+    cfg = load_config(write_line(tmp_path / "busy", store=tmp_path / "experts", fixed_ports=True,
+                                 llm={"store": str(store), "port": port}), env={})
+    agent = Agent(cfg)
+    try:
+        with pytest.raises(OSError, match=f"llm.port 127.0.0.1:{port}"):
+            agent.start()
+    finally:
+        taken.close()
+    assert agent.phase == "stopped" and not agent.writer.alive() and not any(e.alive() for e in agent.executors)
+    ctx = zmq.Context()
+    try:
+        sock = ctx.socket(zmq.ROUTER)
+        sock.bind(cfg.ingest.split(":", 1)[1])       # the ingest port is free again
+        sock.close(linger=0)
+    finally:
+        ctx.term()
+    done = threading.Thread(target=agent.stop)      # and stop() after the failed start returns
+    done.start()
+    done.join(10)
+    assert not done.is_alive()
