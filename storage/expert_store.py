@@ -36,6 +36,7 @@ import contextlib
 import dataclasses
 import hashlib
 import json
+import logging
 import os
 import re
 import shutil
@@ -71,6 +72,16 @@ _T = TypeVar("_T")
 _SET_FILE = re.compile(r".+\.v\d+-[0-9a-f]{6}\.(safetensors|coez)$")   # write_many's file names
 VERIFY_POLICIES = ("first", "always", "never")
 COMPRESSIONS = ("none", "exponent-zstd")
+log = logging.getLogger(__name__)
+
+
+class ChangedOnDisk(CoEError):
+    """A rewrite of an expert's same bytes found another version on disk when it landed (nothing replaced)."""
+
+    def __init__(self, expert_id: str, version: int, now: int | None) -> None:
+        super().__init__(f"expert {expert_id}: changed on disk while being rewritten (was version {version}, now "
+                         + ("gone" if now is None else f"version {now}") + "); not replaced")
+        self.expert_id = expert_id
 _CHUNK = 1 << 20
 
 
@@ -147,7 +158,7 @@ class ExpertStore:
             self.register_reader()
         else:
             self._adopt(self._load_manifest())
-        if self._retired or any(_SET_FILE.match(p.name) for p in self.root.iterdir()):
+        if self.manifest_path.exists() and (self._retired or any(_SET_FILE.match(p.name) for p in self.root.iterdir())):
             self._sweep_unrecorded()
 
     def _sweep_unrecorded(self) -> None:
@@ -159,6 +170,9 @@ class ExpertStore:
         past them (an agent that was killed mid-switch left them).
         """
         with self._lock, self._process_lock():
+            if not self.manifest_path.exists():
+                # a store being copied or restored, its manifest not there yet: nothing says which files are whose
+                return
             entries = self._load_manifest()
             if self._retired:
                 self._drop_retired(entries, keep=set(), readers=reader_generations(self.root, self._reader_name()))
@@ -443,11 +457,32 @@ class ExpertStore:
             self._write_manifest(entries)
             self._adopt(entries)
 
-    def recompress(self, expert_id: str) -> ManifestEntry:
-        """Rewrite one expert in the store's compression; its sha256 (of the plain bytes) stays."""
+    def recompress(self, expert_id: str, attempts: int = 3) -> ManifestEntry:
+        """Rewrite one expert in the store's compression; its sha256 (of the plain bytes) stays.
+
+        The entry rewritten is the disk's, and it is replaced only if it is
+        still the disk's when the rewrite lands: a promotion meanwhile (an
+        agent's line, another shell) is never undone; the rewrite starts again
+        from the promoted version.
+        """
+        for attempt in range(attempts):
+            self.reload()
+            entry = self.entry(expert_id)
+            try:
+                return self._recompress(entry)
+            except (ChangedOnDisk, ExpertLoadError) as exc:   # its file may have gone with the old version
+                self.reload()
+                now = self._entries.get(expert_id)
+                moved = now is None or (now.version, now.sha256) != (entry.version, entry.sha256)
+                if not moved or attempt == attempts - 1:
+                    raise
+                log.info("expert %s changed on disk while being rewritten (%s); rewriting it again", expert_id, exc)
+        raise AssertionError("unreachable")
+
+    def _recompress(self, entry: ManifestEntry) -> ManifestEntry:
         from .compressed import decompress_file
 
-        entry = self.entry(expert_id)
+        expert_id = entry.id
         if entry.compression == self._compression:
             return entry
         src = self._existing(entry)
@@ -463,9 +498,12 @@ class ExpertStore:
             size = tmp.stat().st_size
             plain = dataclasses.replace(entry, file=base + SUFFIX, compression="none", stored_nbytes=size,
                                         plain_nbytes=size, bound_nbytes=0)
-            if self._compression != "none":
-                return self._install(self._compressed(plain, tmp, base))
-            return self._install(plain, tmp)
+            done = self._compressed(plain, tmp, base) if self._compression != "none" else (plain, tmp)
+            try:
+                return self._install_many([done], expect={expert_id: entry})[0]
+            finally:
+                with contextlib.suppress(FileNotFoundError):
+                    done[1].unlink()
         finally:
             with contextlib.suppress(FileNotFoundError):
                 tmp.unlink()
@@ -505,23 +543,31 @@ class ExpertStore:
                                    stored_nbytes=stats.stored_bytes, plain_nbytes=stats.raw_bytes,
                                    bound_nbytes=stats.bound_bytes), tmp
 
-    def _install(self, entry: ManifestEntry | tuple[ManifestEntry, Path], tmp: Path | None = None) -> ManifestEntry:
-        """Move `tmp` into place as `entry`'s file and record it; the expert's older file goes."""
-        if isinstance(entry, tuple):
-            entry, tmp = entry
-        assert tmp is not None
-        return self._install_many([(entry, tmp)])[0]
+    def _install_many(self, prepared: "Sequence[tuple[ManifestEntry, Path]]",
+                      expect: "Mapping[str, ManifestEntry] | None" = None) -> list[ManifestEntry]:
+        """Move every temp file into place, record them all in one manifest write, then drop the old files.
 
-    def _install_many(self, prepared: "Sequence[tuple[ManifestEntry, Path]]") -> list[ManifestEntry]:
-        """Move every temp file into place, record them all in one manifest write, then drop the old files."""
+        A version names one set of bytes: an entry whose version is not above
+        the one on disk, with other bytes (another process promoted it
+        meanwhile, or a writer passed the default version 1), is stored as the
+        disk's version + 1, so every reader sees the change as a new version.
+        With `expect` (a rewrite of the same bytes in another encoding), an
+        expert whose disk entry is no longer the expected one is not replaced:
+        `ChangedOnDisk`, and nothing is.
+        """
         try:
             for _, tmp in prepared:
                 _fsync_file(tmp)
             with self._lock, self._process_lock():
+                entries = self._load_manifest()  # pick up what other processes wrote meanwhile
+                for eid, want in (expect or {}).items():
+                    now = entries.get(eid)
+                    if now is None or (now.version, now.sha256) != (want.version, want.sha256):
+                        raise ChangedOnDisk(eid, want.version, None if now is None else now.version)
+                prepared = [(self._versioned(entry, entries.get(entry.id)), tmp) for entry, tmp in prepared]
                 for entry, tmp in prepared:
                     os.replace(tmp, self.root / entry.file)
                 _fsync_dir(self.root)
-                entries = self._load_manifest()  # pick up what other processes wrote meanwhile
                 old = {entry.id: entries.get(entry.id) for entry, _ in prepared}
                 for entry, _ in prepared:
                     entries[entry.id] = entry
@@ -543,6 +589,15 @@ class ExpertStore:
                 with contextlib.suppress(FileNotFoundError):
                     tmp.unlink()
         return [entry for entry, _ in prepared]
+
+    @staticmethod
+    def _versioned(entry: ManifestEntry, disk: ManifestEntry | None) -> ManifestEntry:
+        """`entry`, or a version above the disk's when the disk already holds other bytes under its version."""
+        if disk is None or disk.sha256 == entry.sha256 or entry.version > disk.version:
+            return entry
+        log.warning("expert %s: version %d on disk already holds other weights; these are stored as version %d",
+                    entry.id, disk.version, disk.version + 1)
+        return dataclasses.replace(entry, version=disk.version + 1)
 
     def _tmp(self, file: str) -> Path:
         return self.root / f".{file}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
