@@ -218,15 +218,17 @@ class TokenPredictor:
 
     # -- file -------------------------------------------------------------------------
     def save(self, path: str | Path, info: dict | None = None) -> Path:
-        from safetensors.numpy import save_file
+        """Written whole or not at all: a kill mid-save leaves the previous predictor as it was."""
+        from safetensors.numpy import save
+
+        from coe.files import write_bytes_atomic
 
         meta = {"coe": json.dumps({"format": FORMAT, "layers": list(self.layers), "top_k": self.top_k,
                                    "features": self.features, **(info or {})})}
         arrays = {"W": self.W.astype(np.float32), "b": self.b.astype(np.float32)}
         if self.mu is not None:
             arrays.update(mu=self.mu.astype(np.float32), sd=self.sd.astype(np.float32))
-        save_file(arrays, str(path), metadata=meta)
-        return Path(path)
+        return write_bytes_atomic(path, save(arrays, metadata=meta))
 
     @classmethod
     def load(cls, path: str | Path) -> "TokenPredictor":

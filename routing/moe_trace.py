@@ -93,18 +93,18 @@ class Trace:
 
     # -- file -------------------------------------------------------------------------
     def save(self, path: str | Path) -> Path:
-        from safetensors.numpy import save_file
+        """Written whole or not at all (a temp file of its own, flushed, then renamed)."""
+        from safetensors.numpy import save
 
-        path = Path(path)
+        from coe.files import write_bytes_atomic
+
         meta = {"coe": json.dumps({"format": TRACE_FORMAT, "version": TRACE_VERSION, "model": self.model,
                                    "layers": list(self.layers), "top_k": self.top_k, "scoring": self.scoring})}
-        tmp = path.with_name(f".{path.name}.tmp")
-        save_file({"probs": np.ascontiguousarray(self.probs, dtype=np.float16),
-                   "chosen": np.ascontiguousarray(self.chosen, dtype=np.int16),
-                   "seq": np.ascontiguousarray(self.seq, dtype=np.int32),
-                   "step": np.ascontiguousarray(self.step, dtype=np.int32)}, str(tmp), metadata=meta)
-        tmp.replace(path)
-        return path
+        return write_bytes_atomic(path, save({"probs": np.ascontiguousarray(self.probs, dtype=np.float16),
+                                              "chosen": np.ascontiguousarray(self.chosen, dtype=np.int16),
+                                              "seq": np.ascontiguousarray(self.seq, dtype=np.int32),
+                                              "step": np.ascontiguousarray(self.step, dtype=np.int32)},
+                                             metadata=meta))
 
     @classmethod
     def load(cls, path: str | Path) -> "Trace":

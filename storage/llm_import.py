@@ -30,7 +30,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from coe import CoEError, Expert
-from coe.moe import MoELayer, MoELayout, check_model_name, expert_id
+from coe.moe import LAYOUT_FILE, MoELayer, MoELayout, check_model_name, expert_id
 
 from .dtypes import FLOATING_DTYPES, cast_floating, parse_dtype
 from .expert_store import ExpertStore
@@ -170,6 +170,10 @@ def import_checkpoint(model_dir: str | Path, out: str | Path, *, name: str | Non
                            f"{', '.join(lacking[:3])}")
         stored = _one_dtype(dtypes, model_dir) if want is None else _castable(dtypes, model_dir, want)
         store = ExpertStore(out)
+        # a re-import into a store that has a model: its layout goes first, so an import killed part-way leaves
+        # a store that refuses to load ("not found; is it a store written by 'coe-agent llm import'?"), never one
+        # that loads with some experts of the new checkpoint and some of the old
+        (out / LAYOUT_FILE).unlink(missing_ok=True)
         layout_layers = []
         written = 0
         for site in sites:

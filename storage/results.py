@@ -18,6 +18,8 @@ from typing import Any
 
 import sqlite_utils
 
+from coe import CoEError
+
 SCHEMA_VERSION = 1
 
 # name -> columns; each equality filter of a verdict query leads one, decision time follows (newest first)
@@ -49,6 +51,14 @@ class ResultStore:
 
     def __init__(self, path: str | Path, *, synchronous: str = "NORMAL", readonly: bool = False) -> None:
         self.path = Path(path)
+        try:
+            self._open(synchronous, readonly)
+        except sqlite3.DatabaseError as exc:    # a corrupt or foreign file, a full disk, a read-only mount
+            raise CoEError(f"results database {self.path}: {exc} (not a results database, or a damaged one: "
+                           "move it aside and the agent makes a new one; frames it journaled are then not "
+                           "re-run)") from None
+
+    def _open(self, synchronous: str, readonly: bool) -> None:
         if readonly:
             if not self.path.is_file():
                 raise FileNotFoundError(f"results database {self.path} does not exist (has the agent run?)")
@@ -56,9 +66,9 @@ class ResultStore:
             self.db = sqlite_utils.Database(conn)
         else:
             self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
-            new = not self.path.exists()
             conn = sqlite3.connect(str(self.path), timeout=30, check_same_thread=False)
-            if new:
+            # new: no page yet (also a file a kill left empty between its creation and the first write)
+            if conn.execute("PRAGMA page_count").fetchone()[0] == 0:
                 # owner-only before WAL mode: SQLite gives the -wal and -shm files the database's mode
                 os.chmod(self.path, 0o600)
                 conn.execute("PRAGMA auto_vacuum=INCREMENTAL")   # lets retention give pages back

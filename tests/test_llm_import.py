@@ -703,3 +703,24 @@ def test_every_non_expert_weight_is_covered_exactly_once(tmp_path):
     save_file(tensors, str(src / "model.safetensors"))
     with pytest.raises(CoEError, match="both map to the model's 'model.layers.0.mlp.gate.weight'"):
         import_checkpoint(src, tmp_path / "s2")
+
+
+def test_a_reimport_killed_part_way_leaves_a_store_that_refuses_to_load_not_a_mix(built, tmp_path):
+    """Re-importing into a store that has a model, stopped after three experts: the experts are part new, part
+    old, so the store must not load at all (its layout goes first), and a full import makes it whole again."""
+    _, legacy, _ = built("mixtral")
+    out = tmp_path / "store"
+    first = import_checkpoint(legacy, out, name="m")
+    load_pooled(out, memory=first.layers[0].expert_nbytes * (first.top_k + 1), policy="lru").close()
+
+    def killed(stage, n):
+        if stage == "experts" and n == 3:
+            raise KeyboardInterrupt
+    with pytest.raises(KeyboardInterrupt):
+        import_checkpoint(legacy, out, name="m", dtype="bf16", progress=killed)
+    assert {e.dtype for e in ExpertStore(out).entries()} == {"float32", "bfloat16"}     # the mix it left
+    with pytest.raises(CoEError, match="llm.json: not found; is .* a store written by 'coe-agent llm import'"):
+        load_pooled(out, memory=first.layers[0].expert_nbytes * (first.top_k + 1), policy="lru")
+    again = import_checkpoint(legacy, out, name="m", dtype="bf16")
+    assert {e.dtype for e in ExpertStore(out).entries()} == {"bfloat16"} and again.dtype == "bfloat16"
+    load_pooled(out, memory=again.layers[0].expert_nbytes * (again.top_k + 1), policy="lru").close()

@@ -198,3 +198,41 @@ def test_a_result_writer_whose_database_cannot_be_opened_says_why_it_stopped(tmp
     w._thread.join(10)
     ctx.destroy(linger=0)                            # not term(): a writer that never closed its socket must not hang us
     assert not w.alive() and w.error is not None
+
+
+def test_a_results_file_that_is_not_a_database_is_named_and_an_empty_one_is_made_new(tmp_path):
+    import os
+    import stat
+
+    from coe import CoEError
+
+    bad = tmp_path / "bad.db"
+    bad.write_bytes(b"not sqlite " * 500)
+    with pytest.raises(CoEError, match=f"results database {bad}: file is not a database .*move it aside"):
+        ResultStore(bad)
+    assert bad.read_bytes() == b"not sqlite " * 500            # left as it was, for whoever looks at it
+    empty = tmp_path / "empty.db"                               # a kill between its creation and the first write
+    empty.write_bytes(b"")
+    rs = ResultStore(empty)
+    assert rs.db.execute("PRAGMA auto_vacuum").fetchone()[0] == 2          # incremental: prune gives pages back
+    rs.close()
+    assert stat.S_IMODE(os.stat(empty).st_mode) == 0o600
+
+
+def test_an_atomic_write_that_fails_leaves_the_old_file_and_no_temp(tmp_path, monkeypatch):
+    import os
+
+    from coe.files import write_bytes_atomic, write_json_atomic
+
+    path = tmp_path / "profile.json"
+    write_json_atomic(path, {"v": 1})
+    real = os.fsync
+
+    def failing(fd):                                            # the disk fails while the new bytes go down
+        raise OSError(5, "Input/output error")
+    monkeypatch.setattr(os, "fsync", failing)
+    with pytest.raises(OSError, match="Input/output error"):
+        write_bytes_atomic(path, b'{"v": 2}')
+    monkeypatch.setattr(os, "fsync", real)
+    assert json.loads(path.read_text()) == {"v": 1}
+    assert [p.name for p in tmp_path.iterdir()] == ["profile.json"]
