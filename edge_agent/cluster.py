@@ -267,38 +267,129 @@ def describe_links(links: Links) -> list[str]:
 # -- expert sync -------------------------------------------------------------------------------------
 
 class _StoreWriter:
-    """On a node: which store files it has (by sha256 of the bytes) and writing new ones atomically."""
+    """On a node: which store files it has (by sha256 of the bytes), and taking a new set in one step.
+
+    Files are staged under temp names of their own (a concurrent sync never
+    writes into another's), flushed to disk, and renamed into place by
+    `commit` under the store's own lock, the manifest last.  An `ExpertStore`
+    opened on the node meanwhile (an actor starting mid-sync) therefore never
+    sees a promoted file without the manifest that names it, which its sweep
+    would take for a crash's leftover and delete.
+    """
+
+    STALE_S = 3600.0      # staged files a killed sync left: removed by the next sync after this long
 
     def __init__(self, root: str) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
+        self._staged: dict[str, Path] = {}
+        now = time.time()
+        for p in self.root.glob(".sync.*.part"):
+            try:
+                if now - p.stat().st_mtime > self.STALE_S:
+                    p.unlink()
+            except FileNotFoundError:
+                pass
 
     def digests(self) -> dict[str, str]:
         out = {}
         for p in self.root.iterdir():
-            if p.is_file() and not p.name.endswith(".part"):
+            if p.is_file() and not p.name.startswith(".") and not p.name.endswith(".part"):
                 out[p.name] = hashlib.sha256(p.read_bytes()).hexdigest()
         return out
 
     def put(self, name: str, data: bytes, sha256: str) -> int:
-        if "/" in name or name.startswith("."):
+        import uuid
+
+        if "/" in name or name.startswith(".") or name in ("", ".."):
             raise ValueError(f"refusing store file name {name!r}")
         if hashlib.sha256(data).hexdigest() != sha256:
             raise ValueError(f"{name}: bytes arrived corrupted (sha256 mismatch)")
-        tmp = self.root / (name + ".part")
-        tmp.write_bytes(data)
-        tmp.replace(self.root / name)
+        tmp = self.root / f".sync.{name}.{uuid.uuid4().hex[:8]}.part"
+        with open(tmp, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        old = self._staged.pop(name, None)
+        if old is not None:
+            old.unlink(missing_ok=True)
+        self._staged[name] = tmp
         return len(data)
+
+    def commit(self) -> int:
+        """Rename every staged file into place, the manifest last, under the store's lock; how many."""
+        from storage.expert_store import MANIFEST, _fsync_dir
+
+        try:
+            import fcntl
+        except ImportError:      # no flock here: the renames are still each atomic
+            fcntl = None
+        names = sorted(self._staged, key=lambda n: n == MANIFEST)
+        with open(self.root / ".manifest.lock", "a+b") as lock:
+            if fcntl is not None:
+                fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
+            try:
+                for name in names:
+                    os.replace(self._staged.pop(name), self.root / name)
+                _fsync_dir(self.root)
+            finally:
+                if fcntl is not None:
+                    fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+        return len(names)
 
     def where(self) -> str:
         return socket.gethostname()
 
 
+def _snapshot(src: Path, line: str, attempts: int = 5) -> tuple[bytes, dict[str, tuple[bytes, str]]]:
+    """The store's manifest bytes and every file it names, read as one consistent set.
+
+    A promotion may land while the files are read: the manifest is read
+    before and after, and the set is read again until both agree (a file that
+    went with a replaced version counts as a change too).  Files the manifest
+    does not name (retired versions a running agent still serves, temp files)
+    are the front box's business, not the nodes'.
+    """
+    import json
+
+    from storage.expert_store import MANIFEST
+
+    path = src / MANIFEST
+    for _ in range(attempts):
+        try:
+            before = path.read_bytes()
+        except FileNotFoundError:
+            raise CoEError(f"experts sync: {src} has no {MANIFEST} (run `coe-agent zoo build --line {line}`)") from None
+        try:
+            raw = json.loads(before.decode("utf-8"))
+            named = sorted({e["file"] for e in raw["experts"].values()} if isinstance(raw["experts"], dict)
+                           else {e["file"] for e in raw["experts"]})
+        except (ValueError, KeyError, TypeError, AttributeError) as exc:
+            # a manifest this box cannot read must not be pushed to every node as if it were the store's
+            raise CoEError(f"experts sync: {path} is unreadable ({exc}); nothing was sent "
+                           f"(check it with `coe-agent experts verify --line {line}`)") from None
+        files: dict[str, tuple[bytes, str]] = {}
+        try:
+            for name in named:
+                if "/" in name or name.startswith("."):
+                    raise CoEError(f"experts sync: {path} names the file {name!r}, which is not in the store")
+                data = (src / name).read_bytes()
+                files[name] = (data, hashlib.sha256(data).hexdigest())
+        except FileNotFoundError:
+            continue                     # a version replaced under us: read the new set
+        if path.read_bytes() == before:
+            files[MANIFEST] = (before, hashlib.sha256(before).hexdigest())
+            return before, files
+    raise CoEError(f"experts sync: {src} kept changing while it was read ({attempts} tries); try again")
+
+
 def sync_store(cfg: "LineConfig", nodes: list[str] | None = None, *, progress=lambda m: None) -> dict[str, dict]:
     """Copy the front box's expert store to each node's own store (`cluster.stores`), file by file.
 
-    Only files whose bytes differ are sent (sha256 on both sides); the
-    manifest goes last, so a node's store is never ahead of its files.
+    Only files whose bytes differ are sent (sha256 on both sides).  What is
+    sent is one consistent snapshot of the store (`_snapshot`), and the node
+    takes it in one step, the manifest last (`_StoreWriter.commit`), so a
+    node's store is never ahead of its files and never a mix of two versions.
     Returns per node: files sent, bytes sent, files already there.
     """
     import ray
@@ -311,20 +402,7 @@ def sync_store(cfg: "LineConfig", nodes: list[str] | None = None, *, progress=la
                        f"(its nodes: {', '.join(want) or 'none'})")
     connect(cfg.cluster, nodes)
     src = Path(cfg.store_path)
-    if not (src / "manifest.json").is_file():
-        raise CoEError(f"experts sync: {src} has no manifest.json (run `coe-agent zoo build --line {cfg.line}`)")
-    import json
-
-    try:   # replaced versions a running agent still serves are the front's business, not the nodes'
-        retired = set(json.loads((src / "manifest.json").read_text(encoding="utf-8")).get("retired", []))
-    except (OSError, ValueError, AttributeError, TypeError) as exc:
-        # a manifest this box cannot read must not be pushed to every node as if it were the store's
-        raise CoEError(f"experts sync: {src / 'manifest.json'} is unreadable ({exc}); nothing was sent "
-                       f"(check it with `coe-agent experts verify --line {cfg.line}`)") from None
-    files = sorted((p for p in src.iterdir() if p.is_file() and not p.name.startswith(".")
-                    and not p.name.endswith((".part", ".tmp")) and p.name not in retired),
-                   key=lambda p: p.name == "manifest.json")
-    local = {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in files}
+    _, files = _snapshot(src, cfg.line)
     out = {}
     for node in nodes:
         dest = cfg.cluster.stores.get(node, str(src))
@@ -332,11 +410,12 @@ def sync_store(cfg: "LineConfig", nodes: list[str] | None = None, *, progress=la
         try:
             have = ray.get(w.digests.remote(), timeout=cfg.cluster.connect_timeout_s)
             sent = nbytes = 0
-            for p in files:
-                if have.get(p.name) == local[p.name]:
+            for name, (data, sha) in files.items():
+                if have.get(name) == sha:
                     continue
-                nbytes += ray.get(w.put.remote(p.name, p.read_bytes(), local[p.name]), timeout=600)
+                nbytes += ray.get(w.put.remote(name, data, sha), timeout=600)
                 sent += 1
+            ray.get(w.commit.remote(), timeout=600)
             out[node] = {"store": dest, "sent": sent, "bytes": nbytes, "unchanged": len(files) - sent}
             progress(f"{node}: {sent} file(s) sent ({nbytes / 1e6:.1f} MB), {len(files) - sent} already there, "
                      f"store {dest}")
