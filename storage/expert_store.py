@@ -597,7 +597,11 @@ class ExpertStore:
             return entry
         log.warning("expert %s: version %d on disk already holds other weights; these are stored as version %d",
                     entry.id, disk.version, disk.version + 1)
-        return dataclasses.replace(entry, version=disk.version + 1)
+        file = entry.file
+        if file == disk.file:     # a second writer of a new expert chose the plain name too: a file of its own
+            suffix = file[len(entry.id):] if file.startswith(entry.id) else SUFFIX
+            file = f"{entry.id}.v{disk.version + 1}-{uuid.uuid4().hex[:6]}{suffix}"
+        return dataclasses.replace(entry, version=disk.version + 1, file=file)
 
     def _tmp(self, file: str) -> Path:
         return self.root / f".{file}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"

@@ -103,3 +103,16 @@ def test_opening_a_store_whose_manifest_is_not_there_yet_deletes_no_file(tmp_pat
     shutil.move(aside, tmp_path / "manifest.json")
     assert promoted.exists()
     assert torch.equal(ExpertStore(tmp_path).read("cls-a")["fc.bias"], tensors(1)["fc.bias"])
+
+
+def test_two_writers_of_a_new_expert_never_share_its_file(tmp_path: Path) -> None:
+    """Both saw no such expert and chose the plain name: the second gets a file (and a version) of its own, so
+    the first writer's entry never names bytes it did not write."""
+    a, b = ExpertStore(tmp_path), ExpertStore(tmp_path)
+    first = a.write(expert(), tensors(0))
+    b._holds = lambda eid: False                        # b looked before a wrote: the expert was new to it
+    second = b.write(expert(), tensors(1))
+    assert first.file == "cls-a.safetensors" and second.file != first.file and second.version == 2
+    fresh = ExpertStore(tmp_path)
+    assert fresh.entry("cls-a") == second
+    assert torch.equal(fresh.read("cls-a")["fc.bias"], tensors(1)["fc.bias"])
