@@ -70,6 +70,8 @@ READ_VERSIONS = (1, 2)
 SUFFIX = ".safetensors"
 _T = TypeVar("_T")
 _SET_FILE = re.compile(r".+\.v\d+-[0-9a-f]{6}\.(safetensors|coez)$")   # write_many's file names
+# a writer's temp files (`_tmp`, `StreamWriter`): `.<file>.<pid>[.<hex>].tmp`; a dead pid's are a kill's leftovers
+_TMP_FILE = re.compile(r"^\..+\.(\d+)(?:\.[0-9a-f]{8})?\.tmp$")
 VERIFY_POLICIES = ("first", "always", "never")
 COMPRESSIONS = ("none", "exponent-zstd")
 log = logging.getLogger(__name__)
@@ -158,7 +160,8 @@ class ExpertStore:
             self.register_reader()
         else:
             self._adopt(self._load_manifest())
-        if self.manifest_path.exists() and (self._retired or any(_SET_FILE.match(p.name) for p in self.root.iterdir())):
+        if self.manifest_path.exists() and (self._retired or any(_SET_FILE.match(p.name) or _TMP_FILE.match(p.name)
+                                                                 for p in self.root.iterdir())):
             self._sweep_unrecorded()
 
     def _sweep_unrecorded(self) -> None:
@@ -178,7 +181,8 @@ class ExpertStore:
                 self._drop_retired(entries, keep=set(), readers=reader_generations(self.root, self._reader_name()))
             named = {e.file for e in entries.values()} | set(self._retired)
             for p in self.root.iterdir():
-                if _SET_FILE.match(p.name) and p.name not in named:
+                m = _TMP_FILE.match(p.name)
+                if (_SET_FILE.match(p.name) and p.name not in named) or (m and _abandoned(p, int(m.group(1)))):
                     with contextlib.suppress(FileNotFoundError):
                         p.unlink()
 
@@ -979,6 +983,32 @@ class ExpertStore:
                 yield
             finally:
                 fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
+
+
+TMP_STALE_S = 600.0    # a temp file untouched this long whose writer's pid is gone: a kill's leftover
+
+
+def _abandoned(path: Path, pid: int) -> bool:
+    """A writer's temp file that no one writes any more: its pid is gone and it has not changed for a while
+    (the age guards a writer in another pid namespace, a container sharing the store's volume)."""
+    import time
+
+    try:
+        idle = time.time() - path.stat().st_mtime
+    except FileNotFoundError:
+        return False
+    return idle > TMP_STALE_S and not _alive(pid)
+
+
+def _alive(pid: int) -> bool:
+    """Whether process `pid` runs (one we may not signal runs too): its temp files may still be written."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def _check_id(expert_id: str) -> str:

@@ -116,3 +116,24 @@ def test_two_writers_of_a_new_expert_never_share_its_file(tmp_path: Path) -> Non
     fresh = ExpertStore(tmp_path)
     assert fresh.entry("cls-a") == second
     assert torch.equal(fresh.read("cls-a")["fc.bias"], tensors(1)["fc.bias"])
+
+
+def test_temp_files_a_killed_writer_left_go_at_the_next_open_and_a_live_writers_stay(tmp_path: Path) -> None:
+    import os
+    import subprocess
+    import sys
+
+    ExpertStore(tmp_path).write(expert(), tensors(0))
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    gone_pid = int(dead.stdout)                            # a process that has ended: no one writes its files
+    old = 1_000_000_000                                    # 2001: untouched for long
+    leftovers = [tmp_path / f".cls-b.safetensors.{gone_pid}.0badc0de.tmp", tmp_path / f".big.safetensors.{gone_pid}.tmp"]
+    fresh = tmp_path / f".cls-c.safetensors.{gone_pid}.0badc0df.tmp"      # just written: may be another namespace's
+    live = tmp_path / f".cls-d.safetensors.{os.getpid()}.0badc0e0.tmp"     # this process is alive
+    for p in (*leftovers, fresh, live):
+        p.write_bytes(b"x" * 1000)
+    for p in (*leftovers, live):
+        os.utime(p, (old, old))
+    ExpertStore(tmp_path)
+    assert [p.exists() for p in leftovers] == [False, False] and fresh.exists() and live.exists()
+    assert torch.equal(ExpertStore(tmp_path).read("cls-a")["fc.bias"], tensors(0)["fc.bias"])
