@@ -7,25 +7,33 @@ eviction policy, ranked together by usage probability; the pool never learns
 which expert is which.  Generation is greedy (temperature 0): the same prompt
 gives the same text whether or not frames are being served at the same time.
 
-One completion runs at a time; up to `llm.max_waiting` more wait, and beyond
-that a request gets 503 busy at once rather than a timeout.  Every malformed
+One completion runs at a time, in arrival order; up to `llm.max_waiting` more
+wait, and beyond that a request gets 503 busy at once rather than a timeout.
+A client that leaves is not generated for (streaming: at its next write;
+otherwise at its turn and every few tokens).  Every malformed
 request gets a 4xx with an OpenAI-style error object naming the field.
 Streaming (`"stream": true`) sends server-sent events, one per token, then
 `data: [DONE]`.
 """
 from __future__ import annotations
 
+import collections
+import contextlib
 import json
 import logging
+import select
+import socket
 import threading
 import time
 import uuid
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
 log = logging.getLogger(__name__)
 
 MAX_BODY = 1 << 20
+ALIVE_EVERY = 8         # tokens between checks that a non-streaming client still waits
 BODY_TIMEOUT = 30.0     # seconds a connection may take to send what it announced: a stalled one pins a thread
 
 
@@ -129,7 +137,8 @@ class LLMService:
         self.tok = pooled.tokenizer()
         self.model_name = pooled.layout.model
         self.default_tokens, self.limit, self.max_waiting = default_tokens, limit, max_waiting
-        self._run = threading.Lock()
+        self._turn = threading.Condition()        # completions run one at a time, in arrival order
+        self._queue: collections.deque = collections.deque()
         self._count = threading.Lock()
         self._waiting = 0
         try:
@@ -164,19 +173,36 @@ class LLMService:
         self._closing = True
         self._server.shutdown()
         self._server.server_close()
-        if self._run.acquire(timeout=timeout):
-            self._run.release()
-        else:
-            log.error("the running completion did not end within %.0f s of stopping", timeout)
+        with self._turn:     # the running one ends at its next token, the waiting ones at their turn
+            if not self._turn.wait_for(lambda: not self._queue, timeout):
+                log.error("the running completion did not end within %.0f s of stopping", timeout)
         self.pm.close()
 
     # -- generation ---------------------------------------------------------------
-    def complete(self, prompt: str, max_tokens: int, on_text=None, stop: list[str] | tuple = ()) -> dict:
+    @contextlib.contextmanager
+    def _my_turn(self) -> Iterator[None]:
+        """Wait for the completions that came before this one (first come, first served)."""
+        ticket = object()
+        with self._turn:
+            self._queue.append(ticket)
+            self._turn.wait_for(lambda: self._queue[0] is ticket)
+        try:
+            yield
+        finally:
+            with self._turn:
+                self._queue.popleft()
+                self._turn.notify_all()
+
+    def complete(self, prompt: str, max_tokens: int, on_text=None, stop: list[str] | tuple = (),
+                 alive: Callable[[], bool] | None = None) -> dict:
         """Greedy completion, ending at EOS, `max_tokens` or the first stop string (not included).
 
         `on_text(delta)` sees the text as it grows: a partly decoded
         character, or what may be the start of a stop string, is sent only
-        once it is known.  Raises RequestError(503) when busy or stopping.
+        once it is known.  `alive()` says whether the client still waits: one
+        that left is not generated for (checked at its turn and every
+        `ALIVE_EVERY` tokens; ConnectionError).  Raises RequestError(503) when
+        busy or stopping.
         """
         import torch
 
@@ -195,7 +221,7 @@ class LLMService:
                 param = "max_tokens" if len(ids) < self.context else "prompt"
                 raise RequestError(400, f"'prompt' is {len(ids)} tokens and 'max_tokens' {max_tokens}: together more "
                                    f"than the model's context of {self.context} tokens", param)
-            with self._run:
+            with self._my_turn():
                 out: list[int] = []
                 shown = [0]
                 cut: list[int] = []          # where a stop string begins, once one appears
@@ -204,6 +230,8 @@ class LLMService:
                     if self._closing:
                         raise RequestError(503, "the agent is shutting down", kind="server_busy")
                     out.append(t)
+                    if alive is not None and len(out) % ALIVE_EVERY == 0 and not alive():
+                        raise ConnectionError("the client left mid-completion")
                     if on_text is None and not stop:
                         return
                     text = self.tok.decode(out, skip_special_tokens=True)
@@ -219,6 +247,8 @@ class LLMService:
 
                 if self._closing:
                     raise RequestError(503, "the agent is shutting down", kind="server_busy")
+                if alive is not None and not alive():
+                    raise ConnectionError("the client left while its completion waited")
                 try:
                     self.pm.generate(torch.tensor([ids], dtype=torch.long), max_tokens, on_token=token)
                 except _StopSequence:
@@ -251,6 +281,15 @@ class LLMService:
                 self.send_header("Content-Length", str(len(body)))
                 self.end_headers()
                 self.wfile.write(body)
+
+            def _client_waits(self) -> bool:
+                """False once the client has closed its end (its socket reads as ended, without blocking)."""
+                try:
+                    if not select.select([self.connection], [], [], 0)[0]:
+                        return True                    # nothing to read: still connected, waiting
+                    return bool(self.connection.recv(1, socket.MSG_PEEK))
+                except OSError:
+                    return False
 
             def _error(self, err: RequestError) -> None:
                 self._json(err.status, {"error": {"message": err.message, "type": err.kind, "param": err.param}})
@@ -321,7 +360,8 @@ class LLMService:
                     if req["stream"]:
                         self._stream(req)
                     else:
-                        res = service.complete(req["prompt"], req["max_tokens"], stop=req["stop"])
+                        res = service.complete(req["prompt"], req["max_tokens"], stop=req["stop"],
+                                               alive=self._client_waits)
                         self._json(200, _completion(service.model_name, res))
                 except ConnectionError:        # the client left: nobody to answer
                     self.close_connection = True

@@ -466,3 +466,58 @@ def test_an_llm_port_already_taken_fails_the_start_naming_it_and_leaves_nothing_
     done.start()
     done.join(10)
     assert not done.is_alive()
+
+
+def test_completions_run_in_arrival_order_and_one_whose_client_left_is_not_generated(tmp_path, tiny_zoo, llm_store):
+    """The first completion is paused after its first token; then B (whose client hangs up while it waits), C
+    and D queue behind it.  B is never generated for, and C runs before D."""
+    import socket
+
+    store, want = llm_store
+    agent = Agent(load_config(_line(tmp_path, tiny_zoo, store, "fifo"), env={})).start()
+    service = agent.llm
+    port = service.port
+    reached, go = threading.Event(), threading.Event()
+    real = service.pm.generate
+    ran: list[list[int]] = []
+
+    def paused(ids, n, on_token=None):
+        ran.append(ids[0].tolist())
+        seen = []
+
+        def tok(t):
+            on_token(t)
+            seen.append(t)
+            if len(ran) == 1 and len(seen) == 1:
+                reached.set()
+                go.wait(30)
+        return real(ids, n, on_token=tok)
+    service.pm.generate = paused
+    got = {}
+
+    def ask(key, prompt):
+        got[key] = _post(port, {"prompt": prompt, "max_tokens": TOKENS})
+    try:
+        threads = [threading.Thread(target=ask, args=("A", "first"))]
+        threads[0].start()
+        assert reached.wait(60)
+        body = json.dumps({"prompt": "gone", "max_tokens": TOKENS}).encode()
+        leaver = socket.create_connection(("127.0.0.1", port), timeout=30)
+        leaver.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % len(body) + body)
+        until(lambda: len(service._queue) == 2, 30, "B to queue")
+        leaver.close()                                             # B's client hangs up while B waits
+        for key, prompt in (("C", PROMPTS[0]), ("D", PROMPTS[1])):
+            threads.append(threading.Thread(target=ask, args=(key, prompt)))
+            threads[-1].start()
+            until(lambda n=len(threads) + 1: len(service._queue) == n, 30, f"{key} to queue")
+        go.set()
+        for t in threads:
+            t.join(60)
+            assert not t.is_alive()
+    finally:
+        go.set()
+        agent.stop()
+    tok = byte_tokenizer()
+    assert ran == [tok.encode(p) for p in ("first", PROMPTS[0], PROMPTS[1])]     # B skipped, then C before D
+    assert [got[k][0] for k in "ACD"] == [200, 200, 200]
+    assert [json.loads(got[k][1])["choices"][0]["text"] for k in "CD"] == [want[PROMPTS[0]], want[PROMPTS[1]]]
