@@ -404,7 +404,8 @@ def replay(recording: str, line: str, config_path: str | None, endpoint: str | N
         click.echo(f"warning: {report.malformed_acks} answer(s) from {endpoint} were not acks (is it a coe-edge agent "
                    f"of this version?), e.g. {'; '.join(report.malformed[:3])}", err=True)
     if report.unacked:
-        raise click.ClickException(f"{len(report.unacked)} frame(s) never acked, e.g. {report.unacked[:3]} "
+        unsent = f", {report.unsent} of them never sent before the deadline" if report.unsent else ""
+        raise click.ClickException(f"{len(report.unacked)} frame(s) never acked{unsent}, e.g. {report.unacked[:3]} "
                                    f"(is the agent running on {endpoint}?)")
     if report_dir and report.duplicate:
         raise click.ClickException(

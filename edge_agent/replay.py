@@ -30,7 +30,8 @@ class ReplayReport:
     unmatched_rejects: int = 0
     reasons: Counter = field(default_factory=Counter)
     rejected_ids: list[str] = field(default_factory=list)
-    unacked: list[str] = field(default_factory=list)
+    unacked: list[str] = field(default_factory=list)   # every frame without an ack, the never-sent ones included
+    unsent: int = 0               # frames the deadline came before they were sent at all (counted in `unacked`)
     seconds: float = 0.0
     malformed_acks: int = 0       # answers that were not (frame id, status, detail) with a known status: not counted
     malformed: list[str] = field(default_factory=list)   # the first few, described (frame id and what was wrong)
@@ -42,7 +43,7 @@ class ReplayReport:
     def to_json(self) -> dict:
         return {"sent": self.sent, "resent": self.resent, "accepted": self.accepted, "duplicate": self.duplicate,
                 "rejected": self.rejected, "busy": self.busy, "reasons": dict(self.reasons), "unacked": len(self.unacked),
-                "malformed_acks": self.malformed_acks, "seconds": round(self.seconds, 3)}
+                "unsent": self.unsent, "malformed_acks": self.malformed_acks, "seconds": round(self.seconds, 3)}
 
 
 def recording_messages(rec: Recording) -> Iterable[tuple[str, list[bytes]]]:
@@ -111,6 +112,9 @@ def send_messages(messages: Iterable[tuple[str, list[bytes]]], endpoint: str, *,
                     _count_ack(msg, inflight, done, report)
             now = time.monotonic()
             for fid, (due, parts) in list(backoff.items()):
+                if fid in done:        # a stale 'busy' for a copy whose later copy has been acked since
+                    del backoff[fid]
+                    continue
                 if now >= due and _send(sock, parts):
                     del backoff[fid]
                     report.resent += 1
@@ -122,6 +126,10 @@ def send_messages(messages: Iterable[tuple[str, list[bytes]]], endpoint: str, *,
             if progress:
                 progress(report)
         report.unacked = sorted(inflight) + ([stalled[0]] if stalled else [])
+        if not exhausted:      # the deadline came first: the frames never sent are not acked either
+            unsent = [fid for fid, _ in source if fid not in done and fid not in inflight]
+            report.unsent = len(unsent) + (1 if stalled else 0)
+            report.unacked += unsent
     finally:
         report.seconds = time.monotonic() - t0
         sock.close(linger=0)
