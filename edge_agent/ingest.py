@@ -18,7 +18,7 @@ import zmq
 
 from coe import Frame
 from routing import RouteError
-from storage.results import JournalEntry
+from storage.results import JournalEntry, is_database_fault
 
 from . import protocol as P
 from .metrics import Metrics
@@ -183,7 +183,13 @@ class Ingest:
         for identity, c in checked:
             if isinstance(c, P.Reject):
                 acks.append((identity, P.ack(c.frame_id, P.REJECTED, c.ack_detail), c.reason))
-            elif next(fresh_iter):
+                continue
+            fresh_one = next(fresh_iter)
+            if fresh_one is None:
+                rej = P.Reject(P.BAD_FIELD, "the journal cannot store this frame (see the agent's log)",
+                               c.frame.frame_id)
+                acks.append((identity, P.ack(rej.frame_id, P.REJECTED, rej.ack_detail), rej.reason))
+            elif fresh_one:
                 accepted.append(c)
                 acks.append((identity, P.ack(c.frame.frame_id, P.ACCEPTED, ""), P.ACCEPTED))
             else:
@@ -201,8 +207,14 @@ class Ingest:
             if accepted:
                 self._on_accepted(accepted)
 
-    def _journal(self, entries, errors) -> list[bool]:
-        """Journal with retries: nothing is acked until this commits, so waiting is always safe."""
+    def _journal(self, entries, errors) -> list[bool | None]:
+        """Journal with retries: nothing is acked until this commits, so waiting is always safe.
+
+        Per entry: True (fresh), False (a duplicate), or None: a frame no
+        write can store while the database itself is fine (a row fault,
+        `is_database_fault` false, three times running), which is rejected by
+        name instead of blocking every client behind it.
+        """
         attempt = 0
         while True:
             try:
@@ -211,6 +223,37 @@ class Ingest:
                 attempt += 1
                 log.error("journal write failed (attempt %d), retrying; no frame of this read is acked: %s",
                           attempt, exc)
+                if self._stop.is_set() and attempt >= 3:
+                    raise
+                if attempt >= 3 and not is_database_fault(exc):
+                    return self._journal_apart(entries, errors)
+                time.sleep(min(0.1 * 2 ** attempt, 2.0))
+
+    def _journal_apart(self, entries, errors) -> list[bool | None]:
+        """A read the journal keeps refusing on its rows: each frame alone, each errors row alone.
+
+        A database fault meanwhile is waited out on that one row (never a whole
+        retry: frames journaled already would then read as duplicates, acked
+        but never handed to the agent)."""
+        out: list[bool | None] = []
+        for entry in entries:
+            out.append(self._journal_one([entry], [], f"frame {entry.frame_id}"))
+        for row in errors:
+            self._journal_one([], [row], f"the errors row for frame {row.get('frame_id')}")
+        return out
+
+    def _journal_one(self, entries, errors, what: str) -> bool | None:
+        attempt = 0
+        while True:
+            try:
+                got = self.store.journal(entries, errors)
+                return got[0] if got else True
+            except Exception as exc:  # noqa: BLE001 - decided below: the row's fault, or the database's
+                attempt += 1
+                if not is_database_fault(exc):
+                    log.error("%s cannot be journaled (%s: %s); %s", what, type(exc).__name__, exc,
+                              "it is rejected" if entries else "the row is dropped")
+                    return None
                 if self._stop.is_set() and attempt >= 3:
                     raise
                 time.sleep(min(0.1 * 2 ** attempt, 2.0))

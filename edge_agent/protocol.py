@@ -92,7 +92,10 @@ def parse_header(raw: bytes, *, require_component: bool = True) -> Header:
     if not isinstance(obj, dict):
         raise Reject(MALFORMED_JSON, f"header must be a JSON object, got {type(obj).__name__}")
     frame_id = obj.get("frame_id") if isinstance(obj.get("frame_id"), str) else ""
-    frame_id = frame_id[:MAX_ID_LEN]
+    frame_id = _printable(frame_id[:MAX_ID_LEN])
+    bad = _not_unicode(obj)
+    if bad is not None:   # JSON's "\ud800": a string no UTF-8 store, log or ack can hold
+        raise Reject(BAD_FIELD, f"{bad} holds a lone surrogate escape (not Unicode text)", frame_id)
     if "v" in obj and obj["v"] != VERSION and isinstance(obj["v"], int) and not isinstance(obj["v"], bool):
         raise Reject(UNKNOWN_VERSION, f"protocol version {obj['v']} not supported (this agent speaks v{VERSION})", frame_id)
     required = _REQUIRED + (("component",) if require_component else ())
@@ -125,6 +128,30 @@ def parse_header(raw: bytes, *, require_component: bool = True) -> Header:
     return Header(v=VERSION, frame_id=obj["frame_id"], line=obj["line"], board_id=obj["board_id"],
                   component=obj.get("component"), ts=float(obj["ts"]), encoding=obj["encoding"],
                   shape=shape, dtype=obj.get("dtype", "uint8") if shape else None)
+
+
+def _not_unicode(obj: dict) -> str | None:
+    """The first key or string value (one level of lists) that is not encodable text, named; None if all are."""
+    for key, val in obj.items():
+        if not _encodes(key):
+            return f"a field name ({_printable(key)!r})"
+        for v in (val if isinstance(val, list) else (val,)):
+            if isinstance(v, str) and not _encodes(v):
+                return f"field '{_printable(key)}'"
+    return None
+
+
+def _encodes(text: str) -> bool:
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _printable(text: str) -> str:
+    """`text` with anything UTF-8 cannot hold escaped as a backslash sequence, so a reject can name it."""
+    return text if _encodes(text) else text.encode("utf-8", "backslashreplace").decode("utf-8")
 
 
 def _raw_shape(obj: dict, frame_id: str) -> tuple[int, int, int]:

@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from storage.results import ResultStore
+from storage.results import ResultStore, is_database_fault
 
 log = logging.getLogger(__name__)
 
@@ -191,7 +191,7 @@ class ResultWriter:
                               "they are re-run from the journal at next start: %s", attempt, len(p.verdicts), why)
                     self.gave_up += len(p.verdicts)
                     return
-                if attempt >= 3 and len(p) > 1 and not _database_fault(exc):
+                if attempt >= 3 and len(p) > 1 and not is_database_fault(exc):
                     apart = self._write_apart(store, p)
                     if apart is not None:
                         stored = apart
@@ -217,7 +217,7 @@ class ResultWriter:
     def _write_apart(self, store: ResultStore, p: _Pending) -> set[str] | None:
         """A batch that keeps failing on its rows, written a row at a time: the stored verdicts, or None.
 
-        Called only for an error that is not the database's own (`_database_fault`):
+        Called only for an error that is not the database's own (`is_database_fault`):
         when some rows go in and others do not, the others are at fault (a row
         no schema takes: a bug upstream).  They are set aside, named in the log
         and the errors table, so they stop blocking every verdict queued behind
@@ -248,7 +248,7 @@ class ResultWriter:
                                   u.verdicts[0].get("frame_id"), why)
                     break
                 except Exception as exc:  # noqa: BLE001 - the row's own fault, or the database's
-                    if _database_fault(exc):
+                    if is_database_fault(exc):
                         return None
                     why = _clip(f"{type(exc).__name__}: {exc}")
             else:
@@ -276,24 +276,6 @@ class ResultWriter:
 
 
 _ROW_NAMES = {"verdicts": "a verdict", "inferences": "an inference", "errors": "an error", "events": "an event"}
-
-# SQLite's words for a fault of the database itself, not of a row: retrying later is the cure
-_DB_FAULTS = ("locked", "busy", "full", "readonly", "read-only", "disk i/o", "malformed", "not a database",
-              "unable to open", "no such table")
-
-
-def _database_fault(exc: BaseException) -> bool:
-    """True when the database, not the row, failed the write (a row is never set aside for it)."""
-    import sqlite3
-
-    if isinstance(exc, OSError):
-        return True
-    if isinstance(exc, (sqlite3.IntegrityError, sqlite3.ProgrammingError, sqlite3.InterfaceError)):
-        return False          # a constraint, a binding, a type: the row's
-    if isinstance(exc, sqlite3.OperationalError):   # both kinds: 'database is locked', 'has no column named x'
-        return any(w in str(exc).lower() for w in _DB_FAULTS)
-    return isinstance(exc, sqlite3.DatabaseError)   # 'database disk image is malformed', 'file is not a database'
-
 
 def _clip(text: str, limit: int = 400) -> str:
     return text if len(text) <= limit else text[:limit] + " ..."

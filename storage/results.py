@@ -316,3 +316,19 @@ class ResultStore:
         return {"frames": q("SELECT count(*) FROM frames"), "verdicts": q("SELECT count(*) FROM verdicts"),
                 "by_verdict": by_kind, "errors": q("SELECT count(*) FROM errors"),
                 "inferences": q("SELECT count(*) FROM inferences"), "expert_events": events}
+
+
+# SQLite's words for a fault of the database itself, not of a row: retrying later is the cure
+_DB_FAULTS = ("locked", "busy", "full", "readonly", "read-only", "disk i/o", "malformed", "not a database",
+              "unable to open", "no such table")
+
+
+def is_database_fault(exc: BaseException) -> bool:
+    """True when the database, not the row, failed the write (a row is never set aside for it)."""
+    if isinstance(exc, OSError):
+        return True
+    if isinstance(exc, (sqlite3.IntegrityError, sqlite3.ProgrammingError, sqlite3.InterfaceError)):
+        return False          # a constraint, a binding, a type: the row's
+    if isinstance(exc, sqlite3.OperationalError):   # both kinds: 'database is locked', 'has no column named x'
+        return any(w in str(exc).lower() for w in _DB_FAULTS)
+    return isinstance(exc, sqlite3.DatabaseError)   # 'database disk image is malformed', 'file is not a database'

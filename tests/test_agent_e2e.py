@@ -147,6 +147,8 @@ BAD_CASES = {
     "bad-trunc": ([_header("bad-trunc"), _png(7)[:60]], P.BAD_IMAGE),
     "bad-big": ([_header("bad-big", encoding="raw", shape=[200, 200, 3]), bytes(200 * 200 * 3)], P.OVERSIZE),
     "bad-parts": ([_header("bad-parts"), _png(8), b"extra"], P.BAD_FRAMING),
+    # a JSON escape of half a surrogate pair: no SQLite row or ack can hold it (it blocked ingest once)
+    "bad-surrogate": ([_header("bad-surrogate", board_id="\ud800"), _png(9)], P.BAD_FIELD),
     "bad-one-part": ([_header("bad-one-part")], P.BAD_FRAMING),
 }
 

@@ -236,3 +236,28 @@ def test_an_atomic_write_that_fails_leaves_the_old_file_and_no_temp(tmp_path, mo
     monkeypatch.setattr(os, "fsync", real)
     assert json.loads(path.read_text()) == {"v": 1}
     assert [p.name for p in tmp_path.iterdir()] == ["profile.json"]
+
+
+def test_a_frame_the_journal_cannot_store_is_rejected_and_the_frames_beside_it_are_journaled(tmp_path):
+    """A row fault (here a frame id SQLite cannot encode, past the header checks) three times running: the read
+    is journaled frame by frame, the bad frame is answered rejected, and the good ones are accepted."""
+    from conftest import db_rows
+    from edge_agent.ingest import Ingest
+    from edge_agent.metrics import Metrics
+
+    ctx = zmq.Context()
+    sock = ctx.socket(zmq.ROUTER)
+    rs = ResultStore(tmp_path / "r.db")
+    ingest = Ingest(sock, rs, line="A", router=None, max_payload=1 << 20, metrics=Metrics("A"),
+                    on_accepted=lambda a: None, free_slots=lambda: 100)
+    entries = [JournalEntry(fid, "A", "B0", "R0402", 1.0, 1.0, "{}", b"x") for fid in ("g1", "\ud800", "g2", "g1")]
+    errors = [{"frame_id": "r1", "kind": "reject:bad_field", "message": "m", "at": 1.0}]
+    try:
+        assert ingest._journal(entries, errors) == [True, None, True, False]     # the repeat of g1 counts once
+    finally:
+        rs.close()
+        sock.close(linger=0)
+        ctx.term()
+    assert [r[0] for r in db_rows(tmp_path / "r.db", "SELECT frame_id FROM journal ORDER BY frame_id")] \
+        == ["g1", "g2"]
+    assert db_rows(tmp_path / "r.db", "SELECT frame_id FROM errors") == [("r1",)]

@@ -183,7 +183,7 @@ def test_the_agent_is_not_ready_while_its_result_writes_keep_failing(tiny_line, 
 
 
 def test_sqlites_own_faults_are_the_databases_and_a_rows_faults_are_the_rows():
-    fault = writer_mod._database_fault
+    from storage.results import is_database_fault as fault
     assert fault(sqlite3.OperationalError("database is locked"))
     assert fault(sqlite3.OperationalError("database or disk is full"))
     assert fault(sqlite3.OperationalError("attempt to write a readonly database"))
