@@ -38,7 +38,7 @@ from storage.tiers import HostReadSource, StoreSource, TierSource, demote, measu
 
 from . import protocol as P
 from .config import ExecutorConfig, LineConfig, endpoint_parts
-from .ingest import Accepted, Ingest, check_frame, route_learned
+from .ingest import MAX_READ, Accepted, Ingest, check_frame, route_learned
 from .metrics import Metrics
 from .status_model import DefectEntry, Health, StatusModel, StatusSources
 from .writer import ResultWriter
@@ -797,12 +797,24 @@ class Agent:
         checked: list = []
         for entry in pending:
             try:
-                checked.append((entry, check_frame([entry.header.encode(), entry.payload], line=self.cfg.line,
-                                                   router=self.router, max_payload=1 << 62)))
+                c = check_frame([entry.header.encode(), entry.payload], line=self.cfg.line, router=self.router,
+                                max_payload=1 << 62)
             except P.Reject as rej:
-                checked.append((entry, rej))
+                c = rej
+            except Exception as exc:  # noqa: BLE001 - one unreadable entry costs its frame, not the start
+                log.exception("journaled frame %s cannot be read back", entry.frame_id)
+                c = P.Reject(P.BAD_FIELD, f"unreadable in the journal ({type(exc).__name__}: {exc})", entry.frame_id)
+            # a learned route was decided when the frame was accepted, and its component journaled: keep it (a
+            # router changed since, or failing now, must not turn an accepted frame into an error)
+            comp = self.model.components.get(entry.component or "")
+            if isinstance(c, Accepted) and c.expert_id is None and comp is not None:
+                c.expert_id, c.frame.component = comp.classifier, comp.name
+            checked.append((entry, c))
         if getattr(self.router, "needs_image", False):
-            route_learned(self.router, checked)
+            for i in range(0, len(checked), MAX_READ):     # as ingest routes: a read at a time, not the backlog
+                part = checked[i:i + MAX_READ]
+                route_learned(self.router, part)
+                checked[i:i + MAX_READ] = part
         again = []
         for entry, c in checked:
             if isinstance(c, P.Reject):  # spec or router changed since: still exactly one verdict per frame

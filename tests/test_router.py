@@ -8,7 +8,6 @@ exactly, so they do not depend on what training happened to learn.
 from __future__ import annotations
 
 import json
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -19,7 +18,7 @@ from torch import nn
 from coe import CoEError, StepOutput, parse_spec
 from coe import probabilities as P
 from routing import Route, RouteError, RuleRouter
-from routing.learned import ROUTER_ARCH, ROUTER_ID, LearnedRouter, RouterNet
+from routing.learned import ROUTER_ARCH, ROUTER_ID, LearnedRouter
 from routing.train import (decode_frame, evaluate_router, load_frames, plot_confusion, sample_probabilities,
                            train_router)
 from storage.expert_store import ExpertStore
@@ -325,15 +324,12 @@ def test_cli_errors_are_one_clear_line(recs, tmp_path):
     assert res.exit_code == 1 and "cannot be rule-routed" in res.output
 
 
-def test_agent_runs_end_to_end_with_learned_routing(tmp_path, tiny_zoo):
-    """`routing: learned`: frames without a component are routed by the model, and every frame gets a verdict."""
+def _learned_line(tmp_path, tiny_zoo, threshold: float = 0.5):
+    """A tiny line with `routing: learned` (a router trained here) and a held-out recording without components."""
     import shutil
-    import sqlite3
 
     from conftest import write_line
-    from edge_agent.agent import Agent
     from edge_agent.config import load_config
-    from edge_agent.replay import replay as send
     from routing import LearnedRouter
     from routing.train import train_router
     from storage.expert_store import ExpertStore
@@ -348,10 +344,21 @@ def test_agent_runs_end_to_end_with_learned_routing(tmp_path, tiny_zoo):
     net, classes, _ = train_router(model, train, epochs=6, seed=0, input_size=32)
     store = ExpertStore(store_dir)
     LearnedRouter(model, net, classes, 32).save(store)
-    cfg = load_config(write_line(tmp_path / "line", store=store_dir, routing={"mode": "learned", "threshold": 0.5}),
-                      env={})
+    cfg = load_config(write_line(tmp_path / "line", store=store_dir, routing={"mode": "learned",
+                                                                            "threshold": threshold}), env={})
     test = Recording(record_synthetic(model, tmp_path / "test", 60, line="T", seed=6, size=32, omit_component=True,
                                       boards_components=20))
+    return cfg, test
+
+
+def test_agent_runs_end_to_end_with_learned_routing(tmp_path, tiny_zoo):
+    """`routing: learned`: frames without a component are routed by the model, and every frame gets a verdict."""
+    import sqlite3
+
+    from edge_agent.agent import Agent
+    from edge_agent.replay import replay as send
+
+    cfg, test = _learned_line(tmp_path, tiny_zoo)
     agent = Agent(cfg).start()
     try:
         report = send(test, agent.endpoints["ingest"])
@@ -367,3 +374,30 @@ def test_agent_runs_end_to_end_with_learned_routing(tmp_path, tiny_zoo):
     truth = {f.header["frame_id"]: f.truth_component for f in test}
     right = sum(rows[fid] == truth[fid] for fid in rows)
     assert right >= 0.8 * len(rows)                                 # routed to the right chain
+
+
+def test_recovered_frames_keep_the_route_decided_when_they_were_accepted(tmp_path, tiny_zoo):
+    """Frames journaled by a run that died before their verdicts, each with the component its learned route chose:
+    the next start runs them on that component, even under a router that now refuses nearly every frame (threshold
+    0.9999); before, it routed the whole backlog again and gave each refused frame an error verdict."""
+    from conftest import db_rows
+    from edge_agent import protocol as P
+    from edge_agent.agent import Agent
+    from storage.results import JournalEntry, ResultStore
+
+    cfg, test = _learned_line(tmp_path, tiny_zoo, threshold=0.9999)
+    frames = list(test)[:20]
+    rs = ResultStore(cfg.db_path)
+    rs.journal([JournalEntry(f.header["frame_id"], "T", f.header["board_id"], f.truth_component, f.header["ts"],
+                             1.0, P.encode_header(f.header).decode(), test.payload(f)) for f in frames])
+    rs.close()
+    agent = Agent(cfg).start()
+    try:
+        assert agent.wait_verdicts(len(frames), timeout=120)
+    finally:
+        agent.stop()
+    rows = db_rows(cfg.db_path, "SELECT frame_id, verdict, reason FROM verdicts")
+    assert len(rows) == len(frames)
+    assert not [r for r in rows if r[2].startswith("recovery:")], rows
+    assert dict(db_rows(cfg.db_path, "SELECT frame_id, component FROM frames")) == {
+        f.header["frame_id"]: f.truth_component for f in frames}
