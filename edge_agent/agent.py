@@ -39,6 +39,7 @@ from storage.tiers import HostReadSource, StoreSource, TierSource, demote, measu
 from . import protocol as P
 from .config import ExecutorConfig, LineConfig, endpoint_parts
 from .ingest import MAX_READ, Accepted, Ingest, check_frame, route_learned
+from .instance_lock import InstanceLock
 from .metrics import Metrics
 from .status_model import DefectEntry, Health, StatusModel, StatusSources
 from .writer import ResultWriter
@@ -455,6 +456,7 @@ class Agent:
             from .cluster import connect
 
             connect(cfg.cluster, sorted({s.ex.node for s in self.slots if s.ex.node}))
+        self._instance = InstanceLock(cfg.db_path).acquire()    # before anything binds or reads the journal
         try:
             self._start_parts(cfg)
         except BaseException:
@@ -484,7 +486,8 @@ class Agent:
                                      self.status.stop())),
                  ("journal", lambda: self.journal.close() if getattr(self, "journal", None) else None),
                  ("store", lambda: self._line_store.close_reader() if getattr(self, "_line_store", None) else None),
-                 ("sockets", lambda: self.ctx.destroy(linger=0))]
+                 ("sockets", lambda: self.ctx.destroy(linger=0)),
+                 ("instance lock", self._instance.release)]
         for what, step in steps:
             try:
                 step()
@@ -724,11 +727,12 @@ class Agent:
             left = len(self._inflight)
         if left:
             log.error("stopped with %d frame(s) still in flight; they are journaled and re-run at next start", left)
+        elif not drained:
+            log.info("the drain timed out after %.1f s, but every frame committed while the agent closed", timeout)
         if self.writer.set_aside:
             log.error("%d result row(s) were set aside as unstorable while serving (see the log above); a set-aside "
                       "verdict's frame is journaled and re-run at next start", self.writer.set_aside)
-        elif not drained:
-            log.info("the drain timed out after %.1f s, but every frame committed while the agent closed", timeout)
+        self._instance.release()
         return not left
 
     def dead_threads(self) -> list[str]:

@@ -85,3 +85,29 @@ def test_a_drain_that_times_out_but_finishes_while_the_agent_closes_counts_as_dr
     assert [r for r in caplog.records if "every frame committed while the agent closed" in r.getMessage()]
     assert sorted(r[0] for r in db_rows(agent.cfg.db_path, "SELECT frame_id FROM verdicts")) == ids
     assert db_rows(agent.cfg.db_path, "SELECT count(*) FROM journal") == [(0,)]
+
+
+def test_a_second_agent_on_the_same_results_database_is_refused_naming_the_first(tmp_path, tiny_zoo):
+    """Another config (other ports) on the same data dir: the second start fails before it binds or reads the
+    journal, names the first agent's pid, and leaves the first serving; once the first stops, it starts."""
+    import os
+
+    import pytest
+
+    from coe import CoEError
+
+    shutil.copytree(tiny_zoo, tmp_path / "experts")
+    first_cfg = write_line(tmp_path / "a", store=tmp_path / "experts", fixed_ports=True)
+    data = tmp_path / "a" / "data"
+    second_cfg = write_line(tmp_path / "b", store=tmp_path / "experts", fixed_ports=True, data_dir=str(data))
+    first = Agent(load_config(first_cfg, env={})).start()
+    try:
+        second = Agent(load_config(second_cfg, env={}))
+        with pytest.raises(CoEError, match=f"another agent \\(pid {os.getpid()}\\) serves the results database "
+                                           f"{data / 'results.db'}"):
+            second.start()
+        assert first.health().ready
+    finally:
+        assert first.stop() is True
+    again = Agent(load_config(second_cfg, env={})).start()
+    assert again.stop() is True
