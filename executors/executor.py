@@ -16,7 +16,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from coe import CoEModel, ExpertLoadError, StepOutput
+from coe import CoEError, CoEModel, ExpertLoadError, StepOutput
 
 from .backends import get_backend
 from .prefetch import Deferred, Prefetcher
@@ -24,6 +24,7 @@ from .scheduler import Batch, Scheduler
 from .skeletons import Skeletons
 
 log = logging.getLogger(__name__)
+ROOM_WAIT_S = 60.0     # how long a batch waits for pinned experts to leave room for its own before it fails
 
 
 @dataclass
@@ -141,10 +142,14 @@ class Executor:
         since = pf.now() if pf is not None else 0.0
         mine = self._load_estimate(expert_id) if pf is not None else 0.0   # before it is reserved
         own = got = None
+        deadline = time.monotonic() + ROOM_WAIT_S
         while got is None:
             own = Deferred()             # this thread loads it, once the next one is planned
             got = self.pool.acquire_async(expert_id, own)
             if got is None:  # pinned experts hold the room; wait for a release
+                if time.monotonic() > deadline:   # a pin that is never released: an error verdict, not a spin
+                    raise CoEError(f"{self.name}: no room for expert {expert_id} in its pool of "
+                                   f"{self.pool.capacity / 1e6:.0f} MB: pinned experts held it for {ROOM_WAIT_S:.0f} s")
                 time.sleep(0.002)
         try:
             if pf is not None:

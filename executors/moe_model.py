@@ -363,13 +363,16 @@ def load_pooled(root: str | Path, *, memory: int, policy: str = "lru", quota: st
         if e.event == "evict" and not e.stale and not pmodel.closing:
             demote(e, pmodel.host, ranked=True, spares=spares)
 
+    # without a host tier, a CUDA pool stages through pinned host buffers kept for the next loads: one set of
+    # LOADERS for the model (the loads that run at once), however many per-layer pools share it
+    staging = SpareBuffers(LOADERS) if pmodel.host is None and dev.type == "cuda" else None
     for key, cap in caps.items() if shared_pool is None else ():
         if pmodel.host is not None:
             source = TierSource(pmodel.host, str(dev), exclusive=exclusive, spares=spares if spares is not None else 0)
         else:
             source = StoreSource(store, pin=dev.type == "cuda", drop_after_read=drop_after_read)
-            if dev.type == "cuda":   # staged through pinned host buffers, kept for the next loads
-                source = TierSource(source, str(dev), spares=LOADERS)
+            if staging is not None:
+                source = TierSource(source, str(dev), spares=staging)
         pools[key] = Pool(dev.type, cap, make_policy(policy), source, probabilities=popularity or {}, context=ctx,
                           on_event=on_event if exclusive else None, name=f"{layout.model}:{'all' if key is None else f'L{key:02d}'}")
     pmodel.pools = list(pools.values())

@@ -239,10 +239,7 @@ class Pool:
             # instead cost a real CPU run a quarter of Samba-CoE's throughput
             entry.reported.extend(e.value for e in events if e.value is not None)
         for ev in events:
-            try:
-                self._on_event(ev)
-            except Exception:  # noqa: BLE001 - the other victims must still be told before their memory is reused
-                log.exception("%s pool: a listener failed on the eviction of %s", self.tier, ev.expert_id)
+            self._tell(ev)
 
     def _join_loading(self, expert_id: str, submit: Callable[[Callable[[], Handle]], Future]) -> Future | None:
         """If `expert_id` is loading, pin its entry and return a future of it (see `acquire_async`); else None.
@@ -308,7 +305,7 @@ class Pool:
             self._cond.notify_all()
         try:
             for ev in victims:
-                self._on_event(ev)
+                self._tell(ev)
         finally:
             victims = ev = None
             self._rescue(expert_id, joined)   # the joiners load for themselves, whatever a listener raised
@@ -379,7 +376,7 @@ class Pool:
                 if entry is not None:
                     early, entry.reported = entry.reported, []
             for ev in events:
-                self._on_event(ev)
+                self._tell(ev)
             ev = entry = None
             reuse = [e.value for e in events if e.value is not None] + early if reuse_victims else []
             events.clear()
@@ -411,7 +408,7 @@ class Pool:
             self._stats.manage_seconds += time.perf_counter() - entered - wall
             self._cond.notify_all()
         self._hand_over(expert_id, entry, joined)
-        self._on_event(PoolEvent(expert_id, self.tier, event, entry.nbytes, seconds, time.time()))
+        self._tell(PoolEvent(expert_id, self.tier, event, entry.nbytes, seconds, time.time()))
         return entry
 
     def peek(self, expert_id: str):
@@ -565,7 +562,7 @@ class Pool:
                 entry.drop_on_release = entry.drop_on_release or when_free
                 return False
             ev = self._evict_locked(expert_id, stale=when_free)
-        self._on_event(ev)
+        self._tell(ev)
         return True
 
     def release(self, handle: Handle) -> None:
@@ -579,7 +576,7 @@ class Pool:
                 ev = self._evict_locked(handle.expert_id)
             self._cond.notify_all()
         if ev is not None:
-            self._on_event(ev)
+            self._tell(ev)
 
     def evict(self, expert_id: str) -> bool:
         """Evict an unpinned resident expert; False if it was not resident."""
@@ -590,7 +587,7 @@ class Pool:
             if entry.pins or entry.loading:
                 raise CoEError(f"cannot evict '{expert_id}': a running batch holds it or it is still loading")
             ev = self._evict_locked(expert_id)
-        self._on_event(ev)
+        self._tell(ev)
         return True
 
     def contains(self, expert_id: str) -> bool:
@@ -628,9 +625,22 @@ class Pool:
         with self._cond:
             evs = [self._evict_locked(k) for k in [k for k, e in self._entries.items() if not e.pins and not e.loading]]
         for ev in evs:
-            self._on_event(ev)
+            self._tell(ev)
 
     # -- internals ----------------------------------------------------------------
+    def _tell(self, ev: PoolEvent) -> None:
+        """Tell the listener; one that raises is logged, never allowed to undo what the pool already did.
+
+        The event reports a change made under the lock (an entry filled and
+        pinned for its caller, a victim gone): a raise here would leave a pin
+        no handle ever reaches, or the other victims untold before their
+        memory is reused.
+        """
+        try:
+            self._on_event(ev)
+        except Exception:  # noqa: BLE001 - the pool's state is already changed; the listener's failure is its own
+            log.exception("%s pool: a listener failed on the %s of %s", self.tier, ev.event, ev.expert_id)
+
     def _state_locked(self, ctx: dict, incoming: str | None = None, keep: Collection[str | None] = ()) -> PoolState:
         """What the policy sees; `keep` residents look pinned (not victims), as held ones do."""
         return PoolState(self.capacity, tuple(

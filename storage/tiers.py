@@ -332,9 +332,15 @@ class HostReadSource:
     def load(self, expert_id: str, reuse=None) -> FlatWeights:
         reuse = reuse if reuse is not None else []
         handle = self.host.hold(expert_id) if self.compatible(expert_id) else None
-        if handle is not None and not self._current(expert_id, handle.value):
-            self.host.release(handle)
-            handle = None
+        if handle is not None:
+            try:
+                current = self._current(expert_id, handle.value)
+            except BaseException:     # the check read the store and failed: the held copy must not stay pinned
+                self.host.release(handle)
+                raise
+            if not current:
+                self.host.release(handle)
+                handle = None
         if handle is None:
             self.from_ssd += 1
             return self.fallback.load(expert_id, reuse)

@@ -695,3 +695,27 @@ def test_a_stale_report_takes_nothing_from_a_newer_reservation_and_a_failed_load
         assert victim() is None and not p.present("c")  # its traceback does not keep the victim's memory
     finally:
         gc.enable()
+
+
+def test_a_listener_that_raises_leaks_no_pin_and_every_victim_is_still_told(caplog):
+    """A listener (the agent's: scheduler refresh, metrics, status) that raises on a load or an eviction: the
+    load's caller still gets its handle, the entry can be released and evicted, and the victims after the one
+    that raised are still reported."""
+    told = []
+
+    def listener(ev):
+        told.append((ev.event, ev.expert_id))
+        if ev.event == "load" and ev.expert_id == "a" or ev.event == "evict" and ev.expert_id == "b":
+            raise RuntimeError("listener bug")
+    p = Pool("cpu", 90, make_policy("lru"), Source({k: 30 for k in "abcde"}), on_event=listener)
+    h = p.acquire("a")                                   # its load event raised
+    assert h is not None and h.expert_id == "a"
+    p.release(h)
+    for eid in "bc":
+        use(p, eid)
+    use(p, "d")                                          # evicts a (LRU)
+    use(p, "e")                                          # evicts b, whose listener raises
+    assert ("evict", "a") in told and ("evict", "b") in told and ("load", "e") in told
+    assert p.evict("c") is True and not p.contains("c")  # no pin was left behind anywhere
+    assert set(p.resident()) == {"d", "e"}
+    assert sum("a listener failed" in r.getMessage() for r in caplog.records) == 2

@@ -11,7 +11,7 @@ import psutil
 import pytest
 import torch
 
-from coe import Expert, ExpertLoadError, parse_spec
+from coe import CoEError, Expert, ExpertLoadError, parse_spec
 from edge_agent.agent import Agent
 from edge_agent.config import load_config
 from edge_agent.replay import replay
@@ -442,3 +442,45 @@ def test_a_demotion_copies_on_its_threads_one_side_stream_not_a_new_stream_each_
     t.start()
     t.join()
     assert other[0] is not s1 and len(made) == 3
+
+
+def test_a_host_copy_whose_check_fails_is_not_left_pinned(tiny_zoo, monkeypatch):
+    """The check that the host tier's copy is current reads the store; when that read raises (a store switched
+    under it), the load fails, and the copy it held is released: evictable, not pinned for good."""
+    from coe import ExpertLoadError
+    from storage.tiers import HostReadSource
+
+    store = ExpertStore(tiny_zoo)
+    host = Pool("host", 64 * 2**20, make_policy("lru"), StoreSource(store))
+    host.release(host.acquire("det-2term"))
+    src = HostReadSource(host, StoreSource(store))
+    cpu = Pool("cpu", 40 * 2**20, make_policy("lru"), src)
+
+    def gone(eid, value):          # the check, reading a store switched under it
+        raise ExpertLoadError(eid, "<store>", "not in the manifest any more")
+    monkeypatch.setattr(src, "_current", gone)
+    with pytest.raises(ExpertLoadError, match="not in the manifest any more"):
+        cpu.acquire("det-2term")
+    assert host.evict("det-2term") is True                  # a pinned copy would raise here
+
+
+def test_a_batch_whose_expert_never_finds_room_fails_after_the_wait_instead_of_spinning(monkeypatch):
+    """Every byte of the pool pinned by a holder that never lets go (a leaked pin): the batch's acquire gives up
+    after ROOM_WAIT_S with an error naming the executor, the expert and the pool, which the batch turns into
+    error verdicts; before, the executor thread retried forever and its frames never got one."""
+    from executors import executor as executor_mod
+    from executors.executor import Executor
+
+    monkeypatch.setattr(executor_mod, "ROOM_WAIT_S", 0.2)
+    src = _Watched({"a": 60, "b": 60})
+    pool = src.pool = Pool("cpu", 100, make_policy("lru"), src)
+    held = pool.acquire("b")                                 # never released
+    ex = src.executor = Executor("cpu#0", "cpu", pool, _Next(), model=None, on_result=lambda r: None)
+    try:
+        with pytest.raises(CoEError, match=r"cpu#0: no room for expert a in its pool of 0 MB: pinned experts "
+                                           r"held it for 0 s"):
+            ex._acquire("a")
+        assert not pool.present("a") and pool.resident() == ["b"]
+    finally:
+        ex.prefetcher.close()
+        pool.release(held)
