@@ -34,7 +34,8 @@ from storage.expert_store import ExpertStore
 from storage.policies import make_policy
 from storage.pool import Pool, PoolEvent, fill_pools, initialize_tier, present_above
 from storage.results import ResultStore
-from storage.tiers import HostReadSource, StoreSource, TierSource, demote, measured_nbytes, source_dtype
+from storage.tiers import (HostReadSource, StoreSource, TierSource, current_in, demote, measured_nbytes,
+                           source_dtype)
 
 from . import protocol as P
 from .config import ExecutorConfig, LineConfig, endpoint_parts
@@ -173,6 +174,7 @@ class Agent:
         self.executors: list[Executor] = []
         self.host_tier: Pool | None = None
         self.gpu_pools = [s.name for s in self.slots if s.ex.device.startswith("cuda") and s.ex.node is None]
+        self._current = current_in(self.store)   # a demoted GPU victim must be of the version the store serves
         self.disk = DiskActivity()     # the box's SSD: demand reads in flight, which a read-ahead gives way to
         if self.gpu_pools and not cfg.unified_memory:
             self.host_tier = self._pool("host", "host", cfg.cpu_tier,
@@ -936,7 +938,8 @@ class Agent:
         if e.event == "evict" and executor is not None:
             if self.exclusive and not self._closing and not e.stale:   # a promotion's stale copy is dropped
                 if executor in self.gpu_pools:
-                    demote(e, self.host_tier, ranked=self.ranked_admission, held=self.pools[executor].present)
+                    demote(e, self.host_tier, ranked=self.ranked_admission, held=self.pools[executor].present,
+                           current=self._current)
                 elif executor in self.cpu_demoters and self._still_queued(e.expert_id):
                     # same dtype and current version only (HostReadSource)
                     self.cpu_demoters[executor].demote(e, ranked=self.ranked_admission)

@@ -23,7 +23,7 @@ from storage.disk_activity import DiskActivity
 from storage.pagecache import drop_from_page_cache
 from storage.policies import make_policy
 from storage.pool import Pool, fill_pools, initialize_tier, present_above
-from storage.tiers import HostReadSource, StoreSource, TierSource, demote, measured_nbytes
+from storage.tiers import HostReadSource, StoreSource, TierSource, current_in, demote, measured_nbytes
 
 from .costs import ExecutorInfo, ProfileCosts, store_forms
 from .executor import BatchResult, Executor
@@ -105,7 +105,7 @@ def run_real(workload: Workload, model: CoEModel, store, profile: Profile | None
         if e.event == "evict":
             if exclusive and kind == "cuda" and not e.stale and not closing:
                 # the GPU victim moves down into the host tier (unless read back in before a late report)
-                demote(e, host, ranked=system.victim_admission, held=pools[name].present)
+                demote(e, host, ranked=system.victim_admission, held=pools[name].present, current=current_in(store))
             elif (exclusive and system.cpu_demote_queued and name in host_readers and not e.stale and not closing
                   and box and box[0].has_queued(e.expert_id)):
                 # as the agent: a CPU victim a queued request still needs

@@ -206,11 +206,11 @@ class ExecutorHost:
         if e.event == "evict" and e.tier != "host":
             self.executor.on_evicted(e.value)
             if self.host is not None and self.spec.exclusive:
-                from storage.tiers import demote
+                from storage.tiers import current_in, demote
 
                 # every victim: this tier does not see the front's queues, so a ranked admission could
                 # not protect one a queued request needs (the simulator's other boxes do the same)
-                demote(e, self.host)
+                demote(e, self.host, current=current_in(self.store))
         self._events.append((e.expert_id, e.tier, e.event, e.nbytes, e.seconds, e.at))
 
     def where(self) -> dict:

@@ -244,8 +244,17 @@ class TierSource:
             self.parent.release(handle)
 
     def _promote(self, expert_id: str, reuse) -> FlatWeights:
-        """Exclusive: copy from the parent tier if it holds the expert, then let it go there; else stage from SSD."""
+        """Exclusive: copy from the parent tier if it holds the expert, then let it go there; else stage from SSD.
+
+        A held copy of a version the store no longer serves is dropped there
+        and the expert is staged from SSD: the host tier can hold one a
+        promotion made stale (see `current_in`)."""
         handle = self.parent.hold(expert_id)
+        store = getattr(self.parent.source, "store", None)
+        if handle is not None and store is not None and not current_in(store)(expert_id, handle.value):
+            self.parent.release(handle)
+            self.parent.discard(expert_id, when_free=True)
+            handle = None
         if handle is None:
             with self._counts:
                 self.staged += 1
@@ -435,8 +444,24 @@ def host_copy(src: FlatWeights, reuse: list, *, pin: bool, spares: SpareBuffers 
     return out
 
 
+def current_in(store) -> Callable[[str, object], bool]:
+    """`(expert_id, value) -> bool`: is `value` the version `store` serves now?  (False if the store cannot say.)
+
+    A copy made before a promotion switched the store must not enter a tier
+    after the store watcher dropped the stale copies: nothing would look at it
+    again, and the next miss would be served the old weights.
+    """
+    def current(expert_id: str, value) -> bool:
+        try:
+            return getattr(value, "version", None) == store.entry(expert_id).version
+        except Exception:  # noqa: BLE001 - an expert the store no longer names is not current
+            return False
+    return current
+
+
 def demote(event: PoolEvent, host: Pool, *, pin: bool | None = None, ranked: bool = False,
-           spares: SpareBuffers | None = None, held: Callable[[str], bool] | None = None) -> bool:
+           spares: SpareBuffers | None = None, held: Callable[[str], bool] | None = None,
+           current: Callable[[str, object], bool] | None = None) -> bool:
     """Move a device pool's victim (its evict `event`) down into the `host` tier; True if it was admitted.
 
     Call it from the device pool's evict callback: the pool hands the victim's
@@ -453,12 +478,16 @@ def demote(event: PoolEvent, host: Pool, *, pin: bool | None = None, ranked: boo
     before allocating (`TierSource(spares=...)`).  `held`: the evicting
     pool's `present`; a victim it holds again is not copied down (an eviction
     reported late, `Pool.report_victims`, after the victim was read back in:
-    one expert would sit in both tiers).
+    one expert would sit in both tiers).  `current` (`current_in(store)`): a
+    victim of a version the store no longer serves is not copied down (an
+    eviction reported after a promotion's switch).
     """
     value = event.value
     if getattr(value, "buffer", None) is None:
         return False   # nothing to copy (a weightless value): the simulator calls `host.admit` itself
     if held is not None and held(event.expert_id):
+        return False
+    if current is not None and not current(event.expert_id, value):
         return False
     if pin is None:
         pin = value.buffer.device.type == "cuda"

@@ -484,3 +484,30 @@ def test_a_batch_whose_expert_never_finds_room_fails_after_the_wait_instead_of_s
     finally:
         ex.prefetcher.close()
         pool.release(held)
+
+
+def test_a_copy_a_promotion_made_stale_never_enters_the_host_tier_nor_leaves_it(tmp_path):
+    """An eviction reported after a promotion switched the store (a late report, `Pool.report_victims`): its
+    version-1 copy is not demoted, since the store watcher has already dropped the stale copies and would not
+    look again.  And a version-1 copy already in the exclusive host tier is not promoted: it is dropped there and
+    version 2 read from the SSD."""
+    from storage.tiers import TierSource, current_in, demote
+
+    store = ExpertStore(tmp_path)
+    e = Expert("x", "mlp", "classifier", ("ok", "defect"), 8)
+    store.write(e, {"w": torch.ones(64, 64)}, version=1)
+    host = Pool("host", 1 << 24, make_policy("lru"), StoreSource(store))
+    device = Pool("cpu", 1 << 24, make_policy("lru"), TierSource(host, "cpu", exclusive=True))
+    device.release(device.acquire("x"))                     # version 1, promoted out of the host tier
+    evicted = []
+    device._on_event = evicted.append
+    store.write(e, {"w": torch.full((64, 64), 2.0)}, version=2)
+    store.reload()
+    assert device.evict("x")
+    (ev,) = [v for v in evicted if v.event == "evict"]
+    assert demote(ev, host, current=current_in(store)) is False and "x" not in host.resident()
+    assert demote(ev, host) is True and "x" in host.resident()     # the control: without the check it enters
+    got = device.acquire("x")                                # the stale copy the control let in is not used
+    assert got.value.version == 2 and float(got.value.tensors()["w"][0, 0]) == 2.0
+    assert "x" not in host.resident()
+    device.release(got)
