@@ -222,8 +222,11 @@ class ResultWriter:
         no schema takes: a bug upstream).  They are set aside, named in the log
         and the errors table, so they stop blocking every verdict queued behind
         them.  A verdict whose thumbnail is the bad part is stored without it.
-        A set-aside verdict's frame stays journaled and is re-run at the next
-        start; a set-aside inference, error or event row is dropped (it is
+        A set-aside verdict is replaced by an error verdict naming why, so its
+        frame still has exactly one verdict now (stored, published, reported;
+        `p.verdicts` is updated in place); only if even that cannot be stored
+        does the frame stay journaled, to be re-run at the next start.  A
+        set-aside inference, error or event row is dropped (it is
         bookkeeping, not journaled).  None, and the batch retried whole, when
         no row goes in, the database fails on one (full, locked, read-only,
         corrupt), or the writer is stopping.
@@ -261,18 +264,39 @@ class ResultWriter:
             row = getattr(u, kind)[0]
             what = (f"expert {row.get('expert_id')}" if kind == "events" else f"frame {row.get('frame_id')}")
             self.set_aside += 1
-            log.error("%s row for %s could not be stored and was set aside (%s); the rows beside it were stored%s",
-                      _ROW_NAMES[kind], what, why, "; the frame stays journaled and is re-run at next start"
-                      if kind == "verdicts" else "; the row is dropped")
+            instead = ""
             if kind == "verdicts":
                 notes.append({"frame_id": row.get("frame_id"), "kind": "unstorable_verdict",
                               "message": f"its verdict row could not be stored: {why}", "at": time.time()})
+                plain = self._plain_error(store, row, why)
+                if plain is not None:
+                    stored.add(plain["frame_id"])
+                    p.verdicts[next(i for i, v in enumerate(p.verdicts) if v is row)] = plain
+                    instead = "; the frame got an error verdict naming why instead"
+                else:
+                    instead = "; the frame stays journaled and is re-run at next start"
+            log.error("%s row for %s could not be stored and was set aside (%s); the rows beside it were stored%s",
+                      _ROW_NAMES[kind], what, why, instead or "; the row is dropped")
         if notes:
             try:
                 store.write(errors=notes)
             except Exception:  # noqa: BLE001 - the log above already names them
                 log.exception("recording the set-aside verdicts in the errors table failed")
         return stored
+
+
+    def _plain_error(self, store: ResultStore, row: dict, why: str) -> dict | None:
+        """An error verdict in place of `row`, of nothing but safe values; the row if it was stored, else None."""
+        fid = row.get("frame_id")
+        if not isinstance(fid, str):
+            return None
+        plain = {"frame_id": fid, "verdict": "error", "reason": _clip(f"its verdict could not be stored: {why}"),
+                 "decided_at": time.time(), "latency_ms": 0.0, "chain": "[]"}
+        try:
+            return plain if fid in self._write(store, _Pending(verdicts=[plain])) else None
+        except Exception:  # noqa: BLE001 - then the journal keeps the frame for the next start
+            log.exception("an error verdict for frame %s could not be stored either", fid)
+            return None
 
 
 _ROW_NAMES = {"verdicts": "a verdict", "inferences": "an inference", "errors": "an error", "events": "an event"}

@@ -63,38 +63,41 @@ class _Line:
         self.ctx.term()
 
 
-def test_a_row_no_schema_takes_is_set_aside_and_the_verdicts_beside_it_are_stored_and_published(tmp_path):
+def test_a_row_no_schema_takes_is_set_aside_and_its_frame_gets_an_error_verdict_beside_the_others(tmp_path):
     line = _Line(tmp_path, ("f1", "bad", "f2"), "aside")
     line.w.put_verdict(_verdict("f1"))
     line.w.put_verdict(_verdict("bad", no_such_column=1))       # all three in the writer's first flush
     line.w.put_verdict(_verdict("f2"))
     line.w.start()
     until(lambda: len(line.reported) == 3, 30, "the flush to be reported")
-    published = line.published(2)
+    published = line.published(3)
     line.close()
-    assert sorted(line.reported) == [("bad", False), ("f1", True), ("f2", True)]   # all leave the in-flight set
-    assert sorted(published) == ["f1", "f2"]
+    assert sorted(line.reported) == [("bad", True), ("f1", True), ("f2", True)]    # one verdict each, now
+    assert sorted(published) == ["bad", "f1", "f2"]
     assert line.w.failures == 3 and line.w.set_aside == 1 and line.w.stalled() == 0.0
-    assert sorted(r[0] for r in db_rows(line.db, "SELECT frame_id FROM verdicts")) == ["f1", "f2"]
-    assert db_rows(line.db, "SELECT frame_id FROM journal") == [("bad",)]             # re-run at next start
+    rows = dict(db_rows(line.db, "SELECT frame_id, verdict FROM verdicts"))
+    assert rows == {"f1": "pass", "bad": "error", "f2": "pass"}
+    (reason,) = db_rows(line.db, "SELECT reason FROM verdicts WHERE frame_id='bad'")[0]
+    assert "could not be stored" in reason and "no_such_column" in reason
+    assert db_rows(line.db, "SELECT count(*) FROM journal") == [(0,)]             # nothing left to re-run
     (kind, message), = db_rows(line.db, "SELECT kind, message FROM errors WHERE frame_id='bad'")
     assert kind == "unstorable_verdict" and "no_such_column" in message
 
 
 def test_a_frames_second_verdict_is_never_published_in_place_of_its_unstorable_first(tmp_path):
-    """The store keeps a frame's first row; when that row cannot be stored, the second must not go out on PUB
-    as if it were the verdict, nor be stored behind the journal's back."""
+    """The store keeps a frame's first row; when that row cannot be stored, the frame gets an error verdict
+    naming why, and its second row (a bug upstream) is neither stored nor published."""
     line = _Line(tmp_path, ("x", "f2"), "second")
     line.w.put_verdict(_verdict("x", no_such_column=1))
     line.w.put_verdict(_verdict("x", verdict="defect"))
     line.w.put_verdict(_verdict("f2"))
     line.w.start()
     until(lambda: len(line.reported) == 2, 30, "the flush to be reported")
-    published = line.published(1)
+    published = line.published(2)
     line.close()
-    assert published == ["f2"] and sorted(line.reported) == [("f2", True), ("x", False)]
-    assert db_rows(line.db, "SELECT frame_id FROM verdicts") == [("f2",)]
-    assert db_rows(line.db, "SELECT frame_id FROM journal") == [("x",)]
+    assert sorted(published) == ["f2", "x"] and sorted(line.reported) == [("f2", True), ("x", True)]
+    assert dict(db_rows(line.db, "SELECT frame_id, verdict FROM verdicts")) == {"x": "error", "f2": "pass"}
+    assert db_rows(line.db, "SELECT count(*) FROM journal") == [(0,)]
 
 
 def test_a_verdict_whose_thumbnail_no_schema_takes_is_stored_without_it(tmp_path):
