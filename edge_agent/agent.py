@@ -597,8 +597,8 @@ class Agent:
         if writer is not None and writer.failures:
             warnings.append(f"result writes failed {writer.failures} time(s) and were retried")
         if writer is not None and writer.set_aside:
-            warnings.append(f"{writer.set_aside} result row(s) no write could store were set aside (the log names "
-                            "them; a set-aside verdict's frame is re-run at next start)")
+            warnings.append(f"{writer.set_aside} result row(s) no write could store were set aside (the log and the "
+                            "errors table name them; a set-aside verdict became an error verdict saying why)")
         return Health(ready=not reasons, reasons=reasons, warnings=warnings, inflight=inflight,
                       max_inflight=self.cfg.max_inflight)
 
@@ -732,8 +732,8 @@ class Agent:
         elif not drained:
             log.info("the drain timed out after %.1f s, but every frame committed while the agent closed", timeout)
         if self.writer.set_aside:
-            log.error("%d result row(s) were set aside as unstorable while serving (see the log above); a set-aside "
-                      "verdict's frame is journaled and re-run at next start", self.writer.set_aside)
+            log.error("%d result row(s) were set aside as unstorable while serving (see the log above and the "
+                      "errors table): a bug upstream to report", self.writer.set_aside)
         self._instance.release()
         return not left
 
