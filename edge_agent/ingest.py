@@ -77,7 +77,9 @@ def route_learned(router, checked: list) -> None:
         routes = router.route_batch([f.component or None for f in frames], [f.image for f in frames])
     except Exception as exc:  # noqa: BLE001 - a router failure rejects this read's frames, never loses them
         log.exception("learned router failed on a read of %d frames", len(todo))
-        routes = [RouteError(P.BAD_FIELD, f"router failed: {exc}") for _ in todo]
+        # the agent's fault, not the frames': 'busy' tells the client to resend them after a backoff
+        routes = [RouteError(P.BUSY, f"the learned router failed ({type(exc).__name__}: {exc}); retry with backoff")
+                  for _ in todo]
     for i, frame, route in zip(todo, frames, routes):
         identity, acc = checked[i]
         if isinstance(route, RouteError):
@@ -93,11 +95,20 @@ def _component_of(model, expert_id: str) -> str:
 
 
 def _sniff_frame_id(raw: bytes) -> str:
+    """The header's frame_id if it is one a frame could have been accepted with, else "" (for naming and lookup).
+
+    Bytes past the header limit are not parsed: a message of any size would
+    otherwise be JSON-decoded here before its checks refuse it."""
+    if len(raw) > P.MAX_HEADER_BYTES:
+        return ""
     try:
         obj = json.loads(raw.decode("utf-8"))
         fid = obj.get("frame_id") if isinstance(obj, dict) else None
-        return fid[:P.MAX_ID_LEN] if isinstance(fid, str) else ""
-    except (UnicodeDecodeError, ValueError, RecursionError):
+        if not isinstance(fid, str) or not 0 < len(fid) <= P.MAX_ID_LEN:
+            return ""
+        fid.encode("utf-8")
+        return fid
+    except (UnicodeError, ValueError, RecursionError):
         return ""
 
 
@@ -147,9 +158,16 @@ class Ingest:
         """Check, journal and ack one read of messages."""
         now = time.time()
         self.metrics.frames_received.inc(len(msgs))
-        checked: list[tuple[bytes, Accepted | P.Reject]] = []
+        # a frame already accepted (a resend after a lost ack, maybe across a restart or a config change) is a
+        # duplicate before anything else: not decoded, routed or answered with a check it might fail now
+        known = self._known([_sniff_frame_id(m[1]) if len(m) > 1 else "" for m in msgs])
+        checked: list[tuple[bytes, Accepted | P.Reject | str]] = []
         for msg in msgs:
             identity, parts = msg[0], msg[1:]
+            fid = _sniff_frame_id(parts[0]) if parts else ""
+            if fid and fid in known:
+                checked.append((identity, fid))          # a str: the id of a frame accepted before
+                continue
             try:
                 checked.append((identity, check_frame(parts, line=self.line, router=self.router,
                                                       max_payload=self.max_payload)))
@@ -157,7 +175,6 @@ class Ingest:
                 checked.append((identity, rej))
             except Exception as exc:  # noqa: BLE001 - a message we failed to foresee is still only a reject
                 log.exception("unexpected error checking a message; rejecting it")
-                fid = _sniff_frame_id(parts[0]) if parts else ""
                 checked.append((identity, P.Reject(P.BAD_FIELD, f"unreadable message ({type(exc).__name__})", fid)))
         if getattr(self.router, "needs_image", False):
             route_learned(self.router, checked)
@@ -177,25 +194,22 @@ class Ingest:
         entries = [JournalEntry(a.frame.frame_id, a.frame.line, a.frame.board_id, a.frame.component or None,
                                 a.frame.ts, a.frame.received_at, a.header_json, a.payload) for a in good]
         fresh = self._journal(entries, errors)
-        fresh_iter = iter(fresh)
-        accepted: list[Accepted] = []
-        acks: list[tuple[bytes, list[bytes], str]] = []
-        for identity, c in checked:
-            if isinstance(c, P.Reject):
-                acks.append((identity, P.ack(c.frame_id, P.REJECTED, c.ack_detail), c.reason))
-                continue
-            fresh_one = next(fresh_iter)
-            if fresh_one is None:
-                rej = P.Reject(P.BAD_FIELD, "the journal cannot store this frame (see the agent's log)",
-                               c.frame.frame_id)
-                acks.append((identity, P.ack(rej.frame_id, P.REJECTED, rej.ack_detail), rej.reason))
-            elif fresh_one:
-                accepted.append(c)
-                acks.append((identity, P.ack(c.frame.frame_id, P.ACCEPTED, ""), P.ACCEPTED))
-            else:
-                acks.append((identity, P.ack(c.frame.frame_id, P.DUPLICATE, "frame_id already accepted"), P.DUPLICATE))
+        accepted = [a for a, f in zip(good, fresh) if f]       # journaled: the agent's from here, whatever follows
         try:
-            for identity, ack, kind in acks:
+            fresh_of = {id(a): f for a, f in zip(good, fresh)}
+            for identity, c in checked:
+                if isinstance(c, str):
+                    kind, ack = P.DUPLICATE, P.ack(c, P.DUPLICATE, "frame_id already accepted")
+                elif isinstance(c, P.Reject):
+                    kind, ack = c.reason, P.ack(c.frame_id, P.REJECTED, c.ack_detail)
+                elif fresh_of[id(c)] is None:
+                    rej = P.Reject(P.BAD_FIELD, "the journal cannot store this frame (see the agent's log)",
+                                   c.frame.frame_id)
+                    kind, ack = rej.reason, P.ack(rej.frame_id, P.REJECTED, rej.ack_detail)
+                elif fresh_of[id(c)]:
+                    kind, ack = P.ACCEPTED, P.ack(c.frame.frame_id, P.ACCEPTED, "")
+                else:
+                    kind, ack = P.DUPLICATE, P.ack(c.frame.frame_id, P.DUPLICATE, "frame_id already accepted")
                 if kind == P.ACCEPTED:
                     self.metrics.frames_accepted.inc()
                 elif kind == P.DUPLICATE:
@@ -206,6 +220,17 @@ class Ingest:
         finally:   # journaled frames go to the agent whatever an ack's send or a metric did: none waits for a restart
             if accepted:
                 self._on_accepted(accepted)
+
+    def _known(self, ids: list[str]) -> set[str]:
+        """Which of `ids` the journal has accepted before (empty if it cannot say: the journal decides then)."""
+        ids = [i for i in ids if i]
+        if not ids:
+            return set()
+        try:
+            return self.store._existing(ids)
+        except Exception as exc:  # noqa: BLE001 - a busy database: the journal's own check still catches duplicates
+            log.warning("looking up %d frame id(s) before checking them failed: %s", len(ids), exc)
+            return set()
 
     def _journal(self, entries, errors) -> list[bool | None]:
         """Journal with retries: nothing is acked until this commits, so waiting is always safe.

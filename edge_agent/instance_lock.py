@@ -32,7 +32,9 @@ class InstanceLock:
         if fcntl is None:
             return self
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        fh = open(self.path, "a+")
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)   # owner-only, as the database beside it
+        os.fchmod(fd, 0o600)
+        fh = os.fdopen(fd, "r+")
         try:
             fcntl.flock(fh.fileno(), fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:

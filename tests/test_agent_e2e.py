@@ -422,3 +422,31 @@ def test_a_frame_the_scheduler_cannot_take_gets_an_error_verdict_and_the_rest_ar
     assert rows[victim]["verdict"] == "error" and "scheduling failed: RuntimeError: negative estimate" in \
         rows[victim]["reason"]
     assert all(r["verdict"] in ("pass", "defect") for fid, r in rows.items() if fid != victim)
+
+
+def test_a_resend_after_a_config_change_is_still_a_duplicate_not_a_reject(tmp_path, tiny_zoo, tiny_recording):
+    """Frames accepted, then the agent restarted with a payload limit they now exceed: their resends (the first
+    acks were lost) are `duplicate`, not `rejected oversize`, and nothing runs twice."""
+    import shutil
+
+    from conftest import write_line
+
+    shutil.copytree(tiny_zoo, tmp_path / "experts")
+    rec = Recording(tiny_recording)
+    frames = list(rec)[:6]
+    msgs = [(f.header["frame_id"], [P.encode_header(f.header), rec.payload(f)]) for f in frames]
+    first = Agent(load_config(write_line(tmp_path / "a", store=tmp_path / "experts"), env={})).start()
+    try:
+        assert send_messages(msgs, first.endpoints["ingest"]).accepted == len(msgs)
+        assert first.wait_verdicts(len(msgs), timeout=60)
+    finally:
+        first.stop()
+    smaller = min(len(parts[1]) for _, parts in msgs) - 1
+    again = Agent(load_config(write_line(tmp_path / "a", store=tmp_path / "experts", max_payload_bytes=smaller),
+                              env={})).start()
+    try:
+        report = send_messages(msgs, again.endpoints["ingest"])
+        assert (report.duplicate, report.rejected, report.accepted) == (len(msgs), 0, 0)
+        assert again.wait_idle(10) and again.verdicts_total == 0
+    finally:
+        again.stop()
