@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 import queue
 import threading
 import time
@@ -176,30 +177,18 @@ class ResultWriter:
             p.thumb_of = {k: t for k, t in p.thumb_of.items() if k in keep}
             p.thumbnails = list(p.thumb_of.values())
             p.verdicts = first
-        attempt = 0
-        while True:  # frames are journaled, so retrying (not dropping) is always safe
-            try:
-                stored = self._write(store, p)
-                self.failing_since = None
-                break
-            except Exception as exc:  # noqa: BLE001 - a locked or full disk must not kill the writer
-                attempt += 1
-                why = self._failed(exc)
-                if self._stop.is_set() and attempt >= 3:
-                    # stopping: the frames stay journaled without a verdict and are re-run at next start
-                    log.error("result write failed %d times while stopping; giving up on %d verdict(s), "
-                              "they are re-run from the journal at next start: %s", attempt, len(p.verdicts), why)
-                    self.gave_up += len(p.verdicts)
-                    return
-                if attempt >= 3 and len(p) > 1 and not is_database_fault(exc):
-                    apart = self._write_apart(store, p)
-                    if apart is not None:
-                        stored = apart
-                        self.failing_since = None
-                        break
-                log.error("result write failed (attempt %d), retrying: %s", attempt, why)
-                time.sleep(min(0.1 * 2 ** attempt, 2.0))
-        for v in p.verdicts:
+        handled = p.verdicts             # the verdicts this flush settles, each stored or not (journaled)
+        try:
+            stored = self._write_unit(store, p, row_tries=ROW_FAULT_TRIES)
+        except _GiveUp as gone:
+            # stopping: the frames stay journaled without a verdict and are re-run at next start
+            log.error("result write failed while stopping; giving up on %d verdict(s), they are re-run from the "
+                      "journal at next start: %s", len(p.verdicts), gone)
+            self.gave_up += len(p.verdicts)
+            return
+        except _RowFault:
+            stored, handled = self._write_apart(store, p)
+        for v in handled:
             if v["frame_id"] not in stored:
                 continue
             msg = dict(v)
@@ -210,95 +199,138 @@ class ResultWriter:
             except zmq.Again:
                 pass  # PUB never blocks; a slow subscriber misses messages, the database has them all
         try:
-            self._on_committed(p.verdicts, stored)   # a verdict not in `stored` leaves the in-flight set either way
+            self._on_committed(handled, stored)   # a verdict not in `stored` leaves the in-flight set either way
         except Exception:  # noqa: BLE001 - bookkeeping after a commit must not stop the writer
             log.exception("after-commit callback failed")
 
-    def _write_apart(self, store: ResultStore, p: _Pending) -> set[str] | None:
-        """A batch that keeps failing on its rows, written a row at a time: the stored verdicts, or None.
+    def _write_unit(self, store: ResultStore, unit: _Pending, *, row_tries: int) -> set[str]:
+        """Write `unit`, waiting out the database's own faults (locked, full, read-only: `is_database_fault`).
 
-        Called only for an error that is not the database's own (`is_database_fault`):
-        when some rows go in and others do not, the others are at fault (a row
-        no schema takes: a bug upstream).  They are set aside, named in the log
-        and the errors table, so they stop blocking every verdict queued behind
-        them.  A verdict whose thumbnail is the bad part is stored without it.
-        A set-aside verdict is replaced by an error verdict naming why, so its
-        frame still has exactly one verdict now (stored, published, reported;
-        `p.verdicts` is updated in place); only if even that cannot be stored
-        does the frame stay journaled, to be re-run at the next start.  A
-        set-aside inference, error or event row is dropped (it is
-        bookkeeping, not journaled).  None, and the batch retried whole, when
-        no row goes in, the database fails on one (full, locked, read-only,
-        corrupt), or the writer is stopping.
+        Raises `_RowFault` once the rows themselves have failed `row_tries`
+        times (a column or value the schema refuses), and `_GiveUp` when the
+        writer is stopping and the database still fails.
+        """
+        attempt = 0
+        while True:
+            try:
+                stored = self._write(store, unit)
+                self.failing_since = None
+                return stored
+            except Exception as exc:  # noqa: BLE001 - a locked or full disk must not kill the writer
+                attempt += 1
+                why = self._failed(exc)
+                if not is_database_fault(exc) and attempt >= row_tries:
+                    raise _RowFault(why) from None
+                if self._stop.is_set() and attempt >= 3:
+                    raise _GiveUp(why) from None
+                log.error("result write failed (attempt %d), retrying: %s", attempt, why)
+                time.sleep(min(0.1 * 2 ** attempt, 2.0))
+
+    def _write_apart(self, store: ResultStore, p: _Pending) -> tuple[set[str], list[dict]]:
+        """A batch whose rows the schema refuses, written a row at a time: (stored ids, verdicts it settles).
+
+        The rows that go in are stored; the ones that fail on their own (a
+        column or value the schema refuses: a bug upstream) are set aside,
+        named in the log and the errors table, so they stop blocking every
+        row queued behind them.  A verdict whose thumbnail is the bad part is
+        stored without it.  A set-aside verdict is replaced by an error verdict
+        naming why, so its frame still has exactly one verdict now (`p.verdicts`
+        is updated in place); only if even that is refused does the frame stay
+        journaled, to be re-run at the next start.  A set-aside inference,
+        error or event row is dropped (bookkeeping, not journaled).  A database
+        fault meanwhile is waited out on that row, never retried whole (rows
+        already in would go in twice).  Stopping, the verdicts not yet written
+        are left out of what it settles: they stay in flight and journaled.
         """
         units = ([_Pending(verdicts=[v], thumbnails=[p.thumb_of[id(v)]] if id(v) in p.thumb_of else [])
                   for v in p.verdicts]
                  + [_Pending(inferences=[r]) for r in p.inferences] + [_Pending(errors=[r]) for r in p.errors]
                  + [_Pending(events=[r]) for r in p.events])
         stored: set[str] = set()
-        bad: list[tuple[_Pending, str]] = []
-        went_in = 0
-        for u in units:
-            if self._stop.is_set():
-                return None
-            why = ""
-            for attempt in (u, _Pending(verdicts=u.verdicts)) if u.thumbnails else (u,):
-                try:
-                    stored |= self._write(store, attempt)
-                    went_in += 1
-                    if attempt is not u:
-                        log.error("the thumbnail of frame %s could not be stored (%s); its verdict was, without it",
-                                  u.verdicts[0].get("frame_id"), why)
-                    break
-                except Exception as exc:  # noqa: BLE001 - the row's own fault, or the database's
-                    if is_database_fault(exc):
-                        return None
-                    why = _clip(f"{type(exc).__name__}: {exc}")
-            else:
-                bad.append((u, why))
-        if not went_in:
-            return None
+        handled: list[dict] = []
         notes = []
-        for u, why in bad:
-            kind = next(k for k in ("verdicts", "inferences", "errors", "events") if getattr(u, k))
-            row = getattr(u, kind)[0]
-            what = (f"expert {row.get('expert_id')}" if kind == "events" else f"frame {row.get('frame_id')}")
-            self.set_aside += 1
-            instead = ""
-            if kind == "verdicts":
-                notes.append({"frame_id": row.get("frame_id"), "kind": "unstorable_verdict",
-                              "message": f"its verdict row could not be stored: {why}", "at": time.time()})
-                plain = self._plain_error(store, row, why)
-                if plain is not None:
-                    stored.add(plain["frame_id"])
-                    p.verdicts[next(i for i, v in enumerate(p.verdicts) if v is row)] = plain
-                    instead = "; the frame got an error verdict naming why instead"
-                else:
-                    instead = "; the frame stays journaled and is re-run at next start"
-            log.error("%s row for %s could not be stored and was set aside (%s); the rows beside it were stored%s",
-                      _ROW_NAMES[kind], what, why, instead or "; the row is dropped")
+        for n, u in enumerate(units):
+            try:
+                why = self._write_apart_unit(store, u, stored)
+                if why is None:
+                    handled += u.verdicts
+                    continue
+                kind = next(k for k in ("verdicts", "inferences", "errors", "events") if getattr(u, k))
+                row = getattr(u, kind)[0]
+                what = (f"expert {row.get('expert_id')}" if kind == "events" else f"frame {row.get('frame_id')}")
+                self.set_aside += 1
+                instead = "; the row is dropped"
+                if kind == "verdicts":
+                    notes.append({"frame_id": row.get("frame_id"), "kind": "unstorable_verdict",
+                                  "message": f"its verdict row could not be stored: {why}", "at": time.time()})
+                    plain = self._plain_error(store, row, why)
+                    if plain is not None:
+                        stored.add(plain["frame_id"])
+                        p.verdicts[next(i for i, v in enumerate(p.verdicts) if v is row)] = plain
+                        row = plain
+                        instead = "; the frame got an error verdict naming why instead"
+                    else:
+                        instead = "; the frame stays journaled and is re-run at next start"
+                    handled.append(row)
+                log.error("%s row for %s could not be stored and was set aside (%s); the rows beside it were "
+                          "stored%s", _ROW_NAMES[kind], what, why, instead)
+            except _GiveUp as gone:
+                left = sum(len(x.verdicts) for x in units[n:])
+                log.error("result write failed while stopping; giving up on %d verdict(s), they are re-run from the "
+                          "journal at next start: %s", left, gone)
+                self.gave_up += left
+                break
         if notes:
             try:
-                store.write(errors=notes)
-            except Exception:  # noqa: BLE001 - the log above already names them
-                log.exception("recording the set-aside verdicts in the errors table failed")
-        return stored
+                self._write_unit(store, _Pending(errors=notes), row_tries=1)
+            except (_RowFault, _GiveUp):
+                log.error("recording the set-aside verdicts in the errors table failed; the log above names them")
+        return stored, handled
 
+    def _write_apart_unit(self, store: ResultStore, u: _Pending, stored: set[str]) -> str | None:
+        """Write one unit (a verdict without its thumbnail if that is what fails): None, or why it cannot be."""
+        try:
+            stored |= self._write_unit(store, u, row_tries=1)
+            return None
+        except _RowFault as fault:
+            if not u.thumbnails:
+                return str(fault)
+            try:
+                stored |= self._write_unit(store, _Pending(verdicts=u.verdicts), row_tries=1)
+            except _RowFault as again:
+                return str(again)
+            log.error("the thumbnail of frame %s could not be stored (%s); its verdict was, without it",
+                      u.verdicts[0].get("frame_id"), fault)
+            return None
 
     def _plain_error(self, store: ResultStore, row: dict, why: str) -> dict | None:
-        """An error verdict in place of `row`, of nothing but safe values; the row if it was stored, else None."""
+        """An error verdict in place of `row`, of nothing but safe values; the row if it was stored, else None.
+
+        Raises `_GiveUp` when stopping (the frame then stays in flight and journaled)."""
         fid = row.get("frame_id")
         if not isinstance(fid, str):
             return None
+        latency = row.get("latency_ms")
+        latency = float(latency) if isinstance(latency, (int, float)) and not isinstance(latency, bool) \
+            and math.isfinite(latency) else 0.0
         plain = {"frame_id": fid, "verdict": "error", "reason": _clip(f"its verdict could not be stored: {why}"),
-                 "decided_at": time.time(), "latency_ms": 0.0, "chain": "[]"}
+                 "decided_at": time.time(), "latency_ms": latency, "chain": "[]"}
         try:
-            return plain if fid in self._write(store, _Pending(verdicts=[plain])) else None
-        except Exception:  # noqa: BLE001 - then the journal keeps the frame for the next start
+            return plain if fid in self._write_unit(store, _Pending(verdicts=[plain]), row_tries=1) else None
+        except _RowFault:
             log.exception("an error verdict for frame %s could not be stored either", fid)
             return None
 
 
+class _RowFault(Exception):
+    """The rows, not the database, failed a write (`is_database_fault` false) as often as allowed."""
+
+
+class _GiveUp(Exception):
+    """The writer is stopping and the database still fails: what is left stays journaled for the next start."""
+
+
+ROW_FAULT_TRIES = 3    # whole-batch attempts before a row fault splits it (a unit alone: one)
 _ROW_NAMES = {"verdicts": "a verdict", "inferences": "an inference", "errors": "an error", "events": "an event"}
 
 def _clip(text: str, limit: int = 400) -> str:

@@ -74,7 +74,7 @@ def test_a_row_no_schema_takes_is_set_aside_and_its_frame_gets_an_error_verdict_
     line.close()
     assert sorted(line.reported) == [("bad", True), ("f1", True), ("f2", True)]    # one verdict each, now
     assert sorted(published) == ["bad", "f1", "f2"]
-    assert line.w.failures == 3 and line.w.set_aside == 1 and line.w.stalled() == 0.0
+    assert line.w.failures == 4 and line.w.set_aside == 1 and line.w.stalled() == 0.0   # 3 whole, 1 alone
     rows = dict(db_rows(line.db, "SELECT frame_id, verdict FROM verdicts"))
     assert rows == {"f1": "pass", "bad": "error", "f2": "pass"}
     (reason,) = db_rows(line.db, "SELECT reason FROM verdicts WHERE frame_id='bad'")[0]
@@ -148,39 +148,51 @@ def test_a_full_database_sets_nothing_aside_and_every_row_goes_in_once_there_is_
     assert db_rows(line.db, "SELECT count(*) FROM journal") == [(0,)]
 
 
-def test_a_lone_row_that_keeps_failing_is_retried_and_the_stall_is_measured_from_its_first_failure(tmp_path):
-    """One row alone cannot say whether it or the database is at fault, so it is not set aside: it is retried,
-    and `stalled` grows from the first failure, which the agent's health turns into a reason."""
-    ctx = zmq.Context()
-    pub = ctx.socket(zmq.PUB)
-    w = ResultWriter(str(tmp_path / "r.db"), pub, "A", flush_ms=5)
-    w.put_verdict(_verdict("bad", no_such_column=1))
-    w.start()
-    until(lambda: w.failing_since is not None, 30, "a failed write")
-    since = w.failing_since
-    until(lambda: w.failures >= 4, 30, "four failed attempts")
-    assert w.set_aside == 0 and w.failing_since == since and "no_such_column" in w.last_failure
-    assert w.stalled(now=since + 60) == 60
-    w.stop()
-    ctx.term()
-    assert w.gave_up == 1    # given up only while stopping: its frame stays journaled for the next start
+def test_a_lone_row_no_schema_takes_is_set_aside_too(tmp_path):
+    """Alone in its flush, a row the schema refuses (not a database fault) is still set aside after its
+    attempts: it must not block the rows queued behind it on a quiet line."""
+    line = _Line(tmp_path, ("bad", "f2"), "lone", flush_ms=5)
+    line.w.put_verdict(_verdict("bad", no_such_column=1))
+    line.w.start()
+    until(lambda: len(line.reported) == 1, 30, "the bad row to be settled")
+    line.w.put_verdict(_verdict("f2"))                      # queued behind it: goes in
+    until(lambda: len(line.reported) == 2, 30, "the next verdict")
+    published = line.published(2)
+    line.close()
+    assert published == ["bad", "f2"] and line.w.set_aside == 1 and line.w.gave_up == 0
+    assert dict(db_rows(line.db, "SELECT frame_id, verdict FROM verdicts")) == {"bad": "error", "f2": "pass"}
 
 
 def test_the_agent_is_not_ready_while_its_result_writes_keep_failing(tiny_line, monkeypatch):
+    """A database with no room left (SQLite's own page limit on the writer's connection): writes fail and are
+    retried, the health names the database and the error, and once there is room the agent is ready again."""
     from edge_agent import agent as agent_mod
     from edge_agent.agent import Agent
     from edge_agent.config import load_config
 
+    made: list[ResultStore] = []
+
+    class Capped(ResultStore):
+        def __init__(self, *a, **k) -> None:
+            super().__init__(*a, **k)
+            pages = self.db.execute("PRAGMA page_count").fetchone()[0]
+            self.db.execute(f"PRAGMA max_page_count = {pages}")
+            made.append(self)
+
+    monkeypatch.setattr(writer_mod, "ResultStore", Capped)
     monkeypatch.setattr(agent_mod, "WRITER_STALL_S", 0.0)
     agent = Agent(load_config(tiny_line, env={})).start()
     try:
-        assert agent.health().ready
-        agent.writer.put_verdict(_verdict("bad", no_such_column=1))
+        until(lambda: made, 30, "the writer to open its database")
+        agent.writer.put_verdict(_verdict("big", verdict="defect"), _thumb("big", 200_000))
         until(lambda: agent.writer.failing_since is not None, 30, "a failed write")
         h = agent.health()
         assert not h.ready
         (reason,) = [r for r in h.reasons if "result database" in r]
-        assert str(agent.cfg.db_path) in reason and "no_such_column" in reason
+        assert str(agent.cfg.db_path) in reason and "full" in reason
+        made[0].db.execute("PRAGMA max_page_count = 1073741823")
+        until(lambda: agent.writer.failing_since is None, 30, "the write to go in")
+        assert agent.health().ready and agent.writer.set_aside == 0
     finally:
         agent.stop()
 
@@ -195,3 +207,33 @@ def test_sqlites_own_faults_are_the_databases_and_a_rows_faults_are_the_rows():
     assert not fault(sqlite3.OperationalError("table verdicts has no column named no_such_column"))
     assert not fault(sqlite3.IntegrityError("NOT NULL constraint failed: verdicts.verdict"))
     assert not fault(KeyError("frame_id"))
+
+
+def test_a_database_fault_while_rows_are_written_apart_is_waited_out_on_that_row(tmp_path, monkeypatch):
+    """A batch split for a bad row, and the database full by the time the third row goes in: the rows already in
+    stay in once (published, reported as stored), the full row waits for room, and nothing is written twice."""
+    made: list[ResultStore] = []
+
+    class Capped(ResultStore):
+        def __init__(self, *a, **k) -> None:
+            super().__init__(*a, **k)
+            pages = self.db.execute("PRAGMA page_count").fetchone()[0]
+            self.db.execute(f"PRAGMA max_page_count = {pages + 8}")      # room for small rows, not a thumbnail
+            made.append(self)
+
+    monkeypatch.setattr(writer_mod, "ResultStore", Capped)
+    line = _Line(tmp_path, ("g1", "bad", "big"), "apart-full")
+    line.w.put_verdict(_verdict("g1"))
+    line.w.put_verdict(_verdict("bad", no_such_column=1))
+    line.w.put_verdict(_verdict("big", verdict="defect"), _thumb("big", 200_000))
+    line.w.start()
+    until(lambda: "full" in line.w.last_failure, 30, "the database to be full while rows go in apart")
+    made[0].db.execute("PRAGMA max_page_count = 1073741823")
+    until(lambda: len(line.reported) == 3, 30, "the flush to be settled")
+    published = line.published(3)
+    line.close()
+    assert sorted(published) == ["bad", "big", "g1"] and all(ok for _, ok in line.reported)
+    assert dict(db_rows(line.db, "SELECT frame_id, verdict FROM verdicts")) == {"g1": "pass", "bad": "error",
+                                                                                 "big": "defect"}
+    assert db_rows(line.db, "SELECT frame_id FROM thumbnails") == [("big",)]
+    assert db_rows(line.db, "SELECT count(*) FROM errors") == [(1,)]             # the unstorable_verdict note, once
