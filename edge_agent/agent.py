@@ -489,13 +489,20 @@ class Agent:
                  ("journal", lambda: self.journal.close() if getattr(self, "journal", None) else None),
                  ("store", lambda: self._line_store.close_reader() if getattr(self, "_line_store", None) else None),
                  ("sockets", lambda: self.ctx.destroy(linger=0)),
-                 ("instance lock", self._instance.release)]
+                 ("authenticator", lambda: self._auth.stop() if getattr(self, "_auth", None) is not None else None),
+                 ("instance lock", lambda: self._release_when_idle([t for t in self._threads_started()
+                                                                   if t.alive()]))]
         for what, step in steps:
             try:
                 step()
             except Exception:  # noqa: BLE001 - the start's own error is the one to report
                 log.warning("undoing a failed start: closing the %s failed", what, exc_info=True)
         self.phase = "stopped"
+
+    def _threads_started(self) -> list:
+        """The executors and the writer, where started: a failed start may have left one running."""
+        writer = getattr(self, "writer", None)
+        return [*self.executors, *([writer] if writer is not None else [])]
 
     def _start_parts(self, cfg: LineConfig) -> None:
         router_sock = self._socket(zmq.ROUTER, cfg.ingest, "ingest")
@@ -622,8 +629,12 @@ class Agent:
             if layer == first:    # one forward pass per generated token, each calls the first router once
                 status.token()
         pm.tap.listen(count_token)
-        service = LLMService(pm, bind=llm.bind, port=llm.port, default_tokens=llm.max_tokens,
-                             limit=llm.max_tokens_limit, max_waiting=llm.max_waiting).start()
+        try:
+            service = LLMService(pm, bind=llm.bind, port=llm.port, default_tokens=llm.max_tokens,
+                                 limit=llm.max_tokens_limit, max_waiting=llm.max_waiting).start()
+        except BaseException:
+            pm.close()         # its router hooks and the pool's model references go with it
+            raise
         self.endpoints["llm"] = f"http://{llm.bind}:{service.port}/v1/completions"
         log.info("LLM '%s' shares pool %s (%.0f MB): %s", self.llm_layout.model, name,
                  self.pools[name].capacity / 1e6, self.endpoints["llm"])
@@ -734,8 +745,23 @@ class Agent:
         if self.writer.set_aside:
             log.error("%d result row(s) were set aside as unstorable while serving (see the log above and the "
                       "errors table): a bug upstream to report", self.writer.set_aside)
-        self._instance.release()
+        self._release_when_idle(stuck)
         return not left
+
+    def _release_when_idle(self, threads: list) -> None:
+        """Drop the instance lock once `threads` have ended: a thread still writing keeps the data this agent's
+        (another agent started meanwhile would re-run its frames); the process's exit drops it too."""
+        if not threads:
+            self._instance.release()
+            return
+        log.error("the results database stays locked by this process until its %d stuck thread(s) end",
+                  len(threads))
+
+        def wait_then_release() -> None:
+            while any(t.alive() for t in threads):
+                time.sleep(0.1)
+            self._instance.release()
+        threading.Thread(target=wait_then_release, name="instance-lock", daemon=True).start()
 
     def dead_threads(self) -> list[str]:
         """Threads that should be running and are not (the agent cannot serve without any of them)."""
@@ -813,7 +839,9 @@ class Agent:
             # a learned route was decided when the frame was accepted, and its component journaled: keep it (a
             # router changed since, or failing now, must not turn an accepted frame into an error)
             comp = self.model.components.get(entry.component or "")
-            if isinstance(c, Accepted) and c.expert_id is None and comp is not None:
+            # only where the header named no component: then the journaled one is the router's choice (a frame
+            # whose header named one keeps it in the journal whatever the router chose, and is routed again)
+            if isinstance(c, Accepted) and c.expert_id is None and comp is not None and not c.frame.component:
                 c.expert_id, c.frame.component = comp.classifier, comp.name
             checked.append((entry, c))
         if getattr(self.router, "needs_image", False):

@@ -50,6 +50,10 @@ class InstanceLock:
         self._fh = fh
         return self
 
+    @property
+    def held(self) -> bool:
+        return self._fh is not None
+
     def release(self) -> None:
         fh, self._fh = self._fh, None
         if fh is not None:

@@ -17,7 +17,7 @@ from edge_agent.replay import send_messages
 from executors.faults import Faults, faulty_backends
 from storage.recording import Recording
 
-from conftest import db_rows, frame_messages, write_line
+from conftest import db_rows, frame_messages, until, write_line
 
 
 def _half_served(tmp_path, tiny_zoo, tiny_recording):
@@ -48,6 +48,7 @@ def test_a_stop_whose_drain_times_out_loses_nothing_and_the_next_start_finishes_
     db = agent.cfg.db_path
     with caplog.at_level(logging.ERROR, logger="edge_agent.agent"):
         drained = agent.stop(timeout=0.2)
+    assert agent._instance.held                            # its executors still hang: the data stays its own
     release.set()                                          # the hung threads of the stopped agent end
     assert drained is False
     said = [r.getMessage() for r in caplog.records if "still in flight" in r.getMessage()]
@@ -55,6 +56,8 @@ def test_a_stop_whose_drain_times_out_loses_nothing_and_the_next_start_finishes_
                     "next start"]
     assert len(db_rows(db, "SELECT frame_id FROM verdicts")) == 20
     assert len(db_rows(db, "SELECT frame_id FROM journal")) == len(ids) - 20
+    # its hung executors held the results database until they ended (another agent would re-run their frames)
+    until(lambda: not agent._instance.held, 30, "the stopped agent's hung threads to end and let the data go")
 
     again = Agent(load_config(cfg_path, env={})).start()
     try:
