@@ -76,10 +76,8 @@ def route_learned(router, checked: list) -> None:
     try:
         routes = router.route_batch([f.component or None for f in frames], [f.image for f in frames])
     except Exception as exc:  # noqa: BLE001 - a router failure rejects this read's frames, never loses them
-        log.exception("learned router failed on a read of %d frames", len(todo))
-        # the agent's fault, not the frames': 'busy' tells the client to resend them after a backoff
-        routes = [RouteError(P.BUSY, f"the learned router failed ({type(exc).__name__}: {exc}); retry with backoff")
-                  for _ in todo]
+        log.exception("learned router failed on a read of %d frames; routing them one by one", len(todo))
+        routes = _route_alone(router, frames, exc)
     for i, frame, route in zip(todo, frames, routes):
         identity, acc = checked[i]
         if isinstance(route, RouteError):
@@ -88,6 +86,24 @@ def route_learned(router, checked: list) -> None:
             acc.expert_id = route.expert_id
             if not acc.frame.component:   # record what the router decided, for queries and probabilities
                 acc.frame.component = _component_of(router.model, route.expert_id)
+
+
+def _route_alone(router, frames: list, exc: BaseException) -> list:
+    """Each frame routed on its own after the read's pass failed: one frame that breaks the router is rejected as
+    a bad image; if every frame fails, the router is at fault, not the frames, and all get 'busy' (retryable)."""
+    routes, failed = [], []
+    for f in frames:
+        try:
+            routes.append(router.route_batch([f.component or None], [f.image])[0])
+        except Exception as one:  # noqa: BLE001 - decided below: this frame's fault, or the router's
+            routes.append(None)
+            failed.append(f"{type(one).__name__}: {one}")
+    if len(failed) == len(frames):
+        return [RouteError(P.BUSY, f"the learned router failed ({type(exc).__name__}: {exc}); retry with backoff")
+                for _ in frames]
+    it = iter(failed)
+    return [r if r is not None else RouteError(P.BAD_IMAGE, f"the learned router cannot take this image ({next(it)})")
+            for r in routes]
 
 
 def _component_of(model, expert_id: str) -> str:
@@ -160,11 +176,11 @@ class Ingest:
         self.metrics.frames_received.inc(len(msgs))
         # a frame already accepted (a resend after a lost ack, maybe across a restart or a config change) is a
         # duplicate before anything else: not decoded, routed or answered with a check it might fail now
-        known = self._known([_sniff_frame_id(m[1]) if len(m) > 1 else "" for m in msgs])
+        sniffed = [_sniff_frame_id(m[1]) if len(m) > 1 else "" for m in msgs]
+        known = self._known(sniffed)
         checked: list[tuple[bytes, Accepted | P.Reject | str]] = []
-        for msg in msgs:
+        for msg, fid in zip(msgs, sniffed):
             identity, parts = msg[0], msg[1:]
-            fid = _sniff_frame_id(parts[0]) if parts else ""
             if fid and fid in known:
                 checked.append((identity, fid))          # a str: the id of a frame accepted before
                 continue
@@ -227,7 +243,7 @@ class Ingest:
         if not ids:
             return set()
         try:
-            return self.store._existing(ids)
+            return self.store.known_ids(ids)
         except Exception as exc:  # noqa: BLE001 - a busy database: the journal's own check still catches duplicates
             log.warning("looking up %d frame id(s) before checking them failed: %s", len(ids), exc)
             return set()
@@ -262,9 +278,9 @@ class Ingest:
         but never handed to the agent)."""
         out: list[bool | None] = []
         for entry in entries:
-            out.append(self._journal_one([entry], [], f"frame {entry.frame_id}"))
+            out.append(self._journal_one([entry], [], f"frame {P.printable(entry.frame_id)}"))
         for row in errors:
-            self._journal_one([], [row], f"the errors row for frame {row.get('frame_id')}")
+            self._journal_one([], [row], f"the errors row for frame {P.printable(str(row.get('frame_id')))}")
         return out
 
     def _journal_one(self, entries, errors, what: str) -> bool | None:
@@ -278,6 +294,12 @@ class Ingest:
                 if not is_database_fault(exc):
                     log.error("%s cannot be journaled (%s: %s); %s", what, type(exc).__name__, exc,
                               "it is rejected" if entries else "the row is dropped")
+                    if entries:     # its reject is on record too, as every reject is (docs/protocol.md)
+                        self._journal_one([], [{"frame_id": P.printable(entries[0].frame_id),
+                                                "kind": f"reject:{P.BAD_FIELD}", "at": time.time(),
+                                                "message": P.printable(f"the journal cannot store this frame: "
+                                                                       f"{type(exc).__name__}: {exc}")}],
+                                          what + "'s reject")
                     return None
                 if self._stop.is_set() and attempt >= 3:
                     raise

@@ -92,7 +92,7 @@ def parse_header(raw: bytes, *, require_component: bool = True) -> Header:
     if not isinstance(obj, dict):
         raise Reject(MALFORMED_JSON, f"header must be a JSON object, got {type(obj).__name__}")
     frame_id = obj.get("frame_id") if isinstance(obj.get("frame_id"), str) else ""
-    frame_id = _printable(frame_id[:MAX_ID_LEN])
+    frame_id = printable(frame_id[:MAX_ID_LEN])
     bad = _not_unicode(obj)
     if bad is not None:   # JSON's "\ud800": a string no UTF-8 store, log or ack can hold
         raise Reject(BAD_FIELD, f"{bad} holds a lone surrogate escape (not Unicode text)", frame_id)
@@ -134,10 +134,10 @@ def _not_unicode(obj: dict) -> str | None:
     """The first key or string value (one level of lists) that is not encodable text, named; None if all are."""
     for key, val in obj.items():
         if not _encodes(key):
-            return f"a field name ({_printable(key)!r})"
+            return f"a field name ({printable(key)!r})"
         for v in (val if isinstance(val, list) else (val,)):
             if isinstance(v, str) and not _encodes(v):
-                return f"field '{_printable(key)}'"
+                return f"field '{printable(key)}'"
     return None
 
 
@@ -149,7 +149,7 @@ def _encodes(text: str) -> bool:
     return True
 
 
-def _printable(text: str) -> str:
+def printable(text: str) -> str:
     """`text` with anything UTF-8 cannot hold escaped as a backslash sequence, so a reject can name it."""
     return text if _encodes(text) else text.encode("utf-8", "backslashreplace").decode("utf-8")
 

@@ -187,6 +187,10 @@ class ResultStore:
                 self.db["errors"].insert_all(errors, batch_size=500)
         return fresh
 
+    def known_ids(self, ids: Sequence[str]) -> set[str]:
+        """Which of `ids` were accepted before (a frames row; duplicates are answered from it)."""
+        return self._existing(ids)
+
     def _existing(self, ids: Sequence[str]) -> set[str]:
         found: set[str] = set()
         for i in range(0, len(ids), 500):

@@ -401,3 +401,36 @@ def test_recovered_frames_keep_the_route_decided_when_they_were_accepted(tmp_pat
     assert not [r for r in rows if r[2].startswith("recovery:")], rows
     assert dict(db_rows(cfg.db_path, "SELECT frame_id, component FROM frames")) == {
         f.header["frame_id"]: f.truth_component for f in frames}
+
+
+def test_a_frame_that_breaks_the_router_costs_only_itself_and_a_broken_router_asks_for_a_resend(trained, recs):
+    """The read's forward pass raises: each frame is routed alone; the one that still breaks it is a bad image
+    (the client fixes it), the others are routed.  When every frame breaks it, the router is at fault: 'busy'."""
+    from coe import Frame
+    from edge_agent import protocol as P
+    from edge_agent.ingest import Accepted, route_learned
+    from routing.learned import LearnedRouter as LR
+
+    router, _, _ = trained
+
+    class Fragile(LR):                      # the real trained router; its forward fails on an all-white crop
+        def _forward(self, x):
+            if bool((x.flatten(1).min(dim=1).values >= x.max()).any()):
+                raise RuntimeError("kernel failed")
+            return super()._forward(x)
+    fragile = Fragile(router.model, router.net, router.classes, router.input_size, threshold=0.5)
+    images = [decode_frame(recs["test"], f) for f in list(recs["test"])[:4]]
+
+    def read(imgs):
+        return [(b"peer", Accepted(Frame(f"f{i}", "T", "B0", "", 0.0, img, 0.0), None, "{}", b""))
+                for i, img in enumerate(imgs)]
+    white = np.full_like(images[0], 255)
+    checked = read([white] + images[1:])
+    route_learned(fragile, checked)
+    first = checked[0][1]
+    assert isinstance(first, P.Reject) and first.reason == P.BAD_IMAGE and "kernel failed" in first.detail
+    assert all(isinstance(c, Accepted) and c.expert_id or isinstance(c, P.Reject) and c.reason == "low_confidence"
+               for _, c in checked[1:])
+    checked = read([white] * 4)
+    route_learned(fragile, checked)
+    assert {c.reason for _, c in checked} == {P.BUSY}
