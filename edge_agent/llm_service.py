@@ -45,7 +45,7 @@ class RequestError(Exception):
 
 # fields a client may send; each one this server cannot honour must be absent, null or its neutral value, else
 # the request gets a 400 naming it: a silently ignored field would be a wrong answer with a 200
-_NEUTRAL = {"top_p": (1, 1.0), "n": (1,), "best_of": (1,), "echo": (False,), "suffix": ("",), "logprobs": (0,),
+_NEUTRAL = {"top_p": (1, 1.0), "n": (1,), "best_of": (1,), "echo": (False,), "suffix": ("",), "logprobs": (),
             "logit_bias": ({},), "presence_penalty": (0, 0.0), "frequency_penalty": (0, 0.0)}
 _IGNORED = {"seed", "user", "stream_options"}   # no effect on greedy decoding, or always honoured (usage is sent)
 _FIELDS = {"model", "prompt", "max_tokens", "temperature", "stream", "stop", *_NEUTRAL, *_IGNORED}
@@ -72,8 +72,9 @@ def parse_request(body: bytes, *, model: str, default_tokens: int, limit: int) -
     for key, neutral in _NEUTRAL.items():
         value = req.get(key)
         if value is not None and not any(_same(value, v) for v in neutral):
-            raise RequestError(400, f"'{key}' is not served here: it must be absent, null or "
-                               f"{' / '.join(json.dumps(v) for v in neutral)} (greedy decoding, one choice)", key)
+            raise RequestError(400, f"'{key}' is not served here: it must be absent" + (
+                f", null or {' / '.join(json.dumps(v) for v in neutral)}" if neutral else " or null")
+                + " (greedy decoding, one choice)", key)
     prompt = req.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
@@ -122,9 +123,12 @@ class _StopSequence(Exception):
 def _held_back(text: str, stop: list[str]) -> int:
     """Characters at the end of `text` not to stream yet: a partly decoded character (a byte-level tokenizer's
     U+FFFD until the rest of its bytes come), or the start of a stop string that may still complete."""
-    if text.endswith("\ufffd"):
-        return len(text) - len(text.rstrip("\ufffd"))
-    return max((k for x in stop for k in range(min(len(x) - 1, len(text)), 0, -1) if text.endswith(x[:k])),
+    settled = text.rstrip("\ufffd")
+    partial = len(text) - len(settled)
+    if partial:      # what decodes so far may still turn into a stop string's characters: hold that too
+        return partial + max((k for x in stop for k in range(min(len(x), len(settled)), 0, -1)
+                              if settled.endswith(x[:k])), default=0)
+    return max((k for x in stop for k in range(min(len(x) - 1, len(settled)), 0, -1) if settled.endswith(x[:k])),
                default=0)
 
 

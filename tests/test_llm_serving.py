@@ -320,6 +320,7 @@ def test_unserved_fields_are_refused_by_name_and_null_means_the_default():
 
     for doc, param in (({"prompt": "x", "n": 2}, "n"), ({"prompt": "x", "best_of": 3}, "best_of"),
                        ({"prompt": "x", "echo": True}, "echo"), ({"prompt": "x", "logprobs": 5}, "logprobs"),
+                       ({"prompt": "x", "logprobs": 0}, "logprobs"),    # 0 still asks for the chosen token's
                        ({"prompt": "x", "logit_bias": {"5": 100}}, "logit_bias"), ({"prompt": "x", "top_p": 0.9}, "top_p"),
                        ({"prompt": "x", "presence_penalty": 0.5}, "presence_penalty"),
                        ({"prompt": "x", "frequency_penalty": 1}, "frequency_penalty"),
@@ -521,3 +522,14 @@ def test_completions_run_in_arrival_order_and_one_whose_client_left_is_not_gener
     assert ran == [tok.encode(p) for p in ("first", PROMPTS[0], PROMPTS[1])]     # B skipped, then C before D
     assert [got[k][0] for k in "ACD"] == [200, 200, 200]
     assert [json.loads(got[k][1])["choices"][0]["text"] for k in "CD"] == [want[PROMPTS[0]], want[PROMPTS[1]]]
+
+
+def test_what_a_stream_holds_back_is_a_partial_character_and_any_stop_string_it_may_start():
+    from edge_agent.llm_service import _held_back
+
+    assert _held_back("abc", []) == 0
+    assert _held_back("abc\ufffd", []) == 1                  # half a character: its bytes are still coming
+    assert _held_back("hello wor", ["world"]) == 3            # may become the stop string
+    assert _held_back("hello world!", ["world"]) == 0         # past it (the caller cuts at a found stop string)
+    assert _held_back("x\n\ufffd", ["\né"]) == 2             # the partial character may finish the stop string
+    assert _held_back("x\ufffd", ["\n"]) == 1
