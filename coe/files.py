@@ -34,14 +34,16 @@ def write_bytes_atomic(path: str | os.PathLike, data: bytes) -> Path:
             fh.flush()
             os.fsync(fh.fileno())
         os.replace(tmp, path)
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
     return path
 
 
-def _fsync_dir(directory: Path) -> None:
+def fsync_dir(directory: str | os.PathLike) -> None:
+    """Flush a directory's entries (a rename into it) to disk; where a platform cannot, the rename is still
+    atomic, only not yet durable."""
     try:
         fd = os.open(directory, os.O_RDONLY)
     except OSError:          # a platform that cannot open a directory: the rename is still atomic

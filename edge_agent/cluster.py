@@ -318,37 +318,29 @@ class _StoreWriter:
 
     def commit(self) -> int:
         """Rename every staged file into place, the manifest last, under the store's lock; how many."""
-        from storage.expert_store import MANIFEST, _fsync_dir
+        from coe.files import fsync_dir
+        from storage.expert_store import MANIFEST, store_lock
 
-        try:
-            import fcntl
-        except ImportError:      # no flock here: the renames are still each atomic
-            fcntl = None
         names = sorted(self._staged, key=lambda n: n == MANIFEST)
-        with open(self.root / ".manifest.lock", "a+b") as lock:
-            if fcntl is not None:
-                fcntl.flock(lock.fileno(), fcntl.LOCK_EX)
-            try:
-                for name in names:
-                    os.replace(self._staged.pop(name), self.root / name)
-                _fsync_dir(self.root)
-            finally:
-                if fcntl is not None:
-                    fcntl.flock(lock.fileno(), fcntl.LOCK_UN)
+        with store_lock(self.root):
+            for name in names:
+                os.replace(self._staged.pop(name), self.root / name)
+            fsync_dir(self.root)
         return len(names)
 
     def where(self) -> str:
         return socket.gethostname()
 
 
-def _snapshot(src: Path, line: str, attempts: int = 5) -> tuple[bytes, dict[str, tuple[bytes, str]]]:
-    """The store's manifest bytes and every file it names, read as one consistent set.
+def _snapshot(src: Path, line: str, attempts: int = 5) -> tuple[bytes, dict[str, str]]:
+    """The store's manifest bytes, and the sha256 of every file it names, read as one consistent set.
 
-    A promotion may land while the files are read: the manifest is read
+    A promotion may land while the files are hashed: the manifest is read
     before and after, and the set is read again until both agree (a file that
-    went with a replaced version counts as a change too).  Files the manifest
-    does not name (retired versions a running agent still serves, temp files)
-    are the front box's business, not the nodes'.
+    went with a replaced version counts as a change too).  Files are hashed a
+    block at a time, never held whole: a store may be gigabytes.  Files the
+    manifest does not name (retired versions a running agent still serves,
+    temp files) are the front box's business, not the nodes'.
     """
     import json
 
@@ -368,27 +360,40 @@ def _snapshot(src: Path, line: str, attempts: int = 5) -> tuple[bytes, dict[str,
             # a manifest this box cannot read must not be pushed to every node as if it were the store's
             raise CoEError(f"experts sync: {path} is unreadable ({exc}); nothing was sent "
                            f"(check it with `coe-agent experts verify --line {line}`)") from None
-        files: dict[str, tuple[bytes, str]] = {}
+        files: dict[str, str] = {}
         try:
             for name in named:
                 if "/" in name or name.startswith("."):
                     raise CoEError(f"experts sync: {path} names the file {name!r}, which is not in the store")
-                data = (src / name).read_bytes()
-                files[name] = (data, hashlib.sha256(data).hexdigest())
+                files[name] = _sha256_file(src / name)
         except FileNotFoundError:
             continue                     # a version replaced under us: read the new set
         if path.read_bytes() == before:
-            files[MANIFEST] = (before, hashlib.sha256(before).hexdigest())
+            files[MANIFEST] = hashlib.sha256(before).hexdigest()
             return before, files
     raise CoEError(f"experts sync: {src} kept changing while it was read ({attempts} tries); try again")
 
 
-def sync_store(cfg: "LineConfig", nodes: list[str] | None = None, *, progress=lambda m: None) -> dict[str, dict]:
+def _sha256_file(path: Path, block: int = 8 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(block):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+class _Changed(Exception):
+    """A file changed between the snapshot and its send: the sync starts again from a new snapshot."""
+
+
+def sync_store(cfg: "LineConfig", nodes: list[str] | None = None, *, progress=lambda m: None,
+               attempts: int = 3) -> dict[str, dict]:
     """Copy the front box's expert store to each node's own store (`cluster.stores`), file by file.
 
     Only files whose bytes differ are sent (sha256 on both sides).  What is
-    sent is one consistent snapshot of the store (`_snapshot`), and the node
-    takes it in one step, the manifest last (`_StoreWriter.commit`), so a
+    sent is one consistent snapshot of the store (`_snapshot`; a file whose
+    bytes changed by the time it is sent starts the sync again), and the
+    node takes it in one step, the manifest last (`_StoreWriter.commit`), so a
     node's store is never ahead of its files and never a mix of two versions.
     Returns per node: files sent, bytes sent, files already there.
     """
@@ -402,27 +407,37 @@ def sync_store(cfg: "LineConfig", nodes: list[str] | None = None, *, progress=la
                        f"(its nodes: {', '.join(want) or 'none'})")
     connect(cfg.cluster, nodes)
     src = Path(cfg.store_path)
-    _, files = _snapshot(src, cfg.line)
     out = {}
     for node in nodes:
         dest = cfg.cluster.stores.get(node, str(src))
-        w = ray.remote(_StoreWriter).options(resources={node_resource(node): 0.001}, num_cpus=0).remote(dest)
-        try:
-            have = ray.get(w.digests.remote(), timeout=cfg.cluster.connect_timeout_s)
-            sent = nbytes = 0
-            for name, (data, sha) in files.items():
-                if have.get(name) == sha:
-                    continue
-                nbytes += ray.get(w.put.remote(name, data, sha), timeout=600)
-                sent += 1
-            ray.get(w.commit.remote(), timeout=600)
-            out[node] = {"store": dest, "sent": sent, "bytes": nbytes, "unchanged": len(files) - sent}
-            progress(f"{node}: {sent} file(s) sent ({nbytes / 1e6:.1f} MB), {len(files) - sent} already there, "
-                     f"store {dest}")
-        except ray.exceptions.RayError as exc:
-            raise CoEError(f"experts sync: node {node} (store {dest}): {short_error(exc)}") from None
-        finally:
-            ray.kill(w)
+        for attempt in range(attempts):
+            manifest, files = _snapshot(src, cfg.line)
+            w = ray.remote(_StoreWriter).options(resources={node_resource(node): 0.001}, num_cpus=0).remote(dest)
+            try:
+                have = ray.get(w.digests.remote(), timeout=cfg.cluster.connect_timeout_s)
+                sent = nbytes = 0
+                for name, sha in files.items():
+                    if have.get(name) == sha:
+                        continue
+                    data = manifest if name == "manifest.json" else (src / name).read_bytes()
+                    if hashlib.sha256(data).hexdigest() != sha:
+                        raise _Changed(name)
+                    nbytes += ray.get(w.put.remote(name, data, sha), timeout=600)
+                    sent += 1
+                ray.get(w.commit.remote(), timeout=600)
+                out[node] = {"store": dest, "sent": sent, "bytes": nbytes, "unchanged": len(files) - sent}
+                progress(f"{node}: {sent} file(s) sent ({nbytes / 1e6:.1f} MB), {len(files) - sent} already there, "
+                         f"store {dest}")
+                break
+            except (_Changed, FileNotFoundError) as exc:
+                if attempt == attempts - 1:
+                    raise CoEError(f"experts sync: {src} kept changing while it was sent to {node} ({exc}); "
+                                   "try again") from None
+                log.info("experts sync to %s: the store changed while it was sent (%s); starting again", node, exc)
+            except ray.exceptions.RayError as exc:
+                raise CoEError(f"experts sync: node {node} (store {dest}): {short_error(exc)}") from None
+            finally:
+                ray.kill(w)       # a sync that did not commit leaves staged files only (removed after an hour)
     return out
 
 

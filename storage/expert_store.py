@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 from coe import CoEError, Expert, ExpertLoadError
+from coe.files import fsync_dir
 
 from .flat import Layout, read_layout
 from .store_readers import ReaderLock, reader_generations
@@ -571,7 +572,7 @@ class ExpertStore:
                 prepared = [(self._versioned(entry, entries.get(entry.id)), tmp) for entry, tmp in prepared]
                 for entry, tmp in prepared:
                     os.replace(tmp, self.root / entry.file)
-                _fsync_dir(self.root)
+                fsync_dir(self.root)
                 old = {entry.id: entries.get(entry.id) for entry, _ in prepared}
                 for entry, _ in prepared:
                     entries[entry.id] = entry
@@ -966,7 +967,7 @@ class ExpertStore:
                 os.fsync(fh.fileno())
                 st = os.fstat(fh.fileno())
             os.replace(tmp, self.manifest_path)
-            _fsync_dir(self.root)
+            fsync_dir(self.root)
             self._disk_generation, self._disk_stamp = generation, (st.st_ino, st.st_mtime_ns, st.st_size)
         finally:
             with contextlib.suppress(FileNotFoundError):
@@ -974,15 +975,8 @@ class ExpertStore:
 
     @contextlib.contextmanager
     def _process_lock(self) -> Iterator[None]:
-        if fcntl is None:
+        with store_lock(self.root):
             yield
-            return
-        with open(self.root / ".manifest.lock", "a+b") as fh:
-            fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
-            try:
-                yield
-            finally:
-                fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
 
 
 TMP_STALE_S = 600.0    # a temp file untouched this long whose writer's pid is gone: a kill's leftover
@@ -1009,6 +1003,20 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+@contextlib.contextmanager
+def store_lock(root: str | os.PathLike) -> Iterator[None]:
+    """The store's lock across processes: every manifest change, and the files it names, happen under it."""
+    if fcntl is None:
+        yield
+        return
+    with open(Path(root) / ".manifest.lock", "a+b") as fh:
+        fcntl.flock(fh.fileno(), fcntl.LOCK_EX)
+        try:
+            yield
+        finally:
+            fcntl.flock(fh.fileno(), fcntl.LOCK_UN)
 
 
 def _check_id(expert_id: str) -> str:
@@ -1048,13 +1056,3 @@ def _sha256(path: Path) -> str:
 def _fsync_file(path: Path) -> None:
     with open(path, "rb") as fh:
         os.fsync(fh.fileno())
-
-
-def _fsync_dir(path: Path) -> None:
-    if os.name != "posix":
-        return
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
