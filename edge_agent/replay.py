@@ -7,6 +7,7 @@ delivered frame: at-least-once delivery, effectively-once verdicts.
 """
 from __future__ import annotations
 
+import itertools
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
@@ -127,7 +128,8 @@ def send_messages(messages: Iterable[tuple[str, list[bytes]]], endpoint: str, *,
                 progress(report)
         report.unacked = sorted(inflight) + ([stalled[0]] if stalled else [])
         if not exhausted:      # the deadline came first: the frames never sent are not acked either
-            unsent = [fid for fid, _ in source if fid not in done and fid not in inflight]
+            unsent = [fid for fid, _ in itertools.islice(source, MAX_UNSENT)
+                      if fid not in done and fid not in inflight]
             report.unsent = len(unsent) + (1 if stalled else 0)
             report.unacked += unsent
     finally:
@@ -153,6 +155,7 @@ def _is_busy(msg: list[bytes], inflight: dict) -> bool:
 
 
 MALFORMED_SHOWN = 10
+MAX_UNSENT = 1_000_000    # never-sent frames counted at a deadline (an endless source is not read to its end)
 STATUSES = (P.ACCEPTED, P.DUPLICATE, P.REJECTED)
 
 

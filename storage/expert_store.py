@@ -75,6 +75,7 @@ _SET_FILE = re.compile(r".+\.v\d+-[0-9a-f]{6}\.(safetensors|coez)$")   # write_m
 _TMP_FILE = re.compile(r"^\..+\.(\d+)(?:\.[0-9a-f]{8})?\.tmp$")
 VERIFY_POLICIES = ("first", "always", "never")
 COMPRESSIONS = ("none", "exponent-zstd")
+_ZSUFFIX = ".coez"            # a compressed expert's file (storage.compressed.SUFFIX)
 log = logging.getLogger(__name__)
 
 
@@ -595,18 +596,23 @@ class ExpertStore:
                     tmp.unlink()
         return [entry for entry, _ in prepared]
 
-    @staticmethod
-    def _versioned(entry: ManifestEntry, disk: ManifestEntry | None) -> ManifestEntry:
-        """`entry`, or a version above the disk's when the disk already holds other bytes under its version."""
-        if disk is None or disk.sha256 == entry.sha256 or entry.version > disk.version:
-            return entry
-        log.warning("expert %s: version %d on disk already holds other weights; these are stored as version %d",
-                    entry.id, disk.version, disk.version + 1)
-        file = entry.file
-        if file == disk.file:     # a second writer of a new expert chose the plain name too: a file of its own
-            suffix = file[len(entry.id):] if file.startswith(entry.id) else SUFFIX
-            file = f"{entry.id}.v{disk.version + 1}-{uuid.uuid4().hex[:6]}{suffix}"
-        return dataclasses.replace(entry, version=disk.version + 1, file=file)
+    def _versioned(self, entry: ManifestEntry, disk: ManifestEntry | None) -> ManifestEntry:
+        """`entry`, at a version above the disk's when the disk already holds other bytes under its version, and
+        under a file name of its own when its plain name is taken.
+
+        Under the process lock.  A writer that saw no such expert chose the
+        plain `<id>` name; if a file has it now (another writer's new expert,
+        or one retired while a reader still maps it), replacing it would hand
+        that file's readers other bytes."""
+        if disk is not None and disk.sha256 != entry.sha256 and entry.version <= disk.version:
+            log.warning("expert %s: version %d on disk already holds other weights; these are stored as version %d",
+                        entry.id, disk.version, disk.version + 1)
+            entry = dataclasses.replace(entry, version=disk.version + 1)
+        suffix = entry.file[len(entry.id):]
+        if entry.file == entry.id + suffix and suffix in (SUFFIX, _ZSUFFIX) and (self.root / entry.file).exists() \
+                and (disk is None or disk.sha256 != entry.sha256):
+            entry = dataclasses.replace(entry, file=f"{entry.id}.v{entry.version}-{uuid.uuid4().hex[:6]}{suffix}")
+        return entry
 
     def _tmp(self, file: str) -> Path:
         return self.root / f".{file}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"

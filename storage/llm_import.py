@@ -170,10 +170,6 @@ def import_checkpoint(model_dir: str | Path, out: str | Path, *, name: str | Non
                            f"{', '.join(lacking[:3])}")
         stored = _one_dtype(dtypes, model_dir) if want is None else _castable(dtypes, model_dir, want)
         store = ExpertStore(out)
-        # a re-import into a store that has a model: its layout goes first, so an import killed part-way leaves
-        # a store that refuses to load ("not found; is it a store written by 'coe-agent llm import'?"), never one
-        # that loads with some experts of the new checkpoint and some of the old
-        (out / LAYOUT_FILE).unlink(missing_ok=True)
         layout_layers = []
         written = 0
         for site in sites:
@@ -185,6 +181,12 @@ def import_checkpoint(model_dir: str | Path, out: str | Path, *, name: str | Non
                     tensors = _cast(tensors, want, f"{model_dir}: expert {e} of '{site.path}'")
                 expert = Expert(id=expert_id(name, site.layer, e), arch=f"transformers/{config.model_type}",
                                 kind="moe-ffn", classes=(), input_size=site.hidden)
+                if not written:
+                    # a re-import into a store that has a model: its layout goes before the first expert is
+                    # replaced (the checks above passed), so an import killed part-way leaves a store that refuses
+                    # to load ("not found; is it a store written by 'coe-agent llm import'?"), never one that
+                    # loads with some experts of the new checkpoint and some of the old
+                    (out / LAYOUT_FILE).unlink(missing_ok=True)
                 entry = store.write(expert, tensors)
                 nbytes = entry.nbytes
                 written += 1

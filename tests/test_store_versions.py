@@ -120,12 +120,9 @@ def test_two_writers_of_a_new_expert_never_share_its_file(tmp_path: Path) -> Non
 
 def test_temp_files_a_killed_writer_left_go_at_the_next_open_and_a_live_writers_stay(tmp_path: Path) -> None:
     import os
-    import subprocess
-    import sys
 
     ExpertStore(tmp_path).write(expert(), tensors(0))
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    gone_pid = int(dead.stdout)                            # a process that has ended: no one writes its files
+    gone_pid = int(Path("/proc/sys/kernel/pid_max").read_text()) + 1   # no process can have it
     old = 1_000_000_000                                    # 2001: untouched for long
     leftovers = [tmp_path / f".cls-b.safetensors.{gone_pid}.0badc0de.tmp", tmp_path / f".big.safetensors.{gone_pid}.tmp"]
     fresh = tmp_path / f".cls-c.safetensors.{gone_pid}.0badc0df.tmp"      # just written: may be another namespace's
@@ -137,3 +134,21 @@ def test_temp_files_a_killed_writer_left_go_at_the_next_open_and_a_live_writers_
     ExpertStore(tmp_path)
     assert [p.exists() for p in leftovers] == [False, False] and fresh.exists() and live.exists()
     assert torch.equal(ExpertStore(tmp_path).read("cls-a")["fc.bias"], tensors(0)["fc.bias"])
+
+
+def test_a_plain_name_a_retired_file_still_has_is_never_written_over(tmp_path: Path) -> None:
+    """cls-a.safetensors was version 1's file; a promotion retired it while a reader still maps it.  A writer
+    that saw no such expert (plain name) must not replace that file: the reader would read other bytes."""
+    first = ExpertStore(tmp_path)
+    first.write(expert(), tensors(0))
+    reader = ExpertStore(tmp_path, reader=True)              # a live agent, still on version 1
+    ExpertStore(tmp_path).write(expert(), tensors(1), version=2)
+    plain = tmp_path / "cls-a.safetensors"
+    kept = plain.read_bytes()
+    late = ExpertStore(tmp_path)
+    late._holds = lambda eid: False                          # it looked before the expert existed
+    got = late.write(expert(), tensors(2))
+    assert got.file != "cls-a.safetensors" and got.version == 3
+    assert plain.read_bytes() == kept                        # the reader's file is as it was
+    assert torch.equal(ExpertStore(tmp_path).read("cls-a")["fc.bias"], tensors(2)["fc.bias"])
+    reader.close_reader()
