@@ -18,7 +18,7 @@ import zmq
 
 from coe import Frame
 from routing import RouteError
-from storage.results import JournalEntry, is_database_fault
+from storage.results import JournalEntry, is_database_fault, payload_sha256
 
 from . import protocol as P
 from .metrics import Metrics
@@ -110,6 +110,28 @@ def _component_of(model, expert_id: str) -> str:
     return next((c.name for c in model.components.values() if c.classifier == expert_id), "")
 
 
+def _conflict(fid: str, sha: str | None, parts: list[bytes]) -> P.Reject | None:
+    """A reject when `fid` was accepted with other payload bytes than this message's (a reused id: an AOI
+    counter reset); None for a resend (the same bytes, or a frame accepted before hashes were kept)."""
+    if sha is None or len(parts) != 2 or payload_sha256(parts[1]) == sha:
+        return None
+    return P.Reject(P.ID_CONFLICT, f"frame_id '{fid}' was accepted before with other image bytes: this is another "
+                                   "frame, send it under a new frame_id", fid)
+
+
+def _same_read_conflicts(checked: list) -> None:
+    """Within one read, a second frame under a frame_id with other bytes than the first is an id conflict (the
+    journal would take it for a resend)."""
+    first: dict[str, str] = {}
+    for i, (identity, c) in enumerate(checked):
+        if not isinstance(c, Accepted):
+            continue
+        sha = payload_sha256(c.payload)
+        fid = c.frame.frame_id
+        if first.setdefault(fid, sha) != sha:
+            checked[i] = (identity, _conflict(fid, first[fid], [b"", c.payload]))
+
+
 def _sniff_frame_id(raw: bytes) -> str:
     """The header's frame_id if it is one a frame could have been accepted with, else "" (for naming and lookup).
 
@@ -182,7 +204,8 @@ class Ingest:
         for msg, fid in zip(msgs, sniffed):
             identity, parts = msg[0], msg[1:]
             if fid and fid in known:
-                checked.append((identity, fid))          # a str: the id of a frame accepted before
+                conflict = _conflict(fid, known[fid], parts)
+                checked.append((identity, conflict or fid))     # a str: the id of a frame accepted before
                 continue
             try:
                 checked.append((identity, check_frame(parts, line=self.line, router=self.router,
@@ -204,6 +227,7 @@ class Ingest:
                 else:
                     checked[i] = (identity, P.Reject(P.BUSY, f"agent saturated ({self._free_slots()} free "
                                                              "in-flight slots); retry with backoff", c.frame.frame_id))
+        _same_read_conflicts(checked)
         good = [c for _, c in checked if isinstance(c, Accepted)]
         errors = [{"frame_id": c.frame_id or None, "kind": f"reject:{c.reason}", "message": c.detail, "at": now}
                   for _, c in checked if isinstance(c, P.Reject)]
@@ -237,16 +261,17 @@ class Ingest:
             if accepted:
                 self._on_accepted(accepted)
 
-    def _known(self, ids: list[str]) -> set[str]:
-        """Which of `ids` the journal has accepted before (empty if it cannot say: the journal decides then)."""
+    def _known(self, ids: list[str]) -> dict[str, str | None]:
+        """Which of `ids` the journal has accepted before, with their payload hashes (empty if it cannot say:
+        the journal decides then)."""
         ids = [i for i in ids if i]
         if not ids:
-            return set()
+            return {}
         try:
             return self.store.known_ids(ids)
         except Exception as exc:  # noqa: BLE001 - a busy database: the journal's own check still catches duplicates
             log.warning("looking up %d frame id(s) before checking them failed: %s", len(ids), exc)
-            return set()
+            return {}
 
     def _journal(self, entries, errors) -> list[bool | None]:
         """Journal with retries: nothing is acked until this commits, so waiting is always safe.

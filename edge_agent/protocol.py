@@ -33,8 +33,9 @@ OVERSIZE = "oversize"
 BAD_FRAMING = "bad_framing"
 BUSY = "busy"              # not journaled: the agent is saturated; the client retries with backoff
 LOW_CONFIDENCE = "low_confidence"
+ID_CONFLICT = "id_conflict"  # a frame_id accepted before with other image bytes: a new frame needs a new id
 REASONS = (MALFORMED_JSON, MISSING_FIELD, BAD_FIELD, UNKNOWN_VERSION, WRONG_LINE,
-           UNKNOWN_COMPONENT, BAD_IMAGE, OVERSIZE, BAD_FRAMING, BUSY, LOW_CONFIDENCE)
+           UNKNOWN_COMPONENT, BAD_IMAGE, OVERSIZE, BAD_FRAMING, BUSY, LOW_CONFIDENCE, ID_CONFLICT)
 
 ACCEPTED, DUPLICATE, REJECTED = "accepted", "duplicate", "rejected"
 

@@ -120,8 +120,10 @@ class ResultStore:
                 db["verdicts"].create({"frame_id": str, "verdict": str, "reason": str, "decided_at": float,
                                        "latency_ms": float, "chain": str, "versions": str, "component": str,
                                        "board_id": str}, pk="frame_id")
-            # databases from before expert versions were recorded gain the columns (rows before: NULL)
-            for table, column, kind in (("inferences", "expert_version", int), ("verdicts", "versions", str)):
+            # databases from before gain the columns (rows before: NULL): expert versions, and the frame's payload
+            # hash that tells a resend (same bytes: a duplicate) from another frame under a reused id
+            for table, column, kind in (("inferences", "expert_version", int), ("verdicts", "versions", str),
+                                        ("frames", "payload_sha256", str)):
                 if column not in db[table].columns_dict:
                     db[table].add_column(column, kind)
             self._denormalize_verdicts()
@@ -178,7 +180,7 @@ class ResultStore:
                 fresh.append(True)
                 rows.append({"frame_id": e.frame_id, "line": e.line, "board_id": e.board_id,
                              "component": e.component, "ts": e.ts, "received_at": e.received_at,
-                             "status": "accepted"})
+                             "status": "accepted", "payload_sha256": payload_sha256(e.payload)})
                 blobs.append({"frame_id": e.frame_id, "header": e.header, "payload": e.payload})
             if rows:
                 self.db["frames"].insert_all(rows, batch_size=500)
@@ -187,9 +189,16 @@ class ResultStore:
                 self.db["errors"].insert_all(errors, batch_size=500)
         return fresh
 
-    def known_ids(self, ids: Sequence[str]) -> set[str]:
-        """Which of `ids` were accepted before (a frames row; duplicates are answered from it)."""
-        return self._existing(ids)
+    def known_ids(self, ids: Sequence[str]) -> dict[str, str | None]:
+        """Which of `ids` were accepted before (a frames row), each with its payload's sha256 (None for a frame
+        accepted before the hash was kept): a resend has the same bytes, another frame under a reused id not."""
+        found: dict[str, str | None] = {}
+        for i in range(0, len(ids), 500):
+            chunk = list(ids[i:i + 500])
+            marks = ",".join("?" * len(chunk))
+            found.update(self.db.execute(
+                f"SELECT frame_id, payload_sha256 FROM frames WHERE frame_id IN ({marks})", chunk).fetchall())
+        return found
 
     def _existing(self, ids: Sequence[str]) -> set[str]:
         found: set[str] = set()
@@ -320,6 +329,13 @@ class ResultStore:
         return {"frames": q("SELECT count(*) FROM frames"), "verdicts": q("SELECT count(*) FROM verdicts"),
                 "by_verdict": by_kind, "errors": q("SELECT count(*) FROM errors"),
                 "inferences": q("SELECT count(*) FROM inferences"), "expert_events": events}
+
+
+def payload_sha256(payload: bytes) -> str:
+    """What tells a resend of a frame (the same bytes) from another frame under the same id."""
+    import hashlib
+
+    return hashlib.sha256(payload).hexdigest()
 
 
 # SQLite's words for a fault of the database itself, not of a row: retrying later is the cure

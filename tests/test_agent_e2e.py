@@ -450,3 +450,31 @@ def test_a_resend_after_a_config_change_is_still_a_duplicate_not_a_reject(tmp_pa
         assert again.wait_idle(10) and again.verdicts_total == 0
     finally:
         again.stop()
+
+
+def test_a_reused_frame_id_with_other_bytes_is_an_id_conflict_not_a_silent_duplicate(agent):
+    """An AOI counter that reset sends a new image under an id accepted before: answered `id_conflict` (that
+    frame would otherwise never be inspected), while a resend of the same bytes is still `duplicate`.  The same
+    inside one read: the second image under one id is the conflict."""
+    ctx = zmq.Context.instance()
+    first = [("reuse-1", [_header("reuse-1"), _png(201)])]
+    assert send_messages(first, agent.endpoints["ingest"]).accepted == 1
+    again = [("reuse-1", [_header("reuse-1"), _png(201)])]
+    report = send_messages(again, agent.endpoints["ingest"])
+    assert (report.duplicate, report.rejected) == (1, 0)
+    other = [("reuse-1", [_header("reuse-1"), _png(202)])]
+    report = send_messages(other, agent.endpoints["ingest"])
+    assert report.rejected == 1 and report.reasons == {P.ID_CONFLICT: 1}
+    sock = ctx.socket(zmq.DEALER)                         # two images under one new id, in one read
+    sock.connect(agent.endpoints["ingest"])
+    sock.send_multipart([_header("reuse-2"), _png(203)])
+    sock.send_multipart([_header("reuse-2"), _png(204)])
+    acks = []
+    deadline = time.time() + 30
+    while len(acks) < 2 and time.time() < deadline:
+        if sock.poll(200):
+            acks.append(tuple(x.decode() for x in sock.recv_multipart()))
+    sock.close(linger=0)
+    assert [a[1] for a in acks] == ["accepted", "rejected"] and acks[1][2].startswith(P.ID_CONFLICT + ":")
+    assert agent.wait_verdicts(2, timeout=60)
+    assert db_rows(agent, "SELECT count(*) FROM errors WHERE kind='reject:id_conflict'") == [(2,)]

@@ -1,6 +1,7 @@
 """The shared verdict query (keyset pages, filters on indexes, old databases) and thumbnail retention."""
 from __future__ import annotations
 
+import hashlib
 import json
 import sqlite3
 import time
@@ -262,3 +263,26 @@ def test_a_frame_the_journal_cannot_store_is_rejected_and_the_frames_beside_it_a
         == ["g1", "g2"]
     assert sorted(db_rows(tmp_path / "r.db", "SELECT frame_id, kind FROM errors")) == [
         ("\\ud800", "reject:bad_field"), ("r1", "reject:bad_field")]     # its reject is on record, escaped
+
+
+def test_a_database_from_before_payload_hashes_gains_the_column_and_its_frames_stay_duplicates(tmp_path):
+    """Frames accepted before the hash was kept have none: a resend of theirs is a duplicate whatever its bytes
+    (nothing to compare with), and new frames get their hash."""
+    from edge_agent import protocol as P
+    from edge_agent.ingest import _conflict
+
+    db = tmp_path / "old.db"
+    con = sqlite3.connect(db)
+    con.execute("CREATE TABLE frames (frame_id TEXT PRIMARY KEY, line TEXT, board_id TEXT, component TEXT, "
+                "ts FLOAT, received_at FLOAT, status TEXT)")
+    con.execute("INSERT INTO frames VALUES ('old', 'A', 'B0', 'R0402', 1.0, 1.0, 'done')")
+    con.commit()
+    con.close()
+    rs = ResultStore(db)
+    rs.journal([JournalEntry("new", "A", "B0", "R0402", 1.0, 1.0, "{}", b"image")])
+    known = rs.known_ids(["old", "new", "never"])
+    rs.close()
+    assert known == {"old": None, "new": hashlib.sha256(b"image").hexdigest()}
+    assert _conflict("old", known["old"], [b"{}", b"other"]) is None
+    assert _conflict("new", known["new"], [b"{}", b"image"]) is None
+    assert _conflict("new", known["new"], [b"{}", b"other"]).reason == P.ID_CONFLICT
