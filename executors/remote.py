@@ -272,11 +272,11 @@ class ExecutorHost:
             self.store.reload()
             for expert_id in changed:
                 self.executor.failed.forget(expert_id)
+                want = self.store.entry(expert_id).version if self.store.has(expert_id) else None
                 for pool in (self.pool, self.host):
-                    if pool is None or not pool.present(expert_id):
+                    if pool is None:
                         continue
-                    value = pool.peek(expert_id)
-                    want = self.store.entry(expert_id).version if self.store.has(expert_id) else None
+                    value = _settled(pool, expert_id)    # a copy still loading may be of the old version
                     if value is not None and getattr(value, "version", want) != want:
                         pool.discard(expert_id, when_free=True)
             return self.report()
@@ -331,6 +331,22 @@ class _SizeSource:
 
     def size(self, expert_id: str) -> int:
         return self.model.experts[expert_id].nbytes
+
+
+def _settled(pool, expert_id: str, wait: float = 30.0):
+    """`expert_id`'s value in `pool` once any load under way has landed; None if it is not there (or a load
+    outlasts `wait`, which is logged: its copy is then not checked)."""
+    deadline = time.monotonic() + wait
+    while pool.present(expert_id):
+        value = pool.peek(expert_id)
+        if value is not None:
+            return value
+        if time.monotonic() > deadline:
+            log.warning("%s is still loading after %.0f s; its version was not checked after the sync", expert_id,
+                        wait)
+            return None
+        time.sleep(0.01)
+    return None
 
 
 class RemotePool:

@@ -41,3 +41,30 @@ def test_a_failing_clean_up_after_a_loss_still_requeues_every_request_the_execut
     while (b := s.next_batch("left", timeout=0)) is not None:
         got += [r.frame.frame_id for r in b.requests]
     assert sorted(got) == ["b0", "q0", "q1", "q2"]
+
+
+def test_a_sync_checks_a_copy_that_was_still_loading_once_it_has_landed():
+    """`reload_store` checks each changed expert's copy; one still loading (a prefetch under way) is waited for,
+    not skipped: it may be of the version the sync replaced."""
+    import threading
+
+    from executors.prefetch import Deferred
+    from executors.remote import _settled
+    from storage.policies import make_policy
+    from storage.pool import Pool
+
+    class Source:
+        def size(self, eid):
+            return 10
+
+        def load(self, eid):
+            return bytearray(b"v1" * 5)
+
+    pool = Pool("cpu", 100, make_policy("lru"), Source())
+    own = Deferred()
+    fut = pool.acquire_async("x", own)
+    assert pool.present("x") and pool.peek("x") is None          # loading: no value yet
+    threading.Timer(0.2, own.run).start()
+    assert _settled(pool, "x") == bytearray(b"v1" * 5)            # waited for, then checked
+    pool.release(fut.result(10))
+    assert _settled(pool, "y") is None
