@@ -200,6 +200,7 @@ class ExecutorHost:
         self.executor = Executor(spec.name, device, self.pool, self.hints, model, lambda r: None,
                                  prefetch=spec.prefetch)
         self._lock = threading.RLock()
+        self._unchecked: set[str] = set()   # experts a sync changed whose copy was still loading (`_check_versions`)
         self._channel = None
 
     def _on_event(self, e: PoolEvent) -> None:
@@ -249,6 +250,8 @@ class ExecutorHost:
     def run(self, batch_id: int, expert_id: str, frames: list[tuple[str, Any]], next_expert: str | None) -> dict:
         """Run one batch; `frames` are (frame_id, image).  Returns the outcome and the pool's report."""
         with self._lock:
+            if self._unchecked:          # a sync came while a copy was loading: check it before it serves
+                self._check_versions(time.monotonic() + SETTLE_S if expert_id in self._unchecked else None)
             self.hints.next = next_expert
             reqs = [Request(Frame(fid, "", "", "", 0.0, image), expert_id) for fid, image in frames]
             r = self.executor.run_batch(Batch(self.spec.name, expert_id, reqs, id=batch_id))
@@ -270,16 +273,32 @@ class ExecutorHost:
         experts (a fixed expert gets another chance) and drop their stale copies once no batch holds them."""
         with self._lock:
             self.store.reload()
+            deadline = time.monotonic() + SETTLE_S
             for expert_id in changed:
                 self.executor.failed.forget(expert_id)
-                want = self.store.entry(expert_id).version if self.store.has(expert_id) else None
-                for pool in (self.pool, self.host):
-                    if pool is None:
-                        continue
-                    value = _settled(pool, expert_id)    # a copy still loading may be of the old version
-                    if value is not None and getattr(value, "version", want) != want:
-                        pool.discard(expert_id, when_free=True)
+                self._unchecked.add(expert_id)
+            self._check_versions(deadline)
             return self.report()
+
+    def _check_versions(self, deadline: float | None = None) -> None:
+        """Drop copies of a version the store no longer serves, for the experts a sync changed.
+
+        A copy still loading (a prefetch under way when the sync came) may be of
+        the replaced version: it is waited for until `deadline` (kept short: the
+        actor answers no ping meanwhile), else checked again before the next
+        batch and at each heartbeat.  Under `self._lock`."""
+        for expert_id in sorted(self._unchecked):
+            want = self.store.entry(expert_id).version if self.store.has(expert_id) else None
+            settled = True
+            for pool in (self.pool, self.host):
+                if pool is None:
+                    continue
+                value, loading = _settled(pool, expert_id, deadline)
+                settled = settled and not loading
+                if value is not None and getattr(value, "version", want) != want:
+                    pool.discard(expert_id, when_free=True)
+            if settled:
+                self._unchecked.discard(expert_id)
 
     def versions(self) -> dict[str, int]:
         """The version of every expert in the node's store, as this actor reads it."""
@@ -292,6 +311,8 @@ class ExecutorHost:
         """The idle health check's answer: the pool's report when it changed since the last one (a prefetch
         that landed after the last batch's reply, say), else None."""
         with self._lock:
+            if self._unchecked:
+                self._check_versions()
             return self.report() if self._events else None
 
     def resident(self) -> list[str]:
@@ -333,20 +354,20 @@ class _SizeSource:
         return self.model.experts[expert_id].nbytes
 
 
-def _settled(pool, expert_id: str, wait: float = 30.0):
-    """`expert_id`'s value in `pool` once any load under way has landed; None if it is not there (or a load
-    outlasts `wait`, which is logged: its copy is then not checked)."""
-    deadline = time.monotonic() + wait
+SETTLE_S = 3.0     # how long a sync waits for copies still loading (the front declares a silent node lost at 10 s)
+
+
+def _settled(pool, expert_id: str, deadline: float | None = None) -> tuple[object | None, bool]:
+    """(`expert_id`'s value in `pool`, False) once any load under way has landed, (None, False) if it is not
+    there, or (None, True) if it is still loading at `deadline` (None: do not wait)."""
     while pool.present(expert_id):
         value = pool.peek(expert_id)
         if value is not None:
-            return value
-        if time.monotonic() > deadline:
-            log.warning("%s is still loading after %.0f s; its version was not checked after the sync", expert_id,
-                        wait)
-            return None
+            return value, False
+        if deadline is None or time.monotonic() > deadline:
+            return None, True
         time.sleep(0.01)
-    return None
+    return None, False
 
 
 class RemotePool:

@@ -43,28 +43,41 @@ def test_a_failing_clean_up_after_a_loss_still_requeues_every_request_the_execut
     assert sorted(got) == ["b0", "q0", "q1", "q2"]
 
 
-def test_a_sync_checks_a_copy_that_was_still_loading_once_it_has_landed():
-    """`reload_store` checks each changed expert's copy; one still loading (a prefetch under way) is waited for,
-    not skipped: it may be of the version the sync replaced."""
-    import threading
+def test_a_sync_drops_a_stale_copy_and_checks_one_still_loading_before_it_serves(tmp_path, tiny_zoo, monkeypatch):
+    """The node's actor body (`ExecutorHost`, plain Python here) after a promotion reached its store: a resident
+    copy of the replaced version is dropped; a copy still loading past the short wait is checked later (the
+    next batch or heartbeat), not skipped, and not waited for so long that the front takes the node for lost."""
+    import shutil
 
+    from coe import parse_spec
+    from conftest import TINY_SPEC
+    from executors import remote as remote_mod
     from executors.prefetch import Deferred
-    from executors.remote import _settled
-    from storage.policies import make_policy
-    from storage.pool import Pool
+    from executors.remote import ExecutorHost
+    from storage.expert_store import ExpertStore
 
-    class Source:
-        def size(self, eid):
-            return 10
+    store_dir = tmp_path / "node-store"
+    shutil.copytree(tiny_zoo, store_dir)
+    model = parse_spec(TINY_SPEC)
+    spec = RemoteSpec(name="box-2/cpu-0.0", node="box-2", device="cpu", memory=40 << 20, expert_memory=40 << 20,
+                      store=str(store_dir), prefetch=False)
+    host = ExecutorHost(spec, model)
+    eid = "det-2term"
+    host.pool.release(host.pool.acquire(eid))                   # version 1, resident
+    store = ExpertStore(store_dir)
+    tensors = store.read(eid)
+    first = next(iter(tensors))
+    store.write(model.experts[eid], {**tensors, first: tensors[first] + 1}, version=2)   # other bytes
+    host.reload_store([eid])
+    assert not host.pool.present(eid) and not host._unchecked      # the stale copy went
 
-        def load(self, eid):
-            return bytearray(b"v1" * 5)
-
-    pool = Pool("cpu", 100, make_policy("lru"), Source())
+    other = "cls-r0402"
+    monkeypatch.setattr(remote_mod, "SETTLE_S", 0.05)
     own = Deferred()
-    fut = pool.acquire_async("x", own)
-    assert pool.present("x") and pool.peek("x") is None          # loading: no value yet
-    threading.Timer(0.2, own.run).start()
-    assert _settled(pool, "x") == bytearray(b"v1" * 5)            # waited for, then checked
-    pool.release(fut.result(10))
-    assert _settled(pool, "y") is None
+    fut = host.pool.acquire_async(other, own)                      # a load under way when the sync comes
+    host.reload_store([other])
+    assert other in host._unchecked                                # not waited for past the short wait
+    own.run()
+    host.pool.release(fut.result(10))
+    host.heartbeat()                                               # checked once it has landed
+    assert not host._unchecked and host.pool.present(other)        # current: kept
