@@ -18,7 +18,7 @@ import zmq
 
 from coe import Frame
 from routing import RouteError
-from storage.results import JournalEntry, is_database_fault, payload_sha256
+from storage.results import CONFLICT, JournalEntry, is_database_fault, payload_sha256
 
 from . import protocol as P
 from .metrics import Metrics
@@ -112,24 +112,12 @@ def _component_of(model, expert_id: str) -> str:
 
 def _conflict(fid: str, sha: str | None, parts: list[bytes]) -> P.Reject | None:
     """A reject when `fid` was accepted with other payload bytes than this message's (a reused id: an AOI
-    counter reset); None for a resend (the same bytes, or a frame accepted before hashes were kept)."""
-    if sha is None or len(parts) != 2 or payload_sha256(parts[1]) == sha:
+    counter reset); None for a resend (the same bytes, or a frame accepted before hashes were kept).  `sha` ""
+    means the conflict is known already (the journal found it)."""
+    if sha is None or len(parts) != 2 or sha and payload_sha256(parts[1]) == sha:
         return None
     return P.Reject(P.ID_CONFLICT, f"frame_id '{fid}' was accepted before with other image bytes: this is another "
                                    "frame, send it under a new frame_id", fid)
-
-
-def _same_read_conflicts(checked: list) -> None:
-    """Within one read, a second frame under a frame_id with other bytes than the first is an id conflict (the
-    journal would take it for a resend)."""
-    first: dict[str, str] = {}
-    for i, (identity, c) in enumerate(checked):
-        if not isinstance(c, Accepted):
-            continue
-        sha = payload_sha256(c.payload)
-        fid = c.frame.frame_id
-        if first.setdefault(fid, sha) != sha:
-            checked[i] = (identity, _conflict(fid, first[fid], [b"", c.payload]))
 
 
 def _sniff_frame_id(raw: bytes) -> str:
@@ -227,14 +215,18 @@ class Ingest:
                 else:
                     checked[i] = (identity, P.Reject(P.BUSY, f"agent saturated ({self._free_slots()} free "
                                                              "in-flight slots); retry with backoff", c.frame.frame_id))
-        _same_read_conflicts(checked)
         good = [c for _, c in checked if isinstance(c, Accepted)]
         errors = [{"frame_id": c.frame_id or None, "kind": f"reject:{c.reason}", "message": c.detail, "at": now}
                   for _, c in checked if isinstance(c, P.Reject)]
         entries = [JournalEntry(a.frame.frame_id, a.frame.line, a.frame.board_id, a.frame.component or None,
                                 a.frame.ts, a.frame.received_at, a.header_json, a.payload) for a in good]
         fresh = self._journal(entries, errors)
-        accepted = [a for a, f in zip(good, fresh) if f]       # journaled: the agent's from here, whatever follows
+        accepted = [a for a, f in zip(good, fresh) if f is True]   # journaled: the agent's from here, whatever follows
+        conflicts = [{"frame_id": a.frame.frame_id, "kind": f"reject:{P.ID_CONFLICT}", "at": now,
+                      "message": _conflict(a.frame.frame_id, "", [b"", b""]).detail}
+                     for a, f in zip(good, fresh) if f == CONFLICT]
+        if conflicts:          # found by the journal itself (the same read, or a lookup that failed): on record too
+            self._journal_apart([], conflicts)
         try:
             fresh_of = {id(a): f for a, f in zip(good, fresh)}
             for identity, c in checked:
@@ -245,6 +237,9 @@ class Ingest:
                 elif fresh_of[id(c)] is None:
                     rej = P.Reject(P.BAD_FIELD, "the journal cannot store this frame (see the agent's log)",
                                    c.frame.frame_id)
+                    kind, ack = rej.reason, P.ack(rej.frame_id, P.REJECTED, rej.ack_detail)
+                elif fresh_of[id(c)] == CONFLICT:     # the journal found the id taken by other bytes
+                    rej = _conflict(c.frame.frame_id, "", [b"", b""])
                     kind, ack = rej.reason, P.ack(rej.frame_id, P.REJECTED, rej.ack_detail)
                 elif fresh_of[id(c)]:
                     kind, ack = P.ACCEPTED, P.ack(c.frame.frame_id, P.ACCEPTED, "")

@@ -70,13 +70,14 @@ def send_messages(messages: Iterable[tuple[str, list[bytes]]], endpoint: str, *,
     backoff: dict[str, tuple[float, list[bytes]]] = {}   # 'busy' frames waiting for their retry
     tries: dict[str, int] = {}
     done: set[str] = set()
+    repeats: dict[str, list[float]] = {}    # a repeated id's extra copies: when each stops being waited for
     t0 = time.monotonic()
     interval = 1.0 / rate if rate else 0.0
     next_send = t0
     exhausted = False
     stalled: tuple[str, list[bytes]] | None = None
     try:
-        while (not exhausted or inflight or stalled) and time.monotonic() - t0 < deadline:
+        while (not exhausted or inflight or stalled or _waiting(repeats)) and time.monotonic() - t0 < deadline:
             now = time.monotonic()
             while not exhausted and len(inflight) < window and now >= next_send:
                 if stalled is None:
@@ -91,7 +92,10 @@ def send_messages(messages: Iterable[tuple[str, list[bytes]]], endpoint: str, *,
                 stalled = None
                 report.sent += 1
                 if fid in inflight or fid in done:
-                    continue  # a recording with a repeated id: its first ack counts
+                    # a recording with a repeated id: its first ack counts; this copy's own answer is waited for
+                    # (up to the ack timeout, not resent): `id_conflict` if its bytes differ (a counter reset)
+                    repeats.setdefault(fid, []).append(now + ack_timeout)
+                    continue
                 inflight[fid] = (now, parts)
                 if interval:
                     next_send = max(next_send + interval, now - 1.0)
@@ -110,7 +114,7 @@ def send_messages(messages: Iterable[tuple[str, list[bytes]]], endpoint: str, *,
                         backoff[fid] = (time.monotonic() + min(0.05 * 2 ** tries[fid], 2.0), inflight[fid][1])
                         report.busy += 1
                         continue
-                    _count_ack(msg, inflight, done, report)
+                    _count_ack(msg, inflight, done, report, repeats)
             now = time.monotonic()
             for fid, (due, parts) in list(backoff.items()):
                 if fid in done:        # a stale 'busy' for a copy whose later copy has been acked since
@@ -167,7 +171,18 @@ def _malformed(report: ReplayReport, what: str) -> None:
         report.malformed.append(what)
 
 
-def _count_ack(msg: list[bytes], inflight: dict, done: set, report: ReplayReport) -> None:
+def _waiting(repeats: dict[str, list[float]]) -> bool:
+    """Whether some repeated id's copy is still waited for (its ack timeout not past)."""
+    now = time.monotonic()
+    for fid in list(repeats):
+        repeats[fid] = [t for t in repeats[fid] if t > now]
+        if not repeats[fid]:
+            del repeats[fid]
+    return bool(repeats)
+
+
+def _count_ack(msg: list[bytes], inflight: dict, done: set, report: ReplayReport,
+               repeats: dict[str, list[float]] | None = None) -> None:
     if len(msg) != 3:
         first = msg[0].decode("utf-8", "replace")[:P.MAX_ID_LEN] if msg else ""
         _malformed(report, f"an answer of {len(msg)} part(s), not 3 (first part {first!r})")
@@ -178,6 +193,14 @@ def _count_ack(msg: list[bytes], inflight: dict, done: set, report: ReplayReport
         return
     if fid not in inflight and len(fid) == P.MAX_ID_LEN:  # the agent cuts long ids in its acks
         fid = next((k for k in inflight if k.startswith(fid)), fid)
+    if fid not in inflight and repeats and repeats.get(fid):
+        repeats[fid].pop(0)
+        if status == P.REJECTED and P.reason_of(detail) == P.ID_CONFLICT:
+            # a second frame under an id of the recording's (a counter that reset): counted, it was not run
+            report.rejected += 1
+            report.reasons[P.ID_CONFLICT] += 1
+            report.rejected_ids.append(fid)
+        return
     if fid not in inflight:
         if fid == "" and status == P.REJECTED:  # no id could be read; counted, but cannot be matched
             report.unmatched_rejects += 1

@@ -44,6 +44,7 @@ class JournalEntry:
     received_at: float
     header: str
     payload: bytes
+    payload_sha256: str | None = None   # computed by `journal` when not given
 
 
 class ResultStore:
@@ -158,29 +159,34 @@ class ResultStore:
                         "board_id = (SELECT f.board_id FROM frames f WHERE f.frame_id = verdicts.frame_id)")
 
     # -- ingest side ----------------------------------------------------------
-    def journal(self, entries: Sequence[JournalEntry], errors: Iterable[dict] = ()) -> list[bool]:
+    def journal(self, entries: Sequence[JournalEntry], errors: Iterable[dict] = ()) -> list[bool | str]:
         """Journal accepted frames and record rejects in one committed transaction.
 
-        Returns, per entry, True if it was new and False if its frame_id was
-        already journaled (a duplicate).  Duplicates inside `entries` count once.
+        Returns, per entry, True if it was new, False if its frame_id was
+        already journaled with the same payload bytes (a duplicate: a resend),
+        or `CONFLICT` if it was journaled with other bytes (another frame under
+        a reused id; not journaled).  Within `entries` an id counts once the
+        same way.  A frame journaled before payload hashes were kept cannot be
+        compared: a duplicate.
         """
         errors = list(errors)
         if not entries and not errors:
             return []
+        shas = [e.payload_sha256 or payload_sha256(e.payload) for e in entries]   # outside the write lock
         with self._write_txn():
-            ids = [e.frame_id for e in entries]
-            known = self._existing(ids)
-            fresh: list[bool] = []
+            known = self.known_ids([e.frame_id for e in entries])
+            fresh: list[bool | str] = []
             rows, blobs = [], []
-            for e in entries:
+            for e, sha in zip(entries, shas):
                 if e.frame_id in known:
-                    fresh.append(False)
+                    was = known[e.frame_id]
+                    fresh.append(CONFLICT if was is not None and was != sha else False)
                     continue
-                known.add(e.frame_id)
+                known[e.frame_id] = sha
                 fresh.append(True)
                 rows.append({"frame_id": e.frame_id, "line": e.line, "board_id": e.board_id,
                              "component": e.component, "ts": e.ts, "received_at": e.received_at,
-                             "status": "accepted", "payload_sha256": payload_sha256(e.payload)})
+                             "status": "accepted", "payload_sha256": sha})
                 blobs.append({"frame_id": e.frame_id, "header": e.header, "payload": e.payload})
             if rows:
                 self.db["frames"].insert_all(rows, batch_size=500)
@@ -198,15 +204,6 @@ class ResultStore:
             marks = ",".join("?" * len(chunk))
             found.update(self.db.execute(
                 f"SELECT frame_id, payload_sha256 FROM frames WHERE frame_id IN ({marks})", chunk).fetchall())
-        return found
-
-    def _existing(self, ids: Sequence[str]) -> set[str]:
-        found: set[str] = set()
-        for i in range(0, len(ids), 500):
-            chunk = ids[i:i + 500]
-            marks = ",".join("?" * len(chunk))
-            found.update(r[0] for r in self.db.execute(
-                f"SELECT frame_id FROM frames WHERE frame_id IN ({marks})", chunk).fetchall())
         return found
 
     def pending(self) -> list[JournalEntry]:
@@ -329,6 +326,9 @@ class ResultStore:
         return {"frames": q("SELECT count(*) FROM frames"), "verdicts": q("SELECT count(*) FROM verdicts"),
                 "by_verdict": by_kind, "errors": q("SELECT count(*) FROM errors"),
                 "inferences": q("SELECT count(*) FROM inferences"), "expert_events": events}
+
+
+CONFLICT = "conflict"   # `journal`: this frame_id was journaled with other payload bytes
 
 
 def payload_sha256(payload: bytes) -> str:

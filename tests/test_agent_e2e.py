@@ -476,5 +476,10 @@ def test_a_reused_frame_id_with_other_bytes_is_an_id_conflict_not_a_silent_dupli
             acks.append(tuple(x.decode() for x in sock.recv_multipart()))
     sock.close(linger=0)
     assert [a[1] for a in acks] == ["accepted", "rejected"] and acks[1][2].startswith(P.ID_CONFLICT + ":")
-    assert agent.wait_verdicts(2, timeout=60)
-    assert db_rows(agent, "SELECT count(*) FROM errors WHERE kind='reject:id_conflict'") == [(2,)]
+    # the replay client, sending a recording whose counter reset: the second frame under the id is reported
+    reset = [("reuse-3", [_header("reuse-3"), _png(205)]), ("reuse-3", [_header("reuse-3"), _png(206)])]
+    report = send_messages(reset, agent.endpoints["ingest"])
+    assert (report.accepted, report.rejected, report.reasons) == (1, 1, {P.ID_CONFLICT: 1})
+    assert report.rejected_ids == ["reuse-3"]
+    assert agent.wait_verdicts(3, timeout=60)
+    assert db_rows(agent, "SELECT count(*) FROM errors WHERE kind='reject:id_conflict'") == [(3,)]

@@ -286,3 +286,19 @@ def test_a_database_from_before_payload_hashes_gains_the_column_and_its_frames_s
     assert _conflict("old", known["old"], [b"{}", b"other"]) is None
     assert _conflict("new", known["new"], [b"{}", b"image"]) is None
     assert _conflict("new", known["new"], [b"{}", b"other"]).reason == P.ID_CONFLICT
+
+
+def test_the_journal_itself_tells_a_resend_from_another_frame_under_the_same_id(tmp_path):
+    """Whatever ingest looked up before (a lookup that failed, or both copies in one read), the journal decides:
+    the same bytes are a duplicate, other bytes a conflict that is not journaled."""
+    from conftest import db_rows
+    from storage.results import CONFLICT
+
+    rs = ResultStore(tmp_path / "r.db")
+
+    def entry(fid, payload):
+        return JournalEntry(fid, "A", "B0", "R0402", 1.0, 1.0, "{}", payload)
+    assert rs.journal([entry("a", b"one"), entry("a", b"one"), entry("a", b"two")]) == [True, False, CONFLICT]
+    assert rs.journal([entry("a", b"one"), entry("a", b"three")]) == [False, CONFLICT]
+    assert db_rows(tmp_path / "r.db", "SELECT payload FROM journal") == [(b"one",)]
+    rs.close()
