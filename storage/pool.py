@@ -405,11 +405,28 @@ class Pool:
                 self._stats.load_seconds += seconds
             else:
                 self._stats.admits += 1
+            # booked above what was reserved (a CUDA allocator's rounding): others make room, so the pool never
+            # holds more than its capacity while anything unpinned can go
+            trimmed = self._trim_locked(expert_id) if entry.nbytes > need else []
             self._stats.manage_seconds += time.perf_counter() - entered - wall
             self._cond.notify_all()
+        for ev in trimmed:
+            self._tell(ev)
         self._hand_over(expert_id, entry, joined)
         self._tell(PoolEvent(expert_id, self.tier, event, entry.nbytes, seconds, time.time()))
         return entry
+
+    def _trim_locked(self, incoming: str) -> list[PoolEvent]:
+        """Evict what the policy chooses until the pool is within its capacity again; the evictions' events."""
+        over = sum(e.nbytes for e in self._entries.values()) - self.capacity
+        if over <= 0:
+            return []
+        state = self._state_locked(self._context(), incoming=incoming, keep=(incoming,))
+        victims = self.policy.choose_victims(state, 0) or []        # until free >= 0: within capacity
+        if not victims:
+            log.warning("%s pool: %d bytes over its capacity after loading %s, and nothing unpinned to evict",
+                        self.tier, over, incoming)
+        return [self._evict_locked(v, incoming=incoming) for v in victims]
 
     def peek(self, expert_id: str):
         """The resident value of `expert_id`, or None: no pin, no hit counted, no recency touched."""

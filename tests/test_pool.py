@@ -719,3 +719,27 @@ def test_a_listener_that_raises_leaks_no_pin_and_every_victim_is_still_told(capl
     assert p.evict("c") is True and not p.contains("c")  # no pin was left behind anywhere
     assert set(p.resident()) == {"d", "e"}
     assert sum("a listener failed" in r.getMessage() for r in caplog.records) == 2
+
+
+def test_a_load_booked_above_its_reservation_makes_room_so_the_pool_stays_within_capacity():
+    """The pool reserves the source's size, then books what `measure` says the loaded value really holds (a
+    CUDA allocator's rounded block): when that is more, the policy's victims go, so used <= capacity."""
+    booked = {"a": 40, "b": 30, "c": 45}                  # c's source says 30 (it fits), its value holds 45
+    events = []
+
+    class Tagged(Source):
+        def load(self, eid):
+            value = Value(super().load(eid))
+            value.eid = eid
+            return value
+
+    class Value(bytearray):
+        eid = ""
+
+    p = Pool("cpu", 100, make_policy("lru"), Tagged({"a": 40, "b": 30, "c": 30}), on_event=events.append,
+             measure=lambda v: booked[v.eid])
+    use(p, "a")
+    use(p, "b")
+    use(p, "c")                                           # 40 + 30 + 45 > 100 once booked: a (LRU) goes
+    assert p.used_bytes() <= p.capacity and set(p.resident()) == {"b", "c"}
+    assert [e.expert_id for e in events if e.event == "evict"] == ["a"]
