@@ -313,6 +313,13 @@ class PrefillBalance:
             self._stream(layer, stream, hidden_states, expert_mask, top_k_weights, where, out)
             if self._cuda:
                 torch.cuda.current_stream(self.device).synchronize()    # before the pins and the buffers go
+        except BaseException:
+            if self._cuda:   # the layer raised: its queued kernels still finish before the buffers are let go
+                try:
+                    torch.cuda.current_stream(self.device).synchronize()
+                except Exception:  # noqa: BLE001 - a failed device: the layer's own error propagates
+                    pass
+            raise
         finally:
             self._drain()
             for h in holds:

@@ -83,6 +83,21 @@ def loader() -> ThreadPoolExecutor:
         return _loader
 
 
+def _drain_gpu(handles) -> None:
+    """Wait for the work queued on the CUDA devices these handles' weights live on (a layer that raised skips
+    its own synchronize; the pins it releases could otherwise be refilled under kernels still reading them)."""
+    import torch
+
+    devices = {h.value.buffer.device for h in handles
+               if getattr(getattr(h.value, "buffer", None), "device", None) is not None
+               and h.value.buffer.device.type == "cuda"}
+    for device in devices:
+        try:
+            torch.cuda.synchronize(device)
+        except Exception:  # noqa: BLE001 - a failed device: its own error is the one that propagates
+            pass
+
+
 class PinnedWave:
     """Pin a layer's experts in order, loading the misses concurrently; release them all on exit.
 
@@ -198,6 +213,8 @@ class PinnedWave:
                 self.handles.append(fut.result())
             except Exception:  # a failed load left no entry behind; the first error already propagates
                 pass
+        if exc and exc[0] is not None:
+            _drain_gpu(self.handles)    # kernels queued on these weights finish before a load may reuse them
         for h in self.handles:
             self._pool_of(h.expert_id).release(h)
         self.handles, self._futures, self._taken = [], [], {}
