@@ -18,7 +18,7 @@ import zmq
 
 from coe import Frame
 from routing import RouteError
-from storage.results import CONFLICT, JournalEntry, is_database_fault, payload_sha256
+from storage.results import CONFLICT, JournalEntry, RowFault, payload_sha256, retry_write
 
 from . import protocol as P
 from .metrics import Metrics
@@ -26,6 +26,7 @@ from .metrics import Metrics
 log = logging.getLogger(__name__)
 
 MAX_READ = 256
+ROW_FAULT_TRIES = 3    # whole-read journal attempts before a row fault splits the read frame by frame
 
 
 @dataclass
@@ -112,10 +113,13 @@ def _component_of(model, expert_id: str) -> str:
 
 def _conflict(fid: str, sha: str | None, parts: list[bytes]) -> P.Reject | None:
     """A reject when `fid` was accepted with other payload bytes than this message's (a reused id: an AOI
-    counter reset); None for a resend (the same bytes, or a frame accepted before hashes were kept).  `sha` ""
-    means the conflict is known already (the journal found it)."""
-    if sha is None or len(parts) != 2 or sha and payload_sha256(parts[1]) == sha:
+    counter reset); None for a resend (the same bytes, or a frame accepted before hashes were kept)."""
+    if sha is None or len(parts) != 2 or payload_sha256(parts[1]) == sha:
         return None
+    return _id_conflict(fid)
+
+
+def _id_conflict(fid: str) -> P.Reject:
     return P.Reject(P.ID_CONFLICT, f"frame_id '{fid}' was accepted before with other image bytes: this is another "
                                    "frame, send it under a new frame_id", fid)
 
@@ -223,7 +227,7 @@ class Ingest:
         fresh = self._journal(entries, errors)
         accepted = [a for a, f in zip(good, fresh) if f is True]   # journaled: the agent's from here, whatever follows
         conflicts = [{"frame_id": a.frame.frame_id, "kind": f"reject:{P.ID_CONFLICT}", "at": now,
-                      "message": _conflict(a.frame.frame_id, "", [b"", b""]).detail}
+                      "message": _id_conflict(a.frame.frame_id).detail}
                      for a, f in zip(good, fresh) if f == CONFLICT]
         if conflicts:          # found by the journal itself (the same read, or a lookup that failed): on record too
             self._journal_apart([], conflicts)
@@ -239,7 +243,7 @@ class Ingest:
                                    c.frame.frame_id)
                     kind, ack = rej.reason, P.ack(rej.frame_id, P.REJECTED, rej.ack_detail)
                 elif fresh_of[id(c)] == CONFLICT:     # the journal found the id taken by other bytes
-                    rej = _conflict(c.frame.frame_id, "", [b"", b""])
+                    rej = _id_conflict(c.frame.frame_id)
                     kind, ack = rej.reason, P.ack(rej.frame_id, P.REJECTED, rej.ack_detail)
                 elif fresh_of[id(c)]:
                     kind, ack = P.ACCEPTED, P.ack(c.frame.frame_id, P.ACCEPTED, "")
@@ -268,62 +272,53 @@ class Ingest:
             log.warning("looking up %d frame id(s) before checking them failed: %s", len(ids), exc)
             return {}
 
-    def _journal(self, entries, errors) -> list[bool | None]:
+    def _journal(self, entries, errors) -> list[bool | str | None]:
         """Journal with retries: nothing is acked until this commits, so waiting is always safe.
 
-        Per entry: True (fresh), False (a duplicate), or None: a frame no
-        write can store while the database itself is fine (a row fault,
-        `is_database_fault` false, three times running), which is rejected by
-        name instead of blocking every client behind it.
+        Per entry: True (fresh), False (a duplicate), `CONFLICT`, or None: a
+        frame no write can store while the database itself is fine (a row
+        fault three times running), which is rejected by name instead of
+        blocking every client behind it.
         """
-        attempt = 0
-        while True:
-            try:
-                return self.store.journal(entries, errors)
-            except Exception as exc:  # noqa: BLE001 - a locked or full disk must not kill ingest
-                attempt += 1
-                log.error("journal write failed (attempt %d), retrying; no frame of this read is acked: %s",
-                          attempt, exc)
-                if self._stop.is_set() and attempt >= 3:
-                    raise
-                if attempt >= 3 and not is_database_fault(exc):
-                    return self._journal_apart(entries, errors)
-                time.sleep(min(0.1 * 2 ** attempt, 2.0))
+        try:
+            return self._retrying(lambda: self.store.journal(entries, errors), ROW_FAULT_TRIES,
+                                  "journal write failed (attempt %d), retrying; no frame of this read is acked: %s")
+        except RowFault:
+            return self._journal_apart(entries, errors)
 
-    def _journal_apart(self, entries, errors) -> list[bool | None]:
+    def _retrying(self, call, row_tries: int, message: str):
+        def failed(attempt: int, exc: BaseException) -> str:
+            log.error(message, attempt, exc)
+            return f"{type(exc).__name__}: {exc}"
+        return retry_write(call, row_tries=row_tries, stopping=self._stop.is_set, failed=failed)
+
+    def _journal_apart(self, entries, errors) -> list[bool | str | None]:
         """A read the journal keeps refusing on its rows: each frame alone, each errors row alone.
 
         A database fault meanwhile is waited out on that one row (never a whole
         retry: frames journaled already would then read as duplicates, acked
         but never handed to the agent)."""
-        out: list[bool | None] = []
+        out: list[bool | str | None] = []
         for entry in entries:
             out.append(self._journal_one([entry], [], f"frame {P.printable(entry.frame_id)}"))
         for row in errors:
             self._journal_one([], [row], f"the errors row for frame {P.printable(str(row.get('frame_id')))}")
         return out
 
-    def _journal_one(self, entries, errors, what: str) -> bool | None:
-        attempt = 0
-        while True:
-            try:
-                got = self.store.journal(entries, errors)
-                return got[0] if got else True
-            except Exception as exc:  # noqa: BLE001 - decided below: the row's fault, or the database's
-                attempt += 1
-                if not is_database_fault(exc):
-                    log.error("%s cannot be journaled (%s: %s); %s", what, type(exc).__name__, exc,
-                              "it is rejected" if entries else "the row is dropped")
-                    if entries:     # its reject is on record too, as every reject is (docs/protocol.md)
-                        self._journal_one([], [{"frame_id": P.printable(entries[0].frame_id),
-                                                "kind": f"reject:{P.BAD_FIELD}", "at": time.time(),
-                                                "message": P.printable(f"the journal cannot store this frame: "
-                                                                       f"{type(exc).__name__}: {exc}")}],
-                                          what + "'s reject")
-                    return None
-                if self._stop.is_set() and attempt >= 3:
-                    raise
-                time.sleep(min(0.1 * 2 ** attempt, 2.0))
+    def _journal_one(self, entries, errors, what: str) -> bool | str | None:
+        try:
+            got = self._retrying(lambda: self.store.journal(entries, errors), 1,
+                                 f"{what}: journal write failed (attempt %d): %s")
+            return got[0] if got else True
+        except RowFault as fault:
+            log.error("%s cannot be journaled (%s); %s", what, fault, "it is rejected" if entries else
+                      "the row is dropped")
+            if entries:     # its reject is on record too, as every reject is (docs/protocol.md)
+                self._journal_one([], [{"frame_id": P.printable(entries[0].frame_id),
+                                        "kind": f"reject:{P.BAD_FIELD}", "at": time.time(),
+                                        "message": P.printable(f"the journal cannot store this frame: {fault}")}],
+                                  what + "'s reject")
+            return None
 
     def _send(self, identity: bytes, ack: list[bytes]) -> None:
         try:

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
-from storage.results import ResultStore, is_database_fault
+from storage.results import GiveUp, ResultStore, RowFault, retry_write
 
 log = logging.getLogger(__name__)
 
@@ -180,13 +180,13 @@ class ResultWriter:
         handled = p.verdicts             # the verdicts this flush settles, each stored or not (journaled)
         try:
             stored = self._write_unit(store, p, row_tries=ROW_FAULT_TRIES)
-        except _GiveUp as gone:
+        except GiveUp as gone:
             # stopping: the frames stay journaled without a verdict and are re-run at next start
             log.error("result write failed while stopping; giving up on %d verdict(s), they are re-run from the "
                       "journal at next start: %s", len(p.verdicts), gone)
             self.gave_up += len(p.verdicts)
             return
-        except _RowFault:
+        except RowFault:
             stored, handled = self._write_apart(store, p)
         for v in handled:
             if v["frame_id"] not in stored:
@@ -204,27 +204,16 @@ class ResultWriter:
             log.exception("after-commit callback failed")
 
     def _write_unit(self, store: ResultStore, unit: _Pending, *, row_tries: int) -> set[str]:
-        """Write `unit`, waiting out the database's own faults (locked, full, read-only: `is_database_fault`).
-
-        Raises `_RowFault` once the rows themselves have failed `row_tries`
-        times (a column or value the schema refuses), and `_GiveUp` when the
-        writer is stopping and the database still fails.
-        """
-        attempt = 0
-        while True:
-            try:
-                stored = self._write(store, unit)
-                self.failing_since = None
-                return stored
-            except Exception as exc:  # noqa: BLE001 - a locked or full disk must not kill the writer
-                attempt += 1
-                why = self._failed(exc)
-                if not is_database_fault(exc) and attempt >= row_tries:
-                    raise _RowFault(why) from None
-                if self._stop.is_set() and attempt >= 3:
-                    raise _GiveUp(why) from None
-                log.error("result write failed (attempt %d), retrying: %s", attempt, why)
-                time.sleep(min(0.1 * 2 ** attempt, 2.0))
+        """Write `unit`, waiting out the database's own faults (`storage.results.retry_write`): `RowFault` once
+        its rows failed `row_tries` times, `GiveUp` when the writer is stopping and the database still fails."""
+        def failed(attempt: int, exc: BaseException) -> str:
+            why = self._failed(exc)
+            log.error("result write failed (attempt %d), retrying: %s", attempt, why)
+            return why
+        stored = retry_write(lambda: self._write(store, unit), row_tries=row_tries, stopping=self._stop.is_set,
+                             failed=failed)
+        self.failing_since = None
+        return stored
 
     def _write_apart(self, store: ResultStore, p: _Pending) -> tuple[set[str], list[dict]]:
         """A batch whose rows the schema refuses, written a row at a time: (stored ids, verdicts it settles).
@@ -274,7 +263,7 @@ class ResultWriter:
                     handled.append(row)
                 log.error("%s row for %s could not be stored and was set aside (%s); the rows beside it were "
                           "stored%s", _ROW_NAMES[kind], what, why, instead)
-            except _GiveUp as gone:
+            except GiveUp as gone:
                 left = sum(len(x.verdicts) for x in units[n:])
                 log.error("result write failed while stopping; giving up on %d verdict(s), they are re-run from the "
                           "journal at next start: %s", left, gone)
@@ -283,7 +272,7 @@ class ResultWriter:
         if notes:
             try:
                 self._write_unit(store, _Pending(errors=notes), row_tries=1)
-            except (_RowFault, _GiveUp):
+            except (RowFault, GiveUp):
                 log.error("recording the set-aside verdicts in the errors table failed; the log above names them")
         return stored, handled
 
@@ -292,12 +281,12 @@ class ResultWriter:
         try:
             stored |= self._write_unit(store, u, row_tries=1)
             return None
-        except _RowFault as fault:
+        except RowFault as fault:
             if not u.thumbnails:
                 return str(fault)
             try:
                 stored |= self._write_unit(store, _Pending(verdicts=u.verdicts), row_tries=1)
-            except _RowFault as again:
+            except RowFault as again:
                 return str(again)
             log.error("the thumbnail of frame %s could not be stored (%s); its verdict was, without it",
                       u.verdicts[0].get("frame_id"), fault)
@@ -306,7 +295,7 @@ class ResultWriter:
     def _plain_error(self, store: ResultStore, row: dict, why: str) -> dict | None:
         """An error verdict in place of `row`, of nothing but safe values; the row if it was stored, else None.
 
-        Raises `_GiveUp` when stopping (the frame then stays in flight and journaled)."""
+        Raises `GiveUp` when stopping (the frame then stays in flight and journaled)."""
         fid = row.get("frame_id")
         if not isinstance(fid, str):
             return None
@@ -317,17 +306,9 @@ class ResultWriter:
                  "decided_at": time.time(), "latency_ms": latency, "chain": "[]"}
         try:
             return plain if fid in self._write_unit(store, _Pending(verdicts=[plain]), row_tries=1) else None
-        except _RowFault:
+        except RowFault:
             log.exception("an error verdict for frame %s could not be stored either", fid)
             return None
-
-
-class _RowFault(Exception):
-    """The rows, not the database, failed a write (`is_database_fault` false) as often as allowed."""
-
-
-class _GiveUp(Exception):
-    """The writer is stopping and the database still fails: what is left stays journaled for the next start."""
 
 
 ROW_FAULT_TRIES = 3    # whole-batch attempts before a row fault splits it (a unit alone: one)

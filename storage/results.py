@@ -11,7 +11,8 @@ from __future__ import annotations
 import contextlib
 import os
 import sqlite3
-from collections.abc import Iterable, Sequence
+import time
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -352,3 +353,34 @@ def is_database_fault(exc: BaseException) -> bool:
     if isinstance(exc, sqlite3.OperationalError):   # both kinds: 'database is locked', 'has no column named x'
         return any(w in str(exc).lower() for w in _DB_FAULTS)
     return isinstance(exc, sqlite3.DatabaseError)   # 'database disk image is malformed', 'file is not a database'
+
+
+class RowFault(Exception):
+    """The rows, not the database, failed a write (`is_database_fault` false) as often as allowed."""
+
+
+class GiveUp(Exception):
+    """Stopping, and the database still fails: what is left stays journaled for the next start."""
+
+
+def retry_write(call: Callable[[], Any], *, row_tries: int, stopping: Callable[[], bool],
+                failed: Callable[[int, BaseException], str]) -> Any:
+    """`call()`, retried with backoff while the database itself fails (locked, full, read-only: waited out).
+
+    Raises `RowFault` once the rows have failed `row_tries` times, and `GiveUp`
+    when `stopping()` and three attempts failed.  `failed(attempt, exc)` is
+    told of each failure and returns its description (the ingest journal and
+    the result writer count and log them their own way).
+    """
+    attempt = 0
+    while True:
+        try:
+            return call()
+        except Exception as exc:  # noqa: BLE001 - a locked or full disk must not kill the thread that writes
+            attempt += 1
+            why = failed(attempt, exc)
+            if not is_database_fault(exc) and attempt >= row_tries:
+                raise RowFault(why) from None
+            if stopping() and attempt >= 3:
+                raise GiveUp(why) from None
+            time.sleep(min(0.1 * 2 ** attempt, 2.0))
