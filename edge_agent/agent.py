@@ -836,11 +836,10 @@ class Agent:
             except Exception as exc:  # noqa: BLE001 - one unreadable entry costs its frame, not the start
                 log.exception("journaled frame %s cannot be read back", entry.frame_id)
                 c = P.Reject(P.BAD_FIELD, f"unreadable in the journal ({type(exc).__name__}: {exc})", entry.frame_id)
-            # a learned route was decided when the frame was accepted, and its component journaled: keep it (a
-            # router changed since, or failing now, must not turn an accepted frame into an error)
+            # a learned route was decided when the frame was accepted: where the header named no component, the
+            # journaled one is the router's choice, kept (a router changed since, or failing now, must not turn an
+            # accepted frame into an error); a frame whose header named one is routed again
             comp = self.model.components.get(entry.component or "")
-            # only where the header named no component: then the journaled one is the router's choice (a frame
-            # whose header named one keeps it in the journal whatever the router chose, and is routed again)
             if isinstance(c, Accepted) and c.expert_id is None and comp is not None and not c.frame.component:
                 c.expert_id, c.frame.component = comp.classifier, comp.name
             checked.append((entry, c))
