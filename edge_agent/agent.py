@@ -620,8 +620,17 @@ class Agent:
 
         llm, slot = self.cfg.llm, self.llm_slot
         name = slot.name
-        pm = load_pooled(llm.store, memory=self.pools[name].capacity, device=slot.ex.device,
-                         shared_pool=self.pools[name], verify=self.cfg.expert_verify)
+        pool = self.pools[name]
+        cap = int(pool.capacity * llm.max_share)
+        layout = self.llm_layout
+        need = layout.top_k * max(l.expert_nbytes for l in layout.layers)
+        if cap < need:      # a layer pins one token's experts at once: less could never run
+            raise ValueError(f"llm.max_share {llm.max_share} leaves the LLM {cap} bytes of pool {name}, which "
+                             f"cannot hold one token's {layout.top_k} experts ({need} bytes)")
+        pm = load_pooled(llm.store, memory=pool.capacity, device=slot.ex.device, shared_pool=pool,
+                         verify=self.cfg.expert_verify)
+        if cap < pool.capacity:
+            pool.limit_share("llm.max_share", self.llm_layout.ids(), cap)
         first = self.llm_layout.layers[0].layer
         status = self.status
 
@@ -636,8 +645,8 @@ class Agent:
             pm.close()         # its router hooks and the pool's model references go with it
             raise
         self.endpoints["llm"] = f"http://{llm.bind}:{service.port}/v1/completions"
-        log.info("LLM '%s' shares pool %s (%.0f MB): %s", self.llm_layout.model, name,
-                 self.pools[name].capacity / 1e6, self.endpoints["llm"])
+        log.info("LLM '%s' shares pool %s (%.0f MB, up to %.0f MB of it for its experts): %s",
+                 self.llm_layout.model, name, pool.capacity / 1e6, cap / 1e6, self.endpoints["llm"])
         return service
 
     def _initialize(self) -> dict[str, list[str]]:

@@ -171,6 +171,10 @@ class LLMConfig(_Strict):
     max_tokens: int = Field(128, ge=1, le=8192, description="completion length when a request gives none")
     max_tokens_limit: int = Field(2048, ge=1, le=65536, description="longest completion a request may ask for")
     max_waiting: int = Field(8, ge=0, description="completions queued behind the running one before 503 busy")
+    max_share: float = Field(1.0, gt=0, le=1, description="the most of the shared pool the LLM's experts may hold; "
+                                                          "1: ranked with the vision experts alone (an LLM expert, "
+                                                          "used by k/E of the tokens, outranks most detectors); "
+                                                          "e.g. 0.5 keeps half the pool for the line")
     trace: str | None = Field(None, description="a trace (coe-agent llm trace) whose per-layer popularity ranks "
                                                 "the LLM's experts against the vision experts; default: uniform")
 

@@ -132,6 +132,22 @@ class PoolFullError(CoEError):
     """An expert can never fit this pool (it is larger than the whole budget)."""
 
 
+@dataclass(frozen=True)
+class Share:
+    """A cap on the bytes one group of experts may hold in a pool (`Pool.limit_share`).
+
+    Why: a pool shared by an MoE LLM and a vision line ranks both kinds
+    together by usage, and an LLM expert (a chance of k/E per token) outranks
+    most vision detectors, so a long completion can push out the line's
+    experts.  A share keeps the group's experts within `max_bytes`: a group
+    expert coming in over it makes room among its own group first.
+    """
+
+    name: str
+    members: frozenset[str]
+    max_bytes: int
+
+
 class Pool:
     """Resident experts of one tier, within `capacity_bytes`."""
 
@@ -157,6 +173,28 @@ class Pool:
         self._seq = 0
         self._cond = threading.Condition()
         self._stats = PoolStats()
+        self._share: Share | None = None
+
+    def limit_share(self, name: str, members: Collection[str], max_bytes: int) -> None:
+        """Cap what the experts in `members` may hold here at `max_bytes` (`Share`); `name` is for errors."""
+        with self._cond:
+            self._share = Share(name, frozenset(members), int(max_bytes))
+
+    def share_bytes(self) -> int:
+        """What the capped group (`limit_share`) holds now, loads under way included; 0 without a cap."""
+        with self._cond:
+            share = self._share
+            return 0 if share is None else sum(e.nbytes for k, e in self._entries.items() if k in share.members)
+
+    def room_for(self, expert_id: str) -> int:
+        """Free bytes `expert_id` could take without evicting: the pool's, and its group's if capped."""
+        with self._cond:
+            free = self.capacity - sum(e.nbytes for e in self._entries.values())
+            share = self._share
+            if share is not None and expert_id in share.members:
+                held = sum(e.nbytes for k, e in self._entries.items() if k in share.members)
+                free = min(free, share.max_bytes - held)
+            return free
 
     # -- public ---------------------------------------------------------------
     def acquire(self, expert_id: str, *, keep: Collection[str] = ()) -> Handle | None:
@@ -335,8 +373,12 @@ class Pool:
             if need > self.capacity:
                 raise PoolFullError(f"expert '{expert_id}' needs {need} bytes but the {self.tier} pool holds "
                                     f"{self.capacity}; raise the executor's memory budget")
+            share = self._share
+            if share is not None and expert_id in share.members and need > share.max_bytes:
+                raise PoolFullError(f"expert '{expert_id}' needs {need} bytes but {share.name} caps its group at "
+                                    f"{share.max_bytes} bytes of the {self.tier} pool")
             held = keep() if callable(keep) else keep
-            victims = self.policy.choose_victims(self._state_locked(ctx, incoming=expert_id, keep=held), need)
+            victims = self._choose_locked(self._state_locked(ctx, incoming=expert_id, keep=held), expert_id, need)
             if victims is None:
                 return None
             evicted = [self._evict_locked(v, incoming=expert_id) for v in victims]
@@ -484,11 +526,13 @@ class Pool:
         ctx = self._context()
         need = self.source.size(expert_id)
         with self._cond:
-            if expert_id in self._entries or need > self.capacity:
+            share = self._share
+            if (expert_id in self._entries or need > self.capacity
+                    or (share is not None and expert_id in share.members and need > share.max_bytes)):
                 return False
             self._seq += 1
             state = self._state_locked(ctx, incoming=expert_id, keep=keep)
-            victims = self.policy.choose_victims(state, need)
+            victims = self._choose_locked(state, expert_id, need)
             if victims is None:
                 return False
             if (worth_keeping and victims and ranks_by_value(self.policy)
@@ -667,6 +711,23 @@ class Pool:
             incoming, ctx.get("counts", {}), ctx.get("gate_scores", {}), ctx.get("predicted", {}),
             frozenset(ctx.get("expected", ())))
 
+    def _choose_locked(self, state: PoolState, expert_id: str, need: int) -> list[str] | None:
+        """The policy's victims to fit `expert_id` (`need` bytes).  An expert of a capped group (`Share`) over
+        its cap first makes room among its own group (the policy, on the group's residents within the cap);
+        then, if the pool is still short, among all the residents that are left."""
+        share = self._share
+        if share is None or expert_id not in share.members:
+            return self.policy.choose_victims(state, need)
+        group = replace(state, capacity=share.max_bytes,
+                        residents=tuple(r for r in state.residents if r.expert_id in share.members))
+        inside = self.policy.choose_victims(group, need)
+        if not inside:
+            return inside if inside is None else self.policy.choose_victims(state, need)
+        gone = set(inside)
+        rest = self.policy.choose_victims(
+            replace(state, residents=tuple(r for r in state.residents if r.expert_id not in gone)), need)
+        return None if rest is None else [*inside, *rest]
+
     def _worth_less(self, state: PoolState, expert_id: str, need: int) -> bool:
         """Would the policy evict `expert_id` itself, were it resident, to get back under capacity?
 
@@ -704,7 +765,7 @@ def initialize(pools: list[Pool], order: list[str]) -> dict[str, list[str]]:
         size = pools[0].source.size(expert_id)
         for k in range(len(pools)):
             pool = pools[(turn + k) % len(pools)]
-            if pool.contains(expert_id) or pool.capacity - pool.used_bytes() < size:
+            if pool.contains(expert_id) or pool.room_for(expert_id) < size:
                 continue
             pool.release(pool.acquire(expert_id))
             got[pool.name].append(expert_id)

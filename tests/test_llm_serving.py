@@ -270,6 +270,51 @@ def test_http_framing_that_is_not_served_is_refused_and_a_stalled_body_does_not_
         agent.stop()
 
 
+def test_a_max_share_keeps_the_llms_experts_within_it_and_the_text_exact(tmp_path, tiny_zoo, llm_store):
+    import sqlite3
+
+    from coe.moe import MoELayout
+
+    store, want = llm_store
+    layout = MoELayout.load(store)
+    biggest = max(l.expert_nbytes for l in layout.layers)
+    capacity = 20 * 10**6                                 # write_line's executor memory
+    cap_bytes = (layout.top_k + 1) * biggest              # one token's experts and one more: the LLM must evict
+    assert cap_bytes < layout.expert_bytes
+    share = cap_bytes / capacity
+    path = write_line(tmp_path / "share", store=shutil.copytree(tiny_zoo, tmp_path / "experts-share"),
+                      llm={"store": str(store), "port": 0, "max_share": share})
+    agent = Agent(load_config(path, env={})).start()
+    try:
+        pool = next(iter(agent.pools.values()))
+        for p in PROMPTS:
+            status, body = _post(agent.llm.port, {"prompt": p, "max_tokens": TOKENS})
+            assert status == 200, body
+            assert json.loads(body)["choices"][0]["text"] == want[p]     # exact within the share
+        assert 0 < pool.share_bytes() <= int(capacity * share)
+    finally:
+        agent.stop()
+    con = sqlite3.connect(agent.cfg.db_path)
+    events = con.execute("SELECT expert_id, event, nbytes FROM expert_events WHERE expert_id LIKE 'tiny.%' "
+                         "ORDER BY at, id").fetchall()
+    con.close()
+    held, most = {}, 0                                    # the LLM's own loads and evictions, replayed
+    for eid, event, nbytes in events:
+        if event in ("load", "admit"):
+            held[eid] = nbytes
+        elif event == "evict":
+            held.pop(eid, None)
+        most = max(most, sum(held.values()))
+    assert biggest * layout.top_k <= most <= int(capacity * share)
+    assert sum(e == "evict" for _, e, _ in events) > 0   # it made room among its own experts
+
+    # a share too small for one token's experts fails the start, naming the setting
+    path = write_line(tmp_path / "share2", store=tiny_zoo,
+                      llm={"store": str(store), "port": 0, "max_share": (layout.top_k * biggest - 1) / capacity})
+    with pytest.raises(ValueError, match="llm.max_share .* cannot hold one token's"):
+        Agent(load_config(path, env={})).start()
+
+
 def test_llm_config_errors(tmp_path, tiny_zoo, llm_store):
     store, _ = llm_store
     path = write_line(tmp_path / "bad", store=tiny_zoo, llm={"store": str(store), "port": 70000})

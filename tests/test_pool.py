@@ -743,3 +743,67 @@ def test_a_load_booked_above_its_reservation_makes_room_so_the_pool_stays_within
     use(p, "c")                                           # 40 + 30 + 45 > 100 once booked: a (LRU) goes
     assert p.used_bytes() <= p.capacity and set(p.resident()) == {"b", "c"}
     assert [e.expert_id for e in events if e.event == "evict"] == ["a"]
+
+
+def shared_pool(events=None):
+    """A 120-byte pool ranked by probability; x, y, z (an LLM's experts, p 0.5 each) outrank a, b, c."""
+    probs = {"x": 0.5, "y": 0.5, "z": 0.5, "a": 0.2, "b": 0.1, "c": 0.05}
+    p = Pool("cpu", 120, make_policy("probability"), Source({k: 30 for k in probs}), probabilities=probs,
+             on_event=(events.append if events is not None else None))
+    p.limit_share("llm.max_share", {"x", "y", "z"}, 60)
+    return p
+
+
+def test_a_capped_group_over_its_share_makes_room_among_its_own_experts():
+    p = shared_pool()
+    for e in "abc":
+        use(p, e)
+    use(p, "x")                      # room in the pool and the share: nothing goes
+    assert sorted(p.resident()) == ["a", "b", "c", "x"] and p.share_bytes() == 30
+    use(p, "y")                      # the pool is full: c (0.05) goes, as without a share; the share is now full
+    assert sorted(p.resident()) == ["a", "b", "x", "y"] and p.share_bytes() == 60
+    use(p, "z")                      # over the share: x or y goes, though b (0.1) ranks far below them
+    assert sorted(p.resident()) == ["a", "b", "y", "z"] and p.share_bytes() == 60
+    # without the share, the same uses push the line's experts out instead
+    q = Pool("cpu", 120, make_policy("probability"), Source({k: 30 for k in "xyzabc"}),
+             probabilities={"x": 0.5, "y": 0.5, "z": 0.5, "a": 0.2, "b": 0.1, "c": 0.05})
+    for e in "abcxyz":
+        use(q, e)
+    assert sorted(q.resident()) == ["a", "x", "y", "z"]
+
+
+def test_an_expert_outside_the_group_may_still_evict_the_groups_experts():
+    p = shared_pool()
+    for e in "xyab":
+        use(p, e)
+    p.release(p.acquire("c"))        # full: the lowest-ranked of everything goes (b, 0.1), the share is no floor
+    assert sorted(p.resident()) == ["a", "c", "x", "y"]
+    q = Pool("cpu", 60, make_policy("lru"), Source({k: 30 for k in "xya"}))
+    q.limit_share("llm.max_share", {"x", "y"}, 60)
+    use(q, "x"), use(q, "y"), use(q, "a")
+    assert sorted(q.resident()) == ["a", "y"]          # LRU: x, the group's, was the least recent
+
+
+def test_a_group_whose_share_is_pinned_waits_and_one_bigger_than_its_share_is_refused():
+    p = shared_pool()
+    hx, hy = p.acquire("x"), p.acquire("y")
+    assert p.acquire("z") is None    # the pool has room, the share's experts are pinned: wait, evict nothing
+    assert sorted(p.resident()) == ["x", "y"] and p.stats().evictions == 0
+    assert not p.admit("z")          # a hand-down follows the same rule
+    p.release(hx)
+    p.release(p.acquire("z"))
+    assert sorted(p.resident()) == ["y", "z"]
+    p.release(hy)
+    big = Pool("cpu", 120, make_policy("lru"), Source({"x": 90, "a": 30}))
+    big.limit_share("llm.max_share", {"x"}, 60)
+    with pytest.raises(PoolFullError, match="x.*90 bytes.*llm.max_share caps its group at 60 bytes"):
+        big.acquire("x")
+    assert not big.admit("x") and big.resident() == []
+
+
+def test_start_fill_keeps_a_capped_group_within_its_share():
+    from storage.pool import initialize
+
+    p = shared_pool()
+    got = initialize([p], ["x", "y", "z", "a", "b", "c"])
+    assert got == {"cpu": ["x", "y", "a", "b"]} and p.share_bytes() == 60 and p.stats().evictions == 0
