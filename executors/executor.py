@@ -17,6 +17,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from coe import CoEError, CoEModel, ExpertLoadError, StepOutput
+from storage.pool import WAIT_CHECK_S
 
 from .backends import get_backend
 from .prefetch import Deferred, Prefetcher
@@ -145,12 +146,13 @@ class Executor:
         deadline = time.monotonic() + ROOM_WAIT_S
         while got is None:
             own = Deferred()             # this thread loads it, once the next one is planned
+            gen = self.pool.generation
             got = self.pool.acquire_async(expert_id, own)
             if got is None:  # pinned experts hold the room; wait for a release
                 if time.monotonic() > deadline:   # a pin that is never released: an error verdict, not a spin
                     raise CoEError(f"{self.name}: no room for expert {expert_id} in its pool of "
                                    f"{self.pool.capacity / 1e6:.0f} MB: pinned experts held it for {ROOM_WAIT_S:.0f} s")
-                time.sleep(0.002)
+                self.pool.wait_changed(gen, WAIT_CHECK_S)
         try:
             if pf is not None:
                 self._plan_next(expert_id, mine, since)

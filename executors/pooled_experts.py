@@ -134,7 +134,7 @@ class PinnedWave:
                         fut = wait_for_room(lambda: pool.acquire_async(eid, self._timed_submit,
                                                                        join=self._timed_submit), deadline,
                                             lambda: f"expert '{eid}': its pool stayed full of pinned experts "
-                                                    f"for {self._wait:.0f} s")
+                                                    f"for {self._wait:.0f} s", pool)
                 if fut is None:
                     break
                 self._futures.append(fut)

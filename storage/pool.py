@@ -105,17 +105,29 @@ class _Entry:
     reservation: Any = None
 
 
-def wait_for_room(attempt: Callable[[], Any], deadline: float, why: Callable[[], str]) -> Any:
-    """`attempt()` until it returns something other than None (room was found), backing off from 1 to
-    50 ms; past `deadline` (time.monotonic()) raise CoEError(`why()`).  Pinned experts that hold the room
-    are released by their own batches or layers, so waiting for them is all a caller can do."""
+def wait_for_room(attempt: Callable[[], Any], deadline: float, why: Callable[[], str],
+                  pool: "Pool | None" = None) -> Any:
+    """`attempt()` until it returns something other than None (room was found); past `deadline`
+    (time.monotonic()) raise CoEError(`why()`).  Pinned experts that hold the room are released by their
+    own batches or layers, so waiting for them is all a caller can do.  With the `pool` the attempt asks,
+    each wait ends when that pool changes (a release, an eviction, a load ending): every waiter, a vision
+    batch or an LLM layer, tries again at once; without it, the waits back off from 1 to 50 ms."""
     pause = 0.001
-    while (got := attempt()) is None:
-        if time.monotonic() > deadline:
+    while True:
+        since = pool.generation if pool is not None else 0
+        if (got := attempt()) is not None:
+            return got
+        left = deadline - time.monotonic()
+        if left < 0:
             raise CoEError(why())
-        time.sleep(pause)
-        pause = min(pause * 2, 0.05)
-    return got
+        if pool is not None:
+            pool.wait_changed(since, min(left, WAIT_CHECK_S))
+        else:
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
+
+
+WAIT_CHECK_S = 0.05   # a waiter looks again this often even if no change woke it (an attempt may depend on more)
 
 
 def _copy_outcome(src: Future, dst: Future) -> None:
@@ -174,6 +186,25 @@ class Pool:
         self._cond = threading.Condition()
         self._stats = PoolStats()
         self._share: Share | None = None
+        self._gen = 0                 # bumped whenever pins or residents change (`generation`, `wait_changed`)
+
+    @property
+    def generation(self) -> int:
+        """A counter of changes to pins and residents: read it before an attempt, then `wait_changed`."""
+        return self._gen
+
+    def wait_changed(self, since: int, timeout: float) -> bool:
+        """Wait up to `timeout` s for a change after `generation` was `since`; True if one came.
+
+        A condition wait, not a poll: a release wakes every waiter at once, so
+        a batch and an LLM layer waiting on one pool get the freed room on equal
+        terms, and nobody spins while the pins hold."""
+        with self._cond:
+            return self._cond.wait_for(lambda: self._gen != since, timeout)
+
+    def _changed_locked(self) -> None:
+        self._gen += 1
+        self._cond.notify_all()
 
     def limit_share(self, name: str, members: Collection[str], max_bytes: int) -> None:
         """Cap what the experts in `members` may hold here at `max_bytes` (`Share`); `name` is for errors."""
@@ -306,7 +337,7 @@ class Pool:
                     self._stats.hits += 1
                 else:
                     entry.pins -= 1
-                    self._cond.notify_all()
+                    self._changed_locked()
             if took:
                 fut.set_result(Handle(expert_id, entry.value, entry.nbytes))
 
@@ -328,7 +359,7 @@ class Pool:
         the room the failed load freed."""
         return wait_for_room(lambda: self.acquire(expert_id), time.monotonic() + wait,
                              lambda: f"expert '{expert_id}': a load it joined failed and pinned experts filled "
-                                     f"the {self.tier} pool for {wait:.0f} s")
+                                     f"the {self.tier} pool for {wait:.0f} s", self)
 
     def _unreserve(self, expert_id: str) -> None:
         """A reserved load that will never run (cancelled, or its submit failed): drop the entry, report the
@@ -340,7 +371,7 @@ class Pool:
             if entry is not None and entry.loading:
                 del self._entries[expert_id]
                 joined, victims, entry.victims, entry.reported = entry.joined, entry.victims, [], []
-            self._cond.notify_all()
+            self._changed_locked()
         try:
             for ev in victims:
                 self._tell(ev)
@@ -434,7 +465,7 @@ class Pool:
             events = early = reuse = None   # ... and this frame: let the victims' memory go
             with self._cond:
                 joined = self._entries.pop(expert_id).joined
-                self._cond.notify_all()
+                self._changed_locked()
             self._rescue(expert_id, joined)
             raise
         with self._cond:
@@ -451,7 +482,7 @@ class Pool:
             # holds more than its capacity while anything unpinned can go
             trimmed = self._trim_locked(expert_id) if entry.nbytes > need else []
             self._stats.manage_seconds += time.perf_counter() - entered - wall
-            self._cond.notify_all()
+            self._changed_locked()
         for ev in trimmed:
             self._tell(ev)
         self._hand_over(expert_id, entry, joined)
@@ -635,7 +666,7 @@ class Pool:
             entry.pins -= 1
             if entry.pins == 0 and entry.drop_on_release:
                 ev = self._evict_locked(handle.expert_id)
-            self._cond.notify_all()
+            self._changed_locked()
         if ev is not None:
             self._tell(ev)
 
@@ -749,6 +780,7 @@ class Pool:
             raise CoEError(f"policy {self.policy.name} chose '{expert_id}', which is pinned or absent, as a victim")
         del self._entries[expert_id]
         self._stats.evictions += 1
+        self._changed_locked()
         return PoolEvent(expert_id, self.tier, "evict", entry.nbytes, 0.0, time.time(), entry.value, incoming,
                          stale=stale or entry.drop_on_release)
 

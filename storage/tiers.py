@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from .flat import FlatWeights
 from .pinned import host_empty
-from .pool import Pool, PoolEvent
+from .pool import WAIT_CHECK_S, Pool, PoolEvent
 
 log = logging.getLogger(__name__)
 
@@ -234,10 +234,13 @@ class TierSource:
         if self.exclusive:
             return self._promote(expert_id, reuse)
         deadline = time.monotonic() + self._wait
-        while (handle := self.parent.acquire(expert_id)) is None:
+        while True:
+            since = self.parent.generation
+            if (handle := self.parent.acquire(expert_id)) is not None:
+                break
             if time.monotonic() > deadline:
                 raise TimeoutError(f"'{expert_id}': the {self.parent.tier} tier stayed full of pinned experts")
-            time.sleep(0.002)
+            self.parent.wait_changed(since, WAIT_CHECK_S)
         try:
             return self._copy(handle.value, reuse)
         finally:

@@ -807,3 +807,25 @@ def test_start_fill_keeps_a_capped_group_within_its_share():
     p = shared_pool()
     got = initialize([p], ["x", "y", "z", "a", "b", "c"])
     assert got == {"cpu": ["x", "y", "a", "b"]} and p.share_bytes() == 60 and p.stats().evictions == 0
+
+
+def test_a_waiter_is_woken_by_the_release_that_frees_its_room():
+    import threading
+    import time
+
+    from storage.pool import wait_for_room
+
+    p = pool(cap=30)
+    held = p.acquire("a")
+    since = p.generation
+    assert p.acquire("b") is None and p.generation == since       # a failed attempt changes nothing
+    assert p.wait_changed(since, 0.01) is False                    # nothing changed: the wait times out
+    got = []
+    waiter = threading.Thread(target=lambda: got.append(
+        wait_for_room(lambda: p.acquire("b"), time.monotonic() + 60, lambda: "never", p)))
+    waiter.start()
+    p.release(held)                  # the release wakes it (a missed wake-up would wait out the 50 ms re-check)
+    waiter.join(60)
+    assert not waiter.is_alive() and got[0].expert_id == "b" and p.resident() == ["b"]
+    assert p.generation > since
+    p.release(got[0])
