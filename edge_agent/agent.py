@@ -851,6 +851,8 @@ class Agent:
             comp = self.model.components.get(entry.component or "")
             if isinstance(c, Accepted) and c.expert_id is None and comp is not None and not c.frame.component:
                 c.expert_id, c.frame.component = comp.classifier, comp.name
+            if isinstance(c, Accepted):      # its latency counts from its first accept, the restart's wait included
+                c.frame.received_at = entry.received_at
             checked.append((entry, c))
         if getattr(self.router, "needs_image", False):
             for i in range(0, len(checked), MAX_READ):     # as ingest routes: a read at a time, not the backlog

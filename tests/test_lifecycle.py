@@ -7,6 +7,7 @@ import signal
 import sqlite3
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import yaml
@@ -64,8 +65,9 @@ def test_restart_reruns_accepted_frames_without_verdict(tmp_path, tiny_zoo, tiny
     rec = Recording(tiny_recording)
     frames = list(rec)[:7]
     rs = ResultStore(cfg.db_path)
+    accepted = time.time() - 3600.0          # accepted an hour ago by a run that died
     rs.journal([JournalEntry(f.header["frame_id"], "T", f.header["board_id"], f.header["component"],
-                             f.header["ts"], 1.0, encode_header(f.header).decode(), rec.payload(f))
+                             f.header["ts"], accepted, encode_header(f.header).decode(), rec.payload(f))
                 for f in frames])
     rs.close()
     agent = Agent(cfg).start()
@@ -76,4 +78,6 @@ def test_restart_reruns_accepted_frames_without_verdict(tmp_path, tiny_zoo, tiny
     con = sqlite3.connect(cfg.db_path)
     assert con.execute("SELECT count(*) FROM verdicts").fetchone()[0] == 7
     assert con.execute("SELECT count(*) FROM journal").fetchone()[0] == 0
+    # a recovered frame's latency counts from its first accept, the hour the line was down included
+    assert con.execute("SELECT min(latency_ms) FROM verdicts").fetchone()[0] >= 3600e3
     con.close()
