@@ -80,6 +80,7 @@ from __future__ import annotations
 import bisect
 import contextlib
 import itertools
+import logging
 import math
 import threading
 import time
@@ -89,6 +90,8 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from coe import CoEError, Request
+
+log = logging.getLogger(__name__)
 
 # Groups past the head that `fill` looks at (each one a cost-model call; the scan stops at the first resident
 # group that fits, and runs the whole window only when none does).
@@ -306,6 +309,7 @@ class Scheduler:
         self.stolen = 0          # groups an idle executor took over from another queue
         self.filled = 0          # batches served ahead of a head group whose expert was still to load (`fill`)
         self.held = 0            # head groups an executor waited on, not took, while their expert loaded (`hold`)
+        self.estimate_faults = 0   # negative queue estimates met while handing out a batch (a bug; logged)
         self.max_lost = max_lost
         self._lost: dict[int, int] = {}   # request id -> batches of it lost with their executor (while it lives)
         self._due: dict[int, float] = {}   # request id -> its due time, while it is handed back (retire, lost batch)
@@ -580,15 +584,19 @@ class Scheduler:
                     take = 1
                 else:                          # ... and it joins no younger request's batch either
                     take = next((i for i in range(1, take) if group.requests[i].id in self._lost), take)
+            K, B = self.costs.exec_cost(executor, x)     # before anything leaves the queue: it may raise
             group.drain = max(group.drain - take, 0)
             requests = [group.requests.popleft() for _ in range(take)]
             dues = [group.times.popleft() for _ in range(take)]
-            K, B = self.costs.exec_cost(executor, x)
             predicted = group.switch + K * take + B
             ssd = group.ssd
             q.ssd -= group.ssd
             group.switch = group.ssd = 0.0
-            self._set_cost(executor, q, group)
+            try:
+                self._set_cost(executor, q, group)
+            except CoEError:   # the requests are off the queue: they run; a wrong estimate must not lose them
+                self.estimate_faults += 1
+                log.exception("%s: handing out a batch of %s", executor, x)
             q.counts[x] -= take
             q.n -= take
             if not q.counts[x]:

@@ -625,6 +625,9 @@ def simulate(workload: Workload, profile: Profile, system: SimSystem, *, record_
 
     if sched.depth():
         raise RuntimeError(f"{system.name}: {sched.depth()} request(s) were never dispatched")
+    if sched.estimate_faults:   # the agent logs it and runs on; a simulation (and every test on one) fails on it
+        raise RuntimeError(f"{system.name}: the scheduler's queue estimate went negative {sched.estimate_faults} "
+                           "time(s) (see the log): a scheduler bug")
     makespan = last_done
     frames = len(workload.arrivals)
     lat = sorted(latencies)

@@ -389,3 +389,23 @@ def test_a_later_step_behind_the_head_is_due_after_the_time_ahead_of_it():
     assert [g.expert_id for g in q.groups] == ["a", "z", "b", "c", "d", "y"]
     assert q.groups[1].times[0] == pytest.approx(0.5 + 1.0)   # now + a's K
     assert q.groups[-1].times[0] == pytest.approx(0.5 + 5.0)  # now + every queued K
+
+
+def test_a_wrong_estimate_met_while_handing_out_a_batch_loses_none_of_its_requests():
+    """A queue estimate gone negative is a scheduler bug: it is logged and counted, and the batch whose requests
+    already left the queue is still handed out (raising there would drop them: no queue, no batch)."""
+    s = grouping(["x"], max_batch=2)
+    for i in range(3):
+        s.submit(req("e", i))
+    real = s._set_cost
+
+    def bad(executor, q, g):
+        real(executor, q, g)
+        raise __import__("coe").CoEError("scheduler bug: predicted queue time went negative (test)")
+    s._set_cost = bad
+    b = s.next_batch("x", timeout=0)
+    assert b is not None and [r.frame.frame_id for r in b.requests] == ["f0", "f1"]
+    assert s.estimate_faults == 1
+    s._set_cost = real
+    b2 = s.next_batch("x", timeout=0)
+    assert [r.frame.frame_id for r in b2.requests] == ["f2"] and s.estimate_faults == 1
