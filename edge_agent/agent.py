@@ -14,9 +14,10 @@ import os
 import signal
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 import zmq
 
@@ -474,30 +475,56 @@ class Agent:
     def _abort_start(self) -> None:
         """A start that failed part-way (a port taken, an LLM that does not fit): undo what it started, so no
         thread keeps running and no port stays bound, and the error reaches the caller as it was."""
-        steps = [("llm", lambda: self.llm.stop(timeout=5) if getattr(self, "llm", None) else None),
-                 ("store watch", lambda: self.store_watch.stop() if getattr(self, "store_watch", None) else None),
-                 ("cluster status", lambda: self.cluster_status.stop() if getattr(self, "cluster_status", None)
-                  else None),
-                 ("read-ahead", lambda: self.read_ahead.close() if self.read_ahead is not None else None),
-                 ("scheduler", self.scheduler.close),
-                 ("executors", lambda: [ex.join(timeout=10) for ex in self.executors if ex.alive()]),
-                 ("pools", lambda: [pool.close() for pool in self._all_pools().values()]),
-                 ("writer", lambda: self.writer.stop() if getattr(self, "writer", None) and self.writer.alive()
-                  else None),
-                 ("status", lambda: (self.status_server.close() if self.status_server is not None else None,
-                                     self.status.stop())),
-                 ("journal", lambda: self.journal.close() if getattr(self, "journal", None) else None),
-                 ("store", lambda: self._line_store.close_reader() if getattr(self, "_line_store", None) else None),
-                 ("sockets", lambda: self.ctx.destroy(linger=0)),
-                 ("authenticator", lambda: self._auth.stop() if getattr(self, "_auth", None) is not None else None),
-                 ("instance lock", lambda: self._release_when_idle([t for t in self._threads_started()
-                                                                   if t.alive()]))]
-        for what, step in steps:
+        for what, step in (("llm", lambda: self.llm.stop(timeout=5) if getattr(self, "llm", None) else None),
+                           ("store watch", lambda: self.store_watch.stop() if getattr(self, "store_watch", None)
+                            else None)):
             try:
                 step()
             except Exception:  # noqa: BLE001 - the start's own error is the one to report
                 log.warning("undoing a failed start: closing the %s failed", what, exc_info=True)
+        stuck, _ = self._close_parts(join_s=lambda ex: 10.0, graceful=False)
+        self._release_when_idle(stuck)
+
+    def _close_parts(self, *, join_s: Callable[[Any], float], graceful: bool
+                     ) -> tuple[list, BaseException | None]:
+        """Close what a start opened, each after what uses it, every step tried whatever the one before raised
+        (a writer that fails to stop must not leave the ports bound and the pools open).  Shared by `stop`
+        (`graceful`: sockets closed with linger unless a thread is stuck; a failure logged as an error) and
+        `_abort_start` (what a failed start has opened; sockets dropped).  Returns the threads still running
+        and the first error."""
+        first: list[BaseException] = []
+
+        def step(what: str, fn: Callable[[], Any]) -> None:
+            try:
+                fn()
+            except Exception as exc:  # noqa: BLE001 - the other parts still close; the first error is returned
+                if graceful:
+                    log.exception("stopping: closing the %s failed", what)
+                else:
+                    log.warning("undoing a failed start: closing the %s failed", what, exc_info=True)
+                first.append(exc)
+
+        step("read-ahead", lambda: self.read_ahead.close() if self.read_ahead is not None else None)
+        step("scheduler", self.scheduler.close)
+        # a remote executor may be waiting on its node for up to call_timeout_s: its answer (or its hand-back)
+        # must reach the writer before the writer stops
+        step("executors", lambda: [ex.join(timeout=join_s(ex)) for ex in self.executors])   # started or not
+        step("cluster status", lambda: self.cluster_status.stop() if getattr(self, "cluster_status", None)
+             else None)
+        self._closing = True                  # closing GPU pools does not demote into the host tier
+        step("pools", lambda: [pool.close() for pool in self._all_pools().values()])  # their evictions are recorded
+        step("writer", lambda: self.writer.stop() if getattr(self, "writer", None) and self.writer.alive() else None)
+        step("journal", lambda: self.journal.close() if getattr(self, "journal", None) else None)
+        step("store", lambda: self._line_store.close_reader() if getattr(self, "_line_store", None) else None)
+        step("status page", lambda: self.status_server.close() if self.status_server is not None else None)
+        step("status", self.status.stop)
         self.phase = "stopped"
+        step("authenticator", lambda: self._auth.stop() if getattr(self, "_auth", None) is not None else None)
+        stuck = [t for t in self._threads_started() if t.alive()]
+        if stuck and graceful:
+            log.error("%d thread(s) did not stop; closing sockets without waiting", len(stuck))
+        step("sockets", lambda: self.ctx.term() if graceful and not stuck else self.ctx.destroy(linger=0))
+        return stuck, (first[0] if first else None)
 
     def _threads_started(self) -> list:
         """The executors and the writer, where started: a failed start may have left one running."""
@@ -715,34 +742,8 @@ class Agent:
         if self.llm is not None:
             self.llm.stop()
         drained = self.wait_idle(timeout)
-        if self.read_ahead is not None:
-            self.read_ahead.close()           # before the pools close: no read into a closing host tier
-        self.scheduler.close()
-        for ex in self.executors:
-            # a remote executor may be waiting on its node for up to call_timeout_s: its answer (or its
-            # hand-back) must reach the writer before the writer stops
-            ex.join(timeout=max(10.0, getattr(ex, "call_timeout", 0.0) + 5.0))
-        if getattr(self, "cluster_status", None) is not None:
-            self.cluster_status.stop()
-        self._closing = True                  # closing GPU pools does not demote into the host tier
-        for pool in self._all_pools().values():
-            pool.close()                      # their evict events still reach expert_events
-        self.writer.stop()
-        self.journal.close()
-        if getattr(self, "_line_store", None) is not None:
-            self._line_store.close_reader()
-        if self.status_server is not None:
-            self.status_server.close()
-        self.status.stop()
-        self.phase = "stopped"
-        if getattr(self, "_auth", None) is not None:
-            self._auth.stop()
-        stuck = [t for t in (*self.executors, self.writer) if t.alive()]
-        if stuck:
-            log.error("%d thread(s) did not stop; closing sockets without waiting", len(stuck))
-            self.ctx.destroy(linger=0)
-        else:
-            self.ctx.term()
+        stuck, error = self._close_parts(join_s=lambda ex: max(10.0, getattr(ex, "call_timeout", 0.0) + 5.0),
+                                         graceful=True)
         # what counts is what is left once everything closed: executors run their queues out after a drain
         # that timed out, so frames may still have committed in between
         with self._lock:
@@ -755,6 +756,8 @@ class Agent:
             log.error("%d result row(s) were set aside as unstorable while serving (see the log above and the "
                       "errors table): a bug upstream to report", self.writer.set_aside)
         self._release_when_idle(stuck)
+        if error is not None:
+            raise error               # everything else is closed: the caller hears of the part that failed
         return not left
 
     def _release_when_idle(self, threads: list) -> None:

@@ -201,7 +201,9 @@ class Executor:
         return self.prefetcher.remaining(expert_id) if self.prefetcher is not None else 0.0
 
     def join(self, timeout: float | None = None) -> bool:
-        self._thread.join(timeout)
+        """Wait for the thread, then close the prefetcher; one never started (a failed start) closes at once."""
+        if self._thread.ident is not None:
+            self._thread.join(timeout)
         if self.prefetcher is not None:
             self.prefetcher.close()
         return not self._thread.is_alive()

@@ -550,7 +550,9 @@ class RemoteExecutor:
         self._thread.start()
 
     def join(self, timeout: float | None = None) -> bool:
-        self._thread.join(timeout)
+        """Wait for the thread, then close the actor; one never started (a failed start) closes at once."""
+        if self._thread.ident is not None:
+            self._thread.join(timeout)
         alive = self._thread.is_alive()
         if not alive and self.actor is not None:
             self._close_actor()

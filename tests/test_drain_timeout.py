@@ -114,3 +114,29 @@ def test_a_second_agent_on_the_same_results_database_is_refused_naming_the_first
         assert first.stop() is True
     again = Agent(load_config(second_cfg, env={})).start()
     assert again.stop() is True
+
+
+def test_a_part_that_fails_to_close_is_reported_after_every_other_part_closed(tmp_path, tiny_zoo, tiny_recording):
+    """`stop` tries every part whatever one before it raised: the writer's failure reaches the caller, and the
+    ports, the pools and the results database are free for the next agent (before, the first error left the
+    journal, the status page, the sockets and the instance lock open)."""
+    import pytest
+
+    shutil.copytree(tiny_zoo, tmp_path / "experts")
+    cfg_path = write_line(tmp_path / "a", store=tmp_path / "experts", fixed_ports=True)
+    agent = Agent(load_config(cfg_path, env={})).start()
+    real = agent.writer.stop
+
+    def failing_stop(*a, **kw):
+        real(*a, **kw)
+        raise OSError("disk gone (test)")
+    agent.writer.stop = failing_stop
+    with pytest.raises(OSError, match="disk gone"):
+        agent.stop()
+    assert agent.phase == "stopped" and agent.ctx.closed
+    assert all(p.resident() == [] for p in agent._all_pools().values())    # closed: every expert let go
+    again = Agent(load_config(cfg_path, env={})).start()     # the same ports and results database
+    try:
+        assert again.health().ready
+    finally:
+        assert again.stop() is True
