@@ -779,8 +779,10 @@ class RemoteExecutor:
         # its requests go back before anything else is tried: a clean-up step that raises must not strand
         # the requests this thread alone holds between `retire` and `requeue`
         again = (list(batch.requests) if batch is not None else []) + queued
-        gone = self.scheduler.requeue(again)
-        self.requeued += len(again) - len(gone)
+        unplaced: list = []
+        gone = self.scheduler.requeue(again, unplaced)
+        self.requeued += len(again) - len(gone) - len(unplaced)
+        self._deliver_unplaced(unplaced)
         try:
             self.pool.forget()
         except Exception:  # noqa: BLE001 - a bug, but its requests are already back: this thread goes on
@@ -816,9 +818,24 @@ class RemoteExecutor:
             log.info("executor %s: node %s not back yet (%s)", self.name, self.node, short_error(exc))
             return False
         self.rejoined += 1
-        self.scheduler.restore(self.name)
+        self._deliver_unplaced(self.scheduler.restore(self.name))
         self.state = "up (rejoined)"
         return True
+
+    def _deliver_unplaced(self, unplaced: list) -> None:
+        """Error results for requests the scheduler could not assign again ((request, why) from `requeue` or
+        `restore`): each frame still gets its one verdict."""
+        by_expert: dict[str, list] = {}
+        for r, why in unplaced:
+            by_expert.setdefault(r.expert_id, []).append((r, why))
+        for expert, items in by_expert.items():
+            try:
+                self._deliver(BatchResult(Batch(self.name, expert, [r for r, _ in items]), self.name,
+                                          f"{self.device}@{self.node}", time.time(), 0.0, error=items[0][1],
+                                          error_kind="internal"))
+            except Exception:  # noqa: BLE001 - even the fallback failed: this thread must go on
+                log.exception("%s: the error results of %d request(s) that could not be scheduled again failed",
+                              self.name, len(items))
 
     def reload_store(self, changed: list[str], timeout: float = 60.0) -> None:
         """After the node's store was synced with a promotion: the actor follows it (see `ExecutorHost`)."""

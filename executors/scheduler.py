@@ -820,14 +820,17 @@ class Scheduler:
                 for r in batch.requests:
                     self._lost.pop(r.id, None)
 
-    def requeue(self, requests: list[Request]) -> list[Request]:
+    def requeue(self, requests: list[Request], failed: list | None = None) -> list[Request]:
         """Hand requests back to assignment (a retired executor's queue, a lost batch); returns those given up.
 
         Each keeps its due time (its age), and they are assigned oldest
         first, so the age bound and the order among them hold across the
         loss.  A request whose batch was lost `max_lost` times is not
         submitted again: it is returned, for the caller to turn into an error
-        result, so every frame still gets exactly one verdict.
+        result, so every frame still gets exactly one verdict.  A request
+        that cannot be submitted again (a fault in assignment) is put in
+        `failed` as (request, why), or with no list returned among the given
+        up: the requests after it are still submitted, none is left stranded.
         """
         gone = []
         with self._cond:
@@ -841,9 +844,24 @@ class Scheduler:
                 else:
                     back.append((float("-inf") if due is None else due, r, due))
             back.sort(key=lambda t: t[0])
-            for _, r, due in back:
-                self.submit(r, due=due)
+            unplaced = self._submit_each([(r, due) for _, r, due in back])
+        if failed is not None:
+            failed.extend(unplaced)
+        else:
+            gone.extend(r for r, _ in unplaced)
         return gone
+
+    def _submit_each(self, items: list[tuple[Request, float | None]]) -> list[tuple[Request, str]]:
+        """Submit each (request, due); those whose submit raised, with why (logged): one fault costs one
+        request, not the ones after it."""
+        unplaced = []
+        for r, due in items:
+            try:
+                self.submit(r, due=due)
+            except Exception as exc:  # noqa: BLE001 - the caller gives it an error result; the rest go on
+                log.exception("scheduling frame %s again failed", r.frame.frame_id)
+                unplaced.append((r, f"scheduling failed: {type(exc).__name__}: {exc}"))
+        return unplaced
 
     def lost_attempts(self, request: Request) -> int:
         """How many of `request`'s batches were lost with their executor so far."""
@@ -894,19 +912,21 @@ class Scheduler:
             self._cond.notify_all()
             return out
 
-    def restore(self, executor: str) -> None:
-        """Put a retired `executor` back into assignment (in its original place in the order)."""
+    def restore(self, executor: str) -> list[tuple[Request, str]]:
+        """Put a retired `executor` back into assignment (in its original place in the order); the requests
+        that waited for it are assigned, and those that could not be are returned with why (`requeue`), for
+        the caller to give error results."""
         with self._cond:
             if executor in self.names or executor not in self._q:
-                return
+                return []
             order = list(self._q)
             self.names = [n for n in order if n in self.names or n == executor]
             self._rr = itertools.cycle(self.names)
             waiting = sorted(self._waiting, key=lambda t: t[1])   # oldest first
             self._waiting.clear()
-            for r, due in waiting:
-                self.submit(r, due=due)
+            unplaced = self._submit_each(waiting)
             self._cond.notify_all()
+            return unplaced
 
     def active(self) -> list[str]:
         """Executors requests are assigned to now."""

@@ -81,3 +81,48 @@ def test_a_sync_drops_a_stale_copy_and_checks_one_still_loading_before_it_serves
     host.pool.release(fut.result(10))
     host.heartbeat()                                               # checked once it has landed
     assert not host._unchecked and host.pool.present(other)        # current: kept
+
+
+class _Costs(FixedCosts):
+    """Fixed costs that fail for the experts in `broken`: a cost model that lost an expert's profile."""
+
+    broken: set = set()
+
+    def exec_cost(self, executor: str, expert_id: str):
+        if expert_id in self.broken:
+            raise KeyError(f"no cost for {expert_id}")
+        return super().exec_cost(executor, expert_id)
+
+
+def test_a_request_that_cannot_be_scheduled_again_gets_an_error_result_and_strands_none_after_it():
+    costs = _Costs(K=1.0, B=0.0, load=0.0, max_batch=8)
+    s = Scheduler(["gone", "left"], "coserve-paper", costs=costs)
+    s.retire("left")
+    for fid, expert in (("q0", "x"), ("q1", "z"), ("q2", "x")):
+        assert s.submit(_req(fid, expert)) == "gone"
+    s.restore("left")
+    costs.broken = {"z"}
+    results = []
+    spec = RemoteSpec(name="gone", node="n1", device="cpu", memory=1 << 20, expert_memory=1 << 20, store="/nowhere")
+    ex = RemoteExecutor(spec, model=None, pool=_BrokenPool(), scheduler=s, on_result=results.append)
+    ex._lose(RuntimeError("node died"), Batch("gone", "y", [_req("b0", "y")]))
+    got = []
+    while (b := s.next_batch("left", timeout=0)) is not None:
+        got += [r.frame.frame_id for r in b.requests]
+    assert sorted(got) == ["b0", "q0", "q2"] and ex.requeued == 3      # before: q1 raised, q2 was stranded
+    [err] = results
+    assert [r.frame.frame_id for r in err.batch.requests] == ["q1"] and err.error_kind == "internal"
+    assert "scheduling failed: KeyError" in err.error and "no cost for z" in err.error
+
+
+def test_restore_assigns_every_waiting_request_it_can_and_returns_the_others_with_why():
+    costs = _Costs(K=1.0, B=0.0, load=0.0, max_batch=8)
+    s = Scheduler(["a"], "coserve-paper", costs=costs)
+    s.retire("a")
+    for fid, expert in (("w0", "x"), ("w1", "z"), ("w2", "x")):
+        assert s.submit(_req(fid, expert)) is None                     # no executor: they wait
+    costs.broken = {"z"}
+    unplaced = s.restore("a")
+    assert [(r.frame.frame_id, why.startswith("scheduling failed: KeyError")) for r, why in unplaced] == [("w1", True)]
+    assert s.waiting() == 0 and s.depth() == 2
+    assert s.restore("a") == []                                        # already active: nothing to do
