@@ -174,6 +174,7 @@ class ExecutorHost:
             raise CoEError(f"node {spec.node}: expert store {spec.store} lacks {len(missing)} expert(s) of the "
                            f"spec, e.g. {', '.join(missing[:3])}; run `coe-agent experts sync`")
         self._events: list[tuple] = []
+        self._reports = 0         # reports made, each one's `seq`: the front applies only the newest residency
         dtype = source_dtype(spec.compute_dtype)
         gpu = spec.device.startswith("cuda")
         # the configured index names the node's GPU; this process may see a narrower set (Ray's assignment)
@@ -328,7 +329,9 @@ class ExecutorHost:
         st = self.pool.stats()
         state = self.pool.state()
         events, self._events = self._events, []
-        return {"resident": [(r.expert_id, r.nbytes) for r in state.residents], "stats": vars(st),
+        self._reports += 1
+        return {"seq": self._reports, "resident": [(r.expert_id, r.nbytes) for r in state.residents],
+                "stats": vars(st),
                 "host": self.host.stats().__dict__ if self.host is not None else None,
                 "host_resident": self.host.resident() if self.host is not None else [], "events": events}
 
@@ -390,6 +393,7 @@ class RemotePool:
         self._stats = PoolStats(capacity=capacity)
         self.host_resident: list[str] = []
         self.planned: list[str] = []
+        self._seq = 0       # the newest node report applied (`update`): an older one arriving later changes nothing
 
     def acquire(self, expert_id: str) -> Handle:
         with self._lock:
@@ -412,15 +416,22 @@ class RemotePool:
             self._loading.discard(expert_id)
 
     def update(self, report: dict) -> None:
+        """The node's residency and stats, unless a newer report (its `seq`, from this actor) was applied."""
         with self._lock:
+            seq = report.get("seq")
+            if isinstance(seq, int):
+                if seq <= self._seq:
+                    return
+                self._seq = seq
             self._resident = dict(report["resident"])
             self._loading.clear()
             self._stats = PoolStats(**report["stats"])
             self.host_resident = list(report.get("host_resident", []))
 
     def forget(self) -> None:
-        """The actor is gone: nothing is resident there any more."""
+        """The actor is gone: nothing is resident there any more (a new actor counts its reports from 1)."""
         with self._lock:
+            self._seq = 0
             self._resident.clear()
             self._loading.clear()
             self.host_resident = []
@@ -503,6 +514,39 @@ def reply_problem(reply: object, frames: int) -> str | None:
         return f"outputs {type(outputs).__name__}, not a list"
     if len(outputs) != frames:
         return f"{len(outputs)} outputs for {frames} frames"
+    return report_problem(reply["report"])
+
+
+REPORT_KEYS = ("resident", "stats", "host", "host_resident", "events")
+_STATS_FIELDS = frozenset(PoolStats.__dataclass_fields__)
+
+
+def report_problem(report: object) -> str | None:
+    """What is wrong with a node's pool report (`ExecutorHost._report`; None: nothing new), or None.
+
+    Checked before it is applied: one of another shape (a node on another
+    coe-edge version) read field by field would raise in the serving thread,
+    which takes that for a lost node and kills a healthy actor.
+    """
+    if report is None:
+        return None
+    if not isinstance(report, dict):
+        return f"report: a {type(report).__name__}, not a dict"
+    missing = [k for k in REPORT_KEYS if k not in report]
+    if missing:
+        return f"report: missing {', '.join(missing)}"
+    stats = report["stats"]
+    if not isinstance(stats, dict) or not set(stats) <= _STATS_FIELDS:
+        extra = sorted(set(stats) - _STATS_FIELDS) if isinstance(stats, dict) else []
+        return f"report: stats {'with unknown fields ' + ', '.join(map(str, extra)) if extra else 'not a dict'}"
+    resident = report["resident"]
+    if not isinstance(resident, list) or not all(isinstance(r, (list, tuple)) and len(r) == 2 for r in resident):
+        return "report: resident is not a list of (expert, bytes) pairs"
+    events = report["events"]
+    if not isinstance(events, list) or not all(isinstance(e, (list, tuple)) and len(e) == 6 for e in events):
+        return "report: events is not a list of 6-field events"
+    if not isinstance(report["host_resident"], list):
+        return "report: host_resident is not a list"
     return None
 
 
@@ -579,6 +623,11 @@ class RemoteExecutor:
             ray.kill(actor)
             raise CoEError(f"executor {self.name} on node {self.node}: the actor did not come up: "
                            f"{short_error(exc)}") from None
+        problem = report_problem(report)
+        if problem is not None:      # before the actor is kept: a rejoin that fails here leaks no actor
+            ray.kill(actor)
+            raise CoEError(f"executor {self.name} on node {self.node}: its warm-up answered with a {problem} "
+                           "(is the node on the same coe-edge version as this box?)")
         if endpoint is not None:
             try:
                 self._client, rtt = channel_handshake(endpoint, name=self.name, node=self.node,
@@ -638,6 +687,10 @@ class RemoteExecutor:
         self.actor = None
 
     def _apply(self, report: dict) -> None:
+        problem = report_problem(report)
+        if problem is not None:      # the caller carries on; this node's view waits for a well-formed report
+            log.warning("executor %s on node %s: its pool %s; not applied", self.name, self.node, problem)
+            return
         self.pool.update(report)
         for expert_id, tier, event, nbytes, seconds, at in report["events"]:
             tier_name = f"{tier}@{self.node}"
@@ -696,6 +749,25 @@ class RemoteExecutor:
         if report is not None:
             self._apply(report)     # residency changed while idle: the front's switch costs follow
 
+    def _settle_ping(self, wait: float = 1.0) -> None:
+        """Drop the pending ping once its answer is read: the heartbeat took the node's events since the last
+        report, which are in no other answer (dropped unread, a prefetch's load never reached expert_events).
+        Residency follows whichever report is newer (`RemotePool.update`)."""
+        import ray
+
+        if self._ping is None:
+            return
+        ref, _ = self._ping
+        self._ping = None
+        try:
+            ready, _ = ray.wait([ref], timeout=wait)
+            report = ray.get(ready[0]) if ready else None
+        except Exception:  # noqa: BLE001 - the batch's answer proved the actor alive; a lost ping is only events
+            log.warning("executor %s on node %s: a heartbeat's answer was lost", self.name, self.node, exc_info=True)
+            return
+        if report is not None:
+            self._apply(report)
+
     def _serve(self, batch: Batch) -> None:
         import ray
 
@@ -730,7 +802,7 @@ class RemoteExecutor:
             self._front_error(batch, f"node {self.node} ({self.name}) answered batch {batch.id} malformed: {problem}")
             return
         self._contact = time.monotonic()
-        self._ping = None   # the answer proves the actor alive; an earlier ping's answer adds nothing
+        self._settle_ping()    # the answer proves the actor alive; the ping's answer may still carry events
         if reply["report"] is not None:
             self._apply(reply["report"])
         else:

@@ -156,6 +156,8 @@ class ChannelClient:
                     continue
                 if parts[1].bytes == ERROR:
                     raise ChannelError(parts[2].bytes.decode(errors="replace"))
+                if parts[1].bytes != OK:   # not a result: a peer speaking another protocol, or garbage
+                    raise ChannelError(f"an answer with unknown status {parts[1].bytes[:8]!r} from {self.endpoint}")
                 return parts[2].bytes
             if time.monotonic() - last_check >= check_s:
                 last_check = time.monotonic()

@@ -187,3 +187,64 @@ def test_a_nodes_well_formed_answers_pass():
           "report": None}
     assert reply_problem(ok, 2) is None
     assert reply_problem({**ok, "outputs": None, "error": "node box-2: out of memory"}, 2) is None   # an error result
+
+
+def test_an_answer_with_an_unknown_status_is_an_error_not_a_result():
+    ctx = zmq.Context.instance()
+    peer = ctx.socket(zmq.ROUTER)
+    port = peer.bind_to_random_port("tcp://127.0.0.1")
+    client = ChannelClient(f"tcp://127.0.0.1:{port}")
+
+    def answer():
+        ident, rid, _payload = peer.recv_multipart()
+        peer.send_multipart([ident, rid, b"?", b"not-a-result"])   # neither OK nor ERROR
+    t = threading.Thread(target=answer)
+    t.start()
+    try:
+        with pytest.raises(ChannelError, match=r"unknown status b'\?'"):
+            client.call(b"x", timeout=10, alive=_never_dead)
+    finally:
+        t.join(10)
+        client.close()
+        peer.close(0)
+
+
+_REPORT = {"seq": 1, "resident": [["cls-a", 10]], "stats": {"hits": 1, "misses": 2}, "host": None,
+           "host_resident": [], "events": [["cls-a", "cpu", "load", 10, 0.1, 1.0]]}
+
+
+@pytest.mark.parametrize("report,why", [
+    ("x", "report: a str, not a dict"),
+    ({k: v for k, v in _REPORT.items() if k != "events"}, "report: missing events"),
+    ({**_REPORT, "stats": {"hits": 1, "new_field": 3}}, "report: stats with unknown fields new_field"),
+    ({**_REPORT, "stats": [1]}, "report: stats not a dict"),
+    ({**_REPORT, "resident": [["cls-a"]]}, "report: resident is not a list of (expert, bytes) pairs"),
+    ({**_REPORT, "events": [["cls-a", "cpu", "load"]]}, "report: events is not a list of 6-field events"),
+    ({**_REPORT, "host_resident": None}, "report: host_resident is not a list")])
+def test_a_nodes_report_of_another_shape_is_named_before_it_is_applied(report, why):
+    """A node on another coe-edge version: before, `PoolStats(**stats)` raised in the serving thread, which took
+    it for a lost node and killed a healthy actor (and leaked one per rejoin)."""
+    from executors.remote import reply_problem, report_problem
+
+    assert report_problem(report) == why
+    ok = {"outputs": [1], "error": None, "error_kind": "", "started_at": 0.0, "seconds": 0.1, "version": 1}
+    assert reply_problem({**ok, "report": report}, 1) == why
+    assert report_problem(_REPORT) is None and report_problem(None) is None
+
+
+def test_the_front_applies_a_nodes_residency_only_from_its_newest_report():
+    """A heartbeat's answer read after a batch's (or the other way round) must not roll residency back."""
+    from coe import parse_spec
+    from conftest import TINY_SPEC
+    from executors.remote import RemotePool
+
+    pool = RemotePool("box-2/cpu-0.0", "cpu", 100, parse_spec(TINY_SPEC), "box-2")
+    newer = {**_REPORT, "seq": 5, "resident": [["det-2term", 30]]}
+    pool.update(newer)
+    pool.update({**_REPORT, "seq": 4})                      # older: ignored
+    assert pool.resident() == ["det-2term"]
+    pool.update({**_REPORT, "seq": 6})
+    assert pool.resident() == ["cls-a"]
+    pool.forget()                                           # a new actor counts from 1 again
+    pool.update({**_REPORT, "seq": 1, "resident": [["det-2term", 30]]})
+    assert pool.resident() == ["det-2term"]
