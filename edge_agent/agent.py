@@ -617,12 +617,18 @@ class Agent:
                             "stopping": "stopping: draining in-flight frames"}.get(self.phase, self.phase))
         else:
             reasons += [f"{d} is not running" for d in self.dead_threads()]
+        lost = [f"executor {e.name} on node {e.node} {e.state}" for e in self.executors
+                if getattr(e, "node", None) and not e.up and e.state != "created"]
+        if self.phase == "serving" and lost and not self.scheduler.active():
+            reasons.append(f"no executor is serving: {self.scheduler.waiting()} request(s) wait for one to "
+                           f"rejoin ({'; '.join(lost)})")
         with self._lock:
             inflight = len(self._inflight)
         if inflight >= self.cfg.max_inflight:
             reasons.append(f"saturated: {inflight} frames in flight (max_inflight {self.cfg.max_inflight}); "
                            "new frames are acked busy")
         warnings = [f"expert {e} failed: {why}" for e, why in sorted(self.failed.all().items())]
+        warnings += [f"{w}; rejoining" for w in lost]
         writer = getattr(self, "writer", None)
         stalled = writer.stalled() if writer is not None and writer.failing_since is not None else None
         if stalled is not None and stalled >= WRITER_STALL_S:

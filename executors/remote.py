@@ -700,7 +700,9 @@ class RemoteExecutor:
     def _loop(self) -> None:
         while True:
             if not self.up:
-                if self.scheduler.drained(self.name):
+                # lost while the agent closes: its requests wait in the scheduler, journaled, for the next start
+                # (rejoining on forever would keep the agent's stop from ending this thread)
+                if self.scheduler.closed:
                     return
                 if not self._rejoin():
                     time.sleep(min(self.rejoin_s, 0.25) if self.scheduler.drained(self.name) else self.rejoin_s)
@@ -887,7 +889,12 @@ class RemoteExecutor:
             order = self.pool.planned or ranked(self.model.experts, self.spec.probabilities)
             self._connect(order)
         except Exception as exc:  # noqa: BLE001 - not back yet
-            log.info("executor %s: node %s not back yet (%s)", self.name, self.node, short_error(exc))
+            why = short_error(exc)
+            lost = self.state.split("; rejoin failing: ")[0]
+            if not self.state.endswith(f"; rejoin failing: {why}"):   # said once per reason, in the log and state
+                log.warning("executor %s: node %s is in the cluster but cannot rejoin (%s); retrying every %g s",
+                            self.name, self.node, why, self.rejoin_s)
+            self.state = f"{lost}; rejoin failing: {why}"
             return False
         self.rejoined += 1
         self._deliver_unplaced(self.scheduler.restore(self.name))

@@ -976,6 +976,10 @@ class Scheduler:
         with self._cond:
             return self._closed and not self._q[executor].groups and not self._waiting
 
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
     def close(self) -> None:
         """Wake every waiting executor; queued requests are still handed out."""
         with self._cond:

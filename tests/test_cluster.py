@@ -211,6 +211,8 @@ def test_killing_a_node_mid_replay_loses_and_duplicates_nothing_and_the_node_rej
         noticed = time.monotonic() - killed
         state = victim.state
         assert not victim.up and "box-3/cpu-2.0" not in agent.scheduler.active()
+        health = agent.health()          # the others serve: ready, and the lost one is a warning naming it
+        assert health.ready and any("box-3" in w and w.endswith("rejoining") for w in health.warnings), health
         # Ray said the actor died (the ping failed): not the call timeout, which is 10x the wait
         assert state.startswith("lost: ") and "TimeoutError" not in state and "no answer" not in state, state
         # ActorDiedError, or ActorUnavailableError when the connection reset comes first (seen under load)

@@ -126,3 +126,21 @@ def test_restore_assigns_every_waiting_request_it_can_and_returns_the_others_wit
     assert [(r.frame.frame_id, why.startswith("scheduling failed: KeyError")) for r, why in unplaced] == [("w1", True)]
     assert s.waiting() == 0 and s.depth() == 2
     assert s.restore("a") == []                                        # already active: nothing to do
+
+
+def test_a_lost_executor_ends_its_thread_when_the_agent_closes_though_requests_wait_for_it():
+    """Every executor lost, requests waiting for one to rejoin, the agent stops: the thread must end (before,
+    it tried to rejoin forever and `stop` counted it stuck, keeping the results database locked)."""
+    import threading
+
+    s = Scheduler(["gone"], "coserve-paper", costs=FixedCosts(K=1.0, B=0.0, load=0.0, max_batch=8))
+    s.retire("gone")
+    assert s.submit(_req("w0", "x")) is None and s.waiting() == 1
+    spec = RemoteSpec(name="gone", node="n1", device="cpu", memory=1 << 20, expert_memory=1 << 20, store="/nowhere")
+    ex = RemoteExecutor(spec, model=None, pool=_BrokenPool(), scheduler=s, on_result=lambda r: None, rejoin_s=0.05)
+    ex.state = "lost: node died"
+    s.close()
+    t = threading.Thread(target=ex._loop, daemon=True)
+    t.start()
+    t.join(30)
+    assert not t.is_alive() and s.waiting() == 1        # ended; the request stays (journaled: the next start)
