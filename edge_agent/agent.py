@@ -585,10 +585,28 @@ class Agent:
         if not nodes:
             return
         t = time.monotonic()
-        sync_store(self.cfg, nodes)
-        for ex in remote:
-            ex.reload_store(list(changed))
-        log.info("promotion carried to node(s) %s in %.1f s", ", ".join(nodes), time.monotonic() - t)
+        failed = []
+        for node in nodes:        # each node on its own: one that fails must not keep the others on old weights
+            here = [e for e in remote if e.node == node]
+            try:
+                sync_store(self.cfg, [node])
+            except Exception as exc:  # noqa: BLE001 - its executors leave service until a rejoin syncs them
+                why = f"the promotion's sync failed: {exc}"
+                log.error("node %s: %s; its executors rejoin (and sync) before they serve again", node, exc)
+                failed.append(node)
+                for ex in here:
+                    ex.mark_stale(why)
+                continue
+            for ex in here:
+                try:
+                    ex.reload_store(list(changed))
+                except Exception as exc:  # noqa: BLE001 - this executor rejoins with a new actor on the new store
+                    log.error("executor %s on node %s did not follow the promotion (%s); it rejoins before it "
+                              "serves again", ex.name, node, exc)
+                    failed.append(ex.name)
+                    ex.mark_stale(f"did not follow the promotion: {exc}")
+        log.info("promotion carried to node(s) %s in %.1f s%s", ", ".join(nodes), time.monotonic() - t,
+                 f"; not to {', '.join(failed)} (they rejoin first)" if failed else "")
 
     def _serve_status(self) -> int:
         """/metrics, the status page and the read-only API on the metrics port; returns the bound port."""

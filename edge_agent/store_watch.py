@@ -164,8 +164,8 @@ class StoreWatcher:
             try:
                 self._on_switch(changed)
             except Exception:  # noqa: BLE001 - the line goes on; the log names what did not follow
-                log.exception("carrying the new versions to other boxes failed; they serve the old ones until "
-                              "their executors rejoin or `coe-agent experts sync`")
+                log.exception("carrying the new versions to other boxes failed; their executors may serve the "
+                              "old ones until they rejoin (restart the agent after `coe-agent experts sync`)")
         release = getattr(self.store, "release_retired", None)
         if changed and release is not None:
             try:

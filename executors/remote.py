@@ -576,6 +576,7 @@ class RemoteExecutor:
         self.actor = None
         self.up = False
         self.state = "created"
+        self._stale: str | None = None   # `mark_stale`: why it must rejoin before it serves again
         self.where: dict = {}
         self.lost = 0          # times it was lost (counted once its requests are back with the scheduler)
         self.requeued = 0      # requests handed back to the scheduler
@@ -708,11 +709,20 @@ class RemoteExecutor:
                     time.sleep(min(self.rejoin_s, 0.25) if self.scheduler.drained(self.name) else self.rejoin_s)
                 continue
             try:
+                if self._stale is not None:     # a promotion did not reach this node: out until it rejoins
+                    why, self._stale = self._stale, None
+                    self._lose(CoEError(why), None)
+                    continue
                 batch = self.scheduler.next_batch(self.name, timeout=0.25)
                 if batch is None:
                     if self.scheduler.drained(self.name):
                         return
                     self._check()   # idle: a dead node is found now, not at its next batch
+                    continue
+                if self._stale is not None:     # marked while it waited: the batch goes back, unrun
+                    why, self._stale = self._stale, None
+                    self.scheduler.finished(batch, lost=True)
+                    self._lose(CoEError(why), batch)
                     continue
                 self._serve(batch)
             except Exception as exc:  # noqa: BLE001 - a dead serving thread would strand every request it holds
@@ -915,6 +925,11 @@ class RemoteExecutor:
             except Exception:  # noqa: BLE001 - even the fallback failed: this thread must go on
                 log.exception("%s: the error results of %d request(s) that could not be scheduled again failed",
                               self.name, len(items))
+
+    def mark_stale(self, why: str) -> None:
+        """The node did not take a promotion: this executor's thread retires it before its next batch (no batch
+        runs on the old weights) and it rejoins, which syncs the node's store and starts a new actor on it."""
+        self._stale = why
 
     def reload_store(self, changed: list[str], timeout: float = 60.0) -> None:
         """After the node's store was synced with a promotion: the actor follows it (see `ExecutorHost`)."""

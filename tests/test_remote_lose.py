@@ -144,3 +144,49 @@ def test_a_lost_executor_ends_its_thread_when_the_agent_closes_though_requests_w
     t.start()
     t.join(30)
     assert not t.is_alive() and s.waiting() == 1        # ended; the request stays (journaled: the next start)
+
+
+def test_a_node_the_promotion_did_not_reach_leaves_service_and_the_others_still_follow(monkeypatch):
+    """Each node is synced and reloaded on its own: box-2's failed sync no longer stops box-3's actors from
+    following, and box-2's executor retires before its next batch (it rejoins, which syncs, before it serves
+    again) instead of serving the old weights until some later loss."""
+    import threading
+    from types import SimpleNamespace
+
+    from coe import CoEError
+    from edge_agent import cluster
+    from edge_agent.agent import Agent
+
+    s = Scheduler(["box-2/cpu", "box-3/cpu"], "coserve-paper", costs=FixedCosts(K=1.0, B=0.0, load=0.0, max_batch=8))
+    made = {}
+    for name, node in (("box-2/cpu", "box-2"), ("box-3/cpu", "box-3")):
+        spec = RemoteSpec(name=name, node=node, device="cpu", memory=1 << 20, expert_memory=1 << 20, store="/x")
+        ex = made[node] = RemoteExecutor(spec, model=None, pool=_BrokenPool(), scheduler=s, on_result=lambda r: None)
+        ex.up, ex.state = True, "up"
+    reloaded = []
+    made["box-3"].reload_store = lambda changed, timeout=60.0: reloaded.append(changed)
+    made["box-2"].reload_store = lambda changed, timeout=60.0: reloaded.append(("box-2", changed))
+    synced = []
+
+    def sync(cfg, nodes):
+        if nodes == ["box-2"]:
+            raise CoEError("experts sync: node box-2 (store /x): disk full")
+        synced.append(nodes)
+    monkeypatch.setattr(cluster, "sync_store", sync)
+    Agent._promote_remote(SimpleNamespace(executors=list(made.values()), cfg=None), {"cls-a": 2})
+    assert synced == [["box-3"]] and reloaded == [["cls-a"]]          # box-3 followed; box-2 was not reloaded
+    assert made["box-3"]._stale is None and "disk full" in made["box-2"]._stale
+
+    r = _req("q0", "x")
+    assert s.submit(r) in ("box-2/cpu", "box-3/cpu")
+    s.retire("box-3/cpu")                  # so the next batch of the queue is box-2's to take
+    s.requeue([r])
+    s.restore("box-3/cpu")
+    s.close()
+    t = threading.Thread(target=made["box-2"]._loop, daemon=True)
+    t.start()
+    t.join(30)
+    ex = made["box-2"]
+    assert not t.is_alive() and ex.lost == 1 and not ex.up and ex.state.startswith("lost: ")
+    assert "promotion" in ex.state and ex.batches == 0                # nothing ran there on the old weights
+    assert "box-2/cpu" not in s.active()
