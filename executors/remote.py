@@ -517,6 +517,21 @@ def reply_problem(reply: object, frames: int) -> str | None:
     return report_problem(reply["report"])
 
 
+def _answered_with_error(exc: BaseException) -> bool:
+    """Did the node's actor answer, with its own failure (the batch channel's error status, or a Ray task
+    error: the method raised), rather than die, hang or vanish?  Such a batch gets error results; retiring a
+    live node for it would throw its warm pool away and retry the same failure on the next node."""
+    from .remote_channel import ChannelError
+
+    if isinstance(exc, ChannelError):
+        return True
+    try:
+        from ray.exceptions import RayActorError, RayTaskError
+    except ImportError:
+        return False
+    return isinstance(exc, RayTaskError) and not isinstance(exc, RayActorError)
+
+
 REPORT_KEYS = ("resident", "stats", "host", "host_resident", "events")
 _STATS_FIELDS = frozenset(PoolStats.__dataclass_fields__)
 
@@ -800,6 +815,12 @@ class RemoteExecutor:
             else:
                 raw = ray.get(self.actor.run_packed.remote(blob), timeout=self.call_timeout)
         except Exception as exc:  # noqa: BLE001 - RayActorError, node death, timeout: the batch is lost there
+            if _answered_with_error(exc):   # the actor is alive and said why: the batch's error, not a lost node
+                self._probe = None
+                self._contact = time.monotonic()
+                self._front_error(batch, f"node {self.node} ({self.name}) could not run batch {batch.id}: "
+                                         f"{short_error(exc)}")
+                return
             self.scheduler.finished(batch, lost=True)
             self.inflight = None
             self._lose(exc, batch)

@@ -190,3 +190,38 @@ def test_a_node_the_promotion_did_not_reach_leaves_service_and_the_others_still_
     assert not t.is_alive() and ex.lost == 1 and not ex.up and ex.state.startswith("lost: ")
     assert "promotion" in ex.state and ex.batches == 0                # nothing ran there on the old weights
     assert "box-2/cpu" not in s.active()
+
+
+def test_a_node_that_answers_a_batch_with_its_own_failure_is_not_taken_for_lost():
+    """The batch channel's error status (the node's handler raised, e.g. a frame it cannot unpickle): the
+    batch's frames get error results naming the node, and the live node keeps serving (before: retired, its
+    warm pool thrown away, the batch retried on the next node, three times)."""
+    import numpy as np
+
+    from coe import parse_spec
+    from conftest import TINY_SPEC
+    from executors.remote import RemotePool
+    from executors.remote_channel import ChannelClient, ChannelServer
+
+    def handler(blob):
+        raise ValueError("cannot unpickle the frame (test)")
+    server = ChannelServer(handler, "127.0.0.1")
+    model = parse_spec(TINY_SPEC)
+    s = Scheduler(["box-2/cpu"], "coserve-paper", costs=FixedCosts(K=1.0, B=0.0, load=0.0, max_batch=8))
+    results = []
+    spec = RemoteSpec(name="box-2/cpu", node="box-2", device="cpu", memory=1 << 20, expert_memory=1 << 20,
+                      store="/x")
+    pool = RemotePool("box-2/cpu", "cpu", 1 << 20, model, "box-2")
+    ex = RemoteExecutor(spec, model=model, pool=pool, scheduler=s, on_result=results.append)
+    ex.up, ex.state, ex._client = True, "up", ChannelClient(server.endpoint)
+    try:
+        expert = next(iter(model.experts))
+        s.submit(Request(Frame("f0", "A", "B", "C", 0.0, np.zeros((2, 2, 3), np.uint8)), expert))
+        batch = s.next_batch("box-2/cpu", timeout=0)
+        ex._serve(batch)
+    finally:
+        ex._client.close()
+        server.close()
+    [res] = results
+    assert res.error_kind == "expert_run" and "node box-2" in res.error and "cannot unpickle the frame" in res.error
+    assert ex.up and ex.lost == 0 and s.active() == ["box-2/cpu"] and ex.inflight is None
