@@ -303,7 +303,16 @@ class Agent:
         return RemoteExecutor(spec, self.model, self.pools[slot.name], self.scheduler, self._on_batch,
                               on_event=lambda e, n=slot.name: self._on_pool_event(e, n),
                               call_timeout=c.call_timeout_s, rejoin_s=c.rejoin_s, connect_timeout=c.connect_timeout_s,
-                              channel=c.channel, sync=lambda node=slot.ex.node: self._sync_node(node))
+                              channel=c.channel, sync=lambda node=slot.ex.node: self._sync_node(node),
+                              versions=self._store_versions)
+
+    def _store_versions(self) -> dict[str, int]:
+        """The version of each expert in the line's store on disk now: what `experts sync` copies to a node, so
+        what a node's actor must read (`RemoteExecutor._version_skew`)."""
+        base = self.store
+        while hasattr(base, "primary"):     # an LLM store union, ONNX twins: the line's own store is underneath
+            base = base.primary
+        return {k: e.version for k, e in base.read_manifest().items()}
 
     def _sync_node(self, node: str) -> None:
         from .cluster import sync_store

@@ -449,6 +449,10 @@ class RemotePool:
         with self._lock:
             return list(self._resident)
 
+    def room_for(self, expert_id: str) -> int:
+        """Free bytes on the node's pool (`Pool.room_for`; a node's pool caps no group)."""
+        return self.capacity - self.used_bytes()
+
     def used_bytes(self) -> int:
         with self._lock:
             return sum(self._resident.values())
@@ -576,12 +580,14 @@ class RemoteExecutor:
     def __init__(self, spec: RemoteSpec, model: CoEModel, pool: RemotePool, scheduler: Scheduler,
                  on_result: Callable[[BatchResult], None], *, on_event: Callable[[PoolEvent], None] | None = None,
                  call_timeout: float = 60.0, rejoin_s: float = 2.0, connect_timeout: float = 30.0,
-                 channel: str = "zmq", sync: Callable[[], None] | None = None) -> None:
+                 channel: str = "zmq", sync: Callable[[], None] | None = None,
+                 versions: Callable[[], dict[str, int]] | None = None) -> None:
         if channel not in CHANNELS:
             raise CoEError(f"executor {spec.name}: channel must be one of {', '.join(CHANNELS)}, got {channel!r}")
         self.spec, self.model, self.pool, self.scheduler = spec, model, pool, scheduler
         self.channel = channel
         self._sync = sync                  # copies the front's store to the node's (before a rejoin)
+        self._versions = versions          # the front store's version of each expert (None: not checked)
         self._client = None                # the batch channel to the actor (`remote_channel`), when zmq
         self._probe = None                 # a liveness ping through Ray while a batch is out on the channel
         self.name, self.device, self.node = spec.name, spec.device, spec.node
@@ -607,7 +613,30 @@ class RemoteExecutor:
     def start(self) -> None:
         """Start the actor on its node and warm its pool with the initialisation's plan, then serve."""
         self._connect(self.pool.planned)
+        differ = self._version_skew()
+        if differ:
+            self._drop_actor()
+            self.up, self.state = False, "created"
+            raise CoEError(f"executor {self.name} on node {self.node}: its store serves other versions than this "
+                           f"box's ({self._skew_text(differ)}): run `coe-agent experts sync` for the line, then "
+                           "start again")
         self._thread.start()
+
+    def _version_skew(self) -> dict[str, tuple]:
+        """{expert: (node's version, this box's)} where the node's actor reads another version than the front's
+        store holds (a promotion made while the agent was down, or one that landed while it rejoined)."""
+        import ray
+
+        if self._versions is None or self.actor is None:
+            return {}
+        want = self._versions()
+        got = ray.get(self.actor.versions.remote(), timeout=self.connect_timeout)
+        return {e: (got.get(e), want.get(e)) for e in sorted(self.model.experts) if got.get(e) != want.get(e)}
+
+    @staticmethod
+    def _skew_text(differ: dict[str, tuple]) -> str:
+        shown = ", ".join(f"{e}: node v{n}, here v{h}" for e, (n, h) in list(differ.items())[:3])
+        return shown + (f" and {len(differ) - 3} more" if len(differ) > 3 else "")
 
     def join(self, timeout: float | None = None) -> bool:
         """Wait for the thread, then close the actor; one never started (a failed start) closes at once."""
@@ -910,6 +939,8 @@ class RemoteExecutor:
         """Look for the node; when it is back, a new actor warms its pool and the executor rejoins."""
         import ray
 
+        before = self.state
+        lost = before.split("; rejoin failing: ")[0]
         try:
             if ray.cluster_resources().get(node_resource(self.node), 0) <= 0:
                 return False
@@ -919,10 +950,19 @@ class RemoteExecutor:
             # experts overall, which the other executors hold already
             order = self.pool.planned or ranked(self.model.experts, self.spec.probabilities)
             self._connect(order)
+            differ = self._version_skew()
+            if differ and self._sync is not None:   # a promotion landed between the sync and the actor's start
+                self._sync()
+                self.reload_store(list(differ))
+                differ = self._version_skew()
+            if differ:
+                raise CoEError(f"its store serves other versions than this box's ({self._skew_text(differ)})")
         except Exception as exc:  # noqa: BLE001 - not back yet
             why = short_error(exc)
-            lost = self.state.split("; rejoin failing: ")[0]
-            if not self.state.endswith(f"; rejoin failing: {why}"):   # said once per reason, in the log and state
+            self.up = False                 # `_connect` may have got as far as marking it up
+            if self.actor is not None:      # ... and keeping an actor: not used, so not leaked either
+                self._drop_actor()
+            if not before.endswith(f"; rejoin failing: {why}"):   # said once per reason, in the log and state
                 log.warning("executor %s: node %s is in the cluster but cannot rejoin (%s); retrying every %g s",
                             self.name, self.node, why, self.rejoin_s)
             self.state = f"{lost}; rejoin failing: {why}"

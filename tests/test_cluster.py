@@ -374,6 +374,34 @@ def test_a_node_not_in_the_cluster_and_an_unreachable_address_are_named(cluster,
         Agent(load_config(path, env={})).start()
 
 
+def test_a_node_whose_store_serves_other_versions_is_refused_at_start_naming_them(cluster, tiny_zoo, tmp_path):
+    """A promotion made on the front box while the agent was down and never synced: the node would serve the
+    old weights beside the front's new ones, silently.  The start names the experts and the fix."""
+    import shutil
+
+    from click.testing import CliRunner
+
+    from edge_agent.cli import cli
+    from edge_agent.cluster import sync_store
+
+    path = _line(tmp_path, tiny_zoo, cluster, [LOCAL, _remote("box-2")])
+    cfg = load_config(path, env={})
+    sync_store(cfg)
+    fixed = tmp_path / "fixed"
+    shutil.copytree(tiny_zoo, fixed)
+    res = CliRunner().invoke(cli, ["experts", "promote", str(fixed), "--config", str(path)])
+    assert res.exit_code == 0, res.output
+    with pytest.raises(CoEError, match=r"node box-2: its store serves other versions than this box's \(.*node v1, "
+                                       r"here v2.*run `coe-agent experts sync`"):
+        Agent(cfg).start()
+    sync_store(cfg)                                  # the fix it names
+    agent = Agent(cfg).start()
+    try:
+        assert agent.health().ready
+    finally:
+        agent.stop()
+
+
 class _Stall:
     """A frame image whose unpickling on the node blocks for 10 minutes: its batch outlasts any call timeout."""
 
