@@ -1,6 +1,7 @@
 """The expert: a named set of tensors with a byte size and a role in a chain."""
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 
 KINDS = ("classifier", "detector", "moe-ffn")
@@ -50,3 +51,16 @@ class Component:
     name: str
     classifier: str
     frequency: float
+
+
+def id_problem(expert_id: object) -> str | None:
+    """Why `expert_id` cannot name an expert (its store file is named after it), or None.
+
+    Checked where an id enters (a spec) and again where a file is named
+    (`storage.expert_store`): a path in an id would write outside the store.
+    """
+    seps = {"/", "\\", os.sep} | ({os.altsep} if os.altsep else set())
+    if (not isinstance(expert_id, str) or not expert_id or expert_id.startswith(".") or ".." in expert_id
+            or any(s in expert_id for s in seps) or any(ord(c) < 32 for c in expert_id)):
+        return "cannot name a store file: no path separators, '..', leading '.', or control characters"
+    return None

@@ -14,8 +14,9 @@ from typing import Any
 
 import yaml
 
+from . import yaml_strict
 from .errors import SpecError
-from .expert import KINDS, Component, Expert
+from .expert import KINDS, Component, Expert, id_problem
 from .request import StepOutput
 
 
@@ -92,7 +93,9 @@ def load_spec(path: str | Path) -> CoEModel:
     if not path.is_file():
         raise SpecError(src, "<file>", "spec file does not exist")
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8"))
+        raw = yaml_strict.load(path.read_text(encoding="utf-8"))
+    except yaml_strict.DuplicateKey as exc:
+        raise SpecError(src, str(exc.key), f"written twice (lines {exc.first} and {exc.line}); keep one") from None
     except yaml.YAMLError as exc:
         raise SpecError(src, "<file>", f"not valid YAML: {exc}") from None
     except UnicodeDecodeError as exc:
@@ -152,6 +155,8 @@ def _parse_expert(e: Any, src: str, key: str) -> Expert:
     _only_keys(e, {"id", "arch", "kind", "classes", "input_size", "next", "pass_labels",
                    "priors", "conf_threshold", "weights"}, src, key)
     eid = _need(e, "id", str, src, key)
+    if (problem := id_problem(eid)) is not None:
+        raise SpecError(src, f"{key}.id", f"{eid!r} {problem}")
     arch = _need(e, "arch", str, src, key)
     if "/" not in arch:
         raise SpecError(src, f"{key}.arch", f"expected 'family/model' like 'torchvision/resnet18', got '{arch}'")

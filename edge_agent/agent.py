@@ -39,6 +39,7 @@ from storage.tiers import (HostReadSource, StoreSource, TierSource, current_in, 
                            source_dtype)
 
 from . import protocol as P
+from .bind_errors import why_bind_failed
 from .config import ExecutorConfig, LineConfig, endpoint_parts
 from .ingest import MAX_READ, Accepted, Ingest, check_frame, route_learned
 from .instance_lock import InstanceLock
@@ -109,6 +110,17 @@ class _SchedulerCollector:
                                                               "of their queued batch", labels=["line"])
             fam.add_metric([self.line], float(self.read_ahead.stats.read))
             yield fam
+
+
+def _check_cuda(device: str, key: str) -> None:
+    """A CUDA device this box has, or a ValueError naming the config key (not a driver's traceback later)."""
+    import torch
+
+    index = int(device.partition(":")[2] or 0)
+    count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if index >= count:
+        raise ValueError(f"{key}: {device}: this machine has {count} CUDA device(s)"
+                         + ("" if count else " (no NVIDIA driver or no GPU: use device: cpu)"))
 
 
 class Agent:
@@ -387,6 +399,8 @@ class Agent:
         """
         slots = []
         for i, ex in enumerate(self.cfg.executors):
+            if ex.device.startswith("cuda") and not ex.node:
+                _check_cuda(ex.device, f"executors.{i}.device")
             n, why = self._executor_count(ex)
             share = 1 if ex.count_is_set else n
             memory = ex.memory // share
@@ -628,8 +642,7 @@ class Agent:
                                               db_path=self.cfg.db_path, token=m.token, health=self.health).start()
         except OSError as exc:
             self.status.stop()
-            raise OSError(f"metrics port {m.bind}:{m.port}: {exc.strerror or exc} "
-                          "(is another agent running on it?)") from None
+            raise OSError(f"metrics port {m.bind}:{m.port}: {why_bind_failed(exc)}") from None
         return self.status_server.port
 
     def health(self) -> Health:
@@ -746,7 +759,7 @@ class Agent:
                 sock.connect(addr)
         except zmq.ZMQError as exc:
             sock.close(linger=0)
-            raise OSError(f"{name} endpoint {endpoint}: {exc} (is another agent running on it?)") from None
+            raise OSError(f"{name} endpoint {endpoint}: {why_bind_failed(exc)}") from None
         self.endpoints[name] = sock.getsockopt_string(zmq.LAST_ENDPOINT) if bind else addr
         return sock
 

@@ -21,12 +21,12 @@ from .cli import _config, _fail_clearly, line_options, torch_device
               help="Systems to compare, comma separated.")
 @click.option("--init", type=click.Choice(["warm", "cold"]), default="warm", show_default=True,
               help="Pools filled by usage probability before the task (warm) or empty (cold), for every system.")
-@click.option("--skew", type=float, help="Zipf skew of component-type frequency (default 0.8).")
-@click.option("--types", type=int, help="Component types on the board (default: 352 / 342).")
-@click.option("--board-size", type=int, help="Component placements on the board (default 500): with many --types "
+@click.option("--skew", type=click.FloatRange(0, 10), help="Zipf skew of component-type frequency (default 0.8).")
+@click.option("--types", type=click.IntRange(min=1), help="Component types on the board (default: 352 / 342).")
+@click.option("--board-size", type=click.IntRange(min=1), help="Component placements on the board (default 500): with many --types "
               "give at least as many, or most types never appear.")
-@click.option("--detector-share", type=float, help="Share of types followed by a detector (default 0.5).")
-@click.option("--requests", type=int, help="Override the task's request count.")
+@click.option("--detector-share", type=click.FloatRange(0, 1), help="Share of types followed by a detector (default 0.5).")
+@click.option("--requests", type=click.IntRange(min=1), help="Override the task's request count.")
 @click.option("--load", "load", default="0.5,0.8", show_default=True, callback=lambda c, p, v: _loads(v),
               help="Also run coserve, coserve-paper and samba with frames arriving evenly at F x the highest rate "
                    "each sustains (see README) and report p50/p99 there; comma-separated F in (0, 1], or 'none'.")

@@ -55,7 +55,24 @@ def torch_device(ctx, param, value: str) -> str:
 
 
 def _config(line: str, config_path: str | None) -> LineConfig:
-    return load_config(find_config(line, config_path))
+    cfg = load_config(find_config(line, config_path))
+    if config_path and cfg.line != line and _given("line"):
+        # both given and they disagree: which line the user meant is not ours to guess
+        raise click.UsageError(f"--line {line}, but --config {config_path} is the config of line {cfg.line}: "
+                               "give one of them (or the config of line " + line + ")")
+    return cfg
+
+
+def _given(param: str) -> bool:
+    """Was `param` given on the command line (or its environment variable), in this command or a group above?"""
+    from click.core import ParameterSource
+
+    ctx = click.get_current_context(silent=True)
+    while ctx is not None:
+        if param in ctx.params and ctx.get_parameter_source(param) not in (None, ParameterSource.DEFAULT):
+            return True
+        ctx = ctx.parent
+    return False
 
 
 def _setup_logging(verbose: int) -> None:
@@ -149,14 +166,21 @@ def demo(line: str, config_path: str | None, frames: int, seed: int, rate: float
 
 @cli.group()
 def zoo() -> None:
-    """The demo expert zoo."""
+    """The demo expert zoo: build the spec's experts with generated weights, or train them here.
+
+    \b
+    Example:
+      coe-agent zoo build --line A
+      coe-agent zoo train --line A
+    """
 
 
 @zoo.command("train")
 @line_options
-@click.option("--steps", default=300, show_default=True,
+@click.option("--steps", default=300, show_default=True, type=click.IntRange(min=1),
               help="Training steps per classifier group, at most: a group stops once a validation draw scores 99%.")
-@click.option("--batch", default=48, show_default=True, help="Synthetic frames per classifier step.")
+@click.option("--batch", default=48, show_default=True, type=click.IntRange(min=1),
+              help="Synthetic frames per classifier step.")
 @click.option("--detector-steps", default=None, type=int,
               help="Training steps per detector (default: 500); 0 leaves detectors alone.")
 @click.option("--seed", default=0, show_default=True, help="Seed for the frames and the initial weights.")
@@ -245,7 +269,7 @@ def zoo_build(line: str, config_path: str | None, seed: int, force: bool, dtype:
 @cli.command()
 @line_options
 @click.option("--synthetic", is_flag=True, required=True, help="Draw frames procedurally (the only source so far).")
-@click.option("--frames", "-n", default=500, show_default=True, help="Number of frames.")
+@click.option("--frames", "-n", default=500, show_default=True, type=click.IntRange(min=1), help="Number of frames.")
 @click.option("--out", "-o", required=True, type=click.Path(file_okay=False), help="Recording directory to write.")
 @click.option("--seed", default=0, show_default=True)
 @click.option("--encoding", type=click.Choice(["png", "jpeg", "raw"]), default="png", show_default=True)
@@ -292,10 +316,14 @@ def record(line: str, config_path: str | None, synthetic: bool, frames: int, out
 @click.argument("recording", type=click.Path(file_okay=False, exists=True))
 @line_options
 @click.option("--endpoint", help="Agent ingest address (default: the config's ingest endpoint).")
-@click.option("--rate", type=float, default=None, help="Frames per second (default: as fast as acked).")
-@click.option("--window", default=256, show_default=True, help="Frames in flight without an ack.")
-@click.option("--ack-timeout", default=10.0, show_default=True, help="Seconds before an unacked frame is resent.")
-@click.option("--deadline", default=600.0, show_default=True, help="Give up on unacked frames after this many seconds.")
+@click.option("--rate", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Frames per second (default: as fast as acked).")
+@click.option("--window", default=256, show_default=True, type=click.IntRange(min=1),
+              help="Frames in flight without an ack.")
+@click.option("--ack-timeout", default=10.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+              help="Seconds before an unacked frame is resent.")
+@click.option("--deadline", default=600.0, show_default=True, type=click.FloatRange(min=0, min_open=True),
+              help="Give up on unacked frames after this many seconds.")
 @click.option("--client-key", type=click.Path(dir_okay=False, exists=True),
               help="CURVE: this client's secret certificate (with --server-key).")
 @click.option("--server-key", type=click.Path(dir_okay=False, exists=True),
@@ -315,7 +343,7 @@ def record(line: str, config_path: str | None, synthetic: bool, frames: int, out
 @click.option("--candidate", "candidate_dir", type=click.Path(file_okay=False, exists=True),
               help="Run the recording against this expert store instead, in an agent of its own started here "
                    "(own results database in --report, loopback ports): the line is not touched.")
-@click.option("--verdict-timeout", default=120.0, show_default=True,
+@click.option("--verdict-timeout", default=120.0, show_default=True, type=click.FloatRange(min=0),
               help="Seconds to wait, after the last ack, for every verdict to reach the database.")
 @_fail_clearly
 def replay(recording: str, line: str, config_path: str | None, endpoint: str | None, rate: float | None,
@@ -375,6 +403,13 @@ def replay(recording: str, line: str, config_path: str | None, endpoint: str | N
                                    f"another run's database")
     if endpoint is None:
         endpoint = endpoint_parts(cfg.ingest)[2]
+    else:
+        _check_endpoint(endpoint)
+    if len(rec) == 0:
+        raise click.UsageError(f"{recording}: the recording holds no frames")
+    problem = _first_unreadable(rec)          # every image before any is sent: no half-sent recording
+    if problem:
+        raise click.ClickException(problem)
     setup = None
     if client_key or server_key:
         if not (client_key and server_key):
@@ -407,6 +442,10 @@ def replay(recording: str, line: str, config_path: str | None, endpoint: str | N
         unsent = f", {report.unsent} of them never sent before the deadline" if report.unsent else ""
         raise click.ClickException(f"{len(report.unacked)} frame(s) never acked{unsent}, e.g. {report.unacked[:3]} "
                                    f"(is the agent running on {endpoint}?)")
+    if report.accepted == 0 and report.duplicate == 0:
+        why = ", ".join(f"{k} {v}" for k, v in report.reasons.most_common()) or "no answer"
+        raise click.ClickException(f"the agent accepted none of the {report.sent} frame(s) sent ({why}): "
+                                   "is the recording of this line?")
     if report_dir and report.duplicate:
         raise click.ClickException(
             f"{report.duplicate} of {len(rec)} frame(s) were already in the results database (an earlier replay of "
@@ -415,6 +454,29 @@ def replay(recording: str, line: str, config_path: str | None, endpoint: str | N
     if report_dir:
         _judge_replay(rec, cfg, Path(results_db) if results_db else cfg.db_path, baseline_db, report_dir,
                       conditions, verdict_timeout)
+
+
+def _check_endpoint(endpoint: str) -> None:
+    """--endpoint: a ZeroMQ address a client can connect to, checked before anything is sent."""
+    import re
+
+    m = re.fullmatch(r"tcp://([^\s:]+|\[[0-9a-fA-F:]+\]):(\d+)|ipc://\S+|inproc://\S+", endpoint)
+    if not m:
+        raise click.BadParameter(f"{endpoint!r}: expected tcp://HOST:PORT (or ipc://PATH)", param_hint="--endpoint")
+    if m.group(2) is not None and not 1 <= int(m.group(2)) <= 65535:
+        raise click.BadParameter(f"{endpoint!r}: port {m.group(2)} is out of range 1-65535", param_hint="--endpoint")
+
+
+def _first_unreadable(rec) -> str | None:
+    """The first frame of `rec` whose image cannot be read as the manifest says, in words; None if all can."""
+    from coe import CoEError
+
+    for f in rec:
+        try:
+            rec.payload(f)
+        except (CoEError, OSError, ValueError) as exc:
+            return f"{exc}; nothing was sent"
+    return None
 
 
 def _judge_replay(rec, cfg, db: Path, baseline_db: str | None, report_dir: str, conditions, timeout: float) -> None:
@@ -493,11 +555,18 @@ def results(line: str, config_path: str | None, verdict: str | None, board: str 
                          after=parse_cursor(cursor) if cursor else None)
     except QueryError as exc:
         raise click.BadParameter(exc.message, param_hint=f"'--{exc.param}'") from None
-    rs = ResultStore(path, readonly=True)
+    import sqlite3
+
+    if not path.is_file():
+        raise click.ClickException(f"{path}: no results database there")
     try:
-        page = query_verdicts(rs.db.conn, q)
-    finally:
-        rs.close()
+        rs = ResultStore(path, readonly=True)
+        try:
+            page = query_verdicts(rs.db.conn, q)
+        finally:
+            rs.close()
+    except sqlite3.Error as exc:
+        raise click.ClickException(f"{path}: not a coe-edge results database ({exc})") from None
     if as_json:
         for r in page.rows:
             click.echo(json.dumps(r))
@@ -549,7 +618,13 @@ cli.add_command(cluster)
 
 @cli.group()
 def keys() -> None:
-    """CURVE keys for factory networks."""
+    """CURVE keys for factory networks.
+
+    \b
+    Example:
+      coe-agent keys generate server --out keys/
+      coe-agent keys generate aoi-1 --out keys/
+    """
 
 
 @keys.command("generate")

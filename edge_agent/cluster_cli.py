@@ -19,7 +19,13 @@ from coe import CoEError
 
 @click.group()
 def cluster() -> None:
-    """A line's boxes: nodes, their executors, residency and health; link profile."""
+    """A line's boxes: nodes, their executors, residency and health; link profile.
+
+    \b
+    Example:
+      coe-agent cluster status --line A
+      coe-agent cluster profile --line A
+    """
 
 
 from .cli import _config, _fail_clearly, line_options  # noqa: E402  (after `cluster`, as experts_cli does)

@@ -38,6 +38,8 @@ def _open_store(line: str, config_path: str | None, store_dir: str | None,
     if store_dir is not None:
         if not Path(store_dir).is_dir():
             raise CoEError(f"--store {store_dir}: no such directory")
+        if not (Path(store_dir) / "manifest.json").is_file():   # opening it would make any folder a store
+            raise CoEError(f"--store {store_dir}: not an expert store (no manifest.json)")
         store = ExpertStore(store_dir)
         unknown = [i for i in ids if not store.has(i)]
         if unknown:

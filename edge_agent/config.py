@@ -5,16 +5,19 @@ because an agent that starts with a half-understood config loses frames later.
 """
 from __future__ import annotations
 
+import logging
 import os
 import re
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from coe import SpecError
+from coe import SpecError, yaml_strict
+
+log = logging.getLogger(__name__)
 
 ENV_PREFIX = "COE_"
 _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
@@ -36,6 +39,25 @@ def parse_bytes(value: Any) -> int:
     if not m or m.group(2).lower() not in _UNITS:
         raise ValueError(f"expected a size like '256MB' or '1GiB', got {value!r}")
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+
+
+MIN_PAYLOAD_BYTES = 1024   # below this no camera image fits: every frame would be rejected oversize
+
+
+def _payload_bytes(value: Any) -> int:
+    n = parse_bytes(value)
+    if n < MIN_PAYLOAD_BYTES:
+        raise ValueError(f"must be at least {MIN_PAYLOAD_BYTES} bytes (every frame would be rejected oversize), "
+                         f"got {value!r}")
+    return n
+
+
+def _positive_bytes(value: Any) -> int:
+    """`parse_bytes`, for a budget: 0 (or under a byte) would start an agent whose every frame fails."""
+    n = parse_bytes(value)
+    if n <= 0:
+        raise ValueError(f"must be more than 0 bytes, got {value!r}")
+    return n
 
 
 class _Strict(BaseModel):
@@ -69,9 +91,9 @@ class ExecutorConfig(_Strict):
                                          "with the resource 'coe:<node>'); unset: on this box")
 
     _emem = field_validator("expert_memory", mode="before")(
-        classmethod(lambda cls, v: None if v is None else parse_bytes(v)))
+        classmethod(lambda cls, v: None if v is None else _positive_bytes(v)))
 
-    _mem = field_validator("memory", mode="before")(classmethod(lambda cls, v: parse_bytes(v)))
+    _mem = field_validator("memory", mode="before")(classmethod(lambda cls, v: _positive_bytes(v)))
 
     @model_validator(mode="before")
     @classmethod
@@ -283,13 +305,18 @@ class LineConfig(_Strict):
     source: str = Field("<config>", exclude=True)
 
     _tier = field_validator("cpu_tier", mode="before")(classmethod(lambda cls, v: parse_bytes(v)))
-    _payload = field_validator("max_payload_bytes", mode="before")(classmethod(lambda cls, v: parse_bytes(v)))
+    _payload = field_validator("max_payload_bytes", mode="before")(classmethod(lambda cls, v: _payload_bytes(v)))
 
     @field_validator("ingest", "publish")
     @classmethod
     def _endpoint(cls, v: str) -> str:
-        if not _ENDPOINT.match(v):
+        m = _ENDPOINT.match(v)
+        if not m:
             raise ValueError(f"expected an endpoint like 'router+bind:tcp://127.0.0.1:5555', got '{v}'")
+        port = m.group(5)
+        if port is not None and port != "*" and not 1 <= int(port) <= 65535:
+            # ZeroMQ would take the port modulo 65536 and listen somewhere no client is pointed at
+            raise ValueError(f"port {port} is out of range 1-65535 (or '*' for any free port), in '{v}'")
         return v
 
     @model_validator(mode="after")
@@ -366,7 +393,9 @@ def load_config(path: str | Path, env: Mapping[str, str] | None = None, **overri
     if not path.is_file():
         raise SpecError(src, "<file>", "config file does not exist")
     try:
-        raw = yaml.safe_load(path.read_text(encoding="utf-8")) or {}
+        raw = yaml_strict.load(path.read_text(encoding="utf-8")) or {}
+    except yaml_strict.DuplicateKey as exc:
+        raise SpecError(src, str(exc.key), f"written twice (lines {exc.first} and {exc.line}); keep one") from None
     except yaml.YAMLError as exc:
         raise SpecError(src, "<file>", f"not valid YAML: {exc}") from None
     except UnicodeDecodeError as exc:
@@ -396,6 +425,15 @@ def load_config(path: str | Path, env: Mapping[str, str] | None = None, **overri
     return _resolve(cfg, path)
 
 
+def _sections() -> list[str]:
+    """The config's sections: the keys whose value is a mapping of its own (COE_SECTION__KEY)."""
+    def is_model(t: Any) -> bool:
+        return isinstance(t, type) and issubclass(t, BaseModel)
+    return [k for k, f in LineConfig.model_fields.items()
+            if is_model(f.annotation) or any(is_model(a) for a in get_args(f.annotation))
+            or any(is_model(b) for a in get_args(f.annotation) for b in get_args(a))]
+
+
 def apply_env(raw: dict, env: Mapping[str, str], src: str = "<config>") -> dict[str, str]:
     """Apply COE_KEY / COE_SECTION__KEY variables to the raw config; returns var -> dotted key.
 
@@ -408,6 +446,9 @@ def apply_env(raw: dict, env: Mapping[str, str], src: str = "<config>") -> dict[
             continue
         parts = [p.lower() for p in var[len(ENV_PREFIX):].split("__")]
         if parts[0] not in LineConfig.model_fields:
+            if len(parts) > 1:      # COE_SECTION__KEY shaped: a typo in the section would be ignored unseen
+                log.warning("%s is not applied: '%s' is no config section (sections: %s)", var, parts[0],
+                            ", ".join(_sections()))
             continue
         try:
             parsed = yaml.safe_load(value) if value != "" else ""

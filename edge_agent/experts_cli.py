@@ -26,7 +26,13 @@ if TYPE_CHECKING:
 
 @click.group()
 def experts() -> None:
-    """The line's expert store: list, verify, import, compress, warm and evict experts."""
+    """The line's expert store: list, verify, import, compress, warm and evict experts.
+
+    \b
+    Example:
+      coe-agent experts ls --line A
+      coe-agent experts verify --line A
+    """
 
 
 from .cli import _config, _fail_clearly, dtype_option, line_options  # noqa: E402  (after `experts`: see the module doc)

@@ -21,7 +21,13 @@ from .config import parse_bytes
 
 @click.group()
 def llm() -> None:
-    """MoE LLMs served through the expert pools (needs: pip install -e '.[llm]')."""
+    """MoE LLMs served through the expert pools (needs: pip install -e '.[llm]').
+
+    \b
+    Example:
+      coe-agent llm import ./Qwen1.5-MoE-A2.7B --out var/llm/qwen-moe
+      coe-agent llm generate --model var/llm/qwen-moe --prompt "def fib(n):" --memory 25% --policy lfu
+    """
 
 
 def _need_transformers() -> None:
@@ -40,21 +46,22 @@ def _store(path: str) -> Path:
     return root
 
 
-def _memory(text: str | None, layout) -> int:
+def _memory(text: str | None, layout, option: str = "--memory") -> int:
+    """A size (2GB) or a share of the model's expert bytes (25%); errors name `option`."""
     if text is None:
         return layout.expert_bytes
     if text.endswith("%"):
         try:
             share = float(text[:-1]) / 100
         except ValueError:
-            raise CoEError(f"--memory {text!r}: expected a size (2GB) or a share of the experts (25%)") from None
+            raise CoEError(f"{option} {text!r}: expected a size (2GB) or a share of the experts (25%)") from None
         if not 0 < share <= 1:
-            raise CoEError(f"--memory {text!r}: a share must be in (0%, 100%]")
+            raise CoEError(f"{option} {text!r}: a share must be in (0%, 100%]")
         return int(layout.expert_bytes * share)
     try:
         return parse_bytes(text)
     except ValueError as exc:
-        raise CoEError(f"--memory: {exc}") from None
+        raise CoEError(f"{option}: {exc}") from None
 
 
 @llm.command("import")
@@ -198,7 +205,7 @@ def llm_generate(model: str, prompt: str, max_new_tokens: int, memory: str | Non
     popularity = _popularity(trace_path, layout)
     pm = load_pooled(root, memory=_memory(memory, layout), policy=policy, quota=quota, device=device,
                      popularity=popularity, window=window, alpha=alpha, prefetch=prefetch, split=split,
-                     host_memory=_memory(host_memory, layout) if host_memory else 0, host_mode=host_mode,
+                     host_memory=_memory(host_memory, layout, "--host-memory") if host_memory else 0, host_mode=host_mode,
                      prefill=prefill, admission=admission,
                      predictor=predictor_path)
     tok = pm.tokenizer()

@@ -30,6 +30,8 @@ from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from typing import Any
 
+from .bind_errors import why_bind_failed
+
 log = logging.getLogger(__name__)
 
 MAX_BODY = 1 << 20
@@ -148,7 +150,7 @@ class LLMService:
         try:
             self._server = ThreadingHTTPServer((bind, port), self._handler())
         except OSError as exc:
-            raise OSError(f"llm.port {bind}:{port}: {exc.strerror or exc} (is another agent running on it?)") from None
+            raise OSError(f"llm.port {bind}:{port}: {why_bind_failed(exc)}") from None
         self._server.daemon_threads = True
         self.port = self._server.server_address[1]
         self._thread = threading.Thread(target=self._server.serve_forever, name="llm-http", daemon=True)

@@ -5,6 +5,8 @@ metrics port; the status page samples the same registry, so the two agree.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
@@ -41,6 +43,17 @@ class Metrics:
             self._load_seconds.labels(self.line, tier).inc(seconds)
         elif event == "evict":
             self._evictions.labels(self.line, tier).inc()
+
+    def watch_flow(self, *, inflight: Callable[[], float], queue_depth: Callable[[], float]) -> None:
+        """Read `coe_frames_inflight` and `coe_queue_depth` at scrape time from these callables.
+
+        Set by hand, the gauges only moved when someone remembered to set them
+        (ingest, on each message), so a line that stopped sending froze them at
+        whatever they were; read at scrape time they are always current.  Once
+        watched, `.set()` on them is ignored.
+        """
+        self.inflight.set_function(inflight)
+        self.queue_depth.set_function(queue_depth)
 
     def watch_pools(self, pools) -> None:
         """Export every tier pool's counters at scrape time (`pools()` -> {name: Pool})."""

@@ -25,7 +25,7 @@ from .experts_cli import _MB, _open, _store, experts
 @click.option("--out", "out", type=click.Path(dir_okay=False), required=True, help="Where to write the .onnx file.")
 @click.option("--as", "as_id", default=None, metavar="NEW_ID",
               help="Also store the export as ONNX expert NEW_ID (arch onnx/<model>).")
-@click.option("--tolerance", type=float, default=1e-4, show_default=True,
+@click.option("--tolerance", type=click.FloatRange(min=0), default=1e-4, show_default=True,
               help="Largest accepted difference between torch and ONNX Runtime outputs.")
 @_fail_clearly
 def experts_export_onnx(expert_id: str, line: str, config_path: str | None, out: str, as_id: str | None,

@@ -22,7 +22,13 @@ if TYPE_CHECKING:
 
 @click.group()
 def router() -> None:
-    """The learned router: train it on a recording, evaluate it on another."""
+    """The learned router: train it on a recording, evaluate it on another.
+
+    \b
+    Example:
+      coe-agent router train --line A --data var/line-A/rec-train --epochs 20
+      coe-agent router eval --line A --data var/line-A/rec-test
+    """
 
 
 @click.command()

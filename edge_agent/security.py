@@ -8,6 +8,8 @@ never read, let alone acked.
 from __future__ import annotations
 
 import logging
+import os
+import stat
 from pathlib import Path
 
 import zmq
@@ -19,13 +21,73 @@ from coe import CoEError
 log = logging.getLogger(__name__)
 
 
-def generate(out_dir: str | Path, name: str) -> tuple[Path, Path]:
-    """Write `name.key` (public) and `name.key_secret` (secret, owner-only) into `out_dir`."""
+_SECRET_BANNER = ("#   ZeroMQ CURVE **Secret** Certificate (coe-agent keys generate)\n"
+                  "#   DO NOT PROVIDE THIS FILE TO OTHER USERS nor change its permissions.\n\n")
+_PUBLIC_BANNER = ("#   ZeroMQ CURVE Public Certificate (coe-agent keys generate)\n"
+                  "#   Give it to the other side; check it arrived unchanged.\n\n")
+
+
+def generate(out_dir: str | Path, name: str, *, force: bool = False) -> tuple[Path, Path]:
+    """Write `name.key` (public) and `name.key_secret` (secret, owner-only) into `out_dir`.
+
+    The secret file is created owner-only (never readable by others, not even
+    for a moment) and never through a link.  An existing keypair is kept
+    unless `force`: replacing a key silently locks out every client that
+    trusts the old one.  The files are pyzmq certificates (`load_keys` reads
+    them).
+    """
+    _check_key_name(name)
     out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True, mode=0o700)
-    public, secret = zmq.auth.create_certificates(str(out), name)
-    Path(secret).chmod(0o600)
-    return Path(public), Path(secret)
+    public, secret = out / f"{name}.key", out / f"{name}.key_secret"
+    if not force:
+        for p in (secret, public):
+            if os.path.lexists(p):
+                raise CoEError(f"CURVE key file {p} already exists: not replaced (clients that trust it would be "
+                               "refused); pass --force to make a new keypair anyway")
+    _key_dir(out)
+    pub_key, sec_key = zmq.curve_keypair()
+    _write_new(secret, 0o600, _certificate(_SECRET_BANNER, pub_key, sec_key))
+    _write_new(public, 0o644, _certificate(_PUBLIC_BANNER, pub_key))
+    return public, secret
+
+
+def _check_key_name(name: str) -> None:
+    """NAME becomes two file names in the output folder: a path (`../x`) would write elsewhere, a leading dot
+    hidden files, an empty one files named only `.key`."""
+    seps = {"/", "\\", os.sep} | ({os.altsep} if os.altsep else set())
+    if not name or name.startswith(".") or any(c in name for c in seps) or "\0" in name:
+        raise CoEError(f"key name {name!r}: must be a plain file name (not empty, no path separator, not starting "
+                       "with '.'), e.g. 'server' or 'aoi-1'")
+
+
+def _key_dir(out: Path) -> None:
+    """Make `out` owner-only; one that exists keeps its mode (it may be shared on purpose) with a warning when
+    others can list it."""
+    if not out.is_dir():
+        out.mkdir(parents=True, mode=0o700)
+        return
+    mode = stat.S_IMODE(out.stat().st_mode)
+    if mode & 0o077:
+        log.warning("key folder %s has mode %o: others can list it (the secret key file itself is owner-only); "
+                    "chmod 700 %s to keep it private", out, mode, out)
+
+
+def _write_new(path: Path, mode: int, text: str) -> None:
+    """Create `path` with `mode` from the first byte (O_EXCL: never through a link or into an old file's mode),
+    replacing a file that is there."""
+    if os.path.lexists(path):
+        path.unlink()
+    fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY, mode)
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        f.write(text)
+
+
+def _certificate(banner: str, public: bytes, secret: bytes | None = None) -> str:
+    """A ZeroMQ certificate as pyzmq writes one (`zmq.auth.load_certificate` reads it)."""
+    lines = [banner + "metadata", "curve", f'    public-key = "{public.decode()}"']
+    if secret is not None:
+        lines.append(f'    secret-key = "{secret.decode()}"')
+    return "\n".join(lines) + "\n"
 
 
 def load_keys(path: str | Path, *, secret: bool) -> tuple[bytes, bytes | None]:

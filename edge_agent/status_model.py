@@ -8,8 +8,9 @@ to a bounded deque.  Everything else is read when it is asked for:
   second by `tick()` (so the page and `/metrics` always tell the same story,
   and rates are deltas of the same counters a Prometheus server would rate);
 - pools, queues and health are read from the agent through `StatusSources`;
-- `snapshot()` builds the whole document at most once per `min_interval`, so
-  any number of open pages cost one build a second, not one per viewer.
+- `snapshot_bytes()` builds the whole document once per sample (and at most
+  once per `min_interval` between samples), so any number of open pages cost
+  one build a second, not one per viewer.
 
 Nothing here grows without bound: latencies and batches keep the last
 `window_s`, counter samples the last `history_s`, the pool timeline and the
@@ -118,7 +119,7 @@ class StatusModel:
         self._samples: deque[_Sample] = deque(maxlen=int(history_s) + 10)
         self.tokens = 0
         self.started_at = clock()
-        self._cached: tuple[float, bytes] | None = None
+        self._cached: tuple[int, float, bytes] | None = None   # (version, built at, document)
         self._build = threading.Lock()
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
@@ -207,12 +208,20 @@ class StatusModel:
 
     # -- reading ----------------------------------------------------------------------------
     def snapshot_bytes(self) -> bytes:
-        """The status document as JSON bytes, rebuilt at most once per `min_interval`."""
+        """The status document as JSON bytes, built once per sample (`version`) for every viewer.
+
+        Keyed on the sample, not on the time of the last build: an event stream
+        woken by a new tick must get a document with that tick in it, even when
+        another viewer's poll built one a moment before the tick.  Between
+        ticks it is still rebuilt once `min_interval` has passed, so health and
+        `at` stay current when nothing samples (a stopped sampler, tests).
+        """
         with self._build:
-            now = self.clock()
-            if self._cached is None or now - self._cached[0] >= self.min_interval:
-                self._cached = (now, json.dumps(self.snapshot(), separators=(",", ":")).encode())
-            return self._cached[1]
+            now, version = self.clock(), self.version
+            cached = self._cached
+            if cached is None or cached[0] != version or now - cached[1] >= self.min_interval:
+                cached = self._cached = (version, now, json.dumps(self.snapshot(), separators=(",", ":")).encode())
+            return cached[2]
 
     def snapshot(self) -> dict[str, Any]:
         now = self.clock()

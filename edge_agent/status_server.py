@@ -2,7 +2,8 @@
 
 One small threaded `http.server`, because Prometheus, the page and the API
 must share one port (a line box opens one port to the plant network, not
-three).  Routes (GET and HEAD only; every other method is 405):
+three).  Routes (GET and HEAD only; every other method is 405; HEAD answers
+what GET would, without the body):
 
     /                        the status page (static HTML/CSS/JS from edge_agent/web, no CDN)
     /static/<file>           its script and style sheet
@@ -26,6 +27,12 @@ passes the one it was opened with on to its own requests); tokens are compared
 in constant time.  Bound to a loopback address, a request must also name a
 loopback host, so a web page elsewhere cannot reach it by DNS rebinding.
 Malformed query parameters get a 400 whose JSON names the parameter.
+Request lines are logged (at debug) with any `token=` value redacted.
+
+`close()` ends everything it started: the listening socket, every open
+connection (kept-alive ones too, so no thread answers after it) and the
+database readers; a request that races it gets a 503 saying the agent is
+stopping.  Loopback means any loopback address, IPv4 or IPv6 (`::1`).
 """
 from __future__ import annotations
 
@@ -34,6 +41,9 @@ import ipaddress
 import json
 import logging
 import queue
+import re
+import socket
+import sys
 import threading
 from dataclasses import dataclass
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -56,7 +66,11 @@ STATIC = {"index.html": "text/html; charset=utf-8", "app.js": "text/javascript; 
 MAX_STREAMS = 16
 CSP = ("default-src 'none'; script-src 'self'; style-src 'self'; img-src 'self' data:; connect-src 'self'; "
        "base-uri 'none'; form-action 'none'; frame-ancestors 'none'")
-LOOPBACK_NAMES = ("localhost", "127.0.0.1", "::1", "[::1]")
+LOOPBACK_NAMES = ("localhost",)   # besides any loopback IP literal and the bind address itself
+# a burst of connects (a page opening its script, style sheet, stream and API calls, a scrape, a few viewers) must
+# not overflow the listen backlog: the default 5 makes the rest wait for a SYN retry (a second or more)
+LISTEN_BACKLOG = 128
+_TOKEN_PARAM = re.compile(r"(token=)[^&;\s\"']*", re.IGNORECASE)
 
 MAX_QUERY_FIELDS = 64
 TOO_MANY = None     # the key `_parse` answers with when parse_qs found more fields than the limit (never a name)
@@ -76,31 +90,112 @@ def web_files() -> dict[str, bytes]:
 
 
 class _Readers:
-    """A few read-only connections to the results database, reused across requests."""
+    """A few read-only connections to the results database, reused across requests.
+
+    Once closed it opens none again (a request still running when the agent
+    stops would otherwise open a reader nobody closes): `run` answers 503, and
+    a reader handed back after `close` is closed, not kept.
+    """
 
     def __init__(self, path: Path, keep: int = 4) -> None:
         self.path, self._free = path, queue.LifoQueue(maxsize=keep)
+        self._lock = threading.Lock()
+        self._closed = False
 
     def run(self, fn):
         """`fn(connection)` on a free reader (a new one when all are busy); at most `keep` are kept open."""
-        try:
-            rs = self._free.get_nowait()
-        except queue.Empty:
-            rs = ResultStore(self.path, readonly=True)
+        rs = self._take()
         try:
             return fn(rs.db.conn)
         finally:
+            self._give_back(rs)
+
+    def _take(self) -> ResultStore:
+        with self._lock:
+            if self._closed:
+                raise HttpError(503, "the agent is stopping: the results database is closed")
             try:
-                self._free.put_nowait(rs)
-            except queue.Full:
-                rs.close()
+                return self._free.get_nowait()
+            except queue.Empty:
+                pass
+        return self._open()
+
+    def _open(self) -> ResultStore:
+        """A new reader; a database the agent has not made yet is a 503 (it comes with the first verdict), not a
+        server error with a traceback in the log."""
+        try:
+            return ResultStore(self.path, readonly=True)
+        except FileNotFoundError:
+            raise HttpError(503, f"results database {self.path} does not exist yet (no verdict stored so far: "
+                                 "has the agent run?)") from None
+
+    def _give_back(self, rs: ResultStore) -> None:
+        with self._lock:
+            if not self._closed:
+                try:
+                    self._free.put_nowait(rs)
+                    return
+                except queue.Full:
+                    pass
+        rs.close()
 
     def close(self) -> None:
+        with self._lock:
+            self._closed = True
         while True:
             try:
                 self._free.get_nowait().close()
             except queue.Empty:
                 return
+
+
+class _Server(ThreadingHTTPServer):
+    """ThreadingHTTPServer that knows its open connections, so `end_connections()` can end kept-alive ones
+    (`shutdown()` only stops accepting), logs what goes wrong instead of printing to stderr, takes a burst of
+    connects, and binds IPv6 addresses too (its base class is IPv4 only)."""
+
+    daemon_threads = True
+    request_queue_size = LISTEN_BACKLOG
+
+    def __init__(self, address: tuple[str, int], handler) -> None:
+        self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
+        self._open: set[socket.socket] = set()
+        self._open_lock = threading.Lock()
+        self._ended = False
+        super().__init__(address, handler)
+
+    def process_request(self, request, client_address) -> None:
+        with self._open_lock:
+            if self._ended:             # accepted as close() ran: answer nothing
+                super().shutdown_request(request)
+                return
+            self._open.add(request)
+        super().process_request(request, client_address)
+
+    def shutdown_request(self, request) -> None:
+        with self._open_lock:           # out of the set before it is closed, so end_connections never meets a
+            self._open.discard(request)  # closed socket
+        super().shutdown_request(request)
+
+    def end_connections(self) -> None:
+        """Shut down every open connection: a handler waiting for the next kept-alive request reads EOF and ends,
+        one writing an answer gets a broken pipe."""
+        with self._open_lock:
+            self._ended = True
+            for conn in self._open:
+                try:
+                    conn.shutdown(socket.SHUT_RDWR)
+                except OSError:
+                    pass                # the client went first
+
+    def handle_error(self, request, client_address) -> None:
+        """A client that went away mid-answer is routine (debug); anything else is a bug worth a traceback in the
+        log.  Never stderr, which is what the base class prints to."""
+        exc = sys.exc_info()[1]
+        if isinstance(exc, (ConnectionError, TimeoutError)):
+            log.debug("status http: client %s went away: %s", client_address[0], exc)
+        else:
+            log.exception("status http: request from %s failed", client_address[0])
 
 
 class StatusServer:
@@ -110,6 +205,7 @@ class StatusServer:
                  token: str | None = None, health=None) -> None:
         self.registry, self.model, self.token = registry, model, token
         self.health = health
+        self.bind = bind.lower()
         self.readers = _Readers(Path(db_path))
         self.files = web_files()
         self._closing = threading.Event()
@@ -119,8 +215,7 @@ class StatusServer:
             # off loopback the Host check is off too: a page on the plant network could be DNS-rebound here
             log.warning("status page and API on %s:%s without metrics.token: anyone who can reach this address "
                         "can read every verdict and frame thumbnail; set metrics.token", bind, port)
-        self._server = ThreadingHTTPServer((bind, port), self._handler())
-        self._server.daemon_threads = True
+        self._server = _Server((bind, port), self._handler())
         self.port: int = self._server.server_address[1]
         self._thread = threading.Thread(target=self._server.serve_forever, kwargs={"poll_interval": 0.25},
                                         name="status-http", daemon=True)
@@ -130,11 +225,14 @@ class StatusServer:
         return self
 
     def close(self) -> None:
+        """Stop accepting, end open connections (kept-alive and streams), then close the database readers."""
         self._closing.set()
         if self.model is not None:
             self.model.stop()       # wakes every event stream waiting for a sample
-        self._server.shutdown()
+        if self._thread.is_alive():  # shutdown() waits for serve_forever, forever if it never ran
+            self._server.shutdown()
         self._server.server_close()
+        self._server.end_connections()
         self._thread.join(5)
         self.readers.close()
 
@@ -159,13 +257,19 @@ class StatusServer:
                 raise HttpError(404, "this line runs on one box: no cluster: section")
             return _json(200, doc)
         if path == "/api/health":
-            h = self.health()
-            return _json(200 if h.ready else 503, h.to_json())
+            return self._health()
         if path == "/api/verdicts":
             return self._verdicts(params)
         if path.startswith("/api/frames/"):
             return self._frame(path[len("/api/frames/"):])
         raise HttpError(404, f"no such path: {unquote(path)[:100]}")
+
+    def _health(self):
+        if self.health is None:
+            raise HttpError(503, "health is not reported: this status server was started without the agent's "
+                                 "health check")
+        h = self.health()
+        return _json(200 if h.ready else 503, h.to_json())
 
     def _model(self) -> StatusModel:
         if self.model is None:
@@ -227,14 +331,23 @@ class StatusServer:
         return ok
 
     def host_ok(self, host: str | None) -> bool:
+        """Bound to loopback, the Host must be a loopback name: `localhost`, any loopback IP literal (127.0.0.2,
+        `[::1]`) or the bind address itself.  A DNS-rebound page names its own host and is refused."""
         if not self.loopback_only:
             return True
         if not host:
             return False
-        name = host.rsplit(":", 1)[0] if not host.endswith("]") else host
-        if host.startswith("[") and "]" in host:
-            name = host[: host.index("]") + 1]
-        return name.lower() in LOOPBACK_NAMES
+        name = _host_name(host)
+        return name in LOOPBACK_NAMES or name == self.bind or _is_loopback_ip(name)
+
+    def redact(self, text: str) -> str:
+        """`text` with every `token=` value, and the token itself wherever it appears, replaced: request lines
+        go to the log, and the log is no place for the secret."""
+        text = _TOKEN_PARAM.sub(r"\1<redacted>", text)
+        if self.token:
+            for form in {self.token, quote(self.token, safe="")}:
+                text = text.replace(form, "<redacted>")
+        return text
 
     # -- HTTP ------------------------------------------------------------------------------------
     def _handler(self):
@@ -249,8 +362,8 @@ class StatusServer:
             # holds every small answer back ~40 ms
             disable_nagle_algorithm = True
 
-            def log_message(self, fmt: str, *args: Any) -> None:   # through logging, not stderr
-                log.debug("status http: " + fmt, *args)
+            def log_message(self, fmt: str, *args: Any) -> None:   # through logging, not stderr; no token
+                log.debug("status http: %s", server.redact(fmt % args))
 
             def _send(self, status: int, ctype: str, body: bytes, headers: dict[str, str] | None = None,
                       *, head: bool = False) -> None:
@@ -304,8 +417,12 @@ class StatusServer:
                 path, params = self._parse()
                 if not self._gate(params, head=head):
                     return
-                if path == "/api/stream" and not head:
-                    self._stream()
+                if server._closing.is_set():     # raced close(): say so rather than answer from a closing agent
+                    self.close_connection = True
+                    self._error(HttpError(503, "the agent is stopping"), head=head)
+                    return
+                if path == "/api/stream":
+                    self._stream(head)
                     return
                 try:
                     status, ctype, body, headers = server.route(path, params)
@@ -335,23 +452,30 @@ class StatusServer:
 
             do_POST = do_PUT = do_DELETE = do_PATCH = do_OPTIONS = _refuse
 
-            def _stream(self) -> None:
+            def _stream_headers(self) -> None:
+                """The event stream's head: it has no length, so the connection closes when it ends."""
+                self.close_connection = True
+                self.send_response(200)
+                self.send_header("Content-Type", "text/event-stream")
+                self.send_header("Cache-Control", "no-store")
+                self.send_header("Connection", "close")
+                self.send_header("X-Content-Type-Options", "nosniff")
+                self.end_headers()
+
+            def _stream(self, head: bool = False) -> None:
                 model = server.model
                 if model is None:
-                    self._error(HttpError(503, "status model not running"))
+                    self._error(HttpError(503, "status model not running"), head=head)
+                    return
+                if head:                         # what GET would start with, holding no stream slot
+                    self._stream_headers()
                     return
                 if not server._streams.acquire(blocking=False):
                     self._error(HttpError(503, f"too many open event streams (limit {MAX_STREAMS}); "
                                                "poll /api/status instead"))
                     return
-                self.close_connection = True
                 try:
-                    self.send_response(200)
-                    self.send_header("Content-Type", "text/event-stream")
-                    self.send_header("Cache-Control", "no-store")
-                    self.send_header("Connection", "close")
-                    self.send_header("X-Content-Type-Options", "nosniff")
-                    self.end_headers()
+                    self._stream_headers()
                     self.wfile.write(b"retry: 2000\n\n")
                     version = -1
                     while not server._closing.is_set() and not model.stopped:
@@ -373,9 +497,19 @@ def _json(status: int, doc: Any):
 
 
 def _is_loopback(bind: str) -> bool:
-    if bind in ("localhost",):
-        return True
+    return bind.lower() in LOOPBACK_NAMES or _is_loopback_ip(bind)
+
+
+def _is_loopback_ip(name: str) -> bool:
     try:
-        return ipaddress.ip_address(bind).is_loopback
+        return ipaddress.ip_address(name).is_loopback
     except ValueError:
         return False
+
+
+def _host_name(host: str) -> str:
+    """The name in a Host header, lower case, without its port or an IPv6 literal's brackets."""
+    host = host.strip().lower()
+    if host.startswith("["):
+        return host[1: host.index("]")] if "]" in host else host
+    return host.rsplit(":", 1)[0] if host.count(":") == 1 else host

@@ -201,8 +201,8 @@ class Profile:
     def from_json(cls, raw: dict, src: str = "<profile>") -> "Profile":
         try:
             devices = {}
-            for k, v in raw["devices"].items():
-                v = dict(v)
+            for k, v in _mapping(raw["devices"], "devices").items():
+                v = dict(_mapping(v, f"devices.{k}"))
                 for f in ("split_points", "count_points"):
                     v[f] = tuple(tuple(p) for p in v.get(f, ()))
                 v["concurrency"] = tuple(float(c) for c in v.get("concurrency", ()))
@@ -219,18 +219,19 @@ class Profile:
                 _check_device(k, d)
                 devices[k] = d
             archs = {}
-            for k, v in raw["archs"].items():
-                v = dict(v)
+            for k, v in _mapping(raw["archs"], "archs").items():
+                v = dict(_mapping(v, f"archs.{k}"))
                 v["points"] = tuple(tuple(p) for p in v.get("points", ()))
                 a = ArchProfile(**v)
-                if not (a.K >= 0 and a.B >= 0 and a.max_batch >= 1 and math.isfinite(a.K + a.B)):
-                    raise ValueError(f"archs.{k}: K, B must be finite and >= 0, max_batch >= 1")
+                _check_arch(k, a)
                 archs[k] = a
             storage = raw.get("storage")
             storage = StorageProfile.from_json(storage, "storage") if storage is not None else None
             return cls(source=str(raw["source"]), devices=devices, archs=archs, notes=list(raw.get("notes", [])),
                        storage=storage)
-        except (KeyError, TypeError, ValueError) as exc:
+        except KeyError as exc:
+            raise CoEError(f"{src}: malformed profile: missing {exc}") from None
+        except (TypeError, ValueError) as exc:
             raise CoEError(f"{src}: malformed profile: {exc}") from None
 
     @classmethod
@@ -250,6 +251,45 @@ class Profile:
 
 
 MAX_EXECUTORS = 64      # what a line config allows per device (`ExecutorConfig.count`)
+
+
+def _mapping(x, where: str) -> dict:
+    if not isinstance(x, dict):
+        raise ValueError(f"{where}: expected a JSON object, got {type(x).__name__}")
+    return x
+
+
+def _check_arch(key: str, a: ArchProfile) -> None:
+    """An arch entry's numbers are used as they are by the scheduler and the pools: refuse any they could not
+    (ValueError naming `archs.<key>.<field>`), not an agent that starts and then fails every frame."""
+    def number(x) -> bool:
+        return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+    def whole(x) -> bool:
+        return isinstance(x, int) and not isinstance(x, bool)
+    where = f"archs.{key}"
+    for name in ("K", "B"):
+        x = getattr(a, name)
+        if not (number(x) and x >= 0):
+            raise ValueError(f"{where}.{name}: must be a finite number of seconds >= 0, got {x!r}")
+    if not (whole(a.max_batch) and a.max_batch >= 1):
+        raise ValueError(f"{where}.max_batch: must be a whole number >= 1, got {a.max_batch!r}")
+    for name in ("weight_bytes", "activation_bytes", "ssd_stored_bytes"):
+        x = getattr(a, name)
+        if not (whole(x) and x >= 0):
+            raise ValueError(f"{where}.{name}: must be a whole number of bytes >= 0, got {x!r}")
+    if a.device not in ("cpu", "cuda"):
+        raise ValueError(f"{where}.device: must be 'cpu' or 'cuda', got {a.device!r}")
+    if key != Profile.key(a.arch, a.device):
+        raise ValueError(f"{where}: the key must be '{Profile.key(a.arch, a.device)}' (its arch@device)")
+    if not isinstance(a.load_seconds, dict):
+        raise ValueError(f"{where}.load_seconds: expected an object of tier: seconds, got {a.load_seconds!r}")
+    for tier, x in a.load_seconds.items():
+        if not (number(x) and x >= 0):
+            raise ValueError(f"{where}.load_seconds.{tier}: must be a finite number of seconds >= 0, got {x!r}")
+    for i, p in enumerate(a.points):
+        if not (len(p) == 2 and whole(p[0]) and p[0] >= 1 and number(p[1]) and p[1] >= 0):
+            raise ValueError(f"{where}.points[{i}]: must be [batch size >= 1, seconds >= 0], got {list(p)!r}")
 
 
 def _check_device(name: str, d: DeviceProfile) -> None:

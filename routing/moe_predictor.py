@@ -265,6 +265,9 @@ class TokenPredictor:
         if W.shape[1] != want:
             raise CoEError(f"{src}: W {list(W.shape)}: {features!r} inputs of {len(layers)} layers x {W.shape[2]} "
                            f"experts need {want} rows per layer")
+        for name, a in (("W", W), ("b", b), ("mu", mu), ("sd", sd)):
+            if a is not None and not np.isfinite(a).all():    # a NaN weight predicts nothing, silently
+                raise CoEError(f"{src}: {name} holds NaN or infinite values (was it trained on a broken trace?)")
         if mu is not None and (mu.shape != W.shape[:2] or sd.shape != W.shape[:2] or not (sd > 0).all()):
             raise CoEError(f"{src}: mu {list(mu.shape)} and sd {list(sd.shape)} must be {list(W.shape[:2])}, "
                            "sd positive")

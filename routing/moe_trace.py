@@ -133,13 +133,19 @@ class Trace:
         layers = info.get("layers")
         if not isinstance(layers, list) or not layers or not all(isinstance(x, int) for x in layers):
             raise CoEError(f"{src}: trace metadata 'layers' must be a non-empty list of layer indices")
-        trace = cls(model=str(info.get("model", "")), layers=tuple(layers), top_k=int(info.get("top_k", 0)),
+        top_k = info.get("top_k")
+        if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1:
+            raise CoEError(f"{src}: trace metadata 'top_k' must be a whole number >= 1, got {top_k!r}")
+        trace = cls(model=str(info.get("model", "")), layers=tuple(layers), top_k=top_k,
                     scoring=str(info.get("scoring", "softmax")), probs=arrays["probs"], chosen=arrays["chosen"],
                     seq=arrays["seq"], step=arrays["step"])
         trace.check(src)
         return trace
 
     def check(self, src: str = "trace") -> None:
+        if self.chosen.ndim < 1 or self.probs.ndim < 1:
+            raise CoEError(f"{src}: chosen and probs must be arrays of tokens, got shapes "
+                           f"{list(self.chosen.shape)} and {list(self.probs.shape)}")
         n, L = self.chosen.shape[0], len(self.layers)
         if self.probs.ndim != 3 or self.probs.shape[:2] != (n, L):
             raise CoEError(f"{src}: probs is {list(self.probs.shape)}, expected [{n}, {L}, experts]")
@@ -149,6 +155,9 @@ class Trace:
             raise CoEError(f"{src}: seq and step must hold one entry per token ({n})")
         if n and (self.chosen.min() < 0 or self.chosen.max() >= self.probs.shape[2]):
             raise CoEError(f"{src}: chosen names an expert outside 0..{self.probs.shape[2] - 1}")
+        if n and not np.isfinite(self.probs).all():   # a predictor trained on them learns NaN, silently
+            bad = int(np.count_nonzero(~np.isfinite(self.probs)))
+            raise CoEError(f"{src}: probs holds {bad} NaN or infinite gate score(s)")
 
 
 def synthetic(popularity: Mapping[str, object] | list[list[float]], *, tokens: int, model: str = "mixtral",

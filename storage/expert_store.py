@@ -49,6 +49,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, TypeVar
 
 from coe import CoEError, Expert, ExpertLoadError
+from coe.expert import id_problem
 from coe.files import fsync_dir
 
 from .flat import Layout, read_layout
@@ -1027,11 +1028,9 @@ def store_lock(root: str | os.PathLike) -> Iterator[None]:
 
 def _check_id(expert_id: str) -> str:
     """Refuse ids that are not a plain file name: they would let a spec write outside the store."""
-    seps = {"/", "\\", os.sep} | ({os.altsep} if os.altsep else set())
-    if (not isinstance(expert_id, str) or not expert_id or expert_id.startswith(".") or ".." in expert_id
-            or any(s in expert_id for s in seps) or any(ord(c) < 32 for c in expert_id)):
-        raise CoEError(f"expert id {expert_id!r} cannot name a store file: no path separators, "
-                       "'..', leading '.', or control characters")
+    problem = id_problem(expert_id)
+    if problem is not None:
+        raise CoEError(f"expert id {expert_id!r} {problem}")
     return expert_id
 
 

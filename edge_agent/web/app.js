@@ -387,7 +387,12 @@
     es.onerror = () => {
       failures += 1;
       setConn("stale", "reconnecting");
-      if (failures >= 5 && !polling) { es.close(); poll(); }   // a proxy that buffers streams: poll instead
+      // CLOSED: the browser gave up for good (an answer that is not a stream, e.g. the 503 when every stream slot
+      // is taken) and fires no further error; 5 failures: a proxy that buffers streams.  Either way, poll instead.
+      if (es.readyState === EventSource.CLOSED || failures >= 5) {
+        es.close();
+        if (!polling) poll();
+      }
     };
   }
   setInterval(() => {
