@@ -233,7 +233,8 @@ class StatusServer:
             self._server.shutdown()
         self._server.server_close()
         self._server.end_connections()
-        self._thread.join(5)
+        if self._thread.is_alive():
+            self._thread.join(5)
         self.readers.close()
 
     # -- routes ---------------------------------------------------------------------------

@@ -54,6 +54,16 @@ def test_env_overrides_nested_keys():
     ("line: T\nspec: spec.yaml\nexecutors: [{memory: .inf}]\n", "executors.0.memory", "finite number of bytes"),
     ("line: T\nspec: spec.yaml\ndata_dir: var/{site}\n", "data_dir", "unknown placeholder {site}"),
     ("line: T\nspec: spec.yaml\nresults_db: '{data_dir'\n", "results_db", "a literal brace"),
+    # ZeroMQ takes a port modulo 65536: the agent would listen where no client is pointed
+    ("line: T\nspec: spec.yaml\ningest: router+bind:tcp://127.0.0.1:99999\n", "ingest", "port 99999 is out of range"),
+    ("line: T\nspec: spec.yaml\npublish: pub+bind:tcp://127.0.0.1:0\n", "publish", "port 0 is out of range"),
+    # budgets and limits an agent would start with, then fail every frame
+    ("line: T\nspec: spec.yaml\nexecutors: [{memory: 0}]\n", "executors.0.memory", "more than 0 bytes"),
+    ("line: T\nspec: spec.yaml\nexecutors: [{memory: 0.5}]\n", "executors.0.memory", "more than 0 bytes"),
+    ("line: T\nspec: spec.yaml\nexecutors: [{expert_memory: 0}]\n", "executors.0.expert_memory", "more than 0 bytes"),
+    ("line: T\nspec: spec.yaml\nmax_payload_bytes: 0\n", "max_payload_bytes", "at least 1024 bytes"),
+    ("line: T\nspec: spec.yaml\nline: U\n", "line", "written twice (lines 1 and 3)"),
+    ("line: T\nspec: spec.yaml\nmetrics: {port: 1, port: 2}\n", "port", "written twice"),
 ])
 def test_invalid_config_names_file_key_reason(tmp_path, text, key, reason):
     p = write(tmp_path, text)
@@ -169,3 +179,23 @@ def test_agent_passes_max_wait_to_the_scheduler(tiny_line, max_wait, expected):
         assert agent.scheduler.max_wait == expected          # 0 disables the age bound
     finally:
         agent.stop()
+
+
+def test_a_mistyped_section_variable_is_named_in_a_warning_not_ignored_unseen(tmp_path, caplog):
+    import logging
+
+    p = write(tmp_path, "line: T\nspec: spec.yaml\n")
+    with caplog.at_level(logging.WARNING, logger="edge_agent.config"):
+        cfg = load_config(p, env={"COE_METRIC__PORT": "9200", "COE_TRT_CACHE": "/x"})
+    assert cfg.metrics.port == 9105
+    [rec] = [r for r in caplog.records if "COE_" in r.getMessage()]     # the plain COE_X variable is not named
+    assert "COE_METRIC__PORT is not applied: 'metric' is no config section" in rec.getMessage()
+    assert "metrics" in rec.getMessage() and "llm" in rec.getMessage()
+
+
+def test_yaml_merge_keys_still_load_and_a_key_twice_in_a_nested_list_item_is_refused():
+    from coe import yaml_strict
+
+    assert yaml_strict.load("base: &b {k: 1}\nm:\n  <<: *b\n  k: 2\n")["m"] == {"k": 2}
+    with pytest.raises(yaml_strict.DuplicateKey, match="key 'a' appears twice in one mapping \\(line 2, then line 3\\)"):
+        yaml_strict.load("x:\n- a: 1\n  a: 2\n")

@@ -290,3 +290,18 @@ def test_a_prefill_leaves_the_later_layers_uniform_as_training_does_and_two_prom
         {"format": "coe-edge/moe-token-predictor", "layers": list(pred.layers), "top_k": 2, "features": "freshest"})})
     with pytest.raises(CoEError, match="one of mu and sd"):
         TokenPredictor.load(tmp_path / "half")
+
+
+def test_a_predictor_holding_nan_weights_is_refused_naming_them(tmp_path):
+    from safetensors.numpy import load_file, save_file
+    from safetensors import safe_open
+
+    pred = TokenPredictor.train(synthetic(POP, tokens=100, top_k=2, locality=0.5, seed=0))
+    path = pred.save(tmp_path / "p.pred")
+    with safe_open(str(path), framework="numpy") as f:
+        meta = f.metadata()
+    arrays = load_file(str(path))
+    arrays["W"] = np.full_like(arrays["W"], np.nan)
+    save_file(arrays, str(tmp_path / "nan.pred"), metadata=meta)
+    with pytest.raises(CoEError, match=r"nan\.pred: W holds NaN or infinite values"):
+        TokenPredictor.load(tmp_path / "nan.pred")

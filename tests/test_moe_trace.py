@@ -208,8 +208,11 @@ def test_missing_array(tmp_path, drop):
     (_meta(layers=["0", "1"]), "'layers' must be a non-empty list"),
     (_meta(layers=[0, 1, 2]), r"probs is \[5, 2, 4\], expected \[5, 3, experts\]"),
     (_meta(top_k=3), r"chosen is \[5, 2, 2\], expected \[tokens, 2, 3\]"),
+    (_meta(top_k=None), r"'top_k' must be a whole number >= 1, got None"),      # was a TypeError traceback
+    (_meta(top_k="abc"), r"'top_k' must be a whole number >= 1, got 'abc'"),
+    (_meta(top_k=0), r"'top_k' must be a whole number >= 1, got 0"),
 ], ids=["none", "not-json", "no-coe-key", "format", "not-object", "version", "no-layers", "str-layers",
-        "layers-vs-probs", "top-k-vs-chosen"])
+        "layers-vs-probs", "top-k-vs-chosen", "top-k-null", "top-k-str", "top-k-zero"])
 def test_wrong_metadata(tmp_path, meta, match):
     with pytest.raises(CoEError, match=match):
         Trace.load(_write(tmp_path / "t.safetensors", _arrays(_small()), meta))
@@ -578,3 +581,14 @@ def test_the_oracle_rows_are_compared_with_the_mean_of_the_two_runs_of_what_they
     assert got == {lb.ORACLE_LRU: 18.0 / 12.0, lb.ORACLE_BEST: 25.0 / 25.0, lb.ORACLE_TOP: 30.0 / 25.0}
     assert [c["row"] for c in lb.latency_cuts(rows)] == ["eviction by next token + popularity",
                                                          "next token + popularity, alpha 0.5"]   # not the rerun
+
+
+def test_gate_scores_that_are_not_numbers_are_refused_and_a_0d_array_is_named(tmp_path):
+    arrays = _arrays(_small())
+    arrays["probs"] = np.full_like(arrays["probs"], np.nan)
+    with pytest.raises(CoEError, match=r"probs holds \d+ NaN or infinite gate score"):
+        Trace.load(_write(tmp_path / "nan.safetensors", arrays, _meta()))
+    arrays = _arrays(_small())
+    arrays["chosen"] = np.array(3, dtype=arrays["chosen"].dtype)
+    with pytest.raises(CoEError, match=r"chosen and probs must be arrays of tokens"):
+        Trace.load(_write(tmp_path / "0d.safetensors", arrays, _meta()))
