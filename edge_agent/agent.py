@@ -674,6 +674,11 @@ class Agent:
         if stalled is not None and stalled >= WRITER_STALL_S:
             reasons.append(f"result database {self.cfg.db_path}: writes failing for {stalled:.0f} s "
                            f"({writer.last_failure}); verdicts wait and their frames stay journaled")
+        ingest = getattr(self, "ingest", None)
+        journal_stall = ingest.stalled() if ingest is not None else 0.0
+        if journal_stall > 0 and journal_stall >= WRITER_STALL_S:
+            reasons.append(f"results database {self.cfg.db_path}: journal writes failing for {journal_stall:.0f} s "
+                           f"({ingest.stall_reason()}); no frame is accepted (clients are not acked and resend)")
         if writer is not None and writer.failures:
             warnings.append(f"result writes failed {writer.failures} time(s) and were retried")
         if writer is not None and writer.set_aside:
@@ -926,7 +931,6 @@ class Agent:
         self.metrics.batch_size.observe(len(b))
         self.status.batch(result.executor, len(b))
         if result.error is not None:
-            self.status.error(result.error_kind or "executor", len(b.requests))
             for req in b.requests:
                 self._fail(req.frame, result.error_kind, result.error, expert=b.expert_id)
             return
@@ -945,7 +949,9 @@ class Agent:
                                                     f"{type(exc).__name__}: {exc}", expert=b.expert_id)
 
     def _fail(self, frame: Frame, kind: str, message: str, *, expert: str | None = None) -> None:
-        """The frame's error verdict, and an `errors` row saying why."""
+        """The frame's error verdict, an `errors` row saying why, and its count on the status page (every kind:
+        a batch's failure, a frame's output that could not be decided, one the scheduler could not take)."""
+        self.status.error(kind or "executor")
         self.writer.put_error({"frame_id": frame.frame_id, "kind": kind, "message": message, "at": time.time()})
         self._finish(self._flight(frame), "error", message, expert=expert)
 

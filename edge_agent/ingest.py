@@ -142,6 +142,9 @@ def _sniff_frame_id(raw: bytes) -> str:
         return ""
 
 
+SLOW_WRITE_S = 1.0   # a journal write still waiting after this long counts as stalled (normal ones take ms)
+
+
 class Ingest:
     """Owns the ROUTER socket from `start()` on; everything else talks to it through callbacks."""
 
@@ -151,6 +154,9 @@ class Ingest:
         self.max_payload, self.metrics = max_payload, metrics
         self._on_accepted, self._free_slots = on_accepted, free_slots
         self._stop = threading.Event()
+        self.failing_since: float | None = None   # monotonic start of the current run of failed journal writes
+        self._writing_since: float | None = None  # a journal write under way since (`stalled`)
+        self.last_failure = ""
         self._thread = threading.Thread(target=self._loop, name="ingest", daemon=True)
         self.error: BaseException | None = None
 
@@ -289,8 +295,33 @@ class Ingest:
     def _retrying(self, call, row_tries: int, message: str):
         def failed(attempt: int, exc: BaseException) -> str:
             log.error(message, attempt, exc)
-            return f"{type(exc).__name__}: {exc}"
-        return retry_write(call, row_tries=row_tries, stopping=self._stop.is_set, failed=failed)
+            why = f"{type(exc).__name__}: {exc}"
+            if self.failing_since is None:
+                self.failing_since = time.monotonic()
+            self.last_failure = why[:300]
+            return why
+        self._writing_since = time.monotonic()
+        try:
+            got = retry_write(call, row_tries=row_tries, stopping=self._stop.is_set, failed=failed)
+        finally:
+            self._writing_since = None
+        self.failing_since = None
+        return got
+
+    def stalled(self) -> float:
+        """Seconds the journal has not taken a read's frames: failed writes without one succeeding, or one write
+        still waiting (a lock another process holds keeps a write waiting out SQLite's busy timeout before it
+        even fails).  0.0 while writes go in.  No frame is acked meanwhile, and with nothing accepted the
+        result writer has nothing to fail on, so the agent's health asks here too."""
+        now = time.monotonic()
+        if self.failing_since is not None:
+            return now - self.failing_since
+        writing = self._writing_since
+        waited = 0.0 if writing is None else now - writing
+        return waited if waited >= SLOW_WRITE_S else 0.0
+
+    def stall_reason(self) -> str:
+        return self.last_failure or "a write is still waiting for the database (locked by another process?)"
 
     def _journal_apart(self, entries, errors) -> list[bool | str | None]:
         """A read the journal keeps refusing on its rows: each frame alone, each errors row alone.

@@ -20,6 +20,7 @@ class Faults:
     oom_above: dict[str, int] = field(default_factory=dict)  # expert id -> largest batch that fits
     delay: float = 0.0                                        # seconds added to every run (overload)
     block: threading.Event | None = None                      # while clear, every run hangs (a stuck driver)
+    garble_for: set[str] = field(default_factory=set)          # expert ids whose run returns outputs no one can read
     calls: list[tuple[str, int]] = field(default_factory=list)
 
 
@@ -39,6 +40,8 @@ class _Faulty:
             self.faults.block.wait()
         if expert.id in self.faults.raise_for:
             raise ValueError(f"injected fault in {expert.id}")
+        if expert.id in self.faults.garble_for:
+            return [f"garbled output {i} (injected)" for i in range(len(images))]   # one per frame, each unusable
         limit = self.faults.oom_above.get(expert.id)
         if limit is not None and len(images) > limit:
             raise RuntimeError(f"CUDA out of memory (injected: batch {len(images)} > {limit})")

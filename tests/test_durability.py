@@ -272,3 +272,21 @@ def test_fuzz_structured_messages_only_ever_reject(header, payload):
         check_frame([json.dumps(header).encode(), payload], line="T", router=router, max_payload=4096)
     except P.Reject as rej:
         assert rej.reason in P.REASONS
+
+
+def test_frames_whose_output_cannot_be_used_are_counted_on_the_status_page_by_kind(tmp_path, tiny_zoo,
+                                                                                    tiny_recording):
+    """Per-frame error kinds ('output': an output no one can read) reach the page's errors-by-kind, not only a
+    batch's failure (before, the panel said 'none' beside a table of error verdicts)."""
+    agent, rows, n, cfg = run_with_faults(tmp_path, tiny_zoo, tiny_recording,
+                                          Faults(garble_for={"cls-r0402"}, raise_for={"cls-r0603"}))
+    assert len(rows) == n
+    errors = [r for r in rows if r[1] == "error"]
+    garbled = [r for r in errors if "handling cls-r0402's output failed" in r[2]]
+    raised = [r for r in errors if "injected fault in cls-r0603" in r[2]]
+    assert garbled and raised and len(garbled) + len(raised) == len(errors)
+    counts = agent.status.snapshot()["errors"]
+    assert counts.get("output") == len(garbled) and counts.get("expert_run", 0) + counts.get("executor", 0) \
+        == len(raised), counts
+    kinds = dict(db_one(cfg.db_path, "SELECT kind, count(*) FROM errors GROUP BY kind"))
+    assert kinds.get("output") == len(garbled)

@@ -237,3 +237,41 @@ def test_a_database_fault_while_rows_are_written_apart_is_waited_out_on_that_row
                                                                                  "big": "defect"}
     assert db_rows(line.db, "SELECT frame_id FROM thumbnails") == [("big",)]
     assert db_rows(line.db, "SELECT count(*) FROM errors") == [(1,)]             # the unstorable_verdict note, once
+
+
+def test_the_agent_is_not_ready_while_ingest_cannot_journal_a_frame(tiny_line, tiny_recording, monkeypatch):
+    """Another process holds the results database locked: no frame can be journaled, so none is acked (the
+    clients resend) and the result writer, with nothing to write, never fails.  The health must say so."""
+    import threading
+
+    from edge_agent import agent as agent_mod
+    from edge_agent.agent import Agent
+    from edge_agent.config import load_config
+    from edge_agent.replay import send_messages
+    from storage.recording import Recording
+
+    from conftest import frame_messages
+
+    monkeypatch.setattr(agent_mod, "WRITER_STALL_S", 0.5)   # a normal journal write takes milliseconds
+    agent = Agent(load_config(tiny_line, env={})).start()
+    locker = sqlite3.connect(agent.cfg.db_path, timeout=30, isolation_level=None)
+    try:
+        locker.execute("BEGIN EXCLUSIVE")
+        rec = Recording(tiny_recording)
+        done = {}
+        sender = threading.Thread(target=lambda: done.setdefault("r", send_messages(
+            frame_messages(rec, list(rec)[:10]), agent.endpoints["ingest"], window=10, ack_timeout=1.0,
+            deadline=120)), daemon=True)
+        sender.start()
+        until(lambda: agent.ingest.stalled() > 1.0, 30, "a journal write to wait for the lock")
+        h = agent.health()
+        assert not h.ready
+        (reason,) = [r for r in h.reasons if "journal writes failing" in r]
+        assert str(agent.cfg.db_path) in reason and "locked" in reason and "no frame is accepted" in reason
+        locker.execute("ROLLBACK")
+        sender.join(120)
+        assert done["r"].accepted == 10
+        until(lambda: agent.health().ready, 30, "the agent to be ready once the journal takes frames again")
+    finally:
+        locker.close()
+        agent.stop()
