@@ -56,6 +56,9 @@ log = logging.getLogger(__name__)
 # result writes failing this long make the agent not ready: a brief lock is retried quietly, an unwritable
 # database (full disk, read-only mount, corrupt file) is named in the health an orchestrator or operator reads
 WRITER_STALL_S = 10.0
+# a promotion holds the line's new frames while it is carried to the nodes: a node whose sync takes longer leaves
+# service and syncs when it rejoins, with the frames flowing
+PROMOTE_SYNC_S = 60.0
 
 
 def ingest_hard_cap(max_payload: int) -> int:
@@ -162,6 +165,7 @@ class Agent:
         self.metrics_port: int | None = None
         self._started = False
         self._closing = False
+        self._synced: dict[str, str | None] = {}   # node -> the store manifest digest last synced there
         self.phase = "created"       # created -> starting -> serving -> stopping -> stopped (for /api/health)
 
         self.profile = Profile.load(cfg.scheduler.profile) if Path(cfg.scheduler.profile).is_file() else None
@@ -316,20 +320,39 @@ class Agent:
                               on_event=lambda e, n=slot.name: self._on_pool_event(e, n),
                               call_timeout=c.call_timeout_s, rejoin_s=c.rejoin_s, connect_timeout=c.connect_timeout_s,
                               channel=c.channel, sync=lambda node=slot.ex.node: self._sync_node(node),
-                              versions=self._store_versions)
+                              versions=self._store_versions, size_of=self._line_store_base().nbytes)
 
     def _store_versions(self) -> dict[str, int]:
         """The version of each expert in the line's store on disk now: what `experts sync` copies to a node, so
         what a node's actor must read (`RemoteExecutor._version_skew`)."""
+        return {k: e.version for k, e in self._line_store_base().read_manifest().items()}
+
+    def _line_store_base(self):
+        """The line's own expert store, under an LLM store union or ONNX twins."""
         base = self.store
-        while hasattr(base, "primary"):     # an LLM store union, ONNX twins: the line's own store is underneath
+        while hasattr(base, "primary"):
             base = base.primary
-        return {k: e.version for k, e in base.read_manifest().items()}
+        return base
 
     def _sync_node(self, node: str) -> None:
+        """Before a lost executor's node rejoins: copy the line's store there, unless this agent already synced
+        that node with the manifest the store has now (a rejoin that keeps failing would otherwise hash every
+        expert file on both boxes each time; the version check after the actor starts catches what differs)."""
         from .cluster import sync_store
 
+        digest = self._manifest_digest()
+        if digest is not None and self._synced.get(node) == digest:
+            return
         sync_store(self.cfg, [node])
+        self._synced[node] = digest
+
+    def _manifest_digest(self) -> str | None:
+        import hashlib
+
+        try:
+            return hashlib.sha256((Path(self.cfg.store_path) / "manifest.json").read_bytes()).hexdigest()
+        except OSError:
+            return None
 
     def _usage_probabilities(self) -> dict[str, float]:
         """From `coe-agent probabilities` ({data_dir}/probabilities.json) when present, else from the spec."""
@@ -612,7 +635,9 @@ class Agent:
         for node in nodes:        # each node on its own: one that fails must not keep the others on old weights
             here = [e for e in remote if e.node == node]
             try:
-                sync_store(self.cfg, [node])
+                digest = self._manifest_digest()
+                sync_store(self.cfg, [node], within=PROMOTE_SYNC_S)
+                self._synced[node] = digest
             except Exception as exc:  # noqa: BLE001 - its executors leave service until a rejoin syncs them
                 why = f"the promotion's sync failed: {exc}"
                 log.error("node %s: %s; its executors rejoin (and sync) before they serve again", node, exc)

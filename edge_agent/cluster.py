@@ -387,7 +387,7 @@ class _Changed(Exception):
 
 
 def sync_store(cfg: "LineConfig", nodes: list[str] | None = None, *, progress=lambda m: None,
-               attempts: int = 3) -> dict[str, dict]:
+               attempts: int = 3, within: float | None = None) -> dict[str, dict]:
     """Copy the front box's expert store to each node's own store (`cluster.stores`), file by file.
 
     Only files whose bytes differ are sent (sha256 on both sides).  What is
@@ -395,7 +395,10 @@ def sync_store(cfg: "LineConfig", nodes: list[str] | None = None, *, progress=la
     bytes changed by the time it is sent starts the sync again), and the
     node takes it in one step, the manifest last (`_StoreWriter.commit`), so a
     node's store is never ahead of its files and never a mix of two versions.
-    Returns per node: files sent, bytes sent, files already there.
+    Returns per node: files sent, bytes sent, files already there.  `within`:
+    seconds the whole sync may take (a promotion holds the line's new frames
+    while it is carried; a node that hangs must not hold them for 600 s a
+    file): past it, a CoEError naming the node, and what was staged is dropped.
     """
     import ray
 
@@ -408,13 +411,22 @@ def sync_store(cfg: "LineConfig", nodes: list[str] | None = None, *, progress=la
     connect(cfg.cluster, nodes)
     src = Path(cfg.store_path)
     out = {}
+    deadline = None if within is None else time.monotonic() + within
+
+    def left(cap: float, node: str) -> float:
+        if deadline is None:
+            return cap
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise CoEError(f"experts sync: node {node}: not done within {within:g} s")
+        return min(cap, remaining)
     for node in nodes:
         dest = cfg.cluster.stores.get(node, str(src))
         for attempt in range(attempts):
             manifest, files = _snapshot(src, cfg.line)
             w = ray.remote(_StoreWriter).options(resources={node_resource(node): 0.001}, num_cpus=0).remote(dest)
             try:
-                have = ray.get(w.digests.remote(), timeout=cfg.cluster.connect_timeout_s)
+                have = ray.get(w.digests.remote(), timeout=left(cfg.cluster.connect_timeout_s, node))
                 sent = nbytes = 0
                 for name, sha in files.items():
                     if have.get(name) == sha:
@@ -422,9 +434,9 @@ def sync_store(cfg: "LineConfig", nodes: list[str] | None = None, *, progress=la
                     data = manifest if name == "manifest.json" else (src / name).read_bytes()
                     if hashlib.sha256(data).hexdigest() != sha:
                         raise _Changed(name)
-                    nbytes += ray.get(w.put.remote(name, data, sha), timeout=600)
+                    nbytes += ray.get(w.put.remote(name, data, sha), timeout=left(600, node))
                     sent += 1
-                ray.get(w.commit.remote(), timeout=600)
+                ray.get(w.commit.remote(), timeout=left(600, node))
                 out[node] = {"store": dest, "sent": sent, "bytes": nbytes, "unchanged": len(files) - sent}
                 progress(f"{node}: {sent} file(s) sent ({nbytes / 1e6:.1f} MB), {len(files) - sent} already there, "
                          f"store {dest}")

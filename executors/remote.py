@@ -357,6 +357,7 @@ class _SizeSource:
         return self.model.experts[expert_id].nbytes
 
 
+WARM_MIN_BPS = 20e6   # the slowest expert read a node's warm-up is allowed (bytes/s): an SD card, a busy USB disk
 SETTLE_S = 3.0     # how long a sync waits for copies still loading (the front declares a silent node lost at 10 s)
 
 
@@ -581,13 +582,15 @@ class RemoteExecutor:
                  on_result: Callable[[BatchResult], None], *, on_event: Callable[[PoolEvent], None] | None = None,
                  call_timeout: float = 60.0, rejoin_s: float = 2.0, connect_timeout: float = 30.0,
                  channel: str = "zmq", sync: Callable[[], None] | None = None,
-                 versions: Callable[[], dict[str, int]] | None = None) -> None:
+                 versions: Callable[[], dict[str, int]] | None = None,
+                 size_of: Callable[[str], int] | None = None) -> None:
         if channel not in CHANNELS:
             raise CoEError(f"executor {spec.name}: channel must be one of {', '.join(CHANNELS)}, got {channel!r}")
         self.spec, self.model, self.pool, self.scheduler = spec, model, pool, scheduler
         self.channel = channel
         self._sync = sync                  # copies the front's store to the node's (before a rejoin)
         self._versions = versions          # the front store's version of each expert (None: not checked)
+        self._size_of = size_of            # an expert's bytes, for the warm-up's time limit (None: the spec's)
         self._client = None                # the batch channel to the actor (`remote_channel`), when zmq
         self._probe = None                 # a liveness ping through Ray while a batch is out on the channel
         self.name, self.device, self.node = spec.name, spec.device, spec.node
@@ -621,6 +624,13 @@ class RemoteExecutor:
                            f"box's ({self._skew_text(differ)}): run `coe-agent experts sync` for the line, then "
                            "start again")
         self._thread.start()
+
+    def _warm_timeout(self, warm: list[str]) -> float:
+        """Seconds a new actor may take to warm `warm`: the call limits, or the planned bytes read at
+        WARM_MIN_BPS (a big pool on slow storage, a Jetson's card, must not fail every start and rejoin)."""
+        size = self._size_of or self.pool.source.size
+        planned = sum(size(e) for e in warm if e in self.model.experts)
+        return max(self.connect_timeout, self.call_timeout, planned / WARM_MIN_BPS)
 
     def _version_skew(self) -> dict[str, tuple]:
         """{expert: (node's version, this box's)} where the node's actor reads another version than the front's
@@ -661,7 +671,7 @@ class RemoteExecutor:
         actor = cls.options(**actor_options(self.node, self.device)).remote(self.spec, self.model)
         try:
             self.where = ray.get(actor.where.remote(), timeout=self.connect_timeout)
-            report = ray.get(actor.warm.remote(warm), timeout=max(self.connect_timeout, self.call_timeout))
+            report = ray.get(actor.warm.remote(warm), timeout=self._warm_timeout(warm))
             endpoint = ray.get(actor.open_channel.remote(), timeout=self.connect_timeout) \
                 if self.channel == "zmq" else None
         except Exception as exc:  # noqa: BLE001 - any failure to come up is this node's, named

@@ -374,6 +374,16 @@ def test_a_node_not_in_the_cluster_and_an_unreachable_address_are_named(cluster,
         Agent(load_config(path, env={})).start()
 
 
+def test_a_sync_given_a_time_limit_stops_past_it_naming_the_node(cluster, tiny_zoo, tmp_path):
+    """A promotion's sync holds the line's new frames: it is bounded, and a node past the bound is named."""
+    from edge_agent.cluster import sync_store
+
+    cfg = load_config(_line(tmp_path, tiny_zoo, cluster, [LOCAL, _remote("box-2")]), env={})
+    with pytest.raises(CoEError, match=r"experts sync: node box-2: not done within 1e-06 s"):
+        sync_store(cfg, ["box-2"], within=1e-6)
+    assert sync_store(cfg, ["box-2"], within=600)["box-2"]["sent"] > 0
+
+
 def test_a_node_whose_store_serves_other_versions_is_refused_at_start_naming_them(cluster, tiny_zoo, tmp_path):
     """A promotion made on the front box while the agent was down and never synced: the node would serve the
     old weights beside the front's new ones, silently.  The start names the experts and the fix."""

@@ -168,12 +168,14 @@ def test_a_node_the_promotion_did_not_reach_leaves_service_and_the_others_still_
     made["box-2"].reload_store = lambda changed, timeout=60.0: reloaded.append(("box-2", changed))
     synced = []
 
-    def sync(cfg, nodes):
+    def sync(cfg, nodes, within=None):
+        assert within is not None           # a promotion's sync is bounded: it holds the line's new frames
         if nodes == ["box-2"]:
             raise CoEError("experts sync: node box-2 (store /x): disk full")
         synced.append(nodes)
     monkeypatch.setattr(cluster, "sync_store", sync)
-    Agent._promote_remote(SimpleNamespace(executors=list(made.values()), cfg=None), {"cls-a": 2})
+    Agent._promote_remote(SimpleNamespace(executors=list(made.values()), cfg=None, _synced={},
+                                          _manifest_digest=lambda: "m2"), {"cls-a": 2})
     assert synced == [["box-3"]] and reloaded == [["cls-a"]]          # box-3 followed; box-2 was not reloaded
     assert made["box-3"]._stale is None and "disk full" in made["box-2"]._stale
 
@@ -225,3 +227,40 @@ def test_a_node_that_answers_a_batch_with_its_own_failure_is_not_taken_for_lost(
     [res] = results
     assert res.error_kind == "expert_run" and "node box-2" in res.error and "cannot unpickle the frame" in res.error
     assert ex.up and ex.lost == 0 and s.active() == ["box-2/cpu"] and ex.inflight is None
+
+
+def test_a_nodes_warm_up_may_take_as_long_as_its_planned_bytes_need_at_the_slowest_read():
+    from coe import parse_spec
+    from conftest import TINY_SPEC
+    from executors.remote import WARM_MIN_BPS, RemotePool
+
+    model = parse_spec(TINY_SPEC)
+    spec = RemoteSpec(name="b/cpu", node="b", device="cpu", memory=1 << 30, expert_memory=1 << 30, store="/x")
+    sizes = {e: 300 * 10**6 for e in model.experts}             # what the front store's manifest says
+    ex = RemoteExecutor(spec, model=model, pool=RemotePool("b/cpu", "cpu", 1 << 30, model, "b"),
+                        scheduler=Scheduler(["b/cpu"], "coserve-paper", costs=FixedCosts()), on_result=print,
+                        call_timeout=60.0, connect_timeout=30.0, size_of=sizes.__getitem__)
+    assert ex._warm_timeout([]) == 60.0                          # nothing planned: the call limits
+    planned = list(model.experts)[:6]
+    assert ex._warm_timeout(planned) == 6 * 300e6 / WARM_MIN_BPS > 60.0   # 1.8 GB at the slowest read: 90 s
+
+
+def test_a_rejoin_syncs_a_node_only_when_the_store_changed_since_its_last_sync(tmp_path, monkeypatch):
+    """A node that keeps failing to rejoin must not have the whole store hashed on both boxes every time."""
+    from types import SimpleNamespace
+
+    from edge_agent import cluster
+    from edge_agent.agent import Agent
+
+    (tmp_path / "manifest.json").write_text('{"v": 1}')
+    calls = []
+    monkeypatch.setattr(cluster, "sync_store", lambda cfg, nodes, **kw: calls.append(list(nodes)))
+    agent = SimpleNamespace(cfg=SimpleNamespace(store_path=str(tmp_path)), _synced={})
+    agent._manifest_digest = lambda: Agent._manifest_digest(agent)
+    for _ in range(3):
+        Agent._sync_node(agent, "box-2")
+    assert calls == [["box-2"]]                       # once; the two rejoins after it found nothing new
+    (tmp_path / "manifest.json").write_text('{"v": 2}')    # a promotion
+    Agent._sync_node(agent, "box-2")
+    Agent._sync_node(agent, "box-3")
+    assert calls == [["box-2"], ["box-2"], ["box-3"]]
