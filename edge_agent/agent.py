@@ -262,6 +262,7 @@ class Agent:
                                         note=scheduler_note(self.scheduler, self.costs, local))
         self.metrics.registry.register(_SchedulerCollector(cfg.line, self.scheduler, self.read_ahead))
         self.metrics.watch_pools(self._all_pools)
+        self.metrics.watch_flow(inflight=self._inflight_count, queue_depth=self.scheduler.depth)   # read at scrape
         self.status = StatusModel(StatusSources(
             line=cfg.line, registry=self.metrics.registry, pools=self._all_pools, queue_depths=self._queue_depths,
             executors={s.name: s.ex.device for s in self.slots}, health=self.health,
@@ -885,11 +886,13 @@ class Agent:
         return 0 if self.stop() else 1
 
     # -- flow ---------------------------------------------------------------------------
+    def _inflight_count(self) -> int:
+        with self._lock:
+            return len(self._inflight)
+
     def _free_slots(self) -> int:
         with self._lock:
             n = len(self._inflight)
-        self.metrics.inflight.set(n)
-        self.metrics.queue_depth.set(self.scheduler.depth())
         return max(0, self.cfg.max_inflight - n)
 
     def _submit_accepted(self, accepted: list[Accepted]) -> None:

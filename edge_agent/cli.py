@@ -512,7 +512,7 @@ def _judge_replay(rec, cfg, db: Path, baseline_db: str | None, report_dir: str, 
     click.echo(f"judged {j.judged} of {j.frames} frames: accuracy {100 * j.accuracy:.2f}%, missing {j.missing}, "
                f"errors {j.errors}" + (f"; vs baseline fixed {len(j.fixed)}, broken {len(j.broken)}, "
                                         f"changed {len(j.changed)}" if baseline_db else "") + f"; report {md}")
-    click.echo(json.dumps({"replay_report": str(md), "accuracy": round(j.accuracy, 5), **{
+    click.echo(json.dumps({"replay_report": str(md), "accuracy": round(j.accuracy, 5) if j.judged else None, **{
         k: (None if v != v else v) for k, v in j.metrics().items() if k != "accuracy"}}))   # NaN: not measured
     failed = failed_conditions(j, conditions) if conditions else []
     if failed:
@@ -630,7 +630,10 @@ def keys() -> None:
 @keys.command("generate")
 @click.argument("name")
 @click.option("--out", "-o", default="keys", show_default=True, type=click.Path(file_okay=False))
-def keys_generate(name: str, out: str) -> None:
+@click.option("--force", is_flag=True,
+              help="Replace an existing keypair (clients that trust the old public key are then refused).")
+@_fail_clearly
+def keys_generate(name: str, out: str, force: bool) -> None:
     """Make NAME.key (public: give to the other side) and NAME.key_secret (keep; owner-only).
 
     \b
@@ -640,7 +643,7 @@ def keys_generate(name: str, out: str) -> None:
     """
     from .security import generate
 
-    public, secret = generate(out, name)
+    public, secret = generate(out, name, force=force)
     click.echo(f"public: {public}\nsecret: {secret}")
 
 

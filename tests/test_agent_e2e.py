@@ -100,8 +100,11 @@ def test_every_frame_gets_exactly_one_verdict(agent, tiny_recording):
     loaded = db_rows(agent, "SELECT sum(nbytes) FROM expert_events WHERE event='load'")[0][0]
     assert events.get("load", 0) >= used >= 3 and events.get("evict", 0) > 0
     assert loaded > 20_000_000  # more bytes went through the pool than its budget holds
-    # the metrics endpoint tells the same story
+    # the metrics endpoint tells the same story, read when scraped (the in-flight gauge was only set when ingest
+    # next received a message: it showed frames long finished)
+    assert _until(lambda: agent._inflight_count() == 0), "frames still in flight"
     text = urllib.request.urlopen(f"http://127.0.0.1:{agent.metrics_port}/metrics", timeout=5).read().decode()
+    assert f'coe_frames_inflight{{line="T"}} 0.0' in text and f'coe_queue_depth{{line="T"}} 0.0' in text
     assert f'coe_frames_received_total{{line="T"}} {float(len(rec))}' in text
     assert "coe_expert_evictions_total" in text and "coe_queue_depth" in text
     assert f'coe_scheduler_aged_total{{line="T"}} {float(agent.scheduler.aged)}' in text

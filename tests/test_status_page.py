@@ -138,3 +138,41 @@ def test_the_page_follows_a_replay_live(browser, tiny_line, tiny_recording, tmp_
         assert problems == []
     finally:
         agent.stop()
+
+
+def test_the_page_polls_when_every_event_stream_slot_is_taken(browser, tmp_path):
+    """A 503 from /api/stream ends an EventSource for good (it fires one error): the page must poll instead."""
+    import socket
+
+    from edge_agent.metrics import Metrics
+    from edge_agent.status_model import Health, StatusModel, StatusSources
+    from edge_agent.status_server import MAX_STREAMS, StatusServer
+    from storage.results import ResultStore
+
+    ResultStore(tmp_path / "r.db").close()
+    metrics = Metrics("L")
+    model = StatusModel(StatusSources(line="L", registry=metrics.registry, pools=dict, queue_depths=dict,
+                                      executors={}, health=lambda: Health(True))).start(interval=0.2)
+    server = StatusServer("127.0.0.1", 0, registry=metrics.registry, model=model, db_path=tmp_path / "r.db",
+                          health=lambda: Health(True)).start()
+    held = []
+    try:
+        for _ in range(MAX_STREAMS):                 # other viewers hold every stream slot
+            c = socket.create_connection(("127.0.0.1", server.port), timeout=10)
+            c.sendall(b"GET /api/stream HTTP/1.1\r\nHost: localhost\r\n\r\n")
+            assert c.recv(64).startswith(b"HTTP/1.1 200")
+            held.append(c)
+        page = browser.new_page()
+        stream_answers: list[int] = []
+        page.on("response", lambda r: stream_answers.append(r.status) if "/api/stream" in r.url else None)
+        page.goto(f"http://127.0.0.1:{server.port}/")
+        until(page, lambda: page.inner_text("#health") == "READY", "the status (from /api/status)")
+        assert stream_answers and set(stream_answers) == {503}
+        metrics.frames_received.inc(5)               # the page keeps following the line: live, by polling
+        until(page, lambda: number(page, "#c-received") == 5, "the received count rising")
+        assert page.inner_text("#conn-text") == "live"
+        page.close()
+    finally:
+        for c in held:
+            c.close()
+        server.close()

@@ -209,7 +209,7 @@ def test_forty_simultaneous_connects_all_wait_in_the_listen_queue(tmp_path):
     finally:
         for c in clients:
             c.close()
-        server.close()
+        server.start().close()
 
 
 # -- 7: every tick gets its own document -----------------------------------------------------------------------
