@@ -94,7 +94,7 @@ class Judgement:
     def to_json(self) -> dict:
         out = asdict(self)
         del out["latencies_ms"]                  # in latency.png; hundreds of numbers do not belong in one line
-        out["accuracy"] = round(self.accuracy, 5)
+        out["accuracy"] = round(self.accuracy, 5) if self.judged else None     # not measured, not 0
         out["with_verdict"] = self.with_verdict
         out["baseline_coverage"] = self.coverage() if self.baseline is not None else None
         for k in ("fixed", "broken", "changed"):
@@ -133,6 +133,37 @@ def _verdicts(db: Path) -> dict[str, tuple[str, float | None]]:
     return {f: (v, lat) for f, v, lat in rows}
 
 
+def _images(db: Path) -> dict[str, str]:
+    """frame_id -> sha256 of the image the run accepted (empty for a database from before it was kept)."""
+    con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
+    try:
+        if "payload_sha256" not in {r[1] for r in con.execute("PRAGMA table_info(frames)")}:
+            return {}
+        return {f: h for f, h in con.execute("SELECT frame_id, payload_sha256 FROM frames") if h}
+    except sqlite3.Error as exc:
+        raise CoEError(f"{db}: not a coe-edge results database ({exc})") from None
+    finally:
+        con.close()
+
+
+def _same_recording(recording: Recording, baseline_db: Path) -> None:
+    """Refuse a baseline that ran another recording under the same frame ids (synthetic recordings of other
+    seeds share them): compared frame by frame, its regressions and fixes would be about other images."""
+    import hashlib
+
+    images = _images(baseline_db)
+    if not images:
+        return                            # no image hashes kept: the coverage rule is all that can be checked
+    differ = []
+    for frame in recording:
+        fid = frame.header["frame_id"]
+        if fid in images and hashlib.sha256(recording.payload(frame)).hexdigest() != images[fid]:
+            differ.append(fid)
+    if differ:
+        raise CoEError(f"--baseline {baseline_db} is a run of another recording: {len(differ)} frame(s) under the "
+                       f"same ids had other images (e.g. {', '.join(differ[:3])}); compare runs of one recording")
+
+
 def versions_that_ran(db: str | Path, frames: set[str] | None = None) -> dict[str, dict[str, int]]:
     """expert -> {store version: inferences} from the run's own rows (what really produced the verdicts)."""
     con = sqlite3.connect(f"file:{db}?mode=ro", uri=True)
@@ -156,6 +187,8 @@ def _change(before: str, now: str, want: str | None) -> str | None:
     """How a frame's verdict moved against the baseline: fixed, broken, changed, or None when it held."""
     if before == now:
         return None
+    if now == "error":                   # a verdict the line had, now none: worse whatever the truth
+        return "broken"
     if want is not None and now == want:
         return "fixed"
     if want is not None and before == want:
@@ -175,6 +208,8 @@ def judge(model: CoEModel, recording: Recording, results_db: str | Path, *, base
     if expert_versions is None:
         expert_versions = versions_that_ran(results_db, {f.header["frame_id"] for f in recording})
     base = _verdicts(Path(baseline_db)) if baseline_db is not None else None
+    if base is not None:
+        _same_recording(recording, Path(baseline_db))
     by_comp: dict = defaultdict(lambda: defaultdict(Counter))
     by_label: dict = defaultdict(Counter)
     judged = correct = missing = errors = compared = 0
@@ -202,7 +237,7 @@ def judge(model: CoEModel, recording: Recording, results_db: str | Path, *, base
             change = _change(base[fid][0], verdict, want)
             if change is not None:
                 {"fixed": fixed, "broken": broken, "changed": changed}[change].append(fid)
-    p = (lambda q: round(float(np.percentile(lat, q)), 2)) if lat else (lambda q: None)
+    p = (lambda q: float(np.percentile(lat, q))) if lat else (lambda q: None)   # rounded only where shown
     return Judgement(frames=len(recording), judged=judged, correct=correct, missing=missing, errors=errors,
                      p50_ms=p(50), p99_ms=p(99),
                      confusion_by_component={c: {t: dict(v) for t, v in d.items()} for c, d in sorted(by_comp.items())},
@@ -224,7 +259,7 @@ class Condition:
                 ">": x > self.value, "<": x < self.value}[self.op]
 
     def __str__(self) -> str:
-        return f"{self.metric}{self.op}{self.value:g}"
+        return f"{self.metric}{self.op}{self.value!r}".removesuffix(".0")
 
 
 def parse_gate(text: str) -> list[Condition]:
@@ -243,8 +278,8 @@ def parse_gate(text: str) -> list[Condition]:
         except ValueError:
             raise CoEError(f"--gate: {value!r} in {clause!r} is not a number") from None
         if metric == "accuracy" and number > 1:
-            raise CoEError(f"--gate: accuracy is a fraction in 0..1, got {value} in {clause!r} "
-                           f"(write accuracy>={number / 100:g} for {value}%)")
+            hint = f" (write accuracy>={number / 100!r} for {value}%)" if number <= 100 else ""
+            raise CoEError(f"--gate: accuracy is a fraction in 0..1, got {value} in {clause!r}{hint}")
         out.append(Condition(metric, op, number))
     if not out:
         raise CoEError("--gate: no conditions given (e.g. --gate accuracy>=0.97,regressions<=0)")
@@ -262,6 +297,10 @@ def failed_conditions(j: Judgement, gate: list[Condition]) -> list[str]:
             else f"{c} (not measured: {j.not_measured(c.metric)})" for c in gate if not c.holds(metrics)]
 
 
+def _ms(x: float | None) -> str:
+    return "-" if x is None else f"{x:.2f}"
+
+
 def write_report(j: Judgement, out: str | Path, gate: list[Condition] | None = None) -> Path:
     """report.md, confusion.png, latency.png and report.json in `out`; returns the Markdown path."""
     out = Path(out)
@@ -269,8 +308,9 @@ def write_report(j: Judgement, out: str | Path, gate: list[Condition] | None = N
     failed = failed_conditions(j, gate) if gate else []
     lines = ["# Replay report", "",
              f"- frames recorded: {j.frames}; judged against truth: {j.judged}; without a verdict: {j.missing}",
-             f"- **accuracy: {100 * j.accuracy:.2f}%** ({j.correct} of {j.judged}); error verdicts: {j.errors}",
-             f"- latency p50 / p99: {j.p50_ms} / {j.p99_ms} ms"]
+             (f"- **accuracy: {100 * j.accuracy:.2f}%** ({j.correct} of {j.judged})" if j.judged else
+              "- **accuracy: not measured** (no frame has a truth the chain can say)") + f"; error verdicts: {j.errors}",
+             f"- latency p50 / p99: {_ms(j.p50_ms)} / {_ms(j.p99_ms)} ms"]
     if j.baseline:
         lines.append(f"- against baseline {j.baseline}: {j.coverage()}; fixed {len(j.fixed)}, "
                      f"broken {len(j.broken)}, changed {len(j.changed)}")

@@ -230,3 +230,64 @@ def test_the_gate_help_names_every_metric():
     text = " ".join(CliRunner().invoke(cli, ["replay", "--help"]).output.split())
     gate_help = text[text.index("--gate TEXT"):text.index("--candidate DIRECTORY")]
     assert [m for m in GATE_METRICS if m not in gate_help] == []
+
+
+def _with_images(db: Path, images: dict[str, str]) -> Path:
+    con = sqlite3.connect(db)
+    con.execute("CREATE TABLE frames (frame_id TEXT PRIMARY KEY, payload_sha256 TEXT)")
+    con.executemany("INSERT INTO frames VALUES (?, ?)", list(images.items()))
+    con.commit()
+    con.close()
+    return db
+
+
+def test_a_baseline_of_another_recording_under_the_same_frame_ids_is_refused(tmp_path, tiny_recording):
+    """Synthetic recordings of other seeds share frame ids: compared frame by frame, their 'regressions' are
+    about other images.  The baseline's own image hashes tell."""
+    import hashlib
+
+    from storage.synthetic import record_synthetic
+
+    rec = Recording(tiny_recording)
+    other = Recording(record_synthetic(MODEL, tmp_path / "other", 60, line="T", seed=4, size=48,
+                                       boards_components=20))
+    assert [f.header["frame_id"] for f in other] == [f.header["frame_id"] for f in rec]
+    verdicts = {f.header["frame_id"]: "pass" for f in rec}
+    now = _db(tmp_path / "now.db", verdicts)
+    foreign = _with_images(_db(tmp_path / "foreign.db", verdicts),
+                           {f.header["frame_id"]: hashlib.sha256(other.payload(f)).hexdigest() for f in other})
+    with pytest.raises(CoEError, match=r"foreign\.db is a run of another recording: \d+ frame\(s\) under the same ids"):
+        judge(MODEL, rec, now, baseline_db=foreign)
+    same = _with_images(_db(tmp_path / "same.db", verdicts),
+                        {f.header["frame_id"]: hashlib.sha256(rec.payload(f)).hexdigest() for f in rec})
+    assert judge(MODEL, rec, now, baseline_db=same).compared == len(rec)
+
+
+def test_a_verdict_turned_into_an_error_is_broken_and_nothing_is_rounded_before_the_gate(tmp_path, tiny_recording):
+    rec = Recording(tiny_recording)
+    ids = [f.header["frame_id"] for f in rec]
+    before = _db(tmp_path / "before.db", {f: "pass" for f in ids})
+    now = {f: "pass" for f in ids}
+    now[ids[0]] = "error"
+    con_path = _db(tmp_path / "now.db", now)
+    con = sqlite3.connect(con_path)
+    con.execute("UPDATE verdicts SET latency_ms = 50.004")
+    con.commit()
+    con.close()
+    j = judge(MODEL, rec, con_path, baseline_db=before)
+    assert ids[0] in j.broken                                    # was 'changed' where the frame had no truth
+    assert failed_conditions(j, parse_gate("regressions<=0,p99_ms<=50")) == [
+        f"regressions<=0 (got {len(j.broken)})", "p99_ms<=50 (got 50.004)"]     # 50.004 was shown, and gated, as 50.0
+
+
+def test_accuracy_is_not_measured_when_no_frame_has_a_truth(tmp_path, tiny_recording):
+    from storage.recording import Recording as R
+
+    rec = R(tiny_recording)
+    j = judge(parse_spec({**TINY_SPEC, "components": [{**c, "name": c["name"] + "-x"}
+                                                      for c in TINY_SPEC["components"]]}),
+              rec, _db(tmp_path / "now.db", {f.header["frame_id"]: "pass" for f in rec}))
+    assert j.judged == 0
+    md = write_report(j, tmp_path / "report")
+    assert json.loads((tmp_path / "report" / "report.json").read_text())["accuracy"] is None
+    assert "accuracy: not measured" in md.read_text()
