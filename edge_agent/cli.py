@@ -384,17 +384,18 @@ def replay(recording: str, line: str, config_path: str | None, endpoint: str | N
     if candidate_dir and report_dir is None:
         raise click.UsageError("--candidate needs --report (its verdicts go into the report's own database)")
     cfg = _config(line, config_path) if (endpoint is None or report_dir) else None
-    candidate = None
     if candidate_dir:
-        from .agent import Agent
-
+        remote = [i for i, ex in enumerate(cfg.executors) if ex.node]
+        if remote:   # their nodes read the line's own store: the report would judge the line's experts
+            raise click.UsageError(f"--candidate runs the candidate on this box, but executors.{remote[0]} runs on "
+                                   f"node '{cfg.executors[remote[0]].node}' from that node's store; replay with a "
+                                   "config of local executors")
         cfg = cfg.model_copy(update={
             "llm": None, "expert_store": str(candidate_dir), "results_db": str(Path(report_dir) / "results.db"),
             "data_dir": str(Path(report_dir)), "ingest": "router+bind:tcp://127.0.0.1:*",
             "publish": "pub+bind:tcp://127.0.0.1:*", "metrics": cfg.metrics.model_copy(update={"port": 0})})
         if cfg.db_path.exists():
             raise click.UsageError(f"{cfg.db_path} exists: give --report a fresh directory for the candidate run")
-        candidate = Agent(cfg, load_spec(cfg.spec_path))
         results_db = str(cfg.db_path)
     if baseline_db and report_dir:
         judged_db = Path(results_db) if results_db else cfg.db_path
@@ -410,15 +411,28 @@ def replay(recording: str, line: str, config_path: str | None, endpoint: str | N
     problem = _first_unreadable(rec)          # every image before any is sent: no half-sent recording
     if problem:
         raise click.ClickException(problem)
+    if baseline_db:
+        from .judge import check_baseline
+
+        check_baseline(rec, Path(baseline_db))     # a database it cannot use fails now, not after the replay
     setup = None
     if client_key or server_key:
         if not (client_key and server_key):
             raise click.UsageError("CURVE needs both --client-key and --server-key")
         from .security import client_setup
         setup = client_setup(client_key, server_key)
+    candidate = None
+    if candidate_dir:                          # built last: every check above fails with nothing to clean up
+        from .agent import Agent
+
+        candidate = Agent(cfg, load_spec(cfg.spec_path))
     try:
         if candidate is not None:
-            endpoint = candidate.start().endpoints["ingest"]
+            try:
+                endpoint = candidate.start().endpoints["ingest"]
+            except BaseException:
+                _remove_database(cfg.db_path)  # the failed run's empty database must not block the next try
+                raise
         bar = tqdm(total=len(rec), desc="replaying (acked)", unit="frame")
         report = do_replay(rec, endpoint, rate=rate, window=window, ack_timeout=ack_timeout, deadline=deadline,
                            socket_setup=setup, progress=lambda r: bar.update(r.acked - bar.n))
@@ -453,7 +467,13 @@ def replay(recording: str, line: str, config_path: str | None, endpoint: str | N
             f"(--candidate DIR, or a line whose results_db is new)")
     if report_dir:
         _judge_replay(rec, cfg, Path(results_db) if results_db else cfg.db_path, baseline_db, report_dir,
-                      conditions, verdict_timeout)
+                      conditions, verdict_timeout, rejected=set(report.rejected_ids))
+
+
+def _remove_database(db: Path) -> None:
+    """A results database (and its WAL files) a failed candidate start created: nothing of it is a result."""
+    for p in (db, db.with_name(db.name + "-wal"), db.with_name(db.name + "-shm")):
+        p.unlink(missing_ok=True)
 
 
 def _check_endpoint(endpoint: str) -> None:
@@ -479,8 +499,11 @@ def _first_unreadable(rec) -> str | None:
     return None
 
 
-def _judge_replay(rec, cfg, db: Path, baseline_db: str | None, report_dir: str, conditions, timeout: float) -> None:
-    """Wait for the recording's verdicts, judge them, write the report, apply the gate (exit 3 on failure)."""
+def _judge_replay(rec, cfg, db: Path, baseline_db: str | None, report_dir: str, conditions, timeout: float, *,
+                  rejected: set[str] = frozenset()) -> None:
+    """Wait for the recording's verdicts, judge them, write the report, apply the gate (exit 3 on failure).
+
+    Frames the agent rejected (`rejected`) get no verdict: they are not waited for, and count as missing."""
     import sqlite3
     import time
 
@@ -488,7 +511,10 @@ def _judge_replay(rec, cfg, db: Path, baseline_db: str | None, report_dir: str, 
 
     from .judge import failed_conditions, judge, write_report
 
-    ids = {f.header["frame_id"] for f in rec}
+    ids = {f.header["frame_id"] for f in rec} - set(rejected)
+    if rejected:
+        click.echo(f"replay report: {len(rejected)} frame(s) the agent rejected have no verdict and count as "
+                   f"missing (e.g. {', '.join(sorted(rejected)[:3])})", err=True)
     until = time.monotonic() + timeout
     while True:
         have = 0

@@ -146,6 +146,13 @@ def _images(db: Path) -> dict[str, str]:
         con.close()
 
 
+def check_baseline(recording: Recording, baseline_db: Path) -> None:
+    """Before a replay: a baseline that is not a results database, or a run of another recording, fails now
+    (CoEError), not after every frame was sent."""
+    _verdicts(baseline_db)
+    _same_recording(recording, baseline_db)
+
+
 def _same_recording(recording: Recording, baseline_db: Path) -> None:
     """Refuse a baseline that ran another recording under the same frame ids (synthetic recordings of other
     seeds share them): compared frame by frame, its regressions and fixes would be about other images."""

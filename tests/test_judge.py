@@ -291,3 +291,51 @@ def test_accuracy_is_not_measured_when_no_frame_has_a_truth(tmp_path, tiny_recor
     md = write_report(j, tmp_path / "report")
     assert json.loads((tmp_path / "report" / "report.json").read_text())["accuracy"] is None
     assert "accuracy: not measured" in md.read_text()
+
+
+def test_candidate_checks_fail_before_anything_runs_and_a_failed_start_leaves_the_report_dir_reusable(
+        tmp_path, tiny_zoo, tiny_recording):
+    from edge_agent.cli import cli
+    from storage.expert_store import ExpertStore
+
+    config = write_line(tmp_path / "line", store=tiny_zoo)
+    run = lambda *extra: CliRunner().invoke(cli, ["replay", str(tiny_recording), "--config", str(config), *extra])
+    # a baseline that is not a results database: refused before the candidate agent starts or a frame is sent
+    junk = tmp_path / "junk.db"
+    junk.write_bytes(b"not sqlite" * 50)
+    res = run("--candidate", str(tiny_zoo), "--report", str(tmp_path / "r1"), "--baseline", str(junk))
+    assert res.exit_code == 1 and "not a coe-edge results database" in res.output
+    assert not (tmp_path / "r1" / "results.db").exists()
+    # a candidate store that cannot start: a clear error, and no database left to block the next try
+    broken = tmp_path / "broken"
+    shutil.copytree(tiny_zoo, broken)
+    path = Path(ExpertStore(broken).path("det-2term"))
+    path.write_bytes(path.read_bytes()[:100])
+    res = run("--candidate", str(broken), "--report", str(tmp_path / "r2"))
+    assert res.exit_code == 1 and "det-2term" in res.output, res.output
+    assert not (tmp_path / "r2" / "results.db").exists()
+    # a line with executors on other nodes: their nodes would run the line's own store, not the candidate
+    remote = write_line(tmp_path / "remote", store=tiny_zoo, cluster={"address": "127.0.0.1:1"},
+                        executors=[{"device": "cpu", "count": 1, "memory": "20MB", "threads": 1, "node": "box-2"}])
+    res = CliRunner().invoke(cli, ["replay", str(tiny_recording), "--config", str(remote), "--candidate",
+                                   str(tiny_zoo), "--report", str(tmp_path / "r3")])
+    assert res.exit_code == 2 and "executors.0 runs on node 'box-2'" in res.output
+
+
+def test_frames_the_agent_rejects_are_not_waited_for_and_count_as_missing(tmp_path, tiny_zoo, tiny_recording):
+    from edge_agent.cli import cli
+
+    rec_dir = tmp_path / "rec"
+    shutil.copytree(tiny_recording, rec_dir)
+    lines = (rec_dir / "manifest.jsonl").read_text().splitlines()
+    doc = json.loads(lines[4])
+    (doc["header"] if "header" in doc else doc)["component"] = "NOPE"       # a part type the line has no expert for
+    lines[4] = json.dumps(doc)
+    (rec_dir / "manifest.jsonl").write_text("\n".join(lines) + "\n")
+    config = write_line(tmp_path / "line", store=tiny_zoo)
+    res = CliRunner().invoke(cli, ["replay", str(rec_dir), "--config", str(config), "--candidate", str(tiny_zoo),
+                                   "--report", str(tmp_path / "r")])
+    assert res.exit_code == 0, res.output
+    assert "1 frame(s) the agent rejected have no verdict and count as missing" in res.output
+    assert "still have no verdict" not in res.output                  # nothing was waited for in vain
+    assert json.loads((tmp_path / "r" / "report.json").read_text())["missing"] == 1
