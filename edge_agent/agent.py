@@ -177,7 +177,7 @@ class Agent:
         # before any pool reads the store: ONNX twins, measured (auto) at the threads executors will run with
         self.model, self.store, self.runtime = apply_runtime(
             cfg.runtime, self.model, self.store, cfg.data_dir, threads=self.threads,
-            gpu=any(ex.device.startswith("cuda") for ex in cfg.executors))
+            gpu=any(ex.device.startswith("cuda") for ex in cfg.executors), max_batch=cfg.scheduler.max_batch)
         if cfg.runtime != "torch":
             log.info("%s", self.runtime.describe())
             self.model = self.model.with_sizes({e.id: e.nbytes for e in self.store.entries()})

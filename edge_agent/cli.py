@@ -26,6 +26,9 @@ def _fail_clearly(fn):
             return fn(*args, **kwargs)
         except (CoEError, FileNotFoundError, OSError, ValueError) as exc:
             raise click.ClickException(str(exc)) from None
+        except ImportError as exc:      # an optional package missing or half-installed (onnxruntime, onnx, ray)
+            raise click.ClickException(f"{exc}: this command needs it; reinstall coe-edge (pip install -e .) or "
+                                       f"the extra that brings it") from None
     return wrapper
 
 

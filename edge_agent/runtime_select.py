@@ -45,8 +45,11 @@ def onnx_experts(model: CoEModel, runtime: str, choices: Mapping[str, str]) -> l
 
 def measured_choices(path: Path, experts: Iterable[Expert], *, threads: int,
                      measure: Callable[[Expert], dict] | None = None,
-                     progress: Callable[[str], None] | None = None) -> dict[str, str]:
-    """runtime_key -> 'onnx'|'torch' for `experts`, measuring the keys `path` does not hold for `threads`."""
+                     progress: Callable[[str], None] | None = None, max_batch: int | None = None) -> dict[str, str]:
+    """runtime_key -> 'onnx'|'torch' for `experts`, measuring the keys `path` does not hold for `threads`.
+
+    With `max_batch`, the choice weighs only the measured batch sizes the line can run (up to it; batch 1
+    always): ONNX Runtime 3x faster at batch 1 and slower at 16 is the right runtime for a line of batch 1."""
     if measure is None:
         from executors.runtime_probe import measure_arch
 
@@ -72,7 +75,21 @@ def measured_choices(path: Path, experts: Iterable[Expert], *, threads: int,
         kept[key] = measure(firsts[key])
     if todo:
         write_json_atomic(path, {"threads": threads, "archs": kept})
-    return {k: kept[k]["auto"] for k in firsts}
+    return {k: _choice(kept[k], max_batch) for k in firsts}
+
+
+def _choice(row: dict, max_batch: int | None) -> str:
+    """The row's `auto`, or the choice over the batch sizes up to `max_batch` it has latencies for."""
+    from executors.runtime_choice import choose_runtime
+    from executors.runtime_probe import BATCHES
+
+    if max_batch is None:
+        return row["auto"]
+    sizes = [n for n in BATCHES if n <= max_batch or n == 1]
+    try:
+        return choose_runtime({n: (float(row[f"torch_ms_b{n}"]), float(row[f"onnx_ms_b{n}"])) for n in sizes})
+    except (KeyError, TypeError, ValueError):
+        return row["auto"]               # a row without per-batch latencies: its overall choice
 
 
 @dataclass
@@ -94,7 +111,7 @@ class RuntimePlan:
 
 
 def apply_runtime(runtime: str, model: CoEModel, store, data_dir: str | Path, *, threads: int | None = None,
-                  gpu: bool = False, measure: Callable[[Expert], dict] | None = None):
+                  gpu: bool = False, measure: Callable[[Expert], dict] | None = None, max_batch: int | None = None):
     """(model, store, RuntimePlan): `model` and `store` as the agent serves them under `runtime`.
 
     `threads`: what the executors will compute with; `auto` measures with exactly that many.
@@ -113,7 +130,7 @@ def apply_runtime(runtime: str, model: CoEModel, store, data_dir: str | Path, *,
         try:
             plan.choices = measured_choices(Path(data_dir) / RUNTIMES_FILE,
                                             [e for e in model.experts.values() if e.family in EXPORTABLE],
-                                            threads=threads, measure=measure,
+                                            threads=threads, measure=measure, max_batch=max_batch,
                                             progress=lambda k: log.info("runtime auto: measuring %s", k))
         finally:
             torch.set_num_threads(before)

@@ -96,6 +96,8 @@ def _import_onnx(store: ExpertStore, expert: Expert, src: Path, backend, want: s
     if want is not None:
         raise CoEError(f"expert '{expert.id}': --dtype does not apply to an .onnx file (its graph fixes the dtypes)")
     blob = src.read_bytes()
+    if not blob:
+        raise CoEError(f"expert '{expert.id}': {src} is empty (0 bytes), not an ONNX model")
     tensors = {"onnx.model": torch.frombuffer(bytearray(blob), dtype=torch.uint8)}
     named = dataclasses.replace(expert, uri=str(src))
     module = backend.build(named, tensors)                   # ExpertLoadError names src

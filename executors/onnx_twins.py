@@ -44,8 +44,9 @@ def twin_root(store_root: str | os.PathLike[str]) -> Path:
 class OnnxTwins:
     """The twin store of one line: exports on demand, and knows which source bytes each twin came from."""
 
-    def __init__(self, base: ExpertStore, *, verify: str = "first") -> None:
+    def __init__(self, base: ExpertStore, *, verify: str = "first", spec: CoEModel | None = None) -> None:
         self.base = base
+        self.spec = spec          # the spec's torch experts: a twin is exported for their input size and classes
         self.root = twin_root(base.root)
         try:
             self.root.mkdir(parents=True, exist_ok=True)
@@ -65,15 +66,23 @@ class OnnxTwins:
         try:
             doc = json.loads(self._sources_path.read_text()) if self._sources_path.is_file() else {}
             if not isinstance(doc, dict) or not all(isinstance(k, str) and isinstance(v, str) for k, v in doc.items()):
-                raise ValueError("expected an object of expert id -> source sha256")
+                raise ValueError("expected an object of expert id -> source sha256 (and shape)")
             return doc
         except (OSError, ValueError) as exc:
             raise CoEError(f"{self._sources_path}: unreadable ({exc}); delete {self.root} to export again") from None
 
     def current(self, expert_id: str) -> bool:
-        """True when the twin exists and was exported from the bytes the line's store holds now."""
+        """True when the twin exists and was exported from the bytes the line's store holds now, for the
+        spec's input size and classes (a spec that changed `input_size` needs another graph from the same
+        weights: the old twin would fail every load)."""
         return (self.store.has(expert_id) and self.base.has(expert_id)
-                and self._sources.get(expert_id) == self.base.entry(expert_id).sha256)
+                and self._sources.get(expert_id) == self._recipe(expert_id))
+
+    def _recipe(self, expert_id: str) -> str:
+        """What a twin is exported from: the source bytes' sha256, and the spec's shape of the expert."""
+        sha = self.base.entry(expert_id).sha256
+        e = self.spec.experts.get(expert_id) if self.spec is not None else None
+        return sha if e is None else f"{sha}|{e.arch}|{e.input_size}|{len(e.classes)}"
 
     def ensure(self, expert: Expert) -> bool:
         """Export `expert`'s twin unless current; False (and `refused[id]`) when its export is not faithful."""
@@ -100,7 +109,7 @@ class OnnxTwins:
             return False
         twin = onnx_expert(expert, expert.id)
         self.store.write(twin, onnx_tensors(blob), version=source.version)
-        self._sources[expert.id] = source.sha256
+        self._sources[expert.id] = self._recipe(expert.id)
         write_json_atomic(self._sources_path, self._sources)
         self.exported.append(expert.id)
         return True
@@ -185,7 +194,7 @@ def serve_with_twins(model: CoEModel, store: ExpertStore, onnx_ids: Iterable[str
             want.append(e)
     if not want:
         return model, store, refused
-    twins = OnnxTwins(store, verify=store.verify)
+    twins = OnnxTwins(store, verify=store.verify, spec=model)
     done = set()
     for e in want:
         if progress is not None and not twins.current(e.id):

@@ -312,3 +312,67 @@ def test_an_onnx_files_coe_edge_metadata_is_checked_naming_the_expert(tmp_path, 
     session = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     with pytest.raises(ExpertLoadError, match=f"cls-r0402.*{re.escape(says)}"):
         model_meta(session, cls)
+
+
+def _graph(inputs, output_shape, *, in_type=None) -> bytes:
+    """A one-node ONNX graph (Identity on the first input, or a constant output) with coe-edge logits metadata."""
+    import json as _json
+
+    from onnx import TensorProto, helper
+
+    from executors.backends.onnx_backend import META_KEY
+
+    in_type = in_type or TensorProto.FLOAT
+    ins = [helper.make_tensor_value_info(n, in_type, ["batch", 3, 32, 32]) for n in inputs]
+    out = helper.make_tensor_value_info("y", TensorProto.FLOAT, output_shape)
+    const = helper.make_node("Constant", [], ["y"], value=helper.make_tensor(
+        "v", TensorProto.FLOAT, [1] * len(output_shape), [0.0]))
+    g = helper.make_graph([const], "g", ins, [out])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])
+    model.ir_version = 8
+    meta = model.metadata_props.add()
+    meta.key, meta.value = META_KEY, _json.dumps({"format": "coe-edge/onnx-expert", "task": "logits",
+                                                   "preprocess": "imagenet"})
+    return model.SerializeToString()
+
+
+@pytest.mark.parametrize("blob_args,says", [
+    ((["x", "extra"], ["batch", 4]), "has 2 inputs (x, extra)"),
+    ((["x"], ["batch", 4], "uint8"), "input is tensor(uint8)"),
+    ((["x"], ["batch", 4, 4]), "a logits expert's must have 2 dimensions"),
+], ids=["two-inputs", "uint8-input", "output-rank"])
+def test_a_model_that_would_fail_every_batch_fails_at_import_instead(blob_args, says):
+    from onnx import TensorProto
+
+    names, shape, *kind = blob_args
+    blob = _graph(names, shape, in_type=TensorProto.UINT8 if kind else None)
+    twin = onnx_expert(MODEL.experts["cls-r0402"], "cls-onnx")
+    with pytest.raises(ExpertLoadError, match=re.escape(says)):
+        get_backend("onnx").build(twin, onnx_tensors(blob))
+
+
+def test_export_as_checks_the_spec_entry_and_nan_is_never_within_tolerance(tmp_path, tiny_zoo):
+    spec = copy.deepcopy(TINY_SPEC)
+    spec["experts"].append({**next(e for e in spec["experts"] if e["id"] == "cls-r0402"), "id": "cls-onnx",
+                            "arch": "onnx/mobilenet_v3_small"})
+    store = tmp_path / "experts"
+    shutil.copytree(tiny_zoo, store)
+    config = write_line(tmp_path / "line", store=store)
+    (config.parent / "tiny.coe.yaml").write_text(yaml.safe_dump(spec))
+    run = CliRunner().invoke
+    # a detector's graph stored as the spec's classifier would be an expert no load can build
+    res = run(cli, ["experts", "export-onnx", "det-2term", "--config", str(config), "--out", str(tmp_path / "d.onnx"),
+                    "--as", "cls-onnx"])
+    assert res.exit_code == 1 and "cls-onnx" in res.output and not ExpertStore(store).has("cls-onnx"), res.output
+    # a NaN weight: every difference is NaN, which is not within any tolerance
+    s = ExpertStore(store)
+    tensors = dict(s.read("cls-r0603"))
+    bias = next(k for k in tensors if k.endswith("bias") and tensors[k].is_floating_point())
+    tensors[bias] = tensors[bias].clone()
+    tensors[bias][0] = float("nan")
+    s.write(MODEL.experts["cls-r0603"], tensors, version=2)
+    res = run(cli, ["experts", "export-onnx", "cls-r0603", "--config", str(config), "--out", str(tmp_path / "n.onnx")])
+    assert res.exit_code == 1 and "nothing written" in res.output and not (tmp_path / "n.onnx").exists()
+    (tmp_path / "empty.onnx").write_bytes(b"")
+    res = run(cli, ["experts", "import", "cls-onnx", str(tmp_path / "empty.onnx"), "--config", str(config)])
+    assert res.exit_code == 1 and "cls-onnx" in res.output and "empty.onnx is empty" in res.output

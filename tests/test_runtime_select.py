@@ -111,7 +111,31 @@ def test_a_promoted_expert_is_exported_again_before_its_new_version_runs(tmp_pat
     assert not store.twins.current("cls-r0402") and store.twins.current("cls-c0402")
     store.read_flat("cls-r0402")                        # reading it re-exports first
     assert store.entry("cls-r0402").version == 2 and store.twins.current("cls-r0402")
-    assert OnnxTwins(base).current("cls-r0402")         # the record on disk says so too
+    assert OnnxTwins(base, spec=MODEL).current("cls-r0402")         # the record on disk says so too
+
+
+def test_a_spec_that_changes_an_experts_input_size_gets_a_twin_exported_for_it(tmp_path, tiny_zoo):
+    """Same weights, another graph: the twin of the old input size would fail every load."""
+    import copy
+
+    from coe import parse_spec
+    from conftest import TINY_SPEC
+
+    shutil.copytree(tiny_zoo, tmp_path / "experts")
+    base = ExpertStore(tmp_path / "experts")
+    apply_runtime("onnx", MODEL, base, tmp_path / "data")
+    spec = copy.deepcopy(TINY_SPEC)
+    entry = next(e for e in spec["experts"] if e["id"] == "cls-r0402")
+    entry["input_size"] = entry.get("input_size", 64) * 2
+    bigger = parse_spec(spec)
+    assert OnnxTwins(base, spec=MODEL).current("cls-r0402")
+    assert not OnnxTwins(base, spec=bigger).current("cls-r0402")      # the old twin was exported for another size
+    served, store, plan = apply_runtime("onnx", bigger, base, tmp_path / "data")
+    assert "cls-r0402" not in plan.refused and store.twins.current("cls-r0402")
+    from executors.backends import get_backend
+
+    twin = served.experts["cls-r0402"]
+    get_backend(twin.arch).build(twin, store.read("cls-r0402"))        # its graph takes the new size (raised before)
 
 
 def test_an_unfaithful_export_keeps_the_expert_on_torch_and_says_why(tmp_path, tiny_zoo, monkeypatch):
@@ -193,3 +217,17 @@ def test_the_store_watcher_exports_a_promoted_expert_before_any_load_needs_it(tm
     watch.tick()
     assert store.twins.attempts == tried + 1 and store.twins.current("det-2term")       # exported on the tick
     assert store.entry("det-2term").version == 2                                         # no load was needed
+
+
+def test_auto_weighs_only_the_batch_sizes_the_line_runs(tmp_path):
+    """docs/judging.md's resnet18 shape: ONNX 3.3x faster at batch 1, slower at 8 and 16.  Summed over all three
+    it is torch; a line whose batches are at most 1 (or up to 8 here) runs the one faster there."""
+    row = {"auto": "torch", "torch_ms_b1": 10.0, "onnx_ms_b1": 3.0, "torch_ms_b8": 40.0, "onnx_ms_b8": 30.0,
+           "torch_ms_b16": 70.0, "onnx_ms_b16": 120.0}
+    experts = [MODEL.experts["cls-r0402"]]
+    path = tmp_path / RUNTIMES_FILE
+    key = runtime_key(experts[0])
+    assert measured_choices(path, experts, threads=2, measure=lambda e: dict(row)) == {key: "torch"}
+    assert measured_choices(path, experts, threads=2, max_batch=1, measure=lambda e: dict(row)) == {key: "onnx"}
+    assert measured_choices(path, experts, threads=2, max_batch=8, measure=lambda e: dict(row)) == {key: "onnx"}
+    assert measured_choices(path, experts, threads=2, max_batch=16, measure=lambda e: dict(row)) == {key: "torch"}

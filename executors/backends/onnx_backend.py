@@ -97,7 +97,19 @@ def check_io(session, expert: Expert, meta: dict, *, probe: bool = False) -> Non
     import numpy as np
 
     where = expert.uri or "<onnx>"
-    shape = session.get_inputs()[0].shape
+    inputs, outputs = session.get_inputs(), session.get_outputs()
+    if len(inputs) != 1:    # the backend feeds one image batch: a second input is missing on every run
+        raise ExpertLoadError(expert.id, where, f"the model has {len(inputs)} inputs "
+                                                f"({', '.join(i.name for i in inputs)}); an expert takes one image batch")
+    if inputs[0].type != "tensor(float)":
+        raise ExpertLoadError(expert.id, where, f"the model's input is {inputs[0].type}; the backend feeds "
+                                                "tensor(float) images")
+    rank = 2 if meta["task"] == "logits" else 3
+    out_shape = outputs[0].shape if outputs else None
+    if not outputs or (isinstance(out_shape, list) and len(out_shape) != rank):
+        raise ExpertLoadError(expert.id, where, f"the model's first output is {out_shape}; a {meta['task']} "
+                                                f"expert's must have {rank} dimensions")
+    shape = inputs[0].shape
     want = [None, 3, expert.input_size, expert.input_size]
     if len(shape) != 4 or any(isinstance(d, int) and w is not None and d != w for d, w in zip(shape, want)):
         raise ExpertLoadError(expert.id, where, f"the model takes input {shape}, the spec needs "
