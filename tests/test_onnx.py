@@ -315,7 +315,7 @@ def test_an_onnx_files_coe_edge_metadata_is_checked_naming_the_expert(tmp_path, 
 
 
 def _graph(inputs, output_shape, *, in_type=None) -> bytes:
-    """A one-node ONNX graph (Identity on the first input, or a constant output) with coe-edge logits metadata."""
+    """A one-node ONNX graph (a constant output of the given shape) with coe-edge logits metadata."""
     import json as _json
 
     from onnx import TensorProto, helper
