@@ -124,7 +124,7 @@ def test_the_storage_figures_round_trip_and_old_profiles_still_load(tmp_path):
     assert "unknown" in verdict(old.storage) and "rerun" in verdict(old.storage)
     st_ = StorageProfile(disk_bps=1.9e9, decode_bps=1.3e9, decode_threads=2, decode_bps_alone=1.5e9, ratio=0.66,
                          source="measured on test")
-    arch = replace(next(iter(old.archs.values())), ssd_stored_bytes=123)
+    arch = replace(next(iter(old.archs.values())), arch="x", device="cpu", ssd_stored_bytes=123)   # key x@cpu
     prof = replace(old, storage=st_, archs={**old.archs, "x@cpu": arch})
     raw = prof.to_json()
     assert raw["storage"]["compression_pays"] is True and raw["storage"]["decode_bps"] == 1.3e9
