@@ -410,7 +410,7 @@ class Agent:
             from routing.moe_trace import Trace
 
             trace = Trace.load(self.cfg.llm.trace)
-            popularity = trace.popularity_for(layout.model, f"llm.trace {self.cfg.llm.trace}")
+            popularity = trace.popularity_for(layout.model, f"llm.trace {self.cfg.llm.trace}", layout)
             return {eid: popularity.get(eid, 0.0) for eid in layout.ids()}
         return {eid: layout.top_k / l.num_experts for l in layout.layers for eid in layout.ids(l.layer)}
 

@@ -126,7 +126,7 @@ def _popularity(trace_path: str | None, layout) -> dict[str, float] | None:
 
     if not trace_path:
         return None
-    return Trace.load(trace_path).popularity_for(layout.model, f"--trace {trace_path}")
+    return Trace.load(trace_path).popularity_for(layout.model, f"--trace {trace_path}", layout)
 
 
 @llm.command("generate")
@@ -212,6 +212,11 @@ def llm_generate(model: str, prompt: str, max_new_tokens: int, memory: str | Non
     ids = torch.tensor([tok.encode(prompt)], dtype=torch.long)
     if ids.shape[1] == 0:
         raise CoEError("--prompt encodes to no tokens")
+    context = getattr(pm.model.config, "max_position_embeddings", None)
+    if isinstance(context, int) and ids.shape[1] + max_new_tokens > context:
+        pm.close()
+        raise CoEError(f"--prompt ({ids.shape[1]} tokens) and --max-new-tokens {max_new_tokens} pass the model's "
+                       f"context of {context} tokens (max_position_embeddings)")
     out: list[int] = []
     shown = [0]
 
@@ -826,6 +831,10 @@ def llm_tune_alpha(model: str, budget_ms: float, text_path: str | None, memory: 
         pm = load_pooled(root, memory=_memory(memory, layout), policy=policy, alpha=a, popularity=popularity,
                          predictor=predictor_path)
         ids = pm.tokenizer().encode(text)[:tokens + 1]
+        if len(ids) < 2:       # perplexity and agreement need a token to predict after the first
+            pm.close()
+            raise CoEError(f"--text {text_path or 'held-out'}: {len(ids)} token(s); tune-alpha needs at least 2 "
+                           "(give it a paragraph of text like the model's)")
         q = decode_quality(pm, [ids])
         st = pm.stats()
         pm.close()

@@ -276,6 +276,14 @@ def load_pooled(root: str | Path, *, memory: int, policy: str = "lru", quota: st
     if missing:
         raise CoEError(f"{root}: the store lacks {len(missing)} experts of '{layout.model}' (first: {missing[0]}); "
                        "re-run coe-agent llm import")
+    # the manifest's experts are the ones llm.json describes (another model's files under the same ids would
+    # pass every sha check and load as weights of the wrong shape, budgeted at the wrong size)
+    other = [(eid, store.entry(eid).nbytes, l.expert_nbytes) for l in layout.layers for eid in layout.ids(l.layer)
+             if store.entry(eid).nbytes != l.expert_nbytes]
+    if other:
+        eid, have, want = other[0]
+        raise CoEError(f"{root}: expert {eid} holds {have} bytes, llm.json says {want} ({len(other)} such): the "
+                       "store's files are not this model's; re-run coe-agent llm import")
     try:
         dev = torch.device(device)
     except RuntimeError:
@@ -429,7 +437,7 @@ def _predictor(predictor, layout: MoELayout):
     from routing.moe_predictor import TokenPredictor
 
     pred = predictor if isinstance(predictor, TokenPredictor) else TokenPredictor.load(predictor)
-    pred.fits(tuple(l.layer for l in layout.layers), layout.layers[0].num_experts, layout.model)
+    pred.fits(tuple(l.layer for l in layout.layers), layout.layers[0].num_experts, layout.model, layout.top_k)
     return pred
 
 

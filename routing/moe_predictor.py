@@ -210,11 +210,14 @@ class TokenPredictor:
                 "recall": tp / actual if actual else 0.0, "pairs": actual // max(self.top_k, 1),
                 "features": self.features}
 
-    def fits(self, layers: tuple[int, ...], num_experts: int, model: str) -> None:
-        """Raise CoEError unless this predictor was trained for `layers` x `num_experts` (model `model`)."""
-        if tuple(self.layers) != tuple(layers) or self.num_experts != num_experts:
-            raise CoEError(f"the token predictor (layers {self.layers}, {self.num_experts} experts) does not fit "
-                           f"model '{model}'")
+    def fits(self, layers: tuple[int, ...], num_experts: int, model: str, top_k: int | None = None) -> None:
+        """Raise CoEError unless this predictor was trained for `layers` x `num_experts` (model `model`), and,
+        given, the same `top_k` (a top-2 model's predictor ranks a top-3 model's experts for the wrong count)."""
+        if tuple(self.layers) != tuple(layers) or self.num_experts != num_experts or (
+                top_k is not None and self.top_k != top_k):
+            raise CoEError(f"the token predictor (layers {self.layers}, {self.num_experts} experts, "
+                           f"top-{self.top_k}) does not fit model '{model}' (layers {list(layers)}, "
+                           f"{num_experts} experts{f', top-{top_k}' if top_k is not None else ''})")
 
     # -- file -------------------------------------------------------------------------
     def save(self, path: str | Path, info: dict | None = None) -> Path:

@@ -103,7 +103,7 @@ def replay(trace: Trace, *, policy: "str | EvictionPolicy", capacity: int, exper
     if policy == "predicted":
         from .moe_predictor import NextTokenScores
 
-        predictor.fits(trace.layers, trace.num_experts, trace.model)
+        predictor.fits(trace.layers, trace.num_experts, trace.model, trace.top_k)
         scorer = NextTokenScores(predictor, {l: [expert_id(trace.model, l, e) for e in range(trace.num_experts)]
                                              for l in trace.layers})
         predicted = scorer.scores

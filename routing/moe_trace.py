@@ -71,7 +71,7 @@ class Trace:
                 yield p, layer, [expert_id(self.model, layer, int(e)) for e in hit], \
                     self.probs[rows, j, :].astype(np.float32).mean(axis=0)
 
-    def popularity_for(self, model: str, where: str) -> dict[str, float]:
+    def popularity_for(self, model: str, where: str, layout=None) -> dict[str, float]:
         """`popularity()` for a store of `model`: a trace of another model is refused, naming both.
 
         Without the check another model's ids match nothing, and every expert
@@ -80,6 +80,13 @@ class Trace:
         if self.model != model:
             raise CoEError(f"{where}: a trace of model '{self.model}', but the store holds '{model}' "
                            "(trace it with coe-agent llm trace --model on this store)")
+        if layout is not None:     # the same name on another model (two stores imported as 'tiny')
+            layers = tuple(l.layer for l in layout.layers)
+            experts = layout.layers[0].num_experts if layout.layers else 0
+            if tuple(self.layers) != layers or self.num_experts != experts or self.top_k != layout.top_k:
+                raise CoEError(f"{where}: a trace of layers {list(self.layers)} with {self.num_experts} experts, "
+                               f"top-{self.top_k}, but the store's '{model}' has layers {list(layers)} with "
+                               f"{experts} experts, top-{layout.top_k}: trace it on this store")
         return self.popularity()
 
     def popularity(self) -> dict[str, float]:

@@ -22,6 +22,7 @@ what importing a checkpoint saved in that dtype gives.
 from __future__ import annotations
 
 import json
+import logging
 import re
 import shutil
 from collections import defaultdict
@@ -36,6 +37,8 @@ from .dtypes import FLOATING_DTYPES, cast_floating, parse_dtype
 from .expert_store import ExpertStore
 from .moe_structure import ExpertsSite, find_experts
 from .safetensors_io import ShardReader, StreamWriter
+
+log = logging.getLogger(__name__)
 
 MODEL_SUBDIR = "model"          # config, generation config and tokenizer files, copied from MODEL_DIR
 _COPY_SUFFIXES = (".json", ".txt", ".model", ".jinja", ".tiktoken")
@@ -79,6 +82,9 @@ def meta_model(config):
     except ValueError as exc:
         raise CoEError(f"model type '{getattr(config, 'model_type', '?')}': transformers has no causal LM for it: "
                        f"{exc}") from None
+    except RuntimeError as exc:     # a size the config gives that no tensor can have (num_experts: -1)
+        raise CoEError(f"config of '{getattr(config, 'model_type', '?')}': transformers cannot build the model: "
+                       f"{str(exc).splitlines()[0]}") from None
 
 
 def shards(model_dir: Path) -> list[Path]:
@@ -124,6 +130,7 @@ def import_checkpoint(model_dir: str | Path, out: str | Path, *, name: str | Non
 
     want = parse_dtype(dtype, where="dtype") if dtype is not None else None
     model_dir, out = Path(model_dir), Path(out)
+    _check_out(model_dir, out)
     config = load_config(model_dir)
     name = check_model_name(name if name is not None else re.sub(r"[^A-Za-z0-9_.+-]", "-", model_dir.resolve().name).lstrip(".-_+")
                             or "model")
@@ -141,6 +148,7 @@ def import_checkpoint(model_dir: str | Path, out: str | Path, *, name: str | Non
     dtypes: set[str] = set()
     readers: dict[Path, ShardReader] = {}
     seen: dict[str, Path] = {}
+    unused: list[str] = []
     try:
         for shard in shards(model_dir):
             reader = readers[shard] = ShardReader(shard)
@@ -162,6 +170,8 @@ def import_checkpoint(model_dir: str | Path, out: str | Path, *, name: str | Non
                         raise CoEError(f"{model_dir}: checkpoint keys '{resident[target].key}' and '{key}' both map "
                                        f"to the model's '{target}'")
                     resident[target] = _Part(shard, key)
+                else:
+                    unused.append(key)
         _check_complete(sites, fused, split, model_dir)
         tied = set(getattr(model, "all_tied_weights_keys", None) or {})
         lacking = sorted(k for k in meta_sd if k not in by_param and k not in resident and k not in tied)
@@ -169,32 +179,46 @@ def import_checkpoint(model_dir: str | Path, out: str | Path, *, name: str | Non
             raise CoEError(f"{model_dir}: the checkpoint lacks {len(lacking)} non-expert weights the model needs: "
                            f"{', '.join(lacking[:3])}")
         stored = _one_dtype(dtypes, model_dir) if want is None else _castable(dtypes, model_dir, want)
+        # every check the headers allow, before anything under `out` changes: a re-import that would fail
+        # part-way must leave the model already there working
+        _check_sites(sites, _top_k(config), model_dir)
+        _check_expert_headers(sites, readers, fused, split, model_dir)
+        _check_resident(resident, readers, meta_sd, model_dir)
+        if unused:
+            log.warning("%s: %d checkpoint tensor(s) the model (as its config.json describes it) has no place for "
+                        "are left out, e.g. %s", model_dir, len(unused), ", ".join(unused[:3]))
+        keep32 = _kept_in_fp32(model, stored)
         store = ExpertStore(out)
-        layout_layers = []
-        written = 0
-        for site in sites:
-            nbytes = 0
-            for e in range(site.num_experts):
-                tensors = {p: _read_param(readers, site, p, e, fused, split) for p in ("gate_up_proj", "down_proj")}
-                _check_shapes(site, e, tensors, model_dir)
-                if want is not None:
-                    tensors = _cast(tensors, want, f"{model_dir}: expert {e} of '{site.path}'")
-                expert = Expert(id=expert_id(name, site.layer, e), arch=f"transformers/{config.model_type}",
-                                kind="moe-ffn", classes=(), input_size=site.hidden)
-                if not written:
-                    # a re-import into a store that has a model: its layout goes before the first expert is
-                    # replaced (the checks above passed), so an import killed part-way leaves a store that refuses
-                    # to load ("not found; is it a store written by 'coe-agent llm import'?"), never one that
-                    # loads with some experts of the new checkpoint and some of the old
-                    (out / LAYOUT_FILE).unlink(missing_ok=True)
-                entry = store.write(expert, tensors)
-                nbytes = entry.nbytes
-                written += 1
-                if progress:
-                    progress("experts", written)
-            layout_layers.append(MoELayer(site.layer, site.path, site.num_experts, site.hidden, site.intermediate,
-                                          nbytes))
-        sha, rbytes = _write_resident(out / "resident.safetensors", readers, resident, progress, want, model_dir)
+        nbytes: dict[int, int] = {}
+
+        def experts():
+            done = 0
+            for site in sites:
+                for e in range(site.num_experts):
+                    tensors = {p: _read_param(readers, site, p, e, fused, split)
+                               for p in ("gate_up_proj", "down_proj")}
+                    _check_shapes(site, e, tensors, model_dir)
+                    if want is not None:
+                        tensors = _cast(tensors, want, f"{model_dir}: expert {e} of '{site.path}'")
+                    yield (Expert(id=expert_id(name, site.layer, e), arch=f"transformers/{config.model_type}",
+                                  kind="moe-ffn", classes=(), input_size=site.hidden), tensors, 1)
+                    done += 1                 # back here: the store has written it to its file
+                    if progress:
+                        progress("experts", done)
+
+        layer_of = {expert_id(name, s.layer, e): s.layer for s in sites for e in range(s.num_experts)}
+
+        def landed(entry) -> None:
+            nbytes[layer_of[entry.id]] = entry.nbytes
+        # a re-import into a store that has a model: its layout goes before the first expert is replaced (every
+        # check above passed), so an import killed part-way leaves a store that refuses to load ("not found; is
+        # it a store written by 'coe-agent llm import'?"), never one that loads with experts of two checkpoints
+        (out / LAYOUT_FILE).unlink(missing_ok=True)
+        store.write_each(experts(), done=landed)
+        layout_layers = [MoELayer(s.layer, s.path, s.num_experts, s.hidden, s.intermediate, nbytes[s.layer])
+                         for s in sites]
+        sha, rbytes = _write_resident(out / "resident.safetensors", readers, resident, progress, stored, keep32,
+                                      model_dir)
     finally:
         for r in readers.values():
             r.close()
@@ -303,22 +327,98 @@ def _check_shapes(site: ExpertsSite, e: int, tensors: dict, model_dir: Path) -> 
                            f"says {list(shape)}")
 
 
-def _write_resident(path: Path, readers, resident: dict[str, _Part], progress, want: str | None,
-                    model_dir: Path) -> tuple[str, int]:
-    """Stream the non-expert weights into one file; with `want`, floating ones are cast as they pass."""
+def _check_out(model_dir: Path, out: Path) -> None:
+    """`--out` checked before anything is read or written: not the checkpoint itself (its experts and resident
+    file would join the checkpoint, which could then never import again), and `out/model` a folder if there."""
+    m, o = model_dir.resolve(), out.resolve()
+    if o == m or m in o.parents:
+        raise CoEError(f"--out {out}: inside the checkpoint {model_dir}; give the store a folder of its own")
+    sub = out / MODEL_SUBDIR
+    if sub.exists() and not sub.is_dir():
+        raise CoEError(f"--out {out}: {sub} is a file; the store keeps the model's config files in that folder")
+
+
+def _check_sites(sites: list[ExpertsSite], top_k: int, model_dir: Path) -> None:
+    for s in sites:
+        if s.num_experts < 1:
+            raise CoEError(f"{model_dir}/config.json: '{s.path}' has {s.num_experts} experts")
+        if top_k > s.num_experts:
+            raise CoEError(f"{model_dir}/config.json: each token asks for {top_k} experts (num_experts_per_tok) "
+                           f"but '{s.path}' has {s.num_experts}")
+
+
+def _check_expert_headers(sites: list[ExpertsSite], readers, fused, split, model_dir: Path) -> None:
+    """Every expert tensor's shape, from the shard headers (no data read): a fused tensor holds exactly
+    num_experts slices of the config's shape; per-expert pieces stack to it, and none is numbered past it."""
+    for s in sites:
+        want = {"gate_up_proj": (2 * s.intermediate, s.hidden), "down_proj": (s.hidden, s.intermediate)}
+        for p, shape in want.items():
+            part = fused.get((s.path, p))
+            if part is not None:
+                have = readers[part.shard].tensors[part.key].shape
+                if tuple(have) != (s.num_experts, *shape):
+                    raise CoEError(f"{model_dir}: '{part.key}' is {list(have)}, the config says "
+                                   f"{[s.num_experts, *shape]} ({s.num_experts} experts of {list(shape)})")
+                continue
+            for e, pieces in sorted(split.get((s.path, p), {}).items()):
+                if e >= s.num_experts:
+                    key = next(iter(pieces.values())).key
+                    raise CoEError(f"{model_dir}: '{key}' is expert {e} of '{s.path}', which the config gives "
+                                   f"{s.num_experts} experts (num_experts)")
+                shapes = [readers[pieces[i].shard].tensors[pieces[i].key].shape for i in sorted(pieces)]
+                stacked = (sum(x[0] for x in shapes), shapes[0][1]) if all(len(x) == 2 for x in shapes) and len(
+                    {x[1] for x in shapes}) == 1 else None
+                if stacked != shape:
+                    keys = ", ".join(pieces[i].key for i in sorted(pieces))
+                    raise CoEError(f"{model_dir}: expert {e} of '{s.path}': {keys} are "
+                                   f"{[list(x) for x in shapes]}, which do not make {p} {list(shape)} "
+                                   "(the config's sizes)")
+
+
+def _check_resident(resident: dict[str, _Part], readers, meta_sd: dict, model_dir: Path) -> None:
+    """Each non-expert tensor has the shape of the model parameter it becomes, and a floating dtype where the
+    model's is floating: checked at import, not met as a traceback from load_state_dict at generation."""
+    for target, part in sorted(resident.items()):
+        info = readers[part.shard].tensors[part.key]
+        ref = meta_sd[target]
+        if tuple(info.shape) != tuple(ref.shape):
+            raise CoEError(f"{model_dir}: '{part.key}' is {list(info.shape)}, the model's '{target}' is "
+                           f"{list(ref.shape)} (does config.json describe this checkpoint?)")
+        if ref.is_floating_point() and info.dtype not in FLOATING_DTYPES:
+            raise CoEError(f"{model_dir}: '{part.key}' is {info.dtype}, the model's '{target}' is floating point")
+
+
+def _kept_in_fp32(model, stored: str) -> Callable[[str], bool]:
+    """Which parameters transformers keeps in float32 when it loads this model in `stored` (its dtype plan)."""
+    import torch
+
+    try:
+        plan = model._get_dtype_plan(getattr(torch, stored))
+    except (AttributeError, TypeError):
+        plan = {}
+    patterns = [re.compile(rf"(^|\.){re.escape(p)}($|\.)") for p, dt in plan.items() if dt == torch.float32]
+    return lambda name: any(p.search(name) for p in patterns)
+
+
+def _write_resident(path: Path, readers, resident: dict[str, _Part], progress, stored: str,
+                    keep32: Callable[[str], bool], model_dir: Path) -> tuple[str, int]:
+    """Stream the non-expert weights into one file, each floating one cast as it passes to the model's dtype
+    (`stored`), or to float32 where the model keeps a module in float32 (`keep32`: DeepSeek-V3's router), as
+    transformers' own loading does: a bf16 checkpoint with an fp32 router would otherwise mix dtypes in one
+    matmul, and a router rounded to bf16 would route other tokens than the reference."""
     specs = []
     for target in sorted(resident):
         part = resident[target]
         info = readers[part.shard].tensors[part.key]
-        cast = want is not None and info.dtype in FLOATING_DTYPES
-        specs.append((target, want if cast else info.dtype, info.shape))
+        to = ("float32" if keep32(target) else stored) if info.dtype in FLOATING_DTYPES else info.dtype
+        specs.append((target, to, info.shape))
     writer = StreamWriter(path, specs, metadata={"coe": json.dumps({"kind": "moe-resident"})})
     try:
-        for i, (target, _, _) in enumerate(specs):
+        for i, (target, to, _) in enumerate(specs):
             part = resident[target]
             tensor = readers[part.shard].read(part.key)
-            if want is not None:
-                tensor = _cast({part.key: tensor}, want, str(model_dir))[part.key]
+            if str(tensor.dtype).removeprefix("torch.") != to:
+                tensor = _cast({part.key: tensor}, to, str(model_dir))[part.key]
             writer.write(target, tensor)
             if progress:
                 progress("resident", i + 1)

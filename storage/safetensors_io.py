@@ -70,12 +70,19 @@ class ShardReader:
             base = 8 + n
             self.tensors: dict[str, TensorInfo] = {}
             for name, info in header.items():
+                raw_dtype = info.get("dtype") if isinstance(info, dict) else None
+                if isinstance(raw_dtype, str) and raw_dtype not in _TO_TORCH:
+                    raise CoEError(f"{where}: tensor '{name}' is {raw_dtype}, which coe-edge does not read "
+                                   f"(it reads {', '.join(sorted(_TO_TORCH))}); convert the checkpoint first")
                 try:
                     dtype = _TO_TORCH[info["dtype"]]
                     shape = tuple(int(d) for d in info["shape"])
                     lo, hi = (int(x) for x in info["data_offsets"])
                 except (KeyError, TypeError, ValueError):
                     raise CoEError(f"{where}: corrupt safetensors header entry for '{name}'") from None
+                if any(d < 0 for d in shape) or lo < 0:
+                    raise CoEError(f"{where}: corrupt safetensors header entry for '{name}': negative "
+                                   f"{'shape ' + str(list(shape)) if any(d < 0 for d in shape) else 'offset'}")
                 t = TensorInfo(name, dtype, shape, base + lo, base + hi)
                 if hi < lo or t.end > size:
                     raise CoEError(f"{where}: tensor '{name}' runs past the end of the file (truncated?)")
@@ -159,7 +166,10 @@ class StreamWriter:
         self._next = 0
 
     def _put(self, data) -> None:
-        self._fh.write(data)
+        try:
+            self._fh.write(data)
+        except OSError as exc:         # a full disk, a file-size limit: name the file, not just the errno
+            raise CoEError(f"{self.path}: cannot write ({exc.strerror or exc}; is the disk full?)") from None
         self._hash.update(data)
 
     def write(self, name: str, tensor: "torch.Tensor") -> None:
@@ -177,10 +187,13 @@ class StreamWriter:
         try:
             if self._next != len(self._order):
                 raise CoEError(f"{self.path}: {len(self._order) - self._next} tensors were never written")
-            self._fh.flush()
-            os.fsync(self._fh.fileno())
-            self._fh.close()
-            os.replace(self._tmp, self.path)
+            try:
+                self._fh.flush()
+                os.fsync(self._fh.fileno())
+                self._fh.close()
+                os.replace(self._tmp, self.path)
+            except OSError as exc:
+                raise CoEError(f"{self.path}: cannot write ({exc.strerror or exc}; is the disk full?)") from None
         except BaseException:
             self.abort()
             raise

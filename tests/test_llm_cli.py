@@ -124,6 +124,31 @@ def test_clear_errors(hf_model, tmp_path):
     assert res.exit_code != 0 and "not UTF-8" in res.output
     res = CliRunner().invoke(cli, ["llm", "make-model", "--out", str(tmp_path / "m")])
     assert res.exit_code != 0 and "--trained or --generated" in res.output
+    # a generation past the model's context, and a tune-alpha text with nothing to predict
+    context = hf_model[1].config.max_position_embeddings
+    res = CliRunner().invoke(cli, ["llm", "generate", "--model", str(store), "--prompt", "x" * 10,
+                                   "-n", str(context)])
+    assert res.exit_code == 1 and f"pass the model's context of {context} tokens" in res.output, res.output
+    one = tmp_path / "one.txt"
+    one.write_text("x", encoding="utf-8")
+    res = CliRunner().invoke(cli, ["llm", "tune-alpha", "--model", str(store), "--budget-ms", "10",
+                                   "--text", str(one)])
+    assert res.exit_code == 1 and "needs at least 2" in res.output, res.output
+    # another model's files under this model's ids: refused, not served as weights of the wrong shape
+    import shutil
+
+    from storage.expert_store import ExpertStore
+
+    other = tmp_path / "other"
+    shutil.copytree(store, other)
+    s = ExpertStore(other)
+    eid = next(iter(s.entries())).id
+    tensors = {k: v[:, :-2].contiguous() for k, v in s.read(eid).items()}
+    entry = s.entry(eid)
+    s.write(__import__("coe").Expert(id=eid, arch=entry.arch, kind=entry.kind, classes=(), input_size=1), tensors,
+            version=2)
+    res = CliRunner().invoke(cli, ["llm", "generate", "--model", str(other), "--prompt", "x", "-n", "2"])
+    assert res.exit_code == 1 and f"expert {eid} holds" in res.output and "llm.json says" in res.output, res.output
 
 
 def test_bench_part_a_prints_a_table_and_one_json_line(hf_model, tmp_path):

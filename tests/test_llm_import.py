@@ -22,6 +22,7 @@ pytest.importorskip("transformers")
 from moe_models import VOCAB, build, configs  # noqa: E402
 from safetensors import safe_open  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
+from transformers import AutoModelForCausalLM  # noqa: E402
 
 from coe import CoEError  # noqa: E402
 from coe.moe import (LAYOUT_FORMAT, LAYOUT_VERSION, MoELayout, check_model_name, expert_id,  # noqa: E402
@@ -163,17 +164,27 @@ def test_dtype_bf16_import_equals_importing_a_bf16_checkpoint_and_generates(buil
     assert {e.dtype for e in sc.entries()} == {"bfloat16"}
     assert all(sc.entry(eid).sha256 == sn.entry(eid).sha256 for eid in native.ids())
     assert cast.layers == native.layers
-    assert cast.resident_sha256 == native.resident_sha256 and cast.resident_nbytes == native.resident_nbytes
     _assert_experts_match_reference(ref16, cast, tmp_path / "cast")
+    # what transformers keeps in fp32 when it loads in bf16 (DeepSeek-V3's router) stays fp32 here too: cast
+    # from the fp32 checkpoint it is the fp32 weight, from the bf16 checkpoint the bf16 one widened, so the two
+    # stores' resident files differ there, each as transformers' own loading of its checkpoint has it
+    kept = bool(getattr(ref16, "_keep_in_fp32_modules_strict", None))
+    assert (cast.resident_sha256 == native.resident_sha256) is not kept
+    assert cast.resident_nbytes == native.resident_nbytes
+    ref = ref16 if not kept else AutoModelForCausalLM.from_pretrained(
+        legacy, experts_implementation="eager", dtype=torch.bfloat16).eval()     # the fp32 checkpoint, in bf16
 
     x = torch.randint(3, VOCAB, (1, 7), generator=torch.Generator().manual_seed(0))
-    pm = load_pooled(tmp_path / "cast", memory=cast.layers[0].expert_nbytes * (cast.top_k + 1), policy="lru")
-    got, stats = pm.generate(x, 5)
-    want = ref16.generate(x, max_new_tokens=5, min_new_tokens=5, do_sample=False)[0, x.shape[1]:].tolist()
-    assert got == want and stats.tokens == 5
-    with torch.no_grad():
-        logits = pm.model(x).logits
-    assert logits.dtype == torch.bfloat16 and torch.equal(logits, ref16(x).logits)
+    for store, reference in (("cast", ref), ("native", ref16)):
+        layout = cast if store == "cast" else native
+        pm = load_pooled(tmp_path / store, memory=layout.layers[0].expert_nbytes * (layout.top_k + 1), policy="lru")
+        got, stats = pm.generate(x, 5)
+        want = reference.generate(x, max_new_tokens=5, min_new_tokens=5, do_sample=False)[0, x.shape[1]:].tolist()
+        assert got == want and stats.tokens == 5
+        with torch.no_grad():
+            logits = pm.model(x).logits
+        assert logits.dtype == torch.bfloat16 and torch.equal(logits, reference(x).logits), store
+        pm.close()
 
 
 def test_dtype_fp16_refuses_a_weight_it_would_store_as_inf(built, tmp_path):
@@ -374,12 +385,26 @@ def test_corrupt_header(built, tmp_path):
     with pytest.raises(CoEError, match=r"model\.safetensors: corrupt safetensors header \(claims"):
         import_checkpoint(hf, tmp_path / "out")
     header = json.loads(data[8:8 + n])
-    header["model.norm.weight"]["dtype"] = "Q9"                # an entry that is not a tensor description
+    header["model.norm.weight"]["dtype"] = "Q9"                # a dtype nobody reads: named as such
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (n - len(raw))
     assert len(raw) == n
     shard.write_bytes(bytes(data[:8]) + raw + bytes(data[8 + n:]))
+    with pytest.raises(CoEError, match=r"tensor 'model\.norm\.weight' is Q9, which coe-edge does not read"):
+        import_checkpoint(hf, tmp_path / "out")
+    header["model.norm.weight"]["dtype"] = 7                   # an entry that is not a tensor description
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (n - len(raw))
+    shard.write_bytes(bytes(data[:8]) + raw + bytes(data[8 + n:]))
     with pytest.raises(CoEError, match=r"corrupt safetensors header entry for 'model\.norm\.weight'"):
+        import_checkpoint(hf, tmp_path / "out")
+    header["model.norm.weight"]["dtype"] = "F32"
+    shape = header["model.norm.weight"]["shape"]
+    header["model.norm.weight"]["shape"] = [-1, -shape[0]] if len(shape) == 1 else [-d for d in shape]
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (n - len(raw))
+    shard.write_bytes(bytes(data[:8]) + raw + bytes(data[8 + n:]))
+    with pytest.raises(CoEError, match=r"corrupt safetensors header entry for 'model\.norm\.weight': negative shape"):
         import_checkpoint(hf, tmp_path / "out")
 
 
@@ -421,8 +446,8 @@ def test_expert_of_the_wrong_shape_is_refused(built, tmp_path):
         sd = {k: f.get_tensor(k) for k in f.keys()}
     sd[key] = sd[key][:, :-1].contiguous()
     save_file(sd, str(dst / "model.safetensors"))
-    with pytest.raises(CoEError, match=r"expert 2 of 'model\.layers\.0\.mlp\.experts': down_proj is \[64, 95\], "
-                                       r"the config says \[64, 96\]"):
+    with pytest.raises(CoEError, match=r"expert 2 of 'model\.layers\.0\.mlp\.experts': .*experts\.2\.w2\.weight are "
+                                       r"\[\[64, 95\]\], which do not make down_proj \[64, 96\]"):
         import_checkpoint(dst, tmp_path / "out")
 
 
@@ -706,8 +731,9 @@ def test_every_non_expert_weight_is_covered_exactly_once(tmp_path):
 
 
 def test_a_reimport_killed_part_way_leaves_a_store_that_refuses_to_load_not_a_mix(built, tmp_path):
-    """Re-importing into a store that has a model, stopped after three experts: the experts are part new, part
-    old, so the store must not load at all (its layout goes first), and a full import makes it whole again."""
+    """Re-importing into a store that has a model, stopped after three experts: its layout went first, so the
+    store must not load at all; the experts land in groups, so none of the stopped group replaced an old one;
+    and a full import makes it whole again."""
     _, legacy, _ = built("mixtral")
     out = tmp_path / "store"
     first = import_checkpoint(legacy, out, name="m")
@@ -718,9 +744,101 @@ def test_a_reimport_killed_part_way_leaves_a_store_that_refuses_to_load_not_a_mi
             raise KeyboardInterrupt
     with pytest.raises(KeyboardInterrupt):
         import_checkpoint(legacy, out, name="m", dtype="bf16", progress=killed)
-    assert {e.dtype for e in ExpertStore(out).entries()} == {"float32", "bfloat16"}     # the mix it left
+    assert {e.dtype for e in ExpertStore(out).entries()} == {"float32"}     # the stopped group landed none
     with pytest.raises(CoEError, match="llm.json: not found; is .* a store written by 'coe-agent llm import'"):
         load_pooled(out, memory=first.layers[0].expert_nbytes * (first.top_k + 1), policy="lru")
     again = import_checkpoint(legacy, out, name="m", dtype="bf16")
     assert {e.dtype for e in ExpertStore(out).entries()} == {"bfloat16"} and again.dtype == "bfloat16"
     load_pooled(out, memory=again.layers[0].expert_nbytes * (again.top_k + 1), policy="lru").close()
+
+
+def _variant(src: Path, dst: Path, *, config: dict | None = None, tensors=None) -> Path:
+    """A copy of the checkpoint `src`, its config.json updated by `config`, its tensors passed through `tensors`."""
+    dst.mkdir()
+    doc = json.loads((src / "config.json").read_text())
+    doc.update(config or {})
+    (dst / "config.json").write_text(json.dumps(doc))
+    with safe_open(str(src / "model.safetensors"), framework="pt") as f:
+        sd = {k: f.get_tensor(k) for k in f.keys()}
+    save_file(tensors(sd) if tensors else sd, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+def test_a_reimport_that_fails_its_checks_leaves_the_model_already_there_working(built, tmp_path):
+    """Every shape is known from the headers: a checkpoint that fails on its last expert is refused before the
+    store's layout goes or any expert is replaced (before, 15 experts were replaced and llm.json was gone)."""
+    _, legacy, _ = built("mixtral")
+    out = tmp_path / "store"
+    first = import_checkpoint(legacy, out, name="m")
+    key = "model.layers.1.block_sparse_moe.experts.7.w2.weight"
+
+    def bad(sd):
+        sd[key] = sd[key].t().contiguous()
+        return sd
+    broken = _variant(legacy, tmp_path / "broken", tensors=bad)
+    before = {e.id: e.sha256 for e in ExpertStore(out).entries()}
+    with pytest.raises(CoEError, match=r"experts\.7\.w2\.weight are \[\[\d+, \d+\]\], which do not make down_proj"):
+        import_checkpoint(broken, out, name="m")
+    assert {e.id: e.sha256 for e in ExpertStore(out).entries()} == before
+    load_pooled(out, memory=first.layers[0].expert_nbytes * (first.top_k + 1), policy="lru").close()   # still loads
+
+
+@pytest.mark.parametrize("config,tensors,says", [
+    ({"vocab_size": 640}, None, r"'(lm_head|model\.embed_tokens)\.weight' is \[\d+, \d+\], the model's "
+                                r"'(lm_head|model\.embed_tokens)\.weight' is \[640, \d+\]"),
+    ({"num_local_experts": 4}, None, r"experts\.4\.w\d\.weight' is expert 4 of '.*', which the config gives 4 experts"),
+    ({"num_local_experts": 0}, None, r"has 0 experts|num_experts"),
+    ({"num_experts_per_tok": 9}, None, r"each token asks for 9 experts .* has 8"),
+    (None, lambda sd: {**sd, "model.norm.weight": sd["model.norm.weight"].to(torch.int32)},
+     r"'model\.norm\.weight' is int32, the model's 'model\.norm\.weight' is floating point"),
+], ids=["vocab", "fewer-experts", "no-experts", "top-k", "int-norm"])
+def test_a_checkpoint_its_config_does_not_describe_is_refused_at_import(built, tmp_path, config, tensors, says):
+    _, legacy, _ = built("mixtral")
+    src = _variant(legacy, tmp_path / "v", config=config, tensors=tensors)
+    with pytest.raises(CoEError, match=says):
+        import_checkpoint(src, tmp_path / "out")
+    assert not (tmp_path / "out" / "llm.json").exists()
+
+
+def test_a_bf16_checkpoint_with_an_fp32_router_imports_in_one_dtype_and_generates_as_transformers(built, tmp_path):
+    """transformers loads such a checkpoint in its config's dtype; a resident file of two dtypes made every
+    matmul of the router fail ('expected m1 and m2 to have the same dtype')."""
+    ref = build("mixtral", tmp_path / "hf16", dtype=torch.bfloat16)
+
+    def fp32_router(sd):
+        return {k: (v.float() if k.endswith("block_sparse_moe.gate.weight") else v) for k, v in sd.items()}
+    mixed = _variant(tmp_path / "hf16", tmp_path / "mixed", tensors=fp32_router)
+    layout = import_checkpoint(mixed, tmp_path / "store", name="m")
+    with safe_open(str(tmp_path / "store" / "resident.safetensors"), framework="pt") as f:
+        assert {f.get_tensor(k).dtype for k in f.keys()} == {torch.bfloat16}
+    want_ref = AutoModelForCausalLM.from_pretrained(mixed, experts_implementation="eager", dtype=torch.bfloat16).eval()
+    x = torch.randint(3, VOCAB, (1, 7), generator=torch.Generator().manual_seed(0))
+    pm = load_pooled(tmp_path / "store", memory=layout.layers[0].expert_nbytes * (layout.top_k + 1), policy="lru")
+    try:
+        got, _ = pm.generate(x, 5)
+    finally:
+        pm.close()
+    assert got == want_ref.generate(x, max_new_tokens=5, min_new_tokens=5, do_sample=False)[0, x.shape[1]:].tolist()
+    assert ref is not None
+
+
+def test_out_inside_the_checkpoint_is_refused_and_unused_tensors_are_named(built, tmp_path, caplog):
+    import logging
+
+    _, legacy, _ = built("mixtral")
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(legacy, ckpt)
+    for out in (ckpt, ckpt / "store"):
+        with pytest.raises(CoEError, match=r"inside the checkpoint"):
+            import_checkpoint(ckpt, out)
+    (tmp_path / "o2").mkdir()
+    (tmp_path / "o2" / "model").write_text("a file where the config folder goes")
+    with pytest.raises(CoEError, match=r"model is a file"):
+        import_checkpoint(ckpt, tmp_path / "o2")
+    assert list((tmp_path / "o2").iterdir()) == [tmp_path / "o2" / "model"]          # refused before writing
+    one_layer = _variant(legacy, tmp_path / "one", config={"num_hidden_layers": 1})
+    with caplog.at_level(logging.WARNING, logger="storage.llm_import"):
+        layout = import_checkpoint(one_layer, tmp_path / "o3")
+    assert len(layout.layers) == 1
+    assert any("has no place for are left out" in r.getMessage() and "layers.1." in r.getMessage()
+               for r in caplog.records)

@@ -305,3 +305,10 @@ def test_a_predictor_holding_nan_weights_is_refused_naming_them(tmp_path):
     save_file(arrays, str(tmp_path / "nan.pred"), metadata=meta)
     with pytest.raises(CoEError, match=r"nan\.pred: W holds NaN or infinite values"):
         TokenPredictor.load(tmp_path / "nan.pred")
+
+
+def test_a_predictor_for_another_top_k_does_not_fit():
+    pred = TokenPredictor.train(synthetic(POP, tokens=100, top_k=2, locality=0.5, seed=0))
+    pred.fits(pred.layers, 8, "m", 2)
+    with pytest.raises(CoEError, match=r"top-2\) does not fit model 'm' \(layers \[0, 1, 2\], 8 experts, top-3\)"):
+        pred.fits(pred.layers, 8, "m", 3)

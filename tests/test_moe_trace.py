@@ -592,3 +592,21 @@ def test_gate_scores_that_are_not_numbers_are_refused_and_a_0d_array_is_named(tm
     arrays["chosen"] = np.array(3, dtype=arrays["chosen"].dtype)
     with pytest.raises(CoEError, match=r"chosen and probs must be arrays of tokens"):
         Trace.load(_write(tmp_path / "0d.safetensors", arrays, _meta()))
+
+
+def test_a_trace_of_another_model_under_the_same_name_is_refused_for_its_shape():
+    """Two stores imported as 'tiny' (an OLMoE and a DeepSeek-V3): the name matches, the layers do not; before,
+    the trace's popularity went to the wrong layers and the missing ones got 0."""
+    from coe.moe import MoELayer, MoELayout
+
+    from routing.moe_trace import synthetic
+
+    t = synthetic([[5, 4, 3, 2, 1, 1, 1, 1]] * 2, tokens=20, model="tiny", top_k=2)
+
+    def layout(layers, experts=8, top_k=2):
+        return MoELayout(model="tiny", model_type="x", top_k=top_k, dtype="float32",
+                         layers=tuple(MoELayer(l, f"m.{l}", experts, 4, 4, 96) for l in layers))
+    assert len(t.popularity_for("tiny", "t", layout((0, 1)))) == 16
+    for other in (layout((1, 2)), layout((0, 1), experts=16), layout((0, 1), top_k=3)):
+        with pytest.raises(CoEError, match=r"t: a trace of layers \[0, 1\] with 8 experts, top-2, but the store's"):
+            t.popularity_for("tiny", "t", other)
