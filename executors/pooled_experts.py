@@ -18,7 +18,11 @@ threads, and the layer computes expert i while the later ones still load.
 
 Exactness.  The arithmetic is the eager transformers loop, op for op, in
 ascending expert order, so logits equal the unmodified model's bit for bit in
-fp32 on the CPU whatever the pool size or policy.
+fp32 on the CPU whatever the pool size or policy, prefill and every decode step
+(tests/test_moe_pooled.py), given weights on 64-byte-aligned memory on both
+sides: a CPU kernel on unaligned data rounds differently, and transformers
+computes on the checkpoint's memory map, which leaves some tensors unaligned
+(ours are copied to aligned memory, `moe_model._load_resident`).
 """
 from __future__ import annotations
 
