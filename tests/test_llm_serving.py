@@ -63,6 +63,18 @@ def _post(port: int, body: bytes | dict, path: str = "/v1/completions") -> tuple
     return out
 
 
+def _most_held(events) -> int:
+    """The most bytes (expert_id, event, nbytes) rows in time order ever hold at once."""
+    held, most = {}, 0
+    for eid, event, nbytes in events:
+        if event in ("load", "admit"):
+            held[eid] = nbytes
+        elif event == "evict":
+            held.pop(eid, None)
+        most = max(most, sum(held.values()))
+    return most
+
+
 def _verdicts(db) -> dict:
     return {r["frame_id"]: (r["verdict"], r["reason"]) for r in verdict_rows(db)}
 
@@ -129,13 +141,7 @@ def test_replay_and_completions_at_once_match_each_alone_within_one_budget(tmp_p
     # the recorded loads and evictions, replayed in time order, never hold more than the budget: an account
     # kept apart from the pool's own ledger (an eviction is stamped when the room is reserved, a load when
     # it completes, so time order never shows a load before the eviction that made its room)
-    held, most = {}, 0
-    for eid, event, nbytes in events:
-        if event in ("load", "admit"):
-            held[eid] = nbytes
-        elif event == "evict":
-            held.pop(eid, None)
-        most = max(most, sum(held.values()))
+    most = _most_held(events)
     assert 0 < most <= pool.capacity
     # one pool's bookkeeping: the LLM's loads are recorded beside the vision experts' (and the pool evicted)
     assert llm_loads > 0 and vision_loads > 0 and pool.stats().evictions > 0
@@ -298,13 +304,7 @@ def test_a_max_share_keeps_the_llms_experts_within_it_and_the_text_exact(tmp_pat
     events = con.execute("SELECT expert_id, event, nbytes FROM expert_events WHERE expert_id LIKE 'tiny.%' "
                          "ORDER BY at, id").fetchall()
     con.close()
-    held, most = {}, 0                                    # the LLM's own loads and evictions, replayed
-    for eid, event, nbytes in events:
-        if event in ("load", "admit"):
-            held[eid] = nbytes
-        elif event == "evict":
-            held.pop(eid, None)
-        most = max(most, sum(held.values()))
+    most = _most_held(events)                             # the LLM's own loads and evictions, replayed
     assert biggest * layout.top_k <= most <= int(capacity * share)
     assert sum(e == "evict" for _, e, _ in events) > 0   # it made room among its own experts
 
