@@ -320,7 +320,8 @@ class Agent:
         return RemoteExecutor(spec, self.model, self.pools[slot.name], self.scheduler, self._on_batch,
                               on_event=lambda e, n=slot.name: self._on_pool_event(e, n),
                               call_timeout=c.call_timeout_s, rejoin_s=c.rejoin_s, connect_timeout=c.connect_timeout_s,
-                              channel=c.channel, sync=lambda node=slot.ex.node: self._sync_node(node),
+                              channel=c.channel,
+                              sync=lambda force=False, node=slot.ex.node: self._sync_node(node, force=force),
                               versions=self._store_versions, size_of=self._line_store_base().nbytes)
 
     def _store_versions(self) -> dict[str, int]:
@@ -335,14 +336,15 @@ class Agent:
             base = base.primary
         return base
 
-    def _sync_node(self, node: str) -> None:
+    def _sync_node(self, node: str, force: bool = False) -> None:
         """Before a lost executor's node rejoins: copy the line's store there, unless this agent already synced
-        that node with the manifest the store has now (a rejoin that keeps failing would otherwise hash every
-        expert file on both boxes each time; the version check after the actor starts catches what differs)."""
+        that node with the manifest the store has now and not `force` (a rejoin that keeps failing would
+        otherwise hash every expert file on both boxes each time; the version check after the actor starts
+        forces one when the node's store is not what was synced)."""
         from .cluster import sync_store
 
         digest = self._manifest_digest()
-        if digest is not None and self._synced.get(node) == digest:
+        if not force and digest is not None and self._synced.get(node) == digest:
             return
         sync_store(self.cfg, [node])
         self._synced[node] = digest
@@ -555,11 +557,13 @@ class Agent:
         step("scheduler", self.scheduler.close)
         # a remote executor may be waiting on its node for up to call_timeout_s: its answer (or its hand-back)
         # must reach the writer before the writer stops
-        step("executors", lambda: [ex.join(timeout=join_s(ex)) for ex in self.executors])   # started or not
+        for ex in self.executors:          # each on its own: one that fails to close leaves the others to be
+            step(f"executor {ex.name}", lambda ex=ex: ex.join(timeout=join_s(ex)))   # closed (started or not)
         step("cluster status", lambda: self.cluster_status.stop() if getattr(self, "cluster_status", None)
              else None)
         self._closing = True                  # closing GPU pools does not demote into the host tier
-        step("pools", lambda: [pool.close() for pool in self._all_pools().values()])  # their evictions are recorded
+        for name, pool in self._all_pools().items():                                    # their evictions are recorded
+            step(f"pool {name}", pool.close)
         step("writer", lambda: self.writer.stop() if getattr(self, "writer", None) and self.writer.alive() else None)
         step("journal", lambda: self.journal.close() if getattr(self, "journal", None) else None)
         step("store", lambda: self._line_store.close_reader() if getattr(self, "_line_store", None) else None)
@@ -880,7 +884,10 @@ class Agent:
             if dead:
                 log.error("stopping: %s died (accepted frames stay journaled and are re-run at next start)",
                           ", ".join(dead))
-                self.stop(timeout=10)
+                try:
+                    self.stop(timeout=10)
+                except Exception:  # noqa: BLE001 - already failing: say what did not close, exit 1 either way
+                    log.exception("stopping after a dead thread: a part did not close")
                 return 1
         log.info("signal received: draining %d in-flight frame(s)", len(self._inflight))
         return 0 if self.stop() else 1

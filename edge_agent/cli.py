@@ -444,7 +444,10 @@ def replay(recording: str, line: str, config_path: str | None, endpoint: str | N
             candidate.wait_verdicts(report.accepted, timeout=verdict_timeout)
     finally:
         if candidate is not None:
-            candidate.stop()
+            try:
+                candidate.stop()
+            except Exception as exc:  # noqa: BLE001 - the replay's own error, if any, is the one to show
+                click.echo(f"warning: the candidate agent did not close cleanly: {exc}", err=True)
     if as_json:
         click.echo(json.dumps(report.to_json()))
     else:

@@ -296,8 +296,8 @@ class Ingest:
         def failed(attempt: int, exc: BaseException) -> str:
             log.error(message, attempt, exc)
             why = f"{type(exc).__name__}: {exc}"
-            if self.failing_since is None:
-                self.failing_since = time.monotonic()
+            if self.failing_since is None:   # from when the write began: a lock waited out 30 s before it failed
+                self.failing_since = self._writing_since or time.monotonic()
             self.last_failure = why[:300]
             return why
         self._writing_since = time.monotonic()

@@ -213,7 +213,7 @@ def llm_generate(model: str, prompt: str, max_new_tokens: int, memory: str | Non
     if ids.shape[1] == 0:
         raise CoEError("--prompt encodes to no tokens")
     context = getattr(pm.model.config, "max_position_embeddings", None)
-    if isinstance(context, int) and ids.shape[1] + max_new_tokens > context:
+    if isinstance(context, int) and ids.shape[1] + max_new_tokens - 1 > context:   # the last token is not fed back
         pm.close()
         raise CoEError(f"--prompt ({ids.shape[1]} tokens) and --max-new-tokens {max_new_tokens} pass the model's "
                        f"context of {context} tokens (max_position_embeddings)")

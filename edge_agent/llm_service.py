@@ -27,16 +27,24 @@ import threading
 import time
 import uuid
 from collections.abc import Callable, Iterator
-from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from http.server import BaseHTTPRequestHandler
 from typing import Any
 
 from .bind_errors import why_bind_failed
+from .status_server import HardenedHTTPServer
 
 log = logging.getLogger(__name__)
 
 MAX_BODY = 1 << 20
 ALIVE_EVERY = 8         # tokens between checks that a non-streaming client still waits
 BODY_TIMEOUT = 30.0     # seconds a connection may take to send what it announced: a stalled one pins a thread
+
+
+class _LLMServer(HardenedHTTPServer):
+    """The status server's base (a listen backlog for bursts, IPv6 binds, a dropped client a debug line, not a
+    traceback on stderr), logging as the LLM's."""
+
+    label = "llm http"
 
 
 class RequestError(Exception):
@@ -148,7 +156,7 @@ class LLMService:
         self._count = threading.Lock()
         self._waiting = 0
         try:
-            self._server = ThreadingHTTPServer((bind, port), self._handler())
+            self._server = _LLMServer((bind, port), self._handler())
         except OSError as exc:
             raise OSError(f"llm.port {bind}:{port}: {why_bind_failed(exc)}") from None
         self._server.daemon_threads = True

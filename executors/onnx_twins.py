@@ -78,9 +78,10 @@ class OnnxTwins:
         return (self.store.has(expert_id) and self.base.has(expert_id)
                 and self._sources.get(expert_id) == self._recipe(expert_id))
 
-    def _recipe(self, expert_id: str) -> str:
-        """What a twin is exported from: the source bytes' sha256, and the spec's shape of the expert."""
-        sha = self.base.entry(expert_id).sha256
+    def _recipe(self, expert_id: str, sha: str | None = None) -> str:
+        """What a twin is exported from: the source bytes' sha256 (`sha`: the ones the export read; a promotion
+        during it must not be recorded as exported), and the spec's shape of the expert."""
+        sha = sha or self.base.entry(expert_id).sha256
         e = self.spec.experts.get(expert_id) if self.spec is not None else None
         return sha if e is None else f"{sha}|{e.arch}|{e.input_size}|{len(e.classes)}"
 
@@ -109,7 +110,7 @@ class OnnxTwins:
             return False
         twin = onnx_expert(expert, expert.id)
         self.store.write(twin, onnx_tensors(blob), version=source.version)
-        self._sources[expert.id] = self._recipe(expert.id)
+        self._sources[expert.id] = self._recipe(expert.id, source.sha256)
         write_json_atomic(self._sources_path, self._sources)
         self.exported.append(expert.id)
         return True

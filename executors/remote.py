@@ -357,6 +357,7 @@ class _SizeSource:
         return self.model.experts[expert_id].nbytes
 
 
+RESYNC_S = 60.0       # a rejoin that keeps failing syncs the node's store again at most this often
 WARM_MIN_BPS = 20e6   # the slowest expert read a node's warm-up is allowed (bytes/s): an SD card, a busy USB disk
 SETTLE_S = 3.0     # how long a sync waits for copies still loading (the front declares a silent node lost at 10 s)
 
@@ -601,6 +602,8 @@ class RemoteExecutor:
         self.up = False
         self.state = "created"
         self._stale: str | None = None   # `mark_stale`: why it must rejoin before it serves again
+        self._failed_rejoins = 0          # rejoins that failed since the last one that worked
+        self._forced_sync_at = 0.0        # when a rejoin last synced the node's store whatever the front's did
         self.where: dict = {}
         self.lost = 0          # times it was lost (counted once its requests are back with the scheduler)
         self.requeued = 0      # requests handed back to the scheduler
@@ -616,7 +619,13 @@ class RemoteExecutor:
     def start(self) -> None:
         """Start the actor on its node and warm its pool with the initialisation's plan, then serve."""
         self._connect(self.pool.planned)
-        differ = self._version_skew()
+        try:
+            differ = self._version_skew()
+        except Exception as exc:  # noqa: BLE001 - a node that cannot say its versions is not started on
+            self._drop_actor()
+            self.up, self.state = False, "created"
+            raise CoEError(f"executor {self.name} on node {self.node}: could not read the versions its store "
+                           f"serves: {short_error(exc)}") from None
         if differ:
             self._drop_actor()
             self.up, self.state = False, "created"
@@ -775,7 +784,7 @@ class RemoteExecutor:
                     continue
                 if self._stale is not None:     # marked while it waited: the batch goes back, unrun
                     why, self._stale = self._stale, None
-                    self.scheduler.finished(batch, lost=True)
+                    self.scheduler.finished(batch, lost=True, attempt=False)   # not sent: not an attempt
                     self._lose(CoEError(why), batch)
                     continue
                 self._serve(batch)
@@ -954,30 +963,41 @@ class RemoteExecutor:
         try:
             if ray.cluster_resources().get(node_resource(self.node), 0) <= 0:
                 return False
+            self._stale = None      # whatever made it stale, the sync below brings the node up to date
             if self._sync is not None:
-                self._sync()        # a promotion made while the node was away reaches its store first
+                # a promotion made while the node was away reaches its store first; after a failed rejoin the
+                # node's store is synced again even if the front's did not change (it may have been wiped), at
+                # most once a minute (a sync hashes every expert file on both boxes)
+                now = time.monotonic()
+                force = self._failed_rejoins > 0 and now - self._forced_sync_at >= RESYNC_S
+                if force:
+                    self._forced_sync_at = now
+                self._sync(force=force)
             # the start's plan again (its share of the initialisation across executors), not the most probable
             # experts overall, which the other executors hold already
             order = self.pool.planned or ranked(self.model.experts, self.spec.probabilities)
             self._connect(order)
             differ = self._version_skew()
             if differ and self._sync is not None:   # a promotion landed between the sync and the actor's start
-                self._sync()
+                self._sync(force=True)
                 self.reload_store(list(differ))
                 differ = self._version_skew()
             if differ:
                 raise CoEError(f"its store serves other versions than this box's ({self._skew_text(differ)})")
         except Exception as exc:  # noqa: BLE001 - not back yet
             why = short_error(exc)
+            self._failed_rejoins += 1
             self.up = False                 # `_connect` may have got as far as marking it up
             if self.actor is not None:      # ... and keeping an actor: not used, so not leaked either
                 self._drop_actor()
+                self.pool.forget()          # its reports' sequence goes with it: the next actor counts from 1
             if not before.endswith(f"; rejoin failing: {why}"):   # said once per reason, in the log and state
                 log.warning("executor %s: node %s is in the cluster but cannot rejoin (%s); retrying every %g s",
                             self.name, self.node, why, self.rejoin_s)
             self.state = f"{lost}; rejoin failing: {why}"
             return False
         self.rejoined += 1
+        self._failed_rejoins = 0
         self._deliver_unplaced(self.scheduler.restore(self.name))
         self.state = "up (rejoined)"
         return True

@@ -89,7 +89,7 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from coe import CoEError, Request
+from coe import Request
 
 log = logging.getLogger(__name__)
 
@@ -309,7 +309,7 @@ class Scheduler:
         self.stolen = 0          # groups an idle executor took over from another queue
         self.filled = 0          # batches served ahead of a head group whose expert was still to load (`fill`)
         self.held = 0            # head groups an executor waited on, not took, while their expert loaded (`hold`)
-        self.estimate_faults = 0   # negative queue estimates met while handing out a batch (a bug; logged)
+        self.estimate_faults = 0   # queue estimates that went negative (a bug; logged, set to 0: `_set_cost`)
         self.max_lost = max_lost
         self._lost: dict[int, int] = {}   # request id -> batches of it lost with their executor (while it lives)
         self._due: dict[int, float] = {}   # request id -> its due time, while it is handed back (retire, lost batch)
@@ -331,11 +331,18 @@ class Scheduler:
         return g.switch + K * n + B * -(-n // self._cap(executor, g.expert_id))
 
     def _set_cost(self, executor: str, q: _Queue, g: _Group) -> None:
+        """Refresh `g`'s predicted cost in `q`'s estimate.  An estimate that goes negative is a scheduler bug:
+        counted (`estimate_faults`; a simulation fails on it), logged, and set back to 0 here, never raised:
+        every caller has changed the queue by then, and a raise would leave a request queued that its caller
+        took for refused (a second verdict), or popped and never handed out."""
         new = self._group_cost(executor, g, len(g.requests))
         q.queued += new - g.cost
         g.cost = new
         if q.queued < -_EPS:
-            raise CoEError(f"scheduler bug: {executor}'s predicted queue time went negative ({q.queued:.6f} s)")
+            self.estimate_faults += 1
+            log.error("scheduler bug: %s's predicted queue time went negative (%.6f s); set to 0",
+                      executor, q.queued)
+            q.queued = 0.0
 
     def estimate(self, executor: str) -> float:
         """Predicted seconds until `executor`'s queue is empty: queued groups plus batches still running."""
@@ -592,11 +599,7 @@ class Scheduler:
             ssd = group.ssd
             q.ssd -= group.ssd
             group.switch = group.ssd = 0.0
-            try:
-                self._set_cost(executor, q, group)
-            except CoEError:   # the requests are off the queue: they run; a wrong estimate must not lose them
-                self.estimate_faults += 1
-                log.exception("%s: handing out a batch of %s", executor, x)
+            self._set_cost(executor, q, group)
             q.counts[x] -= take
             q.n -= take
             if not q.counts[x]:
@@ -801,19 +804,21 @@ class Scheduler:
             return copier
         return head
 
-    def finished(self, batch: Batch, *, lost: bool = False) -> None:
+    def finished(self, batch: Batch, *, lost: bool = False, attempt: bool = True) -> None:
         """The executor is done with `batch`: its predicted time leaves the queue's estimate.
 
         `lost`: the batch died with its executor (remote executors) and its
         requests are about to be handed back with `requeue`; each counts one
-        lost attempt.  A batch that ran (outputs or an error) clears its
-        requests' counts.
+        lost attempt, unless `attempt` is False (handed back unrun: its
+        executor left service before sending it).  A batch that ran (outputs
+        or an error) clears its requests' counts.
         """
         with self._cond:
             self._q[batch.executor].inflight.pop(batch.id, None)
             if lost:
                 for i, r in enumerate(batch.requests):
-                    self._lost[r.id] = self._lost.get(r.id, 0) + 1
+                    if attempt:
+                        self._lost[r.id] = self._lost.get(r.id, 0) + 1
                     if i < len(batch.due):
                         self._due[r.id] = batch.due[i]
             elif self._lost:

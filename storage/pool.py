@@ -490,12 +490,16 @@ class Pool:
         return entry
 
     def _trim_locked(self, incoming: str) -> list[PoolEvent]:
-        """Evict what the policy chooses until the pool is within its capacity again; the evictions' events."""
+        """Evict what the policy chooses until the pool, and the capped group of `incoming` (`Share`), are within
+        their capacity again; the evictions' events."""
         over = sum(e.nbytes for e in self._entries.values()) - self.capacity
-        if over <= 0:
+        share = self._share
+        over_share = (share is not None and incoming in share.members
+                      and sum(e.nbytes for k, e in self._entries.items() if k in share.members) > share.max_bytes)
+        if over <= 0 and not over_share:
             return []
         state = self._state_locked(self._context(), incoming=incoming, keep=(incoming,))
-        victims = self.policy.choose_victims(state, 0) or []        # until free >= 0: within capacity
+        victims = self._choose_locked(state, incoming, 0) or []     # until free >= 0: within capacity
         if not victims:
             log.warning("%s pool: %d bytes over its capacity after loading %s, and nothing unpinned to evict",
                         self.tier, over, incoming)

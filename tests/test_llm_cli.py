@@ -127,7 +127,7 @@ def test_clear_errors(hf_model, tmp_path):
     # a generation past the model's context, and a tune-alpha text with nothing to predict
     context = hf_model[1].config.max_position_embeddings
     res = CliRunner().invoke(cli, ["llm", "generate", "--model", str(store), "--prompt", "x" * 10,
-                                   "-n", str(context)])
+                                   "-n", str(context - 8)])           # 10 + context - 8 - 1 = context + 1
     assert res.exit_code == 1 and f"pass the model's context of {context} tokens" in res.output, res.output
     one = tmp_path / "one.txt"
     one.write_text("x", encoding="utf-8")

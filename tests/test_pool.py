@@ -809,11 +809,14 @@ def test_start_fill_keeps_a_capped_group_within_its_share():
     assert got == {"cpu": ["x", "y", "a", "b"]} and p.share_bytes() == 60 and p.stats().evictions == 0
 
 
-def test_a_waiter_is_woken_by_the_release_that_frees_its_room():
+def test_a_waiter_is_woken_by_the_release_that_frees_its_room(monkeypatch):
     import threading
     import time
 
+    import storage.pool as pool_mod
     from storage.pool import wait_for_room
+
+    monkeypatch.setattr(pool_mod, "WAIT_CHECK_S", 3600.0)   # no re-check to fall back on: only the wake-up counts
 
     p = pool(cap=30)
     held = p.acquire("a")
@@ -824,8 +827,30 @@ def test_a_waiter_is_woken_by_the_release_that_frees_its_room():
     waiter = threading.Thread(target=lambda: got.append(
         wait_for_room(lambda: p.acquire("b"), time.monotonic() + 60, lambda: "never", p)))
     waiter.start()
-    p.release(held)                  # the release wakes it (a missed wake-up would wait out the 50 ms re-check)
+    p.release(held)                  # the release wakes it (a missed wake-up would wait an hour: join fails)
     waiter.join(60)
     assert not waiter.is_alive() and got[0].expert_id == "b" and p.resident() == ["b"]
     assert p.generation > since
     p.release(got[0])
+
+
+def test_a_group_expert_booked_above_its_reservation_trims_its_own_group_back_under_the_share():
+    """A CUDA allocator's rounded block booked for an LLM expert: the group goes back under its share, from its
+    own experts, though the pool as a whole has room."""
+    booked = {"x": 30, "y": 40, "a": 30}
+
+    class Tagged(Source):
+        def load(self, eid):
+            value = Value(super().load(eid))
+            value.eid = eid
+            return value
+
+    class Value(bytearray):
+        eid = ""
+
+    p = Pool("cpu", 200, make_policy("lru"), Tagged({"x": 30, "y": 30, "a": 30}), measure=lambda v: booked[v.eid])
+    p.limit_share("llm.max_share", {"x", "y"}, 60)
+    use(p, "a")
+    use(p, "x")
+    use(p, "y")                                           # 30 + 40 > 60 once booked: x (the group's LRU) goes
+    assert set(p.resident()) == {"a", "y"} and p.share_bytes() <= 60

@@ -14,7 +14,6 @@ import logging
 import os
 import select
 import socket
-import struct
 import time
 
 import pytest
@@ -148,19 +147,17 @@ def test_logged_request_lines_carry_no_token(tmp_path, caplog):
 
 # -- 5: errors go to the log, never raw to stderr --------------------------------------------------------------
 def test_a_client_that_drops_mid_answer_is_a_debug_line_not_a_traceback(tmp_path, caplog, capfd):
+    """What the server does with a reset or a broken pipe raised while it answers (the base class prints a
+    traceback to stderr): driven directly, as socketserver calls it, so no race with a real reset is needed."""
     caplog.set_level(logging.DEBUG, logger=LOG)
-    went_away = lambda: [r for r in caplog.records if "went away" in r.getMessage()]  # noqa: E731
     with serving(tmp_path) as server:
-        for _ in range(50):                          # until one reset lands before the answer is written
-            c = socket.create_connection(("127.0.0.1", server.port))
-            c.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER, struct.pack("ii", 1, 0))   # close sends a reset
-            c.sendall(b"GET /static/app.js HTTP/1.1\r\nHost: localhost\r\n\r\n")
-            c.close()
-            with contextlib.suppress(BaseException):
-                wait_for(went_away, "a dropped client logged", timeout_s=0.5)
-            if went_away():
-                break
-        assert went_away() and all(r.levelno == logging.DEBUG for r in went_away())
+        for exc in (ConnectionResetError(104, "Connection reset by peer"), BrokenPipeError(32, "Broken pipe")):
+            try:
+                raise exc
+            except OSError:
+                server._server.handle_error(None, ("127.0.0.1", 40000))
+    went_away = [r for r in caplog.records if "went away" in r.getMessage()]
+    assert len(went_away) == 2 and all(r.levelno == logging.DEBUG for r in went_away)
     err = capfd.readouterr().err
     assert "Traceback" not in err and "Exception occurred" not in err
 
