@@ -429,6 +429,7 @@ def replay(recording: str, line: str, config_path: str | None, endpoint: str | N
         from .agent import Agent
 
         candidate = Agent(cfg, load_spec(cfg.spec_path))
+    replayed = False
     try:
         if candidate is not None:
             try:
@@ -442,11 +443,14 @@ def replay(recording: str, line: str, config_path: str | None, endpoint: str | N
         bar.close()
         if candidate is not None:
             candidate.wait_verdicts(report.accepted, timeout=verdict_timeout)
+        replayed = True
     finally:
         if candidate is not None:
             try:
                 candidate.stop()
             except Exception as exc:  # noqa: BLE001 - the replay's own error, if any, is the one to show
+                if replayed:             # nothing else went wrong: a candidate that did not close is the error
+                    raise
                 click.echo(f"warning: the candidate agent did not close cleanly: {exc}", err=True)
     if as_json:
         click.echo(json.dumps(report.to_json()))

@@ -209,6 +209,9 @@ def run_real(workload: Workload, model: CoEModel, store, profile: Profile | None
         e.join(10)
     if not finished:
         raise TimeoutError(f"{system.name}: only {done[0]} of {len(arrivals)} frames finished in {opts.timeout} s")
+    if sched.estimate_faults:   # as in the simulation: a benchmark figure is not reported off a scheduler bug
+        raise RuntimeError(f"{system.name}: the scheduler's queue estimate went negative {sched.estimate_faults} "
+                           "time(s) (see the log): a scheduler bug")
     lat = sorted(latencies)
     stats = [p.stats() for p in pools.values()]
     switches = sum(s.misses for s in stats) - init_misses

@@ -582,7 +582,7 @@ class RemoteExecutor:
     def __init__(self, spec: RemoteSpec, model: CoEModel, pool: RemotePool, scheduler: Scheduler,
                  on_result: Callable[[BatchResult], None], *, on_event: Callable[[PoolEvent], None] | None = None,
                  call_timeout: float = 60.0, rejoin_s: float = 2.0, connect_timeout: float = 30.0,
-                 channel: str = "zmq", sync: Callable[[], None] | None = None,
+                 channel: str = "zmq", sync: Callable[..., None] | None = None,
                  versions: Callable[[], dict[str, int]] | None = None,
                  size_of: Callable[[str], int] | None = None) -> None:
         if channel not in CHANNELS:
@@ -979,7 +979,11 @@ class RemoteExecutor:
             self._connect(order)
             differ = self._version_skew()
             if differ and self._sync is not None:   # a promotion landed between the sync and the actor's start
-                self._sync(force=True)
+                now = time.monotonic()           # (or the node's store is not what was synced: at most once a minute)
+                force = self._failed_rejoins == 0 or now - self._forced_sync_at >= RESYNC_S
+                if force:
+                    self._forced_sync_at = now
+                self._sync(force=force)
                 self.reload_store(list(differ))
                 differ = self._version_skew()
             if differ:
@@ -990,7 +994,10 @@ class RemoteExecutor:
             self.up = False                 # `_connect` may have got as far as marking it up
             if self.actor is not None:      # ... and keeping an actor: not used, so not leaked either
                 self._drop_actor()
-                self.pool.forget()          # its reports' sequence goes with it: the next actor counts from 1
+                try:
+                    self.pool.forget()      # its reports' sequence goes with it: the next actor counts from 1
+                except Exception:  # noqa: BLE001 - as in `_lose`: this thread goes on rejoining
+                    log.warning("forgetting %s's residency after a failed rejoin failed", self.name, exc_info=True)
             if not before.endswith(f"; rejoin failing: {why}"):   # said once per reason, in the log and state
                 log.warning("executor %s: node %s is in the cluster but cannot rejoin (%s); retrying every %g s",
                             self.name, self.node, why, self.rejoin_s)

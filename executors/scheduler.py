@@ -332,7 +332,8 @@ class Scheduler:
 
     def _set_cost(self, executor: str, q: _Queue, g: _Group) -> None:
         """Refresh `g`'s predicted cost in `q`'s estimate.  An estimate that goes negative is a scheduler bug:
-        counted (`estimate_faults`; a simulation fails on it), logged, and set back to 0 here, never raised:
+        counted (`estimate_faults`; a simulation fails on it), logged, and recomputed from the queue's groups
+        here, never raised:
         every caller has changed the queue by then, and a raise would leave a request queued that its caller
         took for refused (a second verdict), or popped and never handed out."""
         new = self._group_cost(executor, g, len(g.requests))
@@ -340,9 +341,9 @@ class Scheduler:
         g.cost = new
         if q.queued < -_EPS:
             self.estimate_faults += 1
-            log.error("scheduler bug: %s's predicted queue time went negative (%.6f s); set to 0",
+            log.error("scheduler bug: %s's predicted queue time went negative (%.6f s); recomputed from its groups",
                       executor, q.queued)
-            q.queued = 0.0
+            q.queued = sum(x.cost for x in q.groups)     # every caller has set the group's new cost by now
 
     def estimate(self, executor: str) -> float:
         """Predicted seconds until `executor`'s queue is empty: queued groups plus batches still running."""

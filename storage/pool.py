@@ -499,10 +499,12 @@ class Pool:
         if over <= 0 and not over_share:
             return []
         state = self._state_locked(self._context(), incoming=incoming, keep=(incoming,))
-        victims = self._choose_locked(state, incoming, 0) or []     # until free >= 0: within capacity
+        victims = self._choose_locked(state, incoming, 0)            # until free >= 0: within capacity
+        if victims is None:          # its group cannot get under its share (pinned): the pool's capacity still
+            victims = self.policy.choose_victims(state, 0) or []     # comes first
         if not victims:
-            log.warning("%s pool: %d bytes over its capacity after loading %s, and nothing unpinned to evict",
-                        self.tier, over, incoming)
+            log.warning("%s pool: over its capacity or %s's share after loading it (%d bytes over the pool), and "
+                        "nothing unpinned to evict", self.tier, incoming, max(over, 0))
         return [self._evict_locked(v, incoming=incoming) for v in victims]
 
     def peek(self, expert_id: str):

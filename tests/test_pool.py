@@ -854,3 +854,28 @@ def test_a_group_expert_booked_above_its_reservation_trims_its_own_group_back_un
     use(p, "x")
     use(p, "y")                                           # 30 + 40 > 60 once booked: x (the group's LRU) goes
     assert set(p.resident()) == {"a", "y"} and p.share_bytes() <= 60
+
+
+def test_a_group_that_cannot_get_under_its_share_still_leaves_the_pool_within_capacity():
+    booked = {"x": 30, "y": 40, "a": 20}
+
+    class Tagged(Source):
+        def load(self, eid):
+            value = Value(super().load(eid))
+            value.eid = eid
+            return value
+
+    class Value(bytearray):
+        eid = ""
+
+    p = Pool("cpu", 90, make_policy("lru"), Tagged({"x": 30, "y": 30, "a": 20}), measure=lambda v: booked[v.eid])
+    p.limit_share("llm.max_share", {"x", "y"}, 60)
+    use(p, "a")
+    hx = p.acquire("x")                                   # pinned: the group cannot shed it
+    use(p, "y")                                           # 20 + 30 + 40 = 90... booked: within the pool, over share
+    assert p.used_bytes() <= p.capacity
+    booked["y"] = 45
+    p.evict("y")
+    use(p, "y")                                           # 20 + 30 + 45 = 95 > 90: a goes, the pool comes first
+    assert p.used_bytes() <= p.capacity and "a" not in p.resident()
+    p.release(hx)

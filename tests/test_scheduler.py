@@ -409,3 +409,4 @@ def test_a_queue_estimate_gone_negative_is_counted_and_set_to_zero_and_loses_no_
     while (b := s.next_batch("x", timeout=0)) is not None:
         got += [r.frame.frame_id for r in b.requests]
     assert got == ["f2", "f3"] and s.depth() == 0          # every request handed out exactly once
+    assert s.estimate_faults == 1                         # recomputed, not zeroed: draining it met no second fault
