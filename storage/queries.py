@@ -52,6 +52,10 @@ class VerdictQuery:
     after: tuple[float, int] | None = None
 
     def __post_init__(self) -> None:
+        for key in ("component", "board"):     # here, so the CLI and the API refuse the same filters
+            v = getattr(self, key)
+            if v is not None and (not v or len(v) > MAX_FILTER_LEN):
+                raise QueryError(key, f"must be 1..{MAX_FILTER_LEN} characters")
         if self.verdict is not None and self.verdict not in VERDICTS:
             raise QueryError("verdict", f"must be one of {', '.join(VERDICTS)}, got '{self.verdict}'")
         if not 1 <= self.limit <= MAX_LIMIT:
@@ -85,12 +89,28 @@ def parse_since(text: str) -> float:
         value = float(text)
     except ValueError:
         try:
-            value = datetime.fromisoformat(text.replace("Z", "+00:00").replace("z", "+00:00")).timestamp()
+            when = datetime.fromisoformat(text.replace("Z", "+00:00").replace("z", "+00:00"))
         except ValueError:
             raise QueryError("since", f"expected epoch seconds or an ISO 8601 time, got '{text[:40]}'") from None
+        try:
+            value = when.timestamp()
+        except (OverflowError, ValueError, OSError):
+            raise QueryError("since", f"'{text[:40]}' is out of the range of times this box can read") from None
+        if when.tzinfo is None and datetime.fromtimestamp(value) != when:
+            # a local time that does not exist (the hour a clock springs forward): no verdict has it
+            raise QueryError("since", f"'{text[:40]}' does not exist in this box's time zone (a daylight-saving "
+                                      "gap); give an offset, e.g. +02:00")
     if not math.isfinite(value):
         raise QueryError("since", "must be a finite time")
+    if value > SINCE_MAX:
+        hint = " (milliseconds? give seconds)" if value / 1000 <= SINCE_MAX else ""
+        raise QueryError("since", f"{text[:40]} is after the year 2200{hint}")
+    if value < 0:
+        raise QueryError("since", f"{text[:40]} is before 1970")
     return value
+
+
+SINCE_MAX = 7_258_118_400.0    # 2200-01-01 UTC: later is a typo (milliseconds), not a time a verdict has
 
 
 def encode_cursor(decided_at: float, rowid: int) -> str:
@@ -126,9 +146,8 @@ def parse_verdict_params(params: Mapping[str, Sequence[str]], *, ignore: Sequenc
         if len(values) != 1:
             raise QueryError(key, "given more than once")
         one[key] = values[0]
-    for key in ("verdict", "component", "board"):
-        if key in one and (not one[key] or len(one[key]) > MAX_FILTER_LEN):
-            raise QueryError(key, f"must be 1..{MAX_FILTER_LEN} characters")
+    if "verdict" in one and (not one["verdict"] or len(one["verdict"]) > MAX_FILTER_LEN):
+        raise QueryError("verdict", f"must be 1..{MAX_FILTER_LEN} characters")
     limit = DEFAULT_LIMIT
     if "limit" in one:
         try:

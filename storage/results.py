@@ -21,7 +21,11 @@ import sqlite_utils
 
 from coe import CoEError
 
-SCHEMA_VERSION = 1
+SCHEMA_VERSION = 1            # PRAGMA user_version of a database this code wrote (0: from before it was stamped)
+RETENTION_INDEXES = (("idx_inferences_started", "inferences", "started_at"), ("idx_errors_at", "errors", "at"),
+                     ("idx_expert_events_at", "expert_events", "at"), ("idx_frames_received", "frames", "received_at"))
+PRUNE_CHUNK = 5000            # rows one retention transaction deletes: ingest waits at most that long for its lock
+VACUUM_PAGES = 2000           # pages one incremental vacuum step gives back
 
 # name -> columns; each equality filter of a verdict query leads one, decision time follows (newest first)
 VERDICT_INDEXES = {
@@ -55,10 +59,15 @@ class ResultStore:
         self.path = Path(path)
         try:
             self._open(synchronous, readonly)
-        except sqlite3.DatabaseError as exc:    # a corrupt or foreign file, a full disk, a read-only mount
-            raise CoEError(f"results database {self.path}: {exc} (not a results database, or a damaged one: "
-                           "move it aside and the agent makes a new one; frames it journaled are then not "
-                           "re-run)") from None
+        except sqlite3.DatabaseError as exc:
+            text = str(exc)
+            if "not a database" in text or "malformed" in text:      # a foreign or damaged file
+                raise CoEError(f"results database {self.path}: {exc} (not a results database, or a damaged one: "
+                               "move it aside and the agent makes a new one; frames it journaled are then not "
+                               "re-run)") from None
+            # locked past the busy timeout, a full disk, a read-only mount: the file is fine, keep it
+            raise CoEError(f"results database {self.path}: cannot open it: {exc} (the file is kept as it is: "
+                           "free the lock, the space or the mount, and start again)") from None
 
     def _open(self, synchronous: str, readonly: bool) -> None:
         if readonly:
@@ -104,8 +113,18 @@ class ResultStore:
 
     # -- schema -------------------------------------------------------------
     def ensure_schema(self) -> None:
+        """Create or bring up to date the tables and indexes, in one write transaction taken up front (a
+        deferred one that read the schema, then wrote, failed at once on another writer's lock: an older
+        database could not be migrated while anything wrote to it).  A database a newer coe-edge wrote
+        (`PRAGMA user_version` above `SCHEMA_VERSION`) is refused, naming both: its rows could not be written
+        here, and frames would be acked and never given a verdict."""
         db = self.db
-        with db.atomic():
+        version = db.execute("PRAGMA user_version").fetchone()[0]
+        if version > SCHEMA_VERSION:
+            raise CoEError(f"results database {self.path}: schema version {version}, written by a newer coe-edge "
+                           f"(this one reads up to {SCHEMA_VERSION}); run that version, or give this agent a new "
+                           "results_db")
+        with self._write_txn():
             if "frames" not in db.table_names():
                 db["frames"].create({"frame_id": str, "line": str, "board_id": str, "component": str,
                                      "ts": float, "received_at": float, "status": str}, pk="frame_id")
@@ -143,6 +162,11 @@ class ResultStore:
             if "expert_events" not in db.table_names():
                 db["expert_events"].create({"id": int, "expert_id": str, "tier": str, "event": str,
                                             "nbytes": int, "seconds": float, "at": float}, pk="id")
+            # retention deletes by these times: without an index each prune read whole tables under the lock
+            for name, table, col in RETENTION_INDEXES:
+                db.execute(f"CREATE INDEX IF NOT EXISTS {name} ON {table} ({col})")
+            if version < SCHEMA_VERSION:
+                db.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
 
     def _denormalize_verdicts(self) -> None:
         """Verdicts carry their frame's component and board, so each filter is one index range.
@@ -209,11 +233,13 @@ class ResultStore:
 
     def pending(self) -> list[JournalEntry]:
         """Accepted frames that have no verdict yet (to re-run after a restart)."""
+        # driven from the journal (only unfinished frames), not from `frames`, which keeps every frame ever
+        # accepted: CROSS JOIN keeps SQLite from choosing the big table to satisfy an ORDER BY; sorted here
         cur = self.db.execute(
-            "SELECT f.frame_id, f.line, f.board_id, f.component, f.ts, f.received_at, j.header, j.payload "
-            "FROM frames f JOIN journal j ON j.frame_id = f.frame_id "
-            "LEFT JOIN verdicts v ON v.frame_id = f.frame_id WHERE v.frame_id IS NULL ORDER BY f.rowid")
-        return [JournalEntry(*row) for row in cur.fetchall()]
+            "SELECT f.rowid, f.frame_id, f.line, f.board_id, f.component, f.ts, f.received_at, j.header, j.payload "
+            "FROM journal j CROSS JOIN frames f ON f.frame_id = j.frame_id "
+            "LEFT JOIN verdicts v ON v.frame_id = f.frame_id WHERE v.frame_id IS NULL")
+        return [JournalEntry(*row[1:]) for row in sorted(cur.fetchall(), key=lambda r: r[0])]
 
     # -- result writer side -----------------------------------------------------
     def write(self, *, inferences: Sequence[dict] = (), verdicts: Sequence[dict] = (),
@@ -301,21 +327,33 @@ class ResultStore:
         rows stay; inferences, errors, expert events and defect thumbnails go
         (thumbnails are images of the product: they never outlive `before`).
         """
-        deleted = {}
-        with self._write_txn():
-            c = self.db.conn
-            deleted["inferences"] = c.execute("DELETE FROM inferences WHERE started_at < ?", (before,)).rowcount
-            deleted["errors"] = c.execute("DELETE FROM errors WHERE at < ?", (before,)).rowcount
-            deleted["expert_events"] = c.execute("DELETE FROM expert_events WHERE at < ?", (before,)).rowcount
-            deleted["thumbnails"] = c.execute("DELETE FROM thumbnails WHERE at < ?", (before,)).rowcount
-            if not keep_verdicts:
-                deleted["verdicts"] = c.execute("DELETE FROM verdicts WHERE decided_at < ?", (before,)).rowcount
-                deleted["frames"] = c.execute(
-                    "DELETE FROM frames WHERE received_at < ? AND status = 'done' AND frame_id NOT IN "
-                    "(SELECT frame_id FROM verdicts)", (before,)).rowcount
-        # executescript steps the pragma to completion (execute() would free a single page)
-        self.db.conn.executescript("PRAGMA incremental_vacuum;")
+        where = {"inferences": "started_at < ?", "errors": "at < ?", "expert_events": "at < ?",
+                 "thumbnails": "at < ?"}
+        if not keep_verdicts:
+            where["verdicts"] = "decided_at < ?"
+            where["frames"] = ("received_at < ? AND status = 'done' AND frame_id NOT IN "
+                               "(SELECT frame_id FROM verdicts)")
+        # in chunks, each its own short transaction, and the free pages given back a step at a time: one
+        # transaction of a whole backlog (after downtime, or retention first turned on) held the write lock for
+        # seconds, and ingest, which acks nothing until its journal commits, waited behind it
+        deleted = {table: self._delete_chunked(table, cond, before) for table, cond in where.items()}
+        while self.freelist() > 0:
+            before_free = self.freelist()
+            # executescript steps the pragma to completion (execute() would free a single page)
+            self.db.conn.executescript(f"PRAGMA incremental_vacuum({VACUUM_PAGES});")
+            if self.freelist() >= before_free:      # not incremental (a database from before auto_vacuum)
+                break
         return deleted
+
+    def _delete_chunked(self, table: str, cond: str, before: float) -> int:
+        total = 0
+        while True:
+            with self._write_txn():
+                n = self.db.conn.execute(f"DELETE FROM {table} WHERE rowid IN (SELECT rowid FROM {table} "
+                                         f"WHERE {cond} LIMIT {PRUNE_CHUNK})", (before,)).rowcount
+            total += n
+            if n < PRUNE_CHUNK:
+                return total
 
     def freelist(self) -> int:
         return self.db.execute("PRAGMA freelist_count").fetchone()[0]

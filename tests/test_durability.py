@@ -290,3 +290,42 @@ def test_frames_whose_output_cannot_be_used_are_counted_on_the_status_page_by_ki
         == len(raised), counts
     kinds = dict(db_one(cfg.db_path, "SELECT kind, count(*) FROM errors GROUP BY kind"))
     assert kinds.get("output") == len(garbled)
+
+
+def test_retention_deletes_in_short_transactions_by_index_and_the_same_rows(tmp_path, monkeypatch):
+    """A backlog is deleted a chunk per transaction (ingest waits at most one chunk for the write lock), through
+    an index on each time column, not a scan of the whole table under the lock."""
+    import storage.results as results_mod
+
+    monkeypatch.setattr(results_mod, "PRUNE_CHUNK", 7)
+    rs = ResultStore(tmp_path / "r.db")
+    old, new = 1_000.0, time.time()
+    rs.write(errors=[{"frame_id": None, "kind": "k", "message": "m", "at": old if i < 30 else new}
+                     for i in range(40)])
+    commits = []
+    rs.db.conn.set_trace_callback(lambda sql: commits.append(sql) if sql.strip().upper() == "COMMIT" else None)
+    got = rs.prune(time.time() - 86400)
+    rs.db.conn.set_trace_callback(None)
+    assert got["errors"] == 30 and rs.db.execute("SELECT count(*) FROM errors").fetchone()[0] == 10
+    assert len(commits) >= 30 // 7                         # one per chunk, not one for the whole backlog
+    for table, col in (("inferences", "started_at"), ("errors", "at"), ("expert_events", "at"),
+                       ("frames", "received_at")):
+        plan = " ".join(str(r) for r in rs.db.execute(
+            f"EXPLAIN QUERY PLAN SELECT rowid FROM {table} WHERE {col} < ? LIMIT 5", (1.0,)).fetchall())
+        assert "USING" in plan and "INDEX" in plan, (table, plan)
+
+
+def test_a_database_a_newer_coe_edge_wrote_is_refused_naming_both_versions(tmp_path):
+    from coe import CoEError
+    from storage.results import SCHEMA_VERSION
+
+    path = tmp_path / "r.db"
+    ResultStore(path).close()
+    con = sqlite3.connect(path)
+    assert con.execute("PRAGMA user_version").fetchone()[0] == SCHEMA_VERSION      # stamped when made
+    con.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
+    con.commit()
+    con.close()
+    with pytest.raises(CoEError, match=rf"schema version {SCHEMA_VERSION + 1}, written by a newer coe-edge "
+                                       rf"\(this one reads up to {SCHEMA_VERSION}\)"):
+        ResultStore(path)

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import sqlite3
 import time
 
@@ -302,3 +303,31 @@ def test_the_journal_itself_tells_a_resend_from_another_frame_under_the_same_id(
     assert rs.journal([entry("a", b"one"), entry("a", b"three")]) == [False, CONFLICT]
     assert db_rows(tmp_path / "r.db", "SELECT payload FROM journal") == [(b"one",)]
     rs.close()
+
+
+def test_since_refuses_milliseconds_out_of_range_times_and_a_local_time_that_does_not_exist(monkeypatch):
+    from storage.queries import parse_since
+
+    assert parse_since("1714557600") == 1714557600.0 and parse_since("2024-05-01T10:00:00Z") == 1714557600.0
+    for text, says in (("1714557600000", "after the year 2200 (milliseconds? give seconds)"),
+                       ("1e18", "after the year 2200"), ("-5", "before 1970"),
+                       ("0001-01-01T00:00:00+00:00", "before 1970")):
+        with pytest.raises(QueryError, match=re.escape(says)):
+            parse_since(text)
+    monkeypatch.setenv("TZ", "Europe/Berlin")
+    time.tzset()
+    try:
+        with pytest.raises(QueryError, match="does not exist in this box's time zone"):
+            parse_since("2024-03-31T02:30:00")            # the hour the clocks spring forward
+        assert parse_since("2024-03-31T03:30:00") == parse_since("2024-03-31T03:30:00+02:00")
+    finally:
+        monkeypatch.delenv("TZ")
+        time.tzset()
+
+
+def test_the_cli_and_the_api_refuse_the_same_filters():
+    for board in ("", "b" * 300):
+        with pytest.raises(QueryError, match=r"parameter 'board': must be 1\.\.128 characters"):
+            VerdictQuery(board=board)
+        with pytest.raises(QueryError, match=r"parameter 'board': must be 1\.\.128 characters"):
+            parse_verdict_params({"board": [board]})
