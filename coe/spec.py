@@ -84,6 +84,9 @@ class CoEModel:
         return replace(self, experts={k: replacements.get(k, e) for k, e in self.experts.items()})
 
 
+RESERVED_IDS = frozenset({"router"})   # store entries coe-edge writes itself (routing.learned.ROUTER_ID)
+
+
 # -- loading -------------------------------------------------------------------
 
 def load_spec(path: str | Path) -> CoEModel:
@@ -157,6 +160,8 @@ def _parse_expert(e: Any, src: str, key: str) -> Expert:
     eid = _need(e, "id", str, src, key)
     if (problem := id_problem(eid)) is not None:
         raise SpecError(src, f"{key}.id", f"{eid!r} {problem}")
+    if eid in RESERVED_IDS:
+        raise SpecError(src, f"{key}.id", f"'{eid}' is reserved (the learned router's entry in the expert store)")
     arch = _need(e, "arch", str, src, key)
     if "/" not in arch:
         raise SpecError(src, f"{key}.arch", f"expected 'family/model' like 'torchvision/resnet18', got '{arch}'")

@@ -182,11 +182,12 @@ def zoo() -> None:
 @line_options
 @click.option("--steps", default=300, show_default=True, type=click.IntRange(min=1),
               help="Training steps per classifier group, at most: a group stops once a validation draw scores 99%.")
-@click.option("--batch", default=48, show_default=True, type=click.IntRange(min=1),
-              help="Synthetic frames per classifier step.")
+@click.option("--batch", default=48, show_default=True, type=click.IntRange(min=2),
+              help="Synthetic frames per classifier step (BatchNorm trains on 2 or more).")
 @click.option("--detector-steps", default=None, type=int,
               help="Training steps per detector (default: 500); 0 leaves detectors alone.")
-@click.option("--seed", default=0, show_default=True, help="Seed for the frames and the initial weights.")
+@click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0),
+              help="Seed for the frames and the initial weights.")
 @click.option("--force", is_flag=True, help="Retrain experts that are already trained.")
 @click.option("--workers", default=None, type=click.IntRange(min=1),
               help="Training processes side by side (default: one per core, at most one per job).")

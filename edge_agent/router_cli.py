@@ -108,8 +108,10 @@ def _table(cols: tuple[str, ...], rows: list[list[str]], right: set[str]) -> lis
     return [fmt(cols), *(fmt(r) for r in rows)]
 
 
-_threshold = click.option("--threshold", type=click.FloatRange(0.0, 1.0, min_open=True), default=0.9,
-                          show_default=True, help="Confidence at or above which the network routes on its own.")
+_threshold = click.option("--threshold", type=click.FloatRange(0.0, 1.0, min_open=True, max_open=True),
+                          default=None, help="Confidence at or above which the network routes on its own, for "
+                                             "the figures (default: the line's routing.threshold; the agent "
+                                             "always uses that).")
 _data = click.option("--data", "data", required=True, type=click.Path(file_okay=False, exists=True),
                      help="Recording directory (manifest.jsonl + frames/).")
 
@@ -122,9 +124,12 @@ _data = click.option("--data", "data", required=True, type=click.Path(file_okay=
 @_threshold
 @click.option("--size", "input_size", default=32, show_default=True, type=click.IntRange(16, 128),
               help="Side in pixels the frames are resized to.")
+@click.option("--allow-missing", is_flag=True,
+              help="Store the router though some of the spec's component types have no frame in --data (it "
+                   "will never predict them, and routes their frames to others on its own).")
 @_fail_clearly
-def router_train(line: str, config_path: str | None, data: str, epochs: int, seed: int, threshold: float,
-                 input_size: int) -> None:
+def router_train(line: str, config_path: str | None, data: str, epochs: int, seed: int, threshold: float | None,
+                 input_size: int, allow_missing: bool) -> None:
     """Train the learned router on a recording and write it into the line's expert store.
 
     Labels are each frame's truth_component (a recording made with
@@ -143,7 +148,9 @@ def router_train(line: str, config_path: str | None, data: str, epochs: int, see
     from routing.train import EpochStats, evaluate_router, train_router
 
     cfg, model = _open(line, config_path)
+    threshold = cfg.routing.threshold if threshold is None else threshold
     rec = Recording(data)
+    _check_line(rec, cfg.line, data)
     click.echo(f"training the router of line {cfg.line} on {len(rec)} frame(s) of {data}: "
                f"{len(model.components)} component types, {epochs} epoch(s), seed {seed}, {input_size} px")
 
@@ -151,6 +158,10 @@ def router_train(line: str, config_path: str | None, data: str, epochs: int, see
         click.echo(f"epoch {s.epoch:>3}/{s.epochs}  loss {s.loss:.4f}  train acc {_pct(s.accuracy)}  "
                    f"{s.seconds:.1f} s")
     net, classes, report = train_router(model, rec, epochs=epochs, seed=seed, input_size=input_size, progress=tick)
+    if report.unseen and not allow_missing:   # before anything is written: the line's router stays as it was
+        raise CoEError(f"{len(report.unseen)} component type(s) of the spec have no frame in {data}: "
+                       f"{', '.join(report.unseen)}; a router trained without them routes their frames to other "
+                       "types, confidently, over correct headers. Record them too, or pass --allow-missing")
     learned = LearnedRouter(model, net, classes, input_size, threshold=threshold)
     store = ExpertStore(cfg.store_path, verify=cfg.expert_verify)
     learned.save(store)
@@ -173,7 +184,8 @@ def router_train(line: str, config_path: str | None, data: str, epochs: int, see
 @_threshold
 @click.option("--top", default=8, show_default=True, type=click.IntRange(min=1), help="Confused pairs to list.")
 @_fail_clearly
-def router_eval(line: str, config_path: str | None, data: str, png: str | None, threshold: float, top: int) -> None:
+def router_eval(line: str, config_path: str | None, data: str, png: str | None, threshold: float | None,
+                top: int) -> None:
     """Score the line's learned router on a recording: accuracy, per-class recall, confusions.
 
     Accuracy is the network's top-1 component against each frame's true type;
@@ -191,9 +203,11 @@ def router_eval(line: str, config_path: str | None, data: str, png: str | None, 
     from routing.train import evaluate_router, plot_confusion
 
     cfg, model = _open(line, config_path)
+    threshold = cfg.routing.threshold if threshold is None else threshold
     learned = LearnedRouter.load(model, _existing_store(cfg), threshold=threshold)
-    rep = evaluate_router(learned, Recording(data))
-    out = plot_confusion(rep, Path(png) if png else Path(cfg.data_dir) / "router-confusion.png")
+    rec = Recording(data)
+    _check_line(rec, cfg.line, data)
+    rep = evaluate_router(learned, rec)
     click.echo(f"learned router of line {cfg.line} on {rep.n} frame(s) of {data}")
     click.echo(f"top-1 accuracy: {_pct(rep.accuracy)}")
     click.echo(f"at threshold {rep.threshold:.2f}: {_pct(rep.routed)} of frames routed by the network, "
@@ -216,7 +230,21 @@ def router_eval(line: str, config_path: str | None, data: str, png: str | None, 
             click.echo(f"  {t} -> {p}: {n}")
     else:
         click.echo("no confusions")
+    target = Path(png) if png else Path(cfg.data_dir) / "router-confusion.png"
+    try:                                   # after the figures: a path it cannot write loses only the picture
+        out = plot_confusion(rep, target)
+    except OSError as exc:
+        raise CoEError(f"--png {target}: the confusion matrix could not be written: {exc.strerror or exc} "
+                       "(the figures above stand)") from None
     click.echo(f"confusion matrix: {out}")
+
+
+def _check_line(rec, line: str, data: str) -> None:
+    """Frames of another line: a router is trained or scored on the line it serves."""
+    other = sorted({f.header.get("line") for f in rec} - {line, None})
+    if other:
+        raise CoEError(f"{data}: frames of line {', '.join(map(str, other))}, not of line {line}; record this "
+                       "line's frames (or give --line/--config of that line)")
 
 
 def _sample(cfg: "LineConfig", model: CoEModel, data: str, router_kind: str, seed: int) -> tuple[dict, str]:
@@ -238,7 +266,7 @@ def _sample(cfg: "LineConfig", model: CoEModel, data: str, router_kind: str, see
 
         if store is None:
             store = _existing_store(cfg)
-        chosen = LearnedRouter.load(model, store)
+        chosen = LearnedRouter.load(model, store, threshold=cfg.routing.threshold)
     else:
         chosen = RuleRouter(model)
         if any("component" not in f.header for f in rec):

@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 ROUTER_ID = "router"
 ROUTER_ARCH = "coe/router-cnn"
 INPUT_SIZES = range(16, 129)
+MAX_WIDTH = 128                # RouterNet width a stored router may claim (the CLI trains 16; ~100 w^2 parameters)
 DEFAULT_THRESHOLD = 0.9
 _META_CLASSES = "meta.classes_json"
 _META_SIZE = "meta.input_size"
@@ -140,13 +141,22 @@ class LearnedRouter:
         tensors = store.read(ROUTER_ID)
         where = f"learned router {store.root / entry.file}"
         try:
-            classes = json.loads(bytes(tensors.pop(_META_CLASSES).tolist()).decode("utf-8"))
-            input_size = int(tensors.pop(_META_SIZE).item())
-            width = int(tensors.pop(_META_WIDTH).item())
-        except (KeyError, ValueError, UnicodeDecodeError) as exc:
+            raw = tensors.pop(_META_CLASSES)
+            if raw.dtype != torch.uint8 or raw.dim() != 1:
+                raise ValueError(f"classes must be a 1-D uint8 tensor, got {raw.dtype} {list(raw.shape)}")
+            classes = json.loads(bytes(raw.tolist()).decode("utf-8"))
+            size_t, width_t = tensors.pop(_META_SIZE), tensors.pop(_META_WIDTH)
+            if size_t.numel() != 1 or width_t.numel() != 1 or size_t.is_floating_point() or width_t.is_floating_point():
+                raise ValueError("input size and width must be one whole number each")
+            input_size, width = int(size_t.item()), int(width_t.item())
+        except (KeyError, ValueError, UnicodeDecodeError, RuntimeError, TypeError) as exc:
             raise CoEError(f"{where}: missing or unreadable metadata tensors ({exc})") from None
         if not isinstance(classes, list) or not all(isinstance(c, str) for c in classes):
             raise CoEError(f"{where}: metadata classes must be a list of component names")
+        if input_size not in INPUT_SIZES:
+            raise CoEError(f"{where}: input size {input_size}, expected {INPUT_SIZES.start}..{INPUT_SIZES.stop - 1}")
+        if not 1 <= width <= MAX_WIDTH:      # checked before the net is built: width^2 parameters
+            raise CoEError(f"{where}: width {width}, expected 1..{MAX_WIDTH}")
         _check_classes(model, classes, where)
         net = RouterNet(len(classes), width)
         try:
@@ -165,7 +175,8 @@ class LearnedRouter:
         tensors[_META_WIDTH] = torch.tensor([self.net.width], dtype=torch.int64)
         expert = Expert(id=ROUTER_ID, arch=ROUTER_ARCH, kind="classifier", classes=tuple(self.classes),
                         input_size=self.input_size)
-        store.write(expert, tensors)
+        on_disk = store.read_manifest().get(ROUTER_ID)      # a retrain is the next version, as a promotion is
+        store.write(expert, tensors, version=on_disk.version + 1 if on_disk is not None else 1)
 
     # -- inference ----------------------------------------------------------------------
     def probabilities(self, images: Sequence[np.ndarray]) -> np.ndarray:

@@ -110,6 +110,9 @@ def decode_frame(recording: "Recording", frame: "RecordedFrame") -> np.ndarray:
     enc = frame.header["encoding"]
     if enc == "raw":
         h, w, c = frame.header["shape"]
+        if c not in (1, 3):     # what the wire protocol takes: gray or RGB
+            raise CoEError(f"{recording.manifest}: frame {frame.frame_id!r}: a raw image of {c} channels; "
+                           "frames are gray (1) or RGB (3)")
         img = np.frombuffer(data, np.uint8).reshape(h, w, c)
         return np.repeat(img, 3, axis=2) if c == 1 else img.copy()
     arr = cv2.imdecode(np.frombuffer(data, np.uint8), cv2.IMREAD_COLOR)
@@ -164,6 +167,8 @@ def train_router(model: CoEModel, recording: "Recording", *, epochs: int, seed: 
     x = preprocess(data.images, input_size)
     y = torch.tensor([index[c] for c in data.components], dtype=torch.int64)
     n = len(y)
+    if n < 2:     # BatchNorm trains on 2 or more: with 1 frame no step would run and an untrained net be stored
+        raise CoEError(f"{recording.manifest}: {n} frame(s); the router needs at least 2 to train on")
 
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
@@ -193,6 +198,9 @@ def train_router(model: CoEModel, recording: "Recording", *, epochs: int, seed: 
             sched.step()
             total_loss += float(loss.detach()) * len(idx)
             correct += int((logits.argmax(1) == yb).sum())
+        if not total_loss and not correct and steps_per_epoch and all(
+                len(order[s * _BATCH:(s + 1) * _BATCH]) < 2 for s in range(steps_per_epoch)):
+            raise CoEError(f"{recording.manifest}: no training step could run (every batch a single frame)")
         stats = EpochStats(epoch, epochs, total_loss / n, correct / n, time.perf_counter() - te)
         history.append(stats)
         if progress is not None:

@@ -8,6 +8,7 @@ exactly, so they do not depend on what training happened to learn.
 from __future__ import annotations
 
 import json
+import re
 
 import numpy as np
 import pytest
@@ -434,3 +435,94 @@ def test_a_frame_that_breaks_the_router_costs_only_itself_and_a_broken_router_as
     checked = read([white] * 4)
     route_learned(fragile, checked)
     assert {c.reason for _, c in checked} == {P.BUSY}
+
+
+def _subset(src: Recording, dst, keep) -> Recording:
+    """A copy of `src` holding only the frames `keep(frame)` says, and with header fields changed by it."""
+    w = RecordingWriter(dst)
+    for f in src:
+        if keep(f):
+            w.add(dict(f.header), src.payload(f), f.file.rsplit(".", 1)[-1], truth=f.truth,
+                  truth_component=f.truth_component)
+    w.close()
+    return Recording(dst)
+
+
+def test_train_refuses_a_recording_missing_component_types_and_keeps_the_router_there(model, recs, tmp_path):
+    """Trained on one type, a router routes every frame to it, confidently, over correct headers; before, it was
+    stored with a warning printed after."""
+    from edge_agent.cli import cli
+
+    cfg = write_line(tmp_path / "line", store=tmp_path / "store")
+    one = _subset(recs["test"], tmp_path / "one", lambda f: f.header["component"] == "C0402")
+    res = CliRunner().invoke(cli, ["router", "train", "--config", str(cfg), "--data", str(one.root), "--epochs", "1"])
+    assert res.exit_code == 1 and "have no frame in" in res.output and "--allow-missing" in res.output
+    assert not (tmp_path / "store").exists() or not ExpertStore(tmp_path / "store").has(ROUTER_ID)
+    res = CliRunner().invoke(cli, ["router", "train", "--config", str(cfg), "--data", str(one.root), "--epochs", "1",
+                                   "--allow-missing"])
+    assert res.exit_code == 0, res.output
+    first = ExpertStore(tmp_path / "store").entry(ROUTER_ID).version
+    res = CliRunner().invoke(cli, ["router", "train", "--config", str(cfg), "--data", str(one.root), "--epochs", "1",
+                                   "--allow-missing"])
+    assert res.exit_code == 0 and ExpertStore(tmp_path / "store").entry(ROUTER_ID).version == first + 1
+    assert "already holds other weights" not in res.output      # a retrain is the next version, not a conflict
+
+
+def test_train_and_eval_refuse_another_lines_frames_and_a_single_frame(model, recs, tmp_path):
+    from edge_agent.cli import cli
+
+    cfg = write_line(tmp_path / "line", store=tmp_path / "store")
+    other = _subset(recs["test"], tmp_path / "z", lambda f: f.header.update(line="Z") or True)
+    res = CliRunner().invoke(cli, ["router", "train", "--config", str(cfg), "--data", str(other.root), "--epochs", "1"])
+    assert res.exit_code == 1 and "frames of line Z, not of line T" in res.output
+    first = next(iter(recs["test"])).header["frame_id"]
+    single = _subset(recs["test"], tmp_path / "single", lambda f: f.header["frame_id"] == first)
+    with pytest.raises(CoEError, match=r"1 frame\(s\); the router needs at least 2"):
+        train_router(model, single, epochs=1, seed=0)
+
+
+def test_a_stored_router_with_metadata_out_of_bounds_is_refused_naming_the_file(model, trained, tmp_path):
+    import shutil
+
+    from routing.learned import _META_CLASSES, _META_WIDTH
+
+    _, _, src = trained
+    for name, change, says in (("wide", lambda t: t.update({_META_WIDTH: torch.tensor([100000])}), "width 100000"),
+                               ("float", lambda t: t.update({_META_CLASSES: t[_META_CLASSES].float()}),
+                                "classes must be a 1-D uint8 tensor")):
+        root = tmp_path / name
+        shutil.copytree(src.root, root)
+        store = ExpertStore(root)
+        tensors = dict(store.read(ROUTER_ID))
+        change(tensors)
+        entry = store.entry(ROUTER_ID)
+        store.write(__import__("coe").Expert(id=ROUTER_ID, arch=entry.arch, kind="classifier",
+                                             classes=tuple(model.components), input_size=32), tensors, version=2)
+        with pytest.raises(CoEError, match=rf"learned router {re.escape(str(root))}.*{says}"):
+            LearnedRouter.load(model, ExpertStore(root))
+
+
+def test_the_spec_reserves_the_routers_id():
+    import copy
+
+    from coe import SpecError
+
+    spec = copy.deepcopy(TINY_SPEC)
+    spec["experts"][0]["id"] = "router"
+    with pytest.raises(SpecError, match="'router' is reserved"):
+        parse_spec(spec)
+
+
+def test_eval_shows_its_figures_before_a_png_it_cannot_write_and_uses_the_lines_threshold(trained, recs, tmp_path):
+    import shutil
+
+    from edge_agent.cli import cli
+
+    _, _, src = trained
+    shutil.copytree(src.root, tmp_path / "store")
+    cfg = write_line(tmp_path / "line", store=tmp_path / "store", routing={"mode": "learned", "threshold": 0.55})
+    (tmp_path / "afile").write_text("x")
+    res = CliRunner().invoke(cli, ["router", "eval", "--config", str(cfg), "--data", str(recs["test"].root),
+                                   "--png", str(tmp_path / "afile" / "cm.png")])
+    assert res.exit_code == 1 and "top-1 accuracy:" in res.output and "at threshold 0.55" in res.output
+    assert "the confusion matrix could not be written" in res.output and "the figures above stand" in res.output
