@@ -85,8 +85,17 @@ def route_learned(router, checked: list) -> None:
             checked[i] = (identity, P.Reject(route.reason, route.detail, frame.frame_id))
         else:
             acc.expert_id = route.expert_id
-            if not acc.frame.component:   # record what the router decided, for queries and probabilities
-                acc.frame.component = _component_of(router.model, route.expert_id)
+            header = router.model.components.get(acc.frame.component or "")
+            if header is None or header.classifier != route.expert_id:
+                # no header type, or the network, sure enough, overrode it: the records name the type whose
+                # classifier judged the frame (for queries, probabilities and recovery); a header type whose
+                # classifier was used (shared by several types, say) stays as the header said
+                routed = _component_of(router.model, route.expert_id)
+                if header is not None:
+                    log.debug("frame %s: the header says %s, the learned router (%.2f) says %s", frame.frame_id,
+                              acc.frame.component, route.confidence, routed)
+                if routed:
+                    acc.frame.component = routed
 
 
 def _route_alone(router, frames: list, exc: BaseException) -> list:

@@ -526,3 +526,19 @@ def test_eval_shows_its_figures_before_a_png_it_cannot_write_and_uses_the_lines_
                                    "--png", str(tmp_path / "afile" / "cm.png")])
     assert res.exit_code == 1 and "top-1 accuracy:" in res.output and "at threshold 0.55" in res.output
     assert "the confusion matrix could not be written" in res.output and "the figures above stand" in res.output
+
+
+def test_a_frame_the_network_routes_over_its_header_is_recorded_as_the_type_that_judged_it(model):
+    """The header says R0402, the network is sure it is C0402: C0402's classifier judges it, so the verdict and
+    journal rows must say C0402 (they said R0402: another type's classifier had judged an 'R0402' frame)."""
+    from coe import Frame
+    from edge_agent.ingest import Accepted, route_learned
+
+    router = stub(model, [0.01, 0.95, 0.02, 0.02])                      # C0402, sure
+    acc = Accepted(Frame("f1", "T", "B", "R0402", 0.0, img()), None, "{}", b"")
+    unsure = stub(model, [0.4, 0.3, 0.2, 0.1], threshold=0.9)           # below the threshold: the header's
+    acc2 = Accepted(Frame("f2", "T", "B", "R0402", 0.0, img()), None, "{}", b"")
+    route_learned(router, [(None, acc)])
+    route_learned(unsure, [(None, acc2)])
+    assert (acc.expert_id, acc.frame.component) == ("cls-c0402", "C0402")
+    assert (acc2.expert_id, acc2.frame.component) == ("cls-r0402", "R0402")
