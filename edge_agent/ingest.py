@@ -90,7 +90,7 @@ def route_learned(router, checked: list) -> None:
                 # no header type, or the network, sure enough, overrode it: the records name the type whose
                 # classifier judged the frame (for queries, probabilities and recovery); a header type whose
                 # classifier was used (shared by several types, say) stays as the header said
-                routed = _component_of(router.model, route.expert_id)
+                routed = getattr(route, "component", None) or _component_of(router.model, route.expert_id)
                 if header is not None:
                     log.debug("frame %s: the header says %s, the learned router (%.2f) says %s", frame.frame_id,
                               acc.frame.component, route.confidence, routed)

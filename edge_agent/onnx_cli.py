@@ -48,6 +48,10 @@ def experts_export_onnx(expert_id: str, line: str, config_path: str | None, out:
     expert = model.experts.get(expert_id)
     if expert is None:
         raise CoEError(f"expert '{expert_id}' is not in the spec {cfg.spec_path}")
+    from coe.spec import RESERVED_IDS
+
+    if as_id in RESERVED_IDS:          # before anything is exported or written
+        raise CoEError(f"--as {as_id}: reserved (the learned router's entry in the expert store)")
     store = _store(cfg)
     tensors = store.read(expert_id)
     blob = export_onnx(expert, tensors)

@@ -151,6 +151,12 @@ def router_train(line: str, config_path: str | None, data: str, epochs: int, see
     threshold = cfg.routing.threshold if threshold is None else threshold
     rec = Recording(data)
     _check_line(rec, cfg.line, data)
+    seen = {f.truth_component or f.header.get("component") for f in rec}
+    missing = [c for c in model.components if c not in seen]
+    if missing and not allow_missing:   # before any epoch, and before anything is written
+        raise CoEError(f"{len(missing)} component type(s) of the spec have no frame in {data}: "
+                       f"{', '.join(missing)}; a router trained without them routes their frames to other "
+                       "types, confidently, over correct headers. Record them too, or pass --allow-missing")
     click.echo(f"training the router of line {cfg.line} on {len(rec)} frame(s) of {data}: "
                f"{len(model.components)} component types, {epochs} epoch(s), seed {seed}, {input_size} px")
 
@@ -158,10 +164,6 @@ def router_train(line: str, config_path: str | None, data: str, epochs: int, see
         click.echo(f"epoch {s.epoch:>3}/{s.epochs}  loss {s.loss:.4f}  train acc {_pct(s.accuracy)}  "
                    f"{s.seconds:.1f} s")
     net, classes, report = train_router(model, rec, epochs=epochs, seed=seed, input_size=input_size, progress=tick)
-    if report.unseen and not allow_missing:   # before anything is written: the line's router stays as it was
-        raise CoEError(f"{len(report.unseen)} component type(s) of the spec have no frame in {data}: "
-                       f"{', '.join(report.unseen)}; a router trained without them routes their frames to other "
-                       "types, confidently, over correct headers. Record them too, or pass --allow-missing")
     learned = LearnedRouter(model, net, classes, input_size, threshold=threshold)
     store = ExpertStore(cfg.store_path, verify=cfg.expert_verify)
     learned.save(store)

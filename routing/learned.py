@@ -169,6 +169,8 @@ class LearnedRouter:
         """Write the network into `store` under the id `router` (atomic, like any expert)."""
         if not isinstance(self.net, RouterNet):
             raise CoEError(f"only a RouterNet can be stored as the learned router, not a {type(self.net).__name__}")
+        if not 1 <= self.net.width <= MAX_WIDTH:     # what `load` takes: a router stored must load again
+            raise CoEError(f"a RouterNet of width {self.net.width} cannot be stored (1..{MAX_WIDTH})")
         tensors = {k: v.detach().clone() for k, v in self.net.state_dict().items()}
         tensors[_META_CLASSES] = torch.tensor(list(json.dumps(self.classes).encode("utf-8")), dtype=torch.uint8)
         tensors[_META_SIZE] = torch.tensor([self.input_size], dtype=torch.int64)
@@ -233,10 +235,10 @@ class LearnedRouter:
         conf = float(probs[best])
         predicted = self.classes[best]
         if conf >= self.threshold:
-            return Route(self.model.components[predicted].classifier, conf, self.name)
+            return Route(self.model.components[predicted].classifier, conf, self.name, predicted)
         if component is not None:
             rule = self.fallback.route(component)
-            return Route(rule.expert_id, rule.confidence, "rules-fallback")
+            return Route(rule.expert_id, rule.confidence, "rules-fallback", rule.component)
         raise RouteError("low_confidence",
                          f"learned router is {conf:.2f} sure of {predicted} (threshold {self.threshold:.2f}) "
                          f"and the header names no component")

@@ -13,6 +13,7 @@ class Route:
     expert_id: str
     confidence: float
     router: str
+    component: str | None = None   # the type it routed the frame as (several types may share a classifier)
 
 
 class RouteError(Exception):
@@ -39,4 +40,4 @@ class RuleRouter:
             known = ", ".join(sorted(self.model.components)[:8])
             raise RouteError("unknown_component",
                              f"component '{component}' is not in spec {self.model.name} (known: {known}, ...)")
-        return Route(comp.classifier, 1.0, self.name)
+        return Route(comp.classifier, 1.0, self.name, comp.name)

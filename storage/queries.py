@@ -96,7 +96,7 @@ def parse_since(text: str) -> float:
             value = when.timestamp()
         except (OverflowError, ValueError, OSError):
             raise QueryError("since", f"'{text[:40]}' is out of the range of times this box can read") from None
-        if when.tzinfo is None and datetime.fromtimestamp(value) != when:
+        if when.tzinfo is None and 0 <= value <= SINCE_MAX and datetime.fromtimestamp(value) != when:
             # a local time that does not exist (the hour a clock springs forward): no verdict has it
             raise QueryError("since", f"'{text[:40]}' does not exist in this box's time zone (a daylight-saving "
                                       "gap); give an offset, e.g. +02:00")

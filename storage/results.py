@@ -24,6 +24,8 @@ from coe import CoEError
 SCHEMA_VERSION = 1            # PRAGMA user_version of a database this code wrote (0: from before it was stamped)
 RETENTION_INDEXES = (("idx_inferences_started", "inferences", "started_at"), ("idx_errors_at", "errors", "at"),
                      ("idx_expert_events_at", "expert_events", "at"), ("idx_frames_received", "frames", "received_at"))
+# what an open that failed for a reason outside the file says (anything else: a foreign or damaged file)
+_TRANSIENT = ("locked", "busy", "full", "readonly", "read-only", "disk i/o", "unable to open", "permission")
 PRUNE_CHUNK = 5000            # rows one retention transaction deletes: ingest waits at most that long for its lock
 VACUUM_PAGES = 2000           # pages one incremental vacuum step gives back
 
@@ -60,8 +62,8 @@ class ResultStore:
         try:
             self._open(synchronous, readonly)
         except sqlite3.DatabaseError as exc:
-            text = str(exc)
-            if "not a database" in text or "malformed" in text:      # a foreign or damaged file
+            text = str(exc).lower()
+            if not any(w in text for w in _TRANSIENT):               # a foreign or damaged file
                 raise CoEError(f"results database {self.path}: {exc} (not a results database, or a damaged one: "
                                "move it aside and the agent makes a new one; frames it journaled are then not "
                                "re-run)") from None
@@ -119,12 +121,12 @@ class ResultStore:
         (`PRAGMA user_version` above `SCHEMA_VERSION`) is refused, naming both: its rows could not be written
         here, and frames would be acked and never given a verdict."""
         db = self.db
-        version = db.execute("PRAGMA user_version").fetchone()[0]
-        if version > SCHEMA_VERSION:
-            raise CoEError(f"results database {self.path}: schema version {version}, written by a newer coe-edge "
-                           f"(this one reads up to {SCHEMA_VERSION}); run that version, or give this agent a new "
-                           "results_db")
         with self._write_txn():
+            version = db.execute("PRAGMA user_version").fetchone()[0]      # read under the lock it stamps under
+            if version > SCHEMA_VERSION:
+                raise CoEError(f"results database {self.path}: schema version {version}, written by a newer "
+                               f"coe-edge (this one reads up to {SCHEMA_VERSION}); run that version, or give this "
+                               "agent a new results_db")
             if "frames" not in db.table_names():
                 db["frames"].create({"frame_id": str, "line": str, "board_id": str, "component": str,
                                      "ts": float, "received_at": float, "status": str}, pk="frame_id")

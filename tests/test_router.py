@@ -91,7 +91,7 @@ def test_rule_router_starts_each_component_at_its_classifier_and_ok_reaches_its_
     rules = RuleRouter(model)
     for comp, det in DETECTOR_OF.items():
         route = rules.route(comp)
-        assert route == Route(f"cls-{comp.lower()}", 1.0, "rules")
+        assert route == Route(f"cls-{comp.lower()}", 1.0, "rules", comp)
         assert chain(model, route.expert_id, ["ok", "ok"]) == [route.expert_id, det]
         assert chain(model, route.expert_id, ["missing"]) == [route.expert_id]
 
@@ -147,7 +147,7 @@ def test_threshold_is_inclusive(model):
 def test_low_confidence_falls_back_to_the_rule_router_when_the_header_names_the_component(model):
     router = stub(model, [0.62, 0.3, 0.05, 0.03])  # unsure, and leaning to R0402
     route = router.route("U-SOIC8", img())
-    assert route == Route("cls-u-soic8", 1.0, "rules-fallback")
+    assert route == Route("cls-u-soic8", 1.0, "rules-fallback", "U-SOIC8")
 
 
 def test_low_confidence_without_a_component_is_rejected_with_the_reason(model):
@@ -542,3 +542,18 @@ def test_a_frame_the_network_routes_over_its_header_is_recorded_as_the_type_that
     route_learned(unsure, [(None, acc2)])
     assert (acc.expert_id, acc.frame.component) == ("cls-c0402", "C0402")
     assert (acc2.expert_id, acc2.frame.component) == ("cls-r0402", "R0402")
+
+
+def test_a_type_sharing_its_classifier_with_another_is_recorded_as_the_type_the_network_saw():
+    import copy
+
+    from coe import Frame
+    from edge_agent.ingest import Accepted, route_learned
+
+    spec = copy.deepcopy(TINY_SPEC)
+    spec["components"].append({"name": "R0805", "classifier": "cls-r0402", "frequency": 1})   # shares R0402's
+    shared = parse_spec(spec)
+    router = LearnedRouter(shared, Fixed([0.01, 0.01, 0.01, 0.01, 0.96]), list(shared.components), 32)
+    acc = Accepted(Frame("f1", "T", "B", "", 0.0, img()), None, "{}", b"")
+    route_learned(router, [(None, acc)])
+    assert (acc.expert_id, acc.frame.component) == ("cls-r0402", "R0805")      # not R0402, the first sharer

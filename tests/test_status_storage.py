@@ -331,3 +331,15 @@ def test_the_cli_and_the_api_refuse_the_same_filters():
             VerdictQuery(board=board)
         with pytest.raises(QueryError, match=r"parameter 'board': must be 1\.\.128 characters"):
             parse_verdict_params({"board": [board]})
+
+
+def test_a_foreign_sqlite_file_is_called_foreign_not_locked(tmp_path):
+    from coe import CoEError
+
+    path = tmp_path / "other.db"
+    con = sqlite3.connect(path)
+    con.execute("CREATE TABLE verdicts (x INTEGER)")          # another application's table of the same name
+    con.commit()
+    con.close()
+    with pytest.raises(CoEError, match=r"not a results database, or a damaged one"):
+        ResultStore(path)
