@@ -721,20 +721,24 @@ def test_a_listener_that_raises_leaks_no_pin_and_every_victim_is_still_told(capl
     assert sum("a listener failed" in r.getMessage() for r in caplog.records) == 2
 
 
+class _Value(bytearray):
+    eid = ""
+
+
+class Tagged(Source):
+    """A source whose values know their expert, so `measure` can book for each what a test says it holds."""
+
+    def load(self, eid):
+        value = _Value(super().load(eid))
+        value.eid = eid
+        return value
+
+
 def test_a_load_booked_above_its_reservation_makes_room_so_the_pool_stays_within_capacity():
     """The pool reserves the source's size, then books what `measure` says the loaded value really holds (a
     CUDA allocator's rounded block): when that is more, the policy's victims go, so used <= capacity."""
     booked = {"a": 40, "b": 30, "c": 45}                  # c's source says 30 (it fits), its value holds 45
     events = []
-
-    class Tagged(Source):
-        def load(self, eid):
-            value = Value(super().load(eid))
-            value.eid = eid
-            return value
-
-    class Value(bytearray):
-        eid = ""
 
     p = Pool("cpu", 100, make_policy("lru"), Tagged({"a": 40, "b": 30, "c": 30}), on_event=events.append,
              measure=lambda v: booked[v.eid])
@@ -839,15 +843,6 @@ def test_a_group_expert_booked_above_its_reservation_trims_its_own_group_back_un
     own experts, though the pool as a whole has room."""
     booked = {"x": 30, "y": 40, "a": 30}
 
-    class Tagged(Source):
-        def load(self, eid):
-            value = Value(super().load(eid))
-            value.eid = eid
-            return value
-
-    class Value(bytearray):
-        eid = ""
-
     p = Pool("cpu", 200, make_policy("lru"), Tagged({"x": 30, "y": 30, "a": 30}), measure=lambda v: booked[v.eid])
     p.limit_share("llm.max_share", {"x", "y"}, 60)
     use(p, "a")
@@ -858,15 +853,6 @@ def test_a_group_expert_booked_above_its_reservation_trims_its_own_group_back_un
 
 def test_a_group_that_cannot_get_under_its_share_still_leaves_the_pool_within_capacity():
     booked = {"x": 30, "y": 40, "a": 20}
-
-    class Tagged(Source):
-        def load(self, eid):
-            value = Value(super().load(eid))
-            value.eid = eid
-            return value
-
-    class Value(bytearray):
-        eid = ""
 
     p = Pool("cpu", 90, make_policy("lru"), Tagged({"x": 30, "y": 30, "a": 20}), measure=lambda v: booked[v.eid])
     p.limit_share("llm.max_share", {"x", "y"}, 60)
