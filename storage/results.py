@@ -77,6 +77,11 @@ class ResultStore:
                 raise FileNotFoundError(f"results database {self.path} does not exist (has the agent run?)")
             conn = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, timeout=30, check_same_thread=False)
             self.db = sqlite_utils.Database(conn)
+            try:
+                self._check_version(conn.execute("PRAGMA user_version").fetchone()[0])   # readers too
+            except CoEError:
+                conn.close()
+                raise
         else:
             self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)
             conn = sqlite3.connect(str(self.path), timeout=30, check_same_thread=False)
@@ -91,6 +96,12 @@ class ResultStore:
             self.db.execute(f"PRAGMA synchronous={synchronous}")
             self.db.execute("PRAGMA busy_timeout=30000")
             self.ensure_schema()
+
+    def _check_version(self, version: int) -> None:
+        if version > SCHEMA_VERSION:
+            raise CoEError(f"results database {self.path}: schema version {version}, written by a newer coe-edge "
+                           f"(this one reads up to {SCHEMA_VERSION}); run that version, or give this agent a new "
+                           "results_db")
 
     def close(self) -> None:
         self.db.close()
@@ -123,10 +134,7 @@ class ResultStore:
         db = self.db
         with self._write_txn():
             version = db.execute("PRAGMA user_version").fetchone()[0]      # read under the lock it stamps under
-            if version > SCHEMA_VERSION:
-                raise CoEError(f"results database {self.path}: schema version {version}, written by a newer "
-                               f"coe-edge (this one reads up to {SCHEMA_VERSION}); run that version, or give this "
-                               "agent a new results_db")
+            self._check_version(version)
             if "frames" not in db.table_names():
                 db["frames"].create({"frame_id": str, "line": str, "board_id": str, "component": str,
                                      "ts": float, "received_at": float, "status": str}, pk="frame_id")

@@ -326,6 +326,7 @@ def test_a_database_a_newer_coe_edge_wrote_is_refused_naming_both_versions(tmp_p
     con.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
     con.commit()
     con.close()
-    with pytest.raises(CoEError, match=rf"schema version {SCHEMA_VERSION + 1}, written by a newer coe-edge "
-                                       rf"\(this one reads up to {SCHEMA_VERSION}\)"):
-        ResultStore(path)
+    for readonly in (False, True):          # the agent, and the readers (`results`, the status page)
+        with pytest.raises(CoEError, match=rf"schema version {SCHEMA_VERSION + 1}, written by a newer coe-edge "
+                                           rf"\(this one reads up to {SCHEMA_VERSION}\)"):
+            ResultStore(path, readonly=readonly)
