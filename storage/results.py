@@ -78,7 +78,11 @@ class ResultStore:
             conn = sqlite3.connect(f"file:{self.path}?mode=ro", uri=True, timeout=30, check_same_thread=False)
             self.db = sqlite_utils.Database(conn)
             try:
-                self._check_version(conn.execute("PRAGMA user_version").fetchone()[0])   # readers too
+                version = conn.execute("PRAGMA user_version").fetchone()[0]
+            except sqlite3.DatabaseError:
+                version = 0              # not a database at all: the reader's first query says so, in its words
+            try:
+                self._check_version(version)       # readers too
             except CoEError:
                 conn.close()
                 raise
