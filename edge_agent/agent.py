@@ -353,7 +353,7 @@ class Agent:
         import hashlib
 
         try:
-            return hashlib.sha256((Path(self.cfg.store_path) / "manifest.json").read_bytes()).hexdigest()
+            return hashlib.sha256(self._line_store_base().manifest_path.read_bytes()).hexdigest()
         except OSError:
             return None
 
@@ -610,10 +610,7 @@ class Agent:
         from .store_watch import StoreWatcher
 
         # remote pools read their node's own store: a promotion reaches them by `experts sync` and a restart
-        base = self.store
-        while hasattr(base, "primary"):     # an LLM store union, ONNX twins: the line's own store is underneath
-            base = base.primary
-        self.store_watch = StoreWatcher(base,
+        self.store_watch = StoreWatcher(self._line_store_base(),
                                         lambda: [p for p in self._all_pools().values() if not getattr(p, "remote", 0)],
                                         forget=self.failed.forget, prepare=getattr(self.store, "prepare", None),
                                         interval=cfg.store_poll_s, gate=self.gate,
@@ -637,10 +634,10 @@ class Agent:
             return
         t = time.monotonic()
         failed = []
+        digest = self._manifest_digest()
         for node in nodes:        # each node on its own: one that fails must not keep the others on old weights
             here = [e for e in remote if e.node == node]
             try:
-                digest = self._manifest_digest()
                 sync_store(self.cfg, [node], within=PROMOTE_SYNC_S)
                 self._synced[node] = digest
             except Exception as exc:  # noqa: BLE001 - its executors leave service until a rejoin syncs them

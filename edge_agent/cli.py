@@ -544,7 +544,8 @@ def _judge_replay(rec, cfg, db: Path, baseline_db: str | None, report_dir: str, 
                        f"no verdict; judging what is there (they count as missing)", err=True)
             break
         time.sleep(0.2)
-    j = judge(load_spec(cfg.spec_path), rec, db, baseline_db=baseline_db)   # versions: what the rows name
+    j = judge(load_spec(cfg.spec_path), rec, db, baseline_db=baseline_db,  # versions: what the rows name
+              baseline_checked=True)                                        # by `check_baseline`, before sending
     md = write_report(j, report_dir, conditions)
     click.echo(f"judged {j.judged} of {j.frames} frames: accuracy {100 * j.accuracy:.2f}%, missing {j.missing}, "
                f"errors {j.errors}" + (f"; vs baseline fixed {len(j.fixed)}, broken {len(j.broken)}, "

@@ -204,8 +204,11 @@ def _change(before: str, now: str, want: str | None) -> str | None:
 
 
 def judge(model: CoEModel, recording: Recording, results_db: str | Path, *, baseline_db: str | Path | None = None,
-          expert_versions: dict | None = None, show: int = 10) -> Judgement:
+          expert_versions: dict | None = None, show: int = 10, baseline_checked: bool = False) -> Judgement:
     """The report of one replay's verdicts (in `results_db`) against the recording's truth.
+
+    `baseline_checked`: the caller ran `check_baseline` on this recording and baseline already (the replay
+    command does, before sending), so the recording's images are not hashed again.
 
     `expert_versions` defaults to the versions the run's inference rows name.
     """
@@ -216,7 +219,8 @@ def judge(model: CoEModel, recording: Recording, results_db: str | Path, *, base
         expert_versions = versions_that_ran(results_db, {f.header["frame_id"] for f in recording})
     base = _verdicts(Path(baseline_db)) if baseline_db is not None else None
     if base is not None:
-        _same_recording(recording, Path(baseline_db))
+        if not baseline_checked:
+            _same_recording(recording, Path(baseline_db))
     by_comp: dict = defaultdict(lambda: defaultdict(Counter))
     by_label: dict = defaultdict(Counter)
     judged = correct = missing = errors = compared = 0

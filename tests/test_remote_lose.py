@@ -256,7 +256,8 @@ def test_a_rejoin_syncs_a_node_only_when_the_store_changed_since_its_last_sync(t
     (tmp_path / "manifest.json").write_text('{"v": 1}')
     calls = []
     monkeypatch.setattr(cluster, "sync_store", lambda cfg, nodes, **kw: calls.append(list(nodes)))
-    agent = SimpleNamespace(cfg=SimpleNamespace(store_path=str(tmp_path)), _synced={})
+    agent = SimpleNamespace(cfg=None, _synced={},
+                            _line_store_base=lambda: SimpleNamespace(manifest_path=tmp_path / "manifest.json"))
     agent._manifest_digest = lambda: Agent._manifest_digest(agent)
     for _ in range(3):
         Agent._sync_node(agent, "box-2")
