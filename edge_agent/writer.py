@@ -12,7 +12,7 @@ import math
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 
 import zmq
@@ -20,6 +20,7 @@ import zmq
 from storage.results import GiveUp, ResultStore, RowFault, retry_write
 
 log = logging.getLogger(__name__)
+PRUNE_SLICE_S = 0.2   # retention steps in a row while no row waits: then the loop checks its queue again
 
 
 @dataclass
@@ -53,6 +54,8 @@ class ResultWriter:
         self._keep_thumbnails = keep_thumbnails
         self._next_prune = time.monotonic() + first_prune_s   # first prune soon after start, then every interval
         self.pruned: dict[str, int] = {}
+        self._pruning: Iterator[tuple[str, int]] | None = None   # the retention prune under way, a step at a time
+        self._pruning_got: dict[str, int] = {}
         self.failures = 0
         self.gave_up = 0
         self.set_aside = 0        # rows no write could store while the rows beside them went in (`_write_apart`)
@@ -130,22 +133,41 @@ class ResultWriter:
             log.exception("result writer stopped on an unexpected error")
             raise
         finally:
+            if self._pruning is not None:       # each step committed on its own: nothing to undo
+                self._pruning.close()
             if store is not None:
                 store.close()
             self._pub.close(linger=1000)
 
     def _maybe_prune(self, store: ResultStore) -> None:
+        """Run retention a step at a time between flushes (`ResultStore.prune_steps`).
+
+        A prune of a large backlog takes seconds; run whole, it held every
+        verdict behind it unstored and unpublished.  Here steps run only while
+        no row waits, and at most one step (one short transaction) when rows do,
+        so a verdict waits for at most one step.
+        """
         days, keep, interval = self._retention
-        if days is None or time.monotonic() < self._next_prune:
-            return
-        self._next_prune = time.monotonic() + interval
+        if self._pruning is None:
+            if days is None or time.monotonic() < self._next_prune:
+                return
+            self._next_prune = time.monotonic() + interval
+            self._pruning = store.prune_steps(time.time() - days * 86400, keep_verdicts=keep)
+            self._pruning_got = {}
+        until = time.monotonic() + PRUNE_SLICE_S
         try:
-            got = store.prune(time.time() - days * 86400, keep_verdicts=keep)
+            while True:
+                table, n = next(self._pruning)
+                if table:
+                    self._pruning_got[table] = self._pruning_got.get(table, 0) + n
+                    self.pruned[table] = self.pruned.get(table, 0) + n
+                if not self._q.empty() or time.monotonic() >= until:
+                    return
+        except StopIteration:
+            pass
         except Exception as exc:  # noqa: BLE001 - retention is housekeeping; serving goes on
             log.error("retention prune failed: %s", exc)
-            return
-        for k, v in got.items():
-            self.pruned[k] = self.pruned.get(k, 0) + v
+        got, self._pruning = self._pruning_got, None
         if any(got.values()):
             log.info("retention: pruned %s", ", ".join(f"{v} {k}" for k, v in got.items() if v))
 

@@ -12,7 +12,7 @@ import contextlib
 import os
 import sqlite3
 import time
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -341,33 +341,45 @@ class ResultStore:
         rows stay; inferences, errors, expert events and defect thumbnails go
         (thumbnails are images of the product: they never outlive `before`).
         """
+        deleted: dict[str, int] = {}
+        for table, n in self.prune_steps(before, keep_verdicts=keep_verdicts):
+            if table:
+                deleted[table] = deleted.get(table, 0) + n
+        return deleted
+
+    def prune_steps(self, before: float, *, keep_verdicts: bool = True) -> Iterator[tuple[str, int]]:
+        """`prune` a step at a time: each step is one short transaction (a chunk of
+        one table's rows, yielded as (table, rows deleted)) or one incremental
+        vacuum step (yielded as ("", 0)).
+
+        Why steps: a whole backlog (after downtime, or retention first turned on)
+        held the write lock for seconds.  Ingest, which acks nothing until its
+        journal commits, waits at most one step; the result writer runs a step
+        between its flushes, so verdicts are stored and published while a long
+        prune goes on.  Every table yields at least once, so the caller sees
+        each table's count, 0 included.
+        """
         where = {"inferences": "started_at < ?", "errors": "at < ?", "expert_events": "at < ?",
                  "thumbnails": "at < ?"}
         if not keep_verdicts:
             where["verdicts"] = "decided_at < ?"
             where["frames"] = ("received_at < ? AND status = 'done' AND frame_id NOT IN "
                                "(SELECT frame_id FROM verdicts)")
-        # in chunks, each its own short transaction, and the free pages given back a step at a time: one
-        # transaction of a whole backlog (after downtime, or retention first turned on) held the write lock for
-        # seconds, and ingest, which acks nothing until its journal commits, waited behind it
-        deleted = {table: self._delete_chunked(table, cond, before) for table, cond in where.items()}
+        for table, cond in where.items():
+            while True:
+                with self._write_txn():
+                    n = self.db.conn.execute(f"DELETE FROM {table} WHERE rowid IN (SELECT rowid FROM {table} "
+                                             f"WHERE {cond} LIMIT {PRUNE_CHUNK})", (before,)).rowcount
+                yield table, n
+                if n < PRUNE_CHUNK:
+                    break
         while self.freelist() > 0:
             before_free = self.freelist()
             # executescript steps the pragma to completion (execute() would free a single page)
             self.db.conn.executescript(f"PRAGMA incremental_vacuum({VACUUM_PAGES});")
             if self.freelist() >= before_free:      # not incremental (a database from before auto_vacuum)
                 break
-        return deleted
-
-    def _delete_chunked(self, table: str, cond: str, before: float) -> int:
-        total = 0
-        while True:
-            with self._write_txn():
-                n = self.db.conn.execute(f"DELETE FROM {table} WHERE rowid IN (SELECT rowid FROM {table} "
-                                         f"WHERE {cond} LIMIT {PRUNE_CHUNK})", (before,)).rowcount
-            total += n
-            if n < PRUNE_CHUNK:
-                return total
+            yield "", 0
 
     def freelist(self) -> int:
         return self.db.execute("PRAGMA freelist_count").fetchone()[0]

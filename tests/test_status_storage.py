@@ -343,3 +343,48 @@ def test_a_foreign_sqlite_file_is_called_foreign_not_locked(tmp_path):
     con.close()
     with pytest.raises(CoEError, match=r"not a results database, or a damaged one"):
         ResultStore(path)
+
+
+def test_the_result_writer_stores_and_publishes_verdicts_between_the_steps_of_a_long_prune(tmp_path, monkeypatch):
+    """A prune of a large backlog used to run whole on the writer's thread: every verdict waited behind it,
+    unstored and unpublished, for seconds.  Now a verdict that arrives mid-prune waits for one step."""
+    import storage.results as results_mod
+
+    monkeypatch.setattr(results_mod, "PRUNE_CHUNK", 5)
+    db = tmp_path / "r.db"
+    rs = ResultStore(db)
+    rs.journal([JournalEntry("late", "A", "B", "C", 1.0, time.time(), "{}", b"x")])
+    rs.write(errors=[{"frame_id": None, "kind": "k", "message": "m", "at": 1000.0} for _ in range(50)])
+    rs.close()
+    events: list[str] = []
+    real_steps = ResultStore.prune_steps
+    holder = {}
+
+    def steps(self, before, *, keep_verdicts=True):
+        for i, step in enumerate(real_steps(self, before, keep_verdicts=keep_verdicts)):
+            events.append("step")
+            if i == 0:          # a verdict arrives while the prune is under way
+                holder["w"].put_verdict({"frame_id": "late", "verdict": "pass", "reason": "",
+                                         "decided_at": time.time(), "latency_ms": 1.0, "chain": "[]"})
+            yield step
+
+    monkeypatch.setattr(ResultStore, "prune_steps", steps)
+    ctx = zmq.Context()
+    pub = ctx.socket(zmq.PUB)
+    pub.bind("inproc://prune-steps")
+    w = ResultWriter(str(db), pub, "A", flush_ms=5, retention_days=1.0, first_prune_s=0.0,
+                     on_committed=lambda rows, stored: events.extend(f"commit {f}" for f in stored))
+    holder["w"] = w
+    w.start()
+    deadline = time.time() + 20
+    while w.pruned.get("errors", 0) < 50 and time.time() < deadline:
+        time.sleep(0.02)
+    w.stop()
+    ctx.term()
+    assert w.pruned.get("errors") == 50 and events.count("commit late") == 1
+    # the verdict went in right after the step it arrived in, not after the prune's 10+ other steps
+    assert events.index("commit late") == 1 and events.count("step") > 10, events
+    con = sqlite3.connect(db)
+    assert con.execute("SELECT count(*) FROM errors").fetchone()[0] == 0
+    assert con.execute("SELECT frame_id FROM verdicts").fetchall() == [("late",)]
+    con.close()
