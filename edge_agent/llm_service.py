@@ -45,6 +45,7 @@ class _LLMServer(HardenedHTTPServer):
     traceback on stderr), logging as the LLM's."""
 
     label = "llm http"
+    log = log
 
 
 class RequestError(Exception):

@@ -157,6 +157,7 @@ class _Server(ThreadingHTTPServer):
     daemon_threads = True
     request_queue_size = LISTEN_BACKLOG
     label = "status http"          # how its log lines begin (the LLM server is another)
+    log = log                      # and the logger they go to: a subclass names its own module's
 
     def __init__(self, address: tuple[str, int], handler) -> None:
         self.address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
@@ -194,9 +195,9 @@ class _Server(ThreadingHTTPServer):
         log.  Never stderr, which is what the base class prints to."""
         exc = sys.exc_info()[1]
         if isinstance(exc, (ConnectionError, TimeoutError)):
-            log.debug("%s: client %s went away: %s", self.label, client_address[0], exc)
+            self.log.debug("%s: client %s went away: %s", self.label, client_address[0], exc)
         else:
-            log.exception("%s: request from %s failed", self.label, client_address[0])
+            self.log.exception("%s: request from %s failed", self.label, client_address[0])
 
 
 HardenedHTTPServer = _Server     # what the agent's other HTTP servers (the LLM's) are built on

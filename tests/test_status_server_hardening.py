@@ -283,3 +283,25 @@ def test_a_server_without_health_or_a_database_yet_answers_503_saying_why(tmp_pa
             assert str(missing) in json.loads(body)["error"] and "does not exist" in json.loads(body)["error"]
     assert not [r for r in caplog.records if r.levelno >= logging.ERROR]
     assert not missing.exists()                     # a reader never makes the database
+
+
+def test_the_llm_servers_log_lines_go_to_its_own_logger_not_the_status_pages(caplog):
+    """The LLM server is built on the status server's base; its errors are the LLM's (its logger, its label)."""
+    from edge_agent.llm_service import _LLMServer
+
+    caplog.set_level(logging.DEBUG)
+    server = _LLMServer(("127.0.0.1", 0), None)
+    try:
+        try:
+            raise BrokenPipeError(32, "Broken pipe")
+        except OSError:
+            server.handle_error(None, ("127.0.0.1", 40000))
+        try:
+            raise RuntimeError("a handler broke")
+        except RuntimeError:
+            server.handle_error(None, ("127.0.0.1", 40000))
+    finally:
+        server.server_close()
+    mine = [r for r in caplog.records if "llm http" in r.getMessage()]
+    assert [r.levelno for r in mine] == [logging.DEBUG, logging.ERROR]
+    assert all(r.name == "edge_agent.llm_service" for r in mine), [r.name for r in mine]
