@@ -57,6 +57,39 @@ class StepOutput:
 
 
 @dataclass(frozen=True)
+class StepError:
+    """Why one frame of a batch has no `StepOutput`, where the frames beside it have one.
+
+    It stands in that frame's place in a batch's outputs, so a failure one
+    frame causes (its output not finite, it does not fit in memory even alone,
+    the expert raises on it and on no other) gives that frame an error verdict
+    and leaves the rest of the batch its results.  `kind` is the `errors`
+    table's kind.
+    """
+
+    kind: str
+    message: str
+
+
+def finite_problem(output: StepOutput) -> str | None:
+    """Why `output` cannot be decided on (a NaN or infinite score or box value), or None.
+
+    NaN slips through every comparison a decision makes: argmax of NaN logits
+    is label 0 (`ok`), a NaN box never clears a confidence threshold, so a
+    broken expert would pass every frame.
+    """
+    import math
+
+    if output.score is not None and not math.isfinite(float(output.score)):
+        return f"score {output.score}"
+    for box in output.boxes:
+        for v in box[:5]:
+            if not math.isfinite(float(v)):
+                return f"box value {v}"
+    return None
+
+
+@dataclass(frozen=True)
 class Verdict:
     """The final decision on one frame."""
 

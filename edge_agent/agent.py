@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from coe import CoEModel, Frame, Request, decide, load_spec
+from coe import CoEModel, Frame, Request, StepError, decide, finite_problem, load_spec
 from coe.probabilities import ranked
 from executors.costs import ExecutorInfo, ProfileCosts, store_forms
 from executors.executor import BatchResult, Executor, FailedExperts, result_problem
@@ -956,6 +956,9 @@ class Agent:
         self._submit_accepted(again)
 
     def _on_batch(self, result: BatchResult) -> None:
+        """Each frame of a finished batch to its next expert or its verdict; nothing raises out of here once a
+        frame has been handled (the executor's batch-wide fallback would give the frames before it a second
+        verdict)."""
         b = result.batch
         problem = result_problem(result)
         if problem is not None:       # every frame of the batch gets an error verdict: none is left without one
@@ -964,21 +967,32 @@ class Agent:
         self.status.batch(result.executor, len(b))
         if result.error is not None:
             for req in b.requests:
-                self._fail(req.frame, result.error_kind, result.error, expert=b.expert_id)
+                self._fail_safely(req.frame, result.error_kind, result.error, expert=b.expert_id)
             return
         latency_ms = result.seconds * 1000.0
         for req, out in zip(b.requests, result.outputs or []):
+            if isinstance(out, StepError):   # this frame alone failed (the executor narrowed the batch's error)
+                self._fail_safely(req.frame, out.kind, f"frame {req.frame.frame_id}: {out.message}",
+                                  expert=b.expert_id)
+                continue
             # each frame on its own: one whose output cannot be handled gets an error verdict, and the frames
-            # before it (finished, or handed to their next expert) are not given a second one by a batch-wide
-            # fallback (`Executor._deliver`)
+            # before it (finished, or handed to their next expert) are not given a second one by the executor's
+            # batch-wide fallback (`Executor._loop`)
             handed = [False]
             try:
                 self._on_output(result, req, out, latency_ms, handed)
             except Exception as exc:  # noqa: BLE001 - a malformed output, a decision that fails: this frame only
                 log.exception("handling %s's output for frame %s failed", b.expert_id, req.frame.frame_id)
                 if not handed[0]:
-                    self._fail(req.frame, "output", f"handling {b.expert_id}'s output failed: "
-                                                    f"{type(exc).__name__}: {exc}", expert=b.expert_id)
+                    self._fail_safely(req.frame, "output", f"handling {b.expert_id}'s output failed: "
+                                                           f"{type(exc).__name__}: {exc}", expert=b.expert_id)
+
+    def _fail_safely(self, frame: Frame, kind: str, message: str, *, expert: str | None = None) -> None:
+        """`_fail`, logged instead of raised: one frame's failed error verdict leaves the next frames theirs."""
+        try:
+            self._fail(frame, kind, message, expert=expert)
+        except Exception:  # noqa: BLE001 - the frame stays in the journal: a restart recovers it
+            log.exception("could not record the error verdict of frame %s (%s)", frame.frame_id, message)
 
     def _fail(self, frame: Frame, kind: str, message: str, *, expert: str | None = None) -> None:
         """The frame's error verdict, an `errors` row saying why, and its count on the status page (every kind:
@@ -992,6 +1006,9 @@ class Agent:
         (`handed[0]` turns true once it has: a failure before that, the submit or the verdict's own included,
         leaves the frame to the caller's error verdict)."""
         b = result.batch
+        bad = finite_problem(out)
+        if bad is not None:      # a backend checks its raw output; this is the backstop for any other source
+            raise ValueError(f"{b.expert_id} gave a non-finite {bad}")
         self.writer.put_inference({"frame_id": req.frame.frame_id, "stage": req.stage, "expert_id": b.expert_id,
                                    "device": result.device, "executor": result.executor, "batch_id": b.id,
                                    "output": json.dumps(out.to_json()), "latency_ms": latency_ms,

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from coe import CoEError, CoEModel, Expert
+from coe import CoEError, CoEModel, Expert, StepError
 from storage.solder import SOLDER_DEFECTS, applicable, draw_solder_defect
 from storage.synthetic import draw_component
 
@@ -214,6 +214,9 @@ def evaluate(plan: DetectorPlan, tensors: dict, *, seed: int, crops: int = 256, 
     for start in range(0, crops, 32):
         images, boxes = draw_batch(plan, rng, min(32, crops - start), frame_size)
         for out, want in zip(backend.run(module, expert, images), boxes):
+            if isinstance(out, StepError):   # training diverged: say so, not an AttributeError on .boxes
+                raise CoEError(f"detector {expert.id}: {out.message} (training diverged; train it again with "
+                               "another seed or fewer steps)")
             if not want:
                 score.clean += 1
                 score.false_alarms += bool(out.boxes)

@@ -16,7 +16,7 @@ import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from coe import CoEError, CoEModel, ExpertLoadError, StepOutput
+from coe import CoEError, CoEModel, ExpertLoadError, StepError, StepOutput
 from storage.pool import WAIT_CHECK_S
 
 from .backends import get_backend
@@ -25,6 +25,7 @@ from .scheduler import Batch, Scheduler
 from .skeletons import Skeletons
 
 log = logging.getLogger(__name__)
+NEXT_BATCH_TRIES = 3   # a scheduler fault taking a batch is retried this often before the thread gives up
 ROOM_WAIT_S = 60.0     # how long a batch waits for pinned experts to leave room for its own before it fails
 
 
@@ -60,12 +61,30 @@ def result_problem(result: BatchResult) -> str | None:
     return None
 
 
+# what the runtimes say when an allocation fails: torch's CPU allocator ("DefaultCPUAllocator: can't allocate
+# memory"), CUDA ("out of memory"), onnxruntime (its own exception classes, not RuntimeError: "Failed to allocate
+# memory", "CUDA failure 2: out of memory"), cuDNN/cuBLAS ("CUBLAS_STATUS_ALLOC_FAILED")
+_OOM_WORDS = ("out of memory", "can't allocate memory", "cannot allocate memory", "failed to allocate memory",
+              "_alloc_failed", "bad allocation", "bad_alloc")
+
+
 def is_out_of_memory(exc: BaseException) -> bool:
-    """CUDA OOM, host MemoryError, or a backend's 'out of memory' RuntimeError."""
-    if isinstance(exc, MemoryError):
+    """Whether `exc` says an allocation failed (a smaller batch may fit), whichever runtime raised it."""
+    if isinstance(exc, MemoryError) or type(exc).__name__ == "OutOfMemoryError":
         return True
-    name = type(exc).__name__
-    return name == "OutOfMemoryError" or (isinstance(exc, RuntimeError) and "out of memory" in str(exc).lower())
+    text = str(exc).lower()
+    return isinstance(exc, Exception) and any(w in text for w in _OOM_WORDS)
+
+
+def short(exc: BaseException) -> str:
+    """An exception as one line of an error verdict: its type and its message's first line, clipped."""
+    first = (str(exc).strip().splitlines() or [""])[0]
+    return f"{type(exc).__name__}: {first[:300]}" if first else type(exc).__name__
+
+
+def _frame_list(batch: Batch, limit: int = 8) -> str:
+    ids = [r.frame.frame_id for r in batch.requests]
+    return ", ".join(ids[:limit]) + (f" and {len(ids) - limit} more" if len(ids) > limit else "")
 
 
 def release_device_cache(device: str) -> None:
@@ -114,6 +133,8 @@ class Executor:
         self.failed = failed or FailedExperts()
         self.backend_for = backend_for    # injectable: tests put a fault-injecting backend here
         self.oom_splits = 0
+        self.isolated = 0        # frames a failing batch narrowed its error to (`_run_splitting`)
+        self._failing: set[str] = set()   # experts whose last batch failed on every frame: not bisected again
         self.skeletons = Skeletons(device)
         self.prefetcher = Prefetcher(pool, name) if prefetch else None
         self._thread = threading.Thread(target=self._loop, name=f"executor-{name}", daemon=True)
@@ -215,14 +236,28 @@ class Executor:
         return self._thread.is_alive()
 
     def _loop(self) -> None:
+        faults = 0
         while True:
-            batch = self.scheduler.next_batch(self.name, timeout=0.25)
+            try:
+                batch = self.scheduler.next_batch(self.name, timeout=0.25)
+            except Exception:  # noqa: BLE001 - nothing left the queue (`next_batch` raises before it takes)
+                faults += 1
+                if faults > NEXT_BATCH_TRIES:   # not transient: the thread ends, the agent's health says so and
+                    raise                       # a restart recovers the frames from the journal
+                log.exception("%s: taking the next batch failed (%d of %d tries); trying again", self.name,
+                              faults, NEXT_BATCH_TRIES)
+                time.sleep(0.5 * faults)
+                continue
+            faults = 0
             if batch is None:
                 if self.scheduler.drained(self.name):
                     return
                 continue
             result = self.run_batch(batch)
-            self.scheduler.finished(batch)   # its predicted time leaves the queue's estimate
+            try:
+                self.scheduler.finished(batch)   # its predicted time leaves the queue's estimate
+            except Exception:  # noqa: BLE001 - an estimate's bookkeeping: the result is delivered all the same
+                log.exception("%s: the scheduler's bookkeeping for batch %d failed", self.name, batch.id)
             try:
                 self._on_result(result)
             except Exception as exc:  # noqa: BLE001 - the batch's frames must still get verdicts
@@ -234,23 +269,46 @@ class Executor:
                 except Exception:  # noqa: BLE001
                     log.exception("could not even record error verdicts for batch %d", batch.id)
 
-    def _run_splitting(self, module, expert, images: list) -> list[StepOutput]:
-        """Run a batch; if it runs out of memory, split it in halves and retry, down to single frames.
+    def _run_splitting(self, module, expert, images: list, top: bool = True) -> list[StepOutput | StepError]:
+        """Run a batch; a failure is narrowed to the frames that cause it, which get a `StepError` each.
 
-        Only a single frame that still does not fit is declared failed (by the caller's handler).
+        Out of memory: split in halves and retry, down to single frames; a frame
+        that does not fit even alone is that frame's error, and the halves that
+        ran keep their outputs.  Any other error: halves are tried too, to find
+        the frames that break the expert (a corrupt image, a shape it cannot
+        take).  When every frame fails alone, the expert itself is failing: the
+        error is the whole batch's, and the expert's next batches are not
+        bisected again (one run each) until it runs a frame again.
         """
         try:
             outputs = self.backend_for(expert.arch).run(module, expert, images)
-        except Exception as exc:  # noqa: BLE001 - only out-of-memory is retried; everything else propagates
-            if not is_out_of_memory(exc) or len(images) == 1:
+        except Exception as exc:  # noqa: BLE001 - narrowed below; what cannot be narrowed propagates
+            oom = is_out_of_memory(exc)
+            if len(images) == 1:
+                if oom:
+                    return [StepError("out_of_memory", f"expert {expert.id} ran out of memory on this frame "
+                                                       f"alone on {self.name}: {short(exc)}")]
                 raise
-            self.oom_splits += 1
-            log.warning("%s: batch of %d on %s ran out of memory; splitting and retrying", expert.id,
-                        len(images), self.name)
-            release_device_cache(self.device)
+            if not oom and expert.id in self._failing:
+                raise
+            if oom:
+                self.oom_splits += 1
+                log.warning("%s: batch of %d on %s ran out of memory; splitting and retrying", expert.id,
+                            len(images), self.name)
+                release_device_cache(self.device)
             half = len(images) // 2
-            return self._run_splitting(module, expert, images[:half]) + \
-                self._run_splitting(module, expert, images[half:])
+            outs: list[StepOutput | StepError] = []
+            for part in (images[:half], images[half:]):
+                try:
+                    outs += self._run_splitting(module, expert, part, top=False)
+                except Exception as part_exc:  # noqa: BLE001 - this half's frames fail; the other's stand
+                    outs += [StepError("expert_run", f"expert {expert.id} failed on this frame on {self.name}: "
+                                                     f"{short(part_exc)}")] * len(part)
+            if top and not oom and all(isinstance(o, StepError) and o.kind == "expert_run" for o in outs):
+                self._failing.add(expert.id)      # no frame of it runs: the expert's failure, not a frame's
+                raise
+            return outs
+        self._failing.discard(expert.id)
         if len(outputs) != len(images):
             raise RuntimeError(f"backend returned {len(outputs)} outputs for {len(images)} images")
         return outputs
@@ -267,6 +325,11 @@ class Executor:
             module = self.skeletons.bind(expert, handle.value)
             images = [r.frame.image for r in batch.requests]
             outputs = self._run_splitting(module, expert, images)
+            for req, out in zip(batch.requests, outputs):
+                if isinstance(out, StepError):    # once here, with the frame: the agent gives it its error verdict
+                    self.isolated += 1
+                    log.error("batch %d on %s (%s): frame %s: %s", batch.id, self.name, batch.expert_id,
+                              req.frame.frame_id, out.message)
             result = BatchResult(batch, self.name, self.device, started, time.perf_counter() - t0, outputs=outputs,
                                  expert_version=getattr(handle.value, "version", None))
         except Exception as exc:  # noqa: BLE001 - every failure becomes an error verdict, never a lost frame
@@ -274,7 +337,8 @@ class Executor:
             if load_failure and self.failed.mark(batch.expert_id, str(exc)):
                 log.error("expert %s marked failed: %s", batch.expert_id, exc)
             elif not load_failure:
-                log.error("batch %d on %s (%s) failed: %s", batch.id, self.name, batch.expert_id, exc)
+                log.error("batch %d on %s (%s) failed for its %d frame(s) %s: %s", batch.id, self.name,
+                          batch.expert_id, len(batch), _frame_list(batch), exc)
                 log.debug("%s", traceback.format_exc())
             result = BatchResult(batch, self.name, self.device, started, time.perf_counter() - t0,
                                  error=str(exc), error_kind="expert_load" if load_failure else "expert_run")

@@ -21,6 +21,10 @@ class Faults:
     delay: float = 0.0                                        # seconds added to every run (overload)
     block: threading.Event | None = None                      # while clear, every run hangs (a stuck driver)
     garble_for: set[str] = field(default_factory=set)          # expert ids whose run returns outputs no one can read
+    # (expert id, predicate on one image): a batch holding an image it is true for raises in that expert, as a
+    # frame that breaks the expert does (a shape it cannot take); `oom_image` the same as an out-of-memory error
+    raise_image: tuple[str, Callable] | None = None
+    oom_image: tuple[str, Callable] | None = None
     calls: list[tuple[str, int]] = field(default_factory=list)
 
 
@@ -42,6 +46,10 @@ class _Faulty:
             raise ValueError(f"injected fault in {expert.id}")
         if expert.id in self.faults.garble_for:
             return [f"garbled output {i} (injected)" for i in range(len(images))]   # one per frame, each unusable
+        for which, exc in ((self.faults.raise_image, ValueError), (self.faults.oom_image, RuntimeError)):
+            if which is not None and which[0] == expert.id and any(which[1](img) for img in images):
+                word = "cannot take this frame" if exc is ValueError else "CUDA out of memory"
+                raise exc(f"{word} (injected in {expert.id}, batch of {len(images)})")
         limit = self.faults.oom_above.get(expert.id)
         if limit is not None and len(images) > limit:
             raise RuntimeError(f"CUDA out of memory (injected: batch {len(images)} > {limit})")

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from coe import CoEModel, Frame, Request, decide
+from coe import CoEModel, Frame, Request, StepError, decide
 from coe.probabilities import ranked
 from coe.workload import Workload
 from storage.disk_activity import DiskActivity
@@ -159,19 +159,33 @@ def run_real(workload: Workload, model: CoEModel, store, profile: Profile | None
     batches = [0, 0]
     order: list[tuple] = []
 
+    failed: list[str] = []        # why frames got no output: a benchmark figure is not reported off them
+    ended: set[str] = set()       # frames counted once, whatever calls on_result again (the executor's fallback)
+
     def on_result(res: BatchResult) -> None:
         b = res.batch
-        order.append((b.executor, b.expert_id, tuple(r.frame.frame_id for r in b.requests)))
-        batches[0] += 1
-        batches[1] += len(b)
-        outs = res.outputs or [None] * len(b)
+        outs = res.outputs if res.error is None and isinstance(res.outputs, list) and len(res.outputs) == len(b) \
+            else [StepError(res.error_kind or "expert_run", res.error or "no outputs")] * len(b)
+        with lock:
+            order.append((b.executor, b.expert_id, tuple(r.frame.frame_id for r in b.requests)))
+            batches[0] += 1
+            batches[1] += len(b)
         for r, out in zip(b.requests, outs):
-            nxt = decide(model, b.expert_id, out).next_expert if out is not None else None
+            fid = r.frame.frame_id
+            nxt = None
+            if not isinstance(out, StepError):
+                nxt = decide(model, b.expert_id, out).next_expert
             if nxt is not None:
                 sched.submit(Request(r.frame, nxt, stage=r.stage + 1))
                 continue
             with lock:
-                latencies.append(time.perf_counter() - start[r.frame.frame_id])
+                if fid in ended:
+                    continue
+                ended.add(fid)
+                if isinstance(out, StepError):
+                    failed.append(f"{fid} ({b.expert_id}): {out.message}")
+                else:
+                    latencies.append(time.perf_counter() - start[fid])
                 done[0] += 1
                 lock.notify_all()
 
@@ -209,6 +223,9 @@ def run_real(workload: Workload, model: CoEModel, store, profile: Profile | None
         e.join(10)
     if not finished:
         raise TimeoutError(f"{system.name}: only {done[0]} of {len(arrivals)} frames finished in {opts.timeout} s")
+    if failed:   # throughput and latency of frames that errored out would flatter the system
+        raise RuntimeError(f"{system.name}: {len(failed)} of {len(arrivals)} frames failed, so no figure is "
+                           f"reported; the first: {failed[0]}")
     if sched.estimate_faults:   # as in the simulation: a benchmark figure is not reported off a scheduler bug
         raise RuntimeError(f"{system.name}: the scheduler's queue estimate went negative {sched.estimate_faults} "
                            "time(s) (see the log): a scheduler bug")

@@ -330,3 +330,61 @@ def test_a_database_a_newer_coe_edge_wrote_is_refused_naming_both_versions(tmp_p
         with pytest.raises(CoEError, match=rf"schema version {SCHEMA_VERSION + 1}, written by a newer coe-edge "
                                            rf"\(this one reads up to {SCHEMA_VERSION}\)"):
             ResultStore(path, readonly=readonly)
+
+
+def _agent_images(rec: Recording) -> dict[str, "object"]:
+    """frame id -> the image the agent decodes for it (what a backend sees)."""
+    out = {}
+    for f in rec:
+        header = P.parse_header(P.encode_header(f.header))
+        out[f.header["frame_id"]] = P.decode_image(header, rec.payload(f))
+    return out
+
+
+def test_frames_that_break_an_expert_get_error_verdicts_and_their_batchmates_their_own(tmp_path, tiny_zoo,
+                                                                                         tiny_recording):
+    """Before, one frame an expert could not take failed its whole batch: its batchmates got error verdicts."""
+    poison = lambda img: int(img[0, 0].sum()) % 3 == 0     # noqa: E731
+    images = _agent_images(Recording(tiny_recording))
+    agent, rows, n, cfg = run_with_faults(tmp_path, tiny_zoo, tiny_recording,
+                                          Faults(raise_image=("cls-r0402", poison)))
+    assert len(rows) == n
+    comp = dict(db_one(cfg.db_path, "SELECT frame_id, component FROM frames"))
+    verdict = dict(db_one(cfg.db_path, "SELECT frame_id, verdict FROM verdicts"))
+    want_bad = {f for f, c in comp.items() if c == "R0402" and poison(images[f])}
+    r0402 = {f for f, c in comp.items() if c == "R0402"}
+    assert want_bad and want_bad != r0402                  # some frames of the type fail, not all of them
+    assert {f for f, v in verdict.items() if v == "error"} == want_bad
+    reasons = dict(db_one(cfg.db_path, "SELECT frame_id, message FROM errors"))
+    assert set(reasons) == want_bad
+    assert all(f in why and "cls-r0402" in why and "cannot take this frame" in why for f, why in reasons.items())
+
+
+def test_an_expert_whose_stored_weights_are_nan_gives_error_verdicts_not_passes(tmp_path, tiny_zoo, tiny_recording):
+    """A classifier with NaN weights said 'ok' (argmax of NaN is label 0) for every frame, and the detector
+    after it 'no defect found': a broken expert passed every board."""
+    from storage.expert_store import ExpertStore
+
+    store_dir = tmp_path / "experts"
+    shutil.copytree(tiny_zoo, store_dir)
+    store = ExpertStore(store_dir)
+    model = parse_spec(TINY_SPEC)
+    tensors = {k: v.clone() for k, v in store.read("cls-r0603").items()}
+    head = [k for k in tensors if k.endswith("weight") and tensors[k].dim() == 2][-1]   # the last Linear
+    tensors[head].fill_(float("nan"))
+    store.write(model.experts["cls-r0603"], tensors, version=2)
+    cfg = load_config(write_line(tmp_path / "line", store=store_dir), env={})
+    agent = Agent(cfg).start()
+    rec = Recording(tiny_recording)
+    try:
+        assert replay(rec, agent.endpoints["ingest"]).accepted == len(rec)
+        assert agent.wait_verdicts(len(rec), timeout=120)
+    finally:
+        agent.stop()
+    rows = db_one(cfg.db_path, "SELECT f.component, v.verdict, v.reason FROM verdicts v JOIN frames f USING (frame_id)")
+    bad = [r for r in rows if r[0] == "R0603"]
+    assert len(rows) == len(rec) and bad
+    assert all(v == "error" and "cls-r0603" in why and "non-finite" in why for _, v, why in bad)
+    assert all(v in ("pass", "defect") for c, v, _ in rows if c != "R0603")
+    kinds = Counter(k for (k,) in db_one(cfg.db_path, "SELECT kind FROM errors"))
+    assert kinds == {"expert_output": len(bad)}

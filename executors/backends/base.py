@@ -20,7 +20,7 @@ import weakref
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
-from coe import CoEError, Expert, ExpertLoadError, StepOutput
+from coe import CoEError, Expert, ExpertLoadError, StepError, StepOutput
 
 if TYPE_CHECKING:
     import numpy as np
@@ -34,6 +34,16 @@ IMAGENET_STD = (0.229, 0.224, 0.225)
 # input 64, the real peak was 1.17x (shufflenet_v2_x1_0), 1.18x (mobilenet_v3_small)
 # and 1.22x (resnet18) of the traced peak; 1.25 covers those with a little margin.
 WORKSPACE_FACTOR = 1.25
+
+
+def non_finite_message(expert: Expert, raw: "torch.Tensor") -> str:
+    """What a frame's `StepError` says when the expert's raw output for it is not finite."""
+    import torch
+
+    nan, inf = int(torch.isnan(raw).sum()), int(torch.isinf(raw).sum())
+    parts = [f"{nan} NaN" if nan else "", f"{inf} infinite" if inf else ""]
+    return (f"expert {expert.id} gave a non-finite output for this frame ({', '.join(p for p in parts if p)} of "
+            f"{raw.numel()} values): broken weights, or an overflow in its dtype")
 
 
 @runtime_checkable
@@ -52,7 +62,7 @@ class Backend(Protocol):
               device: str = "cpu") -> "torch.nn.Module": ...
 
     def run(self, module: "torch.nn.Module", expert: Expert,
-            images: Sequence["np.ndarray"]) -> list[StepOutput]: ...
+            images: Sequence["np.ndarray"]) -> list[StepOutput | StepError]: ...
 
     def activation_bytes(self, expert: Expert, batch_size: int) -> int: ...
 

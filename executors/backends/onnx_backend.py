@@ -27,7 +27,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-from coe import CoEError, Expert, ExpertLoadError, StepOutput
+from coe import CoEError, Expert, ExpertLoadError, StepError, StepOutput
 
 from .base import IMAGENET_MEAN, IMAGENET_STD, resize_batch
 
@@ -212,7 +212,8 @@ class OnnxBackend:
         """At import: every shape against the spec, running one zero image where the graph does not say."""
         check_io(module.session, expert, module.meta, probe=True)
 
-    def run(self, module: OnnxModule, expert: Expert, images: Sequence["np.ndarray"]) -> list[StepOutput]:
+    def run(self, module: OnnxModule, expert: Expert,
+            images: Sequence["np.ndarray"]) -> list[StepOutput | StepError]:
         import numpy as np
         import torch
 

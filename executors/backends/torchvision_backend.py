@@ -11,7 +11,7 @@ import threading
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING
 
-from coe import CoEError, Expert, StepOutput
+from coe import CoEError, Expert, StepError, StepOutput
 
 from .base import (
     IMAGENET_MEAN,
@@ -19,6 +19,7 @@ from .base import (
     WORKSPACE_FACTOR,
     assign_weights,
     module_device_dtype,
+    non_finite_message,
     resize_batch,
     to_input,
     trace_activation_peak,
@@ -29,13 +30,23 @@ if TYPE_CHECKING:
     import torch
 
 
-def classify(logits: "torch.Tensor", expert: Expert) -> list[StepOutput]:
-    """Label and softmax score per row of (N, C) logits; shared with runtimes that produce the same logits."""
+def classify(logits: "torch.Tensor", expert: Expert) -> list[StepOutput | StepError]:
+    """Label and softmax score per row of (N, C) logits; shared with runtimes that produce the same logits.
+
+    A row with a NaN or infinite logit is that frame's `StepError`: argmax of
+    NaN logits is label 0 (`ok` in every shipped spec), so a broken expert
+    would otherwise send every frame on as good.
+    """
+    import torch
+
     # argmax on the logits, not the probabilities: calibrated demo weights can
     # separate labels by less than float32 resolves after softmax
     idx = logits.argmax(dim=1)
     score = logits.softmax(dim=1).gather(1, idx[:, None])[:, 0]
-    return [StepOutput(label=expert.classes[int(i)], score=float(s)) for s, i in zip(score, idx)]
+    finite = torch.isfinite(logits).all(dim=1)
+    return [StepOutput(label=expert.classes[int(i)], score=float(s)) if ok else
+            StepError("expert_output", non_finite_message(expert, row))
+            for s, i, ok, row in zip(score, idx, finite.tolist(), logits)]
 
 
 class TorchvisionBackend:

@@ -20,9 +20,17 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from coe import CoEError, Expert, StepOutput
+from coe import CoEError, Expert, StepError, StepOutput
 
-from .base import WORKSPACE_FACTOR, assign_weights, module_device_dtype, resize_batch, to_input, trace_activation_peak
+from .base import (
+    WORKSPACE_FACTOR,
+    assign_weights,
+    module_device_dtype,
+    non_finite_message,
+    resize_batch,
+    to_input,
+    trace_activation_peak,
+)
 
 if TYPE_CHECKING:
     import numpy as np
@@ -33,11 +41,17 @@ IOU_THRESHOLD = 0.7
 MAX_DETECTIONS = 300
 
 
-def detections(preds: "torch.Tensor", expert: Expert, images: Sequence["np.ndarray"]) -> list[StepOutput]:
+def detections(preds: "torch.Tensor", expert: Expert,
+               images: Sequence["np.ndarray"]) -> list[StepOutput | StepError]:
     """NMS on raw YOLO head output (N, 4 + classes, anchors), boxes scaled back to each image's pixels.
 
     Shared by every runtime that produces ultralytics' raw head output (torch, ONNX Runtime).
+    An image whose head output holds a NaN or infinite value is that frame's
+    `StepError`: NMS compares `conf > threshold`, NaN compares false, so every
+    box of a broken expert would be dropped and the frame passed.
     """
+    import torch
+
     try:
         from ultralytics.utils.nms import non_max_suppression
     except ImportError:  # older ultralytics keeps it in ops
@@ -46,8 +60,12 @@ def detections(preds: "torch.Tensor", expert: Expert, images: Sequence["np.ndarr
     dets = non_max_suppression(preds.float(), conf_thres=expert.conf_threshold, iou_thres=IOU_THRESHOLD,
                                nc=len(expert.classes), max_det=MAX_DETECTIONS)
     size = expert.input_size
-    outs = []
-    for img, det in zip(images, dets):
+    finite = torch.isfinite(preds.flatten(1)).all(dim=1).tolist()
+    outs: list[StepOutput | StepError] = []
+    for img, det, ok, raw in zip(images, dets, finite, preds):
+        if not ok:
+            outs.append(StepError("expert_output", non_finite_message(expert, raw)))
+            continue
         h, w = img.shape[:2]
         boxes = []
         for x1, y1, x2, y2, conf, cls in det.cpu().tolist():
