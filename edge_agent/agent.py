@@ -1080,7 +1080,10 @@ class Agent:
         if e.event == "evict" and executor is not None:
             if self.exclusive and not self._closing and not e.stale:   # a promotion's stale copy is dropped
                 if executor in self.gpu_pools:
-                    demote(e, self.host_tier, ranked=self.ranked_admission, held=self.pools[executor].present,
+                    # held by any GPU pool (this one read it back, or another holds it): the exclusive tier
+                    # takes no second copy
+                    demote(e, self.host_tier, ranked=self.ranked_admission,
+                           held=lambda x: any(self.pools[n].present(x) for n in self.gpu_pools),
                            current=self._current)
                 elif executor in self.cpu_demoters and self._still_queued(e.expert_id):
                     # same dtype and current version only (HostReadSource)

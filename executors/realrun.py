@@ -105,7 +105,9 @@ def run_real(workload: Workload, model: CoEModel, store, profile: Profile | None
         if e.event == "evict":
             if exclusive and kind == "cuda" and not e.stale and not closing:
                 # the GPU victim moves down into the host tier (unless read back in before a late report)
-                demote(e, host, ranked=system.victim_admission, held=pools[name].present, current=current_in(store))
+                # (or held by another GPU pool: the exclusive tier takes no second copy)
+                demote(e, host, ranked=system.victim_admission, held=lambda x: any(pools[n].present(x) for n in gpus),
+                       current=current_in(store))
             elif (exclusive and system.cpu_demote_queued and name in host_readers and not e.stale and not closing
                   and box and box[0].has_queued(e.expert_id)):
                 # as the agent: a CPU victim a queued request still needs

@@ -384,13 +384,19 @@ class Pool:
         """A hit's handle, None if it cannot fit now, or (a miss, room reserved) the call that loads it."""
         entered = time.perf_counter()
         ctx = self._context()
+        try:    # before the lock: a first read of an expert's size reads its file's header
+            sized = self.source.size(expert_id)
+        except Exception:  # noqa: BLE001 - a hit needs no size; a miss asks again below and raises there
+            sized = None
         with self._cond:
             while True:
                 self._seq += 1
                 entry = self._entries.get(expert_id)
                 if entry is None:
                     break
-                if entry.loading:           # someone else is loading it: share that load
+                # someone else is loading it: share that load; a stale copy (a promotion) goes at its last
+                # release: wait for that, so no new holder gets the old weights
+                if entry.loading or entry.drop_on_release:
                     w0 = time.perf_counter()
                     self._cond.wait()
                     entered += time.perf_counter() - w0   # waiting is not management work
@@ -400,7 +406,7 @@ class Pool:
                 self._stats.hits += 1
                 self._stats.manage_seconds += time.perf_counter() - entered
                 return Handle(expert_id, entry.value, entry.nbytes)
-            need = self.source.size(expert_id)
+            need = sized if sized is not None else self.source.size(expert_id)
             if need > self.capacity:
                 raise PoolFullError(f"expert '{expert_id}' needs {need} bytes but the {self.tier} pool holds "
                                     f"{self.capacity}; raise the executor's memory budget")
@@ -468,6 +474,13 @@ class Pool:
                 self._changed_locked()
             self._rescue(expert_id, joined)
             raise
+        # the policy's context (the scheduler's queued experts) is read before the lock, as `_reserve` does: the
+        # scheduler calls into pools while it holds its own lock, so asking it under ours could deadlock
+        try:
+            ctx = self._context() if measured > need else None
+        except Exception:  # noqa: BLE001 - the trim ranks without what is queued rather than strand the load
+            log.exception("%s pool: the eviction context failed; trimming without it", self.tier)
+            ctx = {}
         with self._cond:
             entry = self._entries[expert_id]
             entry.value, entry.loading, entry.nbytes = value, False, max(measured, need)
@@ -480,7 +493,12 @@ class Pool:
                 self._stats.admits += 1
             # booked above what was reserved (a CUDA allocator's rounding): others make room, so the pool never
             # holds more than its capacity while anything unpinned can go
-            trimmed = self._trim_locked(expert_id) if entry.nbytes > need else []
+            try:
+                trimmed = self._trim_locked(expert_id, ctx) if entry.nbytes > need else []
+            except Exception:  # noqa: BLE001 - the load is in: its pin, joiners and waiters come first
+                log.exception("%s pool: trimming after loading %s failed; the pool may stay over capacity until "
+                              "the next eviction", self.tier, expert_id)
+                trimmed = []
             self._stats.manage_seconds += time.perf_counter() - entered - wall
             self._changed_locked()
         for ev in trimmed:
@@ -489,16 +507,16 @@ class Pool:
         self._tell(PoolEvent(expert_id, self.tier, event, entry.nbytes, seconds, time.time()))
         return entry
 
-    def _trim_locked(self, incoming: str) -> list[PoolEvent]:
+    def _trim_locked(self, incoming: str, context: dict | None) -> list[PoolEvent]:
         """Evict what the policy chooses until the pool, and the capped group of `incoming` (`Share`), are within
-        their capacity again; the evictions' events."""
+        their capacity again; the evictions' events.  `context`: the policy's, read before the lock."""
         over = sum(e.nbytes for e in self._entries.values()) - self.capacity
         share = self._share
         over_share = (share is not None and incoming in share.members
                       and sum(e.nbytes for k, e in self._entries.items() if k in share.members) > share.max_bytes)
         if over <= 0 and not over_share:
             return []
-        state = self._state_locked(self._context(), incoming=incoming, keep=(incoming,))
+        state = self._state_locked(context or {}, incoming=incoming, keep=(incoming,))
         victims = self._choose_locked(state, incoming, 0)            # until free >= 0: within capacity
         if victims is None:          # its group cannot get under its share (pinned): the pool's capacity still
             victims = self.policy.choose_victims(state, 0) or []     # comes first

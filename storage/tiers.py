@@ -165,8 +165,8 @@ class StoreSource:
             if self.drop_after_read:    # a read cut short (a prefetch that gave way): its pages must not stay
                 self._drop(expert_id, quiet=True)
             raise
-        if self.drop_after_read:
-            self._drop(expert_id)
+        if self.drop_after_read:     # advice to the kernel: a drop that fails (a file a promotion retired between
+            self._drop(expert_id, quiet=True)   # the read and here) never fails a read whose bytes are good
         with self._count:
             self.bytes_read += flat.nbytes
         return flat

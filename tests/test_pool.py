@@ -865,3 +865,83 @@ def test_a_group_that_cannot_get_under_its_share_still_leaves_the_pool_within_ca
     use(p, "y")                                           # 20 + 30 + 45 = 95 > 90: a goes, the pool comes first
     assert p.used_bytes() <= p.capacity and "a" not in p.resident()
     p.release(hx)
+
+
+def test_a_load_booked_above_its_reservation_asks_the_policy_context_outside_the_pool_lock():
+    """The context is the scheduler's queued set (its lock), and the scheduler asks pools (`present`,
+    `used_bytes`) under that lock: a trim that asked it under the pool's lock deadlocked both (ABBA)."""
+    import threading
+
+    from storage.policies import CoServe
+
+    class Val:
+        def __init__(self, n):
+            self.nbytes, self.measured = n, n + 100     # a CUDA allocator books more than was reserved
+
+    class Src:
+        def size(self, e):
+            return 1000
+
+        def load(self, e):
+            if e == "b":
+                loaded.set()
+            return Val(1000)
+
+    scheduler_lock = threading.Lock()
+    entered, held, loaded, got = threading.Event(), threading.Event(), threading.Event(), []
+
+    def context():
+        if loaded.is_set():     # the trim's call, after b's load
+            entered.set()
+            got.append(scheduler_lock.acquire(timeout=5))   # False: it waited on the pool's lock's holder
+            if got[-1]:
+                scheduler_lock.release()
+        return {"queued": set()}
+
+    pool = Pool("cuda", 2150, CoServe(), Src(), context=context, measure=lambda v: v.measured)
+    pool.release(pool.acquire("a"))
+
+    def scheduler():          # holds its lock and asks the pool, as Scheduler.submit -> costs.tier_of does
+        with scheduler_lock:
+            held.set()
+            entered.wait(10)
+            pool.present("a")
+
+    t = threading.Thread(target=scheduler)
+    t.start()
+    held.wait(10)
+    pool.release(pool.acquire("b"))       # 1100 + 1100 > 2150: trimmed
+    t.join(10)
+    assert got == [True] and not t.is_alive()
+    assert pool.used_bytes() <= 2150 and pool.resident() == ["b"]
+
+
+def test_a_copy_marked_stale_is_not_handed_to_a_new_holder_who_waits_for_the_new_version():
+    """A held copy marked stale by a promotion (`discard(when_free=True)`) was still a hit for `acquire`: a tier
+    above kept copying the old weights for as long as holders overlapped."""
+    import threading
+
+    from conftest import SizedSource
+
+    class Versioned(SizedSource):
+        version = 1
+
+        def load(self, expert_id):
+            return f"{expert_id} v{self.version}"
+
+    src = Versioned({"a": 10})
+    pool = Pool("host", 100, make_policy("lru"), src)
+    h1 = pool.acquire("a")
+    assert h1.value == "a v1"
+    src.version = 2                                   # the store now has version 2
+    assert not pool.discard("a", when_free=True)      # held: marked, dropped at its last release
+    assert pool.hold("a") is None
+    got = []
+    t = threading.Thread(target=lambda: got.append(pool.acquire("a")))
+    t.start()
+    t.join(0.3)
+    assert t.is_alive() and not got                   # it waits for the stale copy's release ...
+    pool.release(h1)
+    t.join(10)
+    assert got and got[0].value == "a v2"             # ... and gets the new version, not the old one
+    pool.release(got[0])

@@ -511,3 +511,34 @@ def test_a_copy_a_promotion_made_stale_never_enters_the_host_tier_nor_leaves_it(
     assert got.value.version == 2 and float(got.value.tensors()["w"][0, 0]) == 2.0
     assert "x" not in host.resident()
     device.release(got)
+
+
+def test_a_failed_page_cache_drop_after_a_good_read_does_not_fail_the_load(tiny_zoo, monkeypatch):
+    """`drop_after_read` is advice to the kernel: a file a promotion retired between the read and the drop made
+    the drop raise, and a load whose bytes were good failed."""
+    import storage.pagecache as pagecache
+    from storage.tiers import StoreSource
+
+    def gone(path):
+        raise FileNotFoundError(2, "No such file or directory", str(path))
+
+    monkeypatch.setattr(pagecache, "drop_from_page_cache", gone)
+    src = StoreSource(ExpertStore(tiny_zoo), drop_after_read=True)
+    flat = src.load("cls-r0402")
+    assert flat.nbytes == src.size("cls-r0402") and src.bytes_read == flat.nbytes
+
+
+def test_a_miss_reads_the_experts_size_outside_the_pool_lock(tiny_zoo):
+    """A first read of an expert's size reads its file's header: under the pool's lock it stalled every other
+    executor (and, through the scheduler's calls into pools, ingest) behind an SSD read."""
+    from storage.tiers import StoreSource
+
+    class Watched(StoreSource):
+        def size(self, expert_id):
+            locked.append(pool._cond._is_owned())
+            return super().size(expert_id)
+
+    locked: list[bool] = []
+    pool = Pool("cpu", 10**9, make_policy("lru"), Watched(ExpertStore(tiny_zoo)))
+    pool.release(pool.acquire("cls-r0402"))
+    assert locked and not any(locked)
