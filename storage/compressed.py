@@ -188,7 +188,9 @@ def read_header(path: str | os.PathLike, expert_id: str) -> CompressedHeader:
                 doc = json.loads(head.decode("utf-8"))
                 if doc.get("format") != FORMAT or doc.get("version") != VERSION:
                     raise ValueError(f"format {doc.get('format')!r} version {doc.get('version')!r}")
-                plen = int(doc["prefix"])
+                plen = doc["prefix"]
+                if type(plen) is not int:
+                    raise ValueError(f"prefix length {str(plen)[:20]} is not an integer")
                 raw_chunks = doc["chunks"]
                 if not isinstance(raw_chunks, list) or not 8 <= plen <= _MAX_HEAD:
                     raise ValueError("bad chunk table or prefix length")
@@ -207,18 +209,45 @@ def read_header(path: str | os.PathLike, expert_id: str) -> CompressedHeader:
     try:
         for c in raw_chunks:
             s, e, kind, zlen, rlen = c
-            s, e, zlen, rlen = int(s), int(e), int(zlen), int(rlen)
+            if not all(type(v) is int for v in (s, e, zlen, rlen)):
+                raise ValueError(f"chunk {len(chunks)} ({c!r}) has a field that is not an integer")
             if kind not in codec.CODECS or s != pos or e <= s or zlen < 0 or rlen < 0:
                 raise ValueError(f"chunk {len(chunks)} ({c!r}) is out of place")
+            # what a chunk decodes to is tied to what it stores (so a file never claims more than twice its
+            # size): raw is stored as is; a plane split keeps width-1 of every width bytes raw
+            width = codec.element_size(kind)
+            if (rlen != e - s or zlen) if kind == "raw" else ((e - s) % width or rlen != (e - s) // width * (width - 1)
+                                                              or zlen <= 0):
+                raise ValueError(f"chunk {len(chunks)} ({c!r}): its stored sizes do not fit {e - s} bytes of {kind}")
             chunks.append(Chunk(s, e, kind, zlen, rlen, offset))
             offset += zlen + rlen
             pos = e
     except (ValueError, TypeError) as exc:
         raise ExpertLoadError(expert_id, where, f"corrupt chunk table: {exc}") from None
     layout = parse_layout(prefix[8:], pos, 8 + hlen, expert_id, where)
+    wrong = _codec_mismatch(layout, chunks)
+    if wrong:   # a relabelled chunk (bf16 as fp16) decodes without error into wrong weights
+        raise ExpertLoadError(expert_id, where, f"corrupt chunk table: {wrong}")
     if offset != size:
         raise ExpertLoadError(expert_id, where, f"truncated or corrupt: chunks need {offset} bytes, file has {size}")
     return CompressedHeader(layout, prefix, tuple(chunks), size)
+
+
+def _codec_mismatch(layout, chunks: list[Chunk]) -> str:
+    """Why a chunk's codec is not that of a tensor it covers ('' when every one is)."""
+    i = 0
+    for spec in layout.specs:
+        if spec.end == spec.start:
+            continue
+        want = codec.codec_for(spec.dtype)
+        while i < len(chunks) and chunks[i].end <= spec.start:
+            i += 1
+        j = i
+        while j < len(chunks) and chunks[j].start < spec.end:
+            if chunks[j].codec != want:
+                return f"chunk {j} is {chunks[j].codec}, but tensor {spec.name!r} ({spec.dtype}) is {want}"
+            j += 1
+    return ""
 
 
 def _groups(chunks: tuple[Chunk, ...], limit: int = _GROUP_BYTES) -> list[tuple[Chunk, ...]]:

@@ -89,6 +89,12 @@ def pieces(layout: Layout, size: int = 1 << 20) -> list[tuple[int, int]]:
     return out
 
 
+def only_widens(stored, target) -> bool:
+    """Whether every tensor keeps or widens its element size from `stored` to `target` (what `cast_in_place`
+    needs: a total that grows can still narrow one tensor, when the others' padding outweighs it)."""
+    return all(_SIZE.get(t.dtype, 0) >= _SIZE.get(s.dtype, 0) for s, t in zip(stored.specs, target.specs))
+
+
 def cast_in_place(stored: Layout, target: Layout, buf, offset: int, piece: int = 1 << 20) -> None:
     """Cast a stored data section sitting at `buf[offset:]` into `target`'s places from `buf[0]` on.
 
@@ -101,7 +107,7 @@ def cast_in_place(stored: Layout, target: Layout, buf, offset: int, piece: int =
     """
     import torch
 
-    if offset < 0 or any(_SIZE.get(t.dtype, 0) < _SIZE.get(s.dtype, 0) for s, t in zip(stored.specs, target.specs)):
+    if offset < 0 or not only_widens(stored, target):
         raise ValueError("cast_in_place only widens")
     flat = buf if isinstance(buf, torch.Tensor) else torch.from_numpy(buf)
     scratch = torch.empty(piece, dtype=torch.uint8)

@@ -239,6 +239,9 @@ class ExpertStore:
             path = self._existing(entry)
             found = (read_header(path, expert_id).layout if entry.compression != "none"
                      else read_layout(path, expert_id)[0])
+            if found.nbytes != entry.nbytes:   # before anyone sizes a pool's room or a buffer by it
+                raise ExpertLoadError(expert_id, str(path), f"file holds {found.nbytes} tensor bytes, manifest "
+                                                            f"says {entry.nbytes}")
             with self._lock:
                 self._layouts[key] = found
         return found
@@ -463,6 +466,13 @@ class ExpertStore:
         bad = [k for k, v in tensors.items() if not isinstance(k, str) or not isinstance(v, torch.Tensor)]
         if bad:
             raise CoEError(f"expert '{expert.id}': tensors must map str to torch.Tensor, bad keys: {bad[:3]}")
+        from .flat import STORED_DTYPES
+
+        odd = [f"{k} ({str(v.dtype).removeprefix('torch.')})" for k, v in tensors.items()
+               if str(v.dtype).removeprefix("torch.") not in STORED_DTYPES]
+        if odd:     # written, it would be refused at every read as a corrupt header
+            raise CoEError(f"expert '{expert.id}': unsupported tensor dtype: {', '.join(odd[:3])}; the store "
+                           f"keeps {', '.join(sorted(STORED_DTYPES))}")
         cpu = {k: v.detach().to("cpu").contiguous() for k, v in tensors.items()}
         by_dtype: dict[str, int] = {}
         for v in cpu.values():
@@ -520,7 +530,11 @@ class ExpertStore:
             self.reload()
             entry = self.entry(expert_id)
             try:
-                return self._recompress(entry)
+                try:
+                    return self._recompress(entry)
+                except OSError as exc:     # the store is as it was (temp files go): name what and where
+                    raise CoEError(f"expert '{expert_id}': cannot rewrite it in {self.root} "
+                                   f"({exc.strerror or exc}; is the disk full?)") from None
             except (ChangedOnDisk, ExpertLoadError) as exc:   # its file may have gone with the old version
                 self.reload()
                 now = self._entries.get(expert_id)
@@ -864,7 +878,7 @@ class ExpertStore:
                      dtype: str | None, expect_sha256: str | None) -> "FlatWeights":
         """Decode and/or convert into one buffer through a bounded scratch buffer."""
         from .compressed import decode_to, iter_decoded, read_header
-        from .convert import Placer, cast_in_place, converted_layout
+        from .convert import Placer, cast_in_place, converted_layout, only_widens
         from .flat import FlatWeights, iter_plain, may_yield
         from .pinned import host_empty
 
@@ -875,6 +889,9 @@ class ExpertStore:
             stored, prefix = header.layout, header.prefix
         else:
             stored, prefix = read_layout(path, eid)
+        if stored.nbytes != entry.nbytes:     # before the buffer is allocated by what the file claims
+            raise ExpertLoadError(eid, str(path), f"file holds {stored.nbytes} tensor bytes, manifest says "
+                                                  f"{entry.nbytes}")
         target = converted_layout(stored, dtype)
         if out is not None and (out.nbytes != target.nbytes or out.device.type != "cpu"):
             out = None
@@ -884,7 +901,7 @@ class ExpertStore:
             decode_to(path, header, eid, dest, expect_sha256)
             return FlatWeights(target, buf, like=out)
         tail = target.nbytes - stored.nbytes
-        if entry.compression != "none" and tail >= 0:
+        if entry.compression != "none" and tail >= 0 and only_widens(stored, target):
             # widening (fp16 stored, fp32 computed): decode at full speed into the buffer's tail, then
             # cast front to back in place; a tensor's cast never reaches bytes not yet cast (see convert)
             decode_to(path, header, eid, dest[tail:], expect_sha256)

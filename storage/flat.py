@@ -32,6 +32,7 @@ if TYPE_CHECKING:
 
 _DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
            "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
+STORED_DTYPES = frozenset(_DTYPES.values())   # the torch dtypes an expert file may hold (what reads parse)
 _MAX_HEADER = 100 * 2**20
 _CHUNK = 16 * 2**20
 _YIELD_CHUNK = 2 * 2**20        # a read that may yield checks this often (about a millisecond of disk)
@@ -146,9 +147,14 @@ def parse_layout(raw: bytes, data: int, data_offset: int, expert_id: str, where:
         if name == "__metadata__":
             continue
         try:
+            if info["dtype"] not in _DTYPES:
+                raise ExpertLoadError(expert_id, where, f"tensor '{name}' has dtype {str(info['dtype'])[:20]!r}, "
+                                                        f"which the store does not read ({', '.join(_DTYPES)})")
             dtype = _DTYPES[info["dtype"]]
-            shape = tuple(int(d) for d in info["shape"])
-            start, end = (int(x) for x in info["data_offsets"])
+            shape, offsets = tuple(info["shape"]), tuple(info["data_offsets"])
+            if not all(type(d) is int for d in (*shape, *offsets)) or len(offsets) != 2:
+                raise ValueError("a shape or offset that is not an integer")
+            start, end = offsets
         except (KeyError, TypeError, ValueError):
             raise ExpertLoadError(expert_id, where, f"corrupt safetensors header entry for '{name}'") from None
         want = _numel(shape) * _itemsize(dtype)

@@ -76,8 +76,10 @@ class ShardReader:
                                    f"(it reads {', '.join(sorted(_TO_TORCH))}); convert the checkpoint first")
                 try:
                     dtype = _TO_TORCH[info["dtype"]]
-                    shape = tuple(int(d) for d in info["shape"])
-                    lo, hi = (int(x) for x in info["data_offsets"])
+                    shape, offsets = tuple(info["shape"]), tuple(info["data_offsets"])
+                    if not all(type(d) is int for d in (*shape, *offsets)):   # 2.9, true, Infinity
+                        raise ValueError("a shape or offset that is not an integer")
+                    lo, hi = offsets
                 except (KeyError, TypeError, ValueError):
                     raise CoEError(f"{where}: corrupt safetensors header entry for '{name}'") from None
                 if any(d < 0 for d in shape) or lo < 0:
@@ -162,7 +164,11 @@ class StreamWriter:
         self._tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         self._fh = open(self._tmp, "wb")
         self._hash = hashlib.sha256()
-        self._put(struct.pack("<Q", len(raw)) + raw)
+        try:
+            self._put(struct.pack("<Q", len(raw)) + raw)
+        except BaseException:     # no writer is returned: its temp file and descriptor go here
+            self.abort()
+            raise
         self._next = 0
 
     def _put(self, data) -> None:

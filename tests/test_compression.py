@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import re
 import struct
 from pathlib import Path
 
@@ -281,12 +282,19 @@ def test_the_agent_serves_a_compressed_half_precision_store_like_the_plain_fp32_
     assert events.get("load", 0) >= 3 and events.get("evict", 0) > 0   # the pool paged the compressed experts
 
 
-def test_uniform_sources_give_a_half_expert_one_dtype_and_leave_pure_ones_untouched(tmp_path: Path) -> None:
-    """What a GPU tier loads: the fp32 tensors an fp16 expert kept are cast to fp16 too."""
+@pytest.mark.parametrize("compression", ["none", "exponent-zstd"])
+def test_uniform_sources_give_a_half_expert_one_dtype_and_leave_pure_ones_untouched(tmp_path: Path,
+                                                                                    compression: str) -> None:
+    """What a GPU tier loads: the fp32 tensors an fp16 expert kept are cast to fp16 too.  Compressed, the
+    padding of the many fp16 tensors outweighs the one that narrows (the target is not smaller), which took
+    the widen-in-place path and failed every load ('cast_in_place only widens')."""
     from storage.dtypes import cast_floating
 
     store = ExpertStore(tmp_path)
-    mixed = cast_floating({"w": torch.randn(64, 64) * 0.05, "b": torch.full((4,), 1e-10)}, "fp16")
+    store.set_compression(compression)
+    tensors = {f"n{i}": torch.randn(37 + i) * 0.05 for i in range(10)}       # odd lengths: padding
+    tensors |= {"w": torch.randn(64, 64) * 0.05, "b": torch.full((4,), 1e-10)}
+    mixed = cast_floating(tensors, "fp16")
     assert mixed["w"].dtype == torch.float16 and mixed["b"].dtype == torch.float32   # fp16 would flush b
     store.write(_expert("mixed"), mixed)
     store.write(_expert("pure"), {"w": (torch.randn(64, 64) * 0.05).half()})
@@ -294,7 +302,7 @@ def test_uniform_sources_give_a_half_expert_one_dtype_and_leave_pure_ones_untouc
     flat = src.load("mixed")
     got = flat.tensors()
     assert {t.dtype for t in got.values()} == {torch.float16} and src.size("mixed") == flat.nbytes
-    assert torch.equal(got["w"], mixed["w"])
+    assert torch.equal(got["w"], mixed["w"]) and all(torch.equal(got[f"n{i}"], mixed[f"n{i}"]) for i in range(10))
     pure = src.load("pure")
     assert src.size("pure") == store.nbytes("pure") == pure.nbytes
 
@@ -399,3 +407,98 @@ def test_a_read_racing_a_promotion_retries_with_the_new_entry_and_names_its_vers
     writer.write(_expert(), {"w": torch.ones(64)}, version=2)           # same file name, new bytes
     flat = reader.read_flat("e1")                                      # the reader's manifest still says v1
     assert torch.equal(flat.tensors()["w"], torch.ones(64)) and flat.version == 2
+
+
+def _rewrite_chunk_table(path: Path, edit) -> None:
+    """Rewrite a compressed file's header JSON with `edit(doc)` (the payload stays)."""
+    from storage.compressed import MAGIC
+
+    b = path.read_bytes()
+    (n,) = struct.unpack("<Q", b[len(MAGIC):len(MAGIC) + 8])
+    doc = json.loads(b[len(MAGIC) + 8:len(MAGIC) + 8 + n])
+    edit(doc)
+    head = json.dumps(doc).encode()
+    path.write_bytes(MAGIC + struct.pack("<Q", len(head)) + head + b[len(MAGIC) + 8 + n:])
+
+
+def test_a_compressed_header_cannot_claim_more_than_its_payload_decodes_to(tmp_path: Path) -> None:
+    """A 221-byte file claiming 2**40 decoded bytes passed `read_header`; the load then died in the allocator with
+    no expert named (or, under a pinned host tier, really committed the memory)."""
+    from storage.compressed import FORMAT, MAGIC, VERSION
+
+    store = ExpertStore(tmp_path, verify="never")
+    store.set_compression("exponent-zstd")
+    store.write(_expert(), {"w": torch.randn(1000).to(torch.bfloat16)})
+    n = 1 << 40
+    hdr = json.dumps({"w": {"dtype": "U8", "shape": [n], "data_offsets": [0, n]}}).encode()
+    hdr += b" " * (-len(hdr) % 8)
+    prefix = struct.pack("<Q", len(hdr)) + hdr
+    head = json.dumps({"format": FORMAT, "version": VERSION, "prefix": len(prefix),
+                       "chunks": [[0, n, "raw", 0, 0]]}).encode()
+    path = tmp_path / store.entry("e1").file
+    path.write_bytes(MAGIC + struct.pack("<Q", len(head)) + head + prefix)
+    with pytest.raises(ExpertLoadError, match=r"e1.*chunk 0.*do not fit 1099511627776 bytes of raw"):
+        read_header(path, "e1")
+    with pytest.raises(ExpertLoadError, match="e1"):
+        ExpertStore(tmp_path, verify="never").read_flat("e1")
+
+
+@pytest.mark.parametrize("edit, words", [
+    (lambda d: d["chunks"][0].__setitem__(2, "fp16"), "chunk 0 is fp16, but tensor 'w' (bfloat16) is bf16"),
+    (lambda d: d["chunks"][0].__setitem__(4, 2.5), "not an integer"),
+    (lambda d: d["chunks"][0].__setitem__(3, 0), "do not fit"),
+])
+def test_a_chunk_table_that_would_decode_into_wrong_weights_is_refused_without_a_hash(tmp_path: Path, edit,
+                                                                                        words) -> None:
+    """The chunk table has no checksum of its own: a bf16 chunk relabelled fp16 decoded without an error into
+    weights ~1e34 under `verify: never` (or `first` after the first load)."""
+    store = ExpertStore(tmp_path, verify="never")
+    store.set_compression("exponent-zstd")
+    store.write(_expert(), {"w": (torch.randn(4096) * 0.05).to(torch.bfloat16)})
+    _rewrite_chunk_table(tmp_path / store.entry("e1").file, edit)
+    with pytest.raises(ExpertLoadError, match=re.escape(words)):
+        ExpertStore(tmp_path, verify="never").read_flat("e1")
+
+
+def test_a_rewrite_that_cannot_write_names_the_expert_and_the_store_and_leaves_it_as_it_was(tmp_path: Path,
+                                                                                          monkeypatch) -> None:
+    import storage.compressed as compressed
+
+    store = ExpertStore(tmp_path)
+    w = {"w": (torch.randn(4096) * 0.02).to(torch.bfloat16)}
+    store.write(_expert(), w)
+    store.set_compression("exponent-zstd")
+
+    def full(src, dst, eid, **kw):
+        Path(dst).write_bytes(b"partial")
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(compressed, "compress_file", full)
+    with pytest.raises(CoEError, match=r"expert 'e1': cannot rewrite it in .*No space left on device; is the disk"):
+        store.recompress("e1")
+    again = ExpertStore(tmp_path)
+    assert again.entry("e1").compression == "none" and torch.equal(again.read("e1")["w"], w["w"])
+    assert not [p.name for p in tmp_path.iterdir() if p.name.endswith(".tmp") or p.name.startswith(".")
+                and "tmp" in p.name]
+
+
+@pytest.mark.parametrize("dtype", [torch.uint16, torch.complex64, torch.float8_e4m3fn])
+def test_a_tensor_dtype_the_store_cannot_read_back_is_refused_at_write_naming_it(tmp_path: Path, dtype) -> None:
+    """Written, it was refused at every read as 'corrupt safetensors header entry', and `experts compress` stopped
+    on it with that reason."""
+    store = ExpertStore(tmp_path)
+    with pytest.raises(CoEError, match=rf"expert 'e1': unsupported tensor dtype: odd \({str(dtype)[6:]}\)"):
+        store.write(_expert(), {"w": torch.zeros(4), "odd": torch.zeros(4).to(dtype)})
+    assert not store.entries()
+
+
+@pytest.mark.parametrize("field, value", [("shape", [2.9]), ("shape", [True]), ("data_offsets", [0, 1e309])])
+def test_a_header_number_that_is_not_an_integer_is_a_corrupt_entry_not_a_crash(tmp_path: Path, field, value):
+    """`Infinity` escaped as an OverflowError naming nothing; 2.9 was silently read as 2."""
+    from storage.flat import parse_layout
+
+    entry = {"dtype": "F32", "shape": [2], "data_offsets": [0, 8]}
+    entry[field] = value
+    raw = json.dumps({"w": entry}).encode()
+    with pytest.raises(ExpertLoadError, match="corrupt safetensors header entry for 'w'"):
+        parse_layout(raw, 8, 8 + len(raw), "e1", "e1.safetensors")

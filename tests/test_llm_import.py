@@ -406,6 +406,12 @@ def test_corrupt_header(built, tmp_path):
     shard.write_bytes(bytes(data[:8]) + raw + bytes(data[8 + n:]))
     with pytest.raises(CoEError, match=r"corrupt safetensors header entry for 'model\.norm\.weight': negative shape"):
         import_checkpoint(hf, tmp_path / "out")
+    header["model.norm.weight"]["shape"] = [s + 0.5 for s in shape]    # not integers (Infinity: an OverflowError)
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (n - len(raw))
+    shard.write_bytes(bytes(data[:8]) + raw + bytes(data[8 + n:]))
+    with pytest.raises(CoEError, match=r"corrupt safetensors header entry for 'model\.norm\.weight'$"):
+        import_checkpoint(hf, tmp_path / "out")
 
 
 def _rewrite_without(src: Path, dst: Path, drop: set[str]) -> None:
