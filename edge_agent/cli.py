@@ -32,11 +32,30 @@ def _fail_clearly(fn):
     return wrapper
 
 
+def _from_above(ctx: click.Context, param: click.Parameter, value):
+    """--line/--config given before the command (`coe-agent --line B experts ls`) reach the command: they were
+    ignored, and the command ran on line A (a promotion, into line A's live store).  Given on both sides and
+    different, it is a usage error."""
+    from click.core import ParameterSource
+
+    key = f"coe-edge.{param.name}"
+    if ctx.get_parameter_source(param.name) in (None, ParameterSource.DEFAULT):
+        return ctx.meta.get(key, value)
+    above = ctx.meta.get(key)
+    if above is not None and above != value:
+        flag = "--line" if param.name == "line" else "--config"
+        raise click.UsageError(f"{flag} {above} before the command and {flag} {value} after it: give it once")
+    ctx.meta[key] = value
+    return value
+
+
 def line_options(fn):
-    """--line and --config, shared by every command that works on a line."""
-    fn = click.option("--config", "config_path", type=click.Path(dir_okay=False),
+    """--line and --config, shared by every command that works on a line (and the group: given before the
+    command, they are the command's)."""
+    fn = click.option("--config", "config_path", type=click.Path(dir_okay=False), callback=_from_above,
                       help="Line config file (default: configs/line-<LINE>.yaml).")(fn)
-    fn = click.option("--line", "-l", default="A", show_default=True, help="Production line name.")(fn)
+    fn = click.option("--line", "-l", default="A", show_default=True, callback=_from_above,
+                      help="Production line name.")(fn)
     return fn
 
 
@@ -127,10 +146,12 @@ def run(line: str, config_path: str | None) -> None:
 
 @cli.command()
 @line_options
-@click.option("--frames", default=600, show_default=True, help="Frames in the synthetic recording.")
+@click.option("--frames", default=600, show_default=True, type=click.IntRange(1, 1_000_000),
+              help="Frames in the synthetic recording.")
 @click.option("--seed", default=0, show_default=True,
               help="Seed for the recording (and the generated weights of a zoo built now); training uses seed 0.")
-@click.option("--rate", type=float, default=None, help="Replay rate in frames/s (default: as fast as acked).")
+@click.option("--rate", type=click.FloatRange(min=0, min_open=True), default=None,
+              help="Replay rate in frames/s (default: as fast as acked).")
 @click.option("--recording", type=click.Path(file_okay=False, exists=True), help="Replay this recording instead.")
 @click.option("--json", "as_json", is_flag=True, help="Also print the summary as one JSON line.")
 @click.option("--no-train", is_flag=True, help="Keep the zoo's generated weights (skip zoo train).")

@@ -19,13 +19,14 @@ import numpy as np
 import zmq
 from tqdm import tqdm
 
-from coe import CoEModel
+from coe import CoEError, CoEModel
 from storage.expert_store import ExpertStore
 from storage.recording import Recording
 from storage.synthetic import draw_component, record_synthetic
 
 from .agent import Agent
 from .config import LineConfig
+from .instance_lock import InstanceLock
 from .replay import replay
 from .zoo_train import SOLDER_RATE
 from .zoo import build_zoo
@@ -120,6 +121,8 @@ def ensure_trained(cfg: LineConfig, model: CoEModel, *, quiet: bool = False) -> 
     from .zoo_train import train_zoo
 
     store = ExpertStore(cfg.store_path, verify=cfg.expert_verify)
+    stage("training the classifiers and detectors on synthetic frames (a first run takes minutes: about 2.5 on "
+          "2 cores; later runs reuse what is stored)", quiet)
     with step_bars(disable=quiet) as tick:
         results, detectors = train_zoo(model, store, progress=tick)
     trained = [f"{r.arch} {100 * r.heldout_accuracy:.1f}% held-out, {r.steps} steps in {r.seconds:.0f} s"
@@ -132,13 +135,50 @@ def ensure_trained(cfg: LineConfig, model: CoEModel, *, quiet: bool = False) -> 
         stage("  " + d.describe(), quiet)
 
 
+def check_writable(directory: Path, what: str) -> None:
+    """Fail now, naming `directory` and the real reason, rather than after minutes of training whose results
+    cannot be stored (the first write then blamed a full disk for a permission)."""
+    import tempfile
+
+    try:
+        directory.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=directory, prefix=".coe-write-check-"):
+            pass
+    except OSError as exc:
+        raise CoEError(f"{what} {directory} is not writable: {exc.strerror or exc}") from None
+
+
+def demo_lock(cfg: LineConfig) -> InstanceLock:
+    """One demo per data dir: a second one deleted the first's live database and rewrote its recording."""
+    try:
+        return InstanceLock(Path(cfg.data_dir) / "demo").acquire()
+    except CoEError:
+        raise CoEError(f"another 'coe-agent demo' runs on {cfg.data_dir}; wait for it, or give this one another "
+                       "data_dir") from None
+
+
 def run_demo(cfg: LineConfig, model: CoEModel, *, frames: int = 600, seed: int = 0, rate: float | None = None,
              recording: Path | None = None, quiet: bool = False, train: bool = True) -> DemoResult:
+    if frames < 1:
+        raise CoEError(f"the demo needs at least 1 frame, got {frames}")
+    rec = Recording(recording) if recording is not None else None   # a bad --recording: before minutes of training
+    check_writable(Path(cfg.store_path), "the expert store")
+    check_writable(Path(cfg.data_dir), "the data dir")
+    lock = demo_lock(cfg)
+    try:
+        return _run_demo(cfg, model, frames=frames, seed=seed, rate=rate, rec=rec, quiet=quiet, train=train)
+    finally:
+        lock.release()
+
+
+def _run_demo(cfg: LineConfig, model: CoEModel, *, frames: int, seed: int, rate: float | None,
+              rec: Recording | None, quiet: bool, train: bool) -> DemoResult:
     if train:                  # first: what training writes, the zoo need not generate
         ensure_trained(cfg, model, quiet=quiet)
     ensure_zoo(cfg, model, seed=seed, quiet=quiet)
-    rec_dir = recording or ensure_recording(cfg, model, frames, seed, quiet=quiet)
-    rec = Recording(rec_dir)
+    if rec is None:
+        rec = Recording(ensure_recording(cfg, model, frames, seed, quiet=quiet))
+    rec_dir = rec.root
     demo_db = demo_db_path(cfg)
     if demo_db.parent.exists():
         shutil.rmtree(demo_db.parent)  # each demo run starts from an empty database

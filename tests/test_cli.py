@@ -82,3 +82,17 @@ def test_replay_to_nobody_fails_clearly(tiny_recording):
                                    "--ack-timeout", "0.2", "--window", "4", "--deadline", "1.5"])
     # with no agent nothing is acked; the client must say so rather than hang or claim success
     assert res.exit_code == 1 and "never acked" in res.output and "is the agent running" in res.output
+
+
+def test_line_and_config_given_before_the_command_are_the_commands(tiny_line, tmp_path):
+    """`coe-agent --line B experts ls` ran on line A (the top-level option was dropped): a promotion given that
+    way went into line A's live store.  Given on both sides and different, it is a usage error."""
+    runner = CliRunner()
+    before = runner.invoke(cli, ["--config", str(tiny_line), "experts", "ls"])
+    after = runner.invoke(cli, ["experts", "ls", "--config", str(tiny_line)])
+    assert before.exit_code == 0 and after.exit_code == 0, before.output + after.output
+    assert before.output == after.output and "cls-r0402" in before.output
+    missing = runner.invoke(cli, ["--line", "NOSUCHLINE", "experts", "ls"])
+    assert missing.exit_code != 0 and "NOSUCHLINE" in missing.output
+    both = runner.invoke(cli, ["--line", "B", "experts", "ls", "--line", "C"])
+    assert both.exit_code == 2 and "--line B before the command and --line C after it" in both.output

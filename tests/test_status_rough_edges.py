@@ -163,3 +163,60 @@ def test_the_latency_chart_draws_a_panel_per_task_a_line_per_system_and_the_targ
         assert {t.get_text() for t in fig.legends[0].get_texts()} == {"coserve", "samba"}
     finally:
         plt.close(fig)
+
+
+# -- the demo's first minutes (an audit of the new-engineer path) ---------------------------------------------------
+def _demo_cfg(tmp_path, store):
+    from coe import parse_spec
+
+    return load_config(write_line(tmp_path / "line", store=store), env={}), parse_spec(TINY_SPEC)
+
+
+def test_a_second_demo_on_the_same_data_dir_is_refused_before_it_touches_anything(tmp_path):
+    """It deleted the first demo's live database (its agent lock inside it) and both ran."""
+    from coe import CoEError
+    from edge_agent.demo import demo_lock, run_demo
+
+    cfg, model = _demo_cfg(tmp_path, tmp_path / "experts")
+    first = demo_lock(cfg)
+    try:
+        demo_db_path(cfg).parent.mkdir(parents=True)
+        demo_db_path(cfg).write_bytes(b"the first demo's database")
+        with pytest.raises(CoEError, match="another 'coe-agent demo' runs on"):
+            run_demo(cfg, model, frames=5, quiet=True)
+        assert demo_db_path(cfg).read_bytes() == b"the first demo's database"
+    finally:
+        first.release()
+    demo_lock(cfg).release()                       # free again once the first has ended
+
+
+def test_the_demo_checks_its_store_and_recording_before_minutes_of_training(tmp_path):
+    from coe import CoEError
+    from edge_agent.demo import run_demo
+    from storage.recording import RecordingError
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    cfg, model = _demo_cfg(tmp_path, blocker / "experts")
+    with pytest.raises(CoEError, match=r"the expert store .*a-file/experts is not writable: Not a directory"):
+        run_demo(cfg, model, frames=5, quiet=True)
+    cfg, model = _demo_cfg(tmp_path, tmp_path / "experts")
+    empty = tmp_path / "no-recording"
+    empty.mkdir()
+    with pytest.raises(RecordingError):
+        run_demo(cfg, model, frames=5, quiet=True, recording=empty)
+    assert not (tmp_path / "experts").exists()     # nothing trained or built before the refusal
+    res = CliRunner().invoke(cli, ["demo", "--config", str(tmp_path / "line" / "line-T.yaml"), "--frames", "0"])
+    assert res.exit_code == 2 and "--frames" in res.output
+
+
+def test_training_progress_is_plain_lines_where_stderr_is_no_terminal(capsys):
+    """tqdm draws nothing without a terminal: a first demo under `| tee` or CI printed nothing for minutes."""
+    from edge_agent.progress import step_bars
+
+    with step_bars() as tick:
+        for step in range(1, 4):
+            tick("resnet18", step, 3)
+    err = capsys.readouterr().err
+    assert "training resnet18: step 1 of 3" in err and "training resnet18: step 3 of 3 (done)" in err
+    assert "step 2 of 3" not in err                 # at most one line per PLAIN_EVERY_S between start and end
