@@ -100,7 +100,7 @@ def load_spec(path: str | Path) -> CoEModel:
     except yaml_strict.DuplicateKey as exc:
         raise SpecError(src, str(exc.key), f"written twice (lines {exc.first} and {exc.line}); keep one") from None
     except yaml.YAMLError as exc:
-        raise SpecError(src, "<file>", f"not valid YAML: {exc}") from None
+        raise SpecError(src, "<file>", f"not valid YAML: {yaml_strict.problem(exc)}") from None
     except UnicodeDecodeError as exc:
         raise SpecError(src, "<file>", f"not UTF-8 text: {exc.reason} at byte {exc.start}") from None
     return parse_spec(raw, src)

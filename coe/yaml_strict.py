@@ -43,3 +43,13 @@ _StrictLoader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _S
 def load(text: str) -> Any:
     """`yaml.safe_load(text)`, refusing a key written twice in one mapping (`DuplicateKey`)."""
     return yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+
+
+def problem(exc: yaml.YAMLError) -> str:
+    """A YAML syntax error as one line ('line 3, column 6: mapping values are not allowed here'): PyYAML's own
+    text spans several lines with a caret under a copy of the source."""
+    mark = getattr(exc, "problem_mark", None)
+    what = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    context = getattr(exc, "context", None)
+    where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+    return f"{where}{what}" + (f" ({context})" if context else "")

@@ -126,6 +126,15 @@ def _check_cuda(device: str, key: str) -> None:
                          + ("" if count else " (no NVIDIA driver or no GPU: use device: cpu)"))
 
 
+def _line_args(cfg: LineConfig) -> str:
+    """The options that name this line's config in a command a message suggests (its --config when it was
+    given one: without it the command would read another store)."""
+    source = getattr(cfg, "source", "") or ""
+    default = Path("configs") / f"line-{cfg.line}.yaml"
+    return f"--line {cfg.line}" if not source or Path(source).resolve() == default.resolve() else \
+        f"--config {source}"
+
+
 class Agent:
     """One line's service.  `start()` binds and returns; `stop()` drains and closes."""
 
@@ -141,7 +150,8 @@ class Agent:
             self._line_store.close_reader()
             raise FileNotFoundError(
                 f"expert store {cfg.store_path} lacks {len(missing)} expert(s) of the spec, e.g. "
-                f"{', '.join(missing[:3])}; run `coe-agent zoo build --line {cfg.line}`")
+                f"{', '.join(missing[:3])}; run `coe-agent demo {_line_args(cfg)}` (trained experts) or "
+                f"`coe-agent zoo build {_line_args(cfg)}` (generated weights)")
         self.model = self.model.with_sizes({e.id: e.nbytes for e in self.store.entries()})
         self.llm_layout = self._llm_store() if cfg.llm is not None else None
         self.llm: "LLMService | None" = None

@@ -265,7 +265,7 @@ def zoo_build(line: str, config_path: str | None, seed: int, force: bool, dtype:
     generated weights, stored as safetensors with a sha256 manifest.  With
     --dtype the weights are cast once before they are written (fp16 and bf16
     halve the bytes each expert switch reads); an expert stored in another
-    dtype is rebuilt.
+    dtype is cast to it, its weights (trained ones too) kept.
 
     \b
     Example:
@@ -282,10 +282,9 @@ def zoo_build(line: str, config_path: str | None, seed: int, force: bool, dtype:
     cfg = _config(line, config_path)
     model = load_spec(cfg.spec_path)
     store = ExpertStore(cfg.store_path, verify=cfg.expert_verify)
-    bar = tqdm(total=len(model.experts), desc="building expert zoo", unit="expert")
-    entries = build_zoo(model, store, seed=seed, force=force, sample_images=sample_images_for(model, seed=seed),
-                        progress=lambda eid: bar.update(1), dtype=dtype)
-    bar.close()
+    with tqdm(total=len(model.experts), desc="building expert zoo", unit="expert") as bar:   # closed on an error
+        entries = build_zoo(model, store, seed=seed, force=force, sample_images=sample_images_for(model, seed=seed),
+                            progress=lambda eid: bar.update(1), dtype=dtype)
     total = sum(e.nbytes for e in store.entries() if e.id in model.experts)
     click.echo(f"{len(entries)} expert(s) written, {len(model.experts)} in spec, {total / 1e6:.1f} MB "
                f"in {cfg.store_path}")
@@ -324,16 +323,15 @@ def record(line: str, config_path: str | None, synthetic: bool, frames: int, out
 
     cfg = _config(line, config_path)
     model = load_spec(cfg.spec_path)
-    bar = tqdm(total=frames, desc="recording", unit="frame")
     done = [0]
+    with tqdm(total=frames, desc="recording", unit="frame") as bar:   # closed on an error: it ends its line
 
-    def tick(n: int) -> None:
-        bar.update(n - done[0])
-        done[0] = n
-    path = record_synthetic(model, out, frames, line=cfg.line, seed=seed, size=size, encoding=encoding,
-                            omit_component=omit_component, boards_components=board_components,
-                            overwrite=overwrite, solder_rate=solder_rate, progress=tick)
-    bar.close()
+        def tick(n: int) -> None:
+            bar.update(n - done[0])
+            done[0] = n
+        path = record_synthetic(model, out, frames, line=cfg.line, seed=seed, size=size, encoding=encoding,
+                                omit_component=omit_component, boards_components=board_components,
+                                overwrite=overwrite, solder_rate=solder_rate, progress=tick)
     click.echo(f"wrote {frames} frame(s) to {path}")
 
 

@@ -397,7 +397,7 @@ def load_config(path: str | Path, env: Mapping[str, str] | None = None, **overri
     except yaml_strict.DuplicateKey as exc:
         raise SpecError(src, str(exc.key), f"written twice (lines {exc.first} and {exc.line}); keep one") from None
     except yaml.YAMLError as exc:
-        raise SpecError(src, "<file>", f"not valid YAML: {exc}") from None
+        raise SpecError(src, "<file>", f"not valid YAML: {yaml_strict.problem(exc)}") from None
     except UnicodeDecodeError as exc:
         raise SpecError(src, "<file>", f"not UTF-8 text: {exc.reason} at byte {exc.start}") from None
     if not isinstance(raw, dict):
@@ -413,7 +413,7 @@ def load_config(path: str | Path, env: Mapping[str, str] | None = None, **overri
     except ValidationError as exc:
         err = exc.errors()[0]
         key = ".".join(str(p) for p in err["loc"]) or "<root>"
-        reason = err["msg"].removeprefix("Value error, ")
+        reason = _plain_reason(err)
         where = src
         for var, dotted in env_keys.items():
             if key == dotted or key.startswith(dotted + ".") or dotted.startswith(key + "."):
@@ -423,6 +423,30 @@ def load_config(path: str | Path, env: Mapping[str, str] | None = None, **overri
             reason = reason.strip()
         raise SpecError(where, key, reason) from None
     return _resolve(cfg, path)
+
+
+def _plain_reason(err: dict) -> str:
+    """pydantic's message for one error, as a line engineer reads it: the value given, no class names, and the
+    nearest key for a misspelt one."""
+    import difflib
+    import re
+
+    reason = err["msg"].removeprefix("Value error, ")
+    kind, given = err.get("type", ""), err.get("input")
+    if kind == "extra_forbidden":
+        parent: Any = LineConfig
+        for part in err["loc"][:-1]:
+            field = getattr(parent, "model_fields", {}).get(part)
+            parent = field.annotation if field is not None else None
+        known = list(getattr(parent, "model_fields", {}) or {})
+        near = difflib.get_close_matches(str(err["loc"][-1]), known, n=1)
+        return "not a config key" + (f" (did you mean '{near[0]}'?)" if near else "")
+    if kind == "model_type" or kind == "dict_type":
+        return f"expected a mapping of keys under it, got {str(given)[:60]!r}"
+    reason = re.sub(r" or instance of \w+", "", reason)
+    if kind.endswith(("_parsing", "_type")) and given is not None and not isinstance(given, (dict, list)):
+        reason += f" (got {str(given)[:60]!r})"
+    return reason
 
 
 def _sections() -> list[str]:

@@ -8,6 +8,7 @@ delivered frame: at-least-once delivery, effectively-once verdicts.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable
@@ -18,6 +19,9 @@ import zmq
 from storage.recording import Recording
 
 from . import protocol as P
+
+log = logging.getLogger(__name__)
+SILENT_WARN_S = 10.0   # no answer at all for this long: one warning (the wait goes on to the deadline)
 
 
 @dataclass
@@ -55,8 +59,14 @@ def recording_messages(rec: Recording) -> Iterable[tuple[str, list[bytes]]]:
 def send_messages(messages: Iterable[tuple[str, list[bytes]]], endpoint: str, *, rate: float | None = None,
                   window: int = 256, ack_timeout: float = 10.0, deadline: float = 600.0,
                   ctx: zmq.Context | None = None, progress: Callable[[ReplayReport], None] | None = None,
-                  socket_setup: Callable[[zmq.Socket], None] | None = None) -> ReplayReport:
-    """Send `(frame_id, parts)` messages, wait for every ack, resend what was not acked."""
+                  socket_setup: Callable[[zmq.Socket], None] | None = None,
+                  silent_warn_s: float = SILENT_WARN_S) -> ReplayReport:
+    """Send `(frame_id, parts)` messages, wait for every ack, resend what was not acked.
+
+    If nothing at all has answered after `silent_warn_s` (no agent at the
+    endpoint, a CURVE key it refuses), one warning says so: the wait goes on
+    until `deadline` (an agent may still be starting), but not in silence.
+    """
     own_ctx = ctx is None
     ctx = ctx or zmq.Context()
     sock = ctx.socket(zmq.DEALER)
@@ -76,9 +86,15 @@ def send_messages(messages: Iterable[tuple[str, list[bytes]]], endpoint: str, *,
     next_send = t0
     exhausted = False
     stalled: tuple[str, list[bytes]] | None = None
+    heard = warned = False
     try:
         while (not exhausted or inflight or stalled or _waiting(repeats)) and time.monotonic() - t0 < deadline:
             now = time.monotonic()
+            if not heard and not warned and now - t0 > silent_warn_s:
+                warned = True
+                log.warning("nothing has answered at %s for %.0f s: is the agent running (and, with CURVE, is this "
+                            "client's key allowed)? still trying until the deadline (%.0f s)", endpoint,
+                            silent_warn_s, deadline)
             while not exhausted and len(inflight) < window and now >= next_send:
                 if stalled is None:
                     try:
@@ -108,6 +124,7 @@ def send_messages(messages: Iterable[tuple[str, list[bytes]]], endpoint: str, *,
                         msg = sock.recv_multipart(flags=zmq.NOBLOCK)
                     except zmq.Again:
                         break
+                    heard = True
                     if _is_busy(msg, inflight):
                         fid = msg[0].decode("utf-8", "replace")
                         tries[fid] = tries.get(fid, 0) + 1

@@ -22,6 +22,8 @@ from executors.backends import CalibratableBackend, calibrate_classifier, get_ba
 from storage.dtypes import cast_floating, parse_dtype
 from storage.expert_store import ExpertStore, ManifestEntry
 
+from .zoo_train import note_cast
+
 if TYPE_CHECKING:
     import numpy as np
 
@@ -35,8 +37,9 @@ def build_zoo(model: CoEModel, store: ExpertStore, *, seed: int = 0, force: bool
     `force`.  `sample_images(expert_id)` supplies calibration images for a
     classifier; without it classifiers are stored as initialised.  `dtype`
     (fp32, fp16, bf16 or a torch name) is the stored dtype; an expert stored
-    in another dtype is then rebuilt.  Without it experts are written in fp32
-    and kept whatever their dtype.
+    in another dtype is then cast to it (its weights, trained or generated,
+    are kept; `force` generates new ones).  Without it experts are written in
+    fp32 and kept whatever their dtype.
     """
     say = progress or (lambda _msg: None)
     want = parse_dtype(dtype, where="dtype") if dtype is not None else None
@@ -47,10 +50,16 @@ def build_zoo(model: CoEModel, store: ExpertStore, *, seed: int = 0, force: bool
     for index, (eid, expert) in enumerate(model.experts.items()):
         if not force and store.has(eid):
             existing = store.entry(eid)
-            if (existing.arch == expert.arch and existing.kind == expert.kind
-                    and want in (None, existing.dtype)):
-                say(f"[{index + 1}/{total}] {eid}: kept ({expert.arch}, {existing.nbytes} bytes)")
-                entries.append(existing)
+            if existing.arch == expert.arch and existing.kind == expert.kind:
+                if want in (None, existing.dtype):
+                    say(f"[{index + 1}/{total}] {eid}: kept ({expert.arch}, {existing.nbytes} bytes)")
+                    entries.append(existing)
+                    continue
+                # another dtype: the stored weights (trained, perhaps) are cast, not replaced by generated ones
+                entry = store.write(expert, cast_floating(store.read(eid), want), version=existing.version + 1)
+                note_cast(store, eid, existing.sha256, entry.sha256)
+                say(f"[{index + 1}/{total}] {eid}: cast from {existing.dtype} to {entry.dtype} ({entry.nbytes} bytes)")
+                entries.append(entry)
                 continue
         backend = backends[eid]
         tensors = backend.init_weights(expert, expert_seed(seed, eid))

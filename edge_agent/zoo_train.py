@@ -264,7 +264,7 @@ def train_zoo(model: CoEModel, store: ExpertStore, *, steps: int = CLASSIFIER_ST
             tensors = from_numpy(arrays)
             for e in experts:
                 version = store.entry(e.id).version + 1 if store.has(e.id) else 1
-                entry = store.write(e, tensors, version=version)
+                entry = store.write(e, in_stored_dtype(store, e.id, tensors), version=version)
                 marker[e.id] = {"sha256": entry.sha256, "recipe": recipe, "heldout_accuracy": round(acc, 4),
                                 "steps_run": ran}
             _write_marker(marker_path, marker)
@@ -295,7 +295,7 @@ def train_zoo(model: CoEModel, store: ExpertStore, *, steps: int = CLASSIFIER_ST
             arrays, score, ran, seconds = out
             e = plan.expert
             version = store.entry(e.id).version + 1 if store.has(e.id) else 1
-            entry = store.write(e, from_numpy(arrays), version=version)
+            entry = store.write(e, in_stored_dtype(store, e.id, from_numpy(arrays)), version=version)
             marker[e.id] = {"sha256": entry.sha256, "recipe": recipe, "heldout_recall": round(score.recall, 4),
                             "recall_by_class": score.recall_by_class(),
                             "false_alarm_rate": round(score.false_alarm_rate, 4), "drawn": sum(score.drawn.values()),
@@ -329,6 +329,26 @@ def _detector_job(plan, steps: int, batch: int, seed: int, frame_size: int, unti
                                      until=until, progress=progress)
     score = evaluate(plan, tensors, seed=seed, frame_size=frame_size, crops=EVAL_CROPS)
     return to_numpy(tensors), score, len(losses), time.perf_counter() - t0
+
+
+def in_stored_dtype(store: ExpertStore, expert_id: str, tensors: dict) -> dict:
+    """`tensors` (trained in fp32) in the dtype the store keeps `expert_id` in: a zoo cast to fp16 or bf16
+    (`zoo build --dtype`) stays so when it is trained again."""
+    if not store.has(expert_id) or store.entry(expert_id).dtype not in ("float16", "bfloat16"):
+        return tensors
+    from storage.dtypes import cast_floating
+
+    return cast_floating(tensors, store.entry(expert_id).dtype)
+
+
+def note_cast(store: ExpertStore, expert_id: str, before_sha256: str, after_sha256: str) -> None:
+    """An expert this training wrote was cast to another dtype (`zoo build --dtype`): the record follows it, so
+    the cast weights count as this training (not as untrained ones to train again in fp32)."""
+    path, marker = _read_marker(store)
+    rec = marker.get(expert_id)
+    if rec is not None and rec.get("sha256") == before_sha256:
+        rec["sha256"] = after_sha256
+        _write_marker(path, marker)
 
 
 def _write_marker(path: Path, marker: dict) -> None:

@@ -250,7 +250,7 @@ class RecordingWriter:
             raise RecordingError(src, "exists and is not a directory")
         if self.root.is_dir() and any(self.root.iterdir()):
             if not overwrite:
-                raise RecordingError(src, "directory is not empty (pass overwrite=True to replace it)")
+                raise RecordingError(src, "directory is not empty (give --overwrite to replace it)")
             self._clear()
         self.root.mkdir(parents=True, exist_ok=True)
         (self.root / FRAMES_DIR).mkdir(exist_ok=True)
@@ -292,7 +292,11 @@ class RecordingWriter:
             if val is not None and not isinstance(val, str):
                 raise RecordingError(src, f"must be a string or None, got {type(val).__name__}", line, key)
         rel = f"{FRAMES_DIR}/{self._file_name(clean['frame_id'])}.{ext}"
-        (self.root / rel).write_bytes(bytes(payload))
+        try:
+            (self.root / rel).write_bytes(bytes(payload))
+        except OSError as exc:     # a full disk: name the file and the recording, not only the errno
+            raise RecordingError(src, f"cannot write frame file {rel}: {exc.strerror or exc} (is the disk full?)",
+                                 line, "file") from None
         frame = RecordedFrame(header=clean, file=rel, truth=truth, truth_component=truth_component)
         self._ids.add(clean["frame_id"])
         self.frames.append(frame)

@@ -96,3 +96,16 @@ def test_line_and_config_given_before_the_command_are_the_commands(tiny_line, tm
     assert missing.exit_code != 0 and "NOSUCHLINE" in missing.output
     both = runner.invoke(cli, ["--line", "B", "experts", "ls", "--line", "C"])
     assert both.exit_code == 2 and "--line B before the command and --line C after it" in both.output
+
+
+def test_replay_to_nobody_says_so_early_not_only_at_the_deadline(tiny_recording, caplog):
+    """With the default 600 s deadline, the bar sat at 0 for ten minutes before 'never acked'."""
+    from conftest import free_port
+    from edge_agent.replay import send_messages
+
+    with caplog.at_level("WARNING", logger="edge_agent.replay"):
+        report = send_messages([("f1", [b"{}", b"x"])], f"tcp://127.0.0.1:{free_port()}", ack_timeout=0.2,
+                               deadline=1.5, silent_warn_s=0.3)
+    assert report.unacked == ["f1"]
+    said = [r.getMessage() for r in caplog.records if "nothing has answered" in r.getMessage()]
+    assert len(said) == 1 and "is the agent running" in said[0] and "deadline (2 s)" in said[0]

@@ -107,3 +107,33 @@ def test_a_store_of_one_dtype_refuses_what_fp16_would_flush():
 
     with pytest.raises(CoEError, match=r"tensor 'bias'.*flush.*bf16 or fp32"):
         cast_floating({"bias": torch.tensor([1e-10, 2e-10])}, "fp16", keep_underflow=False)
+
+
+def test_zoo_build_with_a_dtype_casts_the_stored_weights_and_training_keeps_the_cast(tiny_zoo, tmp_path):
+    """`zoo build --dtype fp16` after training regenerated every expert with untrained random weights; the next
+    demo then trained again and wrote fp32, so the dtype asked for was lost too."""
+    import shutil
+
+    from coe import parse_spec
+    from edge_agent.zoo import build_zoo
+    from edge_agent.zoo_train import _read_marker, _write_marker, in_stored_dtype
+    from storage.expert_store import ExpertStore
+
+    from conftest import TINY_SPEC
+
+    shutil.copytree(tiny_zoo, tmp_path / "experts")
+    store = ExpertStore(tmp_path / "experts")
+    model = parse_spec(TINY_SPEC)
+    before = {k: v.clone() for k, v in store.read("cls-r0402").items()}
+    path, marker = _read_marker(store)
+    marker["cls-r0402"] = {"sha256": store.entry("cls-r0402").sha256, "recipe": {"as": "trained"}}
+    _write_marker(path, marker)
+    build_zoo(model, store, dtype="fp16")
+    after = store.read("cls-r0402")
+    assert store.entry("cls-r0402").dtype == "float16"
+    assert all(torch.equal(after[k], cast_floating(before, "fp16")[k]) for k in before)    # cast, not regenerated
+    assert _read_marker(store)[1]["cls-r0402"]["sha256"] == store.entry("cls-r0402").sha256
+    trained_again = in_stored_dtype(store, "cls-r0402", {k: v.float() for k, v in before.items()
+                                                          if v.is_floating_point()})
+    assert {v.dtype for v in trained_again.values()} <= {torch.float16, torch.float32}
+    assert trained_again[next(k for k in trained_again if k.endswith("weight"))].dtype == torch.float16
