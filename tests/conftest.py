@@ -33,6 +33,17 @@ TINY_SPEC = {
 }
 
 
+@pytest.fixture(scope="module")
+def ultralytics_offline(tmp_path_factory: pytest.TempPathFactory):
+    """Keep ultralytics' settings file out of the home directory, and it offline, for a module's tests
+    (`pytestmark = pytest.mark.usefixtures("ultralytics_offline")`)."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("YOLO_CONFIG_DIR", str(tmp_path_factory.mktemp("yolo-config")))
+    mp.setenv("YOLO_OFFLINE", "1")
+    yield
+    mp.undo()
+
+
 class SizedSource:
     """A pool source of declared sizes whose values are plain objects (policy and scheduler tests)."""
 

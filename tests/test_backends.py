@@ -14,14 +14,7 @@ from executors.backends import Backend, calibrate_classifier, get_backend
 CLASSES = ("ok", "missing", "misaligned")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _ultralytics_offline(tmp_path_factory: pytest.TempPathFactory) -> None:
-    """Keep ultralytics' settings file out of the home directory for the test run."""
-    mp = pytest.MonkeyPatch()
-    mp.setenv("YOLO_CONFIG_DIR", str(tmp_path_factory.mktemp("yolo-config")))
-    mp.setenv("YOLO_OFFLINE", "1")
-    yield
-    mp.undo()
+pytestmark = pytest.mark.usefixtures("ultralytics_offline")
 
 
 def classifier(eid: str = "cls-a", arch: str = "torchvision/shufflenet_v2_x0_5", **kw: object) -> Expert:

@@ -115,9 +115,12 @@ def test_saturated_agent_answers_busy_and_the_client_backs_off(tmp_path, tiny_zo
     assert db_one(cfg.db_path, "SELECT count(*) FROM verdicts")[0][0] == len(rec)
 
 
-def run_with_faults(tmp_path, tiny_zoo, tiny_recording, faults):
+def run_with_faults(tmp_path, tiny_zoo, tiny_recording, faults, prepare=None):
+    """Serve the tiny recording on a copy of the tiny zoo (`prepare(store_dir)` may change it first)."""
     store = tmp_path / "experts"
     shutil.copytree(tiny_zoo, store)
+    if prepare is not None:
+        prepare(store)
     cfg = load_config(write_line(tmp_path / "line", store=store), env={})
     agent = Agent(cfg, backend_for=faulty_backends(faults)).start()
     rec = Recording(tiny_recording)
@@ -365,25 +368,16 @@ def test_an_expert_whose_stored_weights_are_nan_gives_error_verdicts_not_passes(
     after it 'no defect found': a broken expert passed every board."""
     from storage.expert_store import ExpertStore
 
-    store_dir = tmp_path / "experts"
-    shutil.copytree(tiny_zoo, store_dir)
-    store = ExpertStore(store_dir)
-    model = parse_spec(TINY_SPEC)
-    tensors = {k: v.clone() for k, v in store.read("cls-r0603").items()}
-    head = [k for k in tensors if k.endswith("weight") and tensors[k].dim() == 2][-1]   # the last Linear
-    tensors[head].fill_(float("nan"))
-    store.write(model.experts["cls-r0603"], tensors, version=2)
-    cfg = load_config(write_line(tmp_path / "line", store=store_dir), env={})
-    agent = Agent(cfg).start()
-    rec = Recording(tiny_recording)
-    try:
-        assert replay(rec, agent.endpoints["ingest"]).accepted == len(rec)
-        assert agent.wait_verdicts(len(rec), timeout=120)
-    finally:
-        agent.stop()
-    rows = db_one(cfg.db_path, "SELECT f.component, v.verdict, v.reason FROM verdicts v JOIN frames f USING (frame_id)")
+    def nan_head(store_dir):
+        store = ExpertStore(store_dir)
+        tensors = {k: v.clone() for k, v in store.read("cls-r0603").items()}
+        head = [k for k in tensors if k.endswith("weight") and tensors[k].dim() == 2][-1]   # the last Linear
+        tensors[head].fill_(float("nan"))
+        store.write(parse_spec(TINY_SPEC).experts["cls-r0603"], tensors, version=2)
+
+    agent, rows, n, cfg = run_with_faults(tmp_path, tiny_zoo, tiny_recording, Faults(), prepare=nan_head)
     bad = [r for r in rows if r[0] == "R0603"]
-    assert len(rows) == len(rec) and bad
+    assert len(rows) == n and bad
     assert all(v == "error" and "cls-r0603" in why and "non-finite" in why for _, v, why in bad)
     assert all(v in ("pass", "defect") for c, v, _ in rows if c != "R0603")
     kinds = Counter(k for (k,) in db_one(cfg.db_path, "SELECT kind FROM errors"))

@@ -17,13 +17,7 @@ from executors.executor import Executor, is_out_of_memory
 CLASSES = ("ok", "missing", "misaligned")
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _ultralytics_offline(tmp_path_factory: pytest.TempPathFactory) -> None:
-    mp = pytest.MonkeyPatch()
-    mp.setenv("YOLO_CONFIG_DIR", str(tmp_path_factory.mktemp("yolo-config")))
-    mp.setenv("YOLO_OFFLINE", "1")
-    yield
-    mp.undo()
+pytestmark = pytest.mark.usefixtures("ultralytics_offline")
 
 
 def classifier() -> Expert:
