@@ -295,9 +295,14 @@ def zoo_build(line: str, config_path: str | None, seed: int, force: bool, dtype:
 @click.option("--synthetic", is_flag=True, required=True, help="Draw frames procedurally (the only source so far).")
 @click.option("--frames", "-n", default=500, show_default=True, type=click.IntRange(min=1), help="Number of frames.")
 @click.option("--out", "-o", required=True, type=click.Path(file_okay=False), help="Recording directory to write.")
-@click.option("--seed", default=0, show_default=True)
-@click.option("--encoding", type=click.Choice(["png", "jpeg", "raw"]), default="png", show_default=True)
-@click.option("--size", default=64, show_default=True, help="Image side in pixels.")
+@click.option("--seed", default=0, show_default=True, type=click.IntRange(min=0),
+              help="Seed of the board layout and of every frame's pixels and truth: the same seed gives the same "
+                   "recording, byte for byte.")
+@click.option("--encoding", type=click.Choice(["png", "jpeg", "raw"]), default="png", show_default=True,
+              help="How each frame's image is stored and sent: png (lossless), jpeg (quality 90) or raw "
+                   "(uncompressed RGB bytes).")
+@click.option("--size", default=64, show_default=True, type=click.IntRange(16, 1024),
+              help="Image side in pixels (16 to 1024).")
 @click.option("--omit-component", is_flag=True, help="Leave 'component' out of headers (learned routing).")
 @click.option("--board-components", default=40, show_default=True,
               help="Components per board layout (use about --frames for a stream that follows the spec's "
@@ -358,9 +363,10 @@ def record(line: str, config_path: str | None, synthetic: bool, frames: int, out
 @click.option("--results", "results_db", type=click.Path(dir_okay=False),
               help="The results database the verdicts land in (default: the line config's).")
 @click.option("--baseline", "baseline_db", type=click.Path(dir_okay=False, exists=True),
-              help="Another run's results database of the same recording: report the frames whose verdict "
-                   "changed. Regressions, fixed and changed count only when it covers every frame with a verdict.")
-@click.option("--gate", default=None, help="Conditions on the report, e.g. accuracy>=0.97,regressions<=0; "
+              help="Another run's results database of the same recording (e.g. a --candidate run's "
+                   "REPORT/results.db): report the frames whose verdict changed. Regressions, fixed and changed count only when it covers every frame with a verdict.")
+@click.option("--gate", default=None, help="Conditions on the report, e.g. 'accuracy>=0.97,regressions<=0' "
+                                          "(quote it: the shell reads < and > as redirections); "
                                           "exit 3 when one fails. Metrics: accuracy, regressions, fixed, changed, "
                                           "compared (frames the baseline covers), errors, missing, p99_ms.")
 @click.option("--candidate", "candidate_dir", type=click.Path(file_okay=False, exists=True),
@@ -384,8 +390,9 @@ def replay(recording: str, line: str, config_path: str | None, endpoint: str | N
     \b
     Example:
       coe-agent replay rec/A-500 --line A --rate 250
-      coe-agent replay rec/A-500 --line A --report out/run2 --baseline out/run1.db --gate accuracy>=0.97,regressions<=0
-      coe-agent replay rec/A-500 --line A --candidate new-experts/ --report out/cand --baseline out/run1.db
+      coe-agent replay rec/A-500 --line A --candidate var/line-A/experts --report out/run1
+      coe-agent replay rec/A-500 --line A --candidate new-experts/ --report out/run2 \\
+          --baseline out/run1/results.db --gate 'accuracy>=0.97,regressions<=0'
     """
     from tqdm import tqdm
 
@@ -686,7 +693,9 @@ def keys() -> None:
 
 @keys.command("generate")
 @click.argument("name")
-@click.option("--out", "-o", default="keys", show_default=True, type=click.Path(file_okay=False))
+@click.option("--out", "-o", default="keys", show_default=True, type=click.Path(file_okay=False),
+              help="Folder for NAME.key and NAME.key_secret (a new folder is created owner-only; an existing one "
+                   "keeps its mode).")
 @click.option("--force", is_flag=True,
               help="Replace an existing keypair (clients that trust the old public key are then refused).")
 @_fail_clearly

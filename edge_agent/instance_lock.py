@@ -31,7 +31,7 @@ class InstanceLock:
     def acquire(self) -> "InstanceLock":
         if fcntl is None:
             return self
-        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.path.parent.mkdir(mode=0o700, parents=True, exist_ok=True)   # owner-only, as the database's own
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)   # owner-only, as the database beside it
         os.fchmod(fd, 0o600)
         fh = os.fdopen(fd, "r+")

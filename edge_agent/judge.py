@@ -293,7 +293,7 @@ def parse_gate(text: str) -> list[Condition]:
             raise CoEError(f"--gate: accuracy is a fraction in 0..1, got {value} in {clause!r}{hint}")
         out.append(Condition(metric, op, number))
     if not out:
-        raise CoEError("--gate: no conditions given (e.g. --gate accuracy>=0.97,regressions<=0)")
+        raise CoEError("--gate: no conditions given (e.g. --gate 'accuracy>=0.97,regressions<=0')")
     if not any(c.metric == "missing" for c in out):
         # a frame without a verdict is neither right nor a regression: unless the gate says how many
         # may be missing, none may, or a candidate that drops frames would pass on the ones it kept

@@ -133,7 +133,8 @@ def _popularity(trace_path: str | None, layout) -> dict[str, float] | None:
 @click.option("--model", "-m", "model", required=True, type=click.Path(exists=True, file_okay=False),
               help="Store written by 'coe-agent llm import'.")
 @click.option("--prompt", "-p", required=True, help="Prompt text.")
-@click.option("--max-new-tokens", "-n", default=64, show_default=True, type=click.IntRange(1, 100_000))
+@click.option("--max-new-tokens", "-n", default=64, show_default=True, type=click.IntRange(1, 100_000),
+              help="Tokens to generate after the prompt.")
 @click.option("--memory", default=None, help="Expert pool budget: a size (2GB, 512MiB) or a share of all "
               "experts (25%).  Default: every expert fits.")
 @click.option("--policy", default="gate-score", show_default=True, type=_POLICY,
@@ -328,7 +329,9 @@ def read_prompts(path: str) -> list[str]:
               help="--trained: training time on this CPU.")
 @click.option("--expert-gb", default=2.0, show_default=True, type=click.FloatRange(0.001, 1000),
               help="--generated: size of all experts on disk.")
-@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--seed", default=0, show_default=True, type=int,
+              help="Seed of the weights (--generated); with --trained, of the first weights, the stdlib files' "
+                   "train/held-out split and the batches.")
 @_fail_clearly
 def llm_make_model(kind: str | None, out: str, seconds: float, expert_gb: float, seed: int) -> None:
     """Make an MoE checkpoint here (nothing can be downloaded), in the Hugging Face format.
@@ -400,13 +403,16 @@ def _summarise_e2e(doc: dict, runs: list[dict], mem: dict, coe_runs: list[dict],
 @click.option("--work", default="var/llm", show_default=True, type=click.Path(file_okay=False),
               help="Where the models, stores and traces are made (reused when present).")
 @click.option("--part", "parts", default="a,b,c,d", show_default=True,
-              help="Which parts: a (trace replay), b (trace-driven real decode), c (end to end), d (issue 11 "
-                   "ablation), e (GPU only: the Fiddler split and the prefill balance; not in the default).")
+              help="Which parts: a (trace replay), b (trace-driven real decode), c (end to end), d (ablation: "
+                   "each technique on top of the one before), e (GPU only: the Fiddler split and the prefill "
+                   "balance; not in the default).")
 @click.option("--prompts", default=40, show_default=True, type=click.IntRange(4, 10_000),
               help="Held-out prompts to trace on the trained model (half profile, half replay).")
 @click.option("--decode", default=32, show_default=True, type=click.IntRange(1, 10_000),
               help="Decode steps per traced prompt.")
-@click.option("--train-seconds", default=480.0, show_default=True, type=click.FloatRange(1, 36_000))
+@click.option("--train-seconds", default=480.0, show_default=True, type=click.FloatRange(1, 36_000),
+              help="(a), (b), (d): seconds to train the small MoE on this CPU, when --work holds no "
+                   "trained-hf yet.")
 @click.option("--mixtral-data", default=None, type=click.Path(exists=True, file_okay=False),
               help="Mixtral popularity dir (default: the copy in configs/moe/mixtral-expert-popularity).")
 @click.option("--tokens", default=256, show_default=True, type=click.IntRange(8, 1_000_000),
@@ -807,7 +813,7 @@ def llm_tune_alpha(model: str, budget_ms: float, text_path: str | None, memory: 
     \b
     Example:
       coe-agent llm tune-alpha --model var/llm/trained --budget-ms 20 --plot alpha.png
-      coe-agent llm tune-alpha -m var/llm/trained --budget-ms 12 --policy predicted \
+      coe-agent llm tune-alpha -m var/llm/trained --budget-ms 12 --policy predicted \\
           --predictor var/llm/trained.predictor --trace var/llm/trained-40x32.trace
     """
     _need_transformers()

@@ -248,6 +248,8 @@ def test_database_and_wal_files_are_owner_only(tmp_path, tiny_line, tiny_recordi
         assert {p.name for p in files} >= {"results.db", "results.db-wal", "results.db-shm"}
         for p in files:
             assert stat.S_IMODE(p.stat().st_mode) == 0o600, p
+        # ... in a directory the agent made owner-only (its lock file, made first, made it 0755 before)
+        assert stat.S_IMODE(Path(cfg.db_path).parent.stat().st_mode) == 0o700
     finally:
         agent.stop()
 
