@@ -53,6 +53,7 @@ from coe.expert import id_problem
 from coe.files import fsync_dir
 
 from .flat import Layout, read_layout
+from .safetensors_io import DATA_ALIGN
 from .store_readers import ReaderLock, reader_generations
 
 try:  # advisory locking between processes; absent on Windows, where the in-process lock still holds
@@ -458,7 +459,6 @@ class ExpertStore:
                  file: str) -> tuple[ManifestEntry, Path]:
         """Serialise (and compress, per the store) `tensors` to a temp file; the entry it will have as `file`."""
         import torch
-        from safetensors.torch import save_file
 
         _check_id(expert.id)
         if not tensors:
@@ -487,13 +487,7 @@ class ExpertStore:
         meta = {"coe": json.dumps({"expert_id": expert.id, "arch": expert.arch, "kind": expert.kind,
                                    "version": int(version)}, sort_keys=True)}
         try:
-            try:
-                save_file(cpu, str(tmp), metadata=meta)
-            except (RuntimeError, ValueError) as exc:  # shared storage, unsupported dtype
-                raise CoEError(f"expert '{expert.id}': cannot serialise tensors: {exc}") from None
-            except Exception as exc:  # noqa: BLE001 - SafetensorError wraps the OS's (a full disk): name the file
-                raise CoEError(f"expert '{expert.id}': cannot write {tmp}: {exc} (is the disk full?)") from None
-            digest = _sha256(tmp)
+            digest = _write_safetensors(tmp, cpu, meta, expert.id)
             entry = ManifestEntry(id=expert.id, arch=expert.arch, kind=expert.kind, file=file, sha256=digest,
                                   nbytes=nbytes, dtype=dtype, version=int(version),
                                   stored_nbytes=tmp.stat().st_size, plain_nbytes=tmp.stat().st_size)
@@ -801,6 +795,10 @@ class ExpertStore:
         entry, path = self._current(expert_id, entry)
         stored = self._layout(expert_id, entry)
         if entry.compression != "none" or converted_layout(stored, dtype) != stored:
+            return None
+        if stored.data_offset % DATA_ALIGN:
+            # mapped, each tensor would sit at another alignment than in a pool's (aligned) buffer, and CPU kernels
+            # round differently there: the in-place result would not be the pooled one, bit for bit
             return None
         key = (expert_id, entry.sha256)
         checked = self._needs_check(key, path)
@@ -1117,6 +1115,33 @@ def _sha256(path: Path) -> str:
         while chunk := fh.read(_CHUNK):
             h.update(chunk)
     return h.hexdigest()
+
+
+def _write_safetensors(path: Path, tensors: Mapping[str, "torch.Tensor"], metadata: dict[str, str],
+                       expert_id: str) -> str:
+    """Write `tensors` as a safetensors file at `path` (not fsynced: the install does that); its sha256.
+
+    Our own writer rather than safetensors' `save_file`: the data section
+    starts on a 64-byte boundary (`DATA_ALIGN`), so a file computed in place
+    from its memory map has each tensor at the alignment a pool's buffer gives
+    it.  Tensors go widest dtype first, then by name (as `save_file` orders
+    them), so no tensor starts off its element size's alignment.
+    """
+    from .safetensors_io import StreamWriter
+
+    order = sorted(tensors, key=lambda k: (-tensors[k].element_size(), k))
+    specs = [(k, str(tensors[k].dtype).removeprefix("torch."), tuple(tensors[k].shape)) for k in order]
+    try:
+        writer = StreamWriter(path, specs, metadata, sync=False)
+        try:
+            for k in order:
+                writer.write(k, tensors[k])
+        except BaseException:
+            writer.abort()
+            raise
+        return writer.close()
+    except CoEError as exc:     # the writer names the file; say whose it is
+        raise CoEError(f"expert '{expert_id}': {exc}") from None
 
 
 def _fsync_file(path: Path) -> None:

@@ -27,6 +27,7 @@ _TO_TORCH = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bflo
              "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
 _FROM_TORCH = {v: k for k, v in _TO_TORCH.items()}
 _MAX_HEADER = 100 * 2**20
+DATA_ALIGN = 64     # files written here start their data section on this boundary (`StreamWriter`)
 
 
 @dataclass(frozen=True)
@@ -146,7 +147,7 @@ class StreamWriter:
     """
 
     def __init__(self, path: str | os.PathLike, specs: list[tuple[str, str, tuple[int, ...]]],
-                 metadata: dict[str, str] | None = None) -> None:
+                 metadata: dict[str, str] | None = None, *, sync: bool = True) -> None:
         self.path = Path(path)
         header: dict = {}
         if metadata:
@@ -159,8 +160,11 @@ class StreamWriter:
             self._order.append((name, n))
             off += n
         raw = json.dumps(header, separators=(",", ":")).encode("utf-8")
-        raw += b" " * (-len(raw) % 8)       # keep the data section 8-byte aligned
+        # the data section starts on a 64-byte boundary: mapped (computed in place, `ExpertStore.map_flat`), each
+        # tensor then sits at the alignment it has in a pool's buffer, and CPU kernels round the same there
+        raw += b" " * (-(8 + len(raw)) % DATA_ALIGN)
         self.nbytes = off
+        self._sync = sync           # False: the caller fsyncs the file when it installs it (the expert store)
         self._tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
         self._fh = open(self._tmp, "wb")
         self._hash = hashlib.sha256()
@@ -195,7 +199,8 @@ class StreamWriter:
                 raise CoEError(f"{self.path}: {len(self._order) - self._next} tensors were never written")
             try:
                 self._fh.flush()
-                os.fsync(self._fh.fileno())
+                if self._sync:
+                    os.fsync(self._fh.fileno())
                 self._fh.close()
                 os.replace(self._tmp, self.path)
             except OSError as exc:
