@@ -150,8 +150,16 @@ class PooledModel:
 
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, *,
-                 on_token: Callable[[int], None] | None = None) -> tuple[list[int], OffloadStats]:
-        """Greedy decoding with the KV cache; `on_token` sees each new token as it is produced."""
+                 on_token: Callable[[int], None] | None = None,
+                 on_logits: Callable[[torch.Tensor], None] | None = None) -> tuple[list[int], OffloadStats]:
+        """Greedy decoding with the KV cache; `on_token` sees each new token as it is produced, `on_logits` each
+        step's last-position logits.
+
+        A model that owns its pools runs with one core left to the expert
+        loads (`loader_friendly_threads`).  CPU matmul kernels round by thread
+        count, so its logits are bit-exact with the reference model run at
+        that same thread count (tests), not at another one.
+        """
         before = self.stats()
         ids = input_ids.to(self.device).reshape(1, -1)
         out: list[int] = []
@@ -165,6 +173,8 @@ class PooledModel:
             for _ in range(max_new_tokens):
                 res = self.model(input_ids=nxt, past_key_values=past, use_cache=True)
                 past = res.past_key_values
+                if on_logits is not None:
+                    on_logits(res.logits[0, -1])
                 tok = int(res.logits[0, -1].argmax())
                 out.append(tok)
                 if on_token is not None:

@@ -610,3 +610,30 @@ def test_part_b_decodes_every_policy_with_lru_first_and_last_and_belady_hits_mos
     host = lb.run_decode(store, profile, decode, share=0.25, host_share=0.5, host_mode="exclusive")
     # a host tier behind the pool: fewer bytes from the files than into the pool, for every policy
     assert all(0 < r.gib_from_files < r.gib_read for r in host), [(r.policy, r.gib_from_files, r.gib_read) for r in host]
+
+
+@pytest.mark.parametrize("family", ["mixtral", "qwen3_moe"])
+def test_generate_is_bit_exact_with_the_reference_at_its_own_thread_count(imported, family):
+    """`generate` leaves a core to the loads (fewer compute threads), and CPU kernels round by thread count: its
+    logits differed from a reference run at the default count by ~1e-7.  At the same count they are equal."""
+    from executors.moe_threads import loader_friendly_threads
+
+    ref, layout, store = imported(family)
+    aligned = _aligned_reference(ref)
+    x = _inputs(5)[:1]
+    steps = 6
+    pm = load_pooled(store, memory=layout.layers[0].expert_nbytes * layout.top_k, policy="lru")
+    got: list = []
+    try:
+        tokens, _ = pm.generate(x, steps, on_logits=lambda t: got.append(t.clone()))
+    finally:
+        pm.close()
+    want, past, nxt = [], None, x
+    with torch.no_grad(), loader_friendly_threads("cpu"):
+        for _ in range(steps):
+            res = aligned(input_ids=nxt, past_key_values=past, use_cache=True)
+            past = res.past_key_values
+            want.append(res.logits[0, -1].clone())
+            nxt = res.logits[0, -1].argmax().reshape(1, 1)
+    assert len(got) == len(tokens) == steps
+    assert all(torch.equal(a, b) for a, b in zip(want, got)), family
