@@ -273,8 +273,13 @@ class PrefillBalance:
         self._copy_stream = torch.cuda.Stream(self.device) if self._cuda else None
 
     def close(self) -> None:
-        """Stop the stream's reader threads (after the last forward)."""
+        """Stop the stream's reader threads (after the last forward), and let its buffers go: the pinned host
+        spares and the two device staging buffers outlived a closed model for as long as it was referenced."""
         self._reader.shutdown(wait=True)
+        with self._lock:
+            self._spare.clear()
+            self._ahead.clear()
+        self._slots = [_Slot(), _Slot()]
 
     @property
     def staging_bytes(self) -> int:

@@ -115,7 +115,10 @@ class LiveInputs:
         j = self._index.get(layer)
         if j is None:
             return None
-        rows = np.asarray(probs, dtype=np.float64).reshape(-1, self._latest.shape[1])
+        rows = np.asarray(probs, dtype=np.float64)
+        if rows.ndim != 2 or rows.shape[1] != self._latest.shape[1]:     # [2, E/2] read as one token of E
+            raise CoEError(f"layer {layer}: router scores of shape {list(rows.shape)}, expected [tokens, "
+                           f"{self._latest.shape[1]}]")
         if len(rows) > 1:
             self._latest[j + 1:] = 1.0
         self._latest[j] = rows[-1] * self._latest.shape[1]
@@ -172,7 +175,12 @@ class TokenPredictor:
 
     def scores(self, j: int, x: np.ndarray) -> np.ndarray:
         """[T, E] logits from inputs `x` [T, F] (see `inputs`, `LiveInputs`)."""
+        if not 0 <= j < len(self.layers):
+            raise CoEError(f"token predictor: layer index {j} is not one of its {len(self.layers)} layers")
         x = np.asarray(x, dtype=np.float64)
+        if x.ndim != 2 or x.shape[1] != self.W.shape[1]:
+            raise CoEError(f"token predictor: inputs of shape {list(x.shape)}, expected [tokens, "
+                           f"{self.W.shape[1]}] ({self.features} features)")
         if self.mu is not None:
             x = (x - self.mu[j]) / self.sd[j]
         return x @ self.W[j] + self.b[j]

@@ -14,6 +14,7 @@ they never see the model.
 """
 from __future__ import annotations
 
+import threading
 from collections import deque
 from collections.abc import Iterable
 from typing import TYPE_CHECKING
@@ -55,6 +56,10 @@ class RouterTap:
         self.missing_low = 0
         self._listeners: list = []
         self._predicted: dict[str, float] = {}
+        # the layer thread appends router calls while a prefetch thread ranks victims on `gate_scores`: the
+        # history and its cached mean change under this lock, and a mean built from an older history is not kept
+        self._lock = threading.Lock()
+        self._version = 0
 
     # -- hooking ------------------------------------------------------------------
     def attach(self, model: "nn.Module", routers: dict[int, str]) -> "RouterTap":
@@ -131,15 +136,35 @@ class RouterTap:
         """Call `fn(layer, probs, chosen)` on every router call (a token-wise prefetcher)."""
         self._listeners.append(fn)
 
+    def _check(self, layer: int, probs: np.ndarray, index: np.ndarray) -> np.ndarray:
+        """`probs`/`index` of one router call checked against the layer (before any state changes: a wrong
+        shape used to be kept, and fail every later ranking on another thread); the chosen experts a layer has
+        (an index past the experts, a router's padding, is no expert: left out of the counts)."""
+        ids = self._ids.get(layer)
+        if ids is None:
+            raise CoEError(f"model '{self.layout.model}': no MoE layer {layer} (layers: "
+                           f"{', '.join(str(l) for l in self._ids)})")
+        probs, index = np.asarray(probs), np.asarray(index)
+        if probs.ndim != 2 or probs.shape[1] != len(ids):
+            raise CoEError(f"layer {layer}: router scores of shape {list(probs.shape)}, expected [tokens, "
+                           f"{len(ids)}]")
+        if index.ndim != 2 or index.shape[0] != probs.shape[0] or not np.issubdtype(index.dtype, np.integer):
+            raise CoEError(f"layer {layer}: chosen experts of shape {list(index.shape)} ({index.dtype}), expected "
+                           f"integers [{probs.shape[0]}, k]")
+        return index[(index >= 0) & (index < len(ids))]
+
     def observe(self, layer: int, probs: np.ndarray, index: np.ndarray) -> None:
         """One router call of `layer`: gate scores [T, E] and chosen experts [T, k] (from a hook or a trace)."""
+        chosen = self._check(layer, probs, index)
         for fn in self._listeners:
             fn(layer, probs, index)
-        self._recent[layer].append(probs.astype(np.float32).mean(axis=0))
         ids = self._ids[layer]
-        for e, n in zip(*np.unique(index, return_counts=True)):
-            self.counts[ids[int(e)]] = self.counts.get(ids[int(e)], 0.0) + float(n)
-        self._scores = None
+        with self._lock:
+            self._recent[layer].append(probs.astype(np.float32).mean(axis=0))
+            for e, n in zip(*np.unique(chosen, return_counts=True)):
+                self.counts[ids[int(e)]] = self.counts.get(ids[int(e)], 0.0) + float(n)
+            self._scores = None
+            self._version += 1
         first = layer == self.layout.layers[0].layer
         if self._rec is not None:
             self._rec[layer].append((probs.astype(np.float16), index.astype(np.int16)))
@@ -149,14 +174,19 @@ class RouterTap:
 
     # -- what the pools see ------------------------------------------------------------
     def gate_scores(self) -> dict[str, float]:
-        if self._scores is None:
-            scores = {}
-            for layer, recent in self._recent.items():
-                if recent:
-                    mean = np.mean(np.stack(recent), axis=0)
-                    scores.update(zip(self._ids[layer], mean.tolist()))
-            self._scores = scores
-        return self._scores
+        with self._lock:
+            if self._scores is not None:
+                return self._scores
+            version = self._version
+            history = {layer: list(recent) for layer, recent in self._recent.items() if recent}
+        scores = {}
+        for layer, recent in history.items():
+            mean = np.mean(np.stack(recent), axis=0)
+            scores.update(zip(self._ids[layer], mean.tolist()))
+        with self._lock:
+            if self._version == version:    # no router call since the snapshot: the mean is current
+                self._scores = scores
+        return scores
 
     def context(self) -> dict:
         return {"counts": self.counts, "gate_scores": self.gate_scores(), "predicted": self._predicted}

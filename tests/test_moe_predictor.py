@@ -312,3 +312,18 @@ def test_a_predictor_for_another_top_k_does_not_fit():
     pred.fits(pred.layers, 8, "m", 2)
     with pytest.raises(CoEError, match=r"top-2\) does not fit model 'm' \(layers \[0, 1, 2\], 8 experts, top-3\)"):
         pred.fits(pred.layers, 8, "m", 3)
+
+
+def test_inputs_of_the_wrong_shape_are_named_not_misread():
+    """Scores [2, E/2] were read as one token of E; a wrong input width gave numpy's matmul error; an unknown
+    layer index a bare IndexError."""
+    pred = TokenPredictor.train(synthetic(POP, tokens=200, top_k=2, locality=0.8, seed=1), features="same-layer")
+    E = pred.num_experts
+    live = LiveInputs(pred)
+    with pytest.raises(CoEError, match=rf"router scores of shape \[2, {E // 2}\], expected \[tokens, {E}\]"):
+        live.observe(pred.layers[0], np.full((2, E // 2), 1 / E))
+    with pytest.raises(CoEError, match=rf"inputs of shape \[1, {E + 1}\], expected \[tokens, {E}\]"):
+        pred.scores(0, np.zeros((1, E + 1)))
+    with pytest.raises(CoEError, match="layer index 9 is not one of its"):
+        pred.confident(9, np.zeros((1, E)))
+    assert pred.scores(0, live.observe(pred.layers[0], np.full((1, E), 1 / E))).shape == (1, E)

@@ -3,6 +3,7 @@ ones drawn from measured popularity; then the two MoE eviction policies that rea
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import numpy as np
@@ -610,3 +611,60 @@ def test_a_trace_of_another_model_under_the_same_name_is_refused_for_its_shape()
     for other in (layout((1, 2)), layout((0, 1), experts=16), layout((0, 1), top_k=3)):
         with pytest.raises(CoEError, match=r"t: a trace of layers \[0, 1\] with 8 experts, top-2, but the store's"):
             t.popularity_for("tiny", "t", other)
+
+
+def test_router_calls_of_the_wrong_shape_are_refused_before_they_change_anything():
+    """Scores one column too wide were kept and failed every later ranking (on the prefetch thread); an index
+    of -1 counted as the last expert; a padding index (E) raised a bare IndexError after the listeners ran."""
+    from routing.moe_router import RouterTap
+
+    trace = synthetic([[5, 4, 3, 2, 1, 1, 1, 1]] * 2, tokens=20, top_k=2, locality=0.5, seed=1)
+    E, layer = trace.num_experts, trace.layers[0]
+    tap = RouterTap(_layout_of(trace))
+    heard = []
+    tap.listen(lambda *a: heard.append(a))
+    ok = np.full((2, E), 1 / E, dtype=np.float32)
+    for probs, index, words in [
+        (np.full((2, E + 1), 0.1), np.array([[0, 1], [1, 2]]), f"shape [2, {E + 1}], expected [tokens, {E}]"),
+        (np.full(E, 0.1), np.array([[0, 1]]), "shape [8], expected"),
+        (ok, np.array([[0.0, 1.0], [1.0, 2.0]]), "expected integers [2, k]"),
+        (ok, np.array([[0, 1]]), "expected integers [2, k]"),
+    ]:
+        with pytest.raises(CoEError, match=re.escape(words)):
+            tap.observe(layer, probs, index)
+    with pytest.raises(CoEError, match="no MoE layer 99"):
+        tap.observe(99, ok, np.array([[0, 1], [1, 2]]))
+    assert heard == [] and tap.counts == {} and tap.gate_scores() == {}
+    tap.observe(layer, ok, np.array([[0, E], [-1, 2]]))            # padding / out of range: no expert counted
+    assert sorted(tap.counts.values()) == [1.0, 1.0] and len(heard) == 1
+    assert len(tap.gate_scores()) == E
+
+
+def test_a_gate_score_mean_built_from_an_older_history_is_not_kept():
+    """The prefetch thread built the mean while the layer thread appended a call: the stale mean was cached and
+    the layer's next wave ranked victims on it."""
+    from routing.moe_router import RouterTap
+
+    trace = synthetic([[5, 4, 3, 2, 1, 1, 1, 1]] * 2, tokens=20, top_k=2, locality=0.5, seed=1)
+    E, layer = trace.num_experts, trace.layers[0]
+    tap = RouterTap(_layout_of(trace))
+    first = np.zeros((1, E), dtype=np.float32)
+    first[0, 0] = 1.0
+    tap.observe(layer, first, np.array([[0, 1]]))
+    real_stack = np.stack
+
+    def stack_then_a_call_lands(arrays, *a, **kw):    # the layer thread's call lands mid-build
+        out = real_stack(arrays, *a, **kw)
+        second = np.zeros((1, E), dtype=np.float32)
+        second[0, 1] = 1.0
+        np.stack = real_stack
+        tap.observe(layer, second, np.array([[1, 2]]))
+        return out
+    np.stack = stack_then_a_call_lands
+    try:
+        stale = tap.gate_scores()
+    finally:
+        np.stack = real_stack
+    assert stale[tap._ids[layer][0]] == 1.0                            # built from the older history ...
+    fresh = tap.gate_scores()
+    assert fresh[tap._ids[layer][0]] == 0.5 and fresh[tap._ids[layer][1]] == 0.5    # ... and not kept
