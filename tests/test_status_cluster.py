@@ -18,7 +18,7 @@ from prometheus_client import CollectorRegistry
 from edge_agent.status_model import Health, StatusModel, StatusSources
 from edge_agent.status_server import StatusServer
 
-from test_status_page import browser  # noqa: F401  (the fixture)
+from test_status_page import browser, until  # noqa: F401  (the fixture)
 
 VIEW = {
     "line": "T", "address": "127.0.0.1:6379", "scheduler_active": ["cpu-0.0", "box-2/cpu-1.0"],
@@ -108,6 +108,8 @@ def test_the_page_hides_the_boxes_panel_on_one_box(server, browser):  # noqa: F8
     port = server(None).port
     page = browser.new_page()
     page.goto(f"http://127.0.0.1:{port}/")
-    page.wait_for_function("document.getElementById('conn-text').textContent === 'live'")
+    # polled from here: the page's CSP forbids eval, and a string predicate Playwright must poll in the page
+    # (the page not yet live on its first look, on a loaded box) failed with an EvalError
+    until(page, lambda: page.inner_text("#conn-text") == "live", "the page live")
     assert page.get_attribute("#p-cluster", "hidden") is not None
     page.close()
