@@ -131,8 +131,9 @@ def _line_args(cfg: LineConfig) -> str:
     given one: without it the command would read another store)."""
     source = getattr(cfg, "source", "") or ""
     default = Path("configs") / f"line-{cfg.line}.yaml"
-    return f"--line {cfg.line}" if not source or Path(source).resolve() == default.resolve() else \
-        f"--config {source}"
+    if not source or not Path(source).is_file() or Path(source).resolve() == default.resolve():
+        return f"--line {cfg.line}"        # a config built in code, or the line's own file
+    return f"--config {source}"
 
 
 class Agent:

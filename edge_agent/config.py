@@ -436,8 +436,14 @@ def _plain_reason(err: dict) -> str:
     if kind == "extra_forbidden":
         parent: Any = LineConfig
         for part in err["loc"][:-1]:
+            if isinstance(part, int):          # an item of a list (executors.0.memroy): the list's item type
+                continue
             field = getattr(parent, "model_fields", {}).get(part)
             parent = field.annotation if field is not None else None
+            for arg in get_args(parent):       # list[ExecutorConfig], ExecutorConfig | None: the model inside
+                for inner in (arg, *get_args(arg)):
+                    if isinstance(inner, type) and issubclass(inner, BaseModel):
+                        parent = inner
         known = list(getattr(parent, "model_fields", {}) or {})
         near = difflib.get_close_matches(str(err["loc"][-1]), known, n=1)
         return "not a config key" + (f" (did you mean '{near[0]}'?)" if near else "")

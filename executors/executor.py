@@ -134,7 +134,6 @@ class Executor:
         self.backend_for = backend_for    # injectable: tests put a fault-injecting backend here
         self.oom_splits = 0
         self.isolated = 0        # frames a failing batch narrowed its error to (`_run_splitting`)
-        self._failing: set[str] = set()   # experts whose last batch failed on every frame: not bisected again
         self.skeletons = Skeletons(device)
         self.prefetcher = Prefetcher(pool, name) if prefetch else None
         self._thread = threading.Thread(target=self._loop, name=f"executor-{name}", daemon=True)
@@ -240,7 +239,8 @@ class Executor:
         while True:
             try:
                 batch = self.scheduler.next_batch(self.name, timeout=0.25)
-            except Exception:  # noqa: BLE001 - nothing left the queue (`next_batch` raises before it takes)
+            except Exception:  # noqa: BLE001 - nothing left the queue: `next_batch` raises only before it takes (its
+                # bookkeeping after the take, `_set_cost` included, raises nothing)
                 faults += 1
                 if faults > NEXT_BATCH_TRIES:   # not transient: the thread ends, the agent's health says so and
                     raise                       # a restart recovers the frames from the journal
@@ -274,11 +274,13 @@ class Executor:
 
         Out of memory: split in halves and retry, down to single frames; a frame
         that does not fit even alone is that frame's error, and the halves that
-        ran keep their outputs.  Any other error: halves are tried too, to find
-        the frames that break the expert (a corrupt image, a shape it cannot
-        take).  When every frame fails alone, the expert itself is failing: the
-        error is the whole batch's, and the expert's next batches are not
-        bisected again (one run each) until it runs a frame again.
+        ran keep their outputs.  Any other error: halves are tried too, down to
+        single frames, to find the frames that break the expert (a corrupt
+        image, a shape it cannot take).  When every frame fails alone, the
+        expert itself is failing: one error for the whole batch.  That costs up
+        to 2n-1 runs of a batch of n, every batch; no shortcut is taken, since
+        any guess that an expert is failing (a batch whose frames all failed)
+        would also fail the good frames of a later batch of a healthy expert.
         """
         try:
             outputs = self.backend_for(expert.arch).run(module, expert, images)
@@ -288,8 +290,6 @@ class Executor:
                 if oom:
                     return [StepError("out_of_memory", f"expert {expert.id} ran out of memory on this frame "
                                                        f"alone on {self.name}: {short(exc)}")]
-                raise
-            if not oom and expert.id in self._failing:
                 raise
             if oom:
                 self.oom_splits += 1
@@ -305,10 +305,8 @@ class Executor:
                     outs += [StepError("expert_run", f"expert {expert.id} failed on this frame on {self.name}: "
                                                      f"{short(part_exc)}")] * len(part)
             if top and not oom and all(isinstance(o, StepError) and o.kind == "expert_run" for o in outs):
-                self._failing.add(expert.id)      # no frame of it runs: the expert's failure, not a frame's
-                raise
+                raise                             # no frame of it runs: the expert's failure, not a frame's
             return outs
-        self._failing.discard(expert.id)
         if len(outputs) != len(images):
             raise RuntimeError(f"backend returned {len(outputs)} outputs for {len(images)} images")
         return outputs

@@ -95,7 +95,8 @@ class HostWeights:
             return handle.value.tensors(), handle
         dtype = uniform_dtype(self.store, expert_id)        # what the pools load it in, so the arithmetic is theirs
         mapped = self.store.map_flat(expert_id, dtype=dtype)
-        # compressed, or cast on the way in: no plain bytes to map; a private copy instead, one expert's size (what
+        # compressed, cast on the way in, or off 64 bytes (an older file): no plain bytes to map as a pool's buffer
+        # holds them; a private copy instead, one expert's size (what
         # admission sets aside; its file's pages pass through the page cache on the way, as a pool load's do)
         if mapped is None:
             return self.store.read_flat(expert_id, dtype=dtype).tensors(), None

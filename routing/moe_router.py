@@ -110,6 +110,7 @@ class RouterTap:
         Returns the `Substitution` when experts were replaced, else None (the router's choice stands).
         Used by the hook and by trace-driven decode, which has no router to hook.
         """
+        self._check(layer, probs, chosen)   # before substitution counts anything
         sub = None
         if self.alpha > 0 and self._resident_of is not None:
             sub = substitute(probs, chosen, self._resident_of(layer), self.alpha, self._rule)

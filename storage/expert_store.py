@@ -623,7 +623,7 @@ class ExpertStore:
                     now = entries.get(eid)
                     if now is None or (now.version, now.sha256) != (want.version, want.sha256):
                         raise ChangedOnDisk(eid, want.version, None if now is None else now.version)
-                prepared = [(self._versioned(entry, entries.get(entry.id)), tmp) for entry, tmp in prepared]
+                prepared = [(self._versioned(entry, entries.get(entry.id), tmp), tmp) for entry, tmp in prepared]
                 for entry, tmp in prepared:
                     os.replace(tmp, self.root / entry.file)
                 fsync_dir(self.root)
@@ -649,7 +649,8 @@ class ExpertStore:
                     tmp.unlink()
         return [entry for entry, _ in prepared]
 
-    def _versioned(self, entry: ManifestEntry, disk: ManifestEntry | None) -> ManifestEntry:
+    def _versioned(self, entry: ManifestEntry, disk: ManifestEntry | None, tmp: Path | None = None
+                   ) -> ManifestEntry:
         """`entry`, at a version above the disk's when the disk already holds other bytes under its version, and
         under a file name of its own when its plain name is taken.
 
@@ -657,7 +658,8 @@ class ExpertStore:
         plain `<id>` name; if a file has it now (another writer's new expert,
         or one retired while a reader still maps it), replacing it would hand
         that file's readers other bytes."""
-        if disk is not None and disk.sha256 != entry.sha256 and entry.version <= disk.version:
+        if disk is not None and disk.sha256 != entry.sha256 and entry.version <= disk.version \
+                and not self._same_tensors(disk, tmp):
             log.warning("expert %s: version %d on disk already holds other weights; these are stored as version %d",
                         entry.id, disk.version, disk.version + 1)
             entry = dataclasses.replace(entry, version=disk.version + 1)
@@ -666,6 +668,30 @@ class ExpertStore:
                 and (disk is None or disk.sha256 != entry.sha256):
             entry = dataclasses.replace(entry, file=f"{entry.id}.v{entry.version}-{uuid.uuid4().hex[:6]}{suffix}")
         return entry
+
+    def _same_tensors(self, disk: ManifestEntry, tmp: Path | None) -> bool:
+        """Whether the plain file `tmp` holds the same tensors as `disk`'s plain file, byte for byte, whatever
+        their order and header: a file written before expert files were aligned to 64 bytes hashes otherwise,
+        and rewriting the same weights (a re-import) is not new weights."""
+        if tmp is None or disk.compression != "none" or not str(tmp).endswith(".tmp") or \
+                not (self.root / disk.file).is_file():
+            return False
+        try:
+            a, _ = read_layout(self.root / disk.file, disk.id)
+            b, _ = read_layout(tmp, disk.id)
+        except CoEError:
+            return False
+        if {(x.name, x.dtype, x.shape) for x in a.specs} != {(x.name, x.dtype, x.shape) for x in b.specs}:
+            return False
+        where = {x.name: x for x in b.specs}
+        with open(self.root / disk.file, "rb") as fa, open(tmp, "rb") as fb:
+            for x in a.specs:
+                y = where[x.name]
+                fa.seek(a.data_offset + x.start)
+                fb.seek(b.data_offset + y.start)
+                if fa.read(x.end - x.start) != fb.read(y.end - y.start):
+                    return False
+        return True
 
     def _tmp(self, file: str) -> Path:
         return self.root / f".{file}.{os.getpid()}.{uuid.uuid4().hex[:8]}.tmp"
@@ -780,8 +806,10 @@ class ExpertStore:
         No copy and no buffer of its own (`storage.flat.MappedFlat`): for a
         computation that must not take memory beside the pools.  None when the
         file holds no such bytes: a compressed one, or one that `dtype` would
-        cast on the way in (`storage.convert`; the pools load it so); the caller
-        reads it instead.  A verified read hashes the bytes as they stream into
+        cast on the way in (`storage.convert`; the pools load it so), or one
+        whose data section is off a 64-byte boundary (written before expert
+        files were aligned: mapped, its arithmetic would not be a pool's; import
+        it again to map it); the caller reads it instead.  A verified read hashes the bytes as they stream into
         the page cache (`MappedFlat`'s read-through), so the disk is read once.
         A read that raced a promotion is retried once on the new entry, as
         `read` is.
@@ -1124,8 +1152,8 @@ def _write_safetensors(path: Path, tensors: Mapping[str, "torch.Tensor"], metada
     Our own writer rather than safetensors' `save_file`: the data section
     starts on a 64-byte boundary (`DATA_ALIGN`), so a file computed in place
     from its memory map has each tensor at the alignment a pool's buffer gives
-    it.  Tensors go widest dtype first, then by name (as `save_file` orders
-    them), so no tensor starts off its element size's alignment.
+    it.  Tensors go widest dtype first, then by name, so no tensor starts off
+    its element size's alignment.
     """
     from .safetensors_io import StreamWriter
 

@@ -166,7 +166,10 @@ class StreamWriter:
         self.nbytes = off
         self._sync = sync           # False: the caller fsyncs the file when it installs it (the expert store)
         self._tmp = self.path.with_name(f".{self.path.name}.{os.getpid()}.tmp")
-        self._fh = open(self._tmp, "wb")
+        try:
+            self._fh = open(self._tmp, "wb")
+        except OSError as exc:         # a missing or read-only directory: name the file, as `_put` does
+            raise CoEError(f"{self.path}: cannot write ({exc.strerror or exc})") from None
         self._hash = hashlib.sha256()
         try:
             self._put(struct.pack("<Q", len(raw)) + raw)

@@ -502,3 +502,30 @@ def test_a_header_number_that_is_not_an_integer_is_a_corrupt_entry_not_a_crash(t
     raw = json.dumps({"w": entry}).encode()
     with pytest.raises(ExpertLoadError, match="corrupt safetensors header entry for 'w'"):
         parse_layout(raw, 8, 8 + len(raw), "e1", "e1.safetensors")
+
+
+def test_rewriting_the_same_weights_into_a_store_written_before_the_aligned_files_is_not_new_weights(
+        tmp_path: Path, monkeypatch, caplog) -> None:
+    """Expert files are written 64-byte aligned now; the same tensors in a file `save_file` wrote hash otherwise,
+    and a re-import logged 'already holds other weights' for every expert and stored each as version 2."""
+    import storage.expert_store as es
+    from safetensors.torch import save_file
+
+    def old_writer(path, tensors, metadata, expert_id):     # a header 8 bytes off 16, as files once had
+        for k in range(64):
+            save_file(dict(tensors), str(path), metadata={**metadata, "pad": "x" * k})
+            if (8 + struct.unpack("<Q", path.read_bytes()[:8])[0]) % 16 == 8:
+                return es._sha256(path)
+        raise AssertionError("no padding gave an unaligned header")
+
+    w = {"w": torch.randn(37, 5), "b": torch.arange(7, dtype=torch.int64)}
+    with monkeypatch.context() as m:
+        m.setattr(es, "_write_safetensors", old_writer)
+        ExpertStore(tmp_path).write(_expert(), w)
+    before = ExpertStore(tmp_path).entry("e1")
+    with caplog.at_level("WARNING", logger="storage.expert_store"):
+        again = ExpertStore(tmp_path).write(_expert(), w)
+    assert again.version == before.version == 1 and again.sha256 != before.sha256
+    assert "other weights" not in caplog.text
+    changed = ExpertStore(tmp_path).write(_expert(), {"w": w["w"] + 1, "b": w["b"]})
+    assert changed.version == 2                          # other weights at the same version still move up

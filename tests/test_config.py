@@ -39,6 +39,8 @@ def test_env_overrides_nested_keys():
 @pytest.mark.parametrize("text,key,reason", [
     ("line: T\nspec: spec.yaml\nbogus: 1\n", "bogus", "not a config key"),
     ("line: T\nspec: spec.yaml\nschedular: {}\n", "schedular", "not a config key (did you mean 'scheduler'?)"),
+    ("line: T\nspec: spec.yaml\nexecutors: [{device: cpu, memroy: 1GB}]\n", "executors.0.memroy",
+     "not a config key (did you mean 'memory'?)"),
     ("spec: spec.yaml\n", "line", "required"),
     ("line: T\nspec: spec.yaml\nexecutors: [{device: tpu}]\n", "executors.0.device", "cuda"),
     ("line: T\nspec: spec.yaml\nexecutors: [{memory: lots}]\n", "executors.0.memory", "256MB"),

@@ -133,22 +133,24 @@ def test_a_frame_that_does_not_fit_even_alone_fails_alone_and_the_halves_that_ra
     assert ex.oom_splits >= 2
 
 
-def test_an_expert_that_fails_on_every_frame_is_the_batchs_error_and_is_not_bisected_again_until_it_runs():
+def test_an_expert_that_fails_on_every_frame_is_one_error_for_the_batch():
     be = Scripted(broken=True)
     ex = executor(be)
     with pytest.raises(ValueError, match="is not"):
         ex._run_splitting(None, classifier(), marked(8, set()))
-    assert len(be.calls) == 15                         # the first batch is narrowed all the way, once
-    be.calls.clear()
+    assert len(be.calls) == 15                         # narrowed all the way: every frame failed alone
+
+
+def test_a_batch_of_only_bad_frames_does_not_make_a_healthy_expert_fail_the_next_batches_good_frames():
+    """A shortcut once skipped bisecting an expert whose last batch failed on every frame: a batch of two bad
+    frames then failed every good frame of the next mixed batches."""
+    be = Scripted(bad=lambda img: img[0, 0, 0] >= 200)
+    ex = executor(be)
     with pytest.raises(ValueError):
-        ex._run_splitting(None, classifier(), marked(8, set()))
-    assert be.calls == [8]                              # then one run a batch, not fifteen
-    be.broken = False
-    assert len(ex._run_splitting(None, classifier(), marked(3, set()))) == 3
-    be.broken, be.calls = True, []
-    with pytest.raises(ValueError):
-        ex._run_splitting(None, classifier(), marked(4, set()))
-    assert len(be.calls) == 7                           # it ran a frame since: narrowed again
+        ex._run_splitting(None, classifier(), marked(2, {0, 1}))
+    for _ in range(3):
+        outs = ex._run_splitting(None, classifier(), marked(8, {3}))
+        assert [isinstance(o, StepError) for o in outs] == [i == 3 for i in range(8)]
 
 
 @pytest.mark.parametrize("exc, oom", [

@@ -124,7 +124,8 @@ def test_experts_computed_in_place_from_the_file_keep_every_decode_step_bit_exac
 
 
 def test_a_file_whose_data_is_off_the_64_byte_boundary_is_read_not_mapped(imported, monkeypatch):
-    """A store written before files were padded to 64 bytes: its experts are read into aligned memory."""
+    """A store written before files were padded to 64 bytes (its layout's data offset, 72, stands in for one):
+    `map_flat` declines, so the in-place path reads the expert into aligned memory (`HostWeights.open`)."""
     _, layout, store = imported("qwen3_moe")
     s = ExpertStore(store)
     eid = layout.ids()[0]

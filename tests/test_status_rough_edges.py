@@ -172,8 +172,9 @@ def _demo_cfg(tmp_path, store):
     return load_config(write_line(tmp_path / "line", store=store), env={}), parse_spec(TINY_SPEC)
 
 
-def test_a_second_demo_on_the_same_data_dir_is_refused_before_it_touches_anything(tmp_path):
-    """It deleted the first demo's live database (its agent lock inside it) and both ran."""
+def test_a_second_demo_on_the_same_data_dir_is_refused_before_it_touches_the_first_ones_files(tmp_path):
+    """It deleted the first demo's live database (its agent lock inside it) and both ran.  (Only the writable
+    checks, which make the store and data directories if missing, run before the lock.)"""
     from coe import CoEError
     from edge_agent.demo import demo_lock, run_demo
 
