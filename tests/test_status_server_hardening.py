@@ -289,7 +289,7 @@ def test_the_llm_servers_log_lines_go_to_its_own_logger_not_the_status_pages(cap
     """The LLM server is built on the status server's base; its errors are the LLM's (its logger, its label)."""
     from edge_agent.llm_service import _LLMServer
 
-    caplog.set_level(logging.DEBUG)
+    caplog.set_level(logging.DEBUG, logger="edge_agent.llm_service")   # its own level: another test may set it
     server = _LLMServer(("127.0.0.1", 0), None)
     try:
         try:
