@@ -21,7 +21,7 @@ from typing import TYPE_CHECKING, Any
 
 import zmq
 
-from coe import CoEModel, Frame, Request, StepError, decide, finite_problem, load_spec
+from coe import CoEError, CoEModel, Frame, Request, StepError, decide, finite_problem, load_spec
 from coe.probabilities import ranked
 from executors.costs import ExecutorInfo, ProfileCosts, store_forms
 from executors.executor import BatchResult, Executor, FailedExperts, result_problem
@@ -442,11 +442,39 @@ class Agent:
             share = 1 if ex.count_is_set else n
             memory = ex.memory // share
             expert, expert_why = self._expert_memory(ex, memory, share)
+            self._check_split(i, ex, memory, expert, expert_why)
             log.info("%s: %d executor%s, %.0f MB experts each (of %.0f MB), %s; expert memory %s", ex.device, n,
                      "" if n == 1 else "s", expert / 1e6, memory / 1e6, why, expert_why)
             where = f"{ex.node}/" if ex.node else ""
             slots += [_Slot(f"{where}{ex.device}-{i}.{j}", ex, memory, expert) for j in range(n)]
+        self._check_every_expert_fits(slots)
         return slots
+
+    def _check_every_expert_fits(self, slots: list[_Slot]) -> None:
+        """Refuse a line with an expert no executor can hold: every frame routed to it would fail, at serving
+        time, one by one."""
+        room = max((s.expert_memory for s in slots), default=0)
+        homeless = sorted((e for e in self.model.experts.values() if e.nbytes > room), key=lambda e: -e.nbytes)
+        if slots and homeless:
+            raise CoEError(f"executors: no executor has room for expert {homeless[0].id} "
+                           f"({homeless[0].nbytes / 1e6:.0f} MB; the most any has for experts is {room / 1e6:.0f} MB)"
+                           f"{f' nor {len(homeless) - 1} more' if len(homeless) > 1 else ''}; give one more memory")
+
+    def _check_split(self, i: int, ex: ExecutorConfig, memory: int, expert: int, why: str) -> None:
+        """Refuse a split whose expert memory cannot hold the largest expert (every frame routed to it would
+        fail, at serving time); warn when activations get less than the profiled max batch needs (batches
+        are then split down to fit, or run out of memory)."""
+        too_big = sorted((e for e in self.model.experts.values() if e.nbytes > expert), key=lambda e: -e.nbytes)
+        if too_big:     # the scheduler never hands it these (`Scheduler.able`); `_check_every_expert_fits`
+            log.warning("%s (executors.%d): %.0f MB for experts (%s) cannot hold %d expert(s), e.g. %s (%.0f MB): "
+                        "the others run them", ex.device, i, expert / 1e6, why, len(too_big), too_big[0].id,
+                        too_big[0].nbytes / 1e6)
+        reserve = activation_reserve(self.profile, "cuda" if ex.device.startswith("cuda") else "cpu") \
+            if self.profile is not None else 0
+        if memory - expert < reserve:
+            log.warning("%s (executors.%d): %.0f MB left for activations, below the %.0f MB the profiled max batch "
+                        "needs; batches will be split to fit (or run out of memory)", ex.device, i,
+                        (memory - expert) / 1e6, reserve / 1e6)
 
     def _device_profile(self, ex: ExecutorConfig):
         return self.profile.devices.get(ex.device) if self.profile is not None else None
@@ -477,8 +505,12 @@ class Agent:
             reserve = activation_reserve(self.profile, dev.kind)
             if memory - scaled < reserve:
                 biggest = max((e.nbytes for e in self.model.experts.values()), default=0)
-                return (max(memory - reserve, min(biggest, memory)),
-                        "from profile (memory-split search), cut to keep the max-batch activation reserve")
+                if memory - reserve >= biggest:
+                    return (memory - reserve,
+                            "from profile (memory-split search), cut to keep the max-batch activation reserve")
+                return (min(biggest, memory), f"from profile (memory-split search), cut to the largest expert: "
+                                              f"{(memory - min(biggest, memory)) / 1e6:.0f} MB left for "
+                                              f"activations, below the max batch's {reserve / 1e6:.0f} MB")
             return scaled, "from profile (memory-split search)"
         return int(memory * 0.75), "default (75%)"
 

@@ -243,6 +243,13 @@ class ProfileCosts:
             return "host"
         return "ssd"
 
+    def fits(self, executor: str, expert_id: str) -> bool:
+        """Whether `executor`'s pool can hold `expert_id` at all (its stored size within the pool's capacity):
+        the scheduler assigns an expert only where it can be loaded."""
+        cap = getattr(self.executors[executor].pool, "capacity", None)
+        e = self.model.experts.get(expert_id)
+        return cap is None or e is None or not e.nbytes or e.nbytes <= cap
+
     def switch_cost(self, executor: str, expert_id: str) -> float:
         """The load time from the tier where the expert lives; for one already loading (resident in the
         pool's books), what is left of its load where that is known (the simulator's prefetches); from the

@@ -89,9 +89,13 @@ from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Protocol
 
-from coe import Request
+from coe import CoEError, Request
 
 log = logging.getLogger(__name__)
+
+
+class NoExecutor(CoEError):
+    """No active executor's pool can hold the expert a request asks for."""
 
 # Groups past the head that `fill` looks at (each one a cost-model call; the scan stops at the first resident
 # group that fits, and runs the whole window only when none does).
@@ -508,14 +512,29 @@ class Scheduler:
             self._cond.notify_all()
             return name
 
+    def able(self, expert_id: str) -> list[str]:
+        """The active executors whose pool can hold `expert_id` (`costs.fits`; all, where the costs cannot say):
+        a small CPU pool beside a GPU runs the classifiers it holds, and is never handed a detector it cannot
+        load (every frame of that batch would fail).  Raises `NoExecutor` when none can."""
+        fits = getattr(self.costs, "fits", None)
+        if fits is None:
+            return self.names
+        names = [n for n in self.names if fits(n, expert_id)]
+        if not names:
+            raise NoExecutor(f"no executor's pool can hold expert {expert_id}; give an executor more memory")
+        return names
+
     def _assign(self, expert_id: str) -> tuple[str, float, float]:
         how = self.policy.assign
-        if how == "round-robin" or len(self.names) == 1:
-            name = next(self._rr) if how == "round-robin" else self.names[0]
+        names = self.able(expert_id)
+        if how == "round-robin" or len(names) == 1:
+            name = names[0]
+            if how == "round-robin" and len(names) > 1:
+                name = next(n for n in self._rr if n in names)    # the cycle over all, skipping those unable
             return (name, *self.added_latency(name, expert_id)[1:])
         if how == "affinity":
-            holders = [n for n in self.names if self._q[n].counts.get(expert_id)] or \
-                      [n for n in self.names if expert_id in self.costs.resident(n)] or self.names
+            holders = [n for n in names if self._q[n].counts.get(expert_id)] or \
+                      [n for n in names if expert_id in self.costs.resident(n)] or names
             name = min(holders, key=lambda n: self._q[n].n)
             return (name, *self.added_latency(name, expert_id)[1:])
         # cost: minimise the maximum predicted time over every executor (and, SSD-aware, the SSD);
@@ -533,6 +552,8 @@ class Scheduler:
         top_ssd = max(backlogs.values(), default=0.0)
         cands = []
         for i, name in enumerate(self.names):
+            if name not in names:
+                continue
             added, switch, ssd = self.added_latency(name, expert_id)
             others = second if name == top_name else top
             objective = max(others, ests[name] + added)
@@ -634,6 +655,7 @@ class Scheduler:
         now = self._now()
         best, gain = None, 0.0
         n_ssd = len({self.channel(n) for n in self.names})
+        fits = getattr(self.costs, "fits", None)
         for name, o in self._q.items():
             if name == executor or not o.groups:
                 continue
@@ -642,6 +664,8 @@ class Scheduler:
                 finish_there = ahead + g.cost
                 ahead = finish_there
                 if g.drain or g.held or not g.requests:   # a held head's expert is loading there already
+                    continue
+                if fits is not None and not fits(executor, g.expert_id):   # it could not load it here
                     continue
                 switch, ssd = self._switch(executor, g.expert_id)
                 probe = _Group(g.expert_id, switch, ssd)

@@ -84,10 +84,10 @@ def test_count_from_an_environment_variable_is_from_config(line, caplog):
 
 
 def test_configured_expert_memory_is_shared_like_the_memory(line, caplog):
-    cfg = line({"device": "cpu", "memory": "40MB", "expert_memory": "24MB"}, searched(2))
+    cfg = line({"device": "cpu", "memory": "40MB", "expert_memory": "26MB"}, searched(2))
     agent, said = build(cfg, caplog)
     try:
-        assert summary(agent) == [(20 * MB, 12 * MB), (20 * MB, 12 * MB)]
+        assert summary(agent) == [(20 * MB, 13 * MB), (20 * MB, 13 * MB)]
         assert said.endswith("expert memory from config")
     finally:
         agent.stop()
@@ -116,5 +116,36 @@ def test_a_config_sized_executor_keeps_the_max_batch_reserve(line, caplog, tmp_p
     try:
         assert summary(agent) == [(40 * MB, 24 * MB)] * 3
         assert "cut to keep the max-batch activation reserve" in said
+    finally:
+        agent.stop()
+
+
+def test_a_line_where_no_executor_can_hold_an_expert_is_refused_at_start(line):
+    """It was accepted, and every frame routed to that expert failed while serving (the pool refused it)."""
+    from coe import CoEError
+
+    cfg = line({"device": "cpu", "memory": "40MB", "expert_memory": "5MB"})
+    with pytest.raises(CoEError, match=r"executors: no executor has room for expert det-\S+ \(12 MB; the most any "
+                                       r"has for experts is 5 MB\) nor \d+ more"):
+        Agent(cfg)
+
+
+def test_a_split_cut_to_the_largest_expert_says_how_little_is_left_for_activations(line, caplog):
+    """The profiled split left less than the reserve: the log said the reserve was kept while activations got
+    what was left of the largest expert (even nothing)."""
+    from executors.profile import ArchProfile
+
+    cfg = line({"device": "cpu", "memory": "16MB", "count": 1})
+    arch = ArchProfile("ultralytics/yolov8n", "cpu", 0.01, 0.01, 8, 3 * MB, 2 * MB, {"ssd": 0.05, "host": 0.01})
+    dev = DeviceProfile("cpu", "cpu", 16 * MB, executors=1, expert_memory=15 * MB)
+    Profile("assumed: test", {"cpu": dev}, {Profile.key(arch.arch, "cpu"): arch}).save(cfg.scheduler.profile)
+    caplog.clear()
+    with caplog.at_level(logging.INFO, logger="edge_agent.agent"):
+        agent = Agent(cfg)
+    try:
+        said = "\n".join(r.getMessage() for r in caplog.records)
+        assert "cut to keep the max-batch activation reserve" not in said
+        assert "cut to the largest expert" in said and "below the max batch's 16 MB" in said
+        assert "left for activations, below the 16 MB the profiled max batch needs" in said
     finally:
         agent.stop()

@@ -410,3 +410,31 @@ def test_a_queue_estimate_gone_negative_is_counted_and_set_to_zero_and_loses_no_
         got += [r.frame.frame_id for r in b.requests]
     assert got == ["f2", "f3"] and s.depth() == 0          # every request handed out exactly once
     assert s.estimate_faults == 1                         # recomputed, not zeroed: draining it met no second fault
+
+
+class _Sized(FixedCosts):
+    """FixedCosts whose executors hold only the experts `holds[name]` allows (`fits`)."""
+
+    def __init__(self, holds, **kw):
+        super().__init__(**kw)
+        self.holds = holds
+
+    def fits(self, executor, expert_id):
+        return expert_id in self.holds[executor]
+
+
+@pytest.mark.parametrize("policy", ["coserve", "round-robin", "grouped"])
+def test_an_expert_goes_only_to_executors_whose_pool_can_hold_it(policy):
+    """A small CPU pool beside a GPU: the scheduler handed it a detector it could not load (every frame of that
+    batch failed); now it runs only what it can hold, and the rest goes where it fits."""
+    from executors.scheduler import NoExecutor
+
+    costs = _Sized({"gpu": {"cls", "det"}, "cpu": {"cls"}}, load=0.1)
+    s = Scheduler(["cpu", "gpu"], policy, costs=costs)
+    assert {s.submit(req("det", i)) for i in range(6)} == {"gpu"}
+    if s.policy.steal:                  # an idle CPU never steals the detector group it could not load
+        assert s.next_batch("cpu", timeout=0.05) is None
+    with pytest.raises(NoExecutor, match="no executor's pool can hold expert big"):
+        s.submit(req("big"))
+    if policy == "round-robin":         # the cycle skips the executor that cannot hold it, not the others
+        assert [s.submit(req("cls", i)) for i in range(4)].count("cpu") >= 1
