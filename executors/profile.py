@@ -259,6 +259,9 @@ def _mapping(x, where: str) -> dict:
     return x
 
 
+LOAD_TIERS = ("ssd", "host")    # where a load can come from (`ArchProfile.load`)
+
+
 def _check_arch(key: str, a: ArchProfile) -> None:
     """An arch entry's numbers are used as they are by the scheduler and the pools: refuse any they could not
     (ValueError naming `archs.<key>.<field>`), not an agent that starts and then fails every frame."""
@@ -272,12 +275,16 @@ def _check_arch(key: str, a: ArchProfile) -> None:
         x = getattr(a, name)
         if not (number(x) and x >= 0):
             raise ValueError(f"{where}.{name}: must be a finite number of seconds >= 0, got {x!r}")
+    if a.K + a.B <= 0:      # every batch predicted to take no time: the scheduler's choices would be blind
+        raise ValueError(f"{where}: K and B are both 0; a batch takes time (profile this arch again)")
     if not (whole(a.max_batch) and a.max_batch >= 1):
         raise ValueError(f"{where}.max_batch: must be a whole number >= 1, got {a.max_batch!r}")
     for name in ("weight_bytes", "activation_bytes", "ssd_stored_bytes"):
         x = getattr(a, name)
         if not (whole(x) and x >= 0):
             raise ValueError(f"{where}.{name}: must be a whole number of bytes >= 0, got {x!r}")
+    if a.weight_bytes < 1:   # the switch cost re-prices a compressed load per weight byte
+        raise ValueError(f"{where}.weight_bytes: an expert has weights: must be >= 1, got {a.weight_bytes!r}")
     if a.device not in ("cpu", "cuda"):
         raise ValueError(f"{where}.device: must be 'cpu' or 'cuda', got {a.device!r}")
     if key != Profile.key(a.arch, a.device):
@@ -285,8 +292,12 @@ def _check_arch(key: str, a: ArchProfile) -> None:
     if not isinstance(a.load_seconds, dict):
         raise ValueError(f"{where}.load_seconds: expected an object of tier: seconds, got {a.load_seconds!r}")
     for tier, x in a.load_seconds.items():
+        if tier not in LOAD_TIERS:     # a typo ('sdd') left 'ssd' missing: every switch raised while serving
+            raise ValueError(f"{where}.load_seconds.{tier}: not a tier (tiers: {', '.join(LOAD_TIERS)})")
         if not (number(x) and x >= 0):
             raise ValueError(f"{where}.load_seconds.{tier}: must be a finite number of seconds >= 0, got {x!r}")
+    if "ssd" not in a.load_seconds:
+        raise ValueError(f"{where}.load_seconds: has no 'ssd' time (every switch from the SSD needs it)")
     for i, p in enumerate(a.points):
         if not (len(p) == 2 and whole(p[0]) and p[0] >= 1 and number(p[1]) and p[1] >= 0):
             raise ValueError(f"{where}.points[{i}]: must be [batch size >= 1, seconds >= 0], got {list(p)!r}")

@@ -40,8 +40,13 @@ def _first_arch(doc: dict) -> str:
     (lambda d, k: d.update(devices=[]), r"devices: expected a JSON object, got list"),
     (lambda d, k: d.update(archs={"a@cpu": 3}), r"archs\.a@cpu: expected a JSON object, got int"),
     (lambda d, k: d.pop("archs"), r"malformed profile: missing 'archs'"),
+    # values that passed and then failed every switch, or made every batch cost nothing, while serving
+    (lambda d, k: d["archs"][k].update(load_seconds={}), r"load_seconds: has no 'ssd' time"),
+    (lambda d, k: d["archs"][k].update(load_seconds={"sdd": 0.1, "ssd": 0.1}), r"load_seconds\.sdd: not a tier"),
+    (lambda d, k: d["archs"][k].update(K=0, B=0), r"K and B are both 0"),
+    (lambda d, k: d["archs"][k].update(weight_bytes=0), r"weight_bytes: an expert has weights: must be >= 1"),
 ], ids=["batch-float", "K-string", "load-string", "negative-bytes", "device", "points", "key", "devices-list",
-        "arch-int", "no-archs"])
+        "arch-int", "no-archs", "no-ssd", "tier-typo", "zero-cost", "no-weights"])
 def test_a_profile_value_the_agent_could_not_use_is_refused_naming_it(tmp_path, change, match):
     from executors.profile import Profile
 
