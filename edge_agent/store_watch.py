@@ -56,6 +56,7 @@ class StoreWatcher:
         self._seen = {e.id: e.version for e in store.entries()}
         self._changed: set[str] = set()  # experts with a new version some pool may still hold stale
         self.dropped = 0                # stale copies dropped (for tests and metrics)
+        self._failed: tuple | None = None   # the manifest state last complained about (logged once)
 
     def _stamp(self) -> tuple | None:
         """Inode, mtime and size: an atomic rename changes the inode even within one coarse mtime tick."""
@@ -64,6 +65,12 @@ class StoreWatcher:
         except OSError:
             return None
         return (st.st_ino, st.st_mtime_ns, st.st_size)
+
+    def _complain(self, stamp, message: str) -> None:
+        """Log a manifest problem once per manifest state (the watcher ticks every interval)."""
+        if self._failed != (stamp, message):
+            log.error("store watcher: %s", message)
+        self._failed = (stamp, message)
 
     def pending(self) -> set[str]:
         """Experts with a new version that some pool may still hold stale (empty: every pool is current)."""
@@ -97,17 +104,29 @@ class StoreWatcher:
         """
         stamp = self._stamp()
         dropped = 0
-        if stamp != self._mtime:
+        if stamp is None and self._mtime is not None:
+            # the manifest is gone (a restore by `mv`, rsync --delete): keep serving the experts last read
+            self._complain(stamp, "the expert store manifest is gone; serving the experts last read")
+        elif stamp != self._mtime:
+            try:
+                if self._gate is None:
+                    self._switch()
+                elif self._closed_at is None and self._new_versions():
+                    drain = self._gate.close()
+                    self._closed_at = time.monotonic()
+                    log.info("new expert versions in the store: holding new frames until %d in flight finish on "
+                             "the versions they started with", drain)
+                elif self._closed_at is None and not self.store.reload_if(
+                        lambda entries: not any(self._seen.get(i) != e.version for i, e in entries.items())):
+                    # new versions landed between the check and the reload: not adopted; the gated path takes
+                    # them at the next tick
+                    return dropped
+            except Exception as exc:  # noqa: BLE001 - tried again at the next tick: the stamp is not marked seen
+                self._complain(stamp, f"reading the expert store manifest failed ({exc}); trying again")
+                return dropped
+            # marked seen only once handled: a manifest whose read failed once is read again
             self._mtime = stamp
-            if self._gate is None:
-                self._switch()
-            elif self._closed_at is None and self._new_versions():
-                drain = self._gate.close()
-                self._closed_at = time.monotonic()
-                log.info("new expert versions in the store: holding new frames until %d in flight finish on "
-                         "the versions they started with", drain)
-            elif self._closed_at is None:
-                self.store.reload()         # the same versions (a retired file went, a file was compressed)
+            self._failed = None
         if self._closed_at is not None:
             drained = self._gate.wait_drained(wait)
             waited = time.monotonic() - self._closed_at
@@ -172,7 +191,7 @@ class StoreWatcher:
                 gone = release()
                 if gone:
                     log.info("removed %d file(s) of replaced expert versions", gone)
-            except OSError:
+            except Exception:  # noqa: BLE001 - the switch is done: a cleanup fault must not read as a failed switch
                 log.exception("removing the replaced versions' files failed; they are retried at the next switch")
         return changed
 

@@ -264,6 +264,16 @@ class ExpertStore:
         with self._lock, (self._process_lock() if self._reader is not None else contextlib.nullcontext()):
             self._adopt(self._load_manifest())
 
+    def reload_if(self, accept: Callable[[dict[str, ManifestEntry]], bool]) -> bool:
+        """`reload`, only if `accept(entries on disk)`; the check and the switch under one hold of the manifest
+        lock, so no promotion lands between them (a watcher adopting 'the same versions' adopted it)."""
+        with self._lock, (self._process_lock() if self._reader is not None else contextlib.nullcontext()):
+            entries = self._load_manifest()
+            if not accept(entries):
+                return False
+            self._adopt(entries)
+            return True
+
     def read_manifest(self) -> dict[str, ManifestEntry]:
         """The manifest on disk now, without switching this store to it (a watcher decides when)."""
         with self._lock:
@@ -960,6 +970,11 @@ class ExpertStore:
                 st = os.fstat(fh.fileno())
                 text = fh.read().decode("utf-8")
         except FileNotFoundError:
+            if getattr(self, "_disk_stamp", None) is not None:
+                # it was there: gone a moment (a restore by `mv`, rsync --delete) is not an empty store, and
+                # adopting {} would serve no expert at all
+                raise CoEError(f"{src}: the expert store manifest is gone (it was read before); keeping the "
+                               "experts last read") from None
             self._disk_generation, self._disk_stamp, self._retired = 0, None, {}
             return {}
         except (OSError, UnicodeDecodeError) as exc:

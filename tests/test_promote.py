@@ -194,3 +194,53 @@ def test_a_verified_once_store_names_the_version_of_the_file_it_read_after_a_pro
     writer.write(MODEL.experts["cls-r0402"], writer.read("cls-r0402"), version=2)
     assert reader.entry("cls-r0402").version == 1                         # the reader has not looked yet
     assert reader.read_flat("cls-r0402").version == 2                     # new bytes, named as such
+
+
+def test_a_manifest_gone_for_a_moment_keeps_the_experts_served_and_its_return_is_followed(tmp_path, tiny_zoo,
+                                                                                             caplog):
+    """A missing manifest (a restore by `mv`) was read as an empty store: the live agent served no expert and
+    logged nothing."""
+    from edge_agent.store_watch import StoreWatcher
+
+    line = _copy(tiny_zoo, tmp_path / "line")
+    watch = StoreWatcher(line, lambda: [], forget=lambda e: None)
+    before = sorted(e.id for e in line.entries())
+    kept = line.manifest_path.with_name("kept.json")
+    line.manifest_path.rename(kept)
+    with caplog.at_level("ERROR", logger="edge_agent.store_watch"):
+        for _ in range(3):
+            watch.tick()
+    assert sorted(e.id for e in line.entries()) == before
+    assert [r.getMessage() for r in caplog.records].count(
+        "store watcher: the expert store manifest is gone; serving the experts last read") == 1
+    with pytest.raises(CoEError, match="manifest is gone"):
+        line.reload()                                       # the store itself keeps what it read, too
+    kept.rename(line.manifest_path)
+    writer = ExpertStore(line.root)
+    writer.write(MODEL.experts["cls-r0402"], writer.read("cls-r0402"), version=2)
+    watch.tick()
+    assert line.entry("cls-r0402").version == 2 and sorted(e.id for e in line.entries()) == before
+
+
+def test_a_manifest_read_that_fails_once_is_read_again_at_the_next_tick(tmp_path, tiny_zoo, monkeypatch):
+    """The stamp was marked seen before the read: one failed read (too many open files, EIO) and the promotion
+    was never picked up, though the log said 'retrying'."""
+    from edge_agent.store_watch import StoreWatcher
+
+    line = _copy(tiny_zoo, tmp_path / "line")
+    watch = StoreWatcher(line, lambda: [], forget=lambda e: None)
+    writer = ExpertStore(line.root)
+    writer.write(MODEL.experts["cls-r0402"], writer.read("cls-r0402"), version=2)
+    real = line.reload
+    calls = []
+
+    def flaky():
+        calls.append(1)
+        if len(calls) == 1:
+            raise OSError(24, "Too many open files")
+        return real()
+    monkeypatch.setattr(line, "reload", flaky)
+    watch.tick()
+    assert line.entry("cls-r0402").version == 1
+    watch.tick()                                            # no new change of the manifest: read again all the same
+    assert line.entry("cls-r0402").version == 2 and len(calls) == 2
