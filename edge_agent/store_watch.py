@@ -28,6 +28,7 @@ import time
 from collections.abc import Callable, Iterable
 
 log = logging.getLogger(__name__)
+LOADING_WAIT_S = 30.0   # a switch waits at most this long for pools' loads begun before it (their version unknown)
 
 
 class StoreWatcher:
@@ -57,6 +58,7 @@ class StoreWatcher:
         self._changed: set[str] = set()  # experts with a new version some pool may still hold stale
         self.dropped = 0                # stale copies dropped (for tests and metrics)
         self._failed: tuple | None = None   # the manifest state last complained about (logged once)
+        self._loading_stale: set[str] = set()   # replaced experts a pool was still loading at the last drop
 
     def _stamp(self) -> tuple | None:
         """Inode, mtime and size: an atomic rename changes the inode even within one coarse mtime tick."""
@@ -142,6 +144,12 @@ class StoreWatcher:
                     # version-1 copy still in a pool for its classifier and meet version 2 of its detector (seen
                     # once in tests/test_promote.py: ten frames mixed).  Drained, no batch holds one now.
                     dropped = self._drop_stale()
+                    # a copy still loading (a prefetch, a read-ahead) may be of the old version: which is known
+                    # only once it is in, so the held frames wait for those loads (bounded) and its drop
+                    until = time.monotonic() + LOADING_WAIT_S
+                    while self._loading_stale and time.monotonic() < until:
+                        time.sleep(0.02)
+                        dropped += self._drop_stale()
                 except Exception as exc:  # noqa: BLE001 - a store that cannot be switched to must not stop the line
                     # the held frames run on the versions already served; a later change of the manifest (a fixed
                     # promotion) is tried again (`_mtime` moved on).  Retrying here would hold them for good
@@ -196,7 +204,8 @@ class StoreWatcher:
         return changed
 
     def _drop_stale(self) -> int:
-        dropped, settled = 0, set()
+        """Drop the unpinned copies of replaced versions; notes in `_loading_stale` the ones still loading."""
+        dropped, settled, self._loading_stale = 0, set(), set()
         for eid in sorted(self._changed):
             want = self.store.entry(eid).version if self.store.has(eid) else None
             done = True
@@ -206,6 +215,7 @@ class StoreWatcher:
                 value = pool.peek(eid)
                 if value is None:                  # still loading: which version is not known yet
                     done = False
+                    self._loading_stale.add(eid)
                 elif getattr(value, "version", want) != want:
                     if pool.discard(eid, when_free=True):
                         dropped += 1

@@ -244,3 +244,47 @@ def test_a_manifest_read_that_fails_once_is_read_again_at_the_next_tick(tmp_path
     assert line.entry("cls-r0402").version == 1
     watch.tick()                                            # no new change of the manifest: read again all the same
     assert line.entry("cls-r0402").version == 2 and len(calls) == 2
+
+
+def test_held_frames_wait_for_a_load_of_the_old_version_begun_before_the_switch(tmp_path, tiny_zoo):
+    """A prefetch reading version 1 when the drain ended: the gate opened while it still loaded, the load landed
+    version 1 in the pool, and a held frame could run on it."""
+    from edge_agent.frame_gate import FrameGate
+    from edge_agent.store_watch import StoreWatcher
+    from storage.policies import make_policy
+    from storage.pool import Pool
+    from storage.tiers import StoreSource
+
+    line = _copy(tiny_zoo, tmp_path / "line")
+    go, started = threading.Event(), threading.Event()
+
+    class Slow(StoreSource):
+        def load(self, expert_id, reuse=None):
+            flat = super().load(expert_id)          # version 1's bytes, read before the switch ...
+            started.set()
+            go.wait(10)                             # ... and landing after it
+            return flat
+
+    pool = Pool("cpu", 10**9, make_policy("lru"), Slow(line))
+    lock, inflight, scheduled = threading.Condition(), {}, []
+    gate = FrameGate(lock, inflight, scheduled.extend, lambda f: f)
+    watch = StoreWatcher(line, lambda: [pool], forget=lambda e: None, gate=gate)
+    got = {}
+    prefetch = threading.Thread(target=lambda: got.setdefault("h", pool.acquire("cls-r0402")))
+    prefetch.start()
+    started.wait(10)
+    writer = ExpertStore(line.root)
+    writer.write(MODEL.experts["cls-r0402"], writer.read("cls-r0402"), version=2)
+    ticking = threading.Thread(target=watch.tick)   # nothing in flight: drained at once, the switch runs ...
+    ticking.start()
+    ticking.join(0.5)
+    assert ticking.is_alive() and gate.closed       # ... and waits for the load, the gate shut
+    go.set()
+    ticking.join(10)
+    prefetch.join(10)
+    assert not gate.closed
+    assert got["h"].value.version == 1              # the prefetch's own holder has the bytes it read
+    pool.release(got["h"])                          # its release drops the stale copy (marked at the switch)
+    fresh = pool.acquire("cls-r0402")               # what a released frame gets: the new version
+    assert fresh.value.version == 2
+    pool.release(fresh)
