@@ -76,7 +76,8 @@ def run_jobs(jobs: Sequence[Job], *, workers: int | None = None, progress: Progr
     ctx = mp.get_context("spawn")     # not fork: a forked child of a process that ran OpenMP threads can hang
     q = ctx.Queue()
     order = sorted(range(len(jobs)), key=lambda i: -jobs[i].cost)
-    pool = ProcessPoolExecutor(n, mp_context=ctx, initializer=_init_worker, initargs=(q, threads))
+    pool = ProcessPoolExecutor(n, mp_context=ctx, initializer=_init_worker,
+                               initargs=(q, threads, os.getpid()))
     try:
         pending = {pool.submit(_run_in_worker, i, jobs[i].name, jobs[i].total, jobs[i].fn, jobs[i].args): i
                    for i in order}
@@ -113,6 +114,10 @@ def _stop(pool: ProcessPoolExecutor) -> None:
             proc.terminate()
     for proc in procs:
         proc.join(timeout=5)
+    for proc in procs:                 # one that ignored the terminate (stuck in a native call): killed
+        if proc.is_alive():
+            proc.kill()
+            proc.join(timeout=5)
 
 
 def _call(job: Job, progress: Progress | None):
@@ -133,8 +138,28 @@ def _drain(q, progress: Progress | None, ended: set[int], block: float = 0.0) ->
             progress(name, step, total)
 
 
-def _init_worker(q, threads: int) -> None:
+def _die_with_parent(parent: int) -> None:
+    """Ask the kernel to end this worker when the process that started it dies (Linux `PR_SET_PDEATHSIG`):
+    a parent stopped by SIGTERM (systemd, `timeout`) or SIGKILL left its workers training on the line box."""
+    import ctypes
+    import signal
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(1, int(signal.SIGTERM))       # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        return
+    if os.getppid() != parent:                 # the parent died before the call: nothing would signal us
+        os._exit(1)
+
+
+def _init_worker(q, threads: int, parent: int | None = None) -> None:
     global _QUEUE
+    if parent is not None:
+        _die_with_parent(parent)
     _QUEUE = q
     q.cancel_join_thread()     # unread progress must never keep a worker from exiting
     import torch

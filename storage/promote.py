@@ -45,8 +45,31 @@ def promote(line: ExpertStore, candidate: ExpertStore, model: CoEModel,
         elif (candidate.entry(eid).arch, candidate.entry(eid).kind) != (spec.arch, spec.kind):
             e = candidate.entry(eid)
             problems.append(f"'{eid}' is a {e.arch} {e.kind} in the candidate, the spec says {spec.arch} {spec.kind}")
+        elif line.has(eid):
+            why = _shape_problem(line, candidate, eid)
+            if why:
+                problems.append(why)
     if problems:
         raise CoEError("cannot promote: " + "; ".join(problems))
     olds = {eid: (line.entry(eid).version if line.has(eid) else None) for eid in targets}
     entries = line.write_many([(model.experts[eid], candidate.read(eid), (olds[eid] or 0) + 1) for eid in targets])
     return [Promotion(e.id, olds[e.id], e.version) for e in entries]
+
+
+def _shape_problem(line: ExpertStore, candidate: ExpertStore, eid: str) -> str:
+    """Why the candidate's `eid` would not load where the line's loads (its tensors' names and shapes differ:
+    every load on the line would then fail, and every frame on that expert with it), or ''."""
+    try:
+        have = {s.name: s.shape for s in line.layout(eid).specs}
+        got = {s.name: s.shape for s in candidate.layout(eid).specs}
+    except CoEError as exc:
+        return f"'{eid}': {exc}"
+    missing, extra = sorted(have.keys() - got.keys()), sorted(got.keys() - have.keys())
+    if missing or extra:
+        return (f"'{eid}' in the candidate lacks {len(missing)} tensor(s) the line's has "
+                f"({', '.join(missing[:3]) or 'none'}) and has {len(extra)} it does not ({', '.join(extra[:3]) or 'none'})")
+    wrong = sorted(n for n in have if tuple(have[n]) != tuple(got[n]))
+    if wrong:
+        n = wrong[0]
+        return f"'{eid}': tensor {n} is {list(got[n])} in the candidate, {list(have[n])} on the line"
+    return ""

@@ -40,6 +40,16 @@ def test_promote_refuses_a_bad_candidate_and_changes_nothing(tmp_path, tiny_zoo)
         promote(line, cand, MODEL)
     with pytest.raises(CoEError, match="'cls-u-soic8' is not in the candidate"):
         promote(line, cand, MODEL, ["cls-u-soic8"])
+    # right arch and kind, but tensors the line's model cannot take: every load on the line would have failed
+    odd = {k: v for k, v in good.items() if not k.startswith("classifier.")}
+    cand.write(MODEL.experts["cls-r0603"], odd)
+    with pytest.raises(CoEError, match=r"'cls-r0603' in the candidate lacks \d+ tensor\(s\) the line's has "
+                                       r"\(classifier\."):
+        promote(line, cand, MODEL, ["cls-r0603"])
+    grown = {**good, "classifier.3.weight": torch.zeros(9, good["classifier.3.weight"].shape[1])}
+    cand.write(MODEL.experts["cls-r0603"], grown, version=2)
+    with pytest.raises(CoEError, match=r"'cls-r0603': tensor classifier\.3\.weight is \[9, \d+\] in the candidate"):
+        promote(line, cand, MODEL, ["cls-r0603"])
     assert {e.id: e.version for e in line.entries()} == before
     done = promote(line, cand, MODEL, ["cls-r0402"])
     assert [(p.expert_id, p.old_version, p.new_version) for p in done] == [("cls-r0402", 1, 2)]

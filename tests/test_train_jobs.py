@@ -110,3 +110,64 @@ def test_every_progress_step_arrives_though_the_result_comes_back_first():
     assert out == [40000, 40000]
     for job in jobs:
         assert [s for name, s, _ in seen if name == job.name] == list(range(1, 40001)), job.name
+
+
+def _note_pid_then_sleep(pidfile: str, progress=None):
+    """A job: writes its worker's pid, then works long (it must end with its parent, not run on)."""
+    import time
+
+    with open(pidfile, "w") as fh:
+        fh.write(str(os.getpid()))
+    time.sleep(60)
+
+
+def test_workers_end_with_a_parent_stopped_by_sigterm(tmp_path):
+    """A parent stopped by SIGTERM (systemd, `timeout`) left its workers training on the line box, re-parented
+    to init, until their jobs ended."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    pids = [tmp_path / "a.pid", tmp_path / "b.pid"]
+    tests = os.path.dirname(os.path.abspath(__file__))
+    script = ("import sys; sys.path.insert(0, %r)\n"
+              "from edge_agent.train_jobs import Job, run_jobs\n"
+              "from test_train_jobs import _note_pid_then_sleep\n"
+              "if __name__ == '__main__':\n"
+              "    run_jobs([Job('a', _note_pid_then_sleep, (%r,)), Job('b', _note_pid_then_sleep, (%r,))], "
+              "workers=2)\n") % (tests, str(pids[0]), str(pids[1]))
+    path = tmp_path / "parent.py"
+    path.write_text(script)
+    parent = subprocess.Popen([sys.executable, str(path)], cwd=os.path.dirname(tests))
+    try:
+        deadline = time.monotonic() + 120
+        while not all(p.exists() and p.read_text() for p in pids):
+            assert time.monotonic() < deadline and parent.poll() is None, "the workers never started"
+            time.sleep(0.1)
+        workers = [int(p.read_text()) for p in pids]
+        parent.send_signal(signal.SIGTERM)
+        parent.wait(30)
+
+        def alive(pid: int) -> bool:
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return False
+            try:       # a zombie (exited, not yet reaped by init) has ended too
+                with open(f"/proc/{pid}/stat") as fh:
+                    return fh.read().split(")")[-1].split()[0] != "Z"
+            except OSError:
+                return False
+        deadline = time.monotonic() + 30
+        while any(alive(w) for w in workers) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not [w for w in workers if alive(w)]
+    finally:
+        parent.kill()
+        for p in pids:
+            if p.exists() and p.read_text():
+                try:
+                    os.kill(int(p.read_text()), signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
