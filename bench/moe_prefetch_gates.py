@@ -3,7 +3,7 @@
 Issue 11 asks prefetch for >= 1.1x the same policy without it.  `llm bench --part d` measures one gate
 (p >= 0.5, the break-even when a wrong guess costs what a right one saves).  This runs the best row's
 settings (`predicted` eviction, alpha 0.3) without prefetch and with the prefetch at each gate, in that
-order, `--repeats` times interleaved, so drift over the run favours no gate.  Same workload as (d): the
+order, `--repeats` times interleaved, forward then backward (ABBA), so a drift over the run favours no gate.  Same workload as (d): the
 generated model in WORK/big (made by `llm bench --part b` or `d`), routing from the trained model's trace,
 200 decode tokens, pool at 25%, page cache dropped after every read.
 
@@ -47,7 +47,9 @@ def main() -> None:
         ("predicted", f"prefetch p >= {g}", {"alpha": 0.3, "prefetch": "token", "prefetch_min_prob": g})
         for g in gates]
     profile, rep = lb.split_trace(Trace.load(trace_path))
-    out = lb.run_ablation(store, profile, lb.decode_only(rep, args.tokens), rows_to_run=tuple(rows * args.repeats),
+    # ABBA...: forward, then backward, so a drift over the run favours neither the first gates nor the last
+    order = [row for k in range(args.repeats) for row in (rows if k % 2 == 0 else rows[::-1])]
+    out = lb.run_ablation(store, profile, lb.decode_only(rep, args.tokens), rows_to_run=tuple(order),
                           on_row=lambda r: print(f"  {r['row']}: {r['tokens_per_second']:.2f} tokens/s",
                                                  file=sys.stderr, flush=True))
     runs = {n: [r for r in out if r["row"] == n] for n in names}

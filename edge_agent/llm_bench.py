@@ -372,7 +372,8 @@ def run_e2e(hf: Path, store: Path, prompt_ids: list[int], tokens: int, *, share:
     host_memory = int(layout.expert_bytes * host_share)
 
     def child(system: str, policy: str | None, extra: list[str], cgroup: "MemoryCgroup | None") -> dict:
-        off = tempfile.mkdtemp(prefix="coe-offload-")
+        off = tempfile.mkdtemp(prefix="coe-offload-", dir=store.parent)   # accelerate's "disk" on the store's disk
+        #                                                                   (a tmpfs /tmp would be RAM)
         cmd = [sys.executable, "-m", "edge_agent.llm_e2e", "--system", system, "--hf", str(hf), "--store",
                str(store), "--memory", str(memory), "--prompt-ids", ",".join(map(str, prompt_ids)), "--tokens",
                str(tokens), "--offload-dir", off] + (["--policy", policy] if policy else []) + extra + (
@@ -428,6 +429,9 @@ def run_e2e(hf: Path, store: Path, prompt_ids: list[int], tokens: int, *, share:
                 r = child(system, policy, extra + more, cg)
                 if "failed" not in r:
                     break
+                drop_store(store)         # a failed try left its pages cached: the next starts as cold as the first
+                for f in hf.glob("*.safetensors"):
+                    drop_from_page_cache(f)
                 if cg is not None:
                     cg.remove()
                     cg = MemoryCgroup.create(f"coe-bench-{os.getpid()}-{i}", 1 << 50)

@@ -305,3 +305,24 @@ def test_bench_device_is_checked_before_anything_is_made(tmp_path):
         res = CliRunner().invoke(cli, ["llm", "bench", "--work", str(work), "--part", "c", "--device", "cuda:0"])
         assert res.exit_code == 1 and "--device cuda:0: no CUDA device here" in res.output
     assert not work.exists()
+
+
+def test_the_end_to_end_summary_gives_every_policys_ratio_beside_the_best(capsys):
+    """(c) divided the best of several coe-edge policies by one accelerate run; each policy's own ratio is now
+    printed (and in the JSON) beside it, and the SSD-bound fraction says it counts the prefill."""
+    from types import SimpleNamespace
+
+    from edge_agent.llm_cli import _summarise_e2e
+
+    def run(system, policy, tps):
+        return {"system": system, "policy": policy, "tokens_per_second": tps, "tokens": 24, "bytes_in": 2e9,
+                "rss_peak": 1e9, "rss_peak_above_base": 5e8}
+    coe = [run("coe", "lru", 9.0), run("coe", "gate-score", 12.0)]
+    runs = [*coe, run("accelerate", None, 3.0), run("ram", None, 30.0)]
+    doc: dict = {}
+    _summarise_e2e(doc, runs, {"baseline": 1e9}, coe, SimpleNamespace(expert_bytes=2e9, resident_nbytes=5e7),
+                   2e9, False, 0.25)
+    out = capsys.readouterr().out
+    assert "best coe-edge (gate-score): 4.00x accelerate" in out and "(every policy: lru 3.00x, gate-score 4.00x)" in out
+    assert "prefill included" in out
+    assert doc["c"]["vs_accelerate_each"] == {"lru": 3.0, "gate-score": 4.0}
