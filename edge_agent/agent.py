@@ -180,6 +180,8 @@ class Agent:
         self.phase = "created"       # created -> starting -> serving -> stopping -> stopped (for /api/health)
 
         self.profile = Profile.load(cfg.scheduler.profile) if Path(cfg.scheduler.profile).is_file() else None
+        if self.profile is not None:
+            self._check_profile(self.profile)
         self.slots = self._plan_executors()
         n = len(self.slots)
         self.threads = min((s.ex.threads or max(1, (os.cpu_count() or 1) // n)) for s in self.slots)
@@ -459,6 +461,38 @@ class Agent:
             raise CoEError(f"executors: no executor has room for expert {homeless[0].id} "
                            f"({homeless[0].nbytes / 1e6:.0f} MB; the most any has for experts is {room / 1e6:.0f} MB)"
                            f"{f' nor {len(homeless) - 1} more' if len(homeless) > 1 else ''}; give one more memory")
+
+    def _check_profile(self, profile: Profile) -> None:
+        """A profile measured for another line is refused; one for another spec or other hardware is used with a
+        warning (its costs per architecture may still hold; its searched split and counts were for the other)."""
+        from executors.profile import box_identity, spec_digest
+
+        where = self.cfg.scheduler.profile
+        made = profile.made_for
+        log.info("profile %s: %s", where, profile.source)
+        if made.get("line") and made["line"] != self.cfg.line:
+            raise CoEError(f"scheduler.profile: {where} was measured for line {made['line']}, this is line "
+                           f"{self.cfg.line}; run `coe-agent profile --line {self.cfg.line}` (or point "
+                           "scheduler.profile at this line's)")
+        if made.get("spec") and Path(self.cfg.spec_path).is_file() and made["spec"] != spec_digest(self.cfg.spec_path):
+            log.warning("profile %s was measured for another version of the spec %s: its executor counts and "
+                        "memory split were searched for those experts (run `coe-agent profile` again)", where,
+                        self.cfg.spec_path)
+        box = made.get("box") or {}
+        here = box_identity([d for d in box if not d.startswith("cuda") or self._cuda_here()])
+        other = {d: (box[d], here[d]) for d in box if d in here and here[d] != box[d]}
+        for d, (then, now) in other.items():
+            log.warning("profile %s was measured on %s (%s); this box's %s is %s: its costs may not hold here "
+                        "(run `coe-agent profile` on this box)", where, d, then, d, now)
+
+    @staticmethod
+    def _cuda_here() -> bool:
+        try:
+            import torch
+
+            return torch.cuda.is_available()
+        except Exception:  # noqa: BLE001 - no torch CUDA: nothing to compare
+            return False
 
     def _check_split(self, i: int, ex: ExecutorConfig, memory: int, expert: int, why: str) -> None:
         """Refuse a split whose expert memory cannot hold the largest expert (every frame routed to it would

@@ -172,6 +172,9 @@ class Profile:
     archs: dict[str, ArchProfile]  # key: f"{arch}@{device kind}"
     notes: list[str] = field(default_factory=list)
     storage: StorageProfile | None = None   # None: a profile from before decode costs were measured
+    # what it was measured for: {"line": ..., "spec": sha256 of the spec file, "box": {device: its hardware}};
+    # empty for an assumed profile or one from before this was recorded (then nothing is checked)
+    made_for: dict = field(default_factory=dict)
 
     @staticmethod
     def key(arch: str, kind: str) -> str:
@@ -192,7 +195,8 @@ class Profile:
                                 "concurrency": list(v.concurrency)}
                             for k, v in self.devices.items()},
                 "archs": {k: {**asdict(v), "points": [list(p) for p in v.points]} for k, v in self.archs.items()},
-                **({"storage": self.storage.to_json()} if self.storage is not None else {})}
+                **({"storage": self.storage.to_json()} if self.storage is not None else {}),
+                **({"made_for": self.made_for} if self.made_for else {})}
 
     def save(self, path: str | Path) -> Path:
         return write_json_atomic(path, self.to_json(), sort_keys=False)
@@ -227,8 +231,15 @@ class Profile:
                 archs[k] = a
             storage = raw.get("storage")
             storage = StorageProfile.from_json(storage, "storage") if storage is not None else None
+            made_for = _mapping(raw.get("made_for", {}), "made_for")
+            for k in ("line", "spec"):
+                if k in made_for and not isinstance(made_for[k], str):
+                    raise ValueError(f"made_for.{k}: must be a string, got {made_for[k]!r}")
+            box = _mapping(made_for.get("box", {}), "made_for.box")
+            if not all(isinstance(v, str) for v in box.values()):
+                raise ValueError("made_for.box: must map device names to descriptions")
             return cls(source=str(raw["source"]), devices=devices, archs=archs, notes=list(raw.get("notes", [])),
-                       storage=storage)
+                       storage=storage, made_for=dict(made_for))
         except KeyError as exc:
             raise CoEError(f"{src}: malformed profile: missing {exc}") from None
         except (TypeError, ValueError) as exc:
@@ -429,3 +440,41 @@ def stop_reason(points: list[tuple[int, float]], *, margin: float = 0.05, fit_po
         return "no upward trend" if fit[0] <= 0 else ""
     n, tp = points[-1]
     return "Eq. 3" if _deviates(fit, n, tp, margin) else ""
+
+
+def spec_digest(path: str | Path) -> str:
+    """sha256 of a spec file's bytes: what a profile records as the spec it searched the split for."""
+    import hashlib
+
+    return hashlib.sha256(Path(path).read_bytes()).hexdigest()
+
+
+def box_identity(devices: list[str]) -> dict[str, str]:
+    """What each device of this box is (CPU model and usable cores; GPU name and memory): a profile measured on
+    other hardware is not this box's."""
+    out = {}
+    for dev in devices:
+        if dev == "cpu":
+            model = ""
+            try:
+                with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as fh:
+                    model = next((ln.split(":", 1)[1].strip() for ln in fh if ln.startswith("model name")), "")
+            except OSError:
+                pass
+            import os
+
+            try:
+                cores = len(os.sched_getaffinity(0))
+            except (AttributeError, OSError):
+                cores = os.cpu_count() or 1
+            out[dev] = f"{model or 'cpu'}, {cores} cores"
+        elif dev.startswith("cuda"):
+            try:
+                import torch
+
+                i = int(dev.split(":")[1]) if ":" in dev else 0
+                props = torch.cuda.get_device_properties(i)
+                out[dev] = f"{props.name}, {props.total_memory // 2**20} MiB"
+            except Exception:  # noqa: BLE001 - no CUDA here: nothing to record for it
+                continue
+    return out

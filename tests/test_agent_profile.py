@@ -149,3 +149,30 @@ def test_a_split_cut_to_the_largest_expert_says_how_little_is_left_for_activatio
         assert "left for activations, below the 16 MB the profiled max batch needs" in said
     finally:
         agent.stop()
+
+
+def test_a_profile_measured_for_another_line_is_refused_and_other_hardware_is_warned_about(line, caplog):
+    """A profile recorded no line, spec or hardware: another line's (or another box's) executor counts and split
+    were applied and logged 'from profile'."""
+    from coe import CoEError
+    from executors.profile import box_identity, spec_digest
+
+    cfg = line({"device": "cpu", "memory": "40MB"})
+    Profile("measured on test", {"cpu": searched(2)}, {}, made_for={"line": "Z"}).save(cfg.scheduler.profile)
+    with pytest.raises(CoEError, match=r"scheduler.profile: .* was measured for line Z, this is line T; run "
+                                       r"`coe-agent profile --line T`"):
+        Agent(cfg)
+    here = box_identity(["cpu"])
+    assert here["cpu"].endswith("cores")
+    Profile("measured on test", {"cpu": searched(2)}, {}, made_for={
+        "line": "T", "spec": spec_digest(cfg.spec_path), "box": here}).save(cfg.scheduler.profile)
+    agent, _ = build(cfg, caplog)
+    agent.stop()
+    assert not [r for r in caplog.records if r.levelname == "WARNING" and "was measured" in r.getMessage()]
+    Profile("measured on test", {"cpu": searched(2)}, {}, made_for={
+        "line": "T", "spec": "0" * 64, "box": {"cpu": "Another CPU, 96 cores"}}).save(cfg.scheduler.profile)
+    agent, _ = build(cfg, caplog)
+    agent.stop()
+    said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
+    assert any("measured for another version of the spec" in m for m in said)
+    assert any("measured on cpu (Another CPU, 96 cores); this box's cpu is" in m for m in said)

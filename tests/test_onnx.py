@@ -192,6 +192,8 @@ def test_the_profiler_measures_an_onnx_experts_switch(tmp_path, tiny_zoo, monkey
     res = CliRunner().invoke(cli, ["profile", "--config", str(config), "--batch-sizes", "1,2",
                                    "--repeats", str(repeats), "--out", str(tmp_path / "p.json")])
     assert res.exit_code == 0, res.output
+    made_for = json.loads((tmp_path / "p.json").read_text())["made_for"]     # what it was measured for
+    assert made_for["line"] == "T" and len(made_for["spec"]) == 64 and made_for["box"]["cpu"].endswith("cores")
     archs = json.loads((tmp_path / "p.json").read_text())["archs"]
     onnx = next(a for a in (archs.values() if isinstance(archs, dict) else archs) if a["arch"] == "onnx/yolov8n")
     # one untimed build, then a session per timed switch: `repeats` from ssd and `repeats` from host
