@@ -162,7 +162,13 @@ def plan_count(run: _Sampler, dev: DeviceProfile, executors: int, reserve: int, 
     low, high, pts = decay_window_search(lambda n: run(executors, memory(n)), n_max, window=window,
                                          margin=margin, fit_points=fit_points)
     stopped = stop_reason(pts, margin=margin, fit_points=fit_points)
-    chosen = max(1, (low + high) // 2) if stopped else high
+    if stopped == "Eq. 3":       # the paper's choice: inside the window where throughput starts to drop
+        chosen = max(1, (low + high) // 2)
+    else:
+        # no upward trend from the start, or the cap reached (with too few samples for Eq. 3 when few experts
+        # fit): the best point measured, the fewer experts on a tie; the window's midpoint (or the cap) chose
+        # a point the samples showed worse (100/s at 15 experts and 20/s at the cap of 25 chose 25)
+        chosen = max(pts, key=lambda p: (p[1], -p[0]))[0]
     mem = memory(chosen)
     return CountPlan(executors, "search", reserve, cap, expert_memory=mem, experts=chosen,
                      throughput=run(executors, mem), points=tuple(pts), window=(low, high), n_max=n_max,

@@ -305,3 +305,27 @@ def test_tune_refuses_a_model_without_expert_sizes(gpu_class, board_a):
                                        for k, e in board_a.experts.items()})
     with pytest.raises(ValueError, match="need each expert's size"):
         tune(gpu_class, unsized)
+
+
+@pytest.mark.parametrize("shape, n_cap, want", [
+    # no upward trend from the start: the midpoint of the last window (33 experts) was below 15's sample
+    ("decline", None, 15),
+    # few experts fit (the cap is 25): two samples, no fit, and a measured drop: the cap was chosen anyway
+    ("drop-at-cap", 25, 15),
+])
+def test_without_an_eq3_stop_the_split_is_the_best_point_measured(shape, n_cap, want):
+    size = 170_500_000
+    dev = DeviceProfile("cuda:0", "cuda", 12 * GB)
+    reserve = 4 * GB                            # above a quarter of the device: the search rule, not the weak one
+    cap = expert_cap(dev, 1, reserve)
+    sizes = [size] * (n_cap if n_cap else 300)
+    if n_cap:                                   # the cap in experts is the store's size here
+        assert cap >= n_cap * size
+
+    def run(executors: int, expert_memory: int) -> float:
+        n = expert_memory // size
+        return 100 - 0.1 * n if shape == "decline" else (100.0 if n <= 15 else 20.0)
+
+    plan = plan_count(run, dev, 1, reserve, sizes)
+    assert plan.rule == "search" and plan.experts == want, (plan.experts, plan.points, plan.stopped)
+    assert plan.throughput == max(tp for _, tp in plan.points)
