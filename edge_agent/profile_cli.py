@@ -116,10 +116,11 @@ def profile(line: str, config_path: str | None, out: str | None, batch_sizes: tu
         click.echo("running the memory-split and executor-count searches ...")
         prof = tune(prof, model.with_sizes(sizes), cfg)
 
-    from executors.profile import box_identity, spec_digest
+    from executors.profile import Profile, box_identity, spec_digest
 
     prof.made_for = {"line": cfg.line, "spec": spec_digest(cfg.spec_path),
                      "box": box_identity(sorted({ex.device for ex in cfg.executors if not ex.node}))}
+    Profile.from_json(prof.to_json(), str(path))   # what the agent will refuse at start is refused here, unsaved
     prof.save(path)
     links = _profile_links(cfg, link_rounds) if cfg.cluster is not None else []
     written = plot_profile(prof, path.parent) if plots else []

@@ -359,6 +359,10 @@ def _write_marker(path: Path, marker: dict) -> None:
 def _read_marker(store: ExpertStore) -> tuple[Path, dict]:
     marker_path = Path(store.root) / MARKER
     try:
-        return marker_path, (json.loads(marker_path.read_text()) if marker_path.is_file() else {})
+        marker = json.loads(marker_path.read_text()) if marker_path.is_file() else {}
     except (OSError, ValueError) as exc:
         raise CoEError(f"{marker_path}: unreadable training record ({exc}); delete it to retrain") from None
+    if not isinstance(marker, dict) or not all(isinstance(v, dict) for v in marker.values()):
+        raise CoEError(f"{marker_path}: unreadable training record (expected an object of expert records); "
+                       "delete it to retrain")
+    return marker_path, marker

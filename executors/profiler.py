@@ -491,6 +491,8 @@ def _measure_concurrency(device: str, t: Target, batch: int, cfg: "LineConfig", 
         if cuda:
             torch.cuda.empty_cache()
     curve = (1.0, *(round(r / rates[0], 4) for r in rates[1:]))
+    if cuda:    # m streams cannot beat m whole GPUs (c(m) <= m, which the loader holds a GPU profile to): noise
+        curve = tuple(min(c, float(m)) for m, c in enumerate(curve, 1))   # near 2x on a small model is clamped
     machine = torch.cuda.get_device_name(torch.device(where)) if cuda else f"{cpu_model()}, {cores} cores"
     how = (f"measured on {platform.node()} ({machine}) with {t.arch} at batch {batch}, {seconds:g} s per point"
            + ("" if cuda else "; k executors at cores // k threads each") + (", one CUDA stream each" if cuda else ""))

@@ -115,3 +115,15 @@ def test_a_group_stops_once_its_validation_draw_is_good_enough_without_changing_
     assert ran == plain_ran == 6
     # the checks draw and run on their own generators: the trained weights are those of a run without them
     assert all(torch.equal(a, b) for a, b in zip(never.state_dict().values(), plain.state_dict().values()))
+
+
+def test_a_training_record_of_the_wrong_shape_is_named_not_an_attribute_error(tmp_path):
+    from coe import CoEError
+    from edge_agent.zoo_train import MARKER, _read_marker
+    from storage.expert_store import ExpertStore
+
+    store = ExpertStore(tmp_path)
+    for bad in ("[]", '{"cls-a": 3}'):
+        (tmp_path / MARKER).write_text(bad)
+        with pytest.raises(CoEError, match="unreadable training record .*expected an object of expert records"):
+            _read_marker(store)
