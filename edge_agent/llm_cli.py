@@ -576,7 +576,8 @@ def llm_bench(work: str, parts: str, prompts: int, decode: int, train_seconds: f
                    f"{'x LRU':>6}  (x LRU: against the mean of the first and last LRU runs, {lru:.2f} tokens/s; "
                    f"of files: read from expert files, the rest copied from the host tier)")
         for i, r in enumerate(drows):
-            name = "lru (last)" if r.policy == "lru" and i > 0 else r.policy
+            name = "lru (last)" if r.policy == "lru" and i > 0 else (
+                "belady (oracle)" if r.policy == "belady" else r.policy)     # offline: knows the future
             click.echo(f"{name:20} {r.tokens_per_second:>9.2f} {r.hit_rate:>9.1%} {r.gib_read:>9.2f} "
                        f"{r.gib_from_files:>9.2f} {r.load_seconds:>7.1f} {r.tokens_per_second / lru:>6.2f}")
         best = max((r for r in drows if r.policy not in ("belady", "lru")), key=lambda r: r.tokens_per_second)
