@@ -253,6 +253,7 @@ class Agent:
         self.costs = ProfileCosts(self.model, infos, self.profile, host=self.host_tier,
                                   default_max_batch=cfg.scheduler.max_batch, stored=store_forms(self.store),
                                   arriving=self._prefetch_remaining, **link_frames)
+        self._check_every_expert_fits()
         tie = cfg.scheduler.tie_seconds
         self.scheduler = Scheduler([s.name for s in self.slots], cfg.scheduler.policy, costs=self.costs,
                                    tie_seconds=tie, max_wait=cfg.scheduler.max_wait)
@@ -449,18 +450,25 @@ class Agent:
                      "" if n == 1 else "s", expert / 1e6, memory / 1e6, why, expert_why)
             where = f"{ex.node}/" if ex.node else ""
             slots += [_Slot(f"{where}{ex.device}-{i}.{j}", ex, memory, expert) for j in range(n)]
-        self._check_every_expert_fits(slots)
         return slots
 
-    def _check_every_expert_fits(self, slots: list[_Slot]) -> None:
-        """Refuse a line with an expert no executor can hold: every frame routed to it would fail, at serving
-        time, one by one."""
-        room = max((s.expert_memory for s in slots), default=0)
-        homeless = sorted((e for e in self.model.experts.values() if e.nbytes > room), key=lambda e: -e.nbytes)
-        if slots and homeless:
-            raise CoEError(f"executors: no executor has room for expert {homeless[0].id} "
-                           f"({homeless[0].nbytes / 1e6:.0f} MB; the most any has for experts is {room / 1e6:.0f} MB)"
-                           f"{f' nor {len(homeless) - 1} more' if len(homeless) > 1 else ''}; give one more memory")
+    def _check_every_expert_fits(self) -> None:
+        """Refuse a line with an expert no executor's pool can hold (at the size its pool loads it at): every
+        frame routed to it would fail, at serving time, one by one.  Name, in a warning, the executors that
+        cannot hold some (the scheduler never hands them those: `Scheduler.able`).  Reads every expert's
+        loaded size once, so no first submit reads a file header under the scheduler's lock."""
+        names = [s.name for s in self.slots]
+        unable = {n: [e for e in self.model.experts if not self.costs.fits(n, e)] for n in names}
+        homeless = [e for e in self.model.experts if all(e in unable[n] for n in names)]
+        if names and homeless:
+            raise CoEError(f"executors: no executor's pool can hold expert {homeless[0]}"
+                           f"{f' nor {len(homeless) - 1} more' if len(homeless) > 1 else ''} (the largest pool "
+                           f"holds {max(self.pools[n].capacity for n in names) / 1e6:.0f} MB of experts); give "
+                           "one more memory")
+        for n, ids in unable.items():
+            if ids:
+                log.warning("%s: its pool (%.0f MB) cannot hold %d expert(s), e.g. %s: the others run them", n,
+                            self.pools[n].capacity / 1e6, len(ids), ids[0])
 
     def _check_profile(self, profile: Profile) -> None:
         """A profile measured for another line is refused; one for another spec or other hardware is used with a
@@ -495,14 +503,9 @@ class Agent:
             return False
 
     def _check_split(self, i: int, ex: ExecutorConfig, memory: int, expert: int, why: str) -> None:
-        """Refuse a split whose expert memory cannot hold the largest expert (every frame routed to it would
-        fail, at serving time); warn when activations get less than the profiled max batch needs (batches
-        are then split down to fit, or run out of memory)."""
-        too_big = sorted((e for e in self.model.experts.values() if e.nbytes > expert), key=lambda e: -e.nbytes)
-        if too_big:     # the scheduler never hands it these (`Scheduler.able`); `_check_every_expert_fits`
-            log.warning("%s (executors.%d): %.0f MB for experts (%s) cannot hold %d expert(s), e.g. %s (%.0f MB): "
-                        "the others run them", ex.device, i, expert / 1e6, why, len(too_big), too_big[0].id,
-                        too_big[0].nbytes / 1e6)
+        """Warn when activations get less than the profiled max batch needs (batches are then split down to
+        fit, or run out of memory).  Which experts a pool cannot hold is checked once the pools exist
+        (`_check_every_expert_fits`)."""
         reserve = activation_reserve(self.profile, "cuda" if ex.device.startswith("cuda") else "cpu") \
             if self.profile is not None else 0
         if memory - expert < reserve:

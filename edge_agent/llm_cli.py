@@ -379,7 +379,7 @@ def _summarise_e2e(doc: dict, runs: list[dict], mem: dict, coe_runs: list[dict],
     limit = ("bytes into the GPU pool come from the host tier or the SSD, so no SSD-bound limit is given; "
              if cuda else f"SSD-bound limit {bound:.2f} tokens/s (every missed byte at {speed / 1e9:.2f} GB/s, "
                           f"prefill included): {best['tokens_per_second'] / bound:.2f} of it (target 0.8); ")
-    click.echo(f"best coe-edge ({best['policy']}): {versus}; {limit}{'GPU' if cuda else 'RAM'} upper bound "
+    click.echo(f"best coe-edge ({best['policy']}): {versus}; {limit}every weight in {'GPU' if cuda else 'RAM'} (transformers' eager experts, not a proven bound) "
                f"{ram.get('tokens_per_second', 0):.2f} tokens/s")
     # the host memory a system may hold: the budget on the CPU; on a GPU the host tier (the budget is GPU memory)
     budget_rss = (host_share if cuda else 0.25) * layout.expert_bytes + layout.resident_nbytes

@@ -147,8 +147,7 @@ class StoreWatcher:
                     # a copy still loading (a prefetch, a read-ahead) may be of the old version: which is known
                     # only once it is in, so the held frames wait for those loads (bounded) and its drop
                     until = time.monotonic() + LOADING_WAIT_S
-                    while self._loading_stale and time.monotonic() < until:
-                        time.sleep(0.02)
+                    while self._loading_stale and time.monotonic() < until and not self._stop.wait(0.02):
                         dropped += self._drop_stale()
                 except Exception as exc:  # noqa: BLE001 - a store that cannot be switched to must not stop the line
                     # the held frames run on the versions already served; a later change of the manifest (a fixed

@@ -244,11 +244,21 @@ class ProfileCosts:
         return "ssd"
 
     def fits(self, executor: str, expert_id: str) -> bool:
-        """Whether `executor`'s pool can hold `expert_id` at all (its stored size within the pool's capacity):
-        the scheduler assigns an expert only where it can be loaded."""
-        cap = getattr(self.executors[executor].pool, "capacity", None)
-        e = self.model.experts.get(expert_id)
-        return cap is None or e is None or not e.nbytes or e.nbytes <= cap
+        """Whether `executor`'s pool can hold `expert_id` at all: the size its pool's source loads it at (cast to
+        the executor's compute dtype: an fp16 expert takes twice its file in an fp32 CPU pool) within the
+        pool's capacity.  The scheduler assigns an expert only where it can be loaded.  The source's size is
+        cached by the store per expert version; the agent reads every expert's once at start."""
+        pool = self.executors[executor].pool
+        cap = getattr(pool, "capacity", None)
+        if cap is None:
+            return True
+        try:
+            source = getattr(pool, "source", None)
+            need = source.size(expert_id) if source is not None else pool.size(expert_id)
+        except Exception:  # noqa: BLE001 - unknown here (a file gone): the load says why, naming the file
+            e = self.model.experts.get(expert_id)
+            need = e.nbytes if e is not None else 0
+        return need <= cap
 
     def switch_cost(self, executor: str, expert_id: str) -> float:
         """The load time from the tier where the expert lives; for one already loading (resident in the

@@ -95,7 +95,11 @@ log = logging.getLogger(__name__)
 
 
 class NoExecutor(CoEError):
-    """No active executor's pool can hold the expert a request asks for."""
+    """No executor's pool can hold the expert a request asks for."""
+
+
+class _WaitForRetired(Exception):
+    """Only a retired executor's pool can hold the expert: the request waits for it (`submit`)."""
 
 # Groups past the head that `fill` looks at (each one a cost-model call; the scan stops at the first resident
 # group that fits, and runs the whole window only when none does).
@@ -476,7 +480,11 @@ class Scheduler:
                 self._waiting.append((request, self._now() if due is None else due))
                 return None
             t0 = self._clock()
-            name, switch, ssd = self._assign(request.expert_id)
+            try:
+                name, switch, ssd = self._assign(request.expert_id)
+            except _WaitForRetired:      # `restore` assigns it, as a request made while no executor is active
+                self._waiting.append((request, self._now() if due is None else due))
+                return None
             q = self._q[name]
             x = request.expert_id
             group = self._join_target(q, x)
@@ -521,6 +529,8 @@ class Scheduler:
             return self.names
         names = [n for n in self.names if fits(n, expert_id)]
         if not names:
+            if any(fits(n, expert_id) for n in self._q if n not in self.names):
+                raise _WaitForRetired(expert_id)    # one that can is down: wait for it, as with none active
             raise NoExecutor(f"no executor's pool can hold expert {expert_id}; give an executor more memory")
         return names
 

@@ -16,10 +16,10 @@ Per device, for each executor count n = 1..max_executors:
     decay-window search (Eq. 1-3) over "experts loaded" in descending usage
     probability, each sample a simulated run of the line's own spec, up to
     the most experts that fit the cap (the search never samples past it).
-    The split is the midpoint of the final window when the search stopped
-    early (Eq. 3, or no upward trend in its first samples; the paper picks
-    any value in the window, the midpoint is reproducible), or the cap's
-    count when the throughput was still on its upward trend there.
+    The split is the midpoint of the final window when Eq. 3 stopped the
+    search (the paper picks any value in the window; the midpoint is
+    reproducible); otherwise (no upward trend in its first samples, or the
+    cap reached) the best point it measured, the fewer experts on a tie.
 - Executor count: the simulated throughput of each feasible count at its own
   split; the best wins (ties: fewer executors).  The simulator shares a
   device's compute among its executors by the device's measured concurrency

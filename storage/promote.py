@@ -60,10 +60,13 @@ def _shape_problem(line: ExpertStore, candidate: ExpertStore, eid: str) -> str:
     """Why the candidate's `eid` would not load where the line's loads (its tensors' names and shapes differ:
     every load on the line would then fail, and every frame on that expert with it), or ''."""
     try:
-        have = {s.name: s.shape for s in line.layout(eid).specs}
         got = {s.name: s.shape for s in candidate.layout(eid).specs}
     except CoEError as exc:
         return f"'{eid}': {exc}"
+    try:
+        have = {s.name: s.shape for s in line.layout(eid).specs}
+    except CoEError:     # the line's own file is broken: nothing to compare with, and promoting is the fix
+        return ""
     missing, extra = sorted(have.keys() - got.keys()), sorted(got.keys() - have.keys())
     if missing or extra:
         return (f"'{eid}' in the candidate lacks {len(missing)} tensor(s) the line's has "

@@ -125,8 +125,8 @@ def test_a_line_where_no_executor_can_hold_an_expert_is_refused_at_start(line):
     from coe import CoEError
 
     cfg = line({"device": "cpu", "memory": "40MB", "expert_memory": "5MB"})
-    with pytest.raises(CoEError, match=r"executors: no executor has room for expert det-\S+ \(12 MB; the most any "
-                                       r"has for experts is 5 MB\) nor \d+ more"):
+    with pytest.raises(CoEError, match=r"executors: no executor's pool can hold expert \S+ nor \d+ more \(the "
+                                       r"largest pool holds 5 MB of experts\)"):
         Agent(cfg)
 
 

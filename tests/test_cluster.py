@@ -237,7 +237,8 @@ def test_killing_a_node_mid_replay_loses_and_duplicates_nothing_and_the_node_rej
         # the node comes back: the executor rejoins and serves again
         cluster.boxes["box-3"] = cluster.add_node(**NODE_ARGS, resources={"coe:box-3": 1})
         # `up` turns true inside the rejoin (its connect), before the sync and the restore that end it
-        until(lambda: victim.up and victim.rejoined == 1, 90, "box-3's executor rejoined")
+        until(lambda: victim.up and victim.rejoined == 1 and "box-3/cpu-2.0" in agent.scheduler.active(), 90,
+              "box-3's executor rejoined")
         assert victim.rejoined == 1 and "box-3/cpu-2.0" in agent.scheduler.active()
         # warmed with its share of the start's plan again, not with what the other executors hold
         assert victim.pool.planned and set(victim.pool.resident()) <= set(victim.pool.planned), \

@@ -264,3 +264,27 @@ def test_bench_sim_compression_reports_both_side_by_side(tmp_path):
     assert res.exit_code == 2 and "only apply with --compression-ratio" in res.output
     res = CliRunner().invoke(cli, [*args, "--decode-rate", "fast"])
     assert res.exit_code == 2 and "'here'" in res.output
+
+
+def test_a_pool_fits_an_expert_at_the_size_its_source_loads_it_at(tmp_path):
+    """The scheduler's `fits` compared the file's size: an fp16 expert takes twice that in an fp32 CPU pool,
+    so the pool refused it while serving (and marked it failed for every executor)."""
+    import torch
+
+    from coe import CoEModel, Component, Expert
+    from executors.costs import ExecutorInfo, ProfileCosts
+    from storage.expert_store import ExpertStore
+    from storage.policies import make_policy
+    from storage.pool import Pool
+    from storage.tiers import StoreSource
+
+    store = ExpertStore(tmp_path)
+    e = Expert(id="cls-h", arch="torchvision/resnet18", kind="classifier", classes=("ok", "bad"), input_size=32)
+    store.write(e, {"w": torch.randn(1000, 100).half()})
+    stored = store.nbytes("cls-h")
+    model = CoEModel("m", {e.id: e}, {"C": Component("C", e.id, 1.0)}).with_sizes({e.id: stored})
+    cap = int(stored * 1.5)
+    as_fp32 = Pool("cpu", cap, make_policy("lru"), StoreSource(store, dtype="float32"))
+    as_stored = Pool("cpu", cap, make_policy("lru"), StoreSource(store, dtype=None))
+    costs = ProfileCosts(model, {"f32": ExecutorInfo("cpu", cap, as_fp32), "f16": ExecutorInfo("cpu", cap, as_stored)})
+    assert not costs.fits("f32", "cls-h") and costs.fits("f16", "cls-h")

@@ -298,3 +298,21 @@ def test_held_frames_wait_for_a_load_of_the_old_version_begun_before_the_switch(
     fresh = pool.acquire("cls-r0402")               # what a released frame gets: the new version
     assert fresh.value.version == 2
     pool.release(fresh)
+
+
+def test_reload_if_adopts_only_what_its_check_accepts_and_a_broken_line_file_can_still_be_promoted_over(
+        tmp_path, tiny_zoo):
+    line = _copy(tiny_zoo, tmp_path / "line")
+    writer = ExpertStore(line.root)
+    writer.write(MODEL.experts["cls-r0402"], writer.read("cls-r0402"), version=2)
+    assert not line.reload_if(lambda entries: entries["cls-r0402"].version == 1)
+    assert line.entry("cls-r0402").version == 1                      # refused: nothing adopted
+    assert line.reload_if(lambda entries: entries["cls-r0402"].version == 2)
+    assert line.entry("cls-r0402").version == 2
+    # the line's own file of an expert is truncated: promoting a good candidate over it is the fix, not refused
+    cand = ExpertStore(tmp_path / "cand")
+    cand.write(MODEL.experts["cls-c0402"], line.read("cls-c0402"))
+    path = line.path("cls-c0402")
+    path.write_bytes(path.read_bytes()[:100])
+    done = promote(line, cand, MODEL, ["cls-c0402"])
+    assert [(p.expert_id, p.new_version) for p in done] == [("cls-c0402", 2)]

@@ -429,12 +429,27 @@ def test_an_expert_goes_only_to_executors_whose_pool_can_hold_it(policy):
     batch failed); now it runs only what it can hold, and the rest goes where it fits."""
     from executors.scheduler import NoExecutor
 
-    costs = _Sized({"gpu": {"cls", "det"}, "cpu": {"cls"}}, load=0.1)
+    costs = _Sized({"gpu": {"cls", "det"}, "cpu": {"cls"}}, load=0.1, max_batch=2)
     s = Scheduler(["cpu", "gpu"], policy, costs=costs)
-    assert {s.submit(req("det", i)) for i in range(6)} == {"gpu"}
-    if s.policy.steal:                  # an idle CPU never steals the detector group it could not load
+    assert {s.submit(req("det", i)) for i in range(2)} == {"gpu"}
+    if s.policy.steal:                  # the GPU busy with two, four more queued behind: a steal would pay ...
+        assert s.next_batch("gpu", timeout=0.05) is not None
+    assert {s.submit(req("det", i)) for i in range(2, 6)} == {"gpu"}
+    if s.policy.steal:                  # ... but an idle CPU never steals a detector group it could not load
         assert s.next_batch("cpu", timeout=0.05) is None
     with pytest.raises(NoExecutor, match="no executor's pool can hold expert big"):
         s.submit(req("big"))
     if policy == "round-robin":         # the cycle skips the executor that cannot hold it, not the others
         assert [s.submit(req("cls", i)) for i in range(4)].count("cpu") >= 1
+
+
+def test_a_request_only_a_retired_executor_could_hold_waits_for_it_instead_of_failing():
+    from executors.scheduler import NoExecutor
+
+    costs = _Sized({"gpu": {"cls", "det"}, "cpu": {"cls"}}, load=0.1)
+    s = Scheduler(["cpu", "gpu"], "coserve", costs=costs)
+    s.retire("gpu")                                   # a remote GPU node dropped out
+    assert s.submit(req("det", 1)) is None and s.waiting() == 1
+    with pytest.raises(NoExecutor):
+        s.submit(req("big"))                          # no executor, retired or not, can: that fails at once
+    assert s.restore("gpu") == [] and s.waiting() == 0 and s.queued_experts("gpu") == ["det"]

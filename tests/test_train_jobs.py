@@ -121,6 +121,7 @@ def _note_pid_then_sleep(pidfile: str, progress=None):
     time.sleep(60)
 
 
+@pytest.mark.skipif(not __import__("sys").platform.startswith("linux"), reason="PR_SET_PDEATHSIG is Linux's")
 def test_workers_end_with_a_parent_stopped_by_sigterm(tmp_path):
     """A parent stopped by SIGTERM (systemd, `timeout`) left its workers training on the line box, re-parented
     to init, until their jobs ended."""
