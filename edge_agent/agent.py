@@ -246,7 +246,8 @@ class Agent:
             pool = self._pool(slot.name, ex.device, slot.expert_memory, source, slot.name)
             self.pools[slot.name] = pool
             infos[slot.name] = ExecutorInfo("cpu" if ex.device == "cpu" else "cuda", slot.memory, pool,
-                                            device=ex.device, host_reads=reads)
+                                            device=ex.device, host_reads=reads,
+                                            thread_share=max(1, (os.cpu_count() or 1) // self.threads))
         # remote executors are priced at the frame size their links were measured with ({data_dir}/links.json)
         link_frames = {"frame_bytes": self.links.frame_bytes} if self.links is not None else {}
         # a head whose expert the executor's prefetcher is still loading is a wait the scheduler may fill

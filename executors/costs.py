@@ -54,6 +54,10 @@ class ExecutorInfo:
     # a CPU executor that copies what the host tier holds (storage.tiers.HostReadSource; GPUs always do): True,
     # or a predicate on the expert id (the source's `compatible`: only where both tiers hold the same dtype)
     host_reads: "bool | Callable[[str], bool]" = False
+    # a CPU executor's thread share as an executor count (cores // its threads): what its compute speed is
+    # relative to the profiled one by (None: the count of the device's executors in this model, as the
+    # simulator runs them; the agent splits the cores among every executor, GPU ones included)
+    thread_share: int | None = None
 
 
 @dataclass(frozen=True)
@@ -185,9 +189,10 @@ class ProfileCosts:
         dev = self.device_profile(name)
         if dev is None:
             return 1.0
-        node = self.executors[name].node
-        n = sum(1 for other, info in self.executors.items()
-                if info.node == node and self.device_profile(other) is dev)
+        info = self.executors[name]
+        n = sum(1 for other, o in self.executors.items() if o.node == info.node and self.device_profile(other) is dev)
+        if dev.sharing != "dynamic" and info.thread_share:
+            return dev.speed(info.thread_share, info.thread_share)
         return dev.speed(n, n)
 
     def device_profile(self, name: str):

@@ -288,3 +288,22 @@ def test_a_pool_fits_an_expert_at_the_size_its_source_loads_it_at(tmp_path):
     as_stored = Pool("cpu", cap, make_policy("lru"), StoreSource(store, dtype=None))
     costs = ProfileCosts(model, {"f32": ExecutorInfo("cpu", cap, as_fp32), "f16": ExecutorInfo("cpu", cap, as_stored)})
     assert not costs.fits("f32", "cls-h") and costs.fits("f16", "cls-h")
+
+
+def test_a_cpu_executors_speed_is_its_thread_share_not_the_count_of_cpu_executors():
+    """The agent splits the cores among every executor, GPU ones included; the cost model counted the CPU
+    executors only: one CPU executor beside a GPU on 16 cores runs at the 8 threads it was profiled at, and was
+    predicted 1.25x faster."""
+    from coe import CoEModel, Component, Expert
+    from executors.costs import ExecutorInfo, ProfileCosts
+    from executors.profile import DeviceProfile, Profile
+
+    e = Expert(id="c", arch="torchvision/resnet18", kind="classifier", classes=("ok", "bad"), input_size=32)
+    model = CoEModel("m", {"c": e}, {"C": Component("C", "c", 1.0)}).with_sizes({"c": 1000})
+    cpu = DeviceProfile("cpu", "cpu", 10**9, concurrency=(1.0, 1.6), profiled_executors=2)
+    prof = Profile("assumed: test", {"cpu": cpu}, {})
+    pool = type("P", (), {"capacity": 10**9})()
+    shared = ProfileCosts(model, {"cpu0": ExecutorInfo("cpu", 10**9, pool, device="cpu", thread_share=2)}, prof)
+    alone = ProfileCosts(model, {"cpu0": ExecutorInfo("cpu", 10**9, pool, device="cpu")}, prof)
+    assert shared._speed["cpu0"] == pytest.approx(1.0)          # it runs at the share it was profiled at
+    assert alone._speed["cpu0"] == pytest.approx(2 / 1.6)       # without it: the count of CPU executors (one)
