@@ -159,8 +159,15 @@ def plan_count(run: _Sampler, dev: DeviceProfile, executors: int, reserve: int, 
     def memory(n_experts: int) -> int:
         return min(cap, max(cum[n_experts], floor))
 
-    low, high, pts = decay_window_search(lambda n: run(executors, memory(n)), n_max, window=window,
+    # the floor (every pool holds the largest expert) may cover the first windows: their samples would all be
+    # the floor's, read as "no upward trend", and the search would end at the floor whatever the memory buys.
+    # Then it starts from the last count the floor covers.
+    n0 = max((n for n in range(len(cum)) if cum[n] <= floor), default=0) if memory(min(window, n_max)) == floor \
+        else 0
+    n0 = min(n0, n_max - 1)
+    low, high, pts = decay_window_search(lambda k: run(executors, memory(n0 + k)), n_max - n0, window=window,
                                          margin=margin, fit_points=fit_points)
+    low, high, pts = low + n0, high + n0, [(n + n0, tp) for n, tp in pts]
     stopped = stop_reason(pts, margin=margin, fit_points=fit_points)
     if stopped == "Eq. 3":       # the paper's choice: inside the window where throughput starts to drop
         chosen = max(1, (low + high) // 2)

@@ -329,3 +329,14 @@ def test_without_an_eq3_stop_the_split_is_the_best_point_measured(shape, n_cap, 
     plan = plan_count(run, dev, 1, reserve, sizes)
     assert plan.rule == "search" and plan.experts == want, (plan.experts, plan.points, plan.stopped)
     assert plan.throughput == max(tp for _, tp in plan.points)
+
+
+def test_a_floor_that_covers_the_first_windows_does_not_end_the_search_there():
+    """Every pool holds the largest expert: one 2 GB expert on 4 executors puts the floor at 8 GB, which 15,
+    28 and 39 small experts all fit under. Their samples were the floor's three times over ("no upward trend")
+    and the split stayed at 8 GB though memory paid up to 20 GB."""
+    dev = DeviceProfile("cuda:0", "cuda", 40 * GB)
+    sizes = [2 * GB] + [20_000_000] * 400
+    plan = plan_count(lambda ex, mem: round(min(mem, 20 * GB) / GB, 3), dev, 4, 3 * GB, sizes)
+    assert plan.rule == "search" and plan.expert_memory > 8 * GB
+    assert plan.throughput == max(tp for _, tp in plan.points) and len({tp for _, tp in plan.points[:3]}) == 3
