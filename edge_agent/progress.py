@@ -29,7 +29,8 @@ def step_bars(disable: bool = False) -> Iterator[Callable[[str, int, int], None]
         if name in said and step < total and now - said[name] < PLAIN_EVERY_S:
             return
         said[name] = now
-        print(f"training {name}: step {step} of {total}" + (" (done)" if step >= total else ""), file=sys.stderr,
+        # the end says done, not a count: a job that stops early (its target met) fills its bar to the total
+        print(f"training {name}: " + ("done" if step >= total else f"step {step} of {total}"), file=sys.stderr,
               flush=True)
 
     def tick(name: str, step: int, total: int) -> None:

@@ -219,5 +219,5 @@ def test_training_progress_is_plain_lines_where_stderr_is_no_terminal(capsys):
         for step in range(1, 4):
             tick("resnet18", step, 3)
     err = capsys.readouterr().err
-    assert "training resnet18: step 1 of 3" in err and "training resnet18: step 3 of 3 (done)" in err
+    assert "training resnet18: step 1 of 3" in err and "training resnet18: done" in err
     assert "step 2 of 3" not in err                 # at most one line per PLAIN_EVERY_S between start and end
