@@ -83,8 +83,10 @@ class StoreWatcher:
         return self
 
     def stop(self) -> None:
+        """Stop ticking (a switch waiting for loads ends its wait); a watcher never started stops at once."""
         self._stop.set()
-        self._thread.join(timeout=5)
+        if self._thread.ident is not None:
+            self._thread.join(timeout=5)
 
     @property
     def switching(self) -> bool:

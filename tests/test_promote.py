@@ -316,3 +316,44 @@ def test_reload_if_adopts_only_what_its_check_accepts_and_a_broken_line_file_can
     path.write_bytes(path.read_bytes()[:100])
     done = promote(line, cand, MODEL, ["cls-c0402"])
     assert [(p.expert_id, p.new_version) for p in done] == [("cls-c0402", 2)]
+
+
+def test_stopping_the_watcher_ends_a_switchs_wait_for_loads(tmp_path, tiny_zoo):
+    """The switch's wait for loads begun before it ignored stop(): Agent.stop() waited out its 5 s join."""
+    from edge_agent.frame_gate import FrameGate
+    from edge_agent.store_watch import StoreWatcher
+    from storage.policies import make_policy
+    from storage.pool import Pool
+    from storage.tiers import StoreSource
+
+    line = _copy(tiny_zoo, tmp_path / "line")
+    go, started = threading.Event(), threading.Event()
+
+    class Stuck(StoreSource):
+        def load(self, expert_id, reuse=None):
+            flat = super().load(expert_id)
+            started.set()
+            go.wait(30)
+            return flat
+
+    pool = Pool("cpu", 10**9, make_policy("lru"), Stuck(line))
+    lock, inflight, scheduled = threading.Condition(), {}, []
+    watch = StoreWatcher(line, lambda: [pool], forget=lambda e: None,
+                         gate=FrameGate(lock, inflight, scheduled.extend, lambda f: f))
+    loader = threading.Thread(target=lambda: pool.release(pool.acquire("cls-r0402")))
+    loader.start()
+    started.wait(10)
+    writer = ExpertStore(line.root)
+    writer.write(MODEL.experts["cls-r0402"], writer.read("cls-r0402"), version=2)
+    ticking = threading.Thread(target=watch.tick)
+    ticking.start()
+    ticking.join(0.5)
+    assert ticking.is_alive()                       # waiting for the load
+    t0 = time.monotonic()
+    watch.stop()
+    ticking.join(10)
+    try:
+        assert not ticking.is_alive() and time.monotonic() - t0 < 4
+    finally:
+        go.set()
+        loader.join(10)
