@@ -140,6 +140,32 @@ class Agent:
     """One line's service.  `start()` binds and returns; `stop()` drains and closes."""
 
     def __init__(self, cfg: LineConfig, model: CoEModel | None = None, *, backend_for=None) -> None:
+        try:
+            self._init(cfg, model, backend_for)
+        except BaseException:
+            self._undo_init()
+            raise
+
+    def _undo_init(self) -> None:
+        """What a constructor that failed (a config error found while building, an expert no pool can hold) had
+        opened: its pools (pinned memory), the store's reader lock (which keeps a promotion's retired files)
+        and the zmq context.  Nothing else is open before `start`."""
+        pools = list(getattr(self, "pools", {}).values())
+        if getattr(self, "host_tier", None) is not None:
+            pools.append(self.host_tier)
+        for pool in pools:
+            try:
+                pool.close()
+            except Exception:  # noqa: BLE001 - the constructor's own error is the one to report
+                log.debug("closing a pool of a failed start failed", exc_info=True)
+        store = getattr(self, "_line_store", None)
+        if store is not None:
+            store.close_reader()
+        ctx = getattr(self, "ctx", None)
+        if ctx is not None:
+            ctx.destroy(linger=0)
+
+    def _init(self, cfg: LineConfig, model: CoEModel | None, backend_for) -> None:
         self.cfg = cfg
         self.model = model or load_spec(cfg.spec_path)
         # a reader from its first manifest read on: a promotion keeps the files of the versions this agent

@@ -176,3 +176,22 @@ def test_a_profile_measured_for_another_line_is_refused_and_other_hardware_is_wa
     said = [r.getMessage() for r in caplog.records if r.levelname == "WARNING"]
     assert any("measured for another version of the spec" in m for m in said)
     assert any("measured on cpu (Another CPU, 96 cores); this box's cpu is" in m for m in said)
+
+
+def test_a_constructor_that_fails_leaves_no_reader_lock_nor_context_open(line, monkeypatch):
+    """The store's reader lock (which keeps a promotion's retired files) and the zmq context stayed open after a
+    constructor raised, until the process exited."""
+    import zmq
+
+    from coe import CoEError
+    from storage.expert_store import ExpertStore
+
+    closed, destroyed = [], []
+    real_close, real_destroy = ExpertStore.close_reader, zmq.Context.destroy
+    monkeypatch.setattr(ExpertStore, "close_reader", lambda self: (closed.append(1), real_close(self))[1])
+    monkeypatch.setattr(zmq.Context, "destroy", lambda self, linger=None: (destroyed.append(1),
+                                                                           real_destroy(self, linger=linger))[1])
+    cfg = line({"device": "cpu", "memory": "40MB", "expert_memory": "5MB"})
+    with pytest.raises(CoEError, match="no executor's pool can hold expert"):
+        Agent(cfg)
+    assert closed and destroyed
