@@ -334,7 +334,9 @@ def _check_device(name: str, d: DeviceProfile) -> None:
 
 
 def fit_latency(points: list[tuple[int, float]]) -> tuple[float, float]:
-    """Least-squares K, B for latency = K*n + B (B clamped at 0)."""
+    """Least-squares K, B for latency = K*n + B, both >= 0: where the free fit makes one negative, it is 0 and
+    the other is refitted alone (clamping K to 0 and keeping the free fit's B put B above every measured point:
+    (1, 1.0), (2, 0.9), (4, 0.8) gave B = 1.05; refitted, 0.9)."""
     n = len(points)
     if n < 2:
         raise ValueError("need at least two (batch, seconds) points to fit K and B")
@@ -345,7 +347,11 @@ def fit_latency(points: list[tuple[int, float]]) -> tuple[float, float]:
     den = n * sxx - sx * sx
     k = (n * sxy - sx * sy) / den if den else 0.0
     b = (sy - k * sx) / n
-    return max(k, 0.0), max(b, 0.0)
+    if k < 0:                       # no per-request cost: the best constant is the mean
+        return 0.0, max(sy / n, 0.0)
+    if b < 0:                       # no fixed cost: the best line through the origin
+        return (sxy / sxx if sxx else 0.0), 0.0
+    return k, b
 
 
 def max_useful_batch(points: list[tuple[int, float]], tolerance: float = 0.05) -> int:

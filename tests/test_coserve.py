@@ -195,6 +195,10 @@ def test_coserve_beats_samba_in_simulation():
 
 def test_profile_helpers():
     assert fit_latency([(1, 0.011), (2, 0.012), (4, 0.014)]) == pytest.approx((0.001, 0.010))
+    # a latency that falls with the batch (noise): K is 0 and B is refitted alone, not left above every point
+    assert fit_latency([(1, 1.0), (2, 0.9), (4, 0.8)]) == pytest.approx((0.0, 0.9))
+    # one whose line would cross below 0 at batch 0: B is 0 and K the line through the origin
+    assert fit_latency([(1, 0.5), (2, 2.0), (4, 4.0)]) == pytest.approx((20.5 / 21, 0.0))
     assert max_useful_batch([(1, 1.0), (2, 1.2), (4, 1.5), (8, 2.8), (16, 5.5)]) == 8
     low, high, pts = decay_window_search(lambda n: min(n, 40) - 2 * max(0, n - 40), 200)
     assert low < 40 <= high and pts[0][0] == 15 and len(pts) >= 4
