@@ -486,7 +486,7 @@ class Agent:
         loaded size once, so no first submit reads a file header under the scheduler's lock."""
         names = [s.name for s in self.slots]
         unable = {n: [e for e in self.model.experts if not self.costs.fits(n, e)] for n in names}
-        homeless = [e for e in self.model.experts if all(e in unable[n] for n in names)]
+        homeless = sorted(set.intersection(*(set(ids) for ids in unable.values()))) if names else []
         if names and homeless:
             raise CoEError(f"executors: no executor's pool can hold expert {homeless[0]}"
                            f"{f' nor {len(homeless) - 1} more' if len(homeless) > 1 else ''} (the largest pool "
@@ -514,20 +514,11 @@ class Agent:
                         "memory split were searched for those experts (run `coe-agent profile` again)", where,
                         self.cfg.spec_path)
         box = made.get("box") or {}
-        here = box_identity([d for d in box if not d.startswith("cuda") or self._cuda_here()])
+        here = box_identity(list(box))          # a device this box lacks (no CUDA here) is left out of it
         other = {d: (box[d], here[d]) for d in box if d in here and here[d] != box[d]}
         for d, (then, now) in other.items():
             log.warning("profile %s was measured on %s (%s); this box's %s is %s: its costs may not hold here "
                         "(run `coe-agent profile` on this box)", where, d, then, d, now)
-
-    @staticmethod
-    def _cuda_here() -> bool:
-        try:
-            import torch
-
-            return torch.cuda.is_available()
-        except Exception:  # noqa: BLE001 - no torch CUDA: nothing to compare
-            return False
 
     def _check_split(self, i: int, ex: ExecutorConfig, memory: int, expert: int, why: str) -> None:
         """Warn when activations get less than the profiled max batch needs (batches are then split down to

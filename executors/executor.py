@@ -133,7 +133,6 @@ class Executor:
         self.failed = failed or FailedExperts()
         self.backend_for = backend_for    # injectable: tests put a fault-injecting backend here
         self.oom_splits = 0
-        self.isolated = 0        # frames a failing batch narrowed its error to (`_run_splitting`)
         self.skeletons = Skeletons(device)
         self.prefetcher = Prefetcher(pool, name) if prefetch else None
         self._thread = threading.Thread(target=self._loop, name=f"executor-{name}", daemon=True)
@@ -325,7 +324,6 @@ class Executor:
             outputs = self._run_splitting(module, expert, images)
             for req, out in zip(batch.requests, outputs):
                 if isinstance(out, StepError):    # once here, with the frame: the agent gives it its error verdict
-                    self.isolated += 1
                     log.error("batch %d on %s (%s): frame %s: %s", batch.id, self.name, batch.expert_id,
                               req.frame.frame_id, out.message)
             result = BatchResult(batch, self.name, self.device, started, time.perf_counter() - t0, outputs=outputs,
