@@ -198,6 +198,7 @@ DECODE_POLICIES = ("lru", "fifo", "lfu", "gate-score", "predicted", "probability
                    "belady", "lru")  # LRU last too
 E2E_POLICIES = ("lru", "fifo", "lfu", "gate-score")
 ACCELERATE_SHARES = (1.0, 0.75, 0.5, 0.25, 0.0)
+REFERENCES = ("coe-resident", "ram")   # (c)'s rows with every weight in memory, not bounded by the budget
 
 
 @dataclass(frozen=True)
@@ -398,7 +399,7 @@ def run_e2e(hf: Path, store: Path, prompt_ids: list[int], tokens: int, *, share:
         probe.remove()
     # the host memory each system may hold: on the CPU the budget; on a GPU the host tier (the budget is on the GPU)
     host_bound = host_memory if cuda else memory
-    runs = [("coe", p) for p in E2E_POLICIES] + [("accelerate", None), ("ram", None)]
+    runs = [("coe", p) for p in E2E_POLICIES] + [("coe-resident", "lru"), ("accelerate", None), ("ram", None)]
     # on a GPU the baseline is what the 'ram' run, every weight on the GPU, holds on the host while it generates
     # (the CUDA context, the kernels it loaded, the loader's leftovers): it runs first, unbounded
     order = runs[-1:] + runs[:-1] if cuda else runs
@@ -415,8 +416,9 @@ def run_e2e(hf: Path, store: Path, prompt_ids: list[int], tokens: int, *, share:
         drop_store(store)
         for f in hf.glob("*.safetensors"):
             drop_from_page_cache(f)
-        cg = None if system == "ram" else MemoryCgroup.create(f"coe-bench-{os.getpid()}-{i}", 1 << 50)
-        bounded &= system == "ram" or cg is not None
+        reference = system in REFERENCES        # unbounded: what the box runs at with every weight in memory
+        cg = None if reference else MemoryCgroup.create(f"coe-bench-{os.getpid()}-{i}", 1 << 50)
+        bounded &= reference or cg is not None
         extra = ["--drop-after-read"] if system == "coe" and cg is None else []
         # accelerate gets its best shot: max_memory = budget + non-expert weights, and if its process does not
         # fit the bound that way, smaller shares (more on disk) until it runs
@@ -453,7 +455,8 @@ def run_e2e(hf: Path, store: Path, prompt_ids: list[int], tokens: int, *, share:
         what = ("the larger of the 'ram' run's host RSS while generating, every weight on the GPU, and what a "
                 "probe's cgroup charged" if ram_host is not None else "what a probe's cgroup charged for the "
                 "interpreter, torch and the model's code")
-        note = (f"{where}each process but 'ram' bounded, from its first generated token, by a memory cgroup of "
+        note = (f"{where}each process but the references ('ram', 'coe-resident') bounded, from its first generated "
+                f"token, by a memory cgroup of "
                 f"{limit / 1e6:.0f} MB (the {base / 1e6:.0f} MB of {what}" + (
                     f" + {headroom / 1e6:.0f} MB of headroom" if headroom else "") + " + 1.15 x "
                 f"({'host tier' if cuda else 'budget'} + non-expert weights)), counting RSS and page cache together; "
@@ -463,6 +466,48 @@ def run_e2e(hf: Path, store: Path, prompt_ids: list[int], tokens: int, *, share:
                 f"page cache after reading it, accelerate's offload reads stay cached")
     return out, {"bounded": bounded, "limit": int(limit), "baseline": rss_base, "limit_baseline": base,
                  "ram_host_rss": ram_host, "note": note}
+
+
+def ssd_limits(run: dict, resident: dict | None, speed: float) -> dict:
+    """How near a coe-edge (c) run came to what its misses allow, on the CPU (the SSD feeds the pool directly).
+
+    - `ssd_bound`: the issue's SSD-bound limit, tokens/s if every byte the
+      run read moved at `speed` (the disk at its measured best) and nothing
+      else took time; `of_ssd_bound` is the run against it.
+    - `compute_and_ssd`: tokens/s if those reads and the compute overlapped
+      perfectly: no schedule of the same reads beats max(read time, compute
+      time), with compute as the `resident` run (every expert in the pool,
+      the same tokens) measured it.  A limit, not a promise: it assumes loads
+      never slow the matmuls, which on a 2-core box they do.
+    - the `decode_` figures: the same for the decode steps alone (after the
+      first token), where a miss is known only when its layer routes; the
+      prompt's prefill knows every layer's experts up front and reads near
+      the disk's speed, which the whole-run figures fold in.
+    Figures that need the resident run are None without one.
+    """
+    def limit(tokens: int, nbytes: int, compute_s: float | None) -> float | None:
+        io_s = nbytes / speed
+        if compute_s is None:
+            return tokens / io_s if io_s > 0 else None
+        floor = max(io_s, compute_s)
+        return tokens / floor if floor > 0 else None
+
+    res_ok = resident is not None and "failed" not in resident
+    out: dict = {"ssd_bound": limit(run["tokens"], run["bytes_in"], None),
+                 "compute_and_ssd": limit(run["tokens"], run["bytes_in"], resident["seconds"] if res_ok else None)
+                 if res_ok else None}
+    if run.get("decode_tokens", 0) > 0 and run.get("decode_seconds", 0) > 0:
+        out["decode_ssd_bound"] = limit(run["decode_tokens"], run["decode_bytes_in"], None)
+        out["decode_compute_and_ssd"] = (limit(run["decode_tokens"], run["decode_bytes_in"], resident["decode_seconds"])
+                                         if res_ok and resident.get("decode_seconds") else None)
+        out["decode_tokens_per_second"] = run["decode_tokens"] / run["decode_seconds"]
+    for key in ("ssd_bound", "compute_and_ssd"):
+        tps = run["tokens_per_second"]
+        out[f"of_{key}"] = tps / out[key] if out[key] else None
+        dk = f"decode_{key}"
+        if out.get(dk):
+            out[f"of_{dk}"] = out["decode_tokens_per_second"] / out[dk]
+    return out
 
 
 def import_peak(hf: Path) -> dict:

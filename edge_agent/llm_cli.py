@@ -366,21 +366,30 @@ def llm_make_model(kind: str | None, out: str, seconds: float, expert_gb: float,
 def _summarise_e2e(doc: dict, runs: list[dict], mem: dict, coe_runs: list[dict], layout, speed: float, cuda: bool,
                    host_share: float) -> None:
     """(c)'s verdict lines and JSON: the best coe-edge run against accelerate, the SSD-bound limit and RSS."""
+    from . import llm_bench as lb
+
     best = max(coe_runs, key=lambda r: r["tokens_per_second"])
     ram = next(r for r in runs if r["system"] == "ram")
     acc = next(r for r in runs if r["system"] == "accelerate")
-    bound = best["tokens"] / (best["bytes_in"] / speed) if best["bytes_in"] else float("inf")
+    resident = next((r for r in runs if r["system"] == "coe-resident"), None)
+    lim = lb.ssd_limits(best, resident, speed)
     vs_acc = best["tokens_per_second"] / acc["tokens_per_second"] if acc["tokens_per_second"] else None
     versus = (f"{vs_acc:.2f}x accelerate disk offload (target 3x)" if vs_acc is not None else
               "accelerate's disk offload could not run within the same memory at any max_memory share")
     if vs_acc is not None and len(coe_runs) > 1:    # the best of several policies against one accelerate run:
         versus += " (every policy: " + ", ".join(   # each one's own ratio beside it
             f"{r['policy']} {r['tokens_per_second'] / acc['tokens_per_second']:.2f}x" for r in coe_runs) + ")"
-    limit = ("bytes into the GPU pool come from the host tier or the SSD, so no SSD-bound limit is given; "
-             if cuda else f"SSD-bound limit {bound:.2f} tokens/s (every missed byte at {speed / 1e9:.2f} GB/s, "
-                          f"prefill included): {best['tokens_per_second'] / bound:.2f} of it (target 0.8); ")
+    if cuda:
+        limit = "bytes into the GPU pool come from the host tier or the SSD, so no SSD-bound limit is given; "
+    elif lim["ssd_bound"] is None:
+        limit = "it read no expert, so no SSD-bound limit applies; "
+    else:
+        limit = (f"SSD-bound limit {lim['ssd_bound']:.2f} tokens/s (every missed byte at {speed / 1e9:.2f} GB/s, "
+                 f"prefill included): {lim['of_ssd_bound']:.2f} of it (target 0.8); ")
     click.echo(f"best coe-edge ({best['policy']}): {versus}; {limit}every weight in {'GPU' if cuda else 'RAM'} (transformers' eager experts, not a proven bound) "
                f"{ram.get('tokens_per_second', 0):.2f} tokens/s")
+    if not cuda and lim["ssd_bound"] is not None:
+        _echo_limits(lim, resident)
     # the host memory a system may hold: the budget on the CPU; on a GPU the host tier (the budget is GPU memory)
     budget_rss = (host_share if cuda else 0.25) * layout.expert_bytes + layout.resident_nbytes
     above = "met" if best["rss_peak_above_base"] <= 1.15 * budget_rss else "not met"
@@ -399,9 +408,28 @@ def _summarise_e2e(doc: dict, runs: list[dict], mem: dict, coe_runs: list[dict],
     doc["c"] = {"runs": runs, "memory": mem, "best": best["policy"], "vs_accelerate": vs_acc,
                 "vs_accelerate_each": ({r["policy"]: r["tokens_per_second"] / acc["tokens_per_second"]
                                         for r in coe_runs} if vs_acc is not None else None),
-                "ssd_bound_tokens_per_s": None if cuda else bound,
-                "of_ssd_bound": None if cuda else best["tokens_per_second"] / bound,
+                "ssd_bound_tokens_per_s": None if cuda else lim["ssd_bound"],
+                "of_ssd_bound": None if cuda else lim["of_ssd_bound"],
+                "limits": None if cuda else lim,
                 "budget_plus_resident_bytes": budget_rss}
+
+
+def _echo_limits(lim: dict, resident: dict | None) -> None:
+    """(c)'s SSD-bound figures beside the target's: decode alone, and with compute counted (`llm_bench.ssd_limits`)."""
+    def of(key: str) -> str:
+        return f"{lim[key]:.2f} tokens/s, reached {lim['of_' + key]:.2f}" if lim.get(key) else "-"
+    if resident is None or "failed" in resident:
+        why = resident["failed"] if resident else "not run"
+        click.echo(f"    no coe-resident run ({why}): no compute-and-SSD limit")
+    else:
+        click.echo(f"    coe-resident (a pool of every expert, warmed): {resident['tokens_per_second']:.2f} tokens/s, "
+                   f"coe-edge's compute alone on these tokens")
+        click.echo(f"    compute-and-SSD limit (the reads and that compute overlapped perfectly; no schedule of the "
+                   f"same reads beats it): {of('compute_and_ssd')}")
+    if "decode_ssd_bound" in lim:
+        click.echo(f"    decode steps alone ({lim['decode_tokens_per_second']:.2f} tokens/s, after the prompt's "
+                   f"prefill and first token): SSD-bound {of('decode_ssd_bound')}; compute-and-SSD "
+                   f"{of('decode_compute_and_ssd')}")
 
 
 @llm.command("bench")
@@ -586,7 +614,7 @@ def llm_bench(work: str, parts: str, prompts: int, decode: int, train_seconds: f
                     "best_vs_lru": best.tokens_per_second / lru}
     if "c" in want:
         tok_ids = list(range(40, 56))
-        with tqdm(total=len(lb.E2E_POLICIES) + 3, desc="(c) end to end", disable=None) as bar:
+        with tqdm(total=len(lb.E2E_POLICIES) + len(lb.REFERENCES) + 1, desc="(c) end to end", disable=None) as bar:
             runs, mem = lb.run_e2e(big_hf, big, tok_ids, e2e_tokens, device=device,
                                    host_share=host_share if cuda else 0.0, host_mode=host_mode,
                                    progress=lambda _: bar.update(1))

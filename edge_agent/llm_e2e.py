@@ -5,7 +5,10 @@ Each system runs in a fresh process so its peak resident memory is its own:
 - `accelerate`: transformers `from_pretrained(device_map='auto', max_memory=
   {'cpu': budget + non-expert bytes}, offload_folder=...)`, accelerate's disk
   offload, which is what a user would reach for;
-- `ram`: the whole model in memory (the upper bound).
+- `ram`: the whole model in memory, transformers' eager experts;
+- `coe-resident`: coe-edge with a pool of every expert, warmed by one
+  untimed generation: its own path with no miss (its compute alone), the
+  reference the compute-and-SSD limit needs.
 The bench runs each in a memory cgroup sized to the budget where the box
 allows one, so the page cache (which accelerate's offload reads through) counts
 against the same memory as the pools.  Prints one JSON line.  `python -m edge_agent.llm_e2e --help`.
@@ -69,7 +72,7 @@ def _bound(cgroup: str | None, limit: int) -> None:
 def run(system: str, hf_dir: str, store: str, memory: int, prompt_ids: list[int], tokens: int, policy: str,
         offload_dir: str | None, drop_after_read: bool = False, accelerate_share: float = 1.0,
         bound_cgroup: str | None = None, bound: int = 0, device: str = "cpu", host_memory: int = 0,
-        host_mode: str = "inclusive") -> dict:
+        host_mode: str = "inclusive", warm: bool = False) -> dict:
     import torch
 
     torch.set_grad_enabled(False)
@@ -102,18 +105,38 @@ def run(system: str, hf_dir: str, store: str, memory: int, prompt_ids: list[int]
                 "rss_peak": top, "rss_peak_above_base": top - base}
     peak = PeakRSS()
     ids = torch.tensor([prompt_ids], dtype=torch.long)
-    out: dict = {"system": system, "policy": policy if system == "coe" else None, "memory": memory}
+    out: dict = {"system": system, "policy": policy if system in ("coe", "coe-resident") else None, "memory": memory}
     t0 = time.perf_counter()
-    if system == "coe":
+    if system == "coe-resident":    # the reference: a pool of every expert, warmed before it is timed
+        memory, warm = MoELayout.load(store).expert_bytes, True
+        out["memory"] = memory
+    if system in ("coe", "coe-resident"):
         pm = load_pooled(store, memory=memory, policy=policy, drop_after_read=drop_after_read, device=device,
                          host_memory=host_memory, host_mode=host_mode)
         out["load_seconds_model"] = time.perf_counter() - t0
         _bound(bound_cgroup, bound)
         out["rss_load_peak"] = peak.stop()
         peak = PeakRSS()
-        toks, stats = pm.generate(ids, tokens)
-        out.update(tokens=stats.tokens, seconds=stats.seconds, hit_rate=stats.hit_rate, bytes_in=stats.bytes_in,
-                   expert_load_seconds=stats.load_seconds, output=toks)
+        if warm:    # every expert the generation asks for is resident before it is timed (a pool of them all)
+            pm.generate(ids, tokens, min_new_tokens=tokens)
+            peak.stop()
+            peak = PeakRSS()
+        first: dict = {}
+
+        def mark(_tok: int) -> None:    # the first token ends the prompt's prefill: decode starts after it
+            if not first:
+                s = pm.stats()
+                first.update(t=time.perf_counter(), bytes_in=s.bytes_in + s.bypassed_bytes)
+        t1 = time.perf_counter()
+        # as many tokens as the baselines, which transformers forces with min_new_tokens (end tokens masked)
+        toks, stats = pm.generate(ids, tokens, on_token=mark, min_new_tokens=tokens)
+        end, after = time.perf_counter(), pm.stats()
+        out.update(tokens=stats.tokens, seconds=stats.seconds, hit_rate=stats.hit_rate,
+                   bytes_in=stats.bytes_in + stats.bypassed_bytes, expert_load_seconds=stats.load_seconds,
+                   output=toks, warm=warm,
+                   # the prefill (the prompt and the first token) and the decode steps after it, apart
+                   prefill_seconds=first["t"] - t1, decode_tokens=stats.tokens - 1, decode_seconds=end - first["t"],
+                   decode_bytes_in=after.bytes_in + after.bypassed_bytes - first["bytes_in"])
     else:
         from transformers import AutoModelForCausalLM
 
@@ -155,7 +178,7 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                  epilog="example: python -m edge_agent.llm_e2e --system coe --hf var/llm/big-hf "
                                         "--store var/llm/big --memory 600000000 --prompt-ids 3,4,5 --tokens 16")
-    ap.add_argument("--system", required=True, choices=["coe", "accelerate", "ram", "probe", "import"])
+    ap.add_argument("--system", required=True, choices=["coe", "coe-resident", "accelerate", "ram", "probe", "import"])
     ap.add_argument("--hf", required=True)
     ap.add_argument("--store", required=True)
     ap.add_argument("--memory", required=True, type=int)
@@ -174,11 +197,14 @@ def main(argv: list[str] | None = None) -> None:
                     help="with --device cuda: the pinned host tier (coe) / max_memory['cpu'] (accelerate), bytes")
     ap.add_argument("--host-mode", default="inclusive", choices=HOST_MODES,
                     help="coe: the host tier keeps a copy of each load, or holds the GPU pool's victims")
+    ap.add_argument("--warm", action="store_true",
+                    help="coe: generate once untimed first, so the timed run finds resident what it asks for "
+                         "(with --memory of every expert: coe-edge's own compute with no miss)")
     a = ap.parse_args(argv)
     ids = [int(x) for x in a.prompt_ids.split(",") if x]
     print(json.dumps(run(a.system, a.hf, a.store, a.memory, ids, a.tokens, a.policy, a.offload_dir,
                          a.drop_after_read, a.accelerate_share, a.bound_cgroup, a.bound, a.device, a.host_memory,
-                         a.host_mode)))
+                         a.host_mode, a.warm)))
     sys.stdout.flush()
 
 

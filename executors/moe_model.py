@@ -151,9 +151,15 @@ class PooledModel:
     @torch.no_grad()
     def generate(self, input_ids: torch.Tensor, max_new_tokens: int, *,
                  on_token: Callable[[int], None] | None = None,
-                 on_logits: Callable[[torch.Tensor], None] | None = None) -> tuple[list[int], OffloadStats]:
+                 on_logits: Callable[[torch.Tensor], None] | None = None,
+                 min_new_tokens: int = 0) -> tuple[list[int], OffloadStats]:
         """Greedy decoding with the KV cache; `on_token` sees each new token as it is produced, `on_logits` each
-        step's last-position logits.
+        step's last-position logits (before any masking).
+
+        Generation ends at an end-of-sequence token, except within the first
+        `min_new_tokens`, where those tokens cannot be chosen: transformers'
+        `min_new_tokens` does the same (its logits processor sets their
+        scores to -inf), so a comparison with it produces the same tokens.
 
         A model that owns its pools runs with one core left to the expert
         loads (`loader_friendly_threads`).  CPU matmul kernels round by thread
@@ -175,7 +181,11 @@ class PooledModel:
                 past = res.past_key_values
                 if on_logits is not None:
                     on_logits(res.logits[0, -1])
-                tok = int(res.logits[0, -1].argmax())
+                last = res.logits[0, -1]
+                if len(out) < min_new_tokens and eos:
+                    last = last.clone()
+                    last[list(eos)] = float("-inf")
+                tok = int(last.argmax())
                 out.append(tok)
                 if on_token is not None:
                     on_token(tok)

@@ -326,3 +326,36 @@ def test_the_end_to_end_summary_gives_every_policys_ratio_beside_the_best(capsys
     assert "best coe-edge (gate-score): 4.00x accelerate" in out and "(every policy: lru 3.00x, gate-score 4.00x)" in out
     assert "prefill included" in out
     assert doc["c"]["vs_accelerate_each"] == {"lru": 3.0, "gate-score": 4.0}
+    assert "no coe-resident run (not run): no compute-and-SSD limit" in out
+    best = {**coe[1], "decode_tokens": 23, "decode_seconds": 2.0, "decode_bytes_in": 1e9}
+    resident = {**run("coe-resident", "lru", 24.0), "seconds": 1.0, "decode_seconds": 0.5, "bytes_in": 0}
+    _summarise_e2e(doc, [coe[0], best, resident, *runs[2:]], {"baseline": 1e9}, [coe[0], best],
+                   SimpleNamespace(expert_bytes=2e9, resident_nbytes=5e7), 2e9, False, 0.25)
+    out = capsys.readouterr().out
+    assert "best coe-edge (gate-score)" in out                  # the resident reference is never the best
+    assert "compute-and-SSD limit" in out and "24.00 tokens/s, reached 0.50" in out    # 24 / max(1 s, 1 s)
+    assert "decode steps alone (11.50 tokens/s" in out and "SSD-bound 46.00 tokens/s, reached 0.25" in out
+    assert doc["c"]["limits"]["compute_and_ssd"] == 24.0
+
+
+def test_ssd_limits_count_reads_alone_and_reads_overlapped_with_the_resident_runs_compute():
+    """The SSD-bound limit is tokens over read time; the compute-and-SSD limit over max(read, resident compute)."""
+    from edge_agent.llm_bench import ssd_limits
+
+    run = {"tokens": 24, "tokens_per_second": 8.0, "bytes_in": 2e9, "decode_tokens": 23, "decode_seconds": 2.3,
+           "decode_bytes_in": 1e9}
+    resident = {"seconds": 1.5, "decode_seconds": 0.8}
+    lim = ssd_limits(run, resident, speed=1e9)            # 2 s of reads; 1 s in decode
+    assert lim["ssd_bound"] == 12.0 and lim["of_ssd_bound"] == 8.0 / 12.0
+    assert lim["compute_and_ssd"] == 12.0                 # reads (2 s) outlast the compute (1.5 s)
+    assert lim["decode_tokens_per_second"] == 10.0
+    assert lim["decode_ssd_bound"] == 23.0 and lim["of_decode_ssd_bound"] == 10.0 / 23.0
+    slow = ssd_limits(run, {"seconds": 4.0, "decode_seconds": 2.0}, speed=1e9)
+    assert slow["compute_and_ssd"] == 6.0 and slow["decode_compute_and_ssd"] == 11.5   # compute outlasts the reads
+    assert slow["of_compute_and_ssd"] == 8.0 / 6.0
+    alone = ssd_limits(run, None, speed=1e9)
+    assert alone["compute_and_ssd"] is None and alone["decode_compute_and_ssd"] is None and alone["ssd_bound"] == 12.0
+    failed = ssd_limits(run, {"failed": "killed"}, speed=1e9)
+    assert failed["compute_and_ssd"] is None
+    none = ssd_limits({**run, "bytes_in": 0, "decode_bytes_in": 0}, None, speed=1e9)
+    assert none["ssd_bound"] is None and none["of_ssd_bound"] is None          # nothing read: no disk limit

@@ -74,14 +74,21 @@ def test_end_to_end_runs_every_system_bounded_and_each_generates_the_reference_t
     runs, mem = run_e2e(hf, tmp_path / "store", [5, 9, 14, 3], 4, share=0.25, headroom=64 << 20)
     assert mem["bounded"] and "memory cgroup" in mem["note"]
     assert [(r["system"], r.get("policy")) for r in runs] == (
-        [("coe", p) for p in E2E_POLICIES] + [("accelerate", None), ("ram", None)])
+        [("coe", p) for p in E2E_POLICIES] + [("coe-resident", "lru"), ("accelerate", None), ("ram", None)])
     ram = runs[-1]["output"]
     assert len(ram) == 4
     for r in runs:
         assert "failed" not in r, r
         assert r["output"] == ram, r["system"]                          # pooled and offloaded decode are exact
-        if r["system"] != "ram":
+        if r["system"] not in ("ram", "coe-resident"):
             assert r["cgroup_limit"] == mem["limit"]
+        else:
+            assert "cgroup_limit" not in r                              # the references are not bounded
+        if r["system"].startswith("coe"):                               # decode alone: the steps after the first
+            assert r["decode_tokens"] == 3 and 0 < r["decode_seconds"] < r["seconds"]
+    resident = runs[len(E2E_POLICIES)]
+    assert resident["warm"] and resident["bytes_in"] == 0 and resident["hit_rate"] == 1.0   # nothing left to load
+    assert all(r["bytes_in"] > 0 for r in runs[:len(E2E_POLICIES)])     # at 25% the bounded runs load
     assert mem["limit"] >= mem["limit_baseline"] + (64 << 20) and mem["ram_host_rss"] is None   # on the CPU
 
 

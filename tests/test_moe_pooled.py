@@ -638,3 +638,30 @@ def test_generate_is_bit_exact_with_the_reference_at_its_own_thread_count(import
             nxt = res.logits[0, -1].argmax().reshape(1, 1)
     assert len(got) == len(tokens) == steps
     assert all(torch.equal(a, b) for a, b in zip(want, got)), family
+
+
+def test_min_new_tokens_masks_the_end_token_as_transformers_does(imported, tmp_path):
+    """An end-of-sequence token ends generation, except within `min_new_tokens`, where it cannot be chosen.
+
+    (c) of `llm bench` forces every system to the same length; transformers does it by masking the end tokens'
+    scores, so coe-edge must mask them too (stopping later would give other tokens than transformers').
+    """
+    ref, layout, root = imported("mixtral")
+    x = torch.tensor([[5, 6, 7, 8]])
+    free = ref.generate(x, max_new_tokens=6, min_new_tokens=6, do_sample=False)[0, x.shape[1]:].tolist()
+    at = next(i for i in range(1, len(free)) if free[i] not in free[:i])   # a token first chosen after the first
+    eos, old = free[at], ref.generation_config.eos_token_id
+    ref.generation_config.eos_token_id = eos
+    pm = load_pooled(root, memory=layout.layers[0].expert_nbytes * (layout.top_k + 1), policy="lru")
+    try:
+        want = ref.generate(x, max_new_tokens=6, min_new_tokens=6, do_sample=False)[0, x.shape[1]:].tolist()
+        pm.model.generation_config.eos_token_id = eos
+        stopped, stats = pm.generate(x, 6)
+        assert stopped == free[:at + 1] and stats.tokens == at + 1   # ends at the end token, which it returns
+        forced, stats = pm.generate(x, 6, min_new_tokens=6)
+        assert eos not in forced and stats.tokens == 6
+        assert forced == want                                        # the tokens transformers gives
+        assert forced[:at] == free[:at]
+    finally:
+        ref.generation_config.eos_token_id = old
+        pm.close()
