@@ -148,8 +148,14 @@ class Agent:
 
     def _undo_init(self) -> None:
         """What a constructor that failed (a config error found while building, an expert no pool can hold) had
-        opened: its pools (pinned memory), the store's reader lock (which keeps a promotion's retired files)
-        and the zmq context.  Nothing else is open before `start`."""
+        opened: its executors' prefetch threads, its pools (pinned memory), the store's reader lock (which keeps a
+        promotion's retired files) and the zmq context.  Nothing else is open before `start`; an agent built and
+        never started is closed the same way by `stop`."""
+        for ex in getattr(self, "executors", []):
+            try:
+                ex.join(0)      # never started: closes its prefetcher's thread
+            except Exception:  # noqa: BLE001 - as below
+                log.debug("closing an executor of a failed start failed", exc_info=True)
         pools = list(getattr(self, "pools", {}).values())
         if getattr(self, "host_tier", None) is not None:
             pools.append(self.host_tier)
@@ -655,8 +661,20 @@ class Agent:
         step("scheduler", self.scheduler.close)
         # a remote executor may be waiting on its node for up to call_timeout_s: its answer (or its hand-back)
         # must reach the writer before the writer stops
-        for ex in self.executors:          # each on its own: one that fails to close leaves the others to be
-            step(f"executor {ex.name}", lambda ex=ex: ex.join(timeout=join_s(ex)))   # closed (started or not)
+        # each on its own: one that fails to close leaves the others to be closed (started or not).  Those that
+        # can come back (remote: a lost node rejoins) first; once they have ended, requests still waiting for
+        # one have no executor left, and the others' threads would idle on them for good
+        rejoining = [ex for ex in self.executors if getattr(ex, "can_restore", False)]
+        for ex in rejoining:
+            step(f"executor {ex.name}", lambda ex=ex: ex.join(timeout=join_s(ex)))
+        if not any(ex.alive() for ex in rejoining):
+            gone = self.scheduler.abandon_waiting()
+            if gone:
+                log.error("%d request(s) waited for an executor whose node is lost; their frames stay journaled "
+                          "and run again at the next start", gone)
+        for ex in self.executors:
+            if ex not in rejoining:
+                step(f"executor {ex.name}", lambda ex=ex: ex.join(timeout=join_s(ex)))
         step("cluster status", lambda: self.cluster_status.stop() if getattr(self, "cluster_status", None)
              else None)
         self._closing = True                  # closing GPU pools does not demote into the host tier
@@ -676,9 +694,10 @@ class Agent:
         return stuck, (first[0] if first else None)
 
     def _threads_started(self) -> list:
-        """The executors and the writer, where started: a failed start may have left one running."""
-        writer = getattr(self, "writer", None)
-        return [*self.executors, *([writer] if writer is not None else [])]
+        """The executors, the writer, ingest and the store watcher, where started: a failed start may have left
+        one running, and one still running keeps the instance lock and the sockets' graceful close from it."""
+        extra = [getattr(self, name, None) for name in ("writer", "ingest", "store_watch")]
+        return [*self.executors, *(t for t in extra if t is not None)]
 
     def _start_parts(self, cfg: LineConfig) -> None:
         router_sock = self._socket(zmq.ROUTER, cfg.ingest, "ingest")
@@ -710,7 +729,7 @@ class Agent:
         # remote pools read their node's own store: a promotion reaches them by `experts sync` and a restart
         self.store_watch = StoreWatcher(self._line_store_base(),
                                         lambda: [p for p in self._all_pools().values() if not getattr(p, "remote", 0)],
-                                        forget=self.failed.forget, prepare=getattr(self.store, "prepare", None),
+                                        forget=self.failed.forget, prepare=self._prepare_version,
                                         interval=cfg.store_poll_s, gate=self.gate,
                                         on_switch=self._promote_remote if cfg.cluster is not None else None).start()
         self.cluster_status = None
@@ -905,18 +924,23 @@ class Agent:
     def stop(self, timeout: float = 60.0) -> bool:
         """Stop taking frames, finish every accepted one, flush, close.  True if fully drained."""
         if not self._started:
-            if self.phase != "stopped":         # a start that failed has closed everything already
-                self._line_store.close_reader()
-                self.ctx.term()
+            if self.phase == "created":         # built, never started (a start that failed closed everything)
+                self._undo_init()
+                self.phase = "stopped"
             return True
         self._started = False
         self.phase = "stopping"
-        self.ingest.stop()
-        if getattr(self, "store_watch", None) is not None:
-            self.store_watch.stop()
-            self.gate.open()        # frames held for a switch run on the versions this agent serves now
-        if self.llm is not None:
-            self.llm.stop()
+        early: list[BaseException] = []     # a part that fails to stop here must not keep the rest open
+
+        def first_steps() -> None:
+            for what, fn in (("ingest", self.ingest.stop), ("store watcher", lambda: self._stop_watch(timeout)),
+                             ("LLM server", self.llm.stop if self.llm is not None else lambda: None)):
+                try:
+                    fn()
+                except Exception as exc:  # noqa: BLE001 - the others still stop; the first error is raised last
+                    log.exception("stopping: stopping the %s failed", what)
+                    early.append(exc)
+        first_steps()
         drained = self.wait_idle(timeout)
         stuck, error = self._close_parts(join_s=lambda ex: max(10.0, getattr(ex, "call_timeout", 0.0) + 5.0),
                                          graceful=True)
@@ -932,9 +956,38 @@ class Agent:
             log.error("%d result row(s) were set aside as unstorable while serving (see the log above and the "
                       "errors table): a bug upstream to report", self.writer.set_aside)
         self._release_when_idle(stuck)
+        error = early[0] if early else error
         if error is not None:
             raise error               # everything else is closed: the caller hears of the part that failed
         return not left
+
+    def _prepare_version(self, expert_id: str) -> None:
+        """On the store watcher's thread, for an expert with a new version, before held frames run on it: its
+        ONNX twin (where the store makes them) and its loaded size per executor, which the scheduler reads under
+        its lock (`ProfileCosts.fits`) and the store caches per version."""
+        prepare = getattr(self.store, "prepare", None)
+        try:
+            if prepare is not None:
+                prepare(expert_id)
+        finally:
+            for slot in self.slots:
+                self.costs.fits(slot.name, expert_id)
+
+    def _stop_watch(self, timeout: float) -> None:
+        """Stop the store watcher; open the gate once it has ended.
+
+        A switch under way runs to its end and opens the gate itself; one not
+        begun is not made.  Only once the watcher has ended is the gate ours to
+        open: earlier, held frames would run mid-switch (on versions, pools and
+        nodes half switched).
+        """
+        if getattr(self, "store_watch", None) is None:
+            return
+        if self.store_watch.stop(timeout=timeout):
+            self.gate.open()    # frames held for a switch run on the versions this agent serves now
+        else:
+            log.error("an expert switch is still under way after %.0f s; the frames it holds stay journaled "
+                      "(re-run at next start) unless it ends first", timeout)
 
     def _release_when_idle(self, threads: list) -> None:
         """Drop the instance lock once `threads` have ended: a thread still writing keeps the data this agent's

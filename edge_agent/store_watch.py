@@ -29,6 +29,7 @@ from collections.abc import Callable, Iterable
 
 log = logging.getLogger(__name__)
 LOADING_WAIT_S = 30.0   # a switch waits at most this long for pools' loads begun before it (their version unknown)
+DRAIN_SLICE_S = 0.25    # the watcher's thread waits for a drain in slices this long (a stop is seen between them)
 
 
 class StoreWatcher:
@@ -82,11 +83,24 @@ class StoreWatcher:
         self._thread.start()
         return self
 
-    def stop(self) -> None:
-        """Stop ticking (a switch waiting for loads ends its wait); a watcher never started stops at once."""
+    def stop(self, timeout: float = 5.0) -> bool:
+        """Stop ticking; True once the thread has ended (a watcher never started stops at once).
+
+        A switch already under way runs to its end (the store, the pools and
+        other boxes would be left half switched), and this waits up to
+        `timeout` s for it; a switch not yet begun is not made (the gate is
+        opened, its held frames run on the versions served).  While this
+        returns False the thread still owns the gate: the caller must not
+        open it (the held frames would run mid-switch).
+        """
         self._stop.set()
         if self._thread.ident is not None:
-            self._thread.join(timeout=5)
+            self._thread.join(timeout=timeout)
+        return not self._thread.is_alive()
+
+    def alive(self) -> bool:
+        """Whether the watcher's thread is running (an agent's stop counts it among the threads to wait for)."""
+        return self._thread.is_alive()
 
     @property
     def switching(self) -> bool:
@@ -94,11 +108,18 @@ class StoreWatcher:
         return self._closed_at is not None
 
     def _run(self) -> None:
-        while not self._stop.wait(0 if self.switching else self.interval):
-            try:
-                self.tick(wait=self.interval)
-            except Exception:  # noqa: BLE001 - a watcher that dies would silently keep stale experts
-                log.exception("store watcher: checking for promoted experts failed; retrying")
+        try:
+            while not self._stop.wait(0 if self.switching else self.interval):
+                try:
+                    # waiting for a drain in short slices: a verdict's commit wakes it at once anyway, and a
+                    # stop is seen within one slice, however long the poll interval
+                    self.tick(wait=min(self.interval, DRAIN_SLICE_S))
+                except Exception:  # noqa: BLE001 - a watcher that dies would silently keep stale experts
+                    log.exception("store watcher: checking for promoted experts failed; retrying")
+        finally:
+            if self._closed_at is not None:     # stopped before the switch began: the held frames run as served
+                self._closed_at = None
+                self._gate.open()
 
     def tick(self, wait: float = 0.0) -> int:
         """One check: follow a changed manifest and drop stale unpinned copies; returns how many were dropped.
@@ -134,12 +155,21 @@ class StoreWatcher:
         if self._closed_at is not None:
             drained = self._gate.wait_drained(wait)
             waited = time.monotonic() - self._closed_at
+            if self._stop.is_set():
+                # stopping before the switch began: it is not made (the agent closes the store and the pools
+                # next); the held frames run on the versions served, and this manifest is followed at next start
+                held = self._gate.open()
+                self._closed_at = None
+                log.info("stopping: the expert switch was not made; %d held frame(s) released on the versions "
+                         "served", held)
+                return dropped
             if drained or waited >= self.drain_timeout:
                 left = 0 if drained else self._gate.in_flight()
                 if left:
                     log.warning("expert switch: %d frame(s) still in flight after %.0f s; switching anyway, their "
                                 "remaining steps run on the new versions (their verdicts' versions say which)",
                                 left, waited)
+                began = time.monotonic()
                 try:
                     changed = self._switch()
                     # the stale copies go before the held frames run: released first, a held frame could take a
@@ -162,8 +192,11 @@ class StoreWatcher:
                     return dropped
                 held = self._gate.open()
                 self._closed_at = None
-                self.switches.append({"experts": changed, "held": held, "late": left, "seconds": waited})
-                log.info("expert switch done in %.2f s: %s; %d held frame(s) released", waited,
+                took = time.monotonic() - began
+                self.switches.append({"experts": changed, "held": held, "late": left, "seconds": waited + took,
+                                      "drain_seconds": waited, "switch_seconds": took})
+                log.info("expert switch done in %.2f s (%.2f s draining, %.2f s switching): %s; %d held frame(s) "
+                         "released", waited + took, waited, took,
                          ", ".join(f"{e} v{v}" for e, v in changed.items()) or "no version change", held)
         return dropped + self._drop_stale()
 

@@ -23,6 +23,7 @@ the scheduler then predicts the switch the reader will actually make.
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -35,6 +36,7 @@ log = logging.getLogger(__name__)
 
 # Stated estimates for an unprofiled architecture: a 1.5 GB/s SSD, a 10 GB/s host copy, and
 # per-request compute proportional to weight bytes.  Only used until `coe-agent profile` runs.
+SIZE_RETRY_S = 5.0     # `fits`: an expert size that could not be read is read again after this long
 EST_SSD_BPS = 1.5e9
 EST_HOST_BPS = 10e9
 EST_K_PER_BYTE = 1.0 / 4e9
@@ -169,6 +171,7 @@ class ProfileCosts:
         # holds an expert only once its read is in, so there it is 0)
         self._host_arriving = host_arriving or (lambda executor, expert_id: 0.0)
         self._speed = {name: self._full_load_speed(name) for name in executors}
+        self._size_failed: dict[tuple[str, str], float] = {}   # (executor, expert) -> when its size read failed
         self._arch: dict[tuple[str, str], ArchProfile] = {}
         self.estimated: set[str] = set()
         for e in model.experts.values():
@@ -252,15 +255,25 @@ class ProfileCosts:
         """Whether `executor`'s pool can hold `expert_id` at all: the size its pool's source loads it at (cast to
         the executor's compute dtype: an fp16 expert takes twice its file in an fp32 CPU pool) within the
         pool's capacity.  The scheduler assigns an expert only where it can be loaded.  The source's size is
-        cached by the store per expert version; the agent reads every expert's once at start."""
+        cached by the store per expert version; the agent reads every expert's once at start and each new
+        version's when a promotion switches to it.  A size that cannot be read (a file gone) is taken from the
+        spec, and not read again for `SIZE_RETRY_S`: this runs under the scheduler's lock, and each try costs a
+        stat and a manifest read (the load itself says why, naming the file)."""
         pool = self.executors[executor].pool
         cap = getattr(pool, "capacity", None)
         if cap is None:
             return True
-        try:
-            source = getattr(pool, "source", None)
-            need = source.size(expert_id) if source is not None else pool.size(expert_id)
-        except Exception:  # noqa: BLE001 - unknown here (a file gone): the load says why, naming the file
+        key = (executor, expert_id)
+        failed = self._size_failed.get(key)
+        need = None
+        if failed is None or time.monotonic() - failed >= SIZE_RETRY_S:
+            try:
+                source = getattr(pool, "source", None)
+                need = source.size(expert_id) if source is not None else pool.size(expert_id)
+                self._size_failed.pop(key, None)
+            except Exception:  # noqa: BLE001 - unknown here: the spec's size stands in (below)
+                self._size_failed[key] = time.monotonic()
+        if need is None:
             e = self.model.experts.get(expert_id)
             need = e.nbytes if e is not None else 0
         return need <= cap

@@ -138,6 +138,9 @@ def run_real(workload: Workload, model: CoEModel, store, profile: Profile | None
     sched = Scheduler([e.name for e in system.executors], system.scheduler, costs=costs,
                       tie_seconds=system.tie_seconds, max_wait=system.max_wait)
     box.append(sched)
+    for name in pools:      # each expert's loaded size, read now as the agent does: not under the scheduler's lock
+        for e in model.experts:
+            costs.fits(name, e)
     if system.init == "warm":
         order = ranked(model.experts, probs)
         fill_pools(list(pools.values()), order, system.fill, set(gpus))
@@ -191,61 +194,70 @@ def run_real(workload: Workload, model: CoEModel, store, profile: Profile | None
                 done[0] += 1
                 lock.notify_all()
 
-    ahead = None       # an idle SSD reads queued groups' experts into the exclusive host tier (as the agent)
-    if system.read_ahead and exclusive:
-        usable = {n: usable_from_host(infos[n]) for n in pools}
-        ahead = ReadAhead(lambda: [(n, sched.queued_groups(n)) for n in pools], lambda n, e: usable[n](e),
-                          lambda: list(pools.values()), host, disk,
-                          note=scheduler_note(sched, costs, list(pools))).start()
-    execs.update((ex.name, Executor(ex.name, ex.device if ex.kind == "cuda" else "cpu", pools[ex.name], sched, model,
-                                    on_result, prefetch=not opts.prequeue)) for ex in system.executors)
-    if not opts.prequeue:
-        for e in execs.values():
-            e.start()
-    arrivals = workload.arrivals
-    t0 = time.perf_counter()
-    for i, a in enumerate(arrivals):
-        wait = t0 + a.t - time.perf_counter()
-        if wait > 0 and not opts.prequeue:
-            time.sleep(wait)
-        pics = images[a.component] if images else [np.zeros((opts.image_size, opts.image_size, 3), np.uint8)]
-        frame = Frame(a.frame_id, "bench", "bench", a.component, a.t, pics[i % len(pics)])
-        start[a.frame_id] = time.perf_counter()
-        sched.submit(Request(frame, model.components[a.component].classifier))
-    if opts.prequeue:
-        for e in execs.values():
-            e.start()
-    with lock:
-        finished = lock.wait_for(lambda: done[0] >= len(arrivals), opts.timeout)
-    makespan = time.perf_counter() - t0
-    if ahead is not None:
-        ahead.close()
-    sched.close()
-    for e in execs.values():
-        e.join(10)
-    if not finished:
-        raise TimeoutError(f"{system.name}: only {done[0]} of {len(arrivals)} frames finished in {opts.timeout} s")
-    if failed:   # throughput and latency of frames that errored out would flatter the system
-        raise RuntimeError(f"{system.name}: {len(failed)} of {len(arrivals)} frames failed, so no figure is "
-                           f"reported; the first: {failed[0]}")
-    if sched.estimate_faults:   # as in the simulation: a benchmark figure is not reported off a scheduler bug
-        raise RuntimeError(f"{system.name}: the scheduler's queue estimate went negative {sched.estimate_faults} "
-                           "time(s) (see the log): a scheduler bug")
-    lat = sorted(latencies)
-    stats = [p.stats() for p in pools.values()]
-    switches = sum(s.misses for s in stats) - init_misses
-    # cold: every SSD read is counted; a switch that read none copied the host tier's copy
-    ssd = ssd_reads() - init_reads if opts.cold else switches
-    closing.append(True)   # the run is over: the pools let their experts go (GPU and pinned memory) undemoted
-    for p in [*pools.values(), *([host] if host is not None else [])]:
-        p.close()
-    return SimReport(
-        system=system.name, frames=len(arrivals), makespan=makespan, throughput=len(arrivals) / makespan,
-        switches=switches, ssd_loads=ssd, host_loads=switches - ssd if opts.cold else 0,
-        p50_ms=1000 * statistics.median(lat), p99_ms=1000 * lat[min(len(lat) - 1, int(0.99 * len(lat)))],
-        batches=batches[0], mean_batch=batches[1] / max(batches[0], 1), lower_bound=0.0, efficiency=0.0,
-        decision_us=1e6 * sched.decision_seconds / max(sched.decisions, 1),
-        busy_fraction=sum(s.load_seconds for s in stats) / (makespan * len(execs)),
-        sched_share=sched.decision_seconds / (makespan * len(execs)),
-        manage_share=sum(s.manage_seconds for s in stats) / (makespan * len(execs)), real_run=True, order=order,
-        cpu_demotions=sum(r.demoted for r in host_readers.values()))
+    ahead = None
+    finished = False
+    try:
+        try:
+            # an idle SSD reads queued groups' experts into the exclusive host tier (as the agent)
+            if system.read_ahead and exclusive:
+                usable = {n: usable_from_host(infos[n]) for n in pools}
+                ahead = ReadAhead(lambda: [(n, sched.queued_groups(n)) for n in pools], lambda n, e: usable[n](e),
+                                  lambda: list(pools.values()), host, disk,
+                                  note=scheduler_note(sched, costs, list(pools))).start()
+            execs.update((ex.name, Executor(ex.name, ex.device if ex.kind == "cuda" else "cpu", pools[ex.name], sched,
+                                            model, on_result, prefetch=not opts.prequeue))
+                         for ex in system.executors)
+            if not opts.prequeue:
+                for e in execs.values():
+                    e.start()
+            arrivals = workload.arrivals
+            t0 = time.perf_counter()
+            for i, a in enumerate(arrivals):
+                wait = t0 + a.t - time.perf_counter()
+                if wait > 0 and not opts.prequeue:
+                    time.sleep(wait)
+                pics = images[a.component] if images else [np.zeros((opts.image_size, opts.image_size, 3),
+                                                                     np.uint8)]
+                frame = Frame(a.frame_id, "bench", "bench", a.component, a.t, pics[i % len(pics)])
+                start[a.frame_id] = time.perf_counter()
+                sched.submit(Request(frame, model.components[a.component].classifier))
+            if opts.prequeue:
+                for e in execs.values():
+                    e.start()
+            with lock:
+                finished = lock.wait_for(lambda: done[0] >= len(arrivals), opts.timeout)
+            makespan = time.perf_counter() - t0
+        finally:     # a submit that raised, or the wait's end: nothing keeps running behind the caller
+            if ahead is not None:
+                ahead.close()
+            sched.close()
+            for e in execs.values():
+                e.join(10)     # one never started closes its prefetcher
+        if not finished:
+            raise TimeoutError(f"{system.name}: only {done[0]} of {len(arrivals)} frames finished in "
+                               f"{opts.timeout} s")
+        if failed:   # throughput and latency of frames that errored out would flatter the system
+            raise RuntimeError(f"{system.name}: {len(failed)} of {len(arrivals)} frames failed, so no figure is "
+                               f"reported; the first: {failed[0]}")
+        if sched.estimate_faults:   # as in the simulation: a benchmark figure is not reported off a scheduler bug
+            raise RuntimeError(f"{system.name}: the scheduler's queue estimate went negative "
+                               f"{sched.estimate_faults} time(s) (see the log): a scheduler bug")
+        lat = sorted(latencies)
+        stats = [p.stats() for p in pools.values()]
+        switches = sum(s.misses for s in stats) - init_misses
+        # cold: every SSD read is counted; a switch that read none copied the host tier's copy
+        ssd = ssd_reads() - init_reads if opts.cold else switches
+        return SimReport(
+            system=system.name, frames=len(arrivals), makespan=makespan, throughput=len(arrivals) / makespan,
+            switches=switches, ssd_loads=ssd, host_loads=switches - ssd if opts.cold else 0,
+            p50_ms=1000 * statistics.median(lat), p99_ms=1000 * lat[min(len(lat) - 1, int(0.99 * len(lat)))],
+            batches=batches[0], mean_batch=batches[1] / max(batches[0], 1), lower_bound=0.0, efficiency=0.0,
+            decision_us=1e6 * sched.decision_seconds / max(sched.decisions, 1),
+            busy_fraction=sum(s.load_seconds for s in stats) / (makespan * len(execs)),
+            sched_share=sched.decision_seconds / (makespan * len(execs)),
+            manage_share=sum(s.manage_seconds for s in stats) / (makespan * len(execs)), real_run=True, order=order,
+            cpu_demotions=sum(r.demoted for r in host_readers.values()))
+    finally:
+        closing.append(True)   # the run is over: the pools let their experts go (GPU and pinned memory) undemoted
+        for p in [*pools.values(), *([host] if host is not None else [])]:
+            p.close()

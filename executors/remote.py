@@ -579,6 +579,10 @@ class RemoteExecutor:
     'up', 'lost: why' and 'rejoined' for the operator view.
     """
 
+    # it retires itself when its node is lost and restores itself when the node rejoins, so requests that wait
+    # in the scheduler for it have a future only while its thread runs (the agent's stop counts on that)
+    can_restore = True
+
     def __init__(self, spec: RemoteSpec, model: CoEModel, pool: RemotePool, scheduler: Scheduler,
                  on_result: Callable[[BatchResult], None], *, on_event: Callable[[PoolEvent], None] | None = None,
                  call_timeout: float = 60.0, rejoin_s: float = 2.0, connect_timeout: float = 30.0,

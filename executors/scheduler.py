@@ -70,7 +70,9 @@ Predictions follow what runs: each queued group carries its predicted cost
 (switch + K*n + B*ceil(n/cap) with the splitter's real cap), a batch handed to
 an executor stays in its queue's estimate until `finished` is called, and
 `refresh` recomputes switch costs when a load or an eviction changes where an
-expert lives.  An estimate that goes negative raises: it is a bug.
+expert lives.  An estimate that goes negative is a bug: it is counted
+(`estimate_faults`, on which a benchmark reports no figure), logged and
+recomputed from the queue's groups (`_set_cost`), never clamped silently.
 
 The scheduler decides; costs come from a `CostModel`; clocks are injected, so
 the simulated device drives this same code on virtual time.
@@ -297,7 +299,7 @@ class Scheduler:
         if not executors:
             raise ValueError("a scheduler needs at least one executor")
         if max_wait is not None and max_wait < 0:
-            raise ValueError(f"max_wait must be >= 0 seconds (or None to disable), got {max_wait}")
+            raise ValueError(f"max_wait must be >= 0 seconds (0 or None: no age bound), got {max_wait}")
         if max_lost < 1:
             raise ValueError(f"max_lost must be >= 1 attempts, got {max_lost}")
         self.policy = make_scheduler_policy(policy) if isinstance(policy, str) else policy
@@ -317,7 +319,7 @@ class Scheduler:
         self.stolen = 0          # groups an idle executor took over from another queue
         self.filled = 0          # batches served ahead of a head group whose expert was still to load (`fill`)
         self.held = 0            # head groups an executor waited on, not took, while their expert loaded (`hold`)
-        self.estimate_faults = 0   # queue estimates that went negative (a bug; logged, set to 0: `_set_cost`)
+        self.estimate_faults = 0   # queue estimates that went negative (a bug; logged, recomputed: `_set_cost`)
         self.max_lost = max_lost
         self._lost: dict[int, int] = {}   # request id -> batches of it lost with their executor (while it lives)
         self._due: dict[int, float] = {}   # request id -> its due time, while it is handed back (retire, lost batch)
@@ -349,8 +351,8 @@ class Scheduler:
         g.cost = new
         if q.queued < -_EPS:
             self.estimate_faults += 1
-            log.error("scheduler bug: %s's predicted queue time went negative (%.6f s); recomputed from its groups",
-                      executor, q.queued)
+            log.error("scheduler bug: %s's predicted queue time went negative (%.6f s) at group %s (%d request(s)); "
+                      "recomputed from its groups", executor, q.queued, g.expert_id, len(g.requests))
             q.queued = sum(x.cost for x in q.groups)     # every caller has set the group's new cost by now
 
     def estimate(self, executor: str) -> float:
@@ -475,6 +477,7 @@ class Scheduler:
         group.  With no executor active (every one retired) it waits in the
         scheduler, and None is returned; `restore` assigns it.
         """
+        handed_back = due is not None     # only these go by age; a new request's own due (below) is a prediction
         with self._cond:
             if not self.names:
                 self._waiting.append((request, self._now() if due is None else due))
@@ -505,7 +508,7 @@ class Scheduler:
                 q.groups.insert(at, group)
                 q.by_expert[x] = group
                 q.ssd += ssd
-            if group.times and due < group.times[-1]:   # an older (requeued) request: in age order
+            if handed_back and group.times and due < group.times[-1]:   # an older (requeued) request: by age
                 i = bisect.bisect_right(group.times, due)
                 group.requests.insert(i, request)
                 group.times.insert(i, due)
@@ -594,8 +597,10 @@ class Scheduler:
                 while not q.groups:
                     if self.policy.steal and not q.inflight and self._steal(executor):
                         break
-                    if self._closed:
+                    if self._closed and not self._waiting:
                         return None
+                    # closed, with requests waiting for a retired executor's return (`restore` may hand some
+                    # here): this executor idles on the condition until then, or `abandon_waiting`, not spins
                     left = None if deadline is None else deadline - time.monotonic()
                     if left is not None and left <= 0:
                         return None
@@ -967,6 +972,16 @@ class Scheduler:
             unplaced = self._submit_each(waiting)
             self._cond.notify_all()
             return unplaced
+
+    def abandon_waiting(self) -> int:
+        """Give up the requests waiting for a retired executor, once none can come back (the caller's executors
+        that restore themselves have ended); returns how many.  The others' threads then drain and end; the
+        frames of those requests stay journaled and run again at the next start."""
+        with self._cond:
+            n = len(self._waiting)
+            self._waiting.clear()
+            self._cond.notify_all()
+            return n
 
     def active(self) -> list[str]:
         """Executors requests are assigned to now."""

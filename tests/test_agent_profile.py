@@ -195,3 +195,16 @@ def test_a_constructor_that_fails_leaves_no_reader_lock_nor_context_open(line, m
     with pytest.raises(CoEError, match="no executor's pool can hold expert"):
         Agent(cfg)
     assert closed and destroyed
+
+
+def test_an_agent_built_and_never_started_closes_its_prefetch_threads_and_context_on_stop(line):
+    """Each executor's prefetcher starts its thread in the constructor; `stop` on an agent never started closed
+    only the store's reader and the context, and those threads (and the pools' memory) stayed."""
+    cfg = line({"device": "cpu", "memory": "40MB", "prefetch": True})
+    agent = Agent(cfg)
+    threads = [ex.prefetcher._thread for ex in agent.executors if ex.prefetcher is not None]
+    assert threads and all(t.is_alive() for t in threads)
+    assert agent.stop() is True
+    assert not any(t.is_alive() for t in threads)
+    assert agent.ctx.closed and agent.phase == "stopped"
+    assert agent.stop() is True                    # a second stop does nothing

@@ -140,3 +140,29 @@ def test_a_part_that_fails_to_close_is_reported_after_every_other_part_closed(tm
         assert again.health().ready
     finally:
         assert again.stop() is True
+
+
+def test_a_first_step_of_stop_that_fails_still_closes_every_other_part(tmp_path, tiny_zoo):
+    """`stop`'s first steps (ingest, the store watcher, the LLM server) ran outside the per-part protection: one
+    that raised left the scheduler, executors, writer, pools, sockets and instance lock open, and a second `stop`
+    found the agent 'not started'."""
+    import pytest
+
+    shutil.copytree(tiny_zoo, tmp_path / "experts")
+    cfg_path = write_line(tmp_path / "a", store=tmp_path / "experts", fixed_ports=True)
+    agent = Agent(load_config(cfg_path, env={})).start()
+    real = agent.ingest.stop
+
+    def failing_stop(*a, **kw):
+        real(*a, **kw)
+        raise RuntimeError("ingest socket wedged (test)")
+    agent.ingest.stop = failing_stop
+    with pytest.raises(RuntimeError, match="ingest socket wedged"):
+        agent.stop()
+    assert agent.phase == "stopped" and agent.ctx.closed and not agent.writer.alive()
+    assert not agent.store_watch.alive()
+    again = Agent(load_config(cfg_path, env={})).start()     # the same ports and results database
+    try:
+        assert again.health().ready
+    finally:
+        assert again.stop() is True

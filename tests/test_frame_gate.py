@@ -12,7 +12,7 @@ from storage.policies import make_policy
 from storage.pool import Pool
 from storage.tiers import StoreSource
 
-from conftest import TINY_SPEC
+from conftest import TINY_SPEC, until
 
 MODEL = parse_spec(TINY_SPEC)
 CHAIN = ("cls-r0402", "det-2term")
@@ -83,8 +83,10 @@ def test_a_frame_in_flight_finishes_on_the_old_set_and_new_frames_wait_for_the_n
         assert h.value.version == 2
         pool.release(h)
     assert not any((store.root / f).exists() for f in old_files)               # the kept files went
-    assert watch.switches == [{"experts": {"cls-r0402": 2, "det-2term": 2}, "held": 1, "late": 0,
-                               "seconds": watch.switches[0]["seconds"]}]
+    took = watch.switches[0]
+    assert took == {"experts": {"cls-r0402": 2, "det-2term": 2}, "held": 1, "late": 0, "seconds": took["seconds"],
+                    "drain_seconds": took["drain_seconds"], "switch_seconds": took["switch_seconds"]}
+    assert took["seconds"] == took["drain_seconds"] + took["switch_seconds"]
     store.close_reader()
 
 
@@ -174,3 +176,51 @@ def test_a_closed_gate_waits_for_the_frames_in_flight_only():
     assert line.gate.wait_drained(5.0)                # woken by the commit, not by polling
     assert "c" in line.inflight and line.gate.open() == 1 and line.scheduled == ["a", "b", "c"]
     assert line.gate.holds == 1 and line.gate.held_total == 1
+
+
+def test_a_stop_during_a_switch_waits_for_it_and_leaves_the_gate_to_the_switch(tmp_path, tiny_zoo):
+    """A stop that lands while the store switches (other boxes syncing, say) must not open the gate itself: the
+    held frames would run on a store, pools and nodes half switched.  `stop` says the watcher still runs; the
+    switch ends, releases them on the new versions, and the thread ends."""
+    store = _line(tmp_path, tiny_zoo)
+    line = _Line()
+    syncing, go = threading.Event(), threading.Event()
+
+    def on_switch(changed):
+        syncing.set()
+        go.wait(10)
+    watch = StoreWatcher(store, lambda: [], forget=lambda e: None, gate=line.gate, interval=0.01,
+                         on_switch=on_switch).start()
+    line.accept("f1")
+    _promote(store.root)
+    until(lambda: line.gate.closed, 10, "the gate closing for the promotion")
+    line.accept("f2")                                  # held
+    line.commit("f1")
+    assert syncing.wait(10)                            # the switch is under way
+    assert watch.stop(timeout=0.2) is False            # still switching: the gate is not the caller's to open
+    assert line.gate.closed and line.scheduled == ["f1"]
+    go.set()
+    assert watch.stop(timeout=10) is True
+    assert not line.gate.closed and line.scheduled == ["f1", "f2"]
+    assert watch.switches and watch.switches[0]["held"] == 1 and store.entry("det-2term").version == 2
+    store.close_reader()
+
+
+def test_a_stop_before_the_switch_begins_makes_no_switch_and_releases_the_held_frames(tmp_path, tiny_zoo):
+    """Stopped while frames in flight still drain, with a long poll interval: the watcher sees the stop at once
+    (it waited a whole interval for the drain, past `stop`'s join), switches nothing, and the held frames run on
+    the versions served (the agent closes the store and pools next)."""
+    store = _line(tmp_path, tiny_zoo)
+    line = _Line()
+    watch = StoreWatcher(store, lambda: [], forget=lambda e: None, gate=line.gate, interval=30.0)
+    line.accept("f1")
+    _promote(store.root)
+    watch.tick()                                       # the gate closes for the new versions
+    assert line.gate.closed
+    line.accept("f2")
+    watch.start()                                      # its thread now waits for f1's verdict
+    assert watch.stop(timeout=5) is True
+    assert not line.gate.closed and line.scheduled == ["f1", "f2"]
+    line.commit("f1")
+    assert watch.switches == [] and store.entry("det-2term").version == 1    # no switch after the stop
+    store.close_reader()

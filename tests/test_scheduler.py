@@ -453,3 +453,56 @@ def test_a_request_only_a_retired_executor_could_hold_waits_for_it_instead_of_fa
     with pytest.raises(NoExecutor):
         s.submit(req("big"))                          # no executor, retired or not, can: that fails at once
     assert s.restore("gpu") == [] and s.waiting() == 0 and s.queued_experts("gpu") == ["det"]
+
+
+def _r(fid: str, expert: str, stage: int = 0) -> Request:
+    return Request(Frame(fid, "l", "b", "c", 0.0, None), expert, stage=stage)
+
+
+def test_a_new_request_joins_its_group_behind_older_ones_even_when_its_predicted_due_is_earlier():
+    """Only a handed-back request goes by age: a new one whose prediction shrank (a load landed, a batch ended
+    early) must not pass an older request of its group (which would then wait for a later batch)."""
+    clock, resident = [0.0], set()
+    s = Scheduler(["a"], "coserve", costs=FixedCosts(K=1, B=1, load=10, resident=lambda n: resident), max_wait=5.0,
+                  now=lambda: clock[0])
+    s.submit(_r("f0", "x"))
+    running = s.next_batch("a", timeout=0)
+    s.submit(_r("old", "y"))                  # due: x still running and y's load ahead of it
+    resident.add("y")
+    s.refresh("y")                            # y got loaded: its switch leaves the estimate
+    clock[0] = 1.0
+    s.finished(running)
+    s.submit(_r("new", "y"))                  # predicted due earlier than old's
+    assert s.queued_experts("a") == ["y", "y"]
+    batch = s.next_batch("a", timeout=0)
+    assert [r.frame.frame_id for r in batch.requests][:2] == ["old", "new"]
+
+
+def test_a_handed_back_request_still_goes_in_front_of_younger_ones_by_its_age():
+    s = Scheduler(["a"], "coserve", costs=FixedCosts(), max_wait=5.0, now=lambda: 10.0)
+    s.submit(_r("young", "y"))
+    s.submit(_r("old", "y"), due=1.0)         # handed back (requeue): keeps its age
+    batch = s.next_batch("a", timeout=0)
+    assert [r.frame.frame_id for r in batch.requests] == ["old", "young"]
+
+
+def test_after_close_an_executor_idles_on_requests_waiting_for_a_retired_one_until_they_are_given_up():
+    """Closed, with a request waiting for a retired executor's return: the others must not spin on next_batch
+    (it returned None at once, and their loops called it again, forever); they wait, and once the retired one
+    cannot come back, `abandon_waiting` gives the requests up and the others drain."""
+    class OnlyBHoldsDet(FixedCosts):
+        def fits(self, executor: str, expert_id: str) -> bool:
+            return expert_id != "det" or executor == "b"
+    s = Scheduler(["a", "b"], "coserve", costs=OnlyBHoldsDet())
+    s.retire("b")                              # b's node is lost
+    assert s.submit(_r("f1", "det")) is None and s.waiting() == 1    # only b can hold it: it waits for b
+    s.close()
+    assert not s.drained("a")
+    got: list = []
+    t = threading.Thread(target=lambda: got.append(s.next_batch("a", timeout=None)))
+    t.start()
+    t.join(0.3)
+    assert t.is_alive()                        # waiting on the condition (the old code returned None at once)
+    assert s.abandon_waiting() == 1
+    t.join(5)
+    assert not t.is_alive() and got == [None] and s.drained("a")
