@@ -945,7 +945,8 @@ class Agent:
         stuck, error = self._close_parts(join_s=lambda ex: max(10.0, getattr(ex, "call_timeout", 0.0) + 5.0),
                                          graceful=True)
         # what counts is what is left once everything closed: executors run their queues out after a drain
-        # that timed out, so frames may still have committed in between
+        # that timed out, so frames may still have committed in between (a frame's later step that reaches an
+        # executor whose thread has already ended stays in flight: journaled, re-run at the next start)
         with self._lock:
             left = len(self._inflight)
         if left:

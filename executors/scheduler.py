@@ -477,7 +477,6 @@ class Scheduler:
         group.  With no executor active (every one retired) it waits in the
         scheduler, and None is returned; `restore` assigns it.
         """
-        handed_back = due is not None     # only these go by age; a new request's own due (below) is a prediction
         with self._cond:
             if not self.names:
                 self._waiting.append((request, self._now() if due is None else due))
@@ -508,7 +507,9 @@ class Scheduler:
                 q.groups.insert(at, group)
                 q.by_expert[x] = group
                 q.ssd += ssd
-            if handed_back and group.times and due < group.times[-1]:   # an older (requeued) request: by age
+            # by due time, which keeps `times` sorted for the age bound (`_pick` reads each head's): a requeued
+            # request keeps its old due, and a new one whose predicted wait shrank (a load landed) is due earlier
+            if group.times and due < group.times[-1]:
                 i = bisect.bisect_right(group.times, due)
                 group.requests.insert(i, request)
                 group.times.insert(i, due)
@@ -605,6 +606,9 @@ class Scheduler:
                     if left is not None and left <= 0:
                         return None
                     self._cond.wait(left)
+                    if executor not in self.names:   # retired while it waited: its queue went back for requeue
+                        return None
+                    q = self._q[executor]
                 draining = any(g.drain > 0 for g in q.groups)
                 group = self._pick(executor, q)
                 wait = 0.0 if draining else self._hold(executor, q, group)

@@ -459,25 +459,6 @@ def _r(fid: str, expert: str, stage: int = 0) -> Request:
     return Request(Frame(fid, "l", "b", "c", 0.0, None), expert, stage=stage)
 
 
-def test_a_new_request_joins_its_group_behind_older_ones_even_when_its_predicted_due_is_earlier():
-    """Only a handed-back request goes by age: a new one whose prediction shrank (a load landed, a batch ended
-    early) must not pass an older request of its group (which would then wait for a later batch)."""
-    clock, resident = [0.0], set()
-    s = Scheduler(["a"], "coserve", costs=FixedCosts(K=1, B=1, load=10, resident=lambda n: resident), max_wait=5.0,
-                  now=lambda: clock[0])
-    s.submit(_r("f0", "x"))
-    running = s.next_batch("a", timeout=0)
-    s.submit(_r("old", "y"))                  # due: x still running and y's load ahead of it
-    resident.add("y")
-    s.refresh("y")                            # y got loaded: its switch leaves the estimate
-    clock[0] = 1.0
-    s.finished(running)
-    s.submit(_r("new", "y"))                  # predicted due earlier than old's
-    assert s.queued_experts("a") == ["y", "y"]
-    batch = s.next_batch("a", timeout=0)
-    assert [r.frame.frame_id for r in batch.requests][:2] == ["old", "new"]
-
-
 def test_a_handed_back_request_still_goes_in_front_of_younger_ones_by_its_age():
     s = Scheduler(["a"], "coserve", costs=FixedCosts(), max_wait=5.0, now=lambda: 10.0)
     s.submit(_r("young", "y"))
