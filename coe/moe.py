@@ -10,6 +10,7 @@ file and the field.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 from dataclasses import asdict, dataclass, field
@@ -25,8 +26,29 @@ LAYOUT_VERSION = 1
 # a pooled model's host tier (GPU pools): a copy of each load, or a victim cache of the pools
 HOST_MODES = ("inclusive", "exclusive")
 _DTYPES = ("float32", "float16", "bfloat16")    # what `coe-agent llm import` stores
-_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9_.+-]{0,63}$")
-_ID = re.compile(r"^(?P<model>.+)\.L(?P<layer>\d{2,})\.E(?P<expert>\d{3,})$")
+_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9_.+-]{0,63}")      # whole name (fullmatch: `$` lets a newline end it)
+_ID = re.compile(r"(?P<model>.+)\.L(?P<layer>\d{2,})\.E(?P<expert>\d{3,})")
+MAX_EXPERTS = 2**15 - 1     # per layer: a trace stores expert indices as int16
+# what `coe-agent llm import` records in `extra`, and the type each must have where it is read
+_EXTRA = {"source": str, "norm_topk_prob": bool, "routed_scaling_factor": float}
+
+
+class DuplicateKeyError(ValueError):
+    """A JSON object names `key` twice (`unique_keys`)."""
+
+    def __init__(self, key: str) -> None:
+        self.key = key
+        super().__init__(f"key {key!r} appears twice in one object")
+
+
+def unique_keys(pairs: list[tuple[str, object]]) -> dict:
+    """`json.loads(..., object_pairs_hook=unique_keys)`: a key written twice is an error, not 'the last one wins'."""
+    out: dict = {}
+    for k, v in pairs:
+        if k in out:
+            raise DuplicateKeyError(k)
+        out[k] = v
+    return out
 
 
 def expert_id(model: str, layer: int, expert: int) -> str:
@@ -36,16 +58,16 @@ def expert_id(model: str, layer: int, expert: int) -> str:
 
 def parse_expert_id(eid: str) -> tuple[str, int, int]:
     """(model, layer, expert) of an id made by `expert_id`; a clear error otherwise."""
-    m = _ID.match(eid)
+    m = _ID.fullmatch(eid) if isinstance(eid, str) else None
     if m is None:
         raise CoEError(f"'{eid}' is not an MoE expert id (expected MODEL.L<layer>.E<expert>)")
     return m["model"], int(m["layer"]), int(m["expert"])
 
 
 def check_model_name(name: str) -> str:
-    if not isinstance(name, str) or not _NAME.match(name):
+    if not isinstance(name, str) or not _NAME.fullmatch(name) or ".." in name:
         raise CoEError(f"model name {name!r} must be 1-64 letters, digits, '.', '_', '+' or '-', "
-                       "starting with a letter or digit (it prefixes every expert id)")
+                       "starting with a letter or digit, without '..' (it prefixes every expert id)")
     return name
 
 
@@ -107,11 +129,13 @@ class MoELayout:
         path = Path(root) / LAYOUT_FILE
         src = str(path)
         try:
-            raw = json.loads(path.read_text(encoding="utf-8"))
+            raw = json.loads(path.read_text(encoding="utf-8"), object_pairs_hook=unique_keys)
         except FileNotFoundError:
             raise CoEError(f"{src}: not found; is {root} a store written by 'coe-agent llm import'?") from None
-        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        except (OSError, ValueError) as exc:    # not UTF-8, not JSON, a key twice, an int of 5000 digits
             raise CoEError(f"{src}: cannot read the MoE layout: {exc}") from None
+        except RecursionError:
+            raise CoEError(f"{src}: cannot read the MoE layout: nested too deeply") from None
         return cls.from_dict(raw, src)
 
     @classmethod
@@ -149,6 +173,9 @@ class MoELayout:
             for k in ("num_experts", "hidden", "intermediate", "expert_nbytes"):
                 if item[k] < 1:
                     raise CoEError(f"{where}.{k}: must be positive, got {item[k]}")
+            if item["num_experts"] > MAX_EXPERTS:
+                raise CoEError(f"{where}.num_experts: at most {MAX_EXPERTS} (traces store expert indices as int16), "
+                               f"got {item['num_experts']}")
             if item["num_experts"] < raw["top_k"]:
                 raise CoEError(f"{where}.num_experts: {item['num_experts']} is fewer than top_k {raw['top_k']}")
             layers.append(MoELayer(**{k: item[k] for k in spec}))
@@ -159,9 +186,24 @@ class MoELayout:
             if l.layer in seen:
                 raise CoEError(f"{src}.layers[{i}].layer: layer index {l.layer} appears twice")
             seen.add(l.layer)
+            # readers take layers[0] as the first to run and its num_experts as every layer's (traces, predictors)
+            if i and l.layer < layers[i - 1].layer:
+                raise CoEError(f"{src}.layers[{i}].layer: layers must be in ascending order, {l.layer} follows "
+                               f"{layers[i - 1].layer}")
+            if l.num_experts != layers[0].num_experts:
+                raise CoEError(f"{src}.layers[{i}].num_experts: {l.num_experts}, but layer {layers[0].layer} has "
+                               f"{layers[0].num_experts}: every MoE layer must have the same number of experts")
         extra = raw.get("extra", {})
         if not isinstance(extra, dict):
             raise CoEError(f"{src}.extra: must be an object")
+        for k, t in _EXTRA.items():
+            if k not in extra:
+                continue
+            v = extra[k]
+            if t is float and (not isinstance(v, (int, float)) or isinstance(v, bool) or not math.isfinite(v)):
+                raise CoEError(f"{src}.extra.{k}: must be a finite number, got {v!r}")
+            if t is not float and not isinstance(v, t):
+                raise CoEError(f"{src}.extra.{k}: must be {t.__name__}, got {type(v).__name__}")
         return cls(model=raw["model"], model_type=raw["model_type"], top_k=raw["top_k"], dtype=raw["dtype"],
                    layers=tuple(layers), resident_file=raw["resident_file"], resident_sha256=raw["resident_sha256"],
                    resident_nbytes=raw["resident_nbytes"], scoring=raw["scoring"], extra=extra)

@@ -22,6 +22,7 @@ from pathlib import Path
 
 from .errors import CoEError
 from .files import write_json_atomic
+from .moe import unique_keys
 from .spec import CoEModel
 
 FORMAT = "coe-edge/usage-probabilities"
@@ -78,11 +79,13 @@ def load_document(path: str | os.PathLike[str]) -> tuple[str, dict[str, float]]:
     """(source, probabilities) saved at `path`."""
     src = str(path)
     try:
-        raw = json.loads(Path(path).read_text(encoding="utf-8"))
+        raw = json.loads(Path(path).read_text(encoding="utf-8"), object_pairs_hook=unique_keys)
     except FileNotFoundError:
         raise CoEError(f"{src}: no usage probabilities file (run: coe-agent probabilities --line LINE)") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (OSError, ValueError) as exc:    # not UTF-8, not JSON, a key written twice
         raise CoEError(f"{src}: unreadable usage probabilities: {exc}") from None
+    except RecursionError:
+        raise CoEError(f"{src}: unreadable usage probabilities: nested too deeply") from None
     if not isinstance(raw, dict) or not isinstance(raw.get("probabilities"), dict):
         raise CoEError(f"{src}: expected an object with a 'probabilities' mapping")
     source = raw.get("source", "")

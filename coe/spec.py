@@ -7,6 +7,7 @@ and the reason, not at 3 a.m. when the first frame of that component arrives.
 from __future__ import annotations
 
 import math
+import reprlib
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -49,17 +50,26 @@ class CoEModel:
         """Expected number of times each expert runs per frame, from frequencies and priors."""
         total = sum(c.frequency for c in self.components.values())
         uses = {e: 0.0 for e in self.experts}
-
-        def walk(expert_id: str, mass: float, depth: int) -> None:
-            if depth > len(self.experts):  # a cycle would be caught at load; guard anyway
-                raise SpecError(self.source, f"experts.{expert_id}.next", "chain has a cycle")
-            uses[expert_id] += mass
-            expert = self.experts[expert_id]
-            for label, nxt in expert.next.items():
-                walk(nxt, mass * expert.prior(label), depth + 1)
-
         for comp in self.components.values():
-            walk(comp.classifier, comp.frequency / total, 0)
+            uses[comp.classifier] += comp.frequency / total
+        # an expert hands its mass on once all of it has arrived (topological order): linear in the edges, where
+        # walking every path from each classifier took time exponential in the chain's depth
+        waiting = {e: 0 for e in self.experts}
+        for expert in self.experts.values():
+            for nxt in expert.next.values():
+                waiting[nxt] += 1
+        ready = [e for e, n in waiting.items() if n == 0]
+        while ready:
+            eid = ready.pop()
+            expert = self.experts[eid]
+            for label, nxt in expert.next.items():
+                uses[nxt] += uses[eid] * expert.prior(label)
+                waiting[nxt] -= 1
+                if not waiting[nxt]:
+                    ready.append(nxt)
+        stuck = [e for e, n in waiting.items() if n]
+        if stuck:  # a cycle would be caught at load; guard anyway
+            raise SpecError(self.source, f"experts.{stuck[0]}.next", "chain has a cycle")
         return uses
 
     def usage_probabilities(self) -> dict[str, float]:
@@ -85,6 +95,8 @@ class CoEModel:
 
 
 RESERVED_IDS = frozenset({"router"})   # store entries coe-edge writes itself (routing.learned.ROUTER_ID)
+MAX_NAME = 128          # a spec's or a component's name
+MAX_WEIGHTS = 4096      # an expert's `weights` (a path or URI)
 
 
 # -- loading -------------------------------------------------------------------
@@ -103,6 +115,10 @@ def load_spec(path: str | Path) -> CoEModel:
         raise SpecError(src, "<file>", f"not valid YAML: {yaml_strict.problem(exc)}") from None
     except UnicodeDecodeError as exc:
         raise SpecError(src, "<file>", f"not UTF-8 text: {exc.reason} at byte {exc.start}") from None
+    except OSError as exc:
+        raise SpecError(src, "<file>", f"cannot read: {exc.strerror or exc}") from None
+    except RecursionError:
+        raise SpecError(src, "<file>", "nested too deeply to read") from None
     return parse_spec(raw, src)
 
 
@@ -110,7 +126,7 @@ def parse_spec(raw: Any, src: str = "<spec>") -> CoEModel:
     if not isinstance(raw, Mapping):
         raise SpecError(src, "<root>", "expected a mapping with 'experts' and 'components'")
     _only_keys(raw, {"name", "experts", "components"}, src, "")
-    name = raw.get("name", "coe")
+    name = _text(raw.get("name", "coe"), MAX_NAME, src, "name")
     experts_raw = _need(raw, "experts", list, src, "")
     comps_raw = _need(raw, "components", list, src, "")
     if not experts_raw:
@@ -136,7 +152,7 @@ def parse_spec(raw: Any, src: str = "<spec>") -> CoEModel:
         if not isinstance(c, Mapping):
             raise SpecError(src, key, "expected a mapping")
         _only_keys(c, {"name", "classifier", "frequency"}, src, key)
-        cname = _need(c, "name", str, src, key)
+        cname = _text(_need(c, "name", str, src, key), MAX_NAME, src, f"{key}.name")
         cls = _need(c, "classifier", str, src, key)
         freq = c.get("frequency", 1.0)
         if cls not in experts:
@@ -145,11 +161,11 @@ def parse_spec(raw: Any, src: str = "<spec>") -> CoEModel:
             raise SpecError(src, f"{key}.classifier", f"expert '{cls}' is a {experts[cls].kind}, not a classifier")
         if not isinstance(freq, (int, float)) or isinstance(freq, bool) or not 0 < freq < math.inf:
             # NaN fails both comparisons: it would make every usage probability NaN (eviction, pool fill)
-            raise SpecError(src, f"{key}.frequency", f"must be a positive finite number, got {freq!r}")
+            raise SpecError(src, f"{key}.frequency", f"must be a positive finite number, got {_shown(freq)}")
         if cname in components:
             raise SpecError(src, f"{key}.name", f"duplicate component '{cname}'")
         components[cname] = Component(cname, cls, float(freq))
-    return CoEModel(name=str(name), experts=experts, components=components, source=src)
+    return CoEModel(name=name, experts=experts, components=components, source=src)
 
 
 def _parse_expert(e: Any, src: str, key: str) -> Expert:
@@ -169,16 +185,18 @@ def _parse_expert(e: Any, src: str, key: str) -> Expert:
     if kind not in KINDS:
         raise SpecError(src, f"{key}.kind", f"must be one of {', '.join(KINDS)}, got '{kind}'")
     classes = _need(e, "classes", list, src, key)
-    if not classes or not all(isinstance(c, str) for c in classes):
-        raise SpecError(src, f"{key}.classes", "must be a non-empty list of strings")
+    if not classes or not all(isinstance(c, str) and c for c in classes):
+        raise SpecError(src, f"{key}.classes", "must be a non-empty list of non-empty strings")
     if len(set(classes)) != len(classes):
         raise SpecError(src, f"{key}.classes", "has duplicate labels")
     size = e.get("input_size", 64)
     if not isinstance(size, int) or isinstance(size, bool) or not 16 <= size <= 2048:
-        raise SpecError(src, f"{key}.input_size", f"must be an integer in 16..2048, got {size!r}")
+        raise SpecError(src, f"{key}.input_size", f"must be an integer in 16..2048, got {_shown(size)}")
     if kind == "detector" and size % 32:
         raise SpecError(src, f"{key}.input_size", f"a detector's input size must be a multiple of 32, got {size}")
-    nxt = e.get("next", {}) or {}
+    nxt = e.get("next", {})
+    if nxt is None:     # `next:` with nothing under it
+        nxt = {}
     if not isinstance(nxt, Mapping) or not all(isinstance(v, str) for v in nxt.values()):
         raise SpecError(src, f"{key}.next", "must map an output label to an expert id")
     for label in nxt:
@@ -187,6 +205,8 @@ def _parse_expert(e: Any, src: str, key: str) -> Expert:
     pass_labels = e.get("pass_labels", ["ok"] if "ok" in classes else [])
     if not isinstance(pass_labels, list) or any(p not in classes for p in pass_labels):
         raise SpecError(src, f"{key}.pass_labels", "must be a list of this expert's classes")
+    if len(set(pass_labels)) != len(pass_labels):
+        raise SpecError(src, f"{key}.pass_labels", "has duplicate labels")
     priors = e.get("priors")
     if priors is None:
         priors = _default_priors(classes, pass_labels)
@@ -195,17 +215,18 @@ def _parse_expert(e: Any, src: str, key: str) -> Expert:
     for label, p in priors.items():
         if label not in classes:
             raise SpecError(src, f"{key}.priors.{label}", f"'{label}' is not one of this expert's classes")
-        if not isinstance(p, (int, float)) or not 0 <= p <= 1:
-            raise SpecError(src, f"{key}.priors.{label}", f"must be a probability in [0, 1], got {p!r}")
+        if not isinstance(p, (int, float)) or isinstance(p, bool) or not 0 <= p <= 1:
+            raise SpecError(src, f"{key}.priors.{label}", f"must be a probability in [0, 1], got {_shown(p)}")
     if abs(sum(priors.values()) - 1.0) > 1e-6:
         raise SpecError(src, f"{key}.priors", f"must sum to 1, sums to {sum(priors.values()):.4f}")
     conf = e.get("conf_threshold", 0.25)
     if not isinstance(conf, (int, float)) or not 0 < conf < 1:
-        raise SpecError(src, f"{key}.conf_threshold", f"must be in (0, 1), got {conf!r}")
+        raise SpecError(src, f"{key}.conf_threshold", f"must be in (0, 1), got {_shown(conf)}")
+    weights = _text(e.get("weights", ""), MAX_WEIGHTS, src, f"{key}.weights", least=0)
     return Expert(id=eid, arch=arch, kind=kind, classes=tuple(classes), input_size=size,
                   next=dict(nxt), pass_labels=tuple(pass_labels),
                   priors={k: float(v) for k, v in priors.items()}, conf_threshold=float(conf),
-                  uri=str(e.get("weights", "")))
+                  uri=weights)
 
 
 def _default_priors(classes: list[str], pass_labels: list[str]) -> dict[str, float]:
@@ -219,20 +240,24 @@ def _default_priors(classes: list[str], pass_labels: list[str]) -> dict[str, flo
 
 
 def _check_acyclic(experts: dict[str, Expert], src: str) -> None:
-    state: dict[str, int] = {}
-
-    def visit(eid: str) -> None:
-        state[eid] = 1
-        for nxt in experts[eid].next.values():
-            if state.get(nxt) == 1:
-                raise SpecError(src, f"experts.{eid}.next", f"chain cycle through '{nxt}'")
-            if nxt not in state:
-                visit(nxt)
-        state[eid] = 2
-
-    for eid in experts:
-        if eid not in state:
-            visit(eid)
+    state: dict[str, int] = {}      # 1: on the path being walked, 2: done
+    for root in experts:
+        if root in state:
+            continue
+        state[root] = 1
+        stack = [(root, iter(experts[root].next.values()))]
+        while stack:    # depth first with a stack of its own: a chain of 1000 experts is not a recursion limit
+            eid, todo = stack[-1]
+            for nxt in todo:
+                if state.get(nxt) == 1:
+                    raise SpecError(src, f"experts.{eid}.next", f"chain cycle through '{nxt}'")
+                if nxt not in state:
+                    state[nxt] = 1
+                    stack.append((nxt, iter(experts[nxt].next.values())))
+                    break
+            else:
+                state[eid] = 2
+                stack.pop()
 
 
 def _need(m: Mapping, key: str, typ: type, src: str, prefix: str) -> Any:
@@ -243,6 +268,25 @@ def _need(m: Mapping, key: str, typ: type, src: str, prefix: str) -> Any:
     if not isinstance(val, typ) or (typ is not bool and isinstance(val, bool)):
         raise SpecError(src, full, f"must be a {typ.__name__}, got {type(val).__name__}")
     return val
+
+
+def _text(val: Any, limit: int, src: str, key: str, least: int = 1) -> str:
+    """`val` if it is a string of least..limit characters: never str() of a list (YAML aliases nest one list in
+    another: 600 bytes of spec expand to gigabytes of text)."""
+    if not isinstance(val, str):
+        raise SpecError(src, key, f"must be a string, got {type(val).__name__}")
+    if not least <= len(val) <= limit:
+        raise SpecError(src, key, f"must be {least} to {limit} characters, got {len(val)}")
+    return val
+
+
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel, _SHORT.maxlist, _SHORT.maxdict, _SHORT.maxstring = 2, 6, 4, 60
+
+
+def _shown(val: Any) -> str:
+    """`val` for an error message, cut short: a list built of YAML aliases can be gigabytes when written out."""
+    return _SHORT.repr(val)
 
 
 def _only_keys(m: Mapping, allowed: set[str], src: str, prefix: str) -> None:

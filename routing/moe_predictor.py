@@ -32,8 +32,9 @@ from pathlib import Path
 import numpy as np
 
 from coe import CoEError
+from coe.moe import unique_keys
 
-from .moe_trace import Trace
+from .moe_trace import Trace, read_tensor
 
 FORMAT = "coe-edge/moe-token-predictor"
 FEATURES = ("freshest", "same-layer")
@@ -229,13 +230,18 @@ class TokenPredictor:
 
     # -- file -------------------------------------------------------------------------
     def save(self, path: str | Path, info: dict | None = None) -> Path:
-        """Written whole or not at all: a kill mid-save leaves the previous predictor as it was."""
+        """Written whole or not at all: a kill mid-save leaves the previous predictor as it was.
+
+        The arrays are stored as float32 (a loaded predictor computes in float64 from
+        those rounded values).  `info` (training figures) goes into the metadata
+        beside the keys `load` reads, which it cannot replace.
+        """
         from safetensors.numpy import save
 
         from coe.files import write_bytes_atomic
 
-        meta = {"coe": json.dumps({"format": FORMAT, "layers": list(self.layers), "top_k": self.top_k,
-                                   "features": self.features, **(info or {})})}
+        meta = {"coe": json.dumps({**(info or {}), "format": FORMAT, "layers": list(self.layers),
+                                   "top_k": self.top_k, "features": self.features})}
         arrays = {"W": self.W.astype(np.float32), "b": self.b.astype(np.float32)}
         if self.mu is not None:
             arrays.update(mu=self.mu.astype(np.float32), sd=self.sd.astype(np.float32))
@@ -249,21 +255,27 @@ class TokenPredictor:
         src = str(path)
         try:
             with safe_open(src, framework="numpy") as f:
-                meta = json.loads((f.metadata() or {}).get("coe", "{}"))
-                W, b = f.get_tensor("W"), f.get_tensor("b")
+                meta = json.loads((f.metadata() or {}).get("coe", "{}"), object_pairs_hook=unique_keys)
+                W, b = read_tensor(f, "W", src), read_tensor(f, "b", src)
                 names = set(f.keys())
                 if len(names & {"mu", "sd"}) == 1:
                     raise ValueError("it holds one of mu and sd without the other")
-                mu, sd = (f.get_tensor("mu"), f.get_tensor("sd")) if {"mu", "sd"} <= names else (None, None)
+                mu, sd = (read_tensor(f, "mu", src), read_tensor(f, "sd", src)) if {"mu", "sd"} <= names \
+                    else (None, None)
         except FileNotFoundError:
             raise CoEError(f"{src}: predictor not found") from None
         except (SafetensorError, OSError, ValueError, KeyError) as exc:
             raise CoEError(f"{src}: not a token predictor file: {exc}") from None
+        except RecursionError:
+            raise CoEError(f"{src}: not a token predictor file: its metadata is nested too deeply") from None
         if not isinstance(meta, dict) or meta.get("format") != FORMAT:
             raise CoEError(f"{src}: not a token predictor (metadata format must be '{FORMAT}')")
-        raw_layers, top_k = meta.get("layers") or [], meta.get("top_k", 1)
-        if not (isinstance(raw_layers, list) and all(isinstance(l, int) and not isinstance(l, bool) for l in raw_layers)):
-            raise CoEError(f"{src}: metadata 'layers' must be a list of layer numbers, got {raw_layers!r}")
+        raw_layers, top_k = meta.get("layers"), meta.get("top_k", 1)
+        if not (isinstance(raw_layers, list) and raw_layers
+                and all(isinstance(l, int) and not isinstance(l, bool) and l >= 0 for l in raw_layers)
+                and len(set(raw_layers)) == len(raw_layers)):
+            raise CoEError(f"{src}: metadata 'layers' must be a list of layer numbers (distinct, >= 0, at least "
+                           f"one), got {raw_layers!r}")
         if not (isinstance(top_k, int) and not isinstance(top_k, bool) and top_k >= 1):
             raise CoEError(f"{src}: metadata 'top_k' must be an integer >= 1, got {top_k!r}")
         layers = tuple(raw_layers)
@@ -272,6 +284,8 @@ class TokenPredictor:
             raise CoEError(f"{src}: features {features!r}: expected one of {', '.join(FEATURES)}")
         if W.ndim != 3 or W.shape[0] != len(layers) or b.shape != (W.shape[0], W.shape[2]):
             raise CoEError(f"{src}: W {list(W.shape)} and b {list(b.shape)} do not fit {len(layers)} layers")
+        if W.shape[2] < top_k:
+            raise CoEError(f"{src}: W {list(W.shape)} scores {W.shape[2]} experts, fewer than top_k {top_k}")
         want = W.shape[2] * (1 if features == "same-layer" else len(layers))
         if W.shape[1] != want:
             raise CoEError(f"{src}: W {list(W.shape)}: {features!r} inputs of {len(layers)} layers x {W.shape[2]} "

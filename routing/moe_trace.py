@@ -22,10 +22,11 @@ from pathlib import Path
 import numpy as np
 
 from coe import CoEError
-from coe.moe import expert_id
+from coe.moe import check_model_name, expert_id, unique_keys
 
 TRACE_FORMAT = "coe-edge/moe-trace"
 TRACE_VERSION = 1
+SCORINGS = ("softmax", "sigmoid")       # as MoELayout.scoring
 
 
 @dataclass
@@ -121,15 +122,17 @@ class Trace:
         try:
             with safe_open(src, framework="numpy") as f:
                 meta = f.metadata() or {}
-                arrays = {k: f.get_tensor(k) for k in f.keys()}
+                arrays = {k: read_tensor(f, k, src) for k in f.keys()}
         except FileNotFoundError:
             raise CoEError(f"{src}: trace not found") from None
         except (SafetensorError, OSError, ValueError) as exc:
             raise CoEError(f"{src}: not a readable trace (truncated or not safetensors): {exc}") from None
         try:
-            info = json.loads(meta.get("coe", ""))
-        except ValueError:
-            raise CoEError(f"{src}: trace metadata is missing or not JSON") from None
+            info = json.loads(meta.get("coe", ""), object_pairs_hook=unique_keys)
+        except ValueError as exc:
+            raise CoEError(f"{src}: trace metadata is missing or not JSON ({exc})") from None
+        except RecursionError:
+            raise CoEError(f"{src}: trace metadata is missing or not JSON (nested too deeply)") from None
         if not isinstance(info, dict) or info.get("format") != TRACE_FORMAT:
             raise CoEError(f"{src}: not an MoE trace (metadata format must be '{TRACE_FORMAT}')")
         if info.get("version") != TRACE_VERSION:
@@ -138,18 +141,34 @@ class Trace:
             if k not in arrays:
                 raise CoEError(f"{src}: trace lacks the '{k}' array")
         layers = info.get("layers")
-        if not isinstance(layers, list) or not layers or not all(isinstance(x, int) for x in layers):
-            raise CoEError(f"{src}: trace metadata 'layers' must be a non-empty list of layer indices")
+        if not isinstance(layers, list) or not layers or not all(
+                isinstance(x, int) and not isinstance(x, bool) and x >= 0 for x in layers) \
+                or any(a >= b for a, b in zip(layers, layers[1:])):
+            # a layer twice would replay its accesses twice, under ids that name the other layer's experts
+            raise CoEError(f"{src}: trace metadata 'layers' must be a non-empty list of distinct layer indices "
+                           f">= 0 in ascending order, got {layers!r}")
         top_k = info.get("top_k")
         if not isinstance(top_k, int) or isinstance(top_k, bool) or top_k < 1:
             raise CoEError(f"{src}: trace metadata 'top_k' must be a whole number >= 1, got {top_k!r}")
-        trace = cls(model=str(info.get("model", "")), layers=tuple(layers), top_k=top_k,
-                    scoring=str(info.get("scoring", "softmax")), probs=arrays["probs"], chosen=arrays["chosen"],
-                    seq=arrays["seq"], step=arrays["step"])
+        try:
+            model = check_model_name(info.get("model"))
+        except CoEError as exc:
+            raise CoEError(f"{src}: trace metadata 'model': {exc}") from None
+        scoring = info.get("scoring", "softmax")
+        if scoring not in SCORINGS:
+            raise CoEError(f"{src}: trace metadata 'scoring' must be one of {', '.join(SCORINGS)}, got {scoring!r}")
+        trace = cls(model=model, layers=tuple(layers), top_k=top_k, scoring=scoring, probs=arrays["probs"],
+                    chosen=arrays["chosen"], seq=arrays["seq"], step=arrays["step"])
         trace.check(src)
         return trace
 
     def check(self, src: str = "trace") -> None:
+        for name, want in (("probs", np.floating), ("chosen", np.integer), ("seq", np.integer),
+                           ("step", np.integer)):
+            dtype = getattr(self, name).dtype
+            if not np.issubdtype(dtype, want):      # a float `chosen` lets NaN past the range check below
+                raise CoEError(f"{src}: {name} must hold {'floats' if want is np.floating else 'integers'}, "
+                               f"got {dtype}")
         if self.chosen.ndim < 1 or self.probs.ndim < 1:
             raise CoEError(f"{src}: chosen and probs must be arrays of tokens, got shapes "
                            f"{list(self.chosen.shape)} and {list(self.probs.shape)}")
@@ -165,6 +184,18 @@ class Trace:
         if n and not np.isfinite(self.probs).all():   # a predictor trained on them learns NaN, silently
             bad = int(np.count_nonzero(~np.isfinite(self.probs)))
             raise CoEError(f"{src}: probs holds {bad} NaN or infinite gate score(s)")
+        if n and (self.probs.min() < 0 or self.probs.max() > 1):
+            raise CoEError(f"{src}: probs holds gate scores outside [0, 1] ({float(self.probs.min())} .. "
+                           f"{float(self.probs.max())})")
+
+
+def read_tensor(f, name: str, src: str) -> np.ndarray:
+    """One array of an open safetensors file; a dtype numpy has not (BF16) is named, not a TypeError."""
+    try:
+        return f.get_tensor(name)
+    except TypeError:
+        raise CoEError(f"{src}: array '{name}' is stored as {f.get_slice(name).get_dtype()}, which numpy cannot "
+                       "read (store it as F16 or F32)") from None
 
 
 def synthetic(popularity: Mapping[str, object] | list[list[float]], *, tokens: int, model: str = "mixtral",
@@ -186,6 +217,8 @@ def synthetic(popularity: Mapping[str, object] | list[list[float]], *, tokens: i
         raise CoEError(f"popularity must be [layers][experts] of non-negative counts with at least {top_k} experts")
     if not 0 <= locality < 1:
         raise CoEError(f"locality must be in [0, 1), got {locality}")
+    if not isinstance(tokens, (int, np.integer)) or isinstance(tokens, bool) or tokens < 0:
+        raise CoEError(f"tokens must be a whole number >= 0, got {tokens!r}")
     rng = np.random.default_rng(seed)
     L, E = pop.shape
     logp = np.log(np.maximum(pop / pop.sum(axis=1, keepdims=True), 1e-12))

@@ -85,9 +85,11 @@ class VerdictPage:
 def parse_since(text: str) -> float:
     """Epoch seconds, or an ISO 8601 time ('2024-05-01T10:00:00Z'; without an offset: local time)."""
     text = text.strip()
+    numeric = True
     try:
         value = float(text)
     except ValueError:
+        numeric = False
         try:
             when = datetime.fromisoformat(text.replace("Z", "+00:00").replace("z", "+00:00"))
         except ValueError:
@@ -103,7 +105,7 @@ def parse_since(text: str) -> float:
     if not math.isfinite(value):
         raise QueryError("since", "must be a finite time")
     if value > SINCE_MAX:
-        hint = " (milliseconds? give seconds)" if value / 1000 <= SINCE_MAX else ""
+        hint = " (milliseconds? give seconds)" if numeric and value / 1000 <= SINCE_MAX else ""
         raise QueryError("since", f"{text[:40]} is after the year 2200{hint}")
     if value < 0:
         raise QueryError("since", f"{text[:40]} is before 1970")
@@ -201,14 +203,25 @@ def query_verdicts(conn: sqlite3.Connection, q: VerdictQuery) -> VerdictPage:
     rows = []
     for r in raw:
         rowid = r.pop("rowid")
-        r["chain"] = json.loads(r["chain"]) if r.get("chain") else []
-        r["versions"] = json.loads(r["versions"]) if r.get("versions") else {}
+        r["chain"] = _stored_json(r.get("chain"), [])
+        r["versions"] = _stored_json(r.get("versions"), {})
         r["_cursor"] = (r["decided_at"], rowid)
         rows.append(r)
     nxt = encode_cursor(*rows[-1]["_cursor"]) if more and rows else None
     for r in rows:
         del r["_cursor"]
     return VerdictPage(rows, nxt)
+
+
+def _stored_json(text: str | None, empty: Any) -> Any:
+    """A JSON column as stored: `empty` when there is none, the text itself when it is not JSON (one corrupt
+    row must not fail the whole page)."""
+    if not text:
+        return empty
+    try:
+        return json.loads(text)
+    except (ValueError, RecursionError):
+        return text
 
 
 def frame_detail(conn: sqlite3.Connection, frame_id: str, *, thumbnail_url: str | None = None) -> dict | None:
@@ -228,8 +241,8 @@ def frame_detail(conn: sqlite3.Connection, frame_id: str, *, thumbnail_url: str 
     v = cur.fetchone()
     verdict = dict(zip([d[0] for d in cur.description], v)) if v else None
     if verdict is not None:
-        verdict["chain"] = json.loads(verdict["chain"]) if verdict.get("chain") else []
-        verdict["versions"] = json.loads(verdict["versions"]) if verdict.get("versions") else {}
+        verdict["chain"] = _stored_json(verdict.get("chain"), [])
+        verdict["versions"] = _stored_json(verdict.get("versions"), {})
         for k in ("frame_id", "component", "board_id"):
             verdict.pop(k, None)
     out["verdict"] = verdict

@@ -14,17 +14,21 @@ optional `truth_component` (the true type of a frame sent without `component`).
 """
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import os
 import re
 import shutil
+import stat
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 from coe.errors import CoEError
+from coe.files import fsync_dir
+from coe.moe import DuplicateKeyError, unique_keys
 
 MANIFEST = "manifest.jsonl"
 FRAMES_DIR = "frames"
@@ -34,7 +38,7 @@ HEADER_FIELDS = ("v", "frame_id", "line", "board_id", "component", "ts", "encodi
 EXTRA_FIELDS = ("file", "truth", "truth_component")
 _REQUIRED = ("v", "frame_id", "line", "board_id", "ts", "encoding")
 _UNSAFE_NAME = re.compile(r"[^A-Za-z0-9._-]")
-_EXT = re.compile(r"^[A-Za-z0-9]{1,8}$")
+_EXT = re.compile(r"[A-Za-z0-9]{1,8}")     # fullmatch: `$` would let 'png\n' through
 _MAX_STEM = 120
 
 
@@ -141,8 +145,11 @@ def _safe_path(root: Path, file: Any, source: str, line: int | None) -> Path:
         raise RecordingError(source, f"absolute path not allowed: {file!r}", line, "file")
     if ".." in rel.parts:
         raise RecordingError(source, f"'..' not allowed: {file!r}", line, "file")
-    base = root.resolve()
-    target = (base / rel).resolve()
+    try:
+        base = root.resolve()
+        target = (base / rel).resolve()
+    except (RuntimeError, OSError) as exc:     # a symlink loop (RuntimeError before Python 3.13)
+        raise RecordingError(source, f"cannot resolve {file!r}: {exc}", line, "file") from None
     if target == base:
         raise RecordingError(source, f"names the recording directory itself, not a file: {file!r}", line, "file")
     if not target.is_relative_to(base):
@@ -183,9 +190,13 @@ class Recording:
         except UnicodeDecodeError:
             raise RecordingError(src, "not valid UTF-8", n, "<line>") from None
         try:
-            rec = json.loads(text, parse_constant=_reject_constant)
+            rec = json.loads(text, parse_constant=_reject_constant, object_pairs_hook=unique_keys)
+        except DuplicateKeyError as exc:
+            raise RecordingError(src, "written twice in one line; keep one", n, exc.key) from None
         except (json.JSONDecodeError, ValueError) as exc:
             raise RecordingError(src, f"not valid JSON: {exc}", n, "<line>") from None
+        except RecursionError:
+            raise RecordingError(src, "not valid JSON: nested too deeply", n, "<line>") from None
         header = validate_header(rec, src, n)
         for key in rec:
             if key not in HEADER_FIELDS and key not in EXTRA_FIELDS:
@@ -208,11 +219,21 @@ class Recording:
         return iter(self.frames)
 
     def payload(self, frame: RecordedFrame) -> bytes:
-        """The frame's image bytes, re-checked against escape (the tree may have changed)."""
+        """The frame's image bytes, re-checked against escape (the tree may have changed).
+
+        Only a regular file is read: a FIFO or a device in its place would block the
+        reader forever, or never end.
+        """
         src = str(self.manifest)
         path = _safe_path(self.root, frame.file, src, None)
         try:
-            data = path.read_bytes()
+            # O_NONBLOCK: opening a FIFO does not wait for a writer, so fstat can refuse it
+            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+            with open(fd, "rb") as fh:
+                if not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
+                    raise RecordingError(src, f"frame {frame.frame_id!r}: {frame.file} is not a regular file",
+                                         field="file")
+                data = fh.read()
         except FileNotFoundError:
             raise RecordingError(src, f"frame {frame.frame_id!r}: image file missing: {frame.file}",
                                  field="file") from None
@@ -230,6 +251,14 @@ class Recording:
 
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not allowed")
+
+
+def _fsync_file(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 class RecordingWriter:
@@ -284,7 +313,7 @@ class RecordingWriter:
                 raise RecordingError(src, "not a wire header field", line, key)
         if clean["frame_id"] in self._ids:
             raise RecordingError(src, f"duplicate frame_id {clean['frame_id']!r}", line, "frame_id")
-        if not isinstance(ext, str) or not _EXT.match(ext):
+        if not isinstance(ext, str) or not _EXT.fullmatch(ext):
             raise RecordingError(src, f"extension must be 1-8 letters/digits, got {ext!r}", line, "file")
         if not isinstance(payload, (bytes, bytearray, memoryview)):
             raise RecordingError(src, f"payload must be bytes, got {type(payload).__name__}", line, "file")
@@ -315,17 +344,32 @@ class RecordingWriter:
         return name
 
     def close(self) -> Path:
-        """Write the manifest atomically (tmp file, fsync, os.replace).  Idempotent."""
+        """Write the manifest atomically (tmp file, fsync, os.replace).  Idempotent.
+
+        The images and frames/ are flushed to disk before the manifest is moved into
+        place, and the directory after it: a power cut leaves no manifest, or one whose
+        images are all there.
+        """
         if self._closed:
             return self.root
         tmp = self.root / (MANIFEST + ".tmp")
-        with open(tmp, "w", encoding="utf-8", newline="\n") as fh:
+        try:
             for frame in self.frames:
-                fh.write(json.dumps(frame.to_json(), separators=(",", ":"), allow_nan=False))
-                fh.write("\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.replace(tmp, self.manifest)
+                _fsync_file(self.root / frame.file)
+            fsync_dir(self.root / FRAMES_DIR)
+            with open(tmp, "w", encoding="utf-8", newline="\n") as fh:
+                for frame in self.frames:
+                    fh.write(json.dumps(frame.to_json(), separators=(",", ":"), allow_nan=False))
+                    fh.write("\n")
+                fh.flush()
+                os.fsync(fh.fileno())
+            os.replace(tmp, self.manifest)
+        except OSError as exc:
+            with contextlib.suppress(OSError):
+                tmp.unlink(missing_ok=True)
+            raise RecordingError(str(self.manifest), f"cannot write the manifest: {exc.strerror or exc} "
+                                                     "(is the disk full?)") from None
+        fsync_dir(self.root)
         self._closed = True
         return self.root
 

@@ -107,9 +107,16 @@ def _chip_size(code: str) -> tuple[float, float]:
     return length, min(length * w_mm / l_mm, 0.6)
 
 
+MAX_PINS = 256     # a package code's pin count is clamped to it: 'U-SOIC2000000000' draws 256 leads, not 2e9
+
+
 def _pins(component: str, default: int) -> int:
+    """The pin count a package code ends with ('SOIC8': 8), at most MAX_PINS; `default` if it ends in no digits."""
     m = re.search(r"(\d+)$", component)
-    return int(m.group(1)) if m else default
+    if m is None:
+        return default
+    digits = m.group(1).lstrip("0") or "0"
+    return MAX_PINS if len(digits) > 3 else min(int(digits), MAX_PINS)
 
 
 def _hash01(text: str, salt: int) -> float:
@@ -296,7 +303,11 @@ def _generic(component: str) -> Footprint:
 
 @functools.lru_cache(maxsize=4096)
 def footprint(component: str) -> Footprint:
-    """The drawing recipe for a component type (pure: depends on the name only)."""
+    """The drawing recipe for a component type (pure: depends on the name only).
+
+    An IC's lead count comes from the digits its package code ends with, clamped to
+    MAX_PINS (a name is data: 'U-SOIC2000000000' must not draw two billion leads).
+    """
     fam = family_of(component)
     if fam in ("R", "C", "L", "F", "LED"):
         fp = _two_terminal(fam, component)
