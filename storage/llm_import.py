@@ -233,6 +233,7 @@ def import_checkpoint(model_dir: str | Path, out: str | Path, *, name: str | Non
                               "norm_topk_prob": bool(getattr(config, "norm_topk_prob", True)),
                               "routed_scaling_factor": float(getattr(config, "routed_scaling_factor", 1.0) or 1.0)})
     layout.save(out)
+    MoELayout.load(out)     # the reader's checks now (equal expert counts per layer, say), not at the first load
     return layout
 
 
