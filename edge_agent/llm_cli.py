@@ -17,6 +17,7 @@ from coe.moe import HOST_MODES
 
 from .cli import _fail_clearly, dtype_option, torch_device
 from .config import parse_bytes
+from .llm_models import BENCH_TRAIN_STEPS
 
 
 @click.group()
@@ -325,15 +326,20 @@ def read_prompts(path: str) -> list[str]:
 @click.option("--trained", "kind", flag_value="trained", help="Train a small MoE on this machine's stdlib sources.")
 @click.option("--generated", "kind", flag_value="generated", help="Generate a big Mixtral-style MoE (random weights).")
 @click.option("--out", "-o", required=True, type=click.Path(file_okay=False), help="Hugging Face model dir to write.")
-@click.option("--seconds", default=480.0, show_default=True, type=click.FloatRange(1, 36_000),
-              help="--trained: training time on this CPU.")
+@click.option("--steps", default=None, type=click.IntRange(1, 10_000_000),
+              help="--trained: optimizer steps (reproducible: the same seed, steps, Python and torch give the same "
+                   f"weights on any box) [default: {BENCH_TRAIN_STEPS}, llm bench's, about 8 min on 2 cores]")
+@click.option("--seconds", default=None, type=click.FloatRange(1, 36_000),
+              help="--trained: train for this long instead of a step count (how many steps fit depends on the "
+                   "box and its load).")
 @click.option("--expert-gb", default=2.0, show_default=True, type=click.FloatRange(0.001, 1000),
               help="--generated: size of all experts on disk.")
 @click.option("--seed", default=0, show_default=True, type=int,
               help="Seed of the weights (--generated); with --trained, of the first weights, the stdlib files' "
                    "train/held-out split and the batches.")
 @_fail_clearly
-def llm_make_model(kind: str | None, out: str, seconds: float, expert_gb: float, seed: int) -> None:
+def llm_make_model(kind: str | None, out: str, steps: int | None, seconds: float | None, expert_gb: float,
+                   seed: int) -> None:
     """Make an MoE checkpoint here (nothing can be downloaded), in the Hugging Face format.
 
     \b
@@ -343,24 +349,38 @@ def llm_make_model(kind: str | None, out: str, seconds: float, expert_gb: float,
       coe-agent llm import var/llm/trained-hf --out var/llm/trained
     """
     _need_transformers()
-    from tqdm import tqdm
-
-    from .llm_models import generated_model, train_model
+    from .llm_models import generated_model
 
     if kind is None:
         raise CoEError("say which: --trained or --generated")
+    if kind == "generated" and (steps is not None or seconds is not None):
+        raise CoEError("--steps and --seconds train a model: they go with --trained")
+    if steps is not None and seconds is not None:
+        raise CoEError("give --steps or --seconds, not both")
     if kind == "generated":
         info = generated_model(out, expert_gb=expert_gb, seed=seed)
         click.echo(f"generated {info['layers']} layers x {info['experts_per_layer']} experts, "
                    f"{info['expert_bytes'] / 1e9:.2f} GB of experts -> {out}")
         return
-    with tqdm(total=int(seconds), desc="training", unit=" s", disable=None) as bar:
-        def progress(step: int, loss: float, elapsed: float) -> None:
-            bar.set_postfix(step=step, loss=f"{loss:.3f}")
-            bar.update(min(int(elapsed), int(seconds)) - bar.n)
-        info = train_model(out, seconds=seconds, seed=seed, progress=progress)
+    if seconds is None and steps is None:
+        steps = BENCH_TRAIN_STEPS
+    info = _train(out, steps=steps, seconds=seconds, seed=seed)
     click.echo(f"trained {info['steps']} steps ({info['tokens']} tokens) in {info['seconds']:.0f} s: "
                f"loss {info['loss']:.3f} ({info['bits_per_byte']:.2f} bits/byte) -> {out}")
+
+
+def _train(out: str | Path, *, steps: int | None, seconds: float | None, seed: int = 0) -> dict:
+    """`train_model` with a progress bar, over steps or seconds (whichever bounds it)."""
+    from tqdm import tqdm
+
+    from .llm_models import train_model
+
+    total, unit = (steps, " steps") if steps is not None else (int(seconds), " s")
+    with tqdm(total=total, desc="training", unit=unit, disable=None) as bar:
+        def progress(step: int, loss: float, elapsed: float) -> None:
+            bar.set_postfix(step=step, loss=f"{loss:.3f}")
+            bar.update(min(step if steps is not None else int(elapsed), total) - bar.n)
+        return train_model(out, steps=steps, seconds=seconds, seed=seed, progress=progress)
 
 
 def _summarise_e2e(doc: dict, runs: list[dict], mem: dict, coe_runs: list[dict], layout, speed: float, cuda: bool,
@@ -443,9 +463,12 @@ def _echo_limits(lim: dict, resident: dict | None) -> None:
               help="Held-out prompts to trace on the trained model (half profile, half replay).")
 @click.option("--decode", default=32, show_default=True, type=click.IntRange(1, 10_000),
               help="Decode steps per traced prompt.")
-@click.option("--train-seconds", default=480.0, show_default=True, type=click.FloatRange(1, 36_000),
-              help="(a), (b), (d): seconds to train the small MoE on this CPU, when --work holds no "
-                   "trained-hf yet.")
+@click.option("--train-steps", default=None, type=click.IntRange(1, 10_000_000),
+              help="(a), (b), (d): optimizer steps to train the small MoE, when --work holds no trained-hf yet "
+                   f"(reproducible on any box with the same Python and torch) [default: {BENCH_TRAIN_STEPS}, about "
+                   "8 min on 2 cores]")
+@click.option("--train-seconds", default=None, type=click.FloatRange(1, 36_000),
+              help="(a), (b), (d): train for this long instead (the step count then depends on the box).")
 @click.option("--mixtral-data", default=None, type=click.Path(exists=True, file_okay=False),
               help="Mixtral popularity dir (default: the copy in configs/moe/mixtral-expert-popularity).")
 @click.option("--tokens", default=256, show_default=True, type=click.IntRange(8, 1_000_000),
@@ -464,7 +487,8 @@ def _echo_limits(lim: dict, resident: dict | None) -> None:
               help="With --device cuda: the host tier keeps a copy of each load (inclusive) or holds the GPU "
                    "pool's victims (exclusive: GPU and host memory hold more distinct experts).")
 @_fail_clearly
-def llm_bench(work: str, parts: str, prompts: int, decode: int, train_seconds: float, mixtral_data: str | None,
+def llm_bench(work: str, parts: str, prompts: int, decode: int, train_steps: int | None, train_seconds: float | None,
+              mixtral_data: str | None,
               tokens: int, expert_gb: float, decode_tokens: int, e2e_tokens: int, device: str,
               host_share: float, host_mode: str) -> None:
     """Benchmark the MoE offload: (a) hit rates, (b) real decode per policy, (c) end to end.
@@ -516,6 +540,8 @@ def llm_bench(work: str, parts: str, prompts: int, decode: int, train_seconds: f
     want = {p.strip() for p in parts.split(",") if p.strip()}
     if not want or want - {"a", "b", "c", "d", "e"}:
         raise CoEError(f"--part {parts!r}: give a comma-separated subset of a, b, c, d, e")
+    if train_steps is not None and train_seconds is not None:
+        raise CoEError("give --train-steps or --train-seconds, not both")
     cuda = device.startswith("cuda")
     if cuda and "a" in want:
         raise CoEError(f"--device {device} applies to (b), (c) and (d); (a) is a simulation: run it without it")
@@ -532,7 +558,9 @@ def llm_bench(work: str, parts: str, prompts: int, decode: int, train_seconds: f
     work_dir = Path(work)
     doc: dict = {"bench": "llm"}
     if want & {"a", "b", "d"}:
-        profile, rep = lb.split_trace(Trace.load(_trained_trace(work_dir, prompts, decode, train_seconds)))
+        profile, rep = lb.split_trace(Trace.load(_trained_trace(work_dir, prompts, decode, train_steps,
+                                                                 train_seconds)))
+        doc["trained_model"] = _training_record(work_dir / "trained-hf")
     if "a" in want:
         data = Path(mixtral_data) if mixtral_data else lb.mixtral_data_dir()
         mprof, mrep = lb.mixtral_traces(data, tokens=tokens)
@@ -751,7 +779,29 @@ def trace_prompts(hf: Path, prompts: int) -> list[str]:
     return [held[i * step:i * step + 160] for i in range(prompts)]
 
 
-def _trained_trace(work_dir: Path, prompts: int, decode: int, train_seconds: float) -> Path:
+def _training_record(hf: Path) -> dict:
+    """How `hf` was trained (its training.json), said on stderr: a figure off a model is only re-derivable with
+    it.  A model trained before the record existed was trained for a time budget: said so."""
+    import json
+
+    from .llm_models import TRAINING_FILE
+
+    try:
+        rec = json.loads((hf / TRAINING_FILE).read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        click.echo(f"trained model {hf}: no readable {TRAINING_FILE} (trained by an older version, for a time "
+                   "budget: another box trains another model); `rm -r` it to train a reproducible one", err=True)
+        return {"record": None}
+    if not isinstance(rec, dict):
+        return {"record": None}
+    click.echo(f"trained model {hf}: {rec.get('steps')} steps ({rec.get('stopped_by')}), seed {rec.get('seed')}, "
+               f"Python {rec.get('python')}, torch {rec.get('torch')}, {rec.get('threads')} threads, corpus "
+               f"{str(rec.get('corpus_sha256'))[:12]}, loss {rec.get('loss')}", err=True)
+    return {"record": rec}
+
+
+def _trained_trace(work_dir: Path, prompts: int, decode: int, train_steps: int | None,
+                   train_seconds: float | None) -> Path:
     """The trained small MoE's trace on held-out text: trained, imported and traced on first use, then reused."""
     import torch
     from tqdm import tqdm
@@ -760,13 +810,14 @@ def _trained_trace(work_dir: Path, prompts: int, decode: int, train_seconds: flo
     from executors.moe_model import load_pooled, record_trace
     from storage.llm_import import import_checkpoint
 
-    from .llm_models import train_model
-
     hf, store = work_dir / "trained-hf", work_dir / "trained"
     trace_path = work_dir / f"trained-{prompts}x{decode}.trace"
     if not (hf / "config.json").is_file():
-        click.echo(f"training the small MoE for {train_seconds:.0f} s -> {hf}", err=True)
-        train_model(hf, seconds=train_seconds)
+        if train_steps is None and train_seconds is None:
+            train_steps = BENCH_TRAIN_STEPS
+        click.echo(f"training the small MoE for {f'{train_steps} steps' if train_steps else f'{train_seconds:.0f} s'}"
+                   f" -> {hf}", err=True)
+        _train(hf, steps=train_steps, seconds=train_seconds)
     if not (store / "llm.json").is_file():
         import_checkpoint(hf, store, name="trained")
     if not trace_path.is_file():

@@ -12,6 +12,7 @@ as a user's checkpoint.
 """
 from __future__ import annotations
 
+import hashlib
 import math
 import random
 import sysconfig
@@ -19,7 +20,11 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+from coe.files import write_json_atomic
+
 SPECIALS = ("<pad>", "<s>", "</s>")
+TRAINING_FILE = "training.json"   # beside a trained model: how it was trained (steps, seed, corpus digest, ...)
+BENCH_TRAIN_STEPS = 700            # `llm bench`'s small MoE: about 8 minutes on this 2-core box (measured)
 
 
 def byte_tokenizer():
@@ -82,12 +87,27 @@ def small_config(**overrides):
     return MixtralConfig(**kw)
 
 
-def train_model(out: str | Path, *, seconds: float = 480.0, seq_len: int = 128, batch: int = 16, seed: int = 0,
-                progress: Callable[[int, float, float], None] | None = None, **config) -> dict:
-    """Train a small MoE on stdlib text for `seconds`; save model and tokenizer to `out`. Returns a summary."""
+def train_model(out: str | Path, *, seconds: float | None = None, steps: int | None = None, seq_len: int = 128,
+                batch: int = 16, seed: int = 0, progress: Callable[[int, float, float], None] | None = None,
+                **config) -> dict:
+    """Train a small MoE on stdlib text for `steps` optimizer steps, or for `seconds`; save model, tokenizer and
+    `training.json` to `out`. Returns a summary (what `training.json` holds).
+
+    A step count makes the model reproducible: the same seed, steps, Python
+    (whose stdlib is the corpus: its digest is recorded), torch version and
+    thread count give the same weights, bit for bit, on any box.  A time
+    budget gives a box-dependent number of steps (a faster or busier box
+    trains another model), which is why `llm bench` trains by steps.
+    """
+    import platform
+
     import torch
     from transformers import AutoModelForCausalLM
 
+    if (seconds is None) == (steps is None):
+        raise ValueError("train_model: give exactly one of seconds and steps")
+    if steps is not None and steps < 1:
+        raise ValueError(f"train_model: steps must be at least 1, got {steps}")
     torch.manual_seed(seed)
     cfg = small_config(**config)
     model = AutoModelForCausalLM.from_config(cfg)
@@ -99,7 +119,7 @@ def train_model(out: str | Path, *, seconds: float = 480.0, seq_len: int = 128, 
     start = time.perf_counter()
     step, loss_avg = 0, None
     model.train()
-    while time.perf_counter() - start < seconds:
+    while step < steps if steps is not None else time.perf_counter() - start < seconds:
         idx = torch.randint(0, len(data) - seq_len - 1, (batch,), generator=rng)
         x = torch.stack([data[i:i + seq_len] for i in idx.tolist()])
         lr = 3e-3 * min(1.0, (step + 1) / 50)
@@ -120,8 +140,14 @@ def train_model(out: str | Path, *, seconds: float = 480.0, seq_len: int = 128, 
     model.save_pretrained(out)
     tok.save_pretrained(out)
     (out / "heldout.txt").write_bytes(held[:200_000])
-    return {"steps": step, "loss": loss_avg, "bits_per_byte": (loss_avg or 0) / math.log(2),
-            "seconds": time.perf_counter() - start, "tokens": step * batch * seq_len}
+    info = {"steps": step, "loss": loss_avg, "bits_per_byte": (loss_avg or 0) / math.log(2),
+            "seconds": time.perf_counter() - start, "tokens": step * batch * seq_len,
+            "stopped_by": "steps" if steps is not None else "seconds", "seed": seed, "batch": batch,
+            "seq_len": seq_len, "python": platform.python_version(), "torch": torch.__version__,
+            "threads": torch.get_num_threads(),
+            "corpus_sha256": hashlib.sha256(train + b"\0" + held).hexdigest()}
+    write_json_atomic(out / TRAINING_FILE, info)
+    return info
 
 
 def generated_model(out: str | Path, *, expert_gb: float, layers: int = 4, experts: int = 16, top_k: int = 2,

@@ -124,6 +124,15 @@ def test_clear_errors(hf_model, tmp_path):
     assert res.exit_code != 0 and "not UTF-8" in res.output
     res = CliRunner().invoke(cli, ["llm", "make-model", "--out", str(tmp_path / "m")])
     assert res.exit_code != 0 and "--trained or --generated" in res.output
+    res = CliRunner().invoke(cli, ["llm", "make-model", "--trained", "--steps", "5", "--seconds", "5", "--out",
+                                   str(tmp_path / "m")])
+    assert res.exit_code != 0 and "--steps or --seconds, not both" in res.output
+    res = CliRunner().invoke(cli, ["llm", "make-model", "--generated", "--steps", "5", "--out", str(tmp_path / "m")])
+    assert res.exit_code != 0 and "they go with --trained" in res.output
+    res = CliRunner().invoke(cli, ["llm", "bench", "--work", str(tmp_path / "w"), "--part", "a", "--train-steps", "5",
+                                   "--train-seconds", "5"])
+    assert res.exit_code != 0 and "--train-steps or --train-seconds, not both" in res.output
+    assert not (tmp_path / "m").exists() and not (tmp_path / "w").exists()
     # a generation past the model's context, and a tune-alpha text with nothing to predict
     context = hf_model[1].config.max_position_embeddings
     res = CliRunner().invoke(cli, ["llm", "generate", "--model", str(store), "--prompt", "x" * 10,

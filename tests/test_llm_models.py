@@ -61,3 +61,29 @@ def test_widening_refuses_a_family_whose_intermediate_size_is_not_the_experts(sm
 def test_widening_to_a_size_below_the_experts_own_is_refused(small_dir, tmp_path, mb):
     with pytest.raises(ValueError, match="already takes"):
         inflated_model(small_dir, tmp_path / "wide", expert_mb=mb)
+
+
+def test_training_by_steps_is_reproducible_and_says_how_it_was_trained(tmp_path):
+    """A time budget trains a box-dependent model; a step count gives the same weights (same seed, Python and torch,
+    thread count), and training.json records what an outsider needs to train it again."""
+    import hashlib
+    import json
+
+    from edge_agent.llm_models import TRAINING_FILE, train_model
+
+    tiny = dict(hidden_size=32, intermediate_size=32, num_hidden_layers=1, num_local_experts=4)
+    digests = []
+    for run in ("a", "b"):
+        info = train_model(tmp_path / run, steps=2, batch=2, seq_len=16, **tiny)
+        digests.append(hashlib.sha256((tmp_path / run / "model.safetensors").read_bytes()).hexdigest())
+        rec = json.loads((tmp_path / run / TRAINING_FILE).read_text())
+        assert rec == json.loads(json.dumps(info)) and rec["steps"] == 2 and rec["stopped_by"] == "steps"
+        assert rec["seed"] == 0 and len(rec["corpus_sha256"]) == 64 and rec["python"] and rec["threads"] >= 1
+    assert digests[0] == digests[1]
+    other = train_model(tmp_path / "c", steps=2, batch=2, seq_len=16, seed=1, **tiny)
+    assert other["corpus_sha256"] != rec["corpus_sha256"] or \
+        hashlib.sha256((tmp_path / "c" / "model.safetensors").read_bytes()).hexdigest() != digests[0]
+    with pytest.raises(ValueError, match="exactly one of seconds and steps"):
+        train_model(tmp_path / "d", steps=2, seconds=1.0)
+    with pytest.raises(ValueError, match="exactly one of seconds and steps"):
+        train_model(tmp_path / "d")
