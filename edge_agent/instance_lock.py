@@ -43,6 +43,10 @@ class InstanceLock:
             fh.close()
             raise CoEError(f"another agent (pid {holder}) serves the results database {self.db}; stop it first, "
                            "or give this one its own data_dir") from None
+        except OSError as exc:      # ENOLCK, EOPNOTSUPP: a file system without locks (NFS without its lock service)
+            fh.close()
+            raise CoEError(f"cannot lock {self.path}: {exc.strerror or exc}; the file system of the data_dir may "
+                           "not support locks (NFS?): give the agent a data_dir on a local disk") from None
         fh.seek(0)
         fh.truncate()
         fh.write(f"{os.getpid()}\n")

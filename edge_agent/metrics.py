@@ -5,10 +5,15 @@ metrics port; the status page samples the same registry, so the two agree.
 """
 from __future__ import annotations
 
+import logging
+import math
+import numbers
 from collections.abc import Callable
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+log = logging.getLogger(__name__)
 
 
 class Metrics:
@@ -30,6 +35,7 @@ class Metrics:
         self.frame_latency = Histogram("coe_frame_latency_seconds", "Receive-to-verdict latency", ["line"],
                                        buckets=(.01, .025, .05, .1, .25, .5, 1, 2.5, 5, 10, 30), registry=r).labels(**lab)
         self.line = line
+        self._bad_seconds_logged = False
 
     def reject(self, reason: str) -> None:
         self._rejects.labels(self.line, reason).inc()
@@ -38,9 +44,18 @@ class Metrics:
         self._verdicts.labels(self.line, kind).inc()
 
     def expert_event(self, tier: str, event: str, seconds: float) -> None:
+        """Count a pool's load or eviction.  `seconds` may come from another node's report: one that is not a
+        finite number >= 0 is left out of `coe_expert_load_seconds` (logged once), since the counter would
+        raise on a negative one, in the thread that applies the report, and keep a NaN or inf for good."""
         if event == "load":
             self._loads.labels(self.line, tier).inc()
-            self._load_seconds.labels(self.line, tier).inc(seconds)
+            ok = isinstance(seconds, numbers.Real) and not isinstance(seconds, bool)
+            if ok and math.isfinite(seconds) and seconds >= 0:
+                self._load_seconds.labels(self.line, tier).inc(seconds)
+            elif not self._bad_seconds_logged:
+                self._bad_seconds_logged = True
+                log.warning("a %s load reported %s seconds: not counted in coe_expert_load_seconds (logged once)",
+                            tier, repr(seconds)[:40])
         elif event == "evict":
             self._evictions.labels(self.line, tier).inc()
 

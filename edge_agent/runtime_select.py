@@ -49,7 +49,12 @@ def measured_choices(path: Path, experts: Iterable[Expert], *, threads: int,
     """runtime_key -> 'onnx'|'torch' for `experts`, measuring the keys `path` does not hold for `threads`.
 
     With `max_batch`, the choice weighs only the measured batch sizes the line can run (up to it; batch 1
-    always): ONNX Runtime 3x faster at batch 1 and slower at 16 is the right runtime for a line of batch 1."""
+    always): ONNX Runtime 3x faster at batch 1 and slower at 16 is the right runtime for a line of batch 1.
+
+    The file is written after each arch, so a start that stops half-way keeps what it measured.  An arch whose
+    measurement fails stays on torch (the runtime that needs no export) with the reason, logged and kept in the
+    file, so it neither fails the agent's start nor is measured again at every start (delete the file to
+    retry)."""
     if measure is None:
         from executors.runtime_probe import measure_arch
 
@@ -72,8 +77,13 @@ def measured_choices(path: Path, experts: Iterable[Expert], *, threads: int,
     for key in todo:
         if progress is not None:
             progress(key)
-        kept[key] = measure(firsts[key])
-    if todo:
+        try:
+            kept[key] = measure(firsts[key])
+        except Exception as exc:  # noqa: BLE001 - one arch that cannot be measured must not stop the line
+            why = f"{type(exc).__name__}: {exc}"
+            log.warning("runtime auto: measuring %s failed (%s); it stays on torch (delete %s to measure again)",
+                        key, why, path)
+            kept[key] = {"auto": "torch", "error": why}
         write_json_atomic(path, {"threads": threads, "archs": kept})
     return {k: _choice(kept[k], max_batch) for k in firsts}
 

@@ -10,11 +10,13 @@ from __future__ import annotations
 import logging
 import os
 import stat
+import struct
 from pathlib import Path
 
 import zmq
 import zmq.auth
 from zmq.auth.thread import ThreadAuthenticator
+from zmq.utils import z85
 
 from coe import CoEError
 
@@ -62,14 +64,15 @@ def _check_key_name(name: str) -> None:
 
 def _key_dir(out: Path) -> None:
     """Make `out` owner-only; one that exists keeps its mode (it may be shared on purpose) with a warning when
-    others can list it."""
+    others can list it, or write in it (they could replace a key with one of theirs)."""
     if not out.is_dir():
         out.mkdir(parents=True, mode=0o700)
         return
     mode = stat.S_IMODE(out.stat().st_mode)
     if mode & 0o077:
-        log.warning("key folder %s has mode %o: others can list it (the secret key file itself is owner-only); "
-                    "chmod 700 %s to keep it private", out, mode, out)
+        what = ("others can write in it and replace the keys" if mode & 0o022 else
+                "others can list it (the secret key file itself is owner-only)")
+        log.warning("key folder %s has mode %o: %s; chmod 700 %s to keep it private", out, mode, what, out)
 
 
 def _write_new(path: Path, mode: int, text: str) -> None:
@@ -91,6 +94,9 @@ def _certificate(banner: str, public: bytes, secret: bytes | None = None) -> str
 
 
 def load_keys(path: str | Path, *, secret: bool) -> tuple[bytes, bytes | None]:
+    """(public, secret or None) from a certificate, both checked here so that a bad key is an error naming the
+    file now, not a bare ZMQError when a socket takes it (a truncated secret) or a server no client can reach
+    (a secret that is not the public key's).  Key files others could replace are warned about."""
     p = Path(path)
     if not p.is_file():
         raise CoEError(f"CURVE key file {p} does not exist (make one with `coe-agent keys generate`)")
@@ -98,18 +104,59 @@ def load_keys(path: str | Path, *, secret: bool) -> tuple[bytes, bytes | None]:
         public, sec = zmq.auth.load_certificate(str(p))
     except (OSError, ValueError) as exc:
         raise CoEError(f"CURVE key file {p} is not a ZeroMQ certificate: {exc}") from None
+    except IndexError:          # pyzmq splits `public-key = "..."` at '=' without checking there is one
+        raise CoEError(f"CURVE key file {p} is not a ZeroMQ certificate: a public-key or secret-key line has "
+                       "no '='") from None
     if not _is_z85_key(public):
         raise CoEError(f"CURVE key file {p}: its public key is not 40 characters of z85")
     if secret and not sec:
         raise CoEError(f"CURVE key file {p} holds no secret key (use the *.key_secret file)")
+    if sec:
+        if not _is_z85_key(sec):
+            raise CoEError(f"CURVE key file {p}: its secret key is not 40 characters of z85 (a truncated or "
+                           "edited file?)")
+        try:
+            pair = zmq.curve_public(sec) == public
+        except zmq.ZMQError as exc:
+            raise CoEError(f"CURVE key file {p}: cannot check its secret key ({exc}; does this libzmq have "
+                           "CURVE?)") from None
+        if not pair:
+            raise CoEError(f"CURVE key file {p}: its secret key does not belong to its public key (keys from "
+                           "two certificates?); make a new pair with `coe-agent keys generate`")
+        _warn_if_exposed(p)
+    _warn_if_replaceable(p)
     return public, sec
+
+
+def _warn_if_exposed(p: Path) -> None:
+    """A secret key others can read is no secret: anyone who read it can pose as this side."""
+    mode = stat.S_IMODE(p.stat().st_mode)
+    if mode & 0o077:
+        log.warning("CURVE secret key file %s has mode %o: others can read it; chmod 600 %s (and make a new "
+                    "pair if it was exposed)", p, mode, p)
+
+
+def _warn_if_replaceable(p: Path) -> None:
+    """In a folder others can write, a key file can be swapped: a client's key for one of theirs."""
+    folder = p.parent
+    mode = stat.S_IMODE(folder.stat().st_mode)
+    if mode & 0o022:
+        log.warning("CURVE key folder %s has mode %o: others can replace %s with a key of theirs; chmod go-w %s",
+                    folder, mode, p.name, folder)
 
 
 _Z85 = frozenset(b"0123456789abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ.-:+=^!/*?&<>()[]{}@%$#")
 
 
 def _is_z85_key(key: bytes) -> bool:
-    return len(key) == 40 and all(c in _Z85 for c in key)
+    """40 z85 characters that decode: `"#" * 40` is all z85 characters but no 32-bit groups, and would only
+    fail when a socket takes it, or be a key no client has."""
+    if len(key) != 40 or not all(c in _Z85 for c in key):
+        return False
+    try:
+        return len(z85.decode(key)) == 32
+    except (ValueError, struct.error):
+        return False
 
 
 def client_key(entry: str, where: str = "curve.allowed_clients") -> bytes:
@@ -136,8 +183,6 @@ class _AllowList:
         self.keys = keys
 
     def callback(self, domain: str, key: bytes) -> bool:
-        from zmq.utils import z85
-
         ok = z85.encode(key) in self.keys if len(key) == 32 else key in self.keys
         if not ok:
             log.warning("CURVE: refused a client with an unknown public key")
@@ -145,6 +190,14 @@ class _AllowList:
 
 
 def start_authenticator(ctx: zmq.Context, curve) -> tuple[ThreadAuthenticator, tuple[bytes, bytes]]:
+    """The authenticator admitting `curve.allowed_clients`, and the server's keys.
+
+    An empty allow-list is refused: the agent would start and refuse every client without a word, and a
+    line that means to take no frames has no reason to run an agent.
+    """
+    if not curve.allowed_clients:
+        raise CoEError("curve.allowed_clients is empty: with CURVE on, the agent would refuse every client; list "
+                       "the clients' public keys (certificate files or 40-character z85 keys)")
     public, secret = load_keys(curve.server_key, secret=True)
     allowed = {client_key(c, f"curve.allowed_clients[{i}]") for i, c in enumerate(curve.allowed_clients)}
     auth = ThreadAuthenticator(ctx)

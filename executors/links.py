@@ -90,14 +90,40 @@ class Links:
             links = {}
             for n, v in raw.get("links", {}).items():
                 try:
-                    links[str(n)] = Link(float(v["bandwidth_bps"]), float(v["latency_s"]), str(v.get("source", "")))
+                    links[str(n)] = Link(_number(v, "bandwidth_bps"), _number(v, "latency_s"),
+                                         str(v.get("source", "")))
                 except (ValueError, KeyError, TypeError) as exc:
                     raise ValueError(f"links.{n}: {exc}") from None
             frame_bytes = raw.get("frame_bytes", DEFAULT_FRAME_BYTES)
-            if not isinstance(frame_bytes, int) or isinstance(frame_bytes, bool) or frame_bytes < 1:
-                raise ValueError(f"frame_bytes: must be a positive integer, got {frame_bytes!r}")
+            # the cost model divides it by a bandwidth: an integer no float can hold would raise there instead
+            if (not isinstance(frame_bytes, int) or isinstance(frame_bytes, bool) or frame_bytes < 1
+                    or frame_bytes > _MAX_FRAME_BYTES):
+                raise ValueError(f"frame_bytes: must be a positive integer up to 2**53, got {_short(frame_bytes)}")
             return cls(links, frame_bytes, str(raw.get("source", "")))
         except FileNotFoundError:
             raise CoEError(f"{path}: no link profile (run `coe-agent profile` or `coe-agent cluster profile`)") from None
         except (ValueError, KeyError, TypeError, AttributeError) as exc:     # UnicodeDecodeError is a ValueError
             raise CoEError(f"{path}: malformed link profile: {exc}") from None
+        except OSError as exc:          # a folder, a file this user cannot read
+            raise CoEError(f"{path}: cannot read the link profile: {exc.strerror or exc}") from None
+
+
+_MAX_FRAME_BYTES = 2 ** 53       # exact as a float, and far beyond any frame
+
+
+def _number(v: dict, key: str) -> float:
+    """`v[key]` as a float: a JSON number or a numeric string, not a boolean (`true` is no bandwidth) nor an
+    integer too large for a float (which float() answers with OverflowError, not ValueError)."""
+    x = v[key]
+    if isinstance(x, bool):
+        raise ValueError(f"{key}: must be a number, got {x!r}")
+    try:
+        return float(x)
+    except OverflowError:
+        raise ValueError(f"{key}: {_short(x)} is too large") from None
+
+
+def _short(x: object) -> str:
+    """repr(x), clipped: a 400-digit number in an error message says nothing more than its first digits."""
+    r = repr(x)
+    return r if len(r) <= 40 else f"{r[:20]}...({len(r)} characters)"

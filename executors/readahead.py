@@ -48,6 +48,7 @@ log = logging.getLogger(__name__)
 
 POLL_SECONDS = 0.005    # how often an idle read-ahead looks at the queues again (the simulator reacts at once)
 RETRY_SECONDS = 60.0    # an expert whose read failed is not read ahead again for this long
+JOIN_SECONDS = 10.0     # how long close() waits for a read under way to end
 
 
 def next_read_ahead(queues: Sequence[Sequence[str]], held: Callable[[str], bool],
@@ -132,8 +133,17 @@ class ReadAhead:
         return self
 
     def close(self) -> None:
+        """Stop the thread; one still running after JOIN_SECONDS (a read stuck on the SSD) is logged, not waited
+        for: it is a daemon, and `alive()` lets the agent count it among the threads that did not stop."""
         self._stop.set()
-        self._thread.join(10)
+        self._thread.join(JOIN_SECONDS)
+        if self._thread.is_alive():
+            log.error("read-ahead thread still running %.0f s after close (a read stuck on the SSD?); left behind",
+                      JOIN_SECONDS)
+
+    def alive(self) -> bool:
+        """Whether the thread runs (after `close`: it did not stop)."""
+        return self._thread.is_alive()
 
     def held(self, expert_id: str) -> bool:
         return self.host.present(expert_id) or any(p.present(expert_id) for p in self._pools())

@@ -14,10 +14,11 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
+import errno
 import functools
 import os
+import stat
 import sys
-from pathlib import Path
 
 WARM_CHUNK = 8 << 20  # sequential reads of 8 MiB: large enough for readahead, small enough to reuse one buffer
 
@@ -27,15 +28,23 @@ _MAP_FAILED = ctypes.c_void_p(-1).value
 
 
 def drop_from_page_cache(path: str | os.PathLike[str]) -> bool:
-    """Ask the kernel to drop `path`'s cached pages; False where posix_fadvise does not exist.
+    """Ask the kernel to drop `path`'s cached pages; False where posix_fadvise does not exist, or `path` is not
+    a regular file (a FIFO, a device, a folder: no pages of its own to drop).
 
-    The file is fsynced first because dirty pages cannot be dropped.
+    The file is fsynced first because dirty pages cannot be dropped; a file system that cannot fsync
+    (EINVAL, EROFS: read-only, /proc) has none to write back.
     """
     if not hasattr(os, "posix_fadvise"):
         return False
-    fd = os.open(path, os.O_RDONLY)
+    fd = _open_regular(path)
+    if fd is None:
+        return False
     try:
-        os.fsync(fd)
+        try:
+            os.fsync(fd)
+        except OSError as exc:
+            if exc.errno not in (errno.EINVAL, errno.EROFS):
+                raise
         os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
     finally:
         os.close(fd)
@@ -47,11 +56,16 @@ def warm_page_cache(path: str | os.PathLike[str], buffer: bytearray | None = Non
 
     Also advises WILLNEED where the platform can, so readahead starts before the
     first read returns.  `buffer` lets a caller warming many files reuse one.
+    Anything but a regular file reads 0 bytes: a FIFO would block the read for
+    ever, a device never end, and neither has pages to warm.
     """
+    fd = _open_regular(path)
+    if fd is None:
+        return 0
     buf = buffer if buffer is not None else bytearray(WARM_CHUNK)
     view = memoryview(buf)
     total = 0
-    with open(path, "rb", buffering=0) as fh:
+    with open(fd, "rb", buffering=0) as fh:
         if hasattr(os, "posix_fadvise"):
             os.posix_fadvise(fh.fileno(), 0, 0, os.POSIX_FADV_WILLNEED)
         while n := fh.readinto(view):
@@ -70,13 +84,15 @@ def resident_fraction(path: str | os.PathLike[str]) -> float | None:
     libc = _libc()
     if libc is None:
         return None
-    size = Path(path).stat().st_size
-    if size == 0:
-        return 1.0
-    page = os.sysconf("SC_PAGE_SIZE")
-    pages = (size + page - 1) // page
-    fd = os.open(path, os.O_RDONLY)
+    fd = _open_regular(path)
+    if fd is None:              # a FIFO or device has no pages of its own: not measurable, not "all cached"
+        return None
     try:
+        size = os.fstat(fd).st_size
+        if size == 0:
+            return 1.0
+        page = os.sysconf("SC_PAGE_SIZE")
+        pages = (size + page - 1) // page
         addr = libc.mmap(None, size, _PROT_READ, _MAP_SHARED, fd, 0)
         if addr is None or addr == _MAP_FAILED:
             return None
@@ -90,6 +106,21 @@ def resident_fraction(path: str | os.PathLike[str]) -> float | None:
     finally:
         os.close(fd)
     return resident / pages
+
+
+def _open_regular(path: str | os.PathLike[str]) -> int | None:
+    """A read-only fd of `path` if it is a regular file, else None.  O_NONBLOCK: opening a FIFO with no writer
+    would wait for one for ever (on a regular file the flag changes nothing)."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+    try:
+        regular = stat.S_ISREG(os.fstat(fd).st_mode)
+    except BaseException:
+        os.close(fd)
+        raise
+    if not regular:
+        os.close(fd)
+        return None
+    return fd
 
 
 @functools.cache

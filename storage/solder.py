@@ -98,6 +98,9 @@ def _bridge(fp: Footprint, rng: np.random.Generator) -> tuple[Scene, Box]:
     # on a fine pitch (8 pads or more) the bridge runs over three leads: one gap is a pixel at 64 px
     span = 2.0 if len(fp.pads) >= 8 else 1.0
     near = [p for p, d in zip(pairs, dist) if abs(d - span * dist.min()) <= 0.01 * dist.min()]
+    if not near:    # a quad of two pads a side (QFP8) has no three in a row: the bar joins two neighbours
+        span = 1.0
+        near = [p for p, d in zip(pairs, dist) if abs(d - dist.min()) <= 0.01 * dist.min()]
     a, b = (fp.pads[i] for i in near[int(rng.integers(len(near)))])
     horizontal = abs(a.cx - b.cx) >= abs(a.cy - b.cy)
     if horizontal:
