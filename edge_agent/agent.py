@@ -694,9 +694,10 @@ class Agent:
         return stuck, (first[0] if first else None)
 
     def _threads_started(self) -> list:
-        """The executors, the writer, ingest and the store watcher, where started: a failed start may have left
+        """The executors, the writer, ingest, the store watcher and the read-ahead, where started: a failed start may
+        have left
         one running, and one still running keeps the instance lock and the sockets' graceful close from it."""
-        extra = [getattr(self, name, None) for name in ("writer", "ingest", "store_watch")]
+        extra = [getattr(self, name, None) for name in ("writer", "ingest", "store_watch", "read_ahead")]
         return [*self.executors, *(t for t in extra if t is not None)]
 
     def _start_parts(self, cfg: LineConfig) -> None:
@@ -786,7 +787,7 @@ class Agent:
                                               db_path=self.cfg.db_path, token=m.token, health=self.health).start()
         except OSError as exc:
             self.status.stop()
-            raise OSError(f"metrics port {m.bind}:{m.port}: {why_bind_failed(exc)}") from None
+            raise OSError(f"metrics port {m.bind}:{m.port}: {why_bind_failed(exc, f'{m.bind}:{m.port}')}") from None
         return self.status_server.port
 
     def health(self) -> Health:
@@ -908,7 +909,7 @@ class Agent:
                 sock.connect(addr)
         except zmq.ZMQError as exc:
             sock.close(linger=0)
-            raise OSError(f"{name} endpoint {endpoint}: {why_bind_failed(exc)}") from None
+            raise OSError(f"{name} endpoint {endpoint}: {why_bind_failed(exc, endpoint)}") from None
         self.endpoints[name] = sock.getsockopt_string(zmq.LAST_ENDPOINT) if bind else addr
         return sock
 

@@ -159,7 +159,7 @@ class LLMService:
         try:
             self._server = _LLMServer((bind, port), self._handler())
         except OSError as exc:
-            raise OSError(f"llm.port {bind}:{port}: {why_bind_failed(exc)}") from None
+            raise OSError(f"llm.port {bind}:{port}: {why_bind_failed(exc, f'{bind}:{port}')}") from None
         self._server.daemon_threads = True
         self.port = self._server.server_address[1]
         self._thread = threading.Thread(target=self._server.serve_forever, name="llm-http", daemon=True)
