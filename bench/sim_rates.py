@@ -12,14 +12,29 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from coe import CoEError  # noqa: E402
 from edge_agent.bench import GPU_CLASS, build_system, latency_chart, make_workload, simulate, task  # noqa: E402
 from executors.profile import Profile  # noqa: E402
+
+
+def rate_list(text: str) -> list[float]:
+    """--rates: comma-separated frames/s, each positive and finite."""
+    try:
+        rates = [float(r) for r in text.split(",")]
+    except ValueError:
+        raise SystemExit(f"--rates takes comma-separated frames/s like 8.6,10,11.5, got {text!r}") from None
+    bad = [r for r in rates if not (math.isfinite(r) and r > 0)]
+    if bad:
+        raise SystemExit(f"--rates: each rate must be a positive, finite number of frames/s, got {bad[0]:g} "
+                         f"in {text!r}")
+    return rates
 
 
 def main() -> None:
@@ -30,9 +45,15 @@ def main() -> None:
     ap.add_argument("--profile", default=str(GPU_CLASS))
     ap.add_argument("--plot", metavar="PNG", help="also draw p99 against the rate, a panel per task, to this PNG")
     args = ap.parse_args()
-    prof = Profile.load(args.profile)
+    rates = rate_list(args.rates)
     tasks, systems = args.workload.split(","), args.systems.split(",")
-    rates = [float(r) for r in args.rates.split(",")]
+    try:                  # every name checked before the first (slow) run
+        prof = Profile.load(args.profile)
+        resources = {s: build_system(s, prof).resources() for s in systems}
+        for t in tasks:
+            task(t)
+    except (OSError, ValueError, KeyError, CoEError) as exc:
+        raise SystemExit(f"sim_rates: {exc}") from None
     out: dict = {}
     print(f"{'rate':>6}  " + "  ".join(f"{s + ' p99 s, ' + '/'.join(tasks):>32}" for s in systems))
     for rate in rates:
@@ -54,7 +75,10 @@ def main() -> None:
         fig.savefig(args.plot, dpi=110)
         plt.close(fig)
         print(f"chart: {args.plot}")
-    print(json.dumps({"bench": "sim_rates", "profile": args.profile, "p99_s": out}))
+    print("resources (every system gets the same machine):")
+    for s, r in resources.items():
+        print(f"  {s:15} {r}")
+    print(json.dumps({"bench": "sim_rates", "profile": args.profile, "p99_s": out, "resources": resources}))
 
 
 if __name__ == "__main__":

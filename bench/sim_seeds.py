@@ -56,6 +56,7 @@ def main() -> None:
     try:                  # every name checked before the first (slow) run
         prof = Profile.load(args.profile)
         systems = {s: build_system(s, prof) for s in args.systems.split(",")}
+        resources = {s: system.resources() for s, system in systems.items()}
         for wl in args.workload.split(","):
             task(wl)
     except (OSError, ValueError, KeyError, CoEError) as exc:
@@ -71,8 +72,11 @@ def main() -> None:
             out.setdefault(wl, {})[s] = {"flood": [round(x, 2) for x in flood], "p99_s": [round(x, 3) for x in p99]}
             print(f"{wl:5} {s:12} {' '.join(f'{x:.1f}' for x in flood):>40} {statistics.mean(flood):6.1f}  "
                   f"{' '.join(f'{x:.2f}' for x in p99):>36} {statistics.mean(p99):6.2f}", flush=True)
+    print("resources (every system gets the same machine):")
+    for s, r in resources.items():
+        print(f"  {s:12} {r}")
     print(json.dumps({"bench": "sim_seeds", "profile": args.profile, "seeds": seeds, "rate": args.rate,
-                      "tasks": out}))
+                      "tasks": out, "resources": resources}))
 
 
 if __name__ == "__main__":

@@ -19,12 +19,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from dataclasses import replace
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from coe import CoEError  # noqa: E402
 from edge_agent.bench import (GPU_CLASS, build_system, make_workload, sim_compression, simulate,  # noqa: E402
                               sustained_rate, task, uniform_forms)
 from executors.profile import Profile  # noqa: E402
@@ -55,18 +57,28 @@ def main() -> None:
     ap.add_argument("--decode-rate", type=float, help="with --compression-ratio: decoded bytes/s per decode thread")
     ap.add_argument("--decode-threads", type=int, default=2, help="with --compression-ratio: threads a load decodes with")
     args = ap.parse_args()
-    prof = Profile.load(args.profile)
+    if not (math.isfinite(args.load) and 0 < args.load <= 1):
+        ap.error(f"--load must be in (0, 1] (a share of the sustained rate), got {args.load}")
     if (args.compression_ratio is None) != (args.decode_rate is None):
         ap.error("--compression-ratio and --decode-rate go together")
-    comp = (sim_compression(prof, args.compression_ratio, args.decode_rate, args.decode_threads)
-            if args.compression_ratio is not None else None)
-    if comp is not None:
-        prof = comp.profile(prof)
+    if args.compression_ratio is not None and not 0 < args.compression_ratio <= 1:
+        ap.error(f"--compression-ratio must be in (0, 1] (stored over plain bytes), got {args.compression_ratio}")
+    if args.decode_threads < 1:
+        ap.error(f"--decode-threads must be at least 1, got {args.decode_threads}")
     try:
         boards = [SHAPES[int(i)] for i in args.boards.split(",")] if args.boards else SHAPES
     except (ValueError, IndexError):
         ap.error(f"--boards takes places 0..{len(SHAPES) - 1}, comma-separated; got {args.boards!r}")
     systems = args.systems.split(",")
+    try:                  # every name and figure checked before the first (slow) run
+        prof = Profile.load(args.profile)
+        comp = (sim_compression(prof, args.compression_ratio, args.decode_rate, args.decode_threads)
+                if args.compression_ratio is not None else None)
+        resources = {s: build_system(s, prof).resources() for s in systems}
+    except (OSError, ValueError, KeyError, CoEError) as exc:
+        raise SystemExit(f"sim_shapes: {exc}") from None
+    if comp is not None:
+        prof = comp.profile(prof)
     rows = []
     print(f"{'board':84} {'system':11} {'flood/s':>8} {'eff':>5} {'sust/s':>7} {'p99 s':>6}")
     for wl, kw in boards:
@@ -83,8 +95,12 @@ def main() -> None:
                          "p99_s": round(p99, 3)})
             print(f"{flags(wl, kw):84} {s:11} {flood.throughput:8.1f} {flood.efficiency:5.2f} {rate:7.1f} {p99:6.2f}",
                   flush=True)
+    print("resources (every system gets the same machine):")
+    for s, r in resources.items():
+        print(f"  {s:11} {r}")
     print(json.dumps({"bench": "sim_shapes", "profile": args.profile, "load": args.load,
-                      "compression_ratio": args.compression_ratio, "decode_rate": args.decode_rate, "rows": rows}))
+                      "compression_ratio": args.compression_ratio, "decode_rate": args.decode_rate, "rows": rows,
+                      "resources": resources}))
 
 
 if __name__ == "__main__":

@@ -13,6 +13,7 @@ and decoded at the given rate, and `compare` puts the two side by side.
 from __future__ import annotations
 
 import json
+import math
 import os
 import platform
 from dataclasses import dataclass, replace
@@ -32,6 +33,7 @@ GPU_CLASS = REPO / "configs" / "profiles" / "gpu-class.json"
 # A rate is sustained when the backlog left at the last arrival drains within 1% of the run: an overload of
 # x% leaves a backlog of about x% of the run, so at most a 1% overload passes.
 SUSTAIN_TAIL = 0.01
+SUSTAIN_FLOOR = 1e-6    # the bisection gives up below this share of the flood throughput
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,9 @@ def sim_compression(profile: Profile, ratio: float, decode_rate: float | str | N
     decode rate is to be had."""
     from executors.storage_profiler import loader_decode_threads, measure_decode_contended
 
+    if decode_threads is not None and not (isinstance(decode_threads, int) and decode_threads >= 1):
+        raise ValueError(f"--decode-threads must be an integer >= 1 (threads one load decodes with), "
+                         f"got {decode_threads!r}")
     have = profile.storage
     disk = have.disk_bps if have is not None else None
     if decode_rate == "here":
@@ -95,7 +100,7 @@ def sim_compression(profile: Profile, ratio: float, decode_rate: float | str | N
         raise ValueError(f"--compression-ratio needs a decode rate and the profile ({profile.source[:60]}...) has "
                          f"none: pass --decode-rate BYTES_PER_S (per thread) or --decode-rate here, or a --profile "
                          f"written by `coe-agent profile` (it measures one)")
-    if not per_thread > 0:
+    if not (per_thread > 0 and math.isfinite(per_thread)):
         raise ValueError(f"--decode-rate must be positive (decoded bytes per second per thread), got {decode_rate}")
     disk_how = ("disk from the profile's measured rate" if disk else
                 "disk: each arch's profiled SSD load rate (weight bytes / SSD load seconds)")
@@ -147,18 +152,26 @@ def run_sim(workloads: list[str], profile: Profile, systems: list[str], *, init:
 def sustains(spec, profile: Profile, system: SimSystem, rate: float, *, stored: StoredLookup | None = None) -> bool:
     """True if frames arriving evenly at `rate` leave a backlog that drains within SUSTAIN_TAIL of the run."""
     w = make_workload(replace(spec, interval=1.0 / rate))
-    r = simulate(w, profile, system, stored=stored)
     span = w.arrivals[-1].t
+    if not span > 0:        # one frame: no arrival rate to sustain, and every backlog test would fail
+        raise ValueError(f"a sustained rate needs frames arriving over time: the task has {len(w.arrivals)} "
+                         f"frame(s) (--requests must be at least 2 with --load)")
+    r = simulate(w, profile, system, stored=stored)
     return r.makespan - span <= SUSTAIN_TAIL * span
 
 
 def sustained_rate(spec, profile: Profile, system: SimSystem, flood: float, *, precision: float = 0.03,
                    stored: StoredLookup | None = None) -> float:
     """The highest steady arrival rate (frames/s) `system` sustains, by bisection below its flood throughput."""
+    if not (flood > 0 and math.isfinite(flood)):
+        raise ValueError(f"{system.name}: no sustained rate below a flood throughput of {flood} frames/s")
     lo, hi = 0.0, flood
     if sustains(spec, profile, system, hi, stored=stored):
         return hi
     while hi - lo > precision * hi:
+        if hi < flood * SUSTAIN_FLOOR:   # bisected to nothing: it sustains no rate (hi would underflow to 0)
+            raise ValueError(f"{system.name}: sustains no steady arrival rate down to {hi:.3g} frames/s "
+                             f"({SUSTAIN_FLOOR:g} of its flood throughput, {flood:.3g}/s)")
         mid = (lo + hi) / 2 if lo else hi / 4
         if sustains(spec, profile, system, mid, stored=stored):
             lo = mid

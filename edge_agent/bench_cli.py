@@ -8,11 +8,12 @@ import click
 from coe.errors import CoEError
 from executors.systems import DEFAULT
 
-from .cli import _config, _fail_clearly, line_options, torch_device
+from .cli import _config, _fail_clearly, _given, line_options, torch_device
+from .profile_cli import FiniteFloatRange
 
 
 @click.command("bench")
-@click.option("--workload", "-w", default="A1,A2,B1,B2", show_default=True,
+@click.option("--workload", "-w", default="A1,A2,B1,B2", show_default=True, callback=lambda c, p, v: _workloads(v),
               help="Tasks, comma separated: A1 A2 (board A, 352 types) B1 B2 (board B, 342 types).")
 @click.option("--sim/--real", default=True, help="Simulate on a profile (default) or run real experts here.")
 @click.option("--profile", "profile_path", type=click.Path(dir_okay=False),
@@ -21,11 +22,11 @@ from .cli import _config, _fail_clearly, line_options, torch_device
               help="Systems to compare, comma separated.")
 @click.option("--init", type=click.Choice(["warm", "cold"]), default="warm", show_default=True,
               help="Pools filled by usage probability before the task (warm) or empty (cold), for every system.")
-@click.option("--skew", type=click.FloatRange(0, 10), help="Zipf skew of component-type frequency (default 0.8).")
+@click.option("--skew", type=FiniteFloatRange(0, 10), help="Zipf skew of component-type frequency (default 0.8).")
 @click.option("--types", type=click.IntRange(min=1), help="Component types on the board (default: 352 / 342).")
 @click.option("--board-size", type=click.IntRange(min=1), help="Component placements on the board (default 500): with many --types "
               "give at least as many, or most types never appear.")
-@click.option("--detector-share", type=click.FloatRange(0, 1), help="Share of types followed by a detector (default 0.5).")
+@click.option("--detector-share", type=FiniteFloatRange(0, 1), help="Share of types followed by a detector (default 0.5).")
 @click.option("--requests", type=click.IntRange(min=1), help="Override the task's request count.")
 @click.option("--load", "load", default="0.5,0.8", show_default=True, callback=lambda c, p, v: _loads(v),
               help="Also run coserve, coserve-paper and samba with frames arriving evenly at F x the highest rate "
@@ -33,12 +34,12 @@ from .cli import _config, _fail_clearly, line_options, torch_device
 @click.option("--device", default="cpu", show_default=True, callback=torch_device,
               help="--real: cpu, or cuda[:N]: each system's GPU executor gets 400 MB of GPU memory behind a 400 MB "
                    "pinned host tier; CoServe adds a 400 MB CPU executor, which Samba-CoE gets as host tier.")
-@click.option("--arrival-ms", type=click.FloatRange(0, min_open=True),
+@click.option("--arrival-ms", type=FiniteFloatRange(0, min_open=True),
               help="--real: one frame every this many ms (default: the task's, 4 ms). A GPU box keeps up with "
                    "4 ms, so its throughput is the arrival rate: 0.5 measures it saturated.")
 @click.option("--repeats", default=3, show_default=True, type=click.IntRange(1, 20),
               help="--real: run both systems this many times, side by side, and report the spread.")
-@click.option("--compression-ratio", type=click.FloatRange(0, 1, min_open=True),
+@click.option("--compression-ratio", type=FiniteFloatRange(0, 1, min_open=True),
               help="--sim: also run every system with each expert stored exponent-compressed at this ratio "
                    "(stored/plain bytes, e.g. 0.66 for bf16) and report the throughput of both side by side.")
 @click.option("--decode-rate", callback=lambda c, p, v: _decode_rate(v),
@@ -51,9 +52,9 @@ from .cli import _config, _fail_clearly, line_options, torch_device
 @click.option("--boxes", callback=lambda c, p, v: _boxes(v),
               help="--sim: run on 1..N boxes, each with the profile's GPU, CPU, SSD and host tier, the front box "
                    "reaching the others over a link (e.g. 1,2,4); reports throughput and switches per box count.")
-@click.option("--link-gbps", type=click.FloatRange(min=0, min_open=True), default=10.0, show_default=True,
+@click.option("--link-gbps", type=FiniteFloatRange(min=0, min_open=True), default=10.0, show_default=True,
               help="With --boxes: the link's bandwidth to each other box, Gb/s.")
-@click.option("--link-ms", type=click.FloatRange(min=0), default=0.1, show_default=True,
+@click.option("--link-ms", type=FiniteFloatRange(min=0), default=0.1, show_default=True,
               help="With --boxes: the link's one-way latency, ms.")
 @click.option("--frame-bytes", type=click.IntRange(min=1),
               help="With --boxes: bytes one frame takes on the link (default 150528: a raw 224x224 RGB crop).")
@@ -83,6 +84,7 @@ def bench(workload: str, sim: bool, profile_path: str | None, policies: str, ini
 
     from . import bench as B
 
+    _refuse_what_does_not_apply(sim, boxes is not None)
     cfg = _config(line, config_path)
     out_dir = Path(out) if out else Path(cfg.data_dir) / "bench"
     if sim and (device != "cpu" or arrival_ms is not None):
@@ -118,9 +120,12 @@ def bench(workload: str, sim: bool, profile_path: str | None, policies: str, ini
         raise click.UsageError("--decode-rate and --decode-threads only apply with --compression-ratio")
     prof = Profile.load(profile_path or B.GPU_CLASS)
     if boxes is not None:
-        _bench_boxes(B, prof, boxes, workload, policies, init, skew, types, board_size, detector_share, requests,
-                     link_gbps, link_ms, frame_bytes, as_json)
+        _bench_boxes(B, prof, boxes, workload, policies if _given("policies") else None, init, skew, types,
+                     board_size, detector_share, requests, link_gbps, link_ms, frame_bytes, as_json)
         return
+    if load and requests is not None and requests < 2:
+        raise click.UsageError(f"--requests {requests}: the sustained rate of --load needs frames arriving over "
+                               f"time, at least 2 (or --load none)")
     comp = None
     if compression_ratio is not None:
         try:
@@ -146,6 +151,7 @@ def bench(workload: str, sim: bool, profile_path: str | None, policies: str, ini
     png = B.plot(rows, out_dir / "bench-throughput.png", f"simulation on profile: {prof.source}")
     if not as_json:
         click.echo(f"simulation (virtual clock, profiled costs) on profile: {prof.source}")
+        click.echo(f"init: {init} ({_INIT[init]}), for every system")
         if comp is not None:
             _echo_compression(comp, prof, compared)
         else:
@@ -176,12 +182,16 @@ def bench(workload: str, sim: bool, profile_path: str | None, policies: str, ini
                         "tasks": rows, "chart": str(png), **extra}))
 
 
-def _bench_boxes(B, prof, boxes: list[int], workload: str, policies: str, init: str, skew, types, board_size,
+def _bench_boxes(B, prof, boxes: list[int], workload: str, policies: str | None, init: str, skew, types, board_size,
                  detector_share, requests, link_gbps: float, link_ms: float, frame_bytes: int | None, as_json: bool) -> None:
-    """`bench --sim --boxes`: the same frames on 1..N simulated boxes; CoServe alone unless --policies says."""
-    from executors.links import Link
+    """`bench --sim --boxes`: the same frames on 1..N simulated boxes; CoServe alone unless --policies says
+    (`policies` None: not given)."""
+    from executors.links import DEFAULT_FRAME_BYTES, Link
 
-    names = ["coserve"] if policies == ",".join(DEFAULT) else [p.strip() for p in policies.split(",") if p.strip()]
+    names = ["coserve"] if policies is None else [p.strip() for p in policies.split(",") if p.strip()]
+    if not names:
+        raise click.BadParameter(f"name at least one system, got {policies!r}", param_hint="'--policies'")
+    frame_bytes = frame_bytes or DEFAULT_FRAME_BYTES
     link = Link.ethernet(link_gbps, link_ms)
     overrides = {k: v for k, v in {"skew": skew, "types": types, "board_size": board_size,
                                    "detector_share": detector_share,
@@ -193,13 +203,58 @@ def _bench_boxes(B, prof, boxes: list[int], workload: str, policies: str, init: 
         raise click.UsageError(str(exc)) from None
     if not as_json:
         click.echo(f"simulation (virtual clock, profiled costs, not a measurement) on profile: {prof.source}")
-        click.echo(f"link to each other box: {link.source}; frames arrive one every 4 ms / {max(boxes)} "
-                   f"(a flood for every box count)")
+        click.echo(f"link to each other box: {link.source}; {frame_bytes} bytes a frame on it; frames arrive one "
+                   f"every 4 ms / {max(boxes)} (a flood for every box count)")
+        click.echo(f"init: {init} ({_INIT[init]}), for every box count")
         for wl, r in rows.items():
             click.echo("")
             click.echo(B.format_boxes(f"task {wl}" + (f" with {overrides}" if overrides else "") + ":", r))
     click.echo(B.dumps({"bench": "boxes", "mode": "sim", "profile": prof.source, "link": {
-        "bandwidth_bps": link.bandwidth_bps, "latency_s": link.latency_s}, "overrides": overrides, "tasks": rows}))
+        "bandwidth_bps": link.bandwidth_bps, "latency_s": link.latency_s}, "frame_bytes": frame_bytes, "init": init,
+        "overrides": overrides, "tasks": rows}))
+
+
+_INIT = {"warm": "pools filled by usage probability before the task", "cold": "pools empty at the start"}
+
+# the options each mode does not use (--device and --arrival-ms with --sim are refused in `bench` itself)
+_SIM_ONLY = ("workload", "profile_path", "policies", "init", "skew", "types", "board_size", "detector_share",
+             "requests", "load", "compression_ratio", "decode_rate", "decode_threads", "boxes", "out")
+_BOXES_ONLY = ("link_gbps", "link_ms", "frame_bytes")
+_REAL_ONLY = ("repeats",)
+_NOT_WITH_BOXES = ("load", "compression_ratio", "decode_rate", "decode_threads", "out")
+
+
+def _refuse_what_does_not_apply(sim: bool, boxes: bool) -> None:
+    """A usage error naming every option given on the command line that the chosen mode would ignore."""
+    ctx = click.get_current_context()
+    flags = {p.name: max(p.opts, key=len) for p in ctx.command.params}
+
+    def refuse(names: tuple[str, ...], why: str) -> None:
+        given = [flags[n] for n in names if _given(n)]
+        if given:
+            raise click.UsageError(f"{', '.join(given)} {'does' if len(given) == 1 else 'do'} not apply {why}")
+    if not sim:
+        refuse(_SIM_ONLY + _BOXES_ONLY, "to --real (it runs its own task of real experts on this machine and takes "
+                                        "--device, --arrival-ms, --repeats and --json)")
+        return
+    refuse(_REAL_ONLY, "to --sim (it is for --real)")
+    if boxes:
+        refuse(_NOT_WITH_BOXES, "with --boxes (it reports the flood throughput per box count, with no chart)")
+    else:
+        refuse(_BOXES_ONLY, "without --boxes (they set the link between boxes)")
+
+
+def _workloads(value: str) -> str:
+    """--workload: comma-separated task names (A1 A2 B1 B2), at least one."""
+    from coe.workload import TASKS
+
+    wls = [w.strip().upper() for w in value.split(",") if w.strip()]
+    if not wls:
+        raise click.BadParameter(f"name at least one task ({', '.join(sorted(TASKS))}), got {value!r}")
+    unknown = [w for w in wls if w not in TASKS]
+    if unknown:
+        raise click.BadParameter(f"unknown task {unknown[0]!r} (known: {', '.join(sorted(TASKS))})")
+    return ",".join(wls)
 
 
 def _boxes(value: str | None) -> list[int] | None:
@@ -221,7 +276,7 @@ def _echo_compression(comp, prof, compared: dict[str, list[dict]]) -> None:
 
     st = comp.storage
     factors = comp.load_factors(prof)
-    lo, hi = min(factors.values()), max(factors.values())
+    lo, hi = min(factors.values(), default=1.0), max(factors.values(), default=1.0)
     disk = f"{st.disk_bps / 1e9:.2f} GB/s" if st.disk_bps else "each arch's profiled SSD load rate"
     how = ("measured on the line's experts" if st.load_decode_bps else
            f"{st.decode_bps / 1e9:.2f} GB/s per thread x {st.decode_threads} thread(s)")

@@ -24,6 +24,19 @@ if TYPE_CHECKING:
 _MB = 1e6
 
 
+class FiniteFloatRange(click.FloatRange):
+    """click.FloatRange that refuses nan and inf too: nan fails no comparison, so FloatRange lets it through (and
+    it reached the JSON output as NaN, which is not JSON).  Shared by the commands' float options."""
+
+    def convert(self, value, param, ctx):
+        import math
+
+        rv = super().convert(value, param, ctx)
+        if not math.isfinite(rv):
+            self.fail(f"{value!r} is not a finite number.", param, ctx)
+        return rv
+
+
 def _batch_sizes(ctx: click.Context, param: click.Parameter, value: str) -> tuple[int, ...]:
     try:
         sizes = tuple(int(v) for v in value.split(",") if v.strip())
@@ -41,7 +54,7 @@ def _batch_sizes(ctx: click.Context, param: click.Parameter, value: str) -> tupl
               help="Batch sizes to time, comma-separated.")
 @click.option("--repeats", default=3, show_default=True, type=click.IntRange(min=1),
               help="Timed rounds per batch size, and loads per tier (the median is kept).")
-@click.option("--concurrency-seconds", default=0.5, show_default=True, type=click.FloatRange(min=0, min_open=True),
+@click.option("--concurrency-seconds", default=0.5, show_default=True, type=FiniteFloatRange(min=0, min_open=True),
               help="How long k executors run together for each point of a device's concurrency curve.")
 @click.option("--plots/--no-plots", default=True, show_default=True, help="Write PNG plots next to the profile.")
 @click.option("--link-rounds", default=50, show_default=True, type=click.IntRange(5, 10_000),

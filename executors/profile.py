@@ -154,14 +154,18 @@ class StorageProfile:
 
     @classmethod
     def from_json(cls, raw: dict, where: str) -> "StorageProfile":
-        v = {k: raw[k] for k in raw if k != "compression_pays"}
+        raw = _mapping(raw, where)
+        v = _fields(cls, {k: raw[k] for k in raw if k != "compression_pays"}, where)
         s = cls(**v)
         for name in ("disk_bps", "decode_bps", "decode_bps_alone", "load_decode_bps", "ratio"):
             x = getattr(s, name)
-            if x is not None and not (isinstance(x, (int, float)) and x > 0 and math.isfinite(x)):
+            if x is not None and not (_number(x) and x > 0):
                 raise ValueError(f"{where}.{name}: must be a positive number or null, got {x!r}")
-        if not (isinstance(s.decode_threads, int) and s.decode_threads >= 1):
+        if not (isinstance(s.decode_threads, int) and not isinstance(s.decode_threads, bool)
+                and s.decode_threads >= 1):
             raise ValueError(f"{where}.decode_threads: must be an integer >= 1, got {s.decode_threads!r}")
+        if not isinstance(s.source, str):
+            raise ValueError(f"{where}.source: must be a string, got {s.source!r}")
         return s
 
 
@@ -204,31 +208,59 @@ class Profile:
     @classmethod
     def from_json(cls, raw: dict, src: str = "<profile>") -> "Profile":
         try:
+            unknown = sorted(set(raw) - set(PROFILE_KEYS))
+            if unknown:     # a typo ('storge') silently dropped what it named
+                raise ValueError(f"{', '.join(unknown)}: not a profile field (fields: {', '.join(PROFILE_KEYS)})")
+            if not isinstance(raw["source"], str):
+                raise ValueError(f"source: must be a string saying how the profile was made ('measured on ...' or "
+                                 f"'assumed: ...'), got {raw['source']!r}")
+            notes = raw.get("notes", [])
+            if not (isinstance(notes, list) and all(isinstance(n, str) for n in notes)):
+                raise ValueError(f"notes: must be a list of strings, got {notes!r}")
             devices = {}
-            for k, v in _mapping(raw["devices"], "devices").items():
-                v = dict(_mapping(v, f"devices.{k}"))
-                for f in ("split_points", "count_points"):
-                    v[f] = tuple(tuple(p) for p in v.get(f, ()))
-                v["concurrency"] = tuple(float(c) for c in v.get("concurrency", ()))
-                curve = v["concurrency"]
-                # a GPU shared by m executors cannot beat m whole GPUs (one alone has all of it: c(m) <= m); a
-                # CPU can, against one executor whose threads fight each other, so only the GPU is held to it
-                shared = v.get("kind") != "cpu"
-                if curve and (abs(curve[0] - 1.0) > 1e-6
-                              or any(not (0 < c and math.isfinite(c)) or (shared and c > m + 1e-9)
-                                     for m, c in enumerate(curve, 1))):
-                    raise ValueError(f"devices.{k}.concurrency: must start at 1.0 and hold positive numbers, "
-                                     f"on a GPU c(m) <= m (m executors cannot beat m GPUs), got {list(curve)}")
-                d = DeviceProfile(**v)
-                _check_device(k, d)
+            if not _mapping(raw["devices"], "devices"):     # the simulated systems take their devices from here
+                raise ValueError("devices: empty: a profile needs at least one device")
+            for k, v in raw["devices"].items():
+                where = f"devices.{k}"
+                try:
+                    v = _fields(DeviceProfile, dict(_mapping(v, where)), where)
+                    for f in ("split_points", "count_points"):
+                        v[f] = _pairs(v.get(f, ()), f"{where}.{f}")
+                    curve = v.get("concurrency", ())
+                    if not (isinstance(curve, (list, tuple)) and all(_number(c) for c in curve)):
+                        raise ValueError(f"{where}.concurrency: must be a list of numbers, got {curve!r}")
+                    v["concurrency"] = curve = tuple(float(c) for c in curve)
+                    # a GPU shared by m executors cannot beat m whole GPUs (one alone has all of it: c(m) <= m); a
+                    # CPU can, against one executor whose threads fight each other, so only the GPU is held to it
+                    shared = v.get("kind") != "cpu"
+                    if curve and (abs(curve[0] - 1.0) > 1e-6
+                                  or any(not (0 < c and math.isfinite(c)) or (shared and c > m + 1e-9)
+                                         for m, c in enumerate(curve, 1))):
+                        raise ValueError(f"{where}.concurrency: must start at 1.0 and hold positive numbers, "
+                                         f"on a GPU c(m) <= m (m executors cannot beat m GPUs), got {list(curve)}")
+                    d = DeviceProfile(**v)
+                    if d.name != k:     # the simulator and the agent go by the name, the curve lookups by the key
+                        raise ValueError(f"{where}.name: must be the entry's key '{k}', got {d.name!r}")
+                    _check_device(k, d)
+                except (TypeError, ValueError) as exc:
+                    raise _at(where, exc) from None
                 devices[k] = d
             archs = {}
             for k, v in _mapping(raw["archs"], "archs").items():
-                v = dict(_mapping(v, f"archs.{k}"))
-                v["points"] = tuple(tuple(p) for p in v.get("points", ()))
-                a = ArchProfile(**v)
-                _check_arch(k, a)
+                where = f"archs.{k}"
+                try:
+                    v = _fields(ArchProfile, dict(_mapping(v, where)), where)
+                    v["points"] = tuple(tuple(p) for p in v.get("points", ()))
+                    a = ArchProfile(**v)
+                    _check_arch(k, a)
+                except (TypeError, ValueError) as exc:
+                    raise _at(where, exc) from None
                 archs[k] = a
+            hosted = [(k, d.host_tier) for k, d in devices.items() if d.host_tier > 0]
+            for k, a in archs.items():      # every switch from the host tier reads it (GPU and CPU host reads)
+                if hosted and "host" not in a.load_seconds:
+                    raise ValueError(f"archs.{k}.load_seconds: has no 'host' time, and devices.{hosted[0][0]} has a "
+                                     f"host tier ({hosted[0][1]} bytes) that every load from it is priced by")
             storage = raw.get("storage")
             storage = StorageProfile.from_json(storage, "storage") if storage is not None else None
             made_for = _mapping(raw.get("made_for", {}), "made_for")
@@ -238,11 +270,11 @@ class Profile:
             box = _mapping(made_for.get("box", {}), "made_for.box")
             if not all(isinstance(v, str) for v in box.values()):
                 raise ValueError("made_for.box: must map device names to descriptions")
-            return cls(source=str(raw["source"]), devices=devices, archs=archs, notes=list(raw.get("notes", [])),
+            return cls(source=raw["source"], devices=devices, archs=archs, notes=list(notes),
                        storage=storage, made_for=dict(made_for))
         except KeyError as exc:
             raise CoEError(f"{src}: malformed profile: missing {exc}") from None
-        except (TypeError, ValueError) as exc:
+        except (TypeError, ValueError, IndexError) as exc:
             raise CoEError(f"{src}: malformed profile: {exc}") from None
 
     @classmethod
@@ -264,10 +296,48 @@ class Profile:
 MAX_EXECUTORS = 64      # what a line config allows per device (`ExecutorConfig.count`)
 
 
+PROFILE_KEYS = ("source", "notes", "devices", "archs", "storage", "made_for")   # what `Profile.to_json` writes
+
+
 def _mapping(x, where: str) -> dict:
     if not isinstance(x, dict):
         raise ValueError(f"{where}: expected a JSON object, got {type(x).__name__}")
     return x
+
+
+def _number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and math.isfinite(x)
+
+
+def _fields(cls, v: dict, where: str) -> dict:
+    """`v` if it holds only fields of dataclass `cls` and all its required ones (ValueError naming `where`)."""
+    from dataclasses import MISSING, fields
+
+    known = {f.name: f for f in fields(cls)}
+    unknown = sorted(set(v) - set(known))
+    if unknown:
+        raise ValueError(f"{where}.{unknown[0]}: not a field here (fields: {', '.join(known)})")
+    missing = [n for n, f in known.items() if n not in v and f.default is MISSING and f.default_factory is MISSING]
+    if missing:
+        raise ValueError(f"{where}: missing {', '.join(repr(n) for n in missing)}")
+    return v
+
+
+def _pairs(x, where: str) -> tuple[tuple[int, float], ...]:
+    """A device's search points: [[whole number >= 0, number >= 0], ...] (ValueError naming `where`)."""
+    if not isinstance(x, (list, tuple)):
+        raise ValueError(f"{where}: expected a list of [n, throughput] pairs, got {x!r}")
+    for i, p in enumerate(x):
+        if not (isinstance(p, (list, tuple)) and len(p) == 2 and isinstance(p[0], int) and not isinstance(p[0], bool)
+                and p[0] >= 0 and _number(p[1]) and p[1] >= 0):
+            raise ValueError(f"{where}[{i}]: must be [a whole number >= 0, a throughput >= 0], got {p!r}")
+    return tuple(tuple(p) for p in x)
+
+
+def _at(where: str, exc: Exception) -> ValueError:
+    """`exc` as a ValueError whose message starts with the field path `where` (added where it lacks it)."""
+    msg = str(exc)
+    return ValueError(msg if msg.startswith(where) else f"{where}: {msg}")
 
 
 LOAD_TIERS = ("ssd", "host")    # where a load can come from (`ArchProfile.load`)
@@ -329,6 +399,11 @@ def _check_device(name: str, d: DeviceProfile) -> None:
                          f"got {d.expert_memory!r}")
     if not (whole(d.host_tier) and d.host_tier >= 0):
         raise ValueError(f"devices.{name}.host_tier: must be a number of bytes >= 0, got {d.host_tier!r}")
+    if d.kind == "cpu" and d.host_tier:     # the host tier backs GPU pools; a CPU's pools are host memory already
+        raise ValueError(f"devices.{name}.host_tier: a host tier is for a GPU device only, and {name} is a CPU "
+                         f"(give it 0 or put the tier on the GPU), got {d.host_tier!r}")
+    if not isinstance(d.concurrency_source, str):
+        raise ValueError(f"devices.{name}.concurrency_source: must be a string, got {d.concurrency_source!r}")
     if not (whole(d.profiled_executors) and d.profiled_executors >= 1):
         raise ValueError(f"devices.{name}.profiled_executors: must be an integer >= 1, got {d.profiled_executors!r}")
 

@@ -90,6 +90,8 @@ def activation_reserve(profile: Profile, kind: str, batch: int | None = None) ->
 
 
 def samba_executors(profile: Profile) -> tuple[SimExecutor, ...]:
+    if not profile.devices:     # Profile.load refuses this; a profile built in code may not
+        raise ValueError(f"profile ({profile.source}) has no devices to run a system on")
     gpus = [d for d in profile.devices.values() if d.kind == "cuda"]
     dev = gpus[0] if gpus else next(iter(profile.devices.values()))
     reserve = activation_reserve(profile, dev.kind, batch=1)
