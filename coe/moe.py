@@ -18,7 +18,7 @@ from pathlib import Path
 
 from .errors import CoEError
 from .expert import Expert
-from .files import write_json_atomic
+from .files import unique_keys, write_json_atomic
 
 LAYOUT_FILE = "llm.json"
 LAYOUT_FORMAT = "coe-edge/moe-layout"
@@ -31,24 +31,6 @@ _ID = re.compile(r"(?P<model>.+)\.L(?P<layer>\d{2,})\.E(?P<expert>\d{3,})")
 MAX_EXPERTS = 2**15 - 1     # per layer: a trace stores expert indices as int16
 # what `coe-agent llm import` records in `extra`, and the type each must have where it is read
 _EXTRA = {"source": str, "norm_topk_prob": bool, "routed_scaling_factor": float}
-
-
-class DuplicateKeyError(ValueError):
-    """A JSON object names `key` twice (`unique_keys`)."""
-
-    def __init__(self, key: str) -> None:
-        self.key = key
-        super().__init__(f"key {key!r} appears twice in one object")
-
-
-def unique_keys(pairs: list[tuple[str, object]]) -> dict:
-    """`json.loads(..., object_pairs_hook=unique_keys)`: a key written twice is an error, not 'the last one wins'."""
-    out: dict = {}
-    for k, v in pairs:
-        if k in out:
-            raise DuplicateKeyError(k)
-        out[k] = v
-    return out
 
 
 def expert_id(model: str, layer: int, expert: int) -> str:
@@ -120,8 +102,12 @@ class MoELayout:
 
     # -- file -------------------------------------------------------------------
     def save(self, root: str | os.PathLike) -> Path:
+        """Write `llm.json`, after the reader's own checks of what it would read back: a layout the reader
+        refuses (unequal expert counts per layer, say) is refused here, before a store that no load can open
+        is left behind."""
         path = Path(root) / LAYOUT_FILE
         doc = {"format": LAYOUT_FORMAT, "version": LAYOUT_VERSION, **asdict(self)}
+        self.from_dict(json.loads(json.dumps(doc)), str(path))
         return write_json_atomic(path, doc, sort_keys=False)
 
     @classmethod

@@ -22,7 +22,7 @@ from pathlib import Path
 
 from .errors import CoEError
 from .files import write_json_atomic
-from .moe import unique_keys
+from .files import unique_keys
 from .spec import CoEModel
 
 FORMAT = "coe-edge/usage-probabilities"

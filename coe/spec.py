@@ -126,7 +126,10 @@ def parse_spec(raw: Any, src: str = "<spec>") -> CoEModel:
     if not isinstance(raw, Mapping):
         raise SpecError(src, "<root>", "expected a mapping with 'experts' and 'components'")
     _only_keys(raw, {"name", "experts", "components"}, src, "")
-    name = _text(raw.get("name", "coe"), MAX_NAME, src, "name")
+    name = raw.get("name", "coe")
+    if isinstance(name, (int, float)) and not isinstance(name, bool) and math.isfinite(name):
+        name = str(name)                # `name: 2024` reads as a number in YAML
+    name = _text(name, MAX_NAME, src, "name")
     experts_raw = _need(raw, "experts", list, src, "")
     comps_raw = _need(raw, "components", list, src, "")
     if not experts_raw:
@@ -195,7 +198,7 @@ def _parse_expert(e: Any, src: str, key: str) -> Expert:
     if kind == "detector" and size % 32:
         raise SpecError(src, f"{key}.input_size", f"a detector's input size must be a multiple of 32, got {size}")
     nxt = e.get("next", {})
-    if nxt is None:     # `next:` with nothing under it
+    if nxt is None or (isinstance(nxt, (list, str)) and not nxt):   # `next:`, `next: []`, `next: ""`: none
         nxt = {}
     if not isinstance(nxt, Mapping) or not all(isinstance(v, str) for v in nxt.values()):
         raise SpecError(src, f"{key}.next", "must map an output label to an expert id")

@@ -608,11 +608,15 @@ class Agent:
         cv2.setNumThreads(1)
         cfg = self.cfg
         self.phase = "starting"
-        if cfg.cluster is not None:   # before anything binds: a missing node or address fails the start cleanly
-            from .cluster import connect
+        try:
+            if cfg.cluster is not None:   # before anything binds: a missing node or address fails the start cleanly
+                from .cluster import connect
 
-            connect(cfg.cluster, sorted({s.ex.node for s in self.slots if s.ex.node}))
-        self._instance = InstanceLock(cfg.db_path).acquire()    # before anything binds or reads the journal
+                connect(cfg.cluster, sorted({s.ex.node for s in self.slots if s.ex.node}))
+            self._instance = InstanceLock(cfg.db_path).acquire()    # before anything binds or reads the journal
+        except BaseException:
+            self.phase = "created"      # nothing started: still an agent built and not started (`stop` closes it)
+            raise
         try:
             self._start_parts(cfg)
         except BaseException:
@@ -661,20 +665,15 @@ class Agent:
         step("scheduler", self.scheduler.close)
         # a remote executor may be waiting on its node for up to call_timeout_s: its answer (or its hand-back)
         # must reach the writer before the writer stops
-        # each on its own: one that fails to close leaves the others to be closed (started or not).  Those that
-        # can come back (remote: a lost node rejoins) first; once they have ended, requests still waiting for
-        # one have no executor left, and the others' threads would idle on them for good
-        rejoining = [ex for ex in self.executors if getattr(ex, "can_restore", False)]
-        for ex in rejoining:
+        # each on its own: one that fails to close leaves the others to be closed (started or not).  The lost
+        # (retired) remote executors first: closed, they do not come back, and once their threads have ended the
+        # requests that waited for one have no executor left; given up, the others drain instead of idling on
+        # them for good.  Checked again before each join: an executor lost while the others close is one more
+        active = self.scheduler.active()
+        lost = [ex for ex in self.executors if getattr(ex, "can_restore", False) and ex.name not in active]
+        for ex in lost + [ex for ex in self.executors if ex not in lost]:
+            self._give_up_waiting_if_none_returns()
             step(f"executor {ex.name}", lambda ex=ex: ex.join(timeout=join_s(ex)))
-        if not any(ex.alive() for ex in rejoining):
-            gone = self.scheduler.abandon_waiting()
-            if gone:
-                log.error("%d request(s) waited for an executor whose node is lost; their frames stay journaled "
-                          "and run again at the next start", gone)
-        for ex in self.executors:
-            if ex not in rejoining:
-                step(f"executor {ex.name}", lambda ex=ex: ex.join(timeout=join_s(ex)))
         step("cluster status", lambda: self.cluster_status.stop() if getattr(self, "cluster_status", None)
              else None)
         self._closing = True                  # closing GPU pools does not demote into the host tier
@@ -692,6 +691,17 @@ class Agent:
             log.error("%d thread(s) did not stop; closing sockets without waiting", len(stuck))
         step("sockets", lambda: self.ctx.term() if graceful and not stuck else self.ctx.destroy(linger=0))
         return stuck, (first[0] if first else None)
+
+    def _give_up_waiting_if_none_returns(self) -> None:
+        """Once closed, requests waiting for a lost remote executor whose thread has ended have no future: give
+        them up (their frames stay journaled) so the other executors can drain."""
+        back = [ex for ex in self.executors
+                if getattr(ex, "can_restore", False) and ex.name not in self.scheduler.active()]
+        if self.scheduler.waiting() and not any(ex.alive() for ex in back):
+            gone = self.scheduler.abandon_waiting()
+            if gone:
+                log.error("%d request(s) waited for an executor whose node is lost; their frames stay journaled "
+                          "and run again at the next start", gone)
 
     def _threads_started(self) -> list:
         """The executors, the writer, ingest, the store watcher and the read-ahead, where started: a failed start may

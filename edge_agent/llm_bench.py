@@ -468,6 +468,12 @@ def run_e2e(hf: Path, store: Path, prompt_ids: list[int], tokens: int, *, share:
                  "ram_host_rss": ram_host, "note": note}
 
 
+def compared_coe_runs(runs: list[dict]) -> list[dict]:
+    """(c)'s coe-edge runs at the budget that finished: the ones compared with accelerate and the limits.  The
+    'coe-resident' reference (a pool of every expert) is not one of them: it is not at the budget."""
+    return [r for r in runs if r["system"] == "coe" and "failed" not in r]
+
+
 def ssd_limits(run: dict, resident: dict | None, speed: float) -> dict:
     """How near a coe-edge (c) run came to what its misses allow, on the CPU (the SSD feeds the pool directly).
 

@@ -327,8 +327,9 @@ def read_prompts(path: str) -> list[str]:
 @click.option("--generated", "kind", flag_value="generated", help="Generate a big Mixtral-style MoE (random weights).")
 @click.option("--out", "-o", required=True, type=click.Path(file_okay=False), help="Hugging Face model dir to write.")
 @click.option("--steps", default=None, type=click.IntRange(1, 10_000_000),
-              help="--trained: optimizer steps (reproducible: the same seed, steps, Python and torch give the same "
-                   f"weights on any box) [default: {BENCH_TRAIN_STEPS}, llm bench's, about 8 min on 2 cores]")
+              help="--trained: optimizer steps (reproducible: the same seed, steps, Python, torch, threads and CPU "
+                   f"instruction set give the same weights) [default: {BENCH_TRAIN_STEPS}, llm bench's, about 8 min "
+                   "on 2 cores]")
 @click.option("--seconds", default=None, type=click.FloatRange(1, 36_000),
               help="--trained: train for this long instead of a step count (how many steps fit depends on the "
                    "box and its load).")
@@ -465,8 +466,8 @@ def _echo_limits(lim: dict, resident: dict | None) -> None:
               help="Decode steps per traced prompt.")
 @click.option("--train-steps", default=None, type=click.IntRange(1, 10_000_000),
               help="(a), (b), (d): optimizer steps to train the small MoE, when --work holds no trained-hf yet "
-                   f"(reproducible on any box with the same Python and torch) [default: {BENCH_TRAIN_STEPS}, about "
-                   "8 min on 2 cores]")
+                   f"(reproducible with the same Python, torch, threads and CPU instruction set; training.json "
+                   f"records them) [default: {BENCH_TRAIN_STEPS}, about 8 min on 2 cores]")
 @click.option("--train-seconds", default=None, type=click.FloatRange(1, 36_000),
               help="(a), (b), (d): train for this long instead (the step count then depends on the box).")
 @click.option("--mixtral-data", default=None, type=click.Path(exists=True, file_okay=False),
@@ -502,7 +503,10 @@ def llm_bench(work: str, parts: str, prompts: int, decode: int, train_steps: int
         SSD, real expert matmuls on this CPU; tokens/s per policy at 25%.
     (c) End to end: greedy generation at the same 25% budget for coe-edge
         (each policy), accelerate's disk offload and everything in RAM, each
-        in its own process; plus the SSD-bound limit at the measured disk speed.
+        in its own process, plus coe-edge with a warmed pool of every expert
+        (its compute alone; a reference, never the best); the SSD-bound limit
+        at the measured disk speed, a compute-and-SSD limit (no schedule of
+        the same reads beats it), and both for the decode steps alone.
     (d) Ablation as (b): gate-score eviction, then substitution, then
         predicted eviction (next token + popularity) in its place, then
         token-wise prefetch, then the load/compute split, each on top of the
@@ -668,7 +672,7 @@ def llm_bench(work: str, parts: str, prompts: int, decode: int, train_steps: int
                        f"{hr:>9} {r['rss_peak'] / 1e6:>11.0f} "
                        f"{r['rss_peak_above_base'] / 1e6:>11.0f} {r['rss_load_peak'] / 1e6:>12.0f} "
                        f"{str(r['output'] == ram.get('output')):>12}")
-        coe_runs = [r for r in runs if r["system"] == "coe" and "failed" not in r]
+        coe_runs = lb.compared_coe_runs(runs)
         if not coe_runs:
             click.echo("no coe-edge run finished within the bound: no comparison")
             doc["c"] = {"runs": runs, "memory": mem, "best": None}
@@ -795,7 +799,8 @@ def _training_record(hf: Path) -> dict:
     if not isinstance(rec, dict):
         return {"record": None}
     click.echo(f"trained model {hf}: {rec.get('steps')} steps ({rec.get('stopped_by')}), seed {rec.get('seed')}, "
-               f"Python {rec.get('python')}, torch {rec.get('torch')}, {rec.get('threads')} threads, corpus "
+               f"Python {rec.get('python')}, torch {rec.get('torch')}, {rec.get('threads')} threads, "
+               f"{rec.get('cpu_capability', 'unknown')} kernels, corpus "
                f"{str(rec.get('corpus_sha256'))[:12]}, loss {rec.get('loss')}", err=True)
     return {"record": rec}
 

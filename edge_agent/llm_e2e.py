@@ -9,9 +9,10 @@ Each system runs in a fresh process so its peak resident memory is its own:
 - `coe-resident`: coe-edge with a pool of every expert, warmed by one
   untimed generation: its own path with no miss (its compute alone), the
   reference the compute-and-SSD limit needs.
-The bench runs each in a memory cgroup sized to the budget where the box
-allows one, so the page cache (which accelerate's offload reads through) counts
-against the same memory as the pools.  Prints one JSON line.  `python -m edge_agent.llm_e2e --help`.
+The bench runs each at the budget in a memory cgroup where the box allows
+one, so the page cache (which accelerate's offload reads through) counts
+against the same memory as the pools; the two references ('ram',
+'coe-resident') hold every weight and run unbounded.  Prints one JSON line.  `python -m edge_agent.llm_e2e --help`.
 """
 from __future__ import annotations
 

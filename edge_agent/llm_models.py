@@ -24,7 +24,7 @@ from coe.files import write_json_atomic
 
 SPECIALS = ("<pad>", "<s>", "</s>")
 TRAINING_FILE = "training.json"   # beside a trained model: how it was trained (steps, seed, corpus digest, ...)
-BENCH_TRAIN_STEPS = 3500           # `llm bench`'s small MoE: about 8 minutes on a quiet 2-core box (7.3 steps/s measured)
+BENCH_TRAIN_STEPS = 3500           # `llm bench`'s small MoE: about 8 min on a quiet 2-core box (7.3 steps/s measured)
 
 
 def byte_tokenizer():
@@ -94,10 +94,12 @@ def train_model(out: str | Path, *, seconds: float | None = None, steps: int | N
     `training.json` to `out`. Returns a summary (what `training.json` holds).
 
     A step count makes the model reproducible: the same seed, steps, Python
-    (whose stdlib is the corpus: its digest is recorded), torch version and
-    thread count give the same weights, bit for bit, on any box.  A time
-    budget gives a box-dependent number of steps (a faster or busier box
-    trains another model), which is why `llm bench` trains by steps.
+    (whose stdlib is the corpus: its digest is recorded), torch build,
+    thread count and CPU instruction set (torch picks its matmul kernels by
+    it: AVX2 and AVX-512 round differently) give the same weights, bit for
+    bit; all are recorded.  A time budget gives a box-dependent number of
+    steps (a faster or busier box trains another model), which is why
+    `llm bench` trains by steps.
     """
     import platform
 
@@ -144,10 +146,19 @@ def train_model(out: str | Path, *, seconds: float | None = None, steps: int | N
             "seconds": time.perf_counter() - start, "tokens": step * batch * seq_len,
             "stopped_by": "steps" if steps is not None else "seconds", "seed": seed, "batch": batch,
             "seq_len": seq_len, "python": platform.python_version(), "torch": torch.__version__,
-            "threads": torch.get_num_threads(),
+            "threads": torch.get_num_threads(), "cpu_capability": _cpu_capability(torch),
+            "cpu": platform.processor() or platform.machine(),
             "corpus_sha256": hashlib.sha256(train + b"\0" + held).hexdigest()}
     write_json_atomic(out / TRAINING_FILE, info)
     return info
+
+
+def _cpu_capability(torch) -> str:
+    """The instruction set torch's CPU kernels use here ('AVX2', 'AVX512', ...)."""
+    try:
+        return str(torch.backends.cpu.get_cpu_capability())
+    except Exception:  # noqa: BLE001 - an older torch: recorded as unknown
+        return "unknown"
 
 
 def generated_model(out: str | Path, *, expert_gb: float, layers: int = 4, experts: int = 16, top_k: int = 2,

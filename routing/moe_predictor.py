@@ -32,7 +32,7 @@ from pathlib import Path
 import numpy as np
 
 from coe import CoEError
-from coe.moe import unique_keys
+from coe.files import unique_keys
 
 from .moe_trace import Trace, read_tensor
 

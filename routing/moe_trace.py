@@ -22,7 +22,8 @@ from pathlib import Path
 import numpy as np
 
 from coe import CoEError
-from coe.moe import check_model_name, expert_id, unique_keys
+from coe.files import unique_keys
+from coe.moe import check_model_name, expert_id
 
 TRACE_FORMAT = "coe-edge/moe-trace"
 TRACE_VERSION = 1

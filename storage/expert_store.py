@@ -50,7 +50,7 @@ from typing import TYPE_CHECKING, TypeVar
 
 from coe import CoEError, Expert, ExpertLoadError
 from coe.expert import id_problem
-from coe.files import fsync_dir
+from coe.files import fsync_dir, fsync_file
 
 from .flat import Layout, read_layout
 from .safetensors_io import DATA_ALIGN
@@ -626,7 +626,7 @@ class ExpertStore:
         """
         try:
             for _, tmp in prepared:
-                _fsync_file(tmp)
+                fsync_file(tmp)
             with self._lock, self._process_lock():
                 entries = self._load_manifest()  # pick up what other processes wrote meanwhile
                 for eid, want in (expect or {}).items():
@@ -1186,7 +1186,3 @@ def _write_safetensors(path: Path, tensors: Mapping[str, "torch.Tensor"], metada
     except CoEError as exc:     # the writer names the file; say whose it is
         raise CoEError(f"expert '{expert_id}': {exc}") from None
 
-
-def _fsync_file(path: Path) -> None:
-    with open(path, "rb") as fh:
-        os.fsync(fh.fileno())

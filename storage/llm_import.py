@@ -232,8 +232,7 @@ def import_checkpoint(model_dir: str | Path, out: str | Path, *, name: str | Non
                        extra={"source": str(model_dir.resolve()),
                               "norm_topk_prob": bool(getattr(config, "norm_topk_prob", True)),
                               "routed_scaling_factor": float(getattr(config, "routed_scaling_factor", 1.0) or 1.0)})
-    layout.save(out)
-    MoELayout.load(out)     # the reader's checks now (equal expert counts per layer, say), not at the first load
+    layout.save(out)        # checked as the reader checks it first (equal expert counts per layer, say)
     return layout
 
 

@@ -17,8 +17,9 @@ import ctypes.util
 import errno
 import functools
 import os
-import stat
 import sys
+
+from coe.files import open_regular
 
 WARM_CHUNK = 8 << 20  # sequential reads of 8 MiB: large enough for readahead, small enough to reuse one buffer
 
@@ -36,7 +37,7 @@ def drop_from_page_cache(path: str | os.PathLike[str]) -> bool:
     """
     if not hasattr(os, "posix_fadvise"):
         return False
-    fd = _open_regular(path)
+    fd = open_regular(path)
     if fd is None:
         return False
     try:
@@ -59,7 +60,7 @@ def warm_page_cache(path: str | os.PathLike[str], buffer: bytearray | None = Non
     Anything but a regular file reads 0 bytes: a FIFO would block the read for
     ever, a device never end, and neither has pages to warm.
     """
-    fd = _open_regular(path)
+    fd = open_regular(path)
     if fd is None:
         return 0
     buf = buffer if buffer is not None else bytearray(WARM_CHUNK)
@@ -84,7 +85,7 @@ def resident_fraction(path: str | os.PathLike[str]) -> float | None:
     libc = _libc()
     if libc is None:
         return None
-    fd = _open_regular(path)
+    fd = open_regular(path)
     if fd is None:              # a FIFO or device has no pages of its own: not measurable, not "all cached"
         return None
     try:
@@ -106,21 +107,6 @@ def resident_fraction(path: str | os.PathLike[str]) -> float | None:
     finally:
         os.close(fd)
     return resident / pages
-
-
-def _open_regular(path: str | os.PathLike[str]) -> int | None:
-    """A read-only fd of `path` if it is a regular file, else None.  O_NONBLOCK: opening a FIFO with no writer
-    would wait for one for ever (on a regular file the flag changes nothing)."""
-    fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
-    try:
-        regular = stat.S_ISREG(os.fstat(fd).st_mode)
-    except BaseException:
-        os.close(fd)
-        raise
-    if not regular:
-        os.close(fd)
-        return None
-    return fd
 
 
 @functools.cache

@@ -203,8 +203,7 @@ def query_verdicts(conn: sqlite3.Connection, q: VerdictQuery) -> VerdictPage:
     rows = []
     for r in raw:
         rowid = r.pop("rowid")
-        r["chain"] = _stored_json(r.get("chain"), [])
-        r["versions"] = _stored_json(r.get("versions"), {})
+        _decode_columns(r)
         r["_cursor"] = (r["decided_at"], rowid)
         rows.append(r)
     nxt = encode_cursor(*rows[-1]["_cursor"]) if more and rows else None
@@ -213,15 +212,23 @@ def query_verdicts(conn: sqlite3.Connection, q: VerdictQuery) -> VerdictPage:
     return VerdictPage(rows, nxt)
 
 
-def _stored_json(text: str | None, empty: Any) -> Any:
-    """A JSON column as stored: `empty` when there is none, the text itself when it is not JSON (one corrupt
-    row must not fail the whole page)."""
-    if not text:
-        return empty
-    try:
-        return json.loads(text)
-    except (ValueError, RecursionError):
-        return text
+def _decode_columns(row: dict) -> None:
+    """A verdict row's JSON columns (`chain`, `versions`) decoded in place.  One that is not JSON (a corrupt row)
+    must not fail the whole page, nor change the field's type for API clients: it reads as empty, and
+    `<column>_error` says what was stored."""
+    for column, empty in (("chain", []), ("versions", {})):
+        text = row.get(column)
+        row[column] = type(empty)()
+        if not text:
+            continue
+        try:
+            value = json.loads(text)
+        except (ValueError, RecursionError):
+            value = None
+        if isinstance(value, type(empty)):
+            row[column] = value
+        else:
+            row[f"{column}_error"] = f"stored {column} is not a JSON {type(empty).__name__}: {str(text)[:80]!r}"
 
 
 def frame_detail(conn: sqlite3.Connection, frame_id: str, *, thumbnail_url: str | None = None) -> dict | None:
@@ -241,8 +248,7 @@ def frame_detail(conn: sqlite3.Connection, frame_id: str, *, thumbnail_url: str 
     v = cur.fetchone()
     verdict = dict(zip([d[0] for d in cur.description], v)) if v else None
     if verdict is not None:
-        verdict["chain"] = _stored_json(verdict.get("chain"), [])
-        verdict["versions"] = _stored_json(verdict.get("versions"), {})
+        _decode_columns(verdict)
         for k in ("frame_id", "component", "board_id"):
             verdict.pop(k, None)
     out["verdict"] = verdict

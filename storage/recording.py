@@ -15,20 +15,19 @@ optional `truth_component` (the true type of a frame sent without `component`).
 from __future__ import annotations
 
 import contextlib
+import errno
 import json
 import math
 import os
 import re
 import shutil
-import stat
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 from coe.errors import CoEError
-from coe.files import fsync_dir
-from coe.moe import DuplicateKeyError, unique_keys
+from coe.files import DuplicateKeyError, fsync_dir, open_regular, sync_files, unique_keys
 
 MANIFEST = "manifest.jsonl"
 FRAMES_DIR = "frames"
@@ -227,12 +226,11 @@ class Recording:
         src = str(self.manifest)
         path = _safe_path(self.root, frame.file, src, None)
         try:
-            # O_NONBLOCK: opening a FIFO does not wait for a writer, so fstat can refuse it
-            fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
+            fd = open_regular(path)
+            if fd is None:
+                raise RecordingError(src, f"frame {frame.frame_id!r}: {frame.file} is not a regular file",
+                                     field="file")
             with open(fd, "rb") as fh:
-                if not stat.S_ISREG(os.fstat(fh.fileno()).st_mode):
-                    raise RecordingError(src, f"frame {frame.frame_id!r}: {frame.file} is not a regular file",
-                                         field="file")
                 data = fh.read()
         except FileNotFoundError:
             raise RecordingError(src, f"frame {frame.frame_id!r}: image file missing: {frame.file}",
@@ -251,14 +249,6 @@ class Recording:
 
 def _reject_constant(name: str) -> Any:
     raise ValueError(f"{name} is not allowed")
-
-
-def _fsync_file(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class RecordingWriter:
@@ -354,8 +344,7 @@ class RecordingWriter:
             return self.root
         tmp = self.root / (MANIFEST + ".tmp")
         try:
-            for frame in self.frames:
-                _fsync_file(self.root / frame.file)
+            sync_files(self.root, [self.root / frame.file for frame in self.frames])
             fsync_dir(self.root / FRAMES_DIR)
             with open(tmp, "w", encoding="utf-8", newline="\n") as fh:
                 for frame in self.frames:
@@ -367,8 +356,9 @@ class RecordingWriter:
         except OSError as exc:
             with contextlib.suppress(OSError):
                 tmp.unlink(missing_ok=True)
-            raise RecordingError(str(self.manifest), f"cannot write the manifest: {exc.strerror or exc} "
-                                                     "(is the disk full?)") from None
+            full = " (is the disk full?)" if exc.errno == errno.ENOSPC else ""
+            raise RecordingError(str(self.manifest), f"cannot write the manifest: {exc.strerror or exc}{full}") \
+                from None
         fsync_dir(self.root)
         self._closed = True
         return self.root

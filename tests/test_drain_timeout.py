@@ -110,6 +110,8 @@ def test_a_second_agent_on_the_same_results_database_is_refused_naming_the_first
                                            f"{data / 'results.db'}"):
             second.start()
         assert first.health().ready
+        assert second.stop() is True            # a start refused before anything ran: stop closes what it built
+        assert second.ctx.closed and second.phase == "stopped"
     finally:
         assert first.stop() is True
     again = Agent(load_config(second_cfg, env={})).start()

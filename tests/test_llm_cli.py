@@ -345,6 +345,9 @@ def test_the_end_to_end_summary_gives_every_policys_ratio_beside_the_best(capsys
     assert "compute-and-SSD limit" in out and "24.00 tokens/s, reached 0.50" in out    # 24 / max(1 s, 1 s)
     assert "decode steps alone (11.50 tokens/s" in out and "SSD-bound 46.00 tokens/s, reached 0.25" in out
     assert doc["c"]["limits"]["compute_and_ssd"] == 24.0
+    from edge_agent.llm_bench import compared_coe_runs
+    failed = {**run("coe", "fifo", 0.0), "failed": "killed at the memory bound"}
+    assert compared_coe_runs([coe[0], best, resident, failed, *runs[2:]]) == [coe[0], best]   # not the reference
 
 
 def test_ssd_limits_count_reads_alone_and_reads_overlapped_with_the_resident_runs_compute():

@@ -617,6 +617,12 @@ def test_layout_round_trip(tmp_path):
         layout.layer(5)
     layout.save(tmp_path)
     assert MoELayout.load(tmp_path) == layout
+    import dataclasses
+    fewer = dataclasses.replace(layout.layers[1], num_experts=4)
+    uneven = dataclasses.replace(layout, layers=(layout.layers[0], fewer))
+    with pytest.raises(CoEError, match="num_experts"):
+        uneven.save(tmp_path / "uneven")          # refused before it is written: no store a load refuses
+    assert not (tmp_path / "uneven" / "llm.json").exists()
     with pytest.raises(CoEError, match="llm.json: not found"):
         MoELayout.load(tmp_path / "nowhere")
     (tmp_path / "llm.json").write_text('{"format": ')

@@ -51,6 +51,9 @@ def test_a_spec_name_built_of_yaml_aliases_is_refused_not_expanded(tmp_path):
         load_spec(bomb)
     with pytest.raises(SpecError, match=r"key 'name': must be 1 to 128 characters"):
         parse_spec({**one_expert(), "name": "n" * 129})
+    assert parse_spec({**one_expert(), "name": 2024}).name == "2024"     # YAML reads `name: 2024` as a number
+    with pytest.raises(SpecError, match=r"key 'name': must be a string, got bool"):
+        parse_spec({**one_expert(), "name": True})
 
 
 def test_an_error_message_shows_an_aliased_value_cut_short(tmp_path):
@@ -84,11 +87,12 @@ def test_odd_expert_fields_are_refused(over, key, says):
         parse_spec(one_expert(**over))
 
 
-@pytest.mark.parametrize("nxt", [[], 0, ""])
+@pytest.mark.parametrize("nxt", [0, ["a"], "a", True])
 def test_next_that_is_not_a_mapping_is_refused_where_it_was_read_as_none(nxt):
     with pytest.raises(SpecError, match=r"key 'experts\[0\].next': must map an output label to an expert id"):
         parse_spec(one_expert(next=nxt))
-    assert parse_spec(one_expert(next=None)).experts["a"].next == {}       # `next:` with nothing under it
+    for empty in (None, [], ""):      # `next:`, `next: []`, `next: ""`: no next step, as specs have written it
+        assert parse_spec(one_expert(next=empty)).experts["a"].next == {}
 
 
 def test_an_empty_component_name_is_refused():
@@ -287,20 +291,40 @@ def test_a_writer_extension_with_a_trailing_newline_is_refused(tmp_path):
 
 
 def test_the_writer_flushes_images_before_the_manifest_and_the_directory_after(tmp_path, monkeypatch):
+    from storage import recording
     from storage.recording import RecordingWriter
 
     header = {k: v for k, v in HEADER.items() if k != "file"}
     events = []
-    real_fsync, real_replace = os.fsync, os.replace
+    real_fsync, real_replace, real_sync = os.fsync, os.replace, recording.sync_files
     monkeypatch.setattr(os, "fsync", lambda fd: (events.append(("fsync", os.readlink(f"/proc/self/fd/{fd}"))),
                                                  real_fsync(fd))[1])
     monkeypatch.setattr(os, "replace", lambda a, b: (events.append(("replace", str(b))), real_replace(a, b))[1])
+    monkeypatch.setattr(recording, "sync_files", lambda root, paths: (
+        events.append(("sync", tuple(str(Path(p).resolve()) for p in paths))), real_sync(root, paths))[1])
     root = tmp_path / "r"
     with RecordingWriter(root) as w:
         frame = w.add(header, b"x", "png")
     image, manifest = str((root / frame.file).resolve()), str(root / "manifest.jsonl")
-    assert events.index(("fsync", image)) < events.index(("replace", manifest))
+    assert events.index(("sync", (image,))) < events.index(("replace", manifest))
     assert ("fsync", str(root.resolve())) in events[events.index(("replace", manifest)):]
+
+
+def test_sync_files_flushes_each_file_where_there_is_no_syncfs(tmp_path, monkeypatch):
+    import ctypes.util
+
+    from coe.files import sync_files
+
+    files = [tmp_path / f"f{i}" for i in range(3)]
+    for f in files:
+        f.write_bytes(b"x")
+    flushed = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: (flushed.append(os.readlink(f"/proc/self/fd/{fd}")),
+                                                 real_fsync(fd))[1])
+    monkeypatch.setattr(ctypes.util, "find_library", lambda name: None)     # no libc to ask for syncfs
+    sync_files(tmp_path, files)
+    assert flushed == [str(f.resolve()) for f in files]
 
 
 def test_a_writer_that_cannot_write_its_manifest_says_so_and_leaves_no_temp_file(tmp_path, monkeypatch):
@@ -491,7 +515,7 @@ def test_an_ic_draws_at_most_max_pins_leads_whatever_its_name_says():
 
 
 # -- storage/queries.py --------------------------------------------------------------------------------------------
-def test_a_corrupt_chain_in_the_results_is_shown_as_stored_not_a_failed_page():
+def test_a_corrupt_chain_in_the_results_reads_empty_with_what_was_stored_not_a_failed_page():
     from storage.queries import VerdictQuery, frame_detail, query_verdicts
 
     c = sqlite3.connect(":memory:")
@@ -504,9 +528,12 @@ def test_a_corrupt_chain_in_the_results_is_shown_as_stored_not_a_failed_page():
     c.execute("INSERT INTO verdicts VALUES ('f2','c','b','pass','r',1.0,11.0,'[\"a\"]','{\"a\": 1}')")
     c.execute("INSERT INTO frames VALUES ('f1','L','b','c',1.0,1.0,'done')")
     rows = {r["frame_id"]: r for r in query_verdicts(c, VerdictQuery()).rows}
-    assert (rows["f1"]["chain"], rows["f1"]["versions"]) == ('["a"', "{")
-    assert (rows["f2"]["chain"], rows["f2"]["versions"]) == (["a"], {"a": 1})
-    assert frame_detail(c, "f1")["verdict"]["chain"] == '["a"'
+    assert (rows["f1"]["chain"], rows["f1"]["versions"]) == ([], {})     # the fields keep their types
+    assert rows["f1"]["chain_error"] == "stored chain is not a JSON list: '[\"a\"'"
+    assert rows["f1"]["versions_error"] == "stored versions is not a JSON dict: '{'"
+    assert (rows["f2"]["chain"], rows["f2"]["versions"]) == (["a"], {"a": 1}) and "chain_error" not in rows["f2"]
+    detail = frame_detail(c, "f1")["verdict"]
+    assert detail["chain"] == [] and "chain_error" in detail
 
 
 def test_the_milliseconds_hint_is_for_numbers_only():

@@ -487,3 +487,28 @@ def test_after_close_an_executor_idles_on_requests_waiting_for_a_retired_one_unt
     assert s.abandon_waiting() == 1
     t.join(5)
     assert not t.is_alive() and got == [None] and s.drained("a")
+
+
+def test_a_stopping_agent_gives_up_requests_only_once_every_lost_remote_executor_has_ended():
+    """Requests waiting for a lost node's executor: while that executor's thread runs it may still restore itself,
+    so they wait; once it has ended (closed, it does not come back) they are given up, even though another remote
+    executor is still up (which never drains while they wait)."""
+    from types import SimpleNamespace
+
+    from edge_agent.agent import Agent
+
+    class OnlyR2HoldsDet(FixedCosts):
+        def fits(self, executor: str, expert_id: str) -> bool:
+            return expert_id != "det" or executor == "r2"
+    s = Scheduler(["local", "r1", "r2"], "coserve", costs=OnlyR2HoldsDet())
+    s.retire("r2")
+    assert s.submit(_r("f1", "det")) is None and s.waiting() == 1
+    s.close()
+    alive = {"r1": True, "r2": True}
+    remote = [SimpleNamespace(name=n, can_restore=True, alive=lambda n=n: alive[n]) for n in ("r1", "r2")]
+    agent = SimpleNamespace(executors=[SimpleNamespace(name="local", alive=lambda: True), *remote], scheduler=s)
+    Agent._give_up_waiting_if_none_returns(agent)
+    assert s.waiting() == 1                       # r2's thread still runs: it might restore itself
+    alive["r2"] = False
+    Agent._give_up_waiting_if_none_returns(agent)
+    assert s.waiting() == 0 and s.drained("r1") and s.drained("local")   # r1 still up: not waited for
