@@ -328,7 +328,7 @@ def read_prompts(path: str) -> list[str]:
 @click.option("--out", "-o", required=True, type=click.Path(file_okay=False), help="Hugging Face model dir to write.")
 @click.option("--steps", default=None, type=click.IntRange(1, 10_000_000),
               help="--trained: optimizer steps (reproducible: the same seed, steps, Python, torch, threads and CPU "
-                   f"instruction set give the same weights) [default: {BENCH_TRAIN_STEPS}, llm bench's, about 8 min "
+                   f"instruction set give the same weights) [default: {BENCH_TRAIN_STEPS}, llm bench's, about 9 min "
                    "on 2 cores]")
 @click.option("--seconds", default=None, type=click.FloatRange(1, 36_000),
               help="--trained: train for this long instead of a step count (how many steps fit depends on the "
@@ -345,7 +345,7 @@ def llm_make_model(kind: str | None, out: str, steps: int | None, seconds: float
 
     \b
     Example:
-      coe-agent llm make-model --trained --out var/llm/trained-hf          # ~8 min on 2 cores
+      coe-agent llm make-model --trained --out var/llm/trained-hf          # ~9 min on 2 cores (3500 steps)
       coe-agent llm make-model --generated --expert-gb 2 --out var/llm/big-hf
       coe-agent llm import var/llm/trained-hf --out var/llm/trained
     """
@@ -467,7 +467,7 @@ def _echo_limits(lim: dict, resident: dict | None) -> None:
 @click.option("--train-steps", default=None, type=click.IntRange(1, 10_000_000),
               help="(a), (b), (d): optimizer steps to train the small MoE, when --work holds no trained-hf yet "
                    f"(reproducible with the same Python, torch, threads and CPU instruction set; training.json "
-                   f"records them) [default: {BENCH_TRAIN_STEPS}, about 8 min on 2 cores]")
+                   f"records them) [default: {BENCH_TRAIN_STEPS}, about 9 min on 2 cores]")
 @click.option("--train-seconds", default=None, type=click.FloatRange(1, 36_000),
               help="(a), (b), (d): train for this long instead (the step count then depends on the box).")
 @click.option("--mixtral-data", default=None, type=click.Path(exists=True, file_okay=False),

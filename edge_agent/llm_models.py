@@ -24,7 +24,7 @@ from coe.files import write_json_atomic
 
 SPECIALS = ("<pad>", "<s>", "</s>")
 TRAINING_FILE = "training.json"   # beside a trained model: how it was trained (steps, seed, corpus digest, ...)
-BENCH_TRAIN_STEPS = 3500           # `llm bench`'s small MoE: about 8 min on a quiet 2-core box (7.3 steps/s measured)
+BENCH_TRAIN_STEPS = 3500   # `llm bench`'s small MoE: 524 s on this quiet 2-core box (two runs: identical weights)
 
 
 def byte_tokenizer():
