@@ -21,13 +21,16 @@ def decide(model: CoEModel, expert_id: str, output: StepOutput) -> Decision:
 
     A classifier label with a `next` edge runs that expert; a pass label without
     one passes; any other label is a defect.  A detector passes unless it found
-    a box above its threshold.
+    a box above its threshold.  A classifier that gave no label is an error, not
+    a pass: a frame nobody judged must not read as good.
     """
     expert = model.experts[expert_id]
     nxt = model.next_expert(expert_id, output)
     if nxt is not None:
         return Decision(next_expert=nxt)
-    if expert.kind == "detector" or output.label is None:
+    if expert.kind != "detector" and output.label is None:
+        return Decision(verdict="error", reason=f"{expert_id}: the classifier gave no label")
+    if expert.kind == "detector":
         if output.boxes:
             labels = sorted({str(b[5]) for b in output.boxes})
             best = max(float(b[4]) for b in output.boxes)

@@ -284,6 +284,8 @@ def load_pooled(root: str | Path, *, memory: int, policy: str = "lru", quota: st
         raise CoEError("eviction policy 'predicted' needs a token predictor (coe-agent llm train-predictor)")
     root = Path(root)
     layout = MoELayout.load(root)
+    if alpha:
+        check_substitution(layout)
     if quota not in QUOTAS:
         raise CoEError(f"quota must be one of {', '.join(QUOTAS)}, got {quota!r}")
     if shared_pool is not None:
@@ -450,6 +452,19 @@ def load_pooled(root: str | Path, *, memory: int, policy: str = "lru", quota: st
                                               scale=float(layout.extra.get("routed_scaling_factor", 1.0))),
                             resident_of)
     return pmodel
+
+
+# the families whose router substitution reproduces (scores, selection, weights: `routing.substitution`, tests);
+# others run exactly (alpha 0): ERNIE-4.5 has a correction bias on softmax scores, LFM2 calls its bias
+# `expert_bias`, Jamba never renormalises and has no norm_topk_prob to say so
+SUBSTITUTION_FAMILIES = ("mixtral", "qwen2_moe", "qwen3_moe", "olmoe", "deepseek_v3")
+
+
+def check_substitution(layout: MoELayout) -> None:
+    """Refuse substitution (alpha > 0) for a model family whose gate scores and weight rule it does not know."""
+    if layout.model_type not in SUBSTITUTION_FAMILIES:
+        raise CoEError(f"model '{layout.model}' ({layout.model_type}): substitution (alpha > 0) knows the routers "
+                       f"of {', '.join(SUBSTITUTION_FAMILIES)} only; this model runs with alpha 0 (exact)")
 
 
 def _predictor(predictor, layout: MoELayout):

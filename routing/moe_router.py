@@ -92,7 +92,8 @@ class RouterTap:
                 probs = (flat.sigmoid() if sigmoid else flat.softmax(dim=-1)).cpu().numpy()
                 chosen = index.reshape(probs.shape[0], -1).cpu().numpy()
                 replaced = None
-                sub = self.route(layer, probs, chosen)
+                rank = _router_rank(module, flat.sigmoid()) if sigmoid and self.alpha > 0 else None
+                sub = self.route(layer, probs, chosen, rank)
                 if sub is not None:
                     rows = torch.from_numpy(sub.changed).to(index.device)
                     new_index = index.reshape(chosen.shape).clone()
@@ -104,16 +105,17 @@ class RouterTap:
             return replaced      # None keeps the router's own output (always, with alpha = 0)
         return hook
 
-    def route(self, layer: int, probs: np.ndarray, chosen: np.ndarray):
+    def route(self, layer: int, probs: np.ndarray, chosen: np.ndarray, rank: np.ndarray | None = None):
         """The routing decision for one router call: substitution (if on), then the statistics.
 
         Returns the `Substitution` when experts were replaced, else None (the router's choice stands).
-        Used by the hook and by trace-driven decode, which has no router to hook.
+        Used by the hook and by trace-driven decode, which has no router to hook.  `rank`: what the router
+        selects on where that is not the gate score (`_router_rank`).
         """
         self._check(layer, probs, chosen)   # before substitution counts anything
         sub = None
         if self.alpha > 0 and self._resident_of is not None:
-            sub = substitute(probs, chosen, self._resident_of(layer), self.alpha, self._rule)
+            sub = substitute(probs, chosen, self._resident_of(layer), self.alpha, self._rule, rank)
             self.substituted += sub.substituted
             self.missing_low += sub.missing_low
             if not sub.substituted:
@@ -225,3 +227,25 @@ class RouterTap:
         step = np.concatenate([np.full(n, k, dtype=np.int32) for _, k, n in meta])
         return Trace(model=self.layout.model, layers=tuple(layers), top_k=self.layout.top_k,
                      scoring=self.layout.scoring, probs=probs, chosen=chosen, seq=seq, step=step)
+
+
+def _router_rank(module, scores) -> np.ndarray | None:
+    """[T, E] what a sigmoid router selects its experts on, where that is not the gate score: DeepSeek-V3's
+    sigmoid + `e_score_correction_bias`, within its `topk_group` best groups of `num_group` (a group scores the
+    sum of its best two), -inf outside them; as transformers' `DeepseekV3TopkRouter.forward` computes it.
+    None for a router that selects on the gate scores alone."""
+    import torch
+
+    bias = getattr(module, "e_score_correction_bias", None)
+    groups, keep = int(getattr(module, "num_group", 1) or 1), int(getattr(module, "topk_group", 1) or 1)
+    if bias is None and groups <= 1:
+        return None
+    with torch.no_grad():
+        rank = scores + bias.to(scores.dtype) if bias is not None else scores.clone()
+        E = rank.shape[-1]
+        if groups > 1 and E % groups == 0 and keep < groups:
+            per = rank.view(-1, groups, E // groups)
+            best = per.topk(min(2, E // groups), dim=-1)[0].sum(dim=-1)
+            mask = torch.zeros_like(best).scatter_(1, torch.topk(best, k=keep, dim=-1)[1], 1.0).bool()
+            rank = rank.masked_fill(~mask.unsqueeze(-1).expand_as(per).reshape(-1, E), float("-inf"))
+        return rank.cpu().numpy()

@@ -191,7 +191,11 @@ class Trace:
 
 
 def read_tensor(f, name: str, src: str) -> np.ndarray:
-    """One array of an open safetensors file; a dtype numpy has not (BF16) is named, not a TypeError."""
+    """One array of an open safetensors file; BF16 is named, not read: numpy has no bfloat16 of its own (a
+    TypeError), unless a library imported earlier registered one (ml_dtypes), which no check here knows."""
+    dtype = f.get_slice(name).get_dtype()
+    if dtype == "BF16":
+        raise CoEError(f"{src}: array '{name}' is stored as BF16, which numpy cannot read (store it as F16 or F32)")
     try:
         return f.get_tensor(name)
     except TypeError:

@@ -80,8 +80,15 @@ def top_score(scores: np.ndarray, chosen: np.ndarray, alpha: float) -> set[int]:
 
 
 def substitute(scores: np.ndarray, chosen: np.ndarray, resident: Collection[int], alpha: float,
-               rule: WeightRule) -> Substitution:
-    """Alg. 1 on one layer's batch: `scores` [T, E] gate scores, `chosen` [T, k] the router's experts."""
+               rule: WeightRule, rank: np.ndarray | None = None) -> Substitution:
+    """Alg. 1 on one layer's batch: `scores` [T, E] gate scores, `chosen` [T, k] the router's experts.
+
+    `rank` [T, E] is what the router selects on, where that is not the gate
+    score itself: DeepSeek-V3 picks on sigmoid + a correction bias, and only
+    within its best groups (-inf elsewhere).  S is then the gate score of the
+    router's own (k+1)-th pick, and a substitute must be one the router could
+    have picked (finite `rank`); the bands and the weights stay on gate scores.
+    """
     if not 0 <= alpha < 1:
         raise CoEError(f"substitution threshold alpha must be in [0, 1), got {alpha}")
     scores = np.asarray(scores, dtype=np.float64)
@@ -91,7 +98,18 @@ def substitute(scores: np.ndarray, chosen: np.ndarray, resident: Collection[int]
     changed = np.zeros(T, dtype=bool)
     if k >= E:
         return Substitution(chosen, rule.weights(np.take_along_axis(scores, chosen, 1)), changed, 0, 0)
-    s_next = -np.sort(-scores, axis=1)[:, k]                  # the (k+1)-th score of each token
+    if rank is None:
+        s_next = -np.sort(-scores, axis=1)[:, k]              # the (k+1)-th score of each token
+        eligible = np.ones_like(scores, dtype=bool)
+    else:
+        rank = np.asarray(rank, dtype=np.float64)
+        if rank.shape != scores.shape:
+            raise CoEError(f"substitution: router ranks of shape {list(rank.shape)}, gate scores "
+                           f"{list(scores.shape)}")
+        eligible = np.isfinite(rank)
+        nxt = np.argsort(-np.where(eligible, rank, -np.inf), axis=1, kind="stable")[:, k]
+        # a token whose router could pick no (k+1)-th expert has no low band: nothing of it is replaced
+        s_next = np.where(eligible[np.arange(T), nxt], scores[np.arange(T), nxt], np.inf)
     hi, lo = (1 + alpha) * s_next, (1 - alpha) * s_next
     top = _top_set(scores, chosen, hi)                       # the batch's top-score set
     avail = set(int(e) for e in resident) | top
@@ -103,8 +121,8 @@ def substitute(scores: np.ndarray, chosen: np.ndarray, resident: Collection[int]
         if not missing:
             continue
         missing_low += len(missing)
-        subs = [e for e in np.argsort(-scores[t], kind="stable")
-                if int(e) not in picked and int(e) in avail and lo[t] < scores[t, e] <= s_next[t]]
+        subs = [e for e in np.argsort(-scores[t], kind="stable") if int(e) not in picked and int(e) in avail
+                and eligible[t, e] and lo[t] < scores[t, e] <= s_next[t]]
         missing.sort(key=lambda j: scores[t, chosen[t, j]])    # replace the least important first
         for j, e in zip(missing, subs):
             chosen[t, j] = e

@@ -665,3 +665,55 @@ def test_min_new_tokens_masks_the_end_token_as_transformers_does(imported, tmp_p
     finally:
         ref.generation_config.eos_token_id = old
         pm.close()
+
+
+def test_deepseek_substitution_ranks_as_its_router_picks(imported, monkeypatch):
+    """The rank the hook hands substitution reproduces DeepSeek-V3's own selection (sigmoid + correction bias,
+    within its best groups): its top-k is exactly the router's top-k, token by token, and every substitute is an
+    expert the router could have picked (finite rank)."""
+    import numpy as np
+
+    import routing.moe_router as mr
+
+    ref, layout, store = imported("deepseek_v3")
+    seen = []
+    real = mr.substitute
+
+    def spy(scores, chosen, resident, alpha, rule, rank=None):
+        got = real(scores, chosen, resident, alpha, rule, rank)
+        seen.append((np.asarray(chosen).copy(), rank, got))
+        return got
+    monkeypatch.setattr(mr, "substitute", spy)
+    pm = load_pooled(store, memory=layout.layers[0].expert_nbytes * (layout.top_k + 1), policy="gate-score",
+                     alpha=0.6)
+    try:
+        for name, mod in pm.model.named_modules():    # a bias that changes the picks, as a trained model has
+            if hasattr(mod, "e_score_correction_bias"):
+                mod.e_score_correction_bias.copy_(torch.linspace(-0.2, 0.2, mod.e_score_correction_bias.numel()))
+        pm.generate(_inputs(5)[:1], 6)
+    finally:
+        pm.close()
+    assert seen and all(rank is not None for _, rank, _ in seen)
+    k = layout.top_k
+    for chosen, rank, got in seen:
+        assert np.isinf(rank).any()                   # groups left out: -inf there
+        picked = np.argsort(-rank, axis=1, kind="stable")[:, :k]
+        assert [set(r) for r in picked.tolist()] == [set(r) for r in chosen.tolist()]
+        rows = np.flatnonzero(got.changed)
+        assert np.isfinite(np.take_along_axis(rank[rows], got.chosen[rows], 1)).all()
+    assert sum(g.substituted for _, _, g in seen) > 0
+
+
+def test_substitution_is_refused_for_a_family_whose_router_it_does_not_know(imported):
+    """ERNIE-4.5, LFM2, Jamba ... import and run exactly, but their gate scores or weight rules are not the ones
+    substitution computes: alpha > 0 is refused naming the model type, before anything loads."""
+    import dataclasses
+
+    from executors.moe_model import SUBSTITUTION_FAMILIES, check_substitution
+
+    _, layout, _ = imported("mixtral")
+    for family in sorted(configs()):
+        assert family in SUBSTITUTION_FAMILIES
+        check_substitution(dataclasses.replace(layout, model_type=family))
+    with pytest.raises(CoEError, match=r"\(ernie4_5_moe\): substitution \(alpha > 0\) knows the routers of"):
+        check_substitution(dataclasses.replace(layout, model_type="ernie4_5_moe"))

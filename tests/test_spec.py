@@ -50,6 +50,8 @@ def test_chain_decisions():
     assert decide(m, "d", StepOutput(boxes=())).verdict == "pass"
     found = decide(m, "d", StepOutput(boxes=((1, 2, 3, 4, 0.8, "bridge"),)))
     assert found.verdict == "defect" and "bridge" in found.reason
+    silent = decide(m, "c2", StepOutput())          # a classifier that gave no label: nobody judged the frame
+    assert silent.verdict == "error" and silent.reason == "c2: the classifier gave no label"
 
 
 @pytest.mark.parametrize("mutate,key", [

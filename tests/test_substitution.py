@@ -86,3 +86,25 @@ def test_the_top_score_set_is_what_substitution_always_keeps():
     rule = WeightRule()
     sub = substitute(scores[1:2], chosen[1:2], resident={1}, alpha=0.3, rule=rule)
     assert sub.substituted == 1 and 0 not in top_score(scores[1:2], chosen[1:2], 0.3)   # low-score: replaced
+
+
+def test_a_biased_grouped_router_substitutes_only_experts_it_could_have_picked():
+    """DeepSeek-V3 picks on sigmoid + a correction bias within its best groups: S is the gate score of its own
+    (k+1)-th pick, and a substitute from a group it did not select (or one the bias excluded) is not one."""
+    scores = np.array([[.9, .5, .55, .3, .45, .52, .1, .1]])
+    bias = np.array([0, 0, 0, 0, -.3, -.3, 0, 0])
+    rank = scores + bias
+    rank[0, 4:] = -np.inf                            # groups of two: the router kept groups 0 and 1 only
+    chosen = np.array([[0, 2, 1]])
+    plain = substitute(scores, chosen, {0, 1, 4}, 0.3, WeightRule())
+    assert plain.chosen.tolist() == [[0, 4, 1]]      # gate scores alone: S = 0.5, expert 4 from an unpicked group
+    got = substitute(scores, chosen, {0, 1, 4}, 0.3, WeightRule(), rank=rank)
+    assert got.chosen.tolist() == [[0, 2, 1]] and got.substituted == 0   # S = 0.30 (expert 3): all top-score
+    rank2 = rank.copy()
+    rank2[0, 3] = -np.inf                            # only three experts it could pick: no (k+1)-th, no low band
+    assert substitute(scores, chosen, {0, 1}, 0.3, WeightRule(), rank=rank2).substituted == 0
+    near = np.array([[.9, .5, .55, .48, .1, .1, .1, .1]])   # S = 0.48 (expert 3): expert 2 (0.55) is low-score
+    sub = substitute(near, chosen, {0, 1, 3}, 0.3, WeightRule(), rank=near + 0.0)
+    assert sub.chosen.tolist() == [[0, 3, 1]] and sub.substituted == 1
+    with pytest.raises(CoEError, match="router ranks of shape"):
+        substitute(scores, chosen, set(), 0.3, WeightRule(), rank=rank[:, :4])
