@@ -218,3 +218,21 @@ def test_calibration_refuses_detectors() -> None:
     ul, e = get_backend("ultralytics"), detector()
     with pytest.raises(CoEError, match="only classifiers"):
         calibrate_classifier(ul, e, {}, images(2))  # type: ignore[arg-type]
+
+
+def test_nms_has_no_time_limit_a_slow_box_or_a_clock_step_would_pass_frames(monkeypatch) -> None:
+    """ultralytics' NMS quits after 2 s + 50 ms an image of wall clock, leaving the images it has not reached
+    without boxes: frames passed that were never looked at.  Here the wall clock steps a minute per reading."""
+    from ultralytics.utils import nms
+
+    from executors.backends.ultralytics_backend import detections
+
+    e = detector()
+    n, nc, anchors = 4, len(e.classes), 8
+    preds = torch.zeros(n, 4 + nc, anchors)
+    preds[:, :4, 0] = torch.tensor([20.0, 20.0, 10.0, 10.0])    # one confident box (xywh) per image
+    preds[:, 4, 0] = 0.9
+    clock = iter(range(0, 10**6, 60))
+    monkeypatch.setattr(nms.time, "time", lambda: float(next(clock)))
+    outs = detections(preds, e, images(n))
+    assert [len(o.boxes) for o in outs] == [1, 1, 1, 1]

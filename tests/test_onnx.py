@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import os
 import re
 import shutil
 from pathlib import Path
@@ -241,6 +242,12 @@ def test_tensorrt_sessions_cache_their_engines_where_configured(tmp_path, monkey
     opts = trt_cache_options()
     assert opts["trt_engine_cache_enable"] and opts["trt_engine_cache_path"] == str(tmp_path / "trt")
     assert (tmp_path / "trt").is_dir()
+    # engines are named by graph and shapes, not weights: each model's go in a folder of their own
+    a, b = trt_cache_options(b"model a"), trt_cache_options(b"model b")
+    assert a["trt_engine_cache_path"] != b["trt_engine_cache_path"] == trt_cache_options(b"model b")[
+        "trt_engine_cache_path"]
+    assert a["trt_timing_cache_path"] == b["trt_timing_cache_path"] == str(tmp_path / "trt")     # shared
+    assert a["trt_engine_cache_path"].startswith(str(tmp_path / "trt")) and os.path.isdir(a["trt_engine_cache_path"])
     assert providers_for("cpu") == ["CPUExecutionProvider"]
     import onnxruntime as ort
 

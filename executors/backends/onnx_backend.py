@@ -18,6 +18,7 @@ the model file.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import re
@@ -126,15 +127,16 @@ def check_io(session, expert: Expert, meta: dict, *, probe: bool = False) -> Non
                                                 f"need {need}")
 
 
-def providers_for(device: str) -> list:
-    """Execution providers for `device`, best first, among those this onnxruntime build has."""
+def providers_for(device: str, model: bytes | None = None) -> list:
+    """Execution providers for `device`, best first, among those this onnxruntime build has (`model`: the
+    bytes the session is built from, which key its TensorRT engines: `trt_cache_options`)."""
     import onnxruntime as ort
 
     if not device.startswith("cuda"):
         return ["CPUExecutionProvider"]
     index = int(device.partition(":")[2] or 0)
     have = set(ort.get_available_providers())
-    trt = {"device_id": index, **trt_cache_options()}
+    trt = {"device_id": index, **trt_cache_options(model)}
     wanted = [("TensorrtExecutionProvider", trt), ("CUDAExecutionProvider", {"device_id": index})]
     chosen = [p for p in wanted if p[0] in have]
     if not chosen:
@@ -143,17 +145,24 @@ def providers_for(device: str) -> list:
     return [*chosen, "CPUExecutionProvider"]
 
 
-def trt_cache_options() -> dict:
+def trt_cache_options(model: bytes | None = None) -> dict:
     """TensorRT engine and timing caches on disk, so a switch (a new session) reuses a built engine.
 
     Building a TensorRT engine takes seconds (minutes on a Jetson); without the
     cache every session build, that is every switch to an ONNX expert, and every
     new batch shape would pay it again.  `COE_TRT_CACHE` names the directory
-    (default: coe-edge-trt in the temp dir); engines are keyed by model and shape.
+    (default: coe-edge-trt in the temp dir).  onnxruntime names a cached engine
+    by the graph's node and initializer names and the input shapes, never by
+    the weights (microsoft/onnxruntime#6455): every expert of one architecture
+    (352 ResNet twins) would share one engine, and run the first one's weights.
+    So each model's engines go in a folder of their own, named by the sha256 of
+    its bytes (a promoted version gets a new one).  The timing cache, kernel
+    timings per layer shape, is shared.
     """
     root = os.environ.get("COE_TRT_CACHE") or os.path.join(tempfile.gettempdir(), "coe-edge-trt")
-    os.makedirs(root, exist_ok=True)
-    return {"trt_engine_cache_enable": True, "trt_engine_cache_path": root,
+    engines = os.path.join(root, hashlib.sha256(model).hexdigest()[:32]) if model is not None else root
+    os.makedirs(engines, exist_ok=True)
+    return {"trt_engine_cache_enable": True, "trt_engine_cache_path": engines,
             "trt_timing_cache_enable": True, "trt_timing_cache_path": root}
 
 
@@ -195,7 +204,7 @@ class OnnxBackend:
         options.log_severity_level = 3
         options.intra_op_num_threads = torch.get_num_threads()   # the same cores torch executors get
         try:
-            session = ort.InferenceSession(blob, sess_options=options, providers=providers_for(device))
+            session = ort.InferenceSession(blob, sess_options=options, providers=providers_for(device, blob))
         except CoEError:
             raise
         except Exception as exc:  # onnxruntime raises its own Fail/InvalidGraph/... types

@@ -41,6 +41,13 @@ IOU_THRESHOLD = 0.7
 MAX_DETECTIONS = 300
 
 
+def offline(config_dir: str | None = None) -> None:
+    """Pin ultralytics to a private settings dir and offline mode before it is imported (it resolves DNS names
+    and writes its settings at import otherwise); `setdefault`, so a deployment's own choice wins."""
+    os.environ.setdefault("YOLO_CONFIG_DIR", config_dir or os.path.join(tempfile.gettempdir(), "coe-edge-ultralytics"))
+    os.environ.setdefault("YOLO_OFFLINE", "1")
+
+
 def detections(preds: "torch.Tensor", expert: Expert,
                images: Sequence["np.ndarray"]) -> list[StepOutput | StepError]:
     """NMS on raw YOLO head output (N, 4 + classes, anchors), boxes scaled back to each image's pixels.
@@ -49,16 +56,20 @@ def detections(preds: "torch.Tensor", expert: Expert,
     An image whose head output holds a NaN or infinite value is that frame's
     `StepError`: NMS compares `conf > threshold`, NaN compares false, so every
     box of a broken expert would be dropped and the frame passed.
+    NMS runs without ultralytics' time limit (by default 2 s + 50 ms an image, on
+    the wall clock): past it, the images not yet reached get no boxes, a silent
+    pass, on a slow or busy CPU, for a large batch, or across a clock step.
     """
     import torch
 
+    offline()      # the ONNX detector path reaches ultralytics here first, maybe on a node that never set it
     try:
         from ultralytics.utils.nms import non_max_suppression
     except ImportError:  # older ultralytics keeps it in ops
         from ultralytics.utils.ops import non_max_suppression
 
     dets = non_max_suppression(preds.float(), conf_thres=expert.conf_threshold, iou_thres=IOU_THRESHOLD,
-                               nc=len(expert.classes), max_det=MAX_DETECTIONS)
+                               nc=len(expert.classes), max_det=MAX_DETECTIONS, max_time_img=float("inf"))
     size = expert.input_size
     finite = torch.isfinite(preds.flatten(1)).all(dim=1).tolist()
     outs: list[StepOutput | StepError] = []
@@ -92,9 +103,7 @@ class UltralyticsBackend:
 
     def _offline(self) -> None:
         """Pin ultralytics to a private settings dir and offline mode before it is imported."""
-        default = os.path.join(tempfile.gettempdir(), "coe-edge-ultralytics")
-        os.environ.setdefault("YOLO_CONFIG_DIR", self._config_dir or default)
-        os.environ.setdefault("YOLO_OFFLINE", "1")
+        offline(self._config_dir)
 
     # -- names ------------------------------------------------------------------
     def _configs(self) -> dict[str, tuple[Path, str]]:
