@@ -63,7 +63,15 @@ class Arrival:
     t: float
     frame_id: str
     component: str
-    ok: bool           # what the classifier will say: "ok" continues to the detector, if any
+    ok: bool           # whether the classifier's label continues the chain (to the detector), if any
+    label: str = "ok"  # that label, when `ok`: a classifier with several `next` edges sends each elsewhere
+
+
+def next_expert(model: CoEModel, arrival: Arrival) -> str | None:
+    """The expert an arrival's frame runs after its classifier (None: the classifier's verdict ends it)."""
+    if not arrival.ok:
+        return None
+    return model.experts[model.components[arrival.component].classifier].next.get(arrival.label)
 
 
 @dataclass(frozen=True)
@@ -117,7 +125,14 @@ def from_model(model: CoEModel, requests: int, *, interval: float = 0.004, board
     for i in range(requests):
         comp = layout[i % len(layout)]
         cls = model.experts[model.components[comp].classifier]
-        p_ok = sum(cls.prior(label) for label in cls.next) if cls.next else 0.0
-        arrivals.append(Arrival(i * interval, f"{model.name}-{i:05d}", comp, rng.random() < p_ok))
+        # one draw decides whether the chain goes on and along which edge: the labels with a `next` edge in
+        # turn, each by its prior (one edge, 'ok': exactly the draw `u < prior(ok)`)
+        u, below, label = rng.random(), 0.0, None
+        for edge in cls.next:
+            below += cls.prior(edge)
+            if u < below:
+                label = edge
+                break
+        arrivals.append(Arrival(i * interval, f"{model.name}-{i:05d}", comp, label is not None, label or "ok"))
     return Workload(WorkloadSpec(name=model.name, requests=requests, interval=interval, seed=seed), model,
                     tuple(arrivals))

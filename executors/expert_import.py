@@ -165,11 +165,30 @@ def _read_ultralytics(expert: Expert, src: Path) -> dict[str, "torch.Tensor"]:
     if model is None:
         model = ckpt.get("model")
     if isinstance(model, torch.nn.Module):
+        _check_names(expert, src, getattr(model, "names", None))
         return dict(model.float().state_dict())
     if model is not None:
         return _state_dict_of(expert, src, {"model": model})
     raise CoEError(f"expert '{expert.id}': {src} is not an ultralytics checkpoint: no 'ema' or 'model' "
                    f"(top-level keys: {_keys(ckpt)})")
+
+
+def _check_names(expert: Expert, src: Path, names: Any) -> None:
+    """A checkpoint's class names against the spec's, in order: the head's i-th class becomes the spec's i-th
+    label in every box, so classes trained in another order would label every defect wrongly."""
+    if isinstance(names, Mapping):
+        try:
+            names = [names[i] for i in range(len(names))]
+        except KeyError:
+            return                      # not ultralytics' {0: 'name', ...}: nothing to compare
+    if not isinstance(names, (list, tuple)) or not all(isinstance(n, str) for n in names):
+        return
+    if list(names) == [str(i) for i in range(len(names))]:
+        return                          # a model built from its YAML alone: '0', '1', ... say nothing
+    if list(names) != list(expert.classes):
+        raise CoEError(f"expert '{expert.id}': {src} was trained on classes {list(names)[:8]}, the spec's "
+                       f"{expert.id} has {list(expert.classes)[:8]} (same names in the same order: its head's "
+                       "i-th class is the spec's i-th label)")
 
 
 def _state_dict_of(expert: Expert, src: Path, ckpt: Any) -> dict[str, "torch.Tensor"]:

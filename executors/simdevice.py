@@ -71,7 +71,7 @@ from dataclasses import dataclass, field
 
 from coe import CoEModel, Frame, Request
 from coe.probabilities import ranked
-from coe.workload import Workload
+from coe.workload import Workload, next_expert
 from storage.policies import make_policy, ranks_by_value
 from storage.pool import FILLS, Pool, fill_pools, initialize
 
@@ -428,7 +428,7 @@ def simulate(workload: Workload, profile: Profile, system: SimSystem, *, record_
     for a in workload.arrivals:
         heapq.heappush(events, (a.t, next(seq), "arrive", a))
     start: dict[str, float] = {}
-    ok: dict[str, bool] = {}
+    then: dict[str, str | None] = {}     # frame -> the expert after its classifier (None: none)
     latencies: list[float] = []
     last_done = 0.0        # the makespan: when the last batch ended (a later no-op event, a wake, is not work)
     busy = {n: False for n in execs}
@@ -585,7 +585,7 @@ def simulate(workload: Workload, profile: Profile, system: SimSystem, *, record_
         if kind == "arrive":
             a = data
             start[a.frame_id] = a.t
-            ok[a.frame_id] = a.ok
+            then[a.frame_id] = next_expert(model, a)
             frame = Frame(a.frame_id, "sim", "sim", a.component, a.t, None, received_at=a.t)
             sched.submit(Request(frame, model.components[a.component].classifier))
         elif kind in ("ssd-free", "wake"):
@@ -611,9 +611,8 @@ def simulate(workload: Workload, profile: Profile, system: SimSystem, *, record_
             busy_time[name] += now - t0
             if record_order:
                 record.append((name, b.expert_id, tuple(r.frame.frame_id for r in b.requests), t0, now))
-            expert = model.experts[b.expert_id]
             for r in b.requests:
-                nxt = expert.next.get("ok") if r.stage == 0 and ok[r.frame.frame_id] else None
+                nxt = then[r.frame.frame_id] if r.stage == 0 else None
                 if nxt is not None:
                     sched.submit(Request(r.frame, nxt, stage=r.stage + 1))
                 else:
@@ -656,7 +655,7 @@ def uses(workload: Workload) -> dict[str, int]:
     for a in workload.arrivals:
         cls = model.components[a.component].classifier
         out[cls] = out.get(cls, 0) + 1
-        nxt = model.experts[cls].next.get("ok") if a.ok else None
+        nxt = next_expert(model, a)
         if nxt:
             out[nxt] = out.get(nxt, 0) + 1
     return out
@@ -713,7 +712,7 @@ def lower_bound(workload: Workload, profile: Profile, system: SimSystem, initial
     compute = split_compute([(n, c) for n, c in work.values()], by_kind)
     last = workload.arrivals[-1]
     cls = model.components[last.component].classifier
-    nxt = model.experts[cls].next.get("ok") if last.ok else None
+    nxt = next_expert(model, last)
     chain = single(cls) + (single(nxt) if nxt else 0.0)
     form = stored or (lambda expert_id: None)
     spill = sum(min(ssd_load_seconds(profile.arch(model.experts[e].arch, k), form(e), profile.storage) for k in kinds)
@@ -768,7 +767,7 @@ def last_needed(workload: Workload) -> dict[str, float]:
     for a in workload.arrivals:
         cls = model.components[a.component].classifier
         out[cls] = max(out.get(cls, a.t), a.t)
-        nxt = model.experts[cls].next.get("ok") if a.ok else None
+        nxt = next_expert(model, a)
         if nxt:
             out[nxt] = max(out.get(nxt, a.t), a.t)
     return out

@@ -48,7 +48,8 @@ class StoreUnion:
         return self._of(expert_id).entry(expert_id)
 
     def entries(self) -> list[ManifestEntry]:
-        return sorted((e for st in self.stores for e in st.entries()), key=lambda e: e.id)
+        """One entry per id, from the store that serves it (as `entry` reads it)."""
+        return [self._owner[i].entry(i) for i in sorted(self._owner)]
 
     def nbytes(self, expert_id: str) -> int:
         return self._of(expert_id).nbytes(expert_id)
@@ -69,6 +70,10 @@ class StoreUnion:
         return self._of(expert_id).read_flat(expert_id, **kw)
 
     def write(self, *args, **kw):
+        eid = getattr(args[0], "id", None) if args else None
+        if eid is not None and self._owner.get(eid, self.primary) is not self.primary:
+            raise CoEError(f"expert '{eid}' is served from {self._owner[eid].root}; writing it into "
+                           f"{self.primary.root} would put it in two stores")
         out = self.primary.write(*args, **kw)
         self._owner[out.id] = self.primary
         return out

@@ -118,6 +118,25 @@ def test_ultralytics_checkpoint_imports_with_trust_only(tmp_path):
             assert torch.equal(got[k], v), k
 
 
+def test_an_ultralytics_checkpoint_trained_on_other_classes_is_refused(tmp_path):
+    """Its head's i-th class becomes the spec's i-th label in every box: classes in another order (or others)
+    would label every defect wrongly.  A model built from its YAML alone ('0', '1') says nothing and imports."""
+    backend = get_backend(DET.arch)
+    model = copy.deepcopy(backend.skeleton(DET))
+    store = ExpertStore(tmp_path / "store")
+    for names, ok in (({0: "tombstone", 1: "solder_bridge"}, False), ({0: "solder_bridge", 1: "tombstone"}, True)):
+        model.names = names
+        src = tmp_path / "best.pt"
+        torch.save({"model": model, "ema": None}, src)
+        if ok:
+            assert import_expert(store, DET, src, trust=True).id == DET.id
+        else:
+            with pytest.raises(CoEError, match=r"was trained on classes \['tombstone', 'solder_bridge'\], the "
+                                               r"spec's det-2term has \['solder_bridge', 'tombstone'\]"):
+                import_expert(store, DET, src, trust=True)
+            assert store_files(store) == []
+
+
 def test_safetensors_imports_without_trust_and_version_increments(tmp_path, cls_weights):
     from safetensors.torch import save_file
 

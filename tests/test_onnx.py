@@ -323,7 +323,7 @@ def test_an_onnx_files_coe_edge_metadata_is_checked_naming_the_expert(tmp_path, 
         model_meta(session, cls)
 
 
-def _graph(inputs, output_shape, *, in_type=None) -> bytes:
+def _graph(inputs, output_shape, *, in_type=None, batch="batch") -> bytes:
     """A one-node ONNX graph (a constant output of the given shape) with coe-edge logits metadata."""
     import json as _json
 
@@ -332,7 +332,7 @@ def _graph(inputs, output_shape, *, in_type=None) -> bytes:
     from executors.backends.onnx_backend import META_KEY
 
     in_type = in_type or TensorProto.FLOAT
-    ins = [helper.make_tensor_value_info(n, in_type, ["batch", 3, 32, 32]) for n in inputs]
+    ins = [helper.make_tensor_value_info(n, in_type, [batch, 3, 32, 32]) for n in inputs]
     out = helper.make_tensor_value_info("y", TensorProto.FLOAT, output_shape)
     const = helper.make_node("Constant", [], ["y"], value=helper.make_tensor(
         "v", TensorProto.FLOAT, [1] * len(output_shape), [0.0]))
@@ -349,12 +349,14 @@ def _graph(inputs, output_shape, *, in_type=None) -> bytes:
     ((["x", "extra"], ["batch", 4]), "has 2 inputs (x, extra)"),
     ((["x"], ["batch", 4], "uint8"), "input is tensor(uint8)"),
     ((["x"], ["batch", 4, 4]), "a logits expert's must have 2 dimensions"),
-], ids=["two-inputs", "uint8-input", "output-rank"])
+    ((["x"], [1, 4], "batch 1"), "takes a fixed batch of 1 (input [1, 3, 32, 32]); export it with a dynamic batch"),
+], ids=["two-inputs", "uint8-input", "output-rank", "fixed-batch"])
 def test_a_model_that_would_fail_every_batch_fails_at_import_instead(blob_args, says):
     from onnx import TensorProto
 
     names, shape, *kind = blob_args
-    blob = _graph(names, shape, in_type=TensorProto.UINT8 if kind else None)
+    blob = _graph(names, shape, in_type=TensorProto.UINT8 if kind == ["uint8"] else None,
+                  batch=1 if kind == ["batch 1"] else "batch")
     twin = onnx_expert(MODEL.experts["cls-r0402"], "cls-onnx")
     with pytest.raises(ExpertLoadError, match=re.escape(says)):
         get_backend("onnx").build(twin, onnx_tensors(blob))

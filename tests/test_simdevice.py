@@ -1096,3 +1096,28 @@ def test_a_real_run_on_cuda_serves_every_frame_through_the_pinned_host_tier(tiny
     # moved down and was promoted back; inclusive: the tier kept its copy), the other switches were host copies
     assert 0 < rep.ssd_loads <= len(model.experts) < rep.switches
     assert rep.host_loads > 0
+
+
+def test_a_classifier_with_two_next_edges_sends_each_label_its_own_way():
+    """paper-archs' classifiers send 'ok' to one detector and 'misaligned' to another; the workload drew only
+    'goes on or not' and the simulator followed 'ok' alone, so the second detector never ran (and the first ran
+    for both labels' share)."""
+    from coe import load_spec
+    from coe.workload import from_model, next_expert
+    from executors.simdevice import uses
+
+    from pathlib import Path
+
+    model = load_spec(Path(__file__).resolve().parent.parent / "configs" / "specs" / "paper-archs.coe.yaml")
+    two = {cid: e for cid, e in model.experts.items() if len(e.next) > 1}
+    assert two, "paper-archs has a classifier with two next edges"
+    w = from_model(model, 20000, seed=0)
+    counts = uses(w)
+    for cid, e in two.items():
+        n = sum(1 for a in w.arrivals if model.components[a.component].classifier == cid)
+        for label, det in e.next.items():
+            got = sum(1 for a in w.arrivals if model.components[a.component].classifier == cid and a.ok
+                      and a.label == label)
+            assert abs(got / n - e.prior(label)) < 0.03, (cid, label)
+            assert counts.get(det, 0) >= got > 0
+    assert all(next_expert(model, a) is None for a in w.arrivals if not a.ok)

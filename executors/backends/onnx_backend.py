@@ -115,6 +115,10 @@ def check_io(session, expert: Expert, meta: dict, *, probe: bool = False) -> Non
     if len(shape) != 4 or any(isinstance(d, int) and w is not None and d != w for d, w in zip(shape, want)):
         raise ExpertLoadError(expert.id, where, f"the model takes input {shape}, the spec needs "
                                                 f"[batch, 3, {expert.input_size}, {expert.input_size}]")
+    if isinstance(shape[0], int):       # a fixed batch: every batch of another size fails, and is split to 1s
+        raise ExpertLoadError(expert.id, where, f"the model takes a fixed batch of {shape[0]} (input {shape}); "
+                                                "export it with a dynamic batch axis (ultralytics: dynamic=True; "
+                                                "torch.onnx.export: dynamic_axes={input: {0: 'batch'}})")
     per = _channels(session.get_outputs()[0].shape)
     if per is None and probe:       # symbolic (a YOLO head's concat): run one zero image to see
         x = np.zeros((1, 3, expert.input_size, expert.input_size), np.float32)
