@@ -185,10 +185,16 @@ def _check_names(expert: Expert, src: Path, names: Any) -> None:
         return
     if list(names) == [str(i) for i in range(len(names))]:
         return                          # a model built from its YAML alone: '0', '1', ... say nothing
-    if list(names) != list(expert.classes):
-        raise CoEError(f"expert '{expert.id}': {src} was trained on classes {list(names)[:8]}, the spec's "
-                       f"{expert.id} has {list(expert.classes)[:8]} (same names in the same order: its head's "
-                       "i-th class is the spec's i-th label)")
+    def norm(name: str) -> str:         # 'Solder bridge' and 'solder_bridge' are one class
+        return " ".join(name.replace("_", " ").replace("-", " ").split()).casefold()
+    trained, spec = [norm(n) for n in names], [norm(c) for c in expert.classes]
+    if trained != spec:
+        at = next((i for i, (a, b) in enumerate(zip(trained, spec)) if a != b), min(len(trained), len(spec)))
+        raise CoEError(f"expert '{expert.id}': {src} was trained on {len(names)} classes, the spec's {expert.id} "
+                       f"has {len(expert.classes)}, and they differ at index {at}: "
+                       f"{list(names)[at] if at < len(names) else '(none)'!r} against "
+                       f"{expert.classes[at] if at < len(expert.classes) else '(none)'!r} (its head's i-th class "
+                       "is the spec's i-th label: same classes in the same order)")
 
 
 def _state_dict_of(expert: Expert, src: Path, ckpt: Any) -> dict[str, "torch.Tensor"]:

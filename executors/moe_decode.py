@@ -51,6 +51,11 @@ def trace_decode(pm: PooledModel, trace, *, position: list[int] | None = None, s
     index (in `future_accesses(trace, prefill=prefill)`) of the next request,
     for a Belady context built over the same list.
     """
+    if pm.tap.alpha > 0 and any(hasattr(m, "e_score_correction_bias") for m in pm.model.modules()):
+        # a trace holds gate scores, not the biased, grouped ranking such a router selects on, which
+        # substitution needs (`routing.moe_router._router_rank`): only a live generation has it
+        raise CoEError(f"model '{pm.layout.model}' ({pm.layout.model_type}): its router selects on biased scores "
+                       "a trace does not hold; substitution runs on it in live generation only (alpha 0 here)")
     layers = {m.layer: m for m in pm.model.modules() if isinstance(m, PooledExperts)}
     missing = [l for l in trace.layers if l not in layers]
     if missing or trace.num_experts != pm.layout.layers[0].num_experts:

@@ -464,7 +464,7 @@ def check_substitution(layout: MoELayout) -> None:
     """Refuse substitution (alpha > 0) for a model family whose gate scores and weight rule it does not know."""
     if layout.model_type not in SUBSTITUTION_FAMILIES:
         raise CoEError(f"model '{layout.model}' ({layout.model_type}): substitution (alpha > 0) knows the routers "
-                       f"of {', '.join(SUBSTITUTION_FAMILIES)} only; this model runs with alpha 0 (exact)")
+                       f"of {', '.join(SUBSTITUTION_FAMILIES)} only; run this model with alpha 0 (exact)")
 
 
 def _predictor(predictor, layout: MoELayout):

@@ -124,15 +124,16 @@ def test_an_ultralytics_checkpoint_trained_on_other_classes_is_refused(tmp_path)
     backend = get_backend(DET.arch)
     model = copy.deepcopy(backend.skeleton(DET))
     store = ExpertStore(tmp_path / "store")
-    for names, ok in (({0: "tombstone", 1: "solder_bridge"}, False), ({0: "solder_bridge", 1: "tombstone"}, True)):
+    for names, ok in (({0: "tombstone", 1: "solder_bridge"}, False), ({0: "solder_bridge", 1: "tombstone"}, True),
+                      (["Solder bridge", "tombstone"], True)):     # spelled otherwise: the same class
         model.names = names
         src = tmp_path / "best.pt"
         torch.save({"model": model, "ema": None}, src)
         if ok:
             assert import_expert(store, DET, src, trust=True).id == DET.id
         else:
-            with pytest.raises(CoEError, match=r"was trained on classes \['tombstone', 'solder_bridge'\], the "
-                                               r"spec's det-2term has \['solder_bridge', 'tombstone'\]"):
+            with pytest.raises(CoEError, match=r"was trained on 2 classes, the spec's det-2term has 2, and they "
+                                               r"differ at index 0: 'tombstone' against 'solder_bridge'"):
                 import_expert(store, DET, src, trust=True)
             assert store_files(store) == []
 

@@ -717,3 +717,38 @@ def test_substitution_is_refused_for_a_family_whose_router_it_does_not_know(impo
         check_substitution(dataclasses.replace(layout, model_type=family))
     with pytest.raises(CoEError, match=r"\(ernie4_5_moe\): substitution \(alpha > 0\) knows the routers of"):
         check_substitution(dataclasses.replace(layout, model_type="ernie4_5_moe"))
+
+
+def test_load_pooled_refuses_substitution_for_an_unknown_router_before_loading(imported, monkeypatch):
+    import dataclasses
+
+    from coe.moe import MoELayout
+
+    _, layout, store = imported("mixtral")
+    real = MoELayout.load.__func__
+    monkeypatch.setattr(MoELayout, "load", classmethod(
+        lambda cls, root: dataclasses.replace(real(cls, root), model_type="ernie4_5_moe")))
+    with pytest.raises(CoEError, match=r"\(ernie4_5_moe\): substitution \(alpha > 0\) knows the routers of .*run "
+                                       r"this model with alpha 0"):
+        load_pooled(store, memory=layout.expert_bytes, policy="lru", alpha=0.3)
+    load_pooled(store, memory=layout.expert_bytes, policy="lru", alpha=0.0).close()     # exact: served
+
+
+def test_trace_driven_substitution_is_refused_on_a_router_that_selects_on_biased_scores(imported):
+    """A trace holds gate scores, not DeepSeek-V3's biased, grouped ranking: trace-driven decode would substitute
+    from groups its router excluded.  Live generation has the ranking (previous test); the trace path refuses."""
+    from executors.moe_decode import trace_decode
+
+    _, layout, store = imported("deepseek_v3")
+    _, decode = _profile_and_decode(store, layout, 2)
+    pm = load_pooled(store, memory=layout.expert_bytes, policy="gate-score", alpha=0.3)
+    try:
+        with pytest.raises(CoEError, match="selects on biased scores a trace does not hold"):
+            trace_decode(pm, decode)
+    finally:
+        pm.close()
+    exact = load_pooled(store, memory=layout.expert_bytes, policy="gate-score")
+    try:
+        assert trace_decode(exact, decode).tokens > 0          # alpha 0: the trace path serves it
+    finally:
+        exact.close()

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 import os
 import re
 import shutil
@@ -335,7 +336,8 @@ def _graph(inputs, output_shape, *, in_type=None, batch="batch") -> bytes:
     ins = [helper.make_tensor_value_info(n, in_type, [batch, 3, 32, 32]) for n in inputs]
     out = helper.make_tensor_value_info("y", TensorProto.FLOAT, output_shape)
     const = helper.make_node("Constant", [], ["y"], value=helper.make_tensor(
-        "v", TensorProto.FLOAT, [1] * len(output_shape), [0.0]))
+        "v", TensorProto.FLOAT, dims := [d if isinstance(d, int) else 1 for d in output_shape],
+        [0.0] * math.prod(dims)))
     g = helper.make_graph([const], "g", ins, [out])
     model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 13)])
     model.ir_version = 8
@@ -359,7 +361,8 @@ def test_a_model_that_would_fail_every_batch_fails_at_import_instead(blob_args, 
                   batch=1 if kind == ["batch 1"] else "batch")
     twin = onnx_expert(MODEL.experts["cls-r0402"], "cls-onnx")
     with pytest.raises(ExpertLoadError, match=re.escape(says)):
-        get_backend("onnx").build(twin, onnx_tensors(blob))
+        module = get_backend("onnx").build(twin, onnx_tensors(blob))
+        get_backend("onnx").check_fits(module, twin)          # import's check (the fixed batch is refused there)
 
 
 def test_export_as_checks_the_spec_entry_and_nan_is_never_within_tolerance(tmp_path, tiny_zoo):
@@ -387,3 +390,11 @@ def test_export_as_checks_the_spec_entry_and_nan_is_never_within_tolerance(tmp_p
     (tmp_path / "empty.onnx").write_bytes(b"")
     res = run(cli, ["experts", "import", "cls-onnx", str(tmp_path / "empty.onnx"), "--config", str(config)])
     assert res.exit_code == 1 and "cls-onnx" in res.output and "empty.onnx is empty" in res.output
+
+
+def test_a_fixed_batch_model_a_store_already_holds_still_loads():
+    """Refused at import (check_fits), not at every load: a store imported before keeps serving it."""
+    blob = _graph(["x"], [1, 4], batch=1)
+    twin = onnx_expert(MODEL.experts["cls-r0402"], "cls-onnx")
+    module = get_backend("onnx").build(twin, onnx_tensors(blob))
+    assert module.session.get_inputs()[0].shape[0] == 1

@@ -1121,3 +1121,20 @@ def test_a_classifier_with_two_next_edges_sends_each_label_its_own_way():
             assert abs(got / n - e.prior(label)) < 0.03, (cid, label)
             assert counts.get(det, 0) >= got > 0
     assert all(next_expert(model, a) is None for a in w.arrivals if not a.ok)
+
+
+def test_the_simulator_runs_the_detector_each_label_sends_to():
+    """A classifier whose 'ok' goes to one detector and 'misaligned' to another: each frame runs the one its label
+    names (the simulator followed 'ok' alone)."""
+    cls = Expert("cls", ARCH, "classifier", ("ok", "misaligned", "bad"), 64, nbytes=1000,
+                 next={"ok": "det-ok", "misaligned": "det-mis"})
+    dets = {d: Expert(d, ARCH, "classifier", ("ok", "defect"), 64, nbytes=1000) for d in ("det-ok", "det-mis")}
+    model = CoEModel("toy", {"cls": cls, **dets}, {"c0": Component("c0", "cls", 1.0)})
+    labels = {"f0": ("ok", True), "f1": ("misaligned", True), "f2": ("ok", False), "f3": ("misaligned", True)}
+    arrivals = tuple(Arrival(0.0, f, "c0", ok, label) for f, (label, ok) in labels.items())
+    dev = DeviceProfile("cpu", "cpu", 100_000, executors=1)
+    system = SimSystem("t", (SimExecutor("cpu#0", "cpu", 50_000, 40_000),), "coserve-paper", "coserve", init="warm")
+    prof = toy_profile({"cpu": dev}, {"cpu": (0.01, 0.0, 4)})
+    rep = simulate(Workload(task("A1", requests=4), model, arrivals), prof, system, record_order=True)
+    ran = {e: sorted(f for o in rep.order if o[1] == e for f in o[2]) for e in ("cls", "det-ok", "det-mis")}
+    assert ran == {"cls": ["f0", "f1", "f2", "f3"], "det-ok": ["f0"], "det-mis": ["f1", "f3"]}

@@ -100,9 +100,15 @@ def test_a_biased_grouped_router_substitutes_only_experts_it_could_have_picked()
     assert plain.chosen.tolist() == [[0, 4, 1]]      # gate scores alone: S = 0.5, expert 4 from an unpicked group
     got = substitute(scores, chosen, {0, 1, 4}, 0.3, WeightRule(), rank=rank)
     assert got.chosen.tolist() == [[0, 2, 1]] and got.substituted == 0   # S = 0.30 (expert 3): all top-score
-    rank2 = rank.copy()
-    rank2[0, 3] = -np.inf                            # only three experts it could pick: no (k+1)-th, no low band
-    assert substitute(scores, chosen, {0, 1}, 0.3, WeightRule(), rank=rank2).substituted == 0
+    # a token whose router could pick only its k experts has no (k+1)-th, so no band.  Read off an expert it could
+    # not pick (S = 0.1 here), its whole choice would count as top-score, and that would keep the other token's
+    # missing low-score expert 2 from being substituted
+    two = np.array([[.9, .5, .55, .1, .1, .1, .1, .1], [.9, .5, .55, .48, .1, .1, .1, .1]])
+    r2 = np.full_like(two, -np.inf)
+    r2[0, :3] = two[0, :3]                          # token 0: three experts it could pick, all chosen
+    r2[1, :4] = two[1, :4]                          # token 1: S = 0.48 (expert 3); experts 2 and 1 low-score
+    got2 = substitute(two, [[0, 2, 1], [0, 2, 1]], {0, 1, 3}, 0.3, WeightRule(), rank=r2)
+    assert got2.chosen.tolist() == [[0, 2, 1], [0, 3, 1]] and got2.substituted == 1
     near = np.array([[.9, .5, .55, .48, .1, .1, .1, .1]])   # S = 0.48 (expert 3): expert 2 (0.55) is low-score
     sub = substitute(near, chosen, {0, 1, 3}, 0.3, WeightRule(), rank=near + 0.0)
     assert sub.chosen.tolist() == [[0, 3, 1]] and sub.substituted == 1

@@ -115,7 +115,8 @@ def check_io(session, expert: Expert, meta: dict, *, probe: bool = False) -> Non
     if len(shape) != 4 or any(isinstance(d, int) and w is not None and d != w for d, w in zip(shape, want)):
         raise ExpertLoadError(expert.id, where, f"the model takes input {shape}, the spec needs "
                                                 f"[batch, 3, {expert.input_size}, {expert.input_size}]")
-    if isinstance(shape[0], int):       # a fixed batch: every batch of another size fails, and is split to 1s
+    if probe and isinstance(shape[0], int):   # import: a fixed batch fails every batch of another size (split
+        #                                        to single frames); a store that already holds one still loads it
         raise ExpertLoadError(expert.id, where, f"the model takes a fixed batch of {shape[0]} (input {shape}); "
                                                 "export it with a dynamic batch axis (ultralytics: dynamic=True; "
                                                 "torch.onnx.export: dynamic_axes={input: {0: 'batch'}})")
@@ -140,7 +141,7 @@ def providers_for(device: str, model: bytes | None = None) -> list:
         return ["CPUExecutionProvider"]
     index = int(device.partition(":")[2] or 0)
     have = set(ort.get_available_providers())
-    trt = {"device_id": index, **trt_cache_options(model)}
+    trt = {"device_id": index, **trt_cache_options(model)} if "TensorrtExecutionProvider" in have else {}
     wanted = [("TensorrtExecutionProvider", trt), ("CUDAExecutionProvider", {"device_id": index})]
     chosen = [p for p in wanted if p[0] in have]
     if not chosen:
