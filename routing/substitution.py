@@ -61,22 +61,30 @@ class Substitution:
 
 
 def _top_set(scores: np.ndarray, chosen: np.ndarray, hi: np.ndarray) -> set[int]:
-    """The batch's top-score set: experts a token chose and scores above its `hi` (built before any token)."""
-    return {int(e) for t in range(len(chosen)) for e in chosen[t] if scores[t, e] > hi[t]}
+    """The batch's top-score set: experts a token chose and scores above its `hi` (built before any token).
+    An index outside the experts (a router's padding) is no expert."""
+    E = scores.shape[1]
+    return {int(e) for t in range(len(chosen)) for e in chosen[t] if 0 <= e < E and scores[t, e] > hi[t]}
 
 
 def top_score(scores: np.ndarray, chosen: np.ndarray, alpha: float) -> set[int]:
-    """The experts `substitute` at `alpha` always keeps (and loads if missing): the batch's top-score set.
+    """The experts `substitute` at `alpha` always keeps (and loads if missing): every chosen expert but the
+    low-score ones (S < s <= (1+alpha)S), which it may replace: the top-score set, and any chosen at or below S
+    (a tie with the (k+1)-th).
 
     Every chosen expert when k >= E (nothing is substituted then).  Used by
     the trace oracle of the token-wise prefetch (`executors.moe_decode.TraceGuesses`).
     """
     scores = np.asarray(scores, dtype=np.float64)
     chosen = np.asarray(chosen, dtype=np.int64)
+    T, E = scores.shape
     k = chosen.shape[1]
-    if k >= scores.shape[1]:
-        return {int(e) for e in chosen.reshape(-1)}
-    return _top_set(scores, chosen, (1 + alpha) * -np.sort(-scores, axis=1)[:, k])
+    if k >= E:
+        return {int(e) for e in chosen.reshape(-1) if 0 <= e < E}
+    s_next = -np.sort(-scores, axis=1)[:, k]
+    hi = (1 + alpha) * s_next
+    return {int(e) for t in range(T) for e in chosen[t]
+            if 0 <= e < E and not s_next[t] < scores[t, e] <= hi[t]}
 
 
 def substitute(scores: np.ndarray, chosen: np.ndarray, resident: Collection[int], alpha: float,
@@ -96,8 +104,10 @@ def substitute(scores: np.ndarray, chosen: np.ndarray, resident: Collection[int]
     T, E = scores.shape
     k = chosen.shape[1]
     changed = np.zeros(T, dtype=bool)
+    padded = ((chosen < 0) | (chosen >= E)).any(axis=1)   # a router's padding: such a token is left as it is
+    gather = np.clip(chosen, 0, E - 1)                    # (its weights are never used: it does not change)
     if k >= E:
-        return Substitution(chosen, rule.weights(np.take_along_axis(scores, chosen, 1)), changed, 0, 0)
+        return Substitution(chosen, rule.weights(np.take_along_axis(scores, gather, 1)), changed, 0, 0)
     if rank is None:
         s_next = -np.sort(-scores, axis=1)[:, k]              # the (k+1)-th score of each token
         eligible = np.ones_like(scores, dtype=bool)
@@ -115,6 +125,8 @@ def substitute(scores: np.ndarray, chosen: np.ndarray, resident: Collection[int]
     avail = set(int(e) for e in resident) | top
     replaced = missing_low = 0
     for t in range(T):
+        if padded[t]:
+            continue
         picked = set(int(e) for e in chosen[t])
         missing = [j for j, e in enumerate(chosen[t])
                    if s_next[t] < scores[t, e] <= hi[t] and int(e) not in avail]
@@ -128,8 +140,8 @@ def substitute(scores: np.ndarray, chosen: np.ndarray, resident: Collection[int]
             chosen[t, j] = e
             replaced += 1
             changed[t] = True
-    return Substitution(chosen, rule.weights(np.take_along_axis(scores, chosen, 1)), changed, replaced,
-                        missing_low)
+    return Substitution(chosen, rule.weights(np.take_along_axis(scores, np.clip(chosen, 0, E - 1), 1)), changed,
+                        replaced, missing_low)
 
 
 _warned = False

@@ -80,12 +80,30 @@ def test_the_top_score_set_is_what_substitution_always_keeps():
 
     scores = np.array([[0.5, 0.3, 0.2], [0.36, 0.34, 0.30], [0.2, 0.45, 0.35]])
     chosen = np.array([[0], [0], [2]])            # S = the 2nd score; top-score: s > 1.3 x S
-    assert top_score(scores, chosen, 0.3) == {0}  # token 0's expert 0 (0.5 > 0.39); token 1's 0.36 <= 0.442
-    assert top_score(scores, chosen, 0.0) == {0}  # token 2 chose 2 (0.35), not its top: never above its S
+    # token 0's expert 0 (0.5 > 0.39) is top-score; token 1's 0.36 is low-score (<= 0.442); token 2 chose 2
+    # (0.35), not its top: at its S, so never low-score, never replaced, loaded if missing (kept)
+    assert top_score(scores, chosen, 0.3) == {0, 2}
+    assert top_score(scores, chosen, 0.0) == {0, 2}
     assert top_score(scores[:, :1], chosen[:, :1] * 0, 0.3) == {0}     # k >= E: every chosen expert
     rule = WeightRule()
     sub = substitute(scores[1:2], chosen[1:2], resident={1}, alpha=0.3, rule=rule)
     assert sub.substituted == 1 and 0 not in top_score(scores[1:2], chosen[1:2], 0.3)   # low-score: replaced
+    kept = substitute(scores[2:3], chosen[2:3], resident={0, 1}, alpha=0.3, rule=rule)
+    assert kept.substituted == 0 and kept.chosen.tolist() == [[2]]    # what top_score says is kept, is kept
+
+
+def test_a_routers_padding_index_is_left_alone_not_read_as_an_expert():
+    """An index past the experts (or -1) is a router's padding (`RouterTap._check` lets it through): a token that
+    has one is left as the router gave it; -1 used to read the last expert's score, E to raise IndexError."""
+    from routing.substitution import top_score
+
+    scores = np.array([[.4, .3, .2, .1], [.4, .3, .2, .1]])
+    for pad in (4, -1):
+        chosen = np.array([[0, 1], [0, pad]])
+        got = substitute(scores, chosen, {0, 2}, 0.5, WeightRule())
+        assert got.chosen[1].tolist() == [0, pad] and not got.changed[1]
+        assert got.chosen[0].tolist() == [0, 2] and got.changed[0]      # the other token is served as always
+        assert pad not in top_score(scores, chosen, 0.5)
 
 
 def test_a_biased_grouped_router_substitutes_only_experts_it_could_have_picked():
