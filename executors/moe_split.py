@@ -18,8 +18,11 @@ mean over both sources misleads the rule: after a run of cheap host-tier
 matmuls the mean in-place cost fell below a load's, and on the H200 box the
 split computed file-only misses on the CPU too.  So the costs are kept per
 source, and each miss is weighed at its own source's.  A load cost is filed under a source only when all of a layer's loads came
-from it (a mixed layer's wall time is neither's); a source not yet measured
-is weighed at the mean over both.
+from it (a mixed layer's wall time is neither's); a source whose load cost is
+not yet measured is weighed at the mean over both.  A source whose in-place
+cost is not yet measured has its lowest-score miss computed in place, to learn
+it, and the rest loaded: weighed at the other source's mean, all its misses
+would go in place on the strength of cheaper host-tier matmuls.
 
 Measured per source on that box (`llm bench --part e`, figures in the
 docs/llm.md's GPU section), computing in place is cheaper per step, and the split
@@ -96,6 +99,12 @@ class LoadComputeSplit:
         if c_other <= 0:                # learn what an in-place computation costs on the lowest-score miss
             return list(misses_by_score[:-1]), misses_by_score[-1:]
         srcs = sources if sources is not None else [FILE] * m
+        with self._lock:
+            known = {src for kind, src in self.stats.by_source if kind == "other"}
+        new = [i for i, src in enumerate(srcs) if src not in known]
+        if new:     # a source whose in-place cost was never measured: the mean over the others' (cheap host-tier
+            #         matmuls) would send all its misses in place; compute its lowest-score one, to learn
+            return [e for i, e in enumerate(misses_by_score) if i != new[-1]], [misses_by_score[new[-1]]]
         n = choose_split([(self.cost("load", src), self.cost("other", src)) for src in srcs])
         return list(misses_by_score[:n]), list(misses_by_score[n:])
 

@@ -333,3 +333,12 @@ def test_the_split_weighs_each_miss_at_the_costs_of_its_own_source():
     assert split.split([7, 8], [FILE, FILE]) == ([7], [8])              # 16 + 16 > max(16, 20)
     assert split.cost("other", HOST) == pytest.approx(0.003) and split.cost("load", FILE) == pytest.approx(0.016)
     assert "C_cpu[file] 20.0" in split.summary() and "C_load[host] 2.0" in split.summary()
+    # host-tier costs only so far (a 10 ms copy, a 2 ms matmul): four file-only misses weighed at those means
+    # would all be computed in place, each a whole disk read; the lowest-score one is, to learn the file's cost
+    fresh = LoadComputeSplit()
+    fresh.measured(load=0.010, source=HOST)
+    fresh.measured(compute=0.002, source=HOST)
+    assert fresh.split([1, 2, 3, 4], [FILE] * 4) == ([1, 2, 3], [4])
+    assert fresh.split([1, 2], [HOST, HOST]) == ([], [1, 2])            # its own source: the rule as before
+    fresh.measured(compute=0.005, source=FILE)                          # learnt: the rule weighs it now
+    assert fresh.split([1, 2, 3, 4], [FILE] * 4) == ([1], [2, 3, 4])    # max(10, 15) ms beats loading more
