@@ -5,6 +5,18 @@ engineer reading a log line knows what to fix without opening the code.
 """
 from __future__ import annotations
 
+import reprlib
+from typing import Any
+
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel, _SHORT.maxlist, _SHORT.maxdict, _SHORT.maxstring, _SHORT.maxlong = 2, 6, 4, 60, 40
+
+
+def shown(value: Any) -> str:
+    """`value` for an error message, cut short: a list built of YAML aliases can be gigabytes written out, and a
+    400-digit number says nothing more than its first digits."""
+    return _SHORT.repr(value)
+
 
 class CoEError(Exception):
     """Base of all coe-edge errors."""

@@ -7,7 +7,6 @@ and the reason, not at 3 a.m. when the first frame of that component arrives.
 from __future__ import annotations
 
 import math
-import reprlib
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -16,7 +15,7 @@ from typing import Any
 import yaml
 
 from . import yaml_strict
-from .errors import SpecError
+from .errors import SpecError, shown
 from .expert import KINDS, Component, Expert, id_problem
 from .request import StepOutput
 
@@ -164,7 +163,7 @@ def parse_spec(raw: Any, src: str = "<spec>") -> CoEModel:
             raise SpecError(src, f"{key}.classifier", f"expert '{cls}' is a {experts[cls].kind}, not a classifier")
         if not isinstance(freq, (int, float)) or isinstance(freq, bool) or not 0 < freq < math.inf:
             # NaN fails both comparisons: it would make every usage probability NaN (eviction, pool fill)
-            raise SpecError(src, f"{key}.frequency", f"must be a positive finite number, got {_shown(freq)}")
+            raise SpecError(src, f"{key}.frequency", f"must be a positive finite number, got {shown(freq)}")
         if cname in components:
             raise SpecError(src, f"{key}.name", f"duplicate component '{cname}'")
         components[cname] = Component(cname, cls, float(freq))
@@ -194,7 +193,7 @@ def _parse_expert(e: Any, src: str, key: str) -> Expert:
         raise SpecError(src, f"{key}.classes", "has duplicate labels")
     size = e.get("input_size", 64)
     if not isinstance(size, int) or isinstance(size, bool) or not 16 <= size <= 2048:
-        raise SpecError(src, f"{key}.input_size", f"must be an integer in 16..2048, got {_shown(size)}")
+        raise SpecError(src, f"{key}.input_size", f"must be an integer in 16..2048, got {shown(size)}")
     if kind == "detector" and size % 32:
         raise SpecError(src, f"{key}.input_size", f"a detector's input size must be a multiple of 32, got {size}")
     nxt = e.get("next", {})
@@ -219,12 +218,12 @@ def _parse_expert(e: Any, src: str, key: str) -> Expert:
         if label not in classes:
             raise SpecError(src, f"{key}.priors.{label}", f"'{label}' is not one of this expert's classes")
         if not isinstance(p, (int, float)) or isinstance(p, bool) or not 0 <= p <= 1:
-            raise SpecError(src, f"{key}.priors.{label}", f"must be a probability in [0, 1], got {_shown(p)}")
+            raise SpecError(src, f"{key}.priors.{label}", f"must be a probability in [0, 1], got {shown(p)}")
     if abs(sum(priors.values()) - 1.0) > 1e-6:
         raise SpecError(src, f"{key}.priors", f"must sum to 1, sums to {sum(priors.values()):.4f}")
     conf = e.get("conf_threshold", 0.25)
     if not isinstance(conf, (int, float)) or not 0 < conf < 1:
-        raise SpecError(src, f"{key}.conf_threshold", f"must be in (0, 1), got {_shown(conf)}")
+        raise SpecError(src, f"{key}.conf_threshold", f"must be in (0, 1), got {shown(conf)}")
     weights = _text(e.get("weights", ""), MAX_WEIGHTS, src, f"{key}.weights", least=0)
     return Expert(id=eid, arch=arch, kind=kind, classes=tuple(classes), input_size=size,
                   next=dict(nxt), pass_labels=tuple(pass_labels),
@@ -283,13 +282,6 @@ def _text(val: Any, limit: int, src: str, key: str, least: int = 1) -> str:
     return val
 
 
-_SHORT = reprlib.Repr()
-_SHORT.maxlevel, _SHORT.maxlist, _SHORT.maxdict, _SHORT.maxstring = 2, 6, 4, 60
-
-
-def _shown(val: Any) -> str:
-    """`val` for an error message, cut short: a list built of YAML aliases can be gigabytes when written out."""
-    return _SHORT.repr(val)
 
 
 def _only_keys(m: Mapping, allowed: set[str], src: str, prefix: str) -> None:

@@ -19,6 +19,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from coe import CoEError
+from coe.errors import shown
 from coe.files import write_json_atomic
 
 # a component crop as the AOI sends it raw: 224 x 224 x 3 bytes (a JPEG is 10-20x smaller: this is the worst case)
@@ -98,7 +99,7 @@ class Links:
             # the cost model divides it by a bandwidth: an integer no float can hold would raise there instead
             if (not isinstance(frame_bytes, int) or isinstance(frame_bytes, bool) or frame_bytes < 1
                     or frame_bytes > _MAX_FRAME_BYTES):
-                raise ValueError(f"frame_bytes: must be a positive integer up to 2**53, got {_short(frame_bytes)}")
+                raise ValueError(f"frame_bytes: must be a positive integer up to 2**53, got {shown(frame_bytes)}")
             return cls(links, frame_bytes, str(raw.get("source", "")))
         except FileNotFoundError:
             raise CoEError(f"{path}: no link profile (run `coe-agent profile` or `coe-agent cluster profile`)") from None
@@ -120,10 +121,4 @@ def _number(v: dict, key: str) -> float:
     try:
         return float(x)
     except OverflowError:
-        raise ValueError(f"{key}: {_short(x)} is too large") from None
-
-
-def _short(x: object) -> str:
-    """repr(x), clipped: a 400-digit number in an error message says nothing more than its first digits."""
-    r = repr(x)
-    return r if len(r) <= 40 else f"{r[:20]}...({len(r)} characters)"
+        raise ValueError(f"{key}: {shown(x)} is too large") from None
