@@ -11,6 +11,8 @@ import logging
 import shutil
 import threading
 
+import pytest
+
 from edge_agent.agent import Agent
 from edge_agent.config import load_config
 from edge_agent.replay import send_messages
@@ -118,51 +120,27 @@ def test_a_second_agent_on_the_same_results_database_is_refused_naming_the_first
     assert again.stop() is True
 
 
-def test_a_part_that_fails_to_close_is_reported_after_every_other_part_closed(tmp_path, tiny_zoo, tiny_recording):
-    """`stop` tries every part whatever one before it raised: the writer's failure reaches the caller, and the
-    ports, the pools and the results database are free for the next agent (before, the first error left the
-    journal, the status page, the sockets and the instance lock open)."""
-    import pytest
-
+@pytest.mark.parametrize("part,error", [("writer", OSError("disk gone (test)")),
+                                         ("ingest", RuntimeError("ingest socket wedged (test)"))])
+def test_a_part_that_fails_to_stop_is_reported_after_every_other_part_closed(tmp_path, tiny_zoo, part, error):
+    """`stop` tries every part whatever one before it raised, the first steps (ingest, the store watcher, the LLM
+    server) included: the failure reaches the caller, and the ports, the pools and the results database are free
+    for the next agent (before, the writer's first error left the journal, the status page, the sockets and the
+    instance lock open; one of the first steps' left everything open)."""
     shutil.copytree(tiny_zoo, tmp_path / "experts")
     cfg_path = write_line(tmp_path / "a", store=tmp_path / "experts", fixed_ports=True)
     agent = Agent(load_config(cfg_path, env={})).start()
-    real = agent.writer.stop
+    real = getattr(agent, part).stop
 
     def failing_stop(*a, **kw):
         real(*a, **kw)
-        raise OSError("disk gone (test)")
-    agent.writer.stop = failing_stop
-    with pytest.raises(OSError, match="disk gone"):
-        agent.stop()
-    assert agent.phase == "stopped" and agent.ctx.closed
-    assert all(p.resident() == [] for p in agent._all_pools().values())    # closed: every expert let go
-    again = Agent(load_config(cfg_path, env={})).start()     # the same ports and results database
-    try:
-        assert again.health().ready
-    finally:
-        assert again.stop() is True
-
-
-def test_a_first_step_of_stop_that_fails_still_closes_every_other_part(tmp_path, tiny_zoo):
-    """`stop`'s first steps (ingest, the store watcher, the LLM server) ran outside the per-part protection: one
-    that raised left the scheduler, executors, writer, pools, sockets and instance lock open, and a second `stop`
-    found the agent 'not started'."""
-    import pytest
-
-    shutil.copytree(tiny_zoo, tmp_path / "experts")
-    cfg_path = write_line(tmp_path / "a", store=tmp_path / "experts", fixed_ports=True)
-    agent = Agent(load_config(cfg_path, env={})).start()
-    real = agent.ingest.stop
-
-    def failing_stop(*a, **kw):
-        real(*a, **kw)
-        raise RuntimeError("ingest socket wedged (test)")
-    agent.ingest.stop = failing_stop
-    with pytest.raises(RuntimeError, match="ingest socket wedged"):
+        raise error
+    getattr(agent, part).stop = failing_stop
+    with pytest.raises(type(error), match=str(error).replace("(", r"\(").replace(")", r"\)")):
         agent.stop()
     assert agent.phase == "stopped" and agent.ctx.closed and not agent.writer.alive()
     assert not agent.store_watch.alive()
+    assert all(p.resident() == [] for p in agent._all_pools().values())    # closed: every expert let go
     again = Agent(load_config(cfg_path, env={})).start()     # the same ports and results database
     try:
         assert again.health().ready
